@@ -1,0 +1,1 @@
+"""Training methods as pure loss and step functions."""

@@ -1,0 +1,1 @@
+"""Model families: stateless wrappers around diffusers DiTs."""
