@@ -1,0 +1,296 @@
+"""Optimizers as optax-style gradient transformations, computed with batched ``torch._foreach_*`` kernels.
+
+A ``GradientTransformation`` is ``init(params) -> state`` and ``update(updates, state, params=None) -> (updates,
+state)``, both pure, plus ``update_``, the donating twin that computes the same thing in place. States are pytrees
+(NamedTuples, tuples, dicts) of tensors only, so they checkpoint as they are.
+
+Pure path (tests, debugging)::
+
+    tx = chain(clip_by_global_norm(1.0), adamw(cosine(1e-4, warmup_steps=100, total_steps=1000), weight_decay=0.01))
+    state = tx.init(params)
+    updates, state = tx.update(grads, state, params)
+    params = apply_updates(params, updates)
+
+Donating path (training; compile it with ``torch.compile(functools.partial(step_, tx))``)::
+
+    params, state = step_(tx, params, grads, state)
+
+Donation contract (JAX's ``donate_argnums``, spelled with a trailing underscore):
+
+- ``update_(updates, state, params)`` takes ``updates`` and ``state`` over: it updates ``state``'s tensors in place
+  and writes the new updates into ``updates``' buffers, returning ``(updates, state)`` (the same tensors). ``params``
+  is only read.
+- ``apply_updates_(params, updates)`` adds ``updates`` into ``params`` in place and returns ``params``.
+- ``step_(tx, params, grads, state)`` does both: afterwards ``params`` and ``state`` hold the new values (and are
+  returned), and ``grads``' buffers hold the applied updates (garbage to the caller).
+- Donated tensors must not alias each other or ``params``, and must not be read by anyone else meanwhile (an async
+  checkpoint save of ``state`` or ``params`` must finish first).
+
+The pure ``update`` is the donating one run on copies, so the two paths run the same kernels and agree bit for bit
+in eager mode. AdamW's learning rate comes from its schedule evaluated on ``state.count`` as a 0-dim tensor, so a
+compiled step sees the learning rate and the step as data and does not recompile as they change.
+
+A ``None`` leaf in ``updates`` is a zero update that costs nothing, like a parameter whose ``.grad`` is ``None`` in
+``torch.optim``: transformations skip it and ``apply_updates`` leaves that parameter as it is. ``masked`` makes them.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+import optree
+import torch
+
+from fvx.tree import Mask, global_norm, map_tensors, partition, tensor_leaves, zeros_like
+
+Params = Any  # a pytree of tensors
+Updates = Any  # a pytree of tensors (or None holes) with the structure of Params
+State = Any  # a pytree of tensors
+UpdateFn = Callable[[Updates, State, Optional[Params]], "tuple[Updates, State]"]
+LearningRate = Union[float, Callable[[torch.Tensor], torch.Tensor]]
+
+
+class GradientTransformation(NamedTuple):
+    """``init(params) -> state``; ``update(updates, state, params=None) -> (updates, state)`` (pure); and
+    ``update_``, the same update donating ``updates`` and ``state`` (see the module docstring). A transformation
+    written with only a pure ``update`` may leave ``update_`` as None; ``chain``, ``masked`` and ``step_`` then run
+    the pure update and copy the new state into the old one."""
+
+    init: Callable[[Params], State]
+    update: UpdateFn
+    update_: Optional[UpdateFn] = None
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transformation."""
+
+
+class AdamWState(NamedTuple):
+    """count: 0-dim int64, updates applied so far; mu, nu: first and second moments, shaped like the params."""
+
+    count: torch.Tensor
+    mu: Updates
+    nu: Updates
+
+
+class MaskedState(NamedTuple):
+    """The inner transformation's state, with ``None`` at masked-out leaves."""
+
+    inner_state: State
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Plumbing
+
+
+def _from_donating(init: Callable[[Params], State], update_: UpdateFn) -> GradientTransformation:
+    """A transformation whose pure ``update`` runs ``update_`` on copies of the updates and the state."""
+
+    def update(updates: Updates, state: State, params: Params = None) -> tuple[Updates, State]:
+        return update_(map_tensors(torch.clone, updates), map_tensors(torch.clone, state), params)
+
+    return GradientTransformation(init, update, update_)
+
+
+def _donating_update(tx: GradientTransformation, updates: Updates, state: State, params: Params):
+    """``tx.update_`` if it has one, else its pure update with the new state copied into ``state``."""
+    if tx.update_ is not None:
+        return tx.update_(updates, state, params)
+    updates, new_state = tx.update(updates, state, params)
+    old, new = tensor_leaves(state), tensor_leaves(new_state)
+    if len(old) != len(new):
+        raise ValueError(f"update returned a state with {len(new)} tensors for one with {len(old)}")
+    if old:
+        torch._foreach_copy_(old, new)
+    return updates, state
+
+
+def _aligned(updates: Updates, **trees: Any) -> tuple[list[torch.Tensor], ...]:
+    """The tensor leaves of ``updates`` and, position by position, of each of ``trees`` (same structure); positions
+    where the update is ``None`` are left out. Flattening only: the arithmetic runs on the returned lists."""
+    leaves, spec = optree.tree_flatten(updates, none_is_leaf=True)
+    keep = [i for i, u in enumerate(leaves) if isinstance(u, torch.Tensor)]
+    out = [[leaves[i] for i in keep]]
+    for name, tree in trees.items():
+        try:
+            others = spec.flatten_up_to(tree)
+        except ValueError as e:
+            raise ValueError(f"{name} does not have the structure of the updates: {e}") from None
+        chosen = [others[i] for i in keep]
+        if not all(isinstance(x, torch.Tensor) for x in chosen):
+            raise ValueError(f"{name} has no tensor for some leaf that has an update (masked out at init?)")
+        out.append(chosen)
+    return tuple(out)
+
+
+def _check_real(name: str, value, *, low: float, high: float | None = None, open_high: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if value < low or (high is not None and (value >= high if open_high else value > high)):
+        bound = "" if high is None else f" and {'<' if open_high else '<='} {high}"
+        raise ValueError(f"{name} must be >= {low}{bound}, got {value!r}")
+    return float(value)
+
+
+def _sqrt(x: Union[float, torch.Tensor]) -> Union[float, torch.Tensor]:
+    return torch.sqrt(x) if isinstance(x, torch.Tensor) else math.sqrt(x)
+
+
+def _one_minus_pow(b: float, t: torch.Tensor) -> Union[float, torch.Tensor]:
+    """1 - b**t for t >= 1, as -expm1(t log b): accurate in float32 even for b = 0.999 (1 - b is exact-ish)."""
+    return 1.0 if b == 0.0 else -torch.expm1(t * math.log(b))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Transformations
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """Scale all updates by ``min(1, max_norm / (norm + 1e-6))``, norm the 2-norm over all leaves: the formula of
+    ``torch.nn.utils.clip_grad_norm_`` (always multiplies, so no host sync). Stateless."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real) or not (0 < max_norm < math.inf):
+        raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
+    max_norm = float(max_norm)
+
+    def init(params: Params) -> EmptyState:
+        return EmptyState()
+
+    def update_(updates: Updates, state: EmptyState, params: Params = None) -> tuple[Updates, EmptyState]:
+        (grads,) = _aligned(updates)
+        if grads:
+            scale = torch.clamp(max_norm / (global_norm(grads) + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, scale)
+        return updates, state
+
+    return _from_donating(init, update_)
+
+
+def adamw(
+    learning_rate: LearningRate,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> GradientTransformation:
+    """AdamW as ``torch.optim.AdamW`` computes it: bias-corrected moments and decoupled decay ``p -= lr * wd * p``.
+
+    The update is ``-lr * (m_hat / (sqrt(v_hat) + eps) + wd * p)``, with ``lr = learning_rate(count)`` for a schedule
+    (``count`` = updates applied before this one, a 0-dim int64 tensor) or the float itself. Moments take each param's
+    shape, dtype and device; ``count`` lives on the first param's device. Needs ``params`` when ``weight_decay > 0``.
+    """
+    if not callable(learning_rate):
+        learning_rate = _check_real("learning_rate", learning_rate, low=0.0)
+    b1 = _check_real("b1", b1, low=0.0, high=1.0, open_high=True)
+    b2 = _check_real("b2", b2, low=0.0, high=1.0, open_high=True)
+    eps = _check_real("eps", eps, low=0.0)
+    weight_decay = _check_real("weight_decay", weight_decay, low=0.0)
+
+    def init(params: Params) -> AdamWState:
+        leaves = tensor_leaves(params)
+        device = leaves[0].device if leaves else None
+        count = torch.zeros((), dtype=torch.int64, device=device)
+        return AdamWState(count=count, mu=zeros_like(params), nu=zeros_like(params))
+
+    def update_(updates: Updates, state: AdamWState, params: Params = None) -> tuple[Updates, AdamWState]:
+        if weight_decay and params is None:
+            raise ValueError("adamw with weight_decay > 0 needs params in update")
+        decayed = {"params": params} if weight_decay else {}
+        grads, mu, nu, *p = _aligned(updates, mu=state.mu, nu=state.nu, **decayed)
+        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        t = (state.count + 1).to(torch.float32)
+        bc1, bc2 = _one_minus_pow(b1, t), _one_minus_pow(b2, t)
+        if grads:
+            torch._foreach_lerp_(mu, grads, 1.0 - b1)
+            torch._foreach_mul_(nu, b2)
+            torch._foreach_addcmul_(nu, grads, grads, value=1.0 - b2)
+            # From here the grads' buffers hold the update: 1 / (sqrt(nu / bc2) + eps) -> * mu -> scale, decay.
+            torch._foreach_copy_(grads, nu)
+            torch._foreach_sqrt_(grads)
+            torch._foreach_div_(grads, _sqrt(bc2))
+            torch._foreach_add_(grads, eps)
+            torch._foreach_reciprocal_(grads)
+            torch._foreach_mul_(grads, mu)
+            if weight_decay:
+                torch._foreach_div_(grads, bc1)
+                torch._foreach_add_(grads, p[0], alpha=weight_decay)
+                torch._foreach_mul_(grads, -lr)
+            else:
+                torch._foreach_mul_(grads, -lr / bc1)
+        state.count.add_(1)
+        return updates, state
+
+    return _from_donating(init, update_)
+
+
+def chain(*txs: GradientTransformation) -> GradientTransformation:
+    """Apply ``txs`` in order, each to the updates of the one before; the state is the tuple of their states."""
+    for i, tx in enumerate(txs):
+        if not isinstance(tx, GradientTransformation):
+            raise TypeError(f"chain argument {i} is not a GradientTransformation: {tx!r}")
+
+    def init(params: Params) -> tuple:
+        return tuple(tx.init(params) for tx in txs)
+
+    def update_(updates: Updates, state: tuple, params: Params = None) -> tuple[Updates, tuple]:
+        if not isinstance(state, tuple) or len(state) != len(txs):
+            raise ValueError(f"chain of {len(txs)} transformations got a state that is not a tuple of {len(txs)}")
+        states = []
+        for tx, s in zip(txs, state):
+            updates, s = _donating_update(tx, updates, s, params)
+            states.append(s)
+        return updates, tuple(states)
+
+    return _from_donating(init, update_)
+
+
+def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
+    """Apply ``inner`` to the leaves where ``mask`` is True only; the rest get a ``None`` (zero, free) update and no
+    state. ``mask`` is a pytree of bools (a prefix of the params is enough) or a function of the params returning one
+    (called on ``params`` in update, or on ``updates`` when params are not given)."""
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError(f"masked needs a GradientTransformation, got {inner!r}")
+
+    def init(params: Params) -> MaskedState:
+        selected, _ = partition(params, mask)
+        return MaskedState(inner.init(selected))
+
+    def update_(updates: Updates, state: MaskedState, params: Params = None) -> tuple[Updates, MaskedState]:
+        full = mask(updates if params is None else params) if callable(mask) else mask
+        selected, _ = partition(updates, full)
+        selected_params = None if params is None else partition(params, full)[0]
+        selected, inner_state = _donating_update(inner, selected, state.inner_state, selected_params)
+        return selected, MaskedState(inner_state)
+
+    return _from_donating(init, update_)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Applying updates
+
+
+def apply_updates_(params: Params, updates: Updates) -> Params:
+    """``params += updates`` in place (one foreach kernel); ``None`` updates leave their params untouched."""
+    u, p = _aligned(updates, params=params)
+    if u:
+        torch._foreach_add_(p, u)
+    return params
+
+
+def apply_updates(params: Params, updates: Updates) -> Params:
+    """``params + updates`` as new tensors in each param's dtype; params with a ``None`` update are returned as
+    they are (the same tensors)."""
+    copies = optree.tree_map(
+        lambda p, u: p if u is None else p.clone(), params, updates, none_is_leaf=True
+    )
+    return apply_updates_(copies, updates)
+
+
+def step_(tx: GradientTransformation, params: Params, grads: Params, state: State) -> tuple[Params, State]:
+    """One optimizer step in place, donating ``params``, ``grads`` and ``state`` (see the module docstring):
+    ``updates, state = tx.update_(grads, state, params)``, then ``params += updates``. Returns ``(params, state)``,
+    the same tensors, updated. With clip + AdamW it allocates no param-sized buffer: the updates live in ``grads``."""
+    updates, state = _donating_update(tx, grads, state, params)
+    return apply_updates_(params, updates), state

@@ -1,0 +1,315 @@
+import functools
+
+import optree
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fvx.optim import (
+    AdamWState,
+    EmptyState,
+    GradientTransformation,
+    MaskedState,
+    adamw,
+    apply_updates,
+    chain,
+    clip_by_global_norm,
+    masked,
+    step_,
+)
+from fvx.schedules import cosine
+from fvx.tree import global_norm, map_tensors
+
+BASE_LR, WD, STEPS = 1e-2, 0.1, 20
+
+
+def make_params() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shapes = {"scale": (), "bias": (7,), "weight": (5, 3), "conv": (4, 3, 2, 2)}
+    return {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+
+
+def make_grads(params, step: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return {k: scale * torch.randn(v.shape, generator=g) for k, v in params.items()}
+
+
+def warmup_cosine():
+    return cosine(BASE_LR, warmup_steps=5, total_steps=STEPS)
+
+
+class TorchAdamW:
+    """The reference: torch.optim.AdamW + LambdaLR (same lambda), optionally after clip_grad_norm_."""
+
+    def __init__(self, params, schedule, betas, weight_decay=WD, max_norm=None):
+        self.params = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+        self.opt = torch.optim.AdamW(self.params.values(), lr=BASE_LR, betas=betas, eps=1e-8, weight_decay=weight_decay)
+        self.lr = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: schedule(s) / BASE_LR)
+        self.max_norm = max_norm
+
+    def step(self, grads):
+        for k, p in self.params.items():
+            p.grad = grads[k].clone()
+        if self.max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.params.values(), self.max_norm)
+        self.opt.step()
+        self.lr.step()
+        return {k: p.detach() for k, p in self.params.items()}
+
+    def moments(self, key):
+        s = self.opt.state[self.params[key]]
+        return s["exp_avg"], s["exp_avg_sq"]
+
+
+def clone(tree):
+    return map_tensors(torch.clone, tree)
+
+
+def assert_trees_equal(a, b):
+    la, lb = optree.tree_leaves(a, none_is_leaf=True), optree.tree_leaves(b, none_is_leaf=True)
+    assert optree.tree_structure(a, none_is_leaf=True) == optree.tree_structure(b, none_is_leaf=True)
+    for x, y in zip(la, lb):
+        assert (x is None and y is None) or torch.equal(x, y)
+
+
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.0, 0.999)])
+def test_adamw_matches_torch_adamw_with_warmup_cosine(betas):
+    params = make_params()
+    ref = TorchAdamW(params, warmup_cosine(), betas)
+    tx = adamw(warmup_cosine(), b1=betas[0], b2=betas[1], eps=1e-8, weight_decay=WD)
+    state = tx.init(params)
+    for step in range(STEPS):
+        grads = make_grads(params, step)
+        updates, state = tx.update(grads, state, params)
+        params = apply_updates(params, updates)
+        expected = ref.step(grads)
+        for k in params:  # float rounding: the decay is folded into the update (max seen: 1.4e-6 at |p| = 2.2)
+            torch.testing.assert_close(params[k], expected[k], atol=1e-6, rtol=1e-6)
+    assert state.count.dtype == torch.int64 and state.count.shape == () and int(state.count) == STEPS
+    for k in params:  # the moments run the same kernels as torch (lerp_, mul_, addcmul_): bitwise equal
+        mu, nu = ref.moments(k)
+        assert torch.equal(state.mu[k], mu) and torch.equal(state.nu[k], nu)
+
+
+def test_chain_clip_then_adamw_matches_torch_clip_grad_norm_then_adamw():
+    params = make_params()
+    ref = TorchAdamW(params, warmup_cosine(), (0.9, 0.999), max_norm=1.0)
+    tx = chain(clip_by_global_norm(1.0), adamw(warmup_cosine(), weight_decay=WD))
+    state = tx.init(params)
+    norms = []
+    for step in range(STEPS):
+        grads = make_grads(params, step, scale=0.05 if step % 2 else 1.0)  # norm ~0.4 (kept) or ~8.4 (clipped)
+        norms.append(float(global_norm(grads)))
+        updates, state = tx.update(grads, state, params)
+        params = apply_updates(params, updates)
+        expected = ref.step(grads)
+        for k in params:
+            torch.testing.assert_close(params[k], expected[k], atol=1e-6, rtol=1e-6)
+    assert min(norms) < 1.0 < max(norms)
+
+
+@pytest.mark.parametrize("max_norm", [100.0, 0.5])  # the grads' norm is ~8.4: below and above the threshold
+def test_clip_by_global_norm_matches_clip_grad_norm_(max_norm):
+    params = make_params()
+    grads = make_grads(params, 0)
+    before = clone(grads)
+    tx = clip_by_global_norm(max_norm)
+    state = tx.init(params)
+    assert state == EmptyState()
+    clipped, state = tx.update(grads, state)
+    assert_trees_equal(grads, before)  # the pure path leaves its input alone
+
+    tensors = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    for k, t in tensors.items():
+        t.grad = grads[k].clone()
+    torch.nn.utils.clip_grad_norm_(tensors.values(), max_norm)
+    for k in grads:
+        assert torch.equal(clipped[k], tensors[k].grad)  # same kernels: bitwise
+    assert float(global_norm(clipped)) == pytest.approx(min(max_norm, float(global_norm(grads))), rel=1e-5)
+
+
+def test_donating_step_is_bitwise_the_pure_path_and_works_in_place():
+    tx = chain(clip_by_global_norm(1.0), adamw(warmup_cosine(), weight_decay=WD))
+    pure_params = make_params()
+    pure_state = tx.init(pure_params)
+    params = clone(pure_params)
+    state = tx.init(params)
+    param_ids = {k: id(v) for k, v in params.items()}
+    moment = state[1].mu["weight"]
+    for step in range(8):
+        grads = make_grads(params, step, scale=0.05 if step % 2 else 1.0)
+        grads_before = clone(grads)
+        updates, pure_state = tx.update(grads, pure_state, pure_params)
+        pure_params = apply_updates(pure_params, updates)
+        assert_trees_equal(grads, grads_before)
+
+        new_params, new_state = step_(tx, params, grads, state)
+        assert new_params is params and new_state[1].mu["weight"] is moment  # updated in place
+        assert {k: id(v) for k, v in params.items()} == param_ids
+        assert_trees_equal(params, pure_params)  # the pure path runs the same kernels on copies
+        assert_trees_equal(state, pure_state)
+        state = new_state
+
+
+class _OutputShapes(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (list, tuple)) else [out]
+        self.shapes += [(str(func), tuple(o.shape)) for o in outs if isinstance(o, torch.Tensor)]
+        return out
+
+
+def test_donating_step_allocates_no_param_sized_tensor():
+    params = make_params()
+    tx = chain(clip_by_global_norm(1.0), adamw(warmup_cosine(), weight_decay=WD))
+    state = tx.init(params)
+    grads = make_grads(params, 0)
+    with _OutputShapes() as log:
+        step_(tx, params, grads, state)
+    assert log.shapes, "the mode saw no op"
+    # only 0-dim scalars (lr, bias corrections, norms) and the stack of the 4 per-leaf norms are new tensors
+    assert all(shape in ((), (len(params),)) for _, shape in log.shapes), log.shapes
+
+
+def test_compiled_donating_step_agrees_and_takes_lr_and_step_as_data():
+    tx = chain(clip_by_global_norm(1.0), adamw(warmup_cosine(), weight_decay=WD))
+    pure_params = make_params()
+    pure_state = tx.init(pure_params)
+    params = clone(pure_params)
+    state = tx.init(params)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(functools.partial(step_, tx), backend=counter, fullgraph=True)
+    lrs = set()
+    for step in range(7):  # the warmup changes lr every step
+        lrs.add(float(warmup_cosine()(step)))
+        grads = make_grads(params, step)
+        updates, pure_state = tx.update(grads, pure_state, pure_params)
+        pure_params = apply_updates(pure_params, updates)
+        compiled(params, grads, state)
+        # aot_eager runs the same ATen kernels (functionalized): bitwise equal
+        assert_trees_equal(params, pure_params)
+        assert_trees_equal(state, pure_state)
+    assert len(lrs) == 7 and int(state[1].count) == 7
+    assert counter.frame_count == 1
+
+
+FROZEN = {"scale": False, "bias": True, "weight": True, "conv": False}
+
+
+@pytest.mark.parametrize("mask", [FROZEN, lambda p: {k: FROZEN[k] for k in p}], ids=["tree", "function"])
+def test_masked_leaves_are_untouched_and_hold_no_state(mask):
+    params = make_params()
+    trainable = {k: v for k, v in params.items() if FROZEN[k]}
+    ref = TorchAdamW(trainable, warmup_cosine(), (0.9, 0.999), max_norm=1.0)
+    tx = masked(chain(clip_by_global_norm(1.0), adamw(warmup_cosine(), weight_decay=WD)), mask)
+    state = tx.init(params)
+    assert isinstance(state, MaskedState)
+    adam_state = state.inner_state[1]
+    assert isinstance(adam_state, AdamWState)
+    for k, m in FROZEN.items():
+        assert (adam_state.mu[k] is None) == (not m) and (adam_state.nu[k] is None) == (not m)
+    assert len(optree.tree_leaves(state)) == 1 + 2 * 2  # count + two moments of the two trainable leaves
+
+    donated_params, donated_state = clone(params), tx.init(params)
+    initial = clone(params)
+    for step in range(5):
+        grads = make_grads(params, step)
+        updates, state = tx.update(grads, state, params)
+        assert updates["scale"] is None and updates["conv"] is None
+        params = apply_updates(params, updates)
+        donated_grads = clone(grads)
+        step_(tx, donated_params, donated_grads, donated_state)
+        expected = ref.step({k: grads[k] for k in trainable})
+        for k in params:
+            if FROZEN[k]:
+                torch.testing.assert_close(params[k], expected[k], atol=1e-6, rtol=1e-6)
+            else:
+                assert torch.equal(params[k], initial[k]) and torch.equal(donated_params[k], initial[k])
+                assert torch.equal(donated_grads[k], grads[k])  # a masked-out grad buffer is not written
+        assert_trees_equal(donated_params, params)
+        assert_trees_equal(donated_state, state)
+
+
+def test_masked_accepts_grads_with_none_for_frozen_leaves():
+    params = make_params()
+    tx = masked(adamw(1e-3), FROZEN)
+    state = tx.init(params)
+    full = make_grads(params, 0)
+    partial = {k: (g if FROZEN[k] else None) for k, g in full.items()}
+    a, _ = tx.update(full, state, params)
+    b, _ = tx.update(partial, state, params)
+    assert_trees_equal(a, b)
+
+
+def test_a_transformation_with_only_a_pure_update_works_in_the_donating_path():
+    def halve_and_count() -> GradientTransformation:
+        def init(params):
+            return (torch.zeros((), dtype=torch.int64),)
+
+        def update(updates, state, params=None):
+            return map_tensors(lambda u: 0.5 * u, updates), (state[0] + 1,)
+
+        return GradientTransformation(init, update)
+
+    tx = chain(halve_and_count(), adamw(1e-3))
+    pure_params = make_params()
+    pure_state = tx.init(pure_params)
+    params = clone(pure_params)
+    state = tx.init(params)
+    counter = state[0][0]
+    for step in range(3):
+        grads = make_grads(params, step)
+        updates, pure_state = tx.update(grads, pure_state, pure_params)
+        pure_params = apply_updates(pure_params, updates)
+        step_(tx, params, grads, state)
+    assert counter is state[0][0] and int(counter) == 3  # the new state was copied into the donated one
+    assert_trees_equal(params, pure_params)
+    assert_trees_equal(state, pure_state)
+
+
+def test_adamw_without_weight_decay_needs_no_params():
+    params = make_params()
+    tx = adamw(1e-3)
+    updates, state = tx.update(make_grads(params, 0), tx.init(params))
+    # first Adam step: m_hat = g, v_hat = g^2, so the update is -lr * g / (|g| + eps) = -lr * sign(g)
+    for k, u in updates.items():
+        torch.testing.assert_close(u, -1e-3 * torch.sign(make_grads(params, 0)[k]), atol=1e-9, rtol=1e-5)
+    assert all(isinstance(x, torch.Tensor) for x in optree.tree_leaves(state))
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: adamw(-1e-3), ValueError, "learning_rate must be >= 0"),
+        (lambda: adamw(1e-3, b1=1.0), ValueError, "b1 must be >= 0.0 and < 1.0"),
+        (lambda: adamw(1e-3, b2=-0.1), ValueError, "b2 must be >= 0.0"),
+        (lambda: adamw(1e-3, eps=-1.0), ValueError, "eps must be >= 0"),
+        (lambda: adamw(1e-3, weight_decay=float("inf")), ValueError, "weight_decay must be finite"),
+        (lambda: adamw("fast"), TypeError, "learning_rate must be a real number"),
+        (lambda: clip_by_global_norm(0.0), ValueError, "max_norm must be a finite number > 0"),
+        (lambda: chain(clip_by_global_norm(1.0), "adamw"), TypeError, "chain argument 1"),
+        (lambda: masked(lambda g: g, FROZEN), TypeError, "masked needs a GradientTransformation"),
+    ],
+)
+def test_bad_arguments(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_bad_calls():
+    params = make_params()
+    grads = make_grads(params, 0)
+    tx = adamw(1e-3, weight_decay=0.1)
+    with pytest.raises(ValueError, match="needs params"):
+        tx.update(grads, tx.init(params))
+    with pytest.raises(ValueError, match="mu does not have the structure of the updates"):
+        tx.update({**grads, "extra": torch.ones(1)}, tx.init(params), params)
+    with pytest.raises(ValueError, match="mu has no tensor for some leaf"):
+        tx.update(grads, masked(tx, FROZEN).init(params).inner_state, params)  # state lacks the frozen leaves
+    with pytest.raises(ValueError, match="not a tuple of 2"):
+        chain(clip_by_global_norm(1.0), tx).update(grads, tx.init(params), params)
