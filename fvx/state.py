@@ -1,0 +1,56 @@
+"""How a method's training state is laid out, and the pair of functions a method hands the loop.
+
+The state is a pytree of tensors only, so it checkpoints as it is: the step, the run key, and per trainable role its
+params, optimizer state and (where used) EMA params. Frozen roles (a teacher) are not in it: they are arguments the
+method's step closes over. Keys derive from the run key and the step, so nothing about RNG needs saving.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, NamedTuple
+
+import torch
+
+from fvx import tree
+
+
+class RoleState(NamedTuple):
+    """One trainable role: params (flat dict keyed like the diffusers state_dict), optimizer state, EMA or None."""
+
+    params: dict[str, torch.Tensor]
+    opt_state: Any
+    ema: dict[str, torch.Tensor] | None = None
+
+
+class TrainState(NamedTuple):
+    """step: 0-dim int64, steps taken; key: the run key, int64 [2]; roles: trainable role name -> RoleState."""
+
+    step: torch.Tensor
+    key: torch.Tensor
+    roles: dict[str, RoleState]
+
+
+Batch = Mapping[str, Any]
+Metrics = dict[str, torch.Tensor]
+
+
+class Program(NamedTuple):
+    """What a method gives the loop: ``init(run_key) -> state``, the donating ``step_(state, batch)``, and
+    ``check(batch)``, which raises a clear error when a batch does not fit (called once before the first step).
+
+    ``step_`` takes its state over (JAX's donation): it may update the state's tensors in place, and the caller must
+    use only the state it returns. :func:`step` gives the pure version.
+    """
+
+    init: Callable[[torch.Tensor], TrainState]
+    step_: Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
+    check: Callable[[Batch], None] = lambda batch: None
+
+
+def copy(state: Any) -> Any:
+    """A copy of every tensor of ``state`` (to keep a state that a donating step will consume)."""
+    return tree.map_tensors(torch.clone, state)
+
+
+def step(program: Program, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+    """``program.step_`` on a copy of ``state``: pure, at the cost of one copy of the state."""
+    return program.step_(copy(state), batch)

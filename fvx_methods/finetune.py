@@ -1,0 +1,128 @@
+"""Flow-matching fine-tuning (FastVideo's FineTuneMethod, spec §2.1) as pure functions.
+
+Per sample b of the global batch: ``x0`` the normalised latents, ``noise ~ N(0, I)``, ``u ~ density``, ``sigma`` the
+training-grid entry at ``floor(1000 u)``, ``x_t = (1 - sigma) x0 + sigma noise``, ``v = model(x_t, 1000 sigma)``, and
+
+    loss = mean((v - (noise - x0))^2)              (default)
+    loss = mean((x_t - sigma v - x0)^2)            (precondition_outputs: the loss on the implied x0)
+
+Noise and timesteps come from ``fold_in(step_key, global_sample_index)``, so a sample draws the same numbers whatever
+the number of ranks or micro-batches.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+import torch
+
+from fvx import flow, grad, optim, random, tree
+from fvx.config import Config
+from fvx.optim_config import AdamWConfig
+from fvx.state import Batch, Metrics, Program, RoleState, TrainState
+from fvx_models.model import Model
+
+ROLE = "student"
+
+
+class Finetune(Config, tag="finetune"):
+    """Knobs of fine-tuning: the optimizer, the timestep density, the loss form, and gradient accumulation."""
+
+    optim: AdamWConfig = AdamWConfig()
+    weighting_scheme: Literal["uniform", "logit_normal", "mode"] = "uniform"
+    logit_mean: float = 0.0
+    logit_std: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    mode_scale: float = 1.29
+    precondition_outputs: bool = False
+    flow_shift: Annotated[float, msgspec.Meta(gt=0)] = 3.0
+    grad_accum: Annotated[int, msgspec.Meta(ge=1)] = 1
+
+    def __post_init__(self) -> None:
+        if self.optim.lr <= 0:
+            raise ValueError(f"fine-tuning needs optim.lr > 0, got {self.optim.lr}")
+
+    def build(self, model: Model, *, total_steps: int) -> Program:
+        """The loop's ``(init, step_)`` for this config, ``model`` and run length (the LR schedule needs it)."""
+        tx = self.optim.build(total_steps)
+        lr = self.optim.schedule_fn(total_steps)
+        return Program(
+            init=lambda run_key: init(run_key, model, tx),
+            step_=lambda state, batch: step_(state, batch, model=model, config=self, tx=tx, lr=lr),
+            check=lambda batch: check_batch(batch, model),
+        )
+
+
+def check_batch(batch: Batch, model: Model) -> None:
+    """Raise a ValueError naming both shapes when the batch's latents or text do not fit ``model``."""
+    if "latents" not in batch:
+        raise ValueError("fine-tuning needs latents, but the batch has none (text_only data?)")
+    model.check_latents(tuple(batch["latents"].shape), where="batch latents")
+    if batch["text"].shape[-1] != model.text_dim:
+        raise ValueError(f"batch text embeddings of shape {tuple(batch['text'].shape)} do not fit model {model.name}: "
+                         f"it takes a text width of {model.text_dim}")
+
+
+def per_sample_noise(key: torch.Tensor, sample_index: torch.Tensor, shape: tuple[int, ...],
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample keys ``fold_in(key, index)`` split into (noise ``[B, *shape]``, timestep keys ``[B, 2]``)."""
+    sample_keys = [random.split(k) for k in random.fold_in(key, sample_index)]
+    noise = torch.stack([random.normal(k[0], shape, device=device) for k in sample_keys])
+    return noise, torch.stack([k[1] for k in sample_keys])
+
+
+def loss_fn(params: dict, batch: Batch, key: torch.Tensor, *, model: Model,
+            config: Finetune) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The fine-tuning loss of ``batch`` (latents ``[B, C, T, H, W]``, text ``[B, L, D]``, sample_index ``[B]``)
+    under the step key ``key``; aux holds the drawn ``sigma [B]``."""
+    x0 = model.normalize(batch["latents"].float())
+    noise, t_keys = per_sample_noise(key, batch["sample_index"], tuple(x0.shape[1:]), x0.device)
+    grid = flow.training_sigmas(config.flow_shift, device=x0.device)
+    sigma, t = flow.sample_training_sigmas(t_keys, grid, config.weighting_scheme, logit_mean=config.logit_mean,
+                                           logit_std=config.logit_std, mode_scale=config.mode_scale)
+    x_t = flow.add_noise(x0, noise, sigma)
+    v = model.apply(params, x_t, t, {"text": batch["text"], "text_mask": batch["text_mask"]}).float()
+    if config.precondition_outputs:
+        loss = torch.mean((flow.x0_from_velocity(x_t, v, sigma) - x0) ** 2)
+    else:
+        loss = torch.mean((v - flow.velocity_target(x0, noise)) ** 2)
+    return loss, {"sigma": sigma}
+
+
+def init(run_key: torch.Tensor, model: Model, tx: optim.GradientTransformation) -> TrainState:
+    """The initial state: the model's initial params (loaded or drawn), a fresh optimizer state, step 0."""
+    params_key, steps_key = random.split(run_key)
+    params = model.initial_params(params_key)
+    return TrainState(step=torch.zeros((), dtype=torch.int64), key=steps_key,
+                      roles={ROLE: RoleState(params=params, opt_state=tx.init(params))})
+
+
+def micro_batches(batch: Batch, n: int) -> list[dict[str, Any]]:
+    """``batch`` cut into ``n`` equal micro-batches along dim 0 (tensors and lists alike)."""
+    size = len(batch["sample_index"])
+    if size % n:
+        raise ValueError(f"grad_accum = {n} does not divide this rank's batch of {size} samples")
+    m = size // n
+    return [{k: v[i * m:(i + 1) * m] for k, v in batch.items()} for i in range(n)]
+
+
+def step_(state: TrainState, batch: Batch, *, model: Model, config: Finetune, tx: optim.GradientTransformation,
+          lr) -> tuple[TrainState, Metrics]:
+    """One optimizer step over ``config.grad_accum`` micro-batches, donating ``state`` (see fvx.state.Program).
+
+    Metrics: ``loss`` (mean over micro-batches), ``grad_norm`` (before clipping), ``lr`` (of this update).
+    """
+    key = random.fold_in(state.key, state.step)
+    role = state.roles[ROLE]
+    value_and_grad = grad.value_and_grad(loss_fn, has_aux=True)
+    losses, grads = [], None
+    for micro in micro_batches(batch, config.grad_accum):
+        (loss, _), g = value_and_grad(role.params, micro, key, model=model, config=config)
+        losses.append(loss)
+        grads = g if grads is None else optim.apply_updates_(grads, g)
+    if config.grad_accum > 1:
+        torch._foreach_mul_(tree.tensor_leaves(grads), 1.0 / config.grad_accum)
+    metrics = {"loss": torch.stack(losses).mean(), "grad_norm": tree.global_norm(grads),
+               "lr": torch.as_tensor(lr(state.step), dtype=torch.float32)}
+    params, opt_state = optim.step_(tx, role.params, grads, role.opt_state)
+    roles = {**state.roles, ROLE: role._replace(params=params, opt_state=opt_state)}
+    return TrainState(step=state.step + 1, key=state.key, roles=roles), metrics

@@ -1,0 +1,453 @@
+"""Wan 2.1 text-to-video DiT (diffusers ``WanTransformer3DModel``) as pure functions over a flat params dict.
+
+The diffusers module is built once as a *skeleton*: parameters on the meta device (any use of them fails loudly),
+buffers (the RoPE tables) real. Every function takes that skeleton first and is bound to it by
+:meth:`WanConfig.build`, which returns the :class:`fvx_models.model.Model` that methods see.
+
+Params are fp32 masters keyed like the diffusers ``state_dict``. ``load``/``export`` read and write a diffusers
+folder with safetensors only (never pickle, never a hub). Wan predicts the flow velocity ``noise - x0`` natively:
+diffusers' ``WanPipeline`` feeds the transformer output to ``FlowMatchEulerDiscreteScheduler.step``, which computes
+``x_next = x + (sigma_next - sigma) * out``, the Euler step of ``dx/dsigma = noise - x0`` for
+``x = (1 - sigma) x0 + sigma noise``. So ``apply`` returns the module's output as it is.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import math
+import os
+import pathlib
+import re
+import shutil
+import tempfile
+import zlib
+from typing import Any, Literal, Mapping, NamedTuple
+
+import torch
+from diffusers import WanTransformer3DModel
+from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from torch.func import functional_call
+
+from fvx import grad as fvx_grad
+from fvx import random
+from fvx.config import Config
+from fvx_models.model import Cond, Model, Params
+
+# -------------------------------------------------------------------------------------------------------- presets
+
+_WAN21 = dict(
+    patch_size=(1, 2, 2), attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096, freq_dim=256,
+    cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None,
+    rope_max_seq_len=1024, pos_embed_seq_len=None,
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {**_WAN21, "num_attention_heads": 2, "attention_head_dim": 48, "text_dim": 32, "freq_dim": 32,
+             "ffn_dim": 192, "num_layers": 2, "rope_max_seq_len": 32},
+    "wan2.1-t2v-1.3b": {**_WAN21, "num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30},
+    "wan2.1-t2v-14b": {**_WAN21, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40},
+}
+"""``WanTransformer3DModel`` constructor arguments per preset (every argument, so a config.json can be checked)."""
+
+# Per-channel statistics of the Wan 2.1 VAE latents (``AutoencoderKLWan``'s ``latents_mean`` / ``latents_std``).
+WAN21_LATENTS_MEAN = (-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+                      0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921)
+WAN21_LATENTS_STD = (2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+                     3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160)
+
+
+class Metadata(NamedTuple):
+    """What a preset needs beyond the module: VAE latent statistics (per channel) and the text length (UMT5 pads to
+    512 tokens; the model itself accepts any length)."""
+
+    latents_mean: tuple[float, ...]
+    latents_std: tuple[float, ...]
+    text_len: int
+
+
+METADATA: dict[str, Metadata] = {
+    "tiny": Metadata((0.0,) * 16, (1.0,) * 16, 8),
+    "wan2.1-t2v-1.3b": Metadata(WAN21_LATENTS_MEAN, WAN21_LATENTS_STD, 512),
+    "wan2.1-t2v-14b": Metadata(WAN21_LATENTS_MEAN, WAN21_LATENTS_STD, 512),
+}
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+MAX_SHARD_BYTES = 10 * 10**9  # diffusers' default max_shard_size "10GB"
+_LIST_LIMIT = 10  # names shown per category in an error message
+
+
+def _check_preset(preset: str) -> None:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown Wan preset {preset!r}; valid presets: {', '.join(PRESETS)}")
+
+
+# -------------------------------------------------------------------------------------------------------- skeleton
+
+
+def skeleton(preset: str, *, remat: bool = False) -> WanTransformer3DModel:
+    """The diffusers module for ``preset`` with parameters on meta and real CPU buffers; no RNG is read.
+
+    With ``remat`` the blocks recompute their activations in the backward through :func:`fvx.grad.remat` (pure
+    checkpointing, effective only under grad).
+    """
+    _check_preset(preset)
+    kwargs = PRESETS[preset]
+    with torch.device("meta"):
+        module = WanTransformer3DModel(**kwargs)
+    with torch.device("cpu"):  # the RoPE tables are a pure function of the config
+        module.rope = WanRotaryPosEmbed(kwargs["attention_head_dim"], kwargs["patch_size"], kwargs["rope_max_seq_len"])
+    still_meta = [name for name, buffer in module.named_buffers() if buffer.is_meta]
+    if still_meta:
+        raise RuntimeError(f"Wan skeleton: buffers left on meta (diffusers changed?): {still_meta}")
+    if remat:
+        module.enable_gradient_checkpointing(fvx_grad.remat)
+    return module
+
+
+def _param_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(p.shape) for name, p in module.named_parameters()}
+
+
+def _keeps_fp32(module: nn.Module, name: str) -> bool:
+    """Whether diffusers keeps parameter ``name`` in fp32 under a low-precision dtype (its own matching rule)."""
+    keep = getattr(module, "_keep_in_fp32_modules", None) or ()
+    return any(part in keep for part in name.split("."))
+
+
+# ------------------------------------------------------------------------------------------------------------ init
+
+
+def init(module: WanTransformer3DModel, key: torch.Tensor) -> Params:
+    """Random fp32 params from an fvx key, keyed like the state_dict; no global RNG.
+
+    PyTorch's default rules: Linear/Conv weights and biases ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)); norm weights one,
+    biases zero; ``scale_shift_table`` ~ N(0, 1) / sqrt(dim) as diffusers. Each param's key is
+    ``fold_in(key, crc32(name))``, so a param's values do not depend on what else the model holds.
+    """
+    params = {}
+    for module_name, owner in module.named_modules():
+        for local_name, param in owner.named_parameters(recurse=False):
+            name = f"{module_name}.{local_name}" if module_name else local_name
+            param_key = random.fold_in(key, zlib.crc32(name.encode()))
+            params[name] = _init_param(param_key, owner, local_name, name, tuple(param.shape))
+    return params
+
+
+def _init_param(key: torch.Tensor, owner: nn.Module, local_name: str, name: str, shape: tuple[int, ...]):
+    if isinstance(owner, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        bound = 1.0 / math.sqrt(math.prod(owner.weight.shape[1:]))
+        return random.uniform(key, shape, minval=-bound, maxval=bound)
+    if isinstance(owner, (nn.LayerNorm, nn.RMSNorm)):
+        return torch.ones(shape) if local_name == "weight" else torch.zeros(shape)
+    if local_name == "scale_shift_table":
+        return random.normal(key, shape) / math.sqrt(shape[-1])
+    raise ValueError(f"Wan init: no rule for parameter {name!r} of a {type(owner).__name__}")
+
+
+# ----------------------------------------------------------------------------------------------------------- apply
+
+
+def apply(
+    module: WanTransformer3DModel,
+    params: Params,
+    x_t: torch.Tensor,
+    t: torch.Tensor,
+    cond: Cond,
+    *,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Flow velocity ``noise - x0``, fp32 ``[B, C, T, H, W]``, of latents ``x_t [B, C, T, H, W]`` at ``t [B]`` (0..1000).
+
+    ``cond["text"]`` is ``[B, L, text_dim]``. Wan has no text attention mask: it attends to all ``L`` tokens and was
+    trained on UMT5 embeddings zero-padded to 512 (as diffusers' WanPipeline and FastVideo feed it), so an optional
+    ``cond["text_mask"] [B, L]`` only zeroes the padded positions. ``compute_dtype`` (e.g. bf16) casts params and
+    latents inside the call, except the modules diffusers keeps in fp32; gradients reach the caller's params in their
+    own dtype. ``t`` stays fp32 (bf16 cannot hold 999). The RoPE tables move to ``x_t``'s device per call (~1 MB).
+    """
+    x_t, t, text = _check_inputs(module, x_t, t, cond)
+    if compute_dtype is not None:
+        params = {name: p.to(torch.float32 if _keeps_fp32(module, name) else compute_dtype) for name, p in params.items()}
+        x_t, text = x_t.to(compute_dtype), text.to(compute_dtype)
+    buffers = {name: b.to(x_t.device) for name, b in module.named_buffers()}
+    inputs = {"hidden_states": x_t, "timestep": t, "encoder_hidden_states": text, "return_dict": False}
+    (out,) = functional_call(module, (params, buffers), (), inputs, strict=True)
+    return out.float()
+
+
+def _check_inputs(module: WanTransformer3DModel, x_t, t, cond) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_t, t as fp32, masked text) after checking shapes; a ValueError names the culprit."""
+    channels, text_dim, patch = module.config.in_channels, module.config.text_dim, tuple(module.config.patch_size)
+    if not (isinstance(x_t, torch.Tensor) and x_t.dim() == 5 and x_t.shape[1] == channels
+            and all(size % p == 0 for size, p in zip(x_t.shape[2:], patch))):
+        got = tuple(x_t.shape) if isinstance(x_t, torch.Tensor) else type(x_t).__name__
+        raise ValueError(f"Wan apply: x_t must be [B, {channels}, T, H, W] with T, H, W divisible by {patch}, got {got}")
+    batch = x_t.shape[0]
+    if not (isinstance(t, torch.Tensor) and tuple(t.shape) == (batch,)):
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"Wan apply: t must be a tensor of shape [{batch}] (one timestep per sample), got {got}")
+    if not isinstance(cond, Mapping) or "text" not in cond:
+        raise ValueError(f"Wan apply: cond must be a mapping with a 'text' entry [B, L, {text_dim}]")
+    text = cond["text"]
+    if not (isinstance(text, torch.Tensor) and text.dim() == 3 and text.shape[0] == batch and text.shape[2] == text_dim):
+        got = tuple(text.shape) if isinstance(text, torch.Tensor) else type(text).__name__
+        raise ValueError(f"Wan apply: cond['text'] must be [{batch}, L, {text_dim}], got {got}")
+    mask = cond.get("text_mask")
+    if mask is not None:
+        if not (isinstance(mask, torch.Tensor) and tuple(mask.shape) == tuple(text.shape[:2])):
+            got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(f"Wan apply: cond['text_mask'] must be {list(text.shape[:2])}, got {got}")
+        text = text * mask[..., None].to(text.dtype)
+    return x_t, t.to(torch.float32), text
+
+
+# ---------------------------------------------------------------------------------------------- latent statistics
+
+
+def _channel_stats(stats: tuple[float, ...], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(stats, dtype=torch.float32, device=like.device).view(1, -1, 1, 1, 1)
+
+
+def normalize(latents: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
+    """VAE latents ``[B, C, T, H, W]`` -> DiT input scale: ``(x - mean_c) / std_c``, computed in fp32, in x's dtype."""
+    return ((latents.float() - _channel_stats(mean, latents)) / _channel_stats(std, latents)).to(latents.dtype)
+
+
+def denormalize(latents: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
+    """The inverse of :func:`normalize`: ``x * std_c + mean_c``, before a VAE decode."""
+    return (latents.float() * _channel_stats(std, latents) + _channel_stats(mean, latents)).to(latents.dtype)
+
+
+# ------------------------------------------------------------------------------------------------------------ load
+
+
+def load(module: WanTransformer3DModel, folder: str | os.PathLike) -> Params:
+    """fp32 params from a local diffusers folder: a transformer folder (``config.json`` + safetensors, single or
+    sharded with an index json) or a pipeline root holding one under ``transformer/``. Never touches a hub.
+
+    The folder's config.json must describe the skeleton's architecture, and its weights must hold exactly the
+    skeleton's params with their shapes; otherwise one ValueError lists every difference.
+    """
+    folder = _transformer_folder(pathlib.Path(folder))
+    _check_config(module, folder)
+    files = _weight_files(folder)
+    shapes = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+    shapes = {name: shape for name, shape in shapes.items() if not _ignored_on_load(module, name)}
+    _check_tensors(module, shapes, f"weights in {str(folder)!r}")
+    params = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if name in shapes:
+                    params[name] = f.get_tensor(name).to(torch.float32)
+    return {name: params[name] for name in _param_shapes(module)}
+
+
+def _transformer_folder(folder: pathlib.Path) -> pathlib.Path:
+    if (folder / CONFIG_NAME).is_file():
+        return folder
+    if (folder / "transformer" / CONFIG_NAME).is_file():
+        return folder / "transformer"
+    raise ValueError(
+        f"Wan load: no {CONFIG_NAME} in {str(folder)!r} nor in {str(folder / 'transformer')!r}; expected a diffusers "
+        "transformer folder or a pipeline root holding one under transformer/"
+    )
+
+
+def _check_config(module: WanTransformer3DModel, folder: pathlib.Path) -> None:
+    """A ValueError listing each architecture field where ``folder/config.json`` differs from the skeleton."""
+    path = folder / CONFIG_NAME
+    try:
+        stored = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"Wan load: {str(path)!r} is not valid JSON: {error}") from None
+    if not isinstance(stored, dict):
+        raise ValueError(f"Wan load: {str(path)!r} does not hold a JSON object")
+    class_name = stored.get("_class_name", WanTransformer3DModel.__name__)
+    if class_name != WanTransformer3DModel.__name__:
+        raise ValueError(f"Wan load: {str(path)!r} describes a {class_name}, not a WanTransformer3DModel")
+    defaults = {name: p.default for name, p in inspect.signature(WanTransformer3DModel.__init__).parameters.items()}
+    differences = []
+    for field, expected in module.config.items():
+        if field.startswith("_"):
+            continue
+        found = stored.get(field, defaults.get(field))
+        if _normalise(found) != _normalise(expected):
+            differences.append(f"{field}: folder has {found!r}, expected {expected!r}")
+    if differences:
+        raise ValueError(f"Wan load: {str(path)!r} does not match the model's architecture: " + "; ".join(differences))
+
+
+def _normalise(value: Any) -> Any:
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def _weight_files(folder: pathlib.Path) -> list[pathlib.Path]:
+    """The safetensors files holding the weights: the single file, or the shards an index json names."""
+    if (folder / WEIGHTS_NAME).is_file():
+        return [folder / WEIGHTS_NAME]
+    index_path = folder / WEIGHTS_INDEX_NAME
+    if not index_path.is_file():
+        raise ValueError(
+            f"Wan load: no {WEIGHTS_NAME} nor {WEIGHTS_INDEX_NAME} in {str(folder)!r} (fvx reads safetensors only)"
+        )
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"Wan load: {str(index_path)!r} is not a safetensors index with a weight_map: {error}") from None
+    files = [folder / name for name in sorted(set(weight_map.values()))]
+    missing = [str(path.name) for path in files if not path.is_file()]
+    if missing:
+        raise ValueError(f"Wan load: shards named in {str(index_path)!r} are missing: {_listed(missing)}")
+    return files
+
+
+def _ignored_on_load(module: nn.Module, name: str) -> bool:
+    patterns = getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ()
+    return any(re.search(pattern, name) for pattern in patterns)
+
+
+def _check_tensors(module: nn.Module, shapes: Mapping[str, tuple[int, ...]], what: str) -> None:
+    """One ValueError naming missing keys, unexpected keys and shape mismatches of ``shapes`` against the skeleton."""
+    expected = _param_shapes(module)
+    missing = [name for name in expected if name not in shapes]
+    unexpected = [name for name in shapes if name not in expected]
+    mismatched = [f"{name}: {list(shapes[name])} vs expected {list(shape)}"
+                  for name, shape in expected.items() if name in shapes and tuple(shapes[name]) != shape]
+    problems = [f"{label} ({len(items)}): {_listed(items)}"
+                for label, items in (("missing keys", missing), ("unexpected keys", unexpected),
+                                     ("shape mismatches", mismatched)) if items]
+    if problems:
+        raise ValueError(f"Wan: {what} do not fit the model: " + "; ".join(problems))
+
+
+def _listed(items: list[str]) -> str:
+    shown = ", ".join(items[:_LIST_LIMIT])
+    return shown + (f", ... and {len(items) - _LIST_LIMIT} more" if len(items) > _LIST_LIMIT else "")
+
+
+# ---------------------------------------------------------------------------------------------------------- export
+
+
+def export(
+    module: WanTransformer3DModel,
+    params: Params,
+    folder: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> None:
+    """Write ``params`` as a diffusers transformer folder (config.json + safetensors, sharded with an index json above
+    ``max_shard_bytes``) that ``WanTransformer3DModel.from_pretrained`` loads.
+
+    ``dtype`` (e.g. bf16) casts every param but the fp32-kept modules, as diffusers' ``torch_dtype`` does. The folder
+    is written beside its destination and renamed into place, so an error leaves nothing half-written; an existing
+    non-empty ``folder`` is an error.
+    """
+    folder = pathlib.Path(folder)
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise ValueError(f"Wan export: {str(folder)!r} already exists and is not an empty folder")
+    if max_shard_bytes <= 0:
+        raise ValueError(f"Wan export: max_shard_bytes must be positive, got {max_shard_bytes}")
+    if not isinstance(params, Mapping):
+        raise TypeError(f"Wan export: params must be a dict of tensors, got {type(params).__name__}")
+    not_tensors = [name for name, value in params.items() if not isinstance(value, torch.Tensor)]
+    if not_tensors:
+        raise TypeError(f"Wan export: params must map names to tensors; not tensors: {_listed(not_tensors)}")
+    _check_tensors(module, {name: tuple(p.shape) for name, p in params.items()}, "params")
+    tensors = {name: _exported(module, name, params[name], dtype) for name in _param_shapes(module)}
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
+    try:
+        module.save_config(staging)
+        _write_weights(tensors, staging, max_shard_bytes)
+        staging.chmod(0o755)
+        os.replace(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _exported(module: nn.Module, name: str, param: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    param = param.detach().to("cpu")
+    if dtype is not None and param.is_floating_point():
+        param = param.to(torch.float32 if _keeps_fp32(module, name) else dtype)
+    return param.contiguous()
+
+
+def _write_weights(tensors: dict[str, torch.Tensor], folder: pathlib.Path, max_shard_bytes: int) -> None:
+    """One safetensors file, or numbered shards of at most ``max_shard_bytes`` (a bigger tensor gets its own) plus
+    diffusers' index json."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], folder / WEIGHTS_NAME, metadata=metadata)
+        return
+    stem = WEIGHTS_NAME.removesuffix(".safetensors")
+    weight_map = {}
+    for number, shard in enumerate(shards, start=1):
+        filename = f"{stem}-{number:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / filename, metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, filename))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------------- config
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class WanConfig(Config, tag="wan"):
+    """A Wan 2.1 T2V DiT: architecture preset, optional local diffusers folder to start from, remat, compute dtype."""
+
+    preset: str = "tiny"
+    path: str | None = None  # a transformer folder with config.json, or a pipeline root with transformer/
+    remat: bool = False
+    compute_dtype: Literal["fp32", "bf16"] = "fp32"
+
+    def __post_init__(self) -> None:
+        _check_preset(self.preset)
+
+    def build(self) -> Model:
+        """The :class:`Model` whose functions are bound to one skeleton built now and to this config."""
+        module = skeleton(self.preset, remat=self.remat)
+        kwargs, meta = PRESETS[self.preset], METADATA[self.preset]
+        init_fn = functools.partial(init, module)
+        load_fn = functools.partial(load, module)
+        path = self.path
+
+        def initial_params(key: torch.Tensor) -> Params:
+            return load_fn(path) if path is not None else init_fn(key)
+
+        return Model(
+            name=f"wan:{self.preset}",
+            latent_channels=kwargs["in_channels"],
+            text_dim=kwargs["text_dim"],
+            patch_size=tuple(kwargs["patch_size"]),
+            init=init_fn,
+            load=load_fn,
+            export=functools.partial(export, module),
+            initial_params=initial_params,
+            apply=functools.partial(apply, module, compute_dtype=_DTYPES[self.compute_dtype]),
+            normalize=functools.partial(normalize, mean=meta.latents_mean, std=meta.latents_std),
+            denormalize=functools.partial(denormalize, mean=meta.latents_mean, std=meta.latents_std),
+        )
