@@ -21,9 +21,9 @@ class FinetuneWan(Experiment):
 
 
 config = FinetuneWan(
-    run=RunConfig(seed=0, steps=300, output_dir="runs/finetune_wan", log_every=1),
-    data=DataConfig(batch_size=4, synthetic=SyntheticConfig(num_samples=64, latent_shape=(16, 1, 8, 8),
+    run=RunConfig(seed=0, steps=600, output_dir="runs/finetune_wan", log_every=1),
+    data=DataConfig(batch_size=4, synthetic=SyntheticConfig(num_samples=64, latent_shape=(16, 2, 16, 16),
                                                              text_len=8, text_dim=32)),
     model=WanConfig(preset="tiny"),
-    method=Finetune(optim=AdamWConfig(lr=1e-3, weight_decay=0.01, max_grad_norm=1.0), weighting_scheme="uniform"),
+    method=Finetune(optim=AdamWConfig(lr=1e-3, weight_decay=0.01, max_grad_norm=1.0, schedule="cosine", warmup_steps=30)),
 )
