@@ -8,20 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
+import pathlib
 import statistics
 import subprocess
 import sys
-import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from common import current_rss_bytes, peak_rss_bytes, timed  # noqa: E402
 
 VARIANTS = ("module_backward", "fvx_value_and_grad", "fvx_value_and_grad_remat", "torch_func_grad")
 WAN = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=16, out_channels=16,
            text_dim=64, freq_dim=32, ffn_dim=256, num_layers=8, rope_max_seq_len=1024)
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
 
 
 def run_variant(name: str, frames: int, side: int, repeats: int, device: str) -> dict:
@@ -66,18 +63,12 @@ def run_variant(name: str, frames: int, side: int, repeats: int, device: str) ->
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
-        base = _rss_bytes()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - start)
+        base = current_rss_bytes()
+    times = [timed(step, sync) for _ in range(repeats)]
     if device == "cuda":
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+        peak = peak_rss_bytes() - base
     tokens = frames * (side // 2) ** 2
     return {"variant": name, "peak_mb": peak / 2**20, "time_s": statistics.median(times[1:] or times), "tokens": tokens}
 
