@@ -1,0 +1,329 @@
+"""Validation: sample fixed prompts from fixed noise with the params in hand, decode when a decoder is given, and log.
+
+Generic: it knows no model family and no method. A caller supplies an ``apply_fn(params, x_t, t, cond) -> velocity``
+(wrapped with ``flow.cfg`` for guidance), the params to sample with (used in place: nothing is copied), a schedule,
+and optionally ``denormalize`` and a VAE's ``decode``. Prompt ``i`` always gets the noise ``normal(fold_in(key, i))``
+and, for the SDE sampler, the key ``fold_in(sampler_key, i)``, so every validation of a run (and of another run with
+the same validation seed) starts from the same numbers, whatever the number of prompts. A typical call::
+
+    prompts = read_prompts(config, dataset, text_dim=model.text_dim)
+    noise_key, sampler_key = random.split(random.key(config.seed))
+    noise = fixed_noise(noise_key, (len(prompts.text), *latent_shape(config, dataset)))
+    if should_validate(config, step):
+        latents, video = sample_videos(model.apply, params, noise, sigmas, prompts.cond(),
+                                       key=prompt_keys(sampler_key, len(noise)), sampler="sde",
+                                       denormalize=model.denormalize, decode=vae.decode)
+        log_validation(tracker, step, "student", latents, video, folder=run_dir / "validation", fps=config.fps,
+                       captions=prompts.captions)
+
+Prompts file (``prompts_file``, written by :func:`save_prompts`): safetensors holding ``text`` ``[N, L, D]`` float,
+optionally ``text_mask`` ``[N, L]`` (1 = real token; all ones when absent), and the captions as a JSON list in the
+file's metadata under ``captions``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+from typing import Annotated, Any, Callable, NamedTuple, Sequence
+
+import msgspec
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from fvx import flow, random
+from fvx.config import Config
+from fvx.tracking import Tracker
+
+PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+
+PREVIEW_MIN_SIZE = 64  # latent previews are upscaled (nearest, whole factors) until their short side reaches this
+
+
+class ValidationConfig(Config):
+    """When and what to validate.
+
+    ``every``: validate at steps that are multiples of it (0 disables validation entirely); ``at_start``: include
+    step 0 (FastVideo's ``run_at_start``). Prompts: the first ``num_prompts`` of ``prompts_file`` (see the module
+    docstring) or, without one, of the dataset (skipping samples whose text CFG dropout blanked). ``latent_shape``
+    ``[C, T, H, W]`` to sample (default: the dataset's). ``num_steps`` and ``flow_shift`` give the many-step ODE
+    schedule (:func:`many_step_sigmas`) for models validated without a schedule of their own (fine-tuning, a DMD2
+    teacher). ``seed`` fixes the noise, independently of the run's seed.
+    """
+
+    every: Annotated[int, msgspec.Meta(ge=0)] = 0
+    at_start: bool = True
+    num_prompts: PositiveInt = 4
+    prompts_file: str | None = None
+    latent_shape: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt] | None = None
+    num_steps: PositiveInt = 20
+    flow_shift: PositiveFloat = 3.0
+    fps: PositiveFloat = 16.0
+    seed: int = 0
+
+
+class Prompts(NamedTuple):
+    """Validation prompts: text ``[N, L, D]`` and text_mask ``[N, L]`` float32 (CPU), captions when known."""
+
+    text: torch.Tensor
+    text_mask: torch.Tensor
+    captions: tuple[str, ...] | None = None
+
+    def cond(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        """The model conditioning ``{"text", "text_mask"}``, on ``device`` when given."""
+        if device is None:
+            return {"text": self.text, "text_mask": self.text_mask}
+        return {"text": self.text.to(device), "text_mask": self.text_mask.to(device)}
+
+
+# ---------------------------------------------------------------------------------------------------------- cadence
+
+
+def should_validate(config: ValidationConfig, step: int) -> bool:
+    """``every > 0``, ``step`` a multiple of ``every``, and ``step > 0`` unless ``at_start`` (FastVideo's rule)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    return config.every > 0 and step % config.every == 0 and (step > 0 or config.at_start)
+
+
+# ------------------------------------------------------------------------------------------------------ noise, keys
+
+
+def prompt_keys(key: torch.Tensor, num: int) -> torch.Tensor:
+    """One key per prompt, ``[num, 2]``: row ``i`` is ``fold_in(key, i)``, so it does not depend on ``num``."""
+    if isinstance(num, bool) or not isinstance(num, int) or num < 1:
+        raise ValueError(f"num must be an int >= 1, got {num!r}")
+    return torch.stack([random.fold_in(key, i) for i in range(num)])
+
+
+def fixed_noise(key: torch.Tensor, shape: Sequence[int], *,
+                device: torch.device | str | None = None) -> torch.Tensor:
+    """Standard normal ``[N, C, T, H, W]`` fp32; prompt ``i``'s noise is ``normal(fold_in(key, i), [C, T, H, W])``."""
+    shape = tuple(shape)
+    if len(shape) != 5 or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape):
+        raise ValueError(f"shape must be [N, C, T, H, W] of positive ints, got {shape}")
+    keys = prompt_keys(key, shape[0])
+    return torch.stack([random.normal(k, shape[1:], device=device) for k in keys])
+
+
+def many_step_sigmas(num_steps: int, shift: float) -> torch.Tensor:
+    """The ``num_steps``-step Euler schedule ``[K]`` fp32: ``shift_sigma(1 - k / K)`` for ``k = 0..K-1`` (the
+    samplers end at 0), i.e. diffusers' flow-matching Euler schedule on evenly spaced timesteps ``1000 .. 1000 / K``."""
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
+    steps = [flow.NUM_TRAIN_TIMESTEPS * (num_steps - k) / num_steps for k in range(num_steps)]
+    return flow.denoising_sigmas(steps, shift=shift, warp=True)
+
+
+# ---------------------------------------------------------------------------------------------------------- prompts
+
+
+def read_prompts(config: ValidationConfig, dataset: Any = None, *, text_dim: int | None = None) -> Prompts:
+    """The ``config.num_prompts`` validation prompts, from ``config.prompts_file`` or else from ``dataset``.
+
+    From a dataset: the first samples (in index order) whose text CFG dropout did not blank (a blanked sample has an
+    all-zero embedding under a nonzero mask). ``text_dim``, when given, must equal the embeddings' width.
+    """
+    if config.prompts_file is not None:
+        prompts = load_prompts(config.prompts_file, config.num_prompts)
+        where = f"validation.prompts_file {config.prompts_file!r}"
+    elif dataset is not None:
+        prompts = _dataset_prompts(dataset, config.num_prompts)
+        where = "the dataset's text embeddings"
+    else:
+        raise ValueError("validation needs prompts: set validation.prompts_file or pass the dataset")
+    if text_dim is not None and prompts.text.shape[-1] != text_dim:
+        raise ValueError(f"validation prompts: {where} are {prompts.text.shape[-1]} wide, but the model takes "
+                         f"text_dim={text_dim}")
+    return prompts
+
+
+def _dataset_prompts(dataset: Any, num: int) -> Prompts:
+    rows: list[tuple[torch.Tensor, torch.Tensor, str | None]] = []
+    start = 0
+    while len(rows) < num and start < len(dataset):
+        indices = list(range(start, min(start + num, len(dataset))))
+        batch = dataset.read(indices)
+        captions = batch.get("caption") or [None] * len(indices)
+        for text, mask, caption in zip(batch["text"], batch["text_mask"], captions):
+            blanked = bool((mask > 0).any()) and not bool(text.any())
+            if not blanked and len(rows) < num:
+                rows.append((text, mask, caption))
+        start += len(indices)
+    if len(rows) < num:
+        raise ValueError(f"validation.num_prompts={num}, but the dataset has only {len(rows)} samples with a text "
+                         f"embedding that CFG dropout did not blank (of {len(dataset)})")
+    captions = tuple(c for _, _, c in rows)
+    return Prompts(text=torch.stack([t for t, _, _ in rows]).float(),
+                   text_mask=torch.stack([m for _, m, _ in rows]).float(),
+                   captions=captions if all(c is not None for c in captions) else None)
+
+
+def load_prompts(path: str | os.PathLike, num: int | None = None) -> Prompts:
+    """The first ``num`` (all when None) prompts of a prompts file (see the module docstring)."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ValueError(f"validation prompts file {str(path)!r} does not exist")
+    try:
+        with safe_open(path, framework="pt") as f:
+            names, metadata = set(f.keys()), f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in ("text", "text_mask") if name in names}
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"validation prompts file {str(path)!r} is not a readable safetensors file: {error}") from None
+    if "text" not in tensors:
+        raise ValueError(f"validation prompts file {str(path)!r} has no 'text' tensor [N, L, D] "
+                         f"(it holds: {sorted(names)})")
+    text = tensors["text"]
+    if text.dim() != 3 or text.shape[0] == 0 or not text.is_floating_point():
+        raise ValueError(f"validation prompts file {str(path)!r}: 'text' must be a float tensor [N, L, D] with "
+                         f"N >= 1, got {text.dtype} {list(text.shape)}")
+    mask = tensors.get("text_mask", torch.ones(text.shape[:2]))
+    if tuple(mask.shape) != tuple(text.shape[:2]):
+        raise ValueError(f"validation prompts file {str(path)!r}: 'text_mask' must be {list(text.shape[:2])}, "
+                         f"got {list(mask.shape)}")
+    captions = _captions(metadata, text.shape[0], path)
+    num = text.shape[0] if num is None else num
+    if num > text.shape[0]:
+        raise ValueError(f"validation.num_prompts={num}, but {str(path)!r} holds only {text.shape[0]} prompts")
+    return Prompts(text=text[:num].float(), text_mask=mask[:num].float(),
+                   captions=None if captions is None else captions[:num])
+
+
+def _captions(metadata: dict[str, str], count: int, path: pathlib.Path) -> tuple[str, ...] | None:
+    if "captions" not in metadata:
+        return None
+    try:
+        captions = json.loads(metadata["captions"])
+    except json.JSONDecodeError:
+        captions = None
+    if not (isinstance(captions, list) and len(captions) == count and all(isinstance(c, str) for c in captions)):
+        raise ValueError(f"validation prompts file {str(path)!r}: metadata 'captions' must be a JSON list of "
+                         f"{count} strings")
+    return tuple(captions)
+
+
+def save_prompts(path: str | os.PathLike, text: torch.Tensor, text_mask: torch.Tensor | None = None,
+                 captions: Sequence[str] | None = None) -> None:
+    """Write a prompts file: ``text`` ``[N, L, D]``, ``text_mask`` ``[N, L]`` (optional), ``captions`` (N strings)."""
+    if not (isinstance(text, torch.Tensor) and text.dim() == 3 and text.is_floating_point()):
+        raise ValueError(f"text must be a float tensor [N, L, D], got {getattr(text, 'shape', type(text).__name__)}")
+    tensors = {"text": text.detach().float().cpu().contiguous()}
+    if text_mask is not None:
+        if tuple(text_mask.shape) != tuple(text.shape[:2]):
+            raise ValueError(f"text_mask must be {list(text.shape[:2])}, got {list(text_mask.shape)}")
+        tensors["text_mask"] = text_mask.detach().float().cpu().contiguous()
+    metadata = {}
+    if captions is not None:
+        captions = list(captions)
+        if len(captions) != text.shape[0] or not all(isinstance(c, str) for c in captions):
+            raise ValueError(f"captions must be {text.shape[0]} strings, got {captions!r}")
+        metadata["captions"] = json.dumps(captions)
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def latent_shape(config: ValidationConfig, dataset: Any = None) -> tuple[int, int, int, int]:
+    """``[C, T, H, W]`` to sample: ``config.latent_shape``, else the shape of the dataset's first latents."""
+    if config.latent_shape is not None:
+        return tuple(config.latent_shape)
+    if dataset is None or len(dataset) == 0:
+        raise ValueError("validation.latent_shape is not set and there is no dataset to take it from")
+    batch = dataset.read([0])
+    if "latents" not in batch:
+        raise ValueError("validation.latent_shape must be set for data without latents (text_only)")
+    return tuple(int(s) for s in batch["latents"].shape[1:])
+
+
+# --------------------------------------------------------------------------------------------------------- sampling
+
+
+def sample_videos(
+    apply_fn: flow.ApplyFn,
+    params: Any,
+    noise: torch.Tensor,
+    sigmas: Sequence[float] | torch.Tensor,
+    cond: Any,
+    *,
+    key: torch.Tensor | None = None,
+    sampler: str = "ode",
+    denormalize: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    decode: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(latents ``[N, C, T, H, W]`` in the model's scale, video ``[N, 3, T', H', W']`` in [0, 1] or None).
+
+    Samples ``noise`` along ``sigmas`` with ``flow.sample`` (``sampler`` "ode" or "sde"; ``key`` ``[2]`` or, to make
+    each prompt independent of the others, ``prompt_keys(key, N)``) under ``torch.no_grad``, using ``params`` as they
+    are. With ``decode``, the latents go through ``denormalize`` (when given) and then ``decode``.
+    """
+    with torch.no_grad():
+        latents = flow.sample(apply_fn, params, noise, sigmas, key, cond=cond, sampler=sampler)
+        if decode is None:
+            return latents, None
+        video = decode(denormalize(latents) if denormalize is not None else latents)
+    return latents, video
+
+
+# ---------------------------------------------------------------------------------------------------------- logging
+
+
+def latent_stats(latents: torch.Tensor) -> dict[str, float]:
+    """Mean, standard deviation and mean absolute value over all elements of ``latents`` (in fp32)."""
+    x = latents.detach().float()
+    return {"latent_mean": x.mean().item(), "latent_std": x.std(correction=0).item(),
+            "latent_mean_abs": x.abs().mean().item()}
+
+
+def latent_preview(latents: torch.Tensor, min_size: int = PREVIEW_MIN_SIZE) -> torch.Tensor:
+    """Frames ``[T, K, H', W']`` in [0, 1] of one latent ``[C, T, H, W]``: its first 3 channels as RGB (the first as
+    grey when C < 3), each min-max normalised over the clip (0.5 where constant), upscaled by a whole factor (nearest)
+    until the short side reaches ``min_size``."""
+    if not (isinstance(latents, torch.Tensor) and latents.dim() == 4):
+        raise ValueError(f"latents must be [C, T, H, W], got {getattr(latents, 'shape', type(latents).__name__)}")
+    x = latents.detach().float().cpu()[: 3 if latents.shape[0] >= 3 else 1]
+    low = x.amin(dim=(1, 2, 3), keepdim=True)
+    span = x.amax(dim=(1, 2, 3), keepdim=True) - low
+    x = torch.where(span > 0, (x - low) / torch.where(span > 0, span, 1.0), 0.5)
+    factor = max(1, math.ceil(min_size / min(x.shape[-2:])))
+    x = x.repeat_interleave(factor, dim=-2).repeat_interleave(factor, dim=-1)
+    return x.permute(1, 0, 2, 3).contiguous()
+
+
+def log_validation(
+    tracker: Tracker,
+    step: int,
+    tag: str,
+    latents: torch.Tensor,
+    video: torch.Tensor | None,
+    *,
+    folder: str | os.PathLike | None = None,
+    fps: float = 16.0,
+    captions: Sequence[str] | None = None,
+) -> list[pathlib.Path]:
+    """Log one validation: per prompt ``i`` an animated GIF image summary ``validation/<tag>/prompt_<i>`` of the
+    decoded ``video`` ``[N, 3, T, H, W]``, or without a video ``validation/<tag>/latents_<i>`` of
+    :func:`latent_preview`; always the scalars ``validation/<tag>/<latent_stats>``; the captions as text when given.
+
+    With ``folder`` (the run's validation folder) each clip is also written to ``<folder>/step_<step>/`` (GIF, PNG
+    of the first frame, MP4 when an encoder is installed). Returns the paths written.
+    """
+    if not (isinstance(latents, torch.Tensor) and latents.dim() == 5):
+        raise ValueError(f"latents must be [N, C, T, H, W], got {getattr(latents, 'shape', type(latents).__name__)}")
+    if video is not None and not (isinstance(video, torch.Tensor) and video.dim() == 5
+                                  and video.shape[0] == latents.shape[0] and video.shape[1] in (1, 3)):
+        got = getattr(video, "shape", type(video).__name__)
+        raise ValueError(f"video must be [N, 3, T, H, W] with N = {latents.shape[0]} (one per latent), got {got}")
+    out = pathlib.Path(folder) / f"step_{step}" if folder is not None else None
+    prefix = f"validation/{tag}"
+    paths: list[pathlib.Path] = []
+    for i in range(latents.shape[0]):
+        if video is not None:
+            frames, name = video[i].permute(1, 0, 2, 3), f"{prefix}/prompt_{i}"
+        else:
+            frames, name = latent_preview(latents[i]), f"{prefix}/latents_{i}"
+        paths += tracker.video(step, name, frames, fps=fps, folder=out)
+    tracker.scalars(step, {f"{prefix}/{name}": value for name, value in latent_stats(latents).items()})
+    if captions is not None:
+        tracker.text(step, f"{prefix}/captions", "\n".join(f"- prompt_{i}: {c}" for i, c in enumerate(captions)))
+    return paths

@@ -1,0 +1,336 @@
+"""The Wan VAE (diffusers ``AutoencoderKLWan``) as a frozen latent-to-video decoder for validation.
+
+Only the decoder half is kept (``post_quant_conv`` and ``decoder``): validation decodes, nothing here encodes.
+
+Why a plain module and not params + ``functional_call``: the VAE is frozen, never differentiated, never sharded and
+never checkpointed, so a pytree of its params would buy nothing. ``functional_call`` can only reach ``forward``
+(encode then decode), while ``AutoencoderKLWan.decode`` keeps a per-call causal frame cache in module attributes.
+So the skeleton is built on the meta device (no RNG read) and its weights are *assigned* once, either from fvx key
+draws (``init``) or from a local diffusers folder (``load``); ``decode`` then calls diffusers' own ``decode`` under
+``torch.no_grad`` in eval mode. Because of that frame cache one VAE must not decode from two threads at once.
+
+Latents at this interface are in the VAE's own scale (a model's ``denormalize`` has already been applied), laid out
+``[B, C, T, H, W]``; the video comes back ``[B, 3, 1 + tc (T - 1), sc H, sc W]``, fp32 in [0, 1], as FastVideo's
+``decode_latents``: ``(x / 2 + 0.5).clamp(0, 1)``.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import inspect
+import json
+import math
+import os
+import pathlib
+import zlib
+from typing import Any, Callable, Literal, Mapping
+
+import torch
+from diffusers import AutoencoderKLWan
+from safetensors import safe_open
+from torch import nn
+
+from fvx import random
+from fvx.config import Config
+from fvx_models.wan import WAN21_LATENTS_MEAN, WAN21_LATENTS_STD
+
+Params = dict[str, torch.Tensor]
+
+# -------------------------------------------------------------------------------------------------------- presets
+
+_WAN21 = dict(
+    base_dim=96, decoder_base_dim=None, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+    temperal_downsample=[False, True, True], dropout=0.0, latents_mean=list(WAN21_LATENTS_MEAN),
+    latents_std=list(WAN21_LATENTS_STD), is_residual=False, in_channels=3, out_channels=3, patch_size=None,
+    scale_factor_temporal=4, scale_factor_spatial=8,
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Wan's temporal structure (4x, first frame alone) with two upsampling stages instead of three (4x spatial) and
+    # 8 base channels: about 13 ms for a [1, 16, 2, 8, 8] latent on a 2-core CPU (the 3-stage 8x layout took 270 ms).
+    # Identity latent statistics, like the tiny Wan DiT's, so denormalize -> decode is consistent between the two.
+    "tiny": {**_WAN21, "base_dim": 8, "dim_mult": [1, 2, 2], "num_res_blocks": 1, "temperal_downsample": [True, True],
+             "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16, "scale_factor_spatial": 4},
+    "wan2.1": _WAN21,  # Wan 2.1's VAE (the vae/ folder of every Wan 2.1 diffusers pipeline)
+}
+"""``AutoencoderKLWan`` constructor arguments per preset (every argument, so a folder's config.json can be checked)."""
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+_DECODER_PREFIXES = ("post_quant_conv.", "decoder.")
+_STATS_FIELDS = ("latents_mean", "latents_std")  # data about the latents, not architecture: read, not checked
+_LIST_LIMIT = 10
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _check_preset(preset: str) -> None:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown Wan VAE preset {preset!r}; valid presets: {', '.join(PRESETS)}")
+
+
+def compression(preset: str) -> tuple[int, int]:
+    """(temporal, spatial) compression of ``preset``, from its architecture: one 2x per temporal / spatial
+    upsampling stage (diffusers' ``scale_factor_*`` config fields only describe them)."""
+    _check_preset(preset)
+    kwargs = PRESETS[preset]
+    return 2 ** sum(kwargs["temperal_downsample"]), 2 ** (len(kwargs["dim_mult"]) - 1)
+
+
+# ------------------------------------------------------------------------------------------------------------ VAE
+
+
+@dataclasses.dataclass(frozen=True)
+class VAE:
+    """A frozen video decoder (see the module docstring for layouts).
+
+    decode(latents [B, C, T, H, W], VAE scale) -> video [B, 3, 1 + tc (T - 1), sc H, sc W], fp32 in [0, 1]
+    latents_mean / latents_std: the per-channel statistics a DiT's normalize uses (from the preset or the folder)
+    """
+
+    name: str
+    latent_channels: int
+    temporal_compression: int
+    spatial_compression: int
+    latents_mean: tuple[float, ...]
+    latents_std: tuple[float, ...]
+    decode: Callable[[torch.Tensor], torch.Tensor]
+
+    def num_frames(self, latent_frames: int) -> int:
+        """Video frames decoded from ``latent_frames`` latent frames: ``1 + tc (T - 1)``."""
+        return 1 + self.temporal_compression * (latent_frames - 1)
+
+
+# -------------------------------------------------------------------------------------------------------- skeleton
+
+
+def skeleton(preset: str) -> tuple[AutoencoderKLWan, dict[str, tuple[int, ...]]]:
+    """The decoder-only module for ``preset`` with parameters on meta (no RNG read), and the parameter shapes of the
+    *whole* VAE (encoder included), which a folder's weights are checked against."""
+    _check_preset(preset)
+    with torch.device("meta"):
+        module = AutoencoderKLWan(**copy.deepcopy(PRESETS[preset]))
+    all_shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
+    module.encoder = None
+    module.quant_conv = None
+    if any(True for _ in module.buffers()):
+        raise RuntimeError("Wan VAE skeleton: unexpected buffers (diffusers changed?)")
+    return module.eval().requires_grad_(False), all_shapes
+
+
+def _decoder_shapes(module: AutoencoderKLWan) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(p.shape) for name, p in module.named_parameters()}
+
+
+def _assign(module: AutoencoderKLWan, params: Params, device: torch.device | str | None,
+            dtype: torch.dtype) -> AutoencoderKLWan:
+    """``module`` holding ``params`` (cast to ``dtype`` on ``device``) in place of its meta parameters."""
+    state = {name: p.to(device=device, dtype=dtype) for name, p in params.items()}
+    module.load_state_dict(state, strict=True, assign=True)
+    return module.requires_grad_(False)
+
+
+# ------------------------------------------------------------------------------------------------------------ init
+
+
+def init(module: AutoencoderKLWan, key: torch.Tensor) -> Params:
+    """Random fp32 decoder params from an fvx key, keyed like the state_dict; no global RNG.
+
+    PyTorch's default rules: conv weights and biases ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)); RMS-norm gains one,
+    biases zero. Each param's key is ``fold_in(key, crc32(name))``.
+    """
+    params = {}
+    for module_name, owner in module.named_modules():
+        for local_name, param in owner.named_parameters(recurse=False):
+            name = f"{module_name}.{local_name}" if module_name else local_name
+            params[name] = _init_param(random.fold_in(key, zlib.crc32(name.encode())), owner, local_name, name,
+                                       tuple(param.shape))
+    return params
+
+
+def _init_param(key: torch.Tensor, owner: nn.Module, local_name: str, name: str, shape: tuple[int, ...]):
+    if isinstance(owner, (nn.Conv2d, nn.Conv3d)):
+        bound = 1.0 / math.sqrt(math.prod(owner.weight.shape[1:]))
+        return random.uniform(key, shape, minval=-bound, maxval=bound)
+    if local_name == "gamma":
+        return torch.ones(shape)
+    if local_name == "bias" and not isinstance(owner, (nn.Conv2d, nn.Conv3d)):
+        return torch.zeros(shape)
+    raise ValueError(f"Wan VAE init: no rule for parameter {name!r} of a {type(owner).__name__}")
+
+
+# ------------------------------------------------------------------------------------------------------------ load
+
+
+def load(module: AutoencoderKLWan, all_shapes: Mapping[str, tuple[int, ...]],
+         folder: str | os.PathLike) -> tuple[Params, dict[str, Any]]:
+    """(fp32 decoder params, the folder's config.json) from a local diffusers folder: a VAE folder (config.json +
+    safetensors) or a pipeline root holding one under ``vae/``. Never touches a hub.
+
+    config.json must describe the preset's architecture (latent statistics may differ: they are data, read from it);
+    the weights must hold every decoder tensor with its shape and nothing the VAE does not have (encoder weights are
+    allowed and skipped). Otherwise one ValueError lists every difference.
+    """
+    folder = _vae_folder(pathlib.Path(folder))
+    stored = _check_config(module, folder)
+    files = _weight_files(folder)
+    shapes = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+    _check_tensors(_decoder_shapes(module), all_shapes, shapes, f"weights in {str(folder)!r}")
+    params = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if name.startswith(_DECODER_PREFIXES):
+                    params[name] = f.get_tensor(name).to(torch.float32)
+    return params, stored
+
+
+def _vae_folder(folder: pathlib.Path) -> pathlib.Path:
+    if (folder / CONFIG_NAME).is_file():
+        return folder
+    if (folder / "vae" / CONFIG_NAME).is_file():
+        return folder / "vae"
+    raise ValueError(
+        f"Wan VAE load: no {CONFIG_NAME} in {str(folder)!r} nor in {str(folder / 'vae')!r}; expected a diffusers "
+        "AutoencoderKLWan folder or a pipeline root holding one under vae/"
+    )
+
+
+def _check_config(module: AutoencoderKLWan, folder: pathlib.Path) -> dict[str, Any]:
+    """The folder's config.json; a ValueError lists each architecture field where it differs from the skeleton."""
+    path = folder / CONFIG_NAME
+    try:
+        stored = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"Wan VAE load: {str(path)!r} is not valid JSON: {error}") from None
+    if not isinstance(stored, dict):
+        raise ValueError(f"Wan VAE load: {str(path)!r} does not hold a JSON object")
+    class_name = stored.get("_class_name", AutoencoderKLWan.__name__)
+    if class_name != AutoencoderKLWan.__name__:
+        raise ValueError(f"Wan VAE load: {str(path)!r} describes a {class_name}, not an AutoencoderKLWan")
+    defaults = {name: p.default for name, p in inspect.signature(AutoencoderKLWan.__init__).parameters.items()}
+    differences = []
+    for field, expected in module.config.items():
+        if field.startswith("_") or field in _STATS_FIELDS:
+            continue
+        found = stored.get(field, defaults.get(field))
+        if _normalise(found) != _normalise(expected):
+            differences.append(f"{field}: folder has {found!r}, expected {expected!r}")
+    if differences:
+        raise ValueError(f"Wan VAE load: {str(path)!r} does not match the preset's architecture: "
+                         + "; ".join(differences))
+    return {**{field: defaults[field] for field in _STATS_FIELDS}, **stored}
+
+
+def _normalise(value: Any) -> Any:
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def _weight_files(folder: pathlib.Path) -> list[pathlib.Path]:
+    """The safetensors files holding the weights: the single file, or the shards an index json names."""
+    if (folder / WEIGHTS_NAME).is_file():
+        return [folder / WEIGHTS_NAME]
+    index_path = folder / WEIGHTS_INDEX_NAME
+    if not index_path.is_file():
+        raise ValueError(f"Wan VAE load: no {WEIGHTS_NAME} nor {WEIGHTS_INDEX_NAME} in {str(folder)!r} "
+                         "(fvx reads safetensors only)")
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"Wan VAE load: {str(index_path)!r} is not a safetensors index: {error}") from None
+    files = [folder / name for name in sorted(set(weight_map.values()))]
+    missing = [path.name for path in files if not path.is_file()]
+    if missing:
+        raise ValueError(f"Wan VAE load: shards named in {str(index_path)!r} are missing: {_listed(missing)}")
+    return files
+
+
+def _check_tensors(decoder: Mapping[str, tuple[int, ...]], known: Mapping[str, tuple[int, ...]],
+                   found: Mapping[str, tuple[int, ...]], what: str) -> None:
+    """One ValueError naming missing decoder keys, keys the VAE does not have, and shape mismatches."""
+    missing = [name for name in decoder if name not in found]
+    unexpected = [name for name in found if name not in known]
+    mismatched = [f"{name}: {list(found[name])} vs expected {list(shape)}"
+                  for name, shape in known.items() if name in found and tuple(found[name]) != shape]
+    problems = [f"{label} ({len(items)}): {_listed(items)}"
+                for label, items in (("missing keys", missing), ("unexpected keys", unexpected),
+                                     ("shape mismatches", mismatched)) if items]
+    if problems:
+        raise ValueError(f"Wan VAE: {what} do not fit the VAE: " + "; ".join(problems))
+
+
+def _listed(items: list[str]) -> str:
+    shown = ", ".join(items[:_LIST_LIMIT])
+    return shown + (f", ... and {len(items) - _LIST_LIMIT} more" if len(items) > _LIST_LIMIT else "")
+
+
+# ---------------------------------------------------------------------------------------------------------- decode
+
+
+def decode(module: AutoencoderKLWan, latents: torch.Tensor) -> torch.Tensor:
+    """Video ``[B, 3, 1 + tc (T - 1), sc H, sc W]`` fp32 in [0, 1] from VAE-scale latents ``[B, C, T, H, W]``.
+
+    Runs diffusers' ``decode`` one sample at a time (the memory of one video) in the module's dtype and on its
+    device, under ``torch.no_grad``; the video comes back on the latents' device. ``latents`` is not modified.
+    """
+    channels = module.config.z_dim
+    if not (isinstance(latents, torch.Tensor) and latents.dim() == 5 and latents.shape[1] == channels
+            and latents.shape[0] > 0 and latents.is_floating_point()):
+        got = (f"{latents.dtype} {tuple(latents.shape)}" if isinstance(latents, torch.Tensor)
+               else type(latents).__name__)
+        raise ValueError(f"Wan VAE decode: latents must be a float tensor [B, {channels}, T, H, W] with B >= 1, "
+                         f"got {got}")
+    weight = module.post_quant_conv.weight
+    with torch.no_grad():
+        videos = [module.decode(z[None].to(device=weight.device, dtype=weight.dtype), return_dict=False)[0]
+                  for z in latents]
+        video = torch.cat(videos).float()
+        return (video / 2 + 0.5).clamp(0, 1).to(latents.device)
+
+
+# ---------------------------------------------------------------------------------------------------------- config
+
+
+class WanVAEConfig(Config, tag="wan_vae"):
+    """A Wan VAE decoder: architecture preset, an optional local diffusers folder, and the decode dtype.
+
+    ``path``: a VAE folder (config.json + safetensors) or a pipeline root with ``vae/``; never a hub id. Without
+    it the decoder gets random weights from the key given to ``build`` (the tiny preset for tests and CPU runs).
+    """
+
+    preset: Literal["tiny", "wan2.1"] = "tiny"
+    path: str | None = None
+    dtype: Literal["fp32", "bf16"] = "fp32"
+
+    def __post_init__(self) -> None:
+        _check_preset(self.preset)
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"Wan VAE dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+
+    def build(self, key: torch.Tensor | None = None, *, device: torch.device | str | None = None) -> VAE:
+        """The :class:`VAE`: weights from ``path`` when set, else ``init(key)`` (then ``key`` is required), cast to
+        ``dtype`` and placed on ``device`` (CPU by default)."""
+        module, all_shapes = skeleton(self.preset)
+        if self.path is not None:
+            params, stored = load(module, all_shapes, self.path)
+            mean, std = stored["latents_mean"], stored["latents_std"]
+        elif key is None:
+            raise ValueError("WanVAEConfig.build: a key is required to initialise random weights when path is None")
+        else:
+            params = init(module, key)
+            mean, std = PRESETS[self.preset]["latents_mean"], PRESETS[self.preset]["latents_std"]
+        module = _assign(module, params, device or "cpu", _DTYPES[self.dtype])
+        temporal, spatial = compression(self.preset)
+        return VAE(
+            name=f"wan_vae:{self.preset}",
+            latent_channels=PRESETS[self.preset]["z_dim"],
+            temporal_compression=temporal,
+            spatial_compression=spatial,
+            latents_mean=tuple(float(m) for m in mean),
+            latents_std=tuple(float(s) for s in std),
+            decode=functools.partial(decode, module),
+        )
