@@ -1,0 +1,163 @@
+"""How blocks are compiled (design §3): every unit of a model (each transformer block) runs through one function over
+one meta *template* unit, shared by all units through ``functional_call``, so one compiled graph serves every block.
+
+``install_units(module, ["blocks.0.", "blocks.1.", ...], mode=...)`` routes each unit's ``forward`` to
+``fn(unit_params, unit_buffers, *args)``, the params being whatever the unit holds at call time (under an enclosing
+``functional_call``, the caller's tensors). ``fn`` optionally gathers sharded params first (``gather``, from
+``fvx.sharding.unit_gather``) and then calls the template. With ``mode="blocks"`` ``fn`` is
+``torch.compile(fullgraph=True, dynamic=False)``'d: shapes are static by construction and every rank compiles the
+same graph; the root and the activation checkpoint (``fvx.grad.remat``, which wraps the routed unit) stay eager.
+Compiled code sees plain local tensors only: DTensors are unwrapped before the call (``fvx.sharding.to_local``).
+
+Each compiled graph is counted in a :class:`CompileStats` (by a wrapper around the backend) and logged on the
+``fvx.compile`` logger, so a test or a run can hold the count at one graph per distinct input signature.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import types
+from typing import Any, Callable, Literal, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+Mode = Literal["none", "blocks"]
+MODES: tuple[str, ...] = ("none", "blocks")
+UnitFn = Callable[..., Any]  # fn(params, buffers, *args, **kwargs), params/buffers keyed relative to the unit
+
+_ROUTED = "fvx_units"  # the attribute holding the unit prefixes routed in a module
+
+log = logging.getLogger("fvx.compile")
+
+
+class CompileStats:
+    """The graphs torch.compile built for one installed function, one input signature each: grad mode and the
+    (shape, dtype) of every tensor input. ``recompiles`` counts graphs beyond one per distinct signature."""
+
+    def __init__(self) -> None:
+        self.signatures: list[tuple] = []
+
+    @property
+    def graphs(self) -> int:
+        return len(self.signatures)
+
+    @property
+    def recompiles(self) -> int:
+        return len(self.signatures) - len(set(self.signatures))
+
+    def __repr__(self) -> str:
+        return f"CompileStats(graphs={self.graphs}, recompiles={self.recompiles})"
+
+
+def counting_backend(backend: str | Callable, stats: CompileStats, name: str = "unit") -> Callable:
+    """``backend`` (a registered name such as "inductor" or "aot_eager", or a callable) that first records each
+    graph it is handed in ``stats`` and logs it."""
+    inner = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+
+    def compile_graph(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+        signature = (torch.is_grad_enabled(), tuple((tuple(x.shape), str(x.dtype)) for x in tensors))
+        stats.signatures.append(signature)
+        level = logging.WARNING if stats.recompiles else logging.INFO
+        log.log(level, "%s: compiled graph %d (%d recompiles) for %d tensor inputs, grad %s", name, stats.graphs,
+                stats.recompiles, len(signature[1]), "on" if signature[0] else "off")
+        return inner(graph, example_inputs)
+
+    return compile_graph
+
+
+def template(module: nn.Module, prefix: str) -> nn.Module:
+    """A copy of the unit at ``prefix`` (e.g. "blocks.0.") to serve as every unit's template. Take it before routing;
+    with a skeleton's meta params the copy costs no memory."""
+    unit = _unit(module, prefix)
+    if "forward" in vars(unit):
+        raise ValueError(f"template: unit {prefix!r} is already routed; take the template before install_units")
+    return copy.deepcopy(unit)
+
+
+def unit_function(unit_template: nn.Module, gather: Callable[[Mapping[str, torch.Tensor]], dict] | None = None
+                  ) -> UnitFn:
+    """``fn(params, buffers, *args, **kwargs)``: the template applied with ``gather(params)`` (or ``params``) and
+    ``buffers``. A new code object per call, so each installed model keeps its own torch.compile cache (dynamo
+    caches per code object and stops compiling past ``torch._dynamo.config.recompile_limit`` entries)."""
+
+    def run_unit(params, buffers, *args, **kwargs):
+        full = params if gather is None else gather(params)
+        return functional_call(unit_template, (full, buffers), args, kwargs, strict=True)
+
+    return types.FunctionType(run_unit.__code__.replace(), run_unit.__globals__, run_unit.__name__, None,
+                              run_unit.__closure__)
+
+
+def _unit(module: nn.Module, prefix: str) -> nn.Module:
+    if not (isinstance(prefix, str) and prefix.endswith(".") and len(prefix) > 1):
+        raise ValueError(f"unit prefix {prefix!r} must name a submodule and end with '.' (e.g. 'blocks.0.')")
+    try:
+        return module.get_submodule(prefix[:-1])
+    except AttributeError:
+        raise ValueError(f"unit prefix {prefix!r} names no submodule of {type(module).__name__}") from None
+
+
+def _structure(unit: nn.Module) -> tuple:
+    return (type(unit), tuple((n, tuple(p.shape), p.dtype) for n, p in unit.named_parameters()),
+            tuple((n, tuple(b.shape), b.dtype) for n, b in unit.named_buffers()))
+
+
+def _routed_forward(unit: nn.Module, fn: UnitFn, *args: Any, **kwargs: Any) -> Any:
+    params = dict(unit.named_parameters(remove_duplicate=False))
+    buffers = dict(unit.named_buffers(remove_duplicate=False))
+    return fn(params, buffers, *args, **kwargs)
+
+
+def route_units(module: nn.Module, units: Sequence[str], fn: UnitFn) -> None:
+    """Make every unit's ``forward`` call ``fn(its params, its buffers, *args, **kwargs)`` (mutates ``module``; the
+    units are recorded for :func:`routed_units`)."""
+    for prefix in units:
+        unit = _unit(module, prefix)
+        unit.forward = functools.partial(_routed_forward, unit, fn)
+    object.__setattr__(module, _ROUTED, tuple(units))
+
+
+def routed_units(module: nn.Module) -> tuple[str, ...]:
+    """The unit prefixes :func:`install_units` routed in ``module`` (empty if none)."""
+    return vars(module).get(_ROUTED, ())
+
+
+def install_units(
+    module: nn.Module,
+    units: Sequence[str],
+    *,
+    mode: Mode = "none",
+    gather: Callable[[Mapping[str, torch.Tensor]], dict] | None = None,
+    backend: str | Callable = "inductor",
+    unit_template: nn.Module | None = None,
+) -> CompileStats:
+    """Route ``units`` of ``module`` through one function over a template unit: eager (``mode="none"``) or one
+    ``torch.compile``'d function for all of them (``mode="blocks"``, with ``backend``). ``gather`` turns a unit's
+    local params into full ones (sharding, compute-dtype casts). ``unit_template`` may be shared between models of
+    one architecture; by default it is a copy of the first unit. Returns the compile counters (empty for "none").
+    A ValueError names a bad mode, a unit that does not exist, or one unlike the first."""
+    if mode not in MODES:
+        raise ValueError(f"compile mode must be one of {MODES}, got {mode!r}")
+    units = tuple(units)
+    if not units:
+        raise ValueError("install_units needs at least one unit prefix")
+    if routed_units(module):
+        raise ValueError(f"install_units: {type(module).__name__} already has routed units")
+    first = _structure(_unit(module, units[0]))
+    for prefix in units[1:]:
+        if _structure(_unit(module, prefix)) != first:
+            raise ValueError(f"unit {prefix!r} differs from unit {units[0]!r} (class, param or buffer shapes)")
+    unit_template = template(module, units[0]) if unit_template is None else unit_template
+    if _structure(unit_template)[:2] != first[:2]:
+        raise ValueError("install_units: unit_template is not of the units' class and param shapes")
+    fn = unit_function(unit_template, gather)
+    stats = CompileStats()
+    if mode == "blocks":
+        fn = torch.compile(fn, backend=counting_backend(backend, stats, name=type(unit_template).__name__),
+                           fullgraph=True, dynamic=False)
+    route_units(module, units, fn)
+    return stats

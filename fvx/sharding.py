@@ -1,0 +1,519 @@
+"""Functional FSDP2-style sharding of a params pytree (SimpleFSDP, design §3): shards at rest, per-unit gathers in use.
+
+At rest every param is a ``DTensor`` on a (replicate, shard) device mesh, placed ``(Replicate(), Shard(d))``: each rank
+of a shard group holds one even slice, and replica groups (HSDP) hold the same slices. Even means identical local
+shapes on every rank, so every rank compiles the same graphs: ``d`` is the first dimension the shard size divides, and
+a param none of whose dimensions it divides is zero-padded on dim 0 up to the next multiple (:class:`ShardSpec` records
+the padding; :func:`unshard` and :func:`checkpoint_view` strip it).
+
+In use, a unit (the root, or one transformer block) gathers its params just before it runs, through an
+``autograd.Function`` over the functional collectives addressed by process-group *name* (compiled graphs hold no
+``DeviceMesh``): forward ``all_gather_into_tensor`` in the compute dtype (bf16 halves the traffic), backward
+``reduce_scatter_tensor`` in fp32 (then an ``all_reduce`` over the replicas under HSDP). Gradients come back averaged
+over the data-parallel ranks, so each rank's loss is the plain mean over its own (equal-sized) slice of the global
+batch, exactly as in one process. A gather that runs inside a pure checkpoint (``fvx.grad.remat``) runs again in the
+backward: the full params live only while their unit computes (FSDP's reshard-after-forward).
+
+Optimizer, EMA and gradient norm run on the local shards (:func:`to_local`, no copy); the zero padding stays zero
+under AdamW and EMA, and the global norm is one ``all_reduce`` of the local sum of squares.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
+
+import optree
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.func import functional_call
+
+from fvx import compile as fvx_compile
+from fvx import optim
+from fvx.tree import map_tensors, tensor_leaves
+
+Params = dict[str, torch.Tensor]
+DtypeSpec = torch.dtype | Mapping[str, torch.dtype | None] | None  # one dtype, one per param name, or keep
+
+REPLICATE, SHARD = "replicate", "shard"  # mesh dimension names
+
+
+# --------------------------------------------------------------------------------------------------------- processes
+
+
+class Dist(NamedTuple):
+    """This process's place in the run: ``backend`` is None for a single process without torch.distributed."""
+
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    backend: str | None
+
+
+def _env_int(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except KeyError:
+        raise ValueError(f"init_distributed: WORLD_SIZE is set but {name} is not (launch with torchrun)") from None
+    except ValueError:
+        raise ValueError(f"init_distributed: environment variable {name}={env[name]!r} is not an integer") from None
+
+
+def init_distributed(env: Mapping[str, str] | None = None) -> Dist:
+    """Join the process group torchrun describes in ``env`` (default ``os.environ``): NCCL with one GPU per local
+    rank where CUDA exists (it becomes the current device), gloo on CPUs. Without ``WORLD_SIZE`` in ``env`` this is
+    a single process: nothing is initialised. Calling it again returns the same answer."""
+    env = os.environ if env is None else env
+    cuda = torch.cuda.is_available()
+    if "WORLD_SIZE" not in env:
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        return Dist(0, 1, 0, device, None)
+    world, rank = _env_int(env, "WORLD_SIZE"), _env_int(env, "RANK")
+    local_rank = _env_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"init_distributed: RANK={rank} does not lie in [0, WORLD_SIZE={world})")
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in env]
+        if missing:
+            raise ValueError(f"init_distributed: {', '.join(missing)} not set (launch with torchrun)")
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", init_method=f"tcp://{env['MASTER_ADDR']}:{_env_int(env, 'MASTER_PORT')}",
+            rank=rank, world_size=world, device_id=device if cuda else None,
+        )
+    elif (dist.get_rank(), dist.get_world_size()) != (rank, world):
+        raise ValueError(f"init_distributed: the process group is rank {dist.get_rank()} of {dist.get_world_size()}, "
+                         f"but the environment says rank {rank} of {world}")
+    return Dist(rank, world, local_rank, device, dist.get_backend())
+
+
+def init_jax_distributed(d: Dist, env: Mapping[str, str] | None = None, *, port_offset: int = 100) -> bool:
+    """Start ``jax.distributed`` on CPU beside torch.distributed, so that orbax knows which process is its primary
+    (without it every process believes it is and concurrent saves clobber each other, design §2 "Checkpoints").
+    The coordinator listens on MASTER_ADDR at MASTER_PORT + ``port_offset``. Returns whether it started it: a single
+    process, or one where jax.distributed already runs, needs nothing."""
+    if d.world == 1:
+        return False
+    import jax
+
+    if jax.distributed.is_initialized():
+        return False
+    env = os.environ if env is None else env
+    address = f"{env.get('MASTER_ADDR', '127.0.0.1')}:{_env_int(env, 'MASTER_PORT') + port_offset}"
+    jax.config.update("jax_platforms", "cpu")
+    jax.distributed.initialize(coordinator_address=address, num_processes=d.world, process_id=d.rank)
+    return True
+
+
+def make_mesh(replicate: int = 1, shard: int | None = None, *, device_type: str | None = None) -> DeviceMesh:
+    """A ``(replicate, shard)`` device mesh over all processes (HSDP; ``replicate=1`` is plain FSDP). ``shard``
+    defaults to world / replicate; ``device_type`` to cuda where available, else cpu."""
+    if not dist.is_initialized():
+        raise ValueError("make_mesh: torch.distributed is not initialised (call init_distributed under torchrun)")
+    world = dist.get_world_size()
+    if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1 or world % replicate:
+        raise ValueError(f"make_mesh: replicate={replicate!r} must be a positive divisor of the world size {world}")
+    shard = world // replicate if shard is None else shard
+    if replicate * shard != world:
+        raise ValueError(f"make_mesh: replicate={replicate} x shard={shard} != world size {world}")
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=(REPLICATE, SHARD))
+
+
+class Group(NamedTuple):
+    """What a gather needs to address its collectives: process-group names and sizes (plain data, so compiled graphs
+    hold no mesh). ``Group()`` is a single process: gathers only cast."""
+
+    shard_name: str = ""
+    shard_size: int = 1
+    replicate_name: str = ""
+    replicate_size: int = 1
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: every rank of the mesh reads its own slice of the batch."""
+        return self.shard_size * self.replicate_size
+
+
+def group_of(mesh: DeviceMesh) -> Group:
+    """The :class:`Group` of a mesh made by :func:`make_mesh`."""
+    if tuple(mesh.mesh_dim_names or ()) != (REPLICATE, SHARD):
+        raise ValueError(f"expected a mesh with dims {(REPLICATE, SHARD)} (make_mesh), got {mesh.mesh_dim_names}")
+    return Group(mesh.get_group(SHARD).group_name, mesh.size(1), mesh.get_group(REPLICATE).group_name, mesh.size(0))
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+# ------------------------------------------------------------------------------------------------------------ layout
+
+
+class ShardSpec(NamedTuple):
+    """How one param is sharded: its full ``shape``, the sharded ``dim``, and that dim's size after zero padding
+    (``padded``, a multiple of the shard size; equal to ``shape[dim]`` unless no dimension divides)."""
+
+    shape: tuple[int, ...]
+    dim: int
+    padded: int
+
+    def padded_shape(self) -> tuple[int, ...]:
+        return self.shape[: self.dim] + (self.padded,) + self.shape[self.dim + 1:]
+
+    def local_shape(self, shard_size: int) -> tuple[int, ...]:
+        return self.shape[: self.dim] + (self.padded // shard_size,) + self.shape[self.dim + 1:]
+
+
+Layout = dict[str, ShardSpec]
+
+
+def shard_spec(shape: Sequence[int], shard_size: int) -> ShardSpec:
+    """Shard the first dimension ``shard_size`` divides; if none does, pad dim 0 to a multiple of it."""
+    shape = tuple(int(s) for s in shape)
+    if not shape:
+        raise ValueError("a 0-dim param cannot be sharded; store it with shape [1]")
+    for dim, size in enumerate(shape):
+        if size % shard_size == 0:
+            return ShardSpec(shape, dim, size)
+    return ShardSpec(shape, 0, math.ceil(shape[0] / shard_size) * shard_size)
+
+
+def plan(shapes: Mapping[str, Sequence[int]], shard_size: int) -> Layout:
+    """The :class:`ShardSpec` of every param, from full shapes alone (a pure function: every rank agrees)."""
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
+        raise ValueError(f"shard_size must be a positive int, got {shard_size!r}")
+    layout = {}
+    for name, shape in shapes.items():
+        try:
+            layout[name] = shard_spec(shape, shard_size)
+        except ValueError as error:
+            raise ValueError(f"param {name!r}: {error}") from None
+    return layout
+
+
+def _dtype_for(spec: DtypeSpec, name: str) -> torch.dtype | None:
+    if spec is None or isinstance(spec, torch.dtype):
+        return spec
+    return spec.get(name)
+
+
+def _placements(spec: ShardSpec) -> tuple:
+    return (Replicate(), Shard(spec.dim))
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def local_slice(full: torch.Tensor, spec: ShardSpec, index: int, shard_size: int) -> torch.Tensor:
+    """Shard ``index`` of ``shard_size`` of the zero-padded ``full`` tensor, of the even local shape: a view of
+    ``full`` where no padding falls in it, else a new tensor ending in zeros."""
+    chunk = spec.padded // shard_size
+    start = min(index * chunk, spec.shape[spec.dim])
+    real = max(0, min(chunk, spec.shape[spec.dim] - start))
+    part = full.narrow(spec.dim, start, real)
+    if real == chunk:
+        return part
+    pad_shape = list(part.shape)
+    pad_shape[spec.dim] = chunk - real
+    return torch.cat([part, part.new_zeros(pad_shape)], dim=spec.dim)
+
+
+def shard(
+    params: Mapping[str, torch.Tensor], mesh: DeviceMesh, *, layout: Layout | None = None, dtype: DtypeSpec = None
+) -> dict[str, DTensor]:
+    """``params`` (full tensors, the same on every rank) as even ``DTensor(Replicate(), Shard(d))`` shards on
+    ``mesh``'s device, in ``dtype`` (one dtype, or per name; None keeps each param's own: a frozen teacher is
+    sharded in bf16). Params are read one at a time and only the local slice is kept, so a lazy mapping (one that
+    loads on access) never holds more than one full param. ``layout`` defaults to :func:`plan` of the shapes."""
+    group = group_of(mesh)
+    layout = plan({name: tuple(p.shape) for name, p in params.items()}, group.shard_size) if layout is None else layout
+    if set(layout) != set(params):
+        raise ValueError(f"shard: layout and params name different tensors: "
+                         f"{sorted(set(layout) ^ set(params))[:10]}")
+    index, device = mesh.get_local_rank(SHARD), _mesh_device(mesh)
+    out = {}
+    for name, full in params.items():
+        spec = layout[name]
+        if tuple(full.shape) != spec.shape:
+            raise ValueError(f"shard: param {name!r} has shape {tuple(full.shape)}, its layout says {spec.shape}")
+        part = local_slice(full.detach(), spec, index, group.shard_size)
+        local = torch.empty(part.shape, dtype=_dtype_for(dtype, name) or full.dtype, device=device).copy_(part)
+        out[name] = DTensor.from_local(local, mesh, _placements(spec), run_check=False, shape=spec.padded_shape(),
+                                       stride=_contiguous_stride(spec.padded_shape()))
+    return out
+
+
+def _strip(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    if spec.padded == spec.shape[spec.dim]:
+        return full
+    return full.narrow(spec.dim, 0, spec.shape[spec.dim]).clone()
+
+
+def unshard(sharded: Mapping[str, DTensor], layout: Layout) -> Params:
+    """Full, unpadded tensors on every rank (a collective: every rank calls it with the same names in the same
+    order). For export and tests; training never needs it."""
+    return {name: _strip(dt.full_tensor(), layout[name]) for name, dt in sharded.items()}
+
+
+def checkpoint_view(sharded: Mapping[str, DTensor], layout: Layout) -> dict[str, DTensor]:
+    """DTensors of the *unpadded* full shapes whose local tensors are views of the padded shards (no copy): what
+    ``torch.distributed.checkpoint`` saves and loads in place, so a checkpoint holds no padding and reshards to any
+    world size. Padded params become torch.chunk-style uneven shards (the last ranks hold fewer rows, maybe none)."""
+    out = {}
+    for name, dt in sharded.items():
+        spec = layout[name]
+        if dt is None or spec.padded == spec.shape[spec.dim]:
+            out[name] = dt
+            continue
+        mesh, local = dt.device_mesh, dt.to_local()
+        chunk = spec.padded // mesh.size(1)
+        real = max(0, min(chunk, spec.shape[0] - mesh.get_local_rank(SHARD) * chunk))
+        out[name] = DTensor.from_local(local.narrow(0, 0, real), mesh, _placements(spec), run_check=False,
+                                       shape=spec.shape, stride=_contiguous_stride(spec.shape))
+    return out
+
+
+def to_local(tree: Any) -> Any:
+    """Every ``DTensor`` leaf of ``tree`` as its local shard: the same storage (in-place updates of the result
+    update the DTensor), detached. Other leaves pass through."""
+    return map_tensors(lambda x: x.to_local().detach() if isinstance(x, DTensor) else x, tree)
+
+
+def from_local(local: Mapping[str, torch.Tensor], mesh: DeviceMesh, layout: Layout) -> dict[str, DTensor]:
+    """Local shards keyed like the params (grads, AdamW moments, an EMA) as DTensors on ``mesh``, sharing storage;
+    ``None`` holes (masked-out leaves) stay ``None``."""
+    group = group_of(mesh)
+    out = {}
+    for name, tensor in local.items():
+        spec = layout[name]
+        if tensor is None:
+            out[name] = None
+            continue
+        if tuple(tensor.shape) != spec.local_shape(group.shard_size):
+            raise ValueError(f"from_local: {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected the local shape {spec.local_shape(group.shard_size)}")
+        out[name] = DTensor.from_local(tensor, mesh, _placements(spec), run_check=False, shape=spec.padded_shape(),
+                                       stride=_contiguous_stride(spec.padded_shape()))
+    return out
+
+
+def dtensor_tree(tree: Any, mesh: DeviceMesh, layout: Layout) -> Any:
+    """``tree`` with every sub-dict keyed exactly like the params (params, grads, AdamW's mu and nu, an EMA) wrapped
+    by :func:`from_local`; other leaves (a step count) stay plain. The form ``torch.distributed.checkpoint`` saves."""
+    names = set(layout)
+
+    def is_params(node: Any) -> bool:
+        return isinstance(node, dict) and set(node) == names
+
+    return optree.tree_map(lambda node: from_local(node, mesh, layout) if is_params(node) else node, tree,
+                           is_leaf=is_params, none_is_leaf=True)
+
+
+def checkpoint_tree(tree: Any, mesh: DeviceMesh, layout: Layout) -> Any:
+    """``tree`` (a train state: params, AdamW moments, EMA; local shards or DTensors) with every sub-dict keyed
+    exactly like the params as :func:`checkpoint_view` DTensors: what ``torch.distributed.checkpoint`` saves, and
+    loads in place into the padded shards, whatever the world size it was saved with. Other leaves stay plain."""
+    names = set(layout)
+
+    def is_params(node: Any) -> bool:
+        return isinstance(node, dict) and set(node) == names
+
+    def view(node: dict) -> dict:
+        plain = {name: t for name, t in node.items() if not isinstance(t, DTensor)}
+        return checkpoint_view({**node, **from_local(plain, mesh, layout)}, layout)
+
+    return optree.tree_map(lambda node: view(node) if is_params(node) else node, tree, is_leaf=is_params,
+                           none_is_leaf=True)
+
+
+def local_bytes(tree: Any) -> int:
+    """Bytes this rank holds for the tensor leaves of ``tree`` (local shards of DTensors)."""
+    return sum(x.numel() * x.element_size() for x in tensor_leaves(to_local(tree)))
+
+
+# ----------------------------------------------------------------------------------------------------------- gathers
+
+
+def _wait(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.ops._c10d_functional.wait_tensor(tensor)
+
+
+def _all_gather(x: torch.Tensor, dim: int, size: int, shard_name: str, shard_size: int) -> torch.Tensor:
+    """Concatenate the shard group's ``x`` along ``dim`` and drop the padding beyond ``size``."""
+    moved = x.movedim(dim, 0).contiguous() if dim else x.contiguous()
+    full = _wait(torch.ops._c10d_functional.all_gather_into_tensor(moved, shard_size, shard_name))
+    full = full.movedim(0, dim) if dim else full
+    return full if full.shape[dim] == size else full.narrow(dim, 0, size)
+
+
+def _reduce_scatter(grad: torch.Tensor, dim: int, padded: int, group: tuple) -> torch.Tensor:
+    """The fp32 mean over data-parallel ranks of a full gradient, scattered back to this rank's shard of ``dim``."""
+    shard_name, shard_size, replicate_name, replicate_size = group
+    g = grad.to(torch.float32) / (shard_size * replicate_size)
+    if g.shape[dim] < padded:
+        pad = list(g.shape)
+        pad[dim] = padded - g.shape[dim]
+        g = torch.cat([g, g.new_zeros(pad)], dim=dim)
+    g = g.movedim(dim, 0).contiguous() if dim else g.contiguous()
+    if shard_size > 1:
+        g = _wait(torch.ops._c10d_functional.reduce_scatter_tensor(g, "sum", shard_size, shard_name))
+    if replicate_size > 1:
+        g = _wait(torch.ops._c10d_functional.all_reduce(g, "sum", replicate_name))
+    return g.movedim(0, dim).contiguous() if dim else g
+
+
+class _Gather(torch.autograd.Function):
+    """Forward: all-gather a local shard (cast to the compute dtype first). Backward: fp32 reduce-scatter (+ replica
+    all-reduce) of the full gradient, averaged over data-parallel ranks, in the local shard's dtype."""
+
+    @staticmethod
+    def forward(ctx, local, dim, size, padded, shard_name, shard_size, replicate_name, replicate_size, compute_dtype):
+        ctx.dim, ctx.padded, ctx.local_dtype = dim, padded, local.dtype
+        ctx.group = (shard_name, shard_size, replicate_name, replicate_size)
+        x = local if compute_dtype is None else local.to(compute_dtype)
+        if shard_size == 1:
+            return x.view_as(x)
+        return _all_gather(x, dim, size, shard_name, shard_size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        local = _reduce_scatter(grad, ctx.dim, ctx.padded, ctx.group).to(ctx.local_dtype)
+        return local, None, None, None, None, None, None, None, None
+
+
+def gather(local: torch.Tensor, spec: ShardSpec, group: Group, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The full (unpadded) param of ``local``'s shard, in ``compute_dtype``; differentiable (see :class:`_Gather`).
+    In a single process (``Group()``) it is only the cast."""
+    if group.dp_size == 1:
+        return local if compute_dtype is None else local.to(compute_dtype)
+    return _Gather.apply(local, spec.dim, spec.shape[spec.dim], spec.padded, group.shard_name, group.shard_size,
+                         group.replicate_name, group.replicate_size, compute_dtype)
+
+
+def gather_params(local: Mapping[str, torch.Tensor], layout: Layout, group: Group,
+                  compute_dtypes: DtypeSpec = None) -> Params:
+    """:func:`gather` of every param of ``local`` (names as in ``layout`` and ``compute_dtypes``)."""
+    return {name: gather(t, layout[name], group, _dtype_for(compute_dtypes, name)) for name, t in local.items()}
+
+
+def _unit_of(name: str, units: Sequence[str]) -> str | None:
+    return next((prefix for prefix in units if name.startswith(prefix)), None)
+
+
+def gather_root(local: Mapping[str, torch.Tensor], layout: Layout, units: Sequence[str], group: Group,
+                compute_dtypes: DtypeSpec = None) -> Params:
+    """The params to bind for a call of the whole module: the root's own params (those under no unit prefix)
+    gathered, the units' params passed through as local shards (each unit gathers its own when it runs)."""
+    return {name: t if _unit_of(name, units) else gather(t, layout[name], group, _dtype_for(compute_dtypes, name))
+            for name, t in local.items()}
+
+
+def unit_gather(layout: Layout, units: Sequence[str], group: Group,
+                compute_dtypes: DtypeSpec = None) -> Callable[[Mapping[str, torch.Tensor]], Params]:
+    """One gather for every unit, over param names relative to the unit's prefix (what
+    ``fvx.compile.install_units`` passes); a ValueError names a unit whose layout or dtypes differ from the first's."""
+    if not units:
+        raise ValueError("unit_gather needs at least one unit prefix")
+
+    def relative(prefix: str) -> tuple[Layout, dict[str, torch.dtype | None]]:
+        names = [name for name in layout if name.startswith(prefix)]
+        if not names:
+            raise ValueError(f"unit {prefix!r} has no params in the layout")
+        return ({name[len(prefix):]: layout[name] for name in names},
+                {name[len(prefix):]: _dtype_for(compute_dtypes, name) for name in names})
+
+    unit_layout, unit_dtypes = relative(units[0])
+    for prefix in units[1:]:
+        if relative(prefix) != (unit_layout, unit_dtypes):
+            raise ValueError(f"unit {prefix!r} is laid out unlike unit {units[0]!r}: units must share one structure")
+
+    def gather_unit(local: Mapping[str, torch.Tensor]) -> Params:
+        return gather_params(local, unit_layout, group, unit_dtypes)
+
+    return gather_unit
+
+
+def sharded_call(module: torch.nn.Module, local: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
+                 args: tuple = (), kwargs: Mapping[str, Any] | None = None, *, layout: Layout, group: Group,
+                 compute_dtypes: DtypeSpec = None) -> Any:
+    """``module(*args, **kwargs)`` with sharded params: ``functional_call`` with the root's params gathered and each
+    unit's local shards, which the unit gathers itself. The units must have been routed with a gathering function
+    (``fvx.compile.install_units(module, units, gather=unit_gather(...))``)."""
+    units = fvx_compile.routed_units(module)
+    if not units:
+        raise ValueError("sharded_call: no units are routed in this module; call fvx.compile.install_units with "
+                         "gather=fvx.sharding.unit_gather(...) first")
+    bound = gather_root(local, layout, units, group, compute_dtypes)
+    return functional_call(module, (bound, dict(buffers)), args, dict(kwargs or {}), strict=True)
+
+
+# ------------------------------------------------------------------------------------------- norms and the optimizer
+
+
+def global_norm_sharded(tree: Any, group: Group) -> torch.Tensor:
+    """sqrt of the sum of squares over all ranks' shards of ``tree`` (DTensors or local shards; every leaf a shard of
+    a sharded tensor, replicas identical): one fp32 ``all_reduce`` over the shard group. 0-dim fp32."""
+    leaves = [x for x in tensor_leaves(to_local(tree)) if x.is_floating_point()]
+    if leaves:
+        norms = torch._foreach_norm(leaves, 2.0)
+        squares = torch.stack([n.to(torch.float32) for n in norms]).square().sum()
+    else:
+        squares = torch.zeros((), dtype=torch.float32)
+    if group.shard_size > 1:
+        squares = _wait(torch.ops._c10d_functional.all_reduce(squares, "sum", group.shard_name))
+    return squares.sqrt()
+
+
+def clip_by_global_norm(max_norm: float, group: Group) -> optim.GradientTransformation:
+    """``fvx.optim.clip_by_global_norm`` over sharded updates: the scale ``min(1, max_norm / (norm + 1e-6))`` uses
+    :func:`global_norm_sharded`, so every rank scales by the same factor. Stateless."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 < max_norm < math.inf:
+        raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
+
+    def init(params: Any) -> optim.EmptyState:
+        return optim.EmptyState()
+
+    def update_(updates: Any, state: optim.EmptyState, params: Any = None) -> tuple[Any, optim.EmptyState]:
+        leaves = tensor_leaves(updates)
+        if leaves:
+            scale = torch.clamp(max_norm / (global_norm_sharded(leaves, group) + 1e-6), max=1.0)
+            torch._foreach_mul_(leaves, scale)
+        return updates, state
+
+    def update(updates: Any, state: optim.EmptyState, params: Any = None) -> tuple[Any, optim.EmptyState]:
+        return update_(map_tensors(torch.clone, updates), state, params)
+
+    return optim.GradientTransformation(init, update, update_)
+
+
+def dp_mean(value: torch.Tensor, group: Group) -> torch.Tensor:
+    """The mean of a per-rank metric (a local loss) over the data-parallel ranks: what one process would log for the
+    global batch when every rank holds an equal slice. One fp32 all-reduce."""
+    if group.dp_size == 1:
+        return value
+    total = value.detach().to(torch.float32) / group.dp_size
+    if group.shard_size > 1:
+        total = _wait(torch.ops._c10d_functional.all_reduce(total, "sum", group.shard_name))
+    if group.replicate_size > 1:
+        total = _wait(torch.ops._c10d_functional.all_reduce(total, "sum", group.replicate_name))
+    return total
+
+
+def names_by_unit(names: Iterable[str], units: Sequence[str]) -> dict[str | None, list[str]]:
+    """Param names grouped by their unit prefix (None: the root)."""
+    out: dict[str | None, list[str]] = {None: [], **{prefix: [] for prefix in units}}
+    for name in names:
+        out[_unit_of(name, units)].append(name)
+    return out

@@ -1,0 +1,247 @@
+"""fvx.sharding: layout and padding (pure), single-process behaviour, and one 2-process gloo run (tests/fvx/dist_worker.py)
+whose gradients, optimizer step, EMA, frozen bf16 teacher and checkpoint views must equal a single process's."""
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from fvx import ema, grad, optim, sharding
+from fvx.tree import global_norm
+from fvx_models import wan
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import dist_worker as worker  # noqa: E402
+
+ROOT = pathlib.Path(__file__).parents[2]
+REL = 1e-6  # fp32: the 2-process sums differ from one process's only in reduction order
+
+
+# ---------------------------------------------------------------------------------------------------- layout (pure)
+
+
+def test_plan_shards_dim0_then_the_first_divisible_dim_then_pads_dim0():
+    shapes = {"w": (6, 4), "table": (1, 6, 96), "odd": (5, 7), "bias": (5120,), "conv": (3, 16, 1, 2, 2)}
+    assert sharding.plan(shapes, 2) == {
+        "w": (shapes["w"], 0, 6), "table": (shapes["table"], 1, 6), "odd": (shapes["odd"], 0, 6),
+        "bias": (shapes["bias"], 0, 5120), "conv": (shapes["conv"], 1, 16)}
+    world3 = sharding.plan(shapes, 3)
+    assert world3["w"] == ((6, 4), 0, 6) and world3["table"] == ((1, 6, 96), 1, 6)
+    assert world3["odd"] == ((5, 7), 0, 6) and world3["bias"] == ((5120,), 0, 5121)
+    assert world3["conv"] == ((3, 16, 1, 2, 2), 0, 3)
+    assert sharding.plan(shapes, 4)["table"] == ((1, 6, 96), 2, 96)
+    assert world3["odd"].local_shape(3) == (2, 7) and world3["odd"].padded_shape() == (6, 7)
+
+
+def test_local_slices_are_even_and_the_last_ones_hold_the_zero_padding():
+    full = torch.arange(35.0).reshape(5, 7)
+    spec = sharding.shard_spec(full.shape, 3)
+    slices = [sharding.local_slice(full, spec, i, 3) for i in range(3)]
+    assert [tuple(s.shape) for s in slices] == [(2, 7)] * 3
+    torch.testing.assert_close(torch.cat(slices), torch.cat([full, torch.zeros(1, 7)]), rtol=0, atol=0)
+    spec = sharding.shard_spec((1, 3), 4)  # more ranks than rows: whole shards of padding
+    slices = [sharding.local_slice(torch.ones(1, 3), spec, i, 4) for i in range(4)]
+    assert [s.sum().item() for s in slices] == [3.0, 0.0, 0.0, 0.0]
+
+
+def test_plan_rejects_bad_input():
+    with pytest.raises(ValueError, match="'scalar'.*0-dim"):
+        sharding.plan({"scalar": ()}, 2)
+    with pytest.raises(ValueError, match="shard_size"):
+        sharding.plan({"w": (4,)}, 0)
+
+
+# ------------------------------------------------------------------------------------------------- single process
+
+
+def test_init_distributed_without_torchrun_is_a_single_process():
+    d = sharding.init_distributed({})
+    assert (d.rank, d.world, d.local_rank, d.backend) == (0, 1, 0, None)
+    assert sharding.init_jax_distributed(d) is False
+
+
+@pytest.mark.parametrize("env, culprit", [
+    ({"WORLD_SIZE": "2"}, "RANK"),
+    ({"WORLD_SIZE": "2", "RANK": "x"}, "RANK='x'"),
+    ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK=2"),
+    ({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}, "MASTER_ADDR"),
+])
+def test_init_distributed_names_the_bad_variable(env, culprit):
+    with pytest.raises(ValueError, match=culprit):
+        sharding.init_distributed(env)
+
+
+def test_make_mesh_needs_torch_distributed():
+    with pytest.raises(ValueError, match="not initialised"):
+        sharding.make_mesh(1, 2)
+
+
+def test_single_process_gather_casts_and_returns_fp32_grads():
+    w = torch.linspace(-1, 1, 12).reshape(3, 4)
+    spec = sharding.shard_spec(w.shape, 1)
+    (g,) = torch.autograd.grad(sharding.gather(w.requires_grad_(), spec, sharding.Group(), torch.bfloat16).sum(), [w])
+    assert g.dtype == torch.float32 and torch.equal(g, torch.ones(3, 4))
+
+
+def test_single_process_norm_and_clip_equal_the_unsharded_ones():
+    grads = {"a": torch.linspace(-3, 2, 10), "b": torch.linspace(0, 1, 6).reshape(2, 3)}
+    torch.testing.assert_close(sharding.global_norm_sharded(grads, sharding.Group()), global_norm(grads))
+    ours = sharding.clip_by_global_norm(0.5, sharding.Group())
+    theirs = optim.clip_by_global_norm(0.5)
+    got, _ = ours.update(grads, ours.init(grads))
+    want, _ = theirs.update(grads, theirs.init(grads))
+    for name in grads:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="max_norm"):
+        sharding.clip_by_global_norm(0.0, sharding.Group())
+
+
+def test_unit_gather_needs_units_of_one_structure_and_sharded_call_needs_routed_units():
+    layout = sharding.plan({"blocks.0.w": (4, 2), "blocks.1.w": (2, 4)}, 2)
+    with pytest.raises(ValueError, match="'blocks.1.' is laid out unlike"):
+        sharding.unit_gather(layout, ["blocks.0.", "blocks.1."], sharding.Group())
+    with pytest.raises(ValueError, match="'blocks.2.' has no params"):
+        sharding.unit_gather(layout, ["blocks.0.", "blocks.2."], sharding.Group())
+    with pytest.raises(ValueError, match="install_units"):
+        sharding.sharded_call(wan.skeleton("tiny"), {}, {}, layout=layout, group=sharding.Group())
+
+
+# --------------------------------------------------------------------------------------------------- two processes
+
+
+# The two-process tests share one launch of 2 processes (imports and compiling: about 15 s on 2 idle cores): slow.
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def run2(tmp_path_factory):
+    """Launch 2 gloo ranks of dist_worker.py once; what rank 0 saved."""
+    out = tmp_path_factory.mktemp("dist")
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": str(ROOT),
+               "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+        procs.append(subprocess.Popen([sys.executable, str(pathlib.Path(worker.__file__)), str(out)], env=env,
+                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    for rank, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"rank {rank} failed:\n{log[-4000:]}"
+    return torch.load(out / "results.pt", weights_only=False), out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Single-process loss, grads, AdamW step and EMA on the whole global batch."""
+    params, batch = worker.problem()
+    module = wan.skeleton("tiny")
+
+    def loss_fn(p):
+        out = wan.apply(module, p, batch["x"], batch["t"], {"text": batch["text"]})
+        return worker.mse(out, batch["target"])
+
+    loss, grads = grad.value_and_grad(loss_fn)(params)
+    tx = optim.chain(optim.clip_by_global_norm(worker.MAX_NORM),
+                     optim.adamw(worker.LR, weight_decay=worker.WEIGHT_DECAY))
+    norm = global_norm(grads)
+    stepped, opt_state = optim.step_(tx, {n: p.clone() for n, p in params.items()},
+                                     {n: g.clone() for n, g in grads.items()}, tx.init(params))
+    shadow = ema.ema_update(ema.ema_init(params), stepped, worker.EMA_DECAY)
+    return dict(params=params, batch=batch, module=module, loss=loss, grads=grads, norm=norm, stepped=stepped,
+                shadow=shadow, mu=opt_state[1].mu)
+
+
+def assert_close_rel(got: dict, want: dict, rel: float = REL):
+    """Every element within ``rel`` of the largest magnitude in ``want``, and every tensor within ``10 rel`` in norm.
+    (Per-element relative errors are meaningless for gradients that are zero up to rounding, such as the key biases
+    of attention, which softmax ignores.)"""
+    assert list(got) == list(want)
+    scale = max(w.abs().max() for w in want.values())
+    for name in want:
+        err = (got[name] - want[name]).abs().max() / scale
+        norm_err = (got[name] - want[name]).norm() / want[name].norm().clamp_min(1e-30)
+        assert err <= rel and norm_err <= 10 * rel, f"{name}: error {err:.2e} of the largest, {norm_err:.2e} in norm"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["grads_rematFalse", "grads_rematTrue", "grads_compiled", "grads_replicated"])
+def test_two_process_grads_equal_one_process(run2, reference, key):
+    results, _ = run2
+    assert_close_rel(results[key], reference["grads"])
+    loss_key = "loss" + key.removeprefix("grads")
+    torch.testing.assert_close(results[loss_key], reference["loss"], rtol=REL, atol=0)
+
+
+@pytest.mark.slow
+def test_two_process_shards_are_even_halves_and_compile_one_block_graph(run2, reference):
+    results, _ = run2
+    full_bytes = sum(p.numel() * p.element_size() for p in reference["params"].values())
+    assert results["local_shapes_equal"]
+    assert results["local_bytes"] == full_bytes // 2
+    assert results["compiled_graphs"] == 1  # both blocks, two steps, forward and recompute: one graph
+    assert results["unit_gathers_rematFalse"] == 2  # each block gathers once and keeps its full params for backward
+    assert results["unit_gathers_rematTrue"] == 4  # under remat the backward gathers again: reshard after forward
+    assert results["dist"][:2] == (0, 2) and results["dist"][4] == "gloo"
+
+
+@pytest.mark.slow
+def test_two_process_adamw_step_and_ema_on_local_shards_equal_one_process(run2, reference):
+    results, _ = run2
+    torch.testing.assert_close(results["grad_norm"], reference["norm"], rtol=REL, atol=0)
+    assert reference["norm"] > worker.MAX_NORM  # the clip bites, so its global norm matters
+    # Adam divides by sqrt(nu): where a gradient is tiny its reduction-order rounding grows, hence 3e-6 here.
+    assert_close_rel(results["params_after_step"], reference["stepped"], rel=3e-6)
+    assert_close_rel(results["ema_after_step"], reference["shadow"], rel=3e-6)
+    assert results["opt_state_dtensor_leaves"] == 2 * len(reference["params"])  # mu and nu; count stays plain
+
+
+@pytest.mark.slow
+def test_two_process_frozen_bf16_teacher_matches_one_process(run2, reference):
+    results, _ = run2
+    params, batch, module = reference["params"], reference["batch"], reference["module"]
+    dtypes = worker.teacher_dtypes(params)
+    sharded_bytes = sum(p.numel() * (4 if dtypes[n] == torch.float32 else 2) for n, p in params.items()) // 2
+    assert results["teacher_local_bytes"] == sharded_bytes
+    with torch.no_grad():
+        want = wan.apply(module, params, batch["x"], batch["t"], {"text": batch["text"]}, compute_dtype=torch.bfloat16)
+    torch.testing.assert_close(results["teacher_out"], want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load in this (single) process
+def test_two_process_padded_param_gradient_and_checkpoint(run2, reference):
+    results, out = run2
+    odd = reference["params"]["proj_out.weight"][: worker.ODD_SHAPE[0], : worker.ODD_SHAPE[1]]
+    assert results["odd_local_shape"] == (3, 3)
+    w = odd.clone().requires_grad_()
+    (want,) = torch.autograd.grad(worker.odd_loss(w, reference["batch"]["odd_x"]), [w])
+    assert_close_rel({"odd": results["odd_grad"]}, {"odd": want})
+    padded = results["odd_grad_padded"]
+    assert padded.shape == (6, 3) and torch.equal(padded[5], torch.zeros(3))
+    assert torch.equal(results["odd_view_full"], odd)
+    # The checkpoint (saved after the AdamW step, from views of the updated shards) holds unpadded tensors: one
+    # process loads it into plain full-shaped tensors.
+    stepped = results["params_after_step"]
+    loaded = {"params": {n: torch.zeros_like(p) for n, p in stepped.items()}, "odd": torch.zeros(worker.ODD_SHAPE),
+              "mu": {n: torch.zeros_like(p) for n, p in stepped.items()}, "count": torch.zeros((), dtype=torch.int64)}
+    dcp.load(loaded, checkpoint_id=str(out / "dcp"), no_dist=True)
+    assert torch.equal(loaded["odd"], odd) and loaded["count"].item() == 1
+    for name, p in stepped.items():
+        assert torch.equal(loaded["params"][name], p), name
+    assert_close_rel(loaded["mu"], reference["mu"])
+
+
+@pytest.mark.slow
+def test_two_process_jax_distributed_sees_both_processes(run2):
+    results, _ = run2
+    assert results["jax_started"] is True and results["jax_process_count"] == 2
