@@ -1,32 +1,64 @@
-"""The generic training loop: build, then step, log and show progress. It knows no model family and no method.
+"""The generic training loop: build, then step, log, checkpoint and show progress. It knows no model family and
+no method.
 
 An experiment's root config subclasses :class:`Experiment` and adds a ``model`` (whose ``build()`` gives the model
-interface) and a ``method`` (whose ``build(model, total_steps=...)`` gives an ``fvx.state.Program``). Step ``s`` runs
-on ``batch_at(s)`` with the step key ``fold_in(key, s)``, so any step can be recomputed from the config alone.
+interface) and a ``method`` (whose ``build(model, total_steps=...)`` gives an ``fvx.state.Program``).
+
+Step numbering. Step ``s`` (0-based) is the update that consumes ``batch_at(s)`` with the step key ``fold_in(key, s)``;
+TensorBoard shows its metrics at ``s``. Afterwards the state's ``step`` is ``s + 1``, and a checkpoint taken then is
+checkpoint ``s + 1``: the state that step ``s + 1`` starts from. Nothing else is needed to resume or to recompute any
+step (fvx.replay), since keys derive from the step and the data order from the seed.
+
+The run folder (``run.output_dir``)::
+
+    config.json        the resolved config (fvx.config.dump); the source of truth for values
+    run.json           how the run was started: experiment file (absolute), overrides, versions, world size
+    tb/                TensorBoard events, one value per step (a resumed run first drops the events of the steps it
+                       takes again, e.g. those a killed run logged after its last checkpoint)
+    checkpoints/<N>/   the state after N steps, with the config and run.json's metadata (fvx.checkpoint)
+    nonfinite.json     the step whose loss or gradients were not finite, when the run halted there
 """
 from __future__ import annotations
 
+import importlib.metadata
+import json
+import math
+import os
 import pathlib
+import shlex
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Callable, Literal, NamedTuple
 
 import msgspec
 import torch
+from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+from tensorboard.compat.proto import event_pb2
+from tensorboard.summary.writer.record_writer import RecordWriter
 
+import fvx
+from fvx import checkpoint
 from fvx import config as fconfig
 from fvx import data, random, tracking
 from fvx.config import Config
-from fvx.state import Program, TrainState
+from fvx.state import NONFINITE, Program, TrainState
+
+RUN_FILE = "run.json"
+CHECKPOINTS = "checkpoints"
+TENSORBOARD = "tb"
+NONFINITE_FILE = "nonfinite.json"
 
 
 class RunConfig(Config):
-    """Where a run writes, how long it runs, and its seed (every key of the run derives from it)."""
+    """Where a run writes, how long it runs, its seed (every key of the run derives from it), how it checkpoints,
+    and what a non-finite loss or gradient does: ``halt`` the run, or ``skip`` the update (the step still counts)."""
 
     seed: int = 0
     steps: Annotated[int, msgspec.Meta(ge=0)] = 100
     output_dir: str = "runs/default"
     log_every: Annotated[int, msgspec.Meta(ge=1)] = 1
     progress: bool = True
+    on_nonfinite: Literal["halt", "skip"] = "halt"
+    checkpoint: checkpoint.CheckpointConfig = checkpoint.CheckpointConfig()
 
 
 class Experiment(Config):
@@ -34,6 +66,14 @@ class Experiment(Config):
 
     run: RunConfig = RunConfig()
     data: data.DataConfig = data.DataConfig()
+
+
+class Launch(msgspec.Struct, frozen=True):
+    """How a run was started (recorded in run.json and in every checkpoint): the experiment file's absolute path and
+    the command-line overrides. Re-running the file gives the config's type; config.json gives its values."""
+
+    experiment: str | None = None
+    overrides: tuple[str, ...] = ()
 
 
 class Setup(msgspec.Struct, frozen=True):
@@ -46,6 +86,28 @@ class Setup(msgspec.Struct, frozen=True):
     method_key: torch.Tensor
 
 
+class Prepared(NamedTuple):
+    """A run ready to start: what it built, the state it starts from, and, when resumed, from where."""
+
+    setup: Setup
+    state: TrainState
+    nonfinite_skips: int = 0  # updates skipped before ``state.step`` (counted on in the logs)
+    resumed_from: pathlib.Path | None = None  # the checkpoint folder the state came from
+    config_changes: tuple[str, ...] = ()  # "field: checkpoint value -> this run's value", where they differ
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradients were not finite and the run halted; ``step`` and ``replay_command`` say where."""
+
+    def __init__(self, message: str, step: int, replay_command: str):
+        super().__init__(message)
+        self.step = step
+        self.replay_command = replay_command
+
+
+# ---------------------------------------------------------------------------------------------------------- building
+
+
 def setup(config: Experiment) -> Setup:
     """Build the model, the method's program and the dataset; keys are split off ``key(config.run.seed)``."""
     method_key, data_key = random.split(random.key(config.run.seed))
@@ -55,7 +117,7 @@ def setup(config: Experiment) -> Setup:
     return Setup(model=model, program=program, dataset=dataset, data_key=data_key, method_key=method_key)
 
 
-def batch_fn(config: Experiment, built: Setup, *, rank: int = 0, world: int = 1):
+def batch_fn(config: Experiment, built: Setup, *, rank: int = 0, world: int = 1) -> Callable[[int], Any]:
     """``step -> this rank's batch``: a pure function of the config's seed."""
     def at(step: int):
         return data.batch_at(built.dataset, built.data_key, step, batch_size=config.data.batch_size,
@@ -63,47 +125,270 @@ def batch_fn(config: Experiment, built: Setup, *, rank: int = 0, world: int = 1)
     return at
 
 
-def prepare(config: Experiment, *, rank: int = 0, world: int = 1) -> tuple[Setup, TrainState]:
-    """Build everything and check the first batch against the method, writing nothing: bad input fails here."""
+def initial_state(built: Setup) -> TrainState:
+    """The state a run starts from: a pure function of the config and seed (also the target a checkpoint restores
+    into)."""
+    return built.program.init(built.method_key)
+
+
+def prepare(config: Experiment, *, resume: str | int | None = None, rank: int = 0, world: int = 1) -> Prepared:
+    """Build everything, check the first batch against the method, and restore the checkpoint ``resume`` names
+    (see :func:`find_checkpoint`), writing nothing: bad input and unusable checkpoints fail here."""
     built = setup(config)
     built.program.check(batch_fn(config, built, rank=rank, world=world)(0))
-    return built, built.program.init(built.method_key)
+    state = initial_state(built)
+    if resume is None:
+        _check_no_checkpoints(pathlib.Path(config.run.output_dir) / CHECKPOINTS)
+        return Prepared(built, state)
+    folder, step = find_checkpoint(pathlib.Path(config.run.output_dir), str(resume))
+    with checkpoint.Checkpoints(folder) as checkpoints:
+        state = checkpoints.restore(step, state)
+        meta = checkpoints.read_json(step, "meta")
+        saved = checkpoints.read_json(step, "config").get("config", {})
+    current = msgspec.json.decode(msgspec.json.encode(config))  # as JSON holds it: tuples are lists
+    changes = _differences(saved, current, ignore=("run.output_dir", "run.progress"))
+    return Prepared(built, state, nonfinite_skips=int(meta.get("nonfinite_skips", 0)), resumed_from=folder / str(step),
+                    config_changes=tuple(changes))
 
 
-def train(config: Experiment, *, rank: int = 0, world: int = 1,
-          prepared: tuple[Setup, TrainState] | None = None) -> TrainState:
-    """Run ``config.run.steps`` steps from the initial state; log to TensorBoard on rank 0; return the final state."""
+def find_checkpoint(run_dir: pathlib.Path, resume: str) -> tuple[pathlib.Path, int]:
+    """(checkpoints folder, step) that ``--resume`` names: ``latest`` (the newest in ``run_dir``), a step number (in
+    ``run_dir``), or a path to a checkpoint folder (``.../checkpoints/N``), a checkpoints folder or a run folder (the
+    newest there). Resuming within ``run_dir`` from a step older than its newest checkpoint, or from elsewhere into a
+    ``run_dir`` that holds checkpoints, is an error: the checkpoints would mix two histories."""
+    own = run_dir / CHECKPOINTS
+    if resume == "latest" or resume.isdigit():
+        folder, step = own, None if resume == "latest" else int(resume)
+    else:
+        path = pathlib.Path(resume)
+        if not path.exists():
+            raise checkpoint.CheckpointError(f"--resume {resume!r}: no such checkpoint, step number or folder")
+        if path.name.isdigit() and (path / "state").is_dir():
+            folder, step = path.parent, int(path.name)
+        elif (path / CHECKPOINTS).is_dir():
+            folder, step = path / CHECKPOINTS, None
+        else:
+            folder, step = path, None
+    with checkpoint.Checkpoints(folder) as checkpoints:
+        steps = checkpoints.steps()
+    if not steps:
+        raise checkpoint.CheckpointError(f"no checkpoint to resume from in {str(folder)!r}")
+    if step is None:
+        step = steps[-1]
+    if step not in steps:
+        raise checkpoint.CheckpointError(f"--resume {resume}: no checkpoint of step {step} in {str(folder)!r} "
+                                         f"(complete checkpoints: {', '.join(map(str, steps))})")
+    if folder.resolve() != own.resolve():
+        _check_no_checkpoints(own)
+    later = [s for s in steps if s > step]
+    if later and folder.resolve() == own.resolve():
+        raise checkpoint.CheckpointError(
+            f"--resume {resume}: {str(own)!r} holds later checkpoints ({', '.join(map(str, later))}); resuming from "
+            f"step {step} here would mix two histories. Resume into a new folder (--out NEW --resume "
+            f"{own / str(step)}) or delete the later checkpoints first")
+    return folder, step
+
+
+def _check_no_checkpoints(folder: pathlib.Path) -> None:
+    """A fresh run must not start in a folder whose checkpoints it would mix with its own."""
+    with checkpoint.Checkpoints(folder) as checkpoints:
+        steps = checkpoints.steps()
+    if steps:
+        raise checkpoint.CheckpointError(
+            f"{str(folder)!r} already holds checkpoints ({', '.join(map(str, steps))}): continue that run with "
+            "--resume, or start this one in another folder")
+
+
+def _differences(old: Any, new: Any, *, ignore: tuple[str, ...] = (), prefix: str = "") -> list[str]:
+    """``"a.b: old -> new"`` for each leaf where two builtins trees differ."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [line for key in sorted(set(old) | set(new), key=str)
+                for line in _differences(old.get(key), new.get(key), ignore=ignore, prefix=f"{prefix}{key}.")]
+    path = prefix.removesuffix(".")
+    return [] if old == new or path in ignore else [f"{path}: {old!r} -> {new!r}"]
+
+
+# ---------------------------------------------------------------------------------------------------------- run folder
+
+
+def run_metadata(launch: Launch, world: int) -> dict[str, Any]:
+    """run.json's record: how the run was started, and the versions and world size it ran with."""
+    versions = {"fvx": fvx.__version__, "torch": torch.__version__}
+    for package in ("diffusers", "orbax-checkpoint"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return {"experiment": launch.experiment, "overrides": list(launch.overrides), "world_size": world, **versions}
+
+
+def config_record(config: Experiment) -> dict[str, Any]:
+    """The config as config.json holds it: its type as ``"module:QualName"`` and its builtins form."""
+    return {"config_type": f"{type(config).__module__}:{type(config).__qualname__}",
+            "config": msgspec.to_builtins(config)}
+
+
+def load_run(run_dir: str | os.PathLike) -> Experiment:
+    """The config a run folder was trained with: config.json's values, typed by re-running the experiment file that
+    run.json names (experiment files define their config class in a private module)."""
+    run_dir = pathlib.Path(run_dir)
+    if not (run_dir / fconfig.CONFIG_FILE).is_file():
+        raise fconfig.ConfigError(f"{str(run_dir)!r} is not an fvx run folder (it has no {fconfig.CONFIG_FILE})")
+    experiment = _read_json(run_dir / RUN_FILE).get("experiment")
+    if experiment is None:
+        config = fconfig.load(run_dir)
+    else:
+        if not pathlib.Path(experiment).is_file():
+            raise fconfig.ConfigError(f"{str(run_dir / RUN_FILE)!r} names the experiment file {experiment!r}, which "
+                                      "no longer exists; it is needed for the config's type")
+        config = fconfig.load(run_dir, type=type(fconfig.load_experiment(experiment)))
+    if not isinstance(config, Experiment):
+        raise fconfig.ConfigError(f"{str(run_dir)!r} holds a {type(config).__qualname__}, not an fvx.loop.Experiment")
+    return config
+
+
+def _read_json(path: pathlib.Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except json.JSONDecodeError as error:
+        raise fconfig.ConfigError(f"{str(path)!r} is not valid JSON: {error}") from None
+
+
+def _write_json(path: pathlib.Path, record: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def truncate_events(logdir: pathlib.Path, from_step: int) -> int:
+    """Drop the summaries of steps ``>= from_step`` from every TensorBoard event file in ``logdir`` (each file
+    rewritten beside itself, then renamed over it); return how many events were dropped."""
+    dropped = 0
+    for path in sorted(logdir.glob("events.out.tfevents.*")):
+        records = list(RawEventFileLoader(str(path)).Load())
+        kept = [r for r in records if _before(r, from_step)]
+        if len(kept) == len(records):
+            continue
+        partial = path.with_name(f".{os.getpid()}.truncating")
+        with open(partial, "wb") as f:
+            writer = RecordWriter(f)
+            for record in kept:
+                writer.write(record)
+        os.replace(partial, path)
+        dropped += len(records) - len(kept)
+    return dropped
+
+
+def wait_for_a_new_second(logdir: pathlib.Path) -> None:
+    """Wait (at most a second) until the clock has passed the creation second of every event file in ``logdir``.
+
+    TensorBoard reads event files in name order, and a name starts with the second its writer opened; a file opened in
+    the same second as an existing one (a run resumed at once) would be ordered by host and pid instead."""
+    stamps = [int(part) for path in logdir.glob("events.out.tfevents.*")
+              if (part := path.name.split(".")[3]).isdigit()]
+    deadline = time.monotonic() + 1.1
+    while stamps and time.time() < max(stamps) + 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _before(record: bytes, step: int) -> bool:
+    event = event_pb2.Event.FromString(record)
+    return not event.HasField("summary") or event.step < step
+
+
+# ---------------------------------------------------------------------------------------------------------- training
+
+
+def train(config: Experiment, *, prepared: Prepared | None = None, launch: Launch = Launch(), rank: int = 0,
+          world: int = 1) -> TrainState:
+    """Run from the prepared state (step 0, or a restored checkpoint) to ``config.run.steps``; log to TensorBoard
+    and save checkpoints on rank 0; return the final state. Raises :class:`NonFiniteError` when a step's loss or
+    gradients are not finite and ``run.on_nonfinite`` is ``halt`` (or the method could not skip the update)."""
     out = pathlib.Path(config.run.output_dir)
-    built, state = prepared if prepared is not None else prepare(config, rank=rank, world=world)
+    prepared = prepared if prepared is not None else prepare(config, rank=rank, world=world)
+    state, start = prepared.state, int(prepared.state.step)
+    meta = run_metadata(launch, world)
+    log_hparams = start == 0 or not (out / TENSORBOARD).is_dir()  # a run resumed in place logged them at step 0
     if rank == 0:
         fconfig.dump(config, out)
-    with tracking.open_tracker(out / "tb", rank=rank) as tracker:
-        if rank == 0:
-            tracker.hparams(msgspec.to_builtins(config))
-        state = run_steps(config, built, state, range(int(state.step), config.run.steps), tracker,
-                          rank=rank, world=world)
+        _write_json(out / RUN_FILE, meta)
+        if (out / TENSORBOARD).is_dir():
+            truncate_events(out / TENSORBOARD, start)
+            wait_for_a_new_second(out / TENSORBOARD)
+    saves = config.run.checkpoint
+    checkpoints = (checkpoint.Checkpoints(out / CHECKPOINTS, saves)
+                   if rank == 0 and (saves.every or saves.final) else None)
+    record = config_record(config)
+
+    def save(state: TrainState, skips: int) -> None:
+        checkpoints.save(state, config=record, meta={**meta, "nonfinite_skips": skips})
+
+    try:
+        with tracking.open_tracker(out / TENSORBOARD, rank=rank) as tracker:
+            if rank == 0 and log_hparams:
+                tracker.hparams(msgspec.to_builtins(config))
+            state = run_steps(config, prepared.setup, state, range(start, config.run.steps), tracker,
+                              save=None if checkpoints is None else save, nonfinite_skips=prepared.nonfinite_skips,
+                              rank=rank, world=world)
+    finally:
+        if checkpoints is not None:
+            checkpoints.close()  # waits for a pending async save
     return state
 
 
 def run_steps(config: Experiment, built: Setup, state: TrainState, steps: range, tracker: tracking.Tracker, *,
-              rank: int = 0, world: int = 1) -> TrainState:
-    """Take ``steps`` with ``built.program.step_`` on prefetched batches, logging every ``config.run.log_every``."""
-    global_batch = config.data.batch_size
+              save: Callable[[TrainState, int], None] | None = None, nonfinite_skips: int = 0, rank: int = 0,
+              world: int = 1) -> TrainState:
+    """Take ``steps`` with ``built.program.step_`` on prefetched batches, logging every ``config.run.log_every`` (and
+    every non-finite step), and calling ``save(state, skips)`` after each step a checkpoint is due."""
+    global_batch, run = config.data.batch_size, config.run
     progress = _progress_bar(config, steps, rank)
-    with data.Prefetcher(batch_fn(config, built, rank=rank, world=world), steps, depth=config.data.prefetch) as batches:
-        for step, batch in batches:
-            start = time.perf_counter()
-            state, metrics = built.program.step_(state, batch)
-            values = {name: float(value) for name, value in metrics.items()}  # waits for the step
-            elapsed = time.perf_counter() - start
-            if step % config.run.log_every == 0 or step == steps.stop - 1:
-                tracker.scalars(step, {**values, "step_time_s": elapsed, "samples_per_s": global_batch / elapsed})
-            if progress is not None:
-                progress.set_postfix(loss=f"{values.get('loss', float('nan')):.4g}", refresh=False)
-                progress.update(1)
-    if progress is not None:
-        progress.close()
+    try:
+        batch_at = batch_fn(config, built, rank=rank, world=world)
+        with data.Prefetcher(batch_at, steps, depth=config.data.prefetch) as batches:
+            for step, batch in batches:
+                start = time.perf_counter()
+                state, metrics = built.program.step_(state, batch)
+                values = {name: float(value) for name, value in metrics.items()}  # waits for the step
+                elapsed = time.perf_counter() - start
+                flagged = values.pop(NONFINITE, 0.0) != 0.0
+                nonfinite = flagged or not all(math.isfinite(v) for v in values.values())
+                skip = nonfinite and flagged and run.on_nonfinite == "skip"
+                nonfinite_skips += skip
+                if nonfinite or step % run.log_every == 0 or step == steps.stop - 1:
+                    counted = {"nonfinite_skips": nonfinite_skips} if run.on_nonfinite == "skip" else {}
+                    tracker.scalars(step, {**values, "step_time_s": elapsed, "samples_per_s": global_batch / elapsed,
+                                           **counted})
+                if nonfinite and not skip:
+                    tracker.flush()
+                    raise _halt(config, step, values, applied=not flagged, rank=rank)
+                if save is not None and checkpoint.due(run.checkpoint, step + 1, run.steps):
+                    save(state, nonfinite_skips)
+                if progress is not None:
+                    progress.set_postfix(loss=f"{values.get('loss', float('nan')):.4g}", refresh=False)
+                    progress.update(1)
+    finally:
+        if progress is not None:
+            progress.close()
     return state
+
+
+def _halt(config: Experiment, step: int, values: dict[str, float], *, applied: bool, rank: int) -> NonFiniteError:
+    """Record the non-finite step in the run folder and make the error that stops the run."""
+    out = config.run.output_dir
+    command = f"python -m fvx.run replay {shlex.quote(out)} --step {step}"
+    shown = ", ".join(f"{name}={value:.6g}" for name, value in values.items())
+    if applied:
+        why = ("the method applied the update anyway (it reports no 'nonfinite' flag; see fvx.state.skipped), so "
+               "the state is spoiled and the step cannot be skipped")
+    else:
+        why = f"run.on_nonfinite={config.run.on_nonfinite}"
+    if rank == 0:
+        _write_json(pathlib.Path(out) / NONFINITE_FILE,
+                    {"step": step, "metrics": values, "update_applied": applied, "replay": command})
+    return NonFiniteError(f"step {step}: non-finite loss or gradient ({shown}); the run halted ({why}). "
+                          f"Replay the step with: {command}", step, command)
 
 
 def _progress_bar(config: Experiment, steps: range, rank: int):

@@ -1,19 +1,34 @@
-"""The command line: ``python -m fvx.run EXPERIMENT.py [a.b=value ...] [--out DIR] [--steps N]``.
+"""The command line.
 
-``--help`` after an experiment lists its config fields with their current values. Bad input (an unknown field, a
-wrong type, a missing file, data that does not fit the model) ends with one line on stderr and exit status 2.
+    python -m fvx.run EXPERIMENT.py [a.b=value ...] [--out DIR] [--steps N] [--resume [latest|STEP|PATH]]
+    python -m fvx.run replay RUN_DIR --step N
+    python -m fvx.run export RUN_DIR --out FOLDER [--step N] [--role ROLE] [--ema]
+
+``--help`` after an experiment lists its config fields with their current values. ``--resume`` continues the run in
+``--out`` from its newest checkpoint, from checkpoint STEP there, or from a checkpoint at PATH (a checkpoint folder,
+or a checkpoints or run folder: its newest). ``replay`` recomputes step N of a run and compares its metrics with the
+logged ones (fvx.replay). ``export`` writes a trained role as a diffusers folder (fvx.export).
+
+Exit status: 0 done; 1 a run halted on a non-finite loss or gradient, or a replay differs from the log; 2 bad input
+(an unknown field, a wrong type, a missing file, data that does not fit the model, a missing, corrupt or mismatched
+checkpoint, a step the run does not have), reported in one line on stderr with nothing written.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import pathlib
 import sys
 import time
 from typing import Sequence
 
 from fvx import config as fconfig
-from fvx import loop
+from fvx import export, loop, replay
 
-USAGE = "python -m fvx.run EXPERIMENT.py [a.b.c=value ...] [--out DIR] [--steps N] [--help]"
+USAGE = ("python -m fvx.run EXPERIMENT.py [a.b.c=value ...] [--out DIR] [--steps N] [--resume [latest|STEP|PATH]] "
+         "[--help]\n       python -m fvx.run replay RUN_DIR --step N\n"
+         "       python -m fvx.run export RUN_DIR --out FOLDER [--step N] [--role ROLE] [--ema]")
+BAD_INPUT = (fconfig.ConfigError, ValueError, FileNotFoundError)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -23,14 +38,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. method.optim.lr=1e-5")
     parser.add_argument("--out", help="the run folder (shortcut for run.output_dir=DIR)")
     parser.add_argument("--steps", type=int, help="the number of steps (shortcut for run.steps=N)")
+    parser.add_argument("--resume", nargs="?", const="latest",
+                        help="resume from the run folder's newest checkpoint, from checkpoint STEP, or from PATH")
     parser.add_argument("-h", "--help", action="store_true", help="list the experiment's config fields and exit")
     args = parser.parse_intermixed_args(argv)
+    if args.resume is not None and "=" in args.resume and not os.path.exists(args.resume):
+        args.overrides.append(args.resume)  # `--resume a.b=1`: a bare --resume followed by an override
+        args.resume = "latest"
     args.print_usage = parser.print_help
     return args
 
 
-def resolve_config(args: argparse.Namespace) -> fconfig.Config:
-    """The experiment's config with the overrides, then ``--out`` and ``--steps``, applied and validated."""
+def overrides_of(args: argparse.Namespace) -> list[str]:
+    """The overrides, then ``--out`` and ``--steps`` as overrides, in the order they apply."""
     overrides = list(args.overrides)
     for item in overrides:
         if "=" not in item:
@@ -39,6 +59,12 @@ def resolve_config(args: argparse.Namespace) -> fconfig.Config:
         overrides.append(f"run.output_dir={args.out}")
     if args.steps is not None:
         overrides.append(f"run.steps={args.steps}")
+    return overrides
+
+
+def resolve_config(args: argparse.Namespace) -> fconfig.Config:
+    """The experiment's config with the overrides, then ``--out`` and ``--steps``, applied and validated."""
+    overrides = overrides_of(args)
     config = fconfig.load_experiment(args.experiment)
     if not isinstance(config, loop.Experiment):
         raise fconfig.ConfigError(
@@ -56,8 +82,13 @@ def print_fields(config: fconfig.Config, experiment: str) -> None:
         print(f"  {path:<{width}}  {value!r}  ({type_name})")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+def _error(error: BaseException) -> int:
+    print(f"fvx.run: error: {error}", file=sys.stderr)
+    return 2
+
+
+def train_main(argv: Sequence[str]) -> int:
+    args = parse_args(argv)
     if args.experiment is None:
         args.print_usage()
         return 0 if args.help else 2
@@ -66,14 +97,74 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.help:
             print_fields(config, args.experiment)
             return 0
-        prepared = loop.prepare(config)
-    except (fconfig.ConfigError, ValueError, FileNotFoundError) as error:
-        print(f"fvx.run: error: {error}", file=sys.stderr)
-        return 2
-    start = time.perf_counter()
-    loop.train(config, prepared=prepared)
-    print(f"done: {config.run.steps} steps in {time.perf_counter() - start:.1f} s; run folder {config.run.output_dir}")
+        prepared = loop.prepare(config, resume=args.resume)
+        launch = loop.Launch(experiment=str(pathlib.Path(args.experiment).absolute()),
+                             overrides=tuple(overrides_of(args)))
+    except BAD_INPUT as error:
+        return _error(error)
+    if prepared.resumed_from is not None:
+        print(f"resuming from {prepared.resumed_from} (step {int(prepared.state.step)})")
+        for change in prepared.config_changes:
+            print(f"note: config differs from the checkpoint's: {change}", file=sys.stderr)
+    start, first = time.perf_counter(), int(prepared.state.step)
+    try:
+        loop.train(config, prepared=prepared, launch=launch)
+    except loop.NonFiniteError as error:
+        print(f"fvx.run: {error}", file=sys.stderr)
+        return 1
+    steps = max(config.run.steps - first, 0)
+    print(f"done: {steps} steps in {time.perf_counter() - start:.1f} s; run folder {config.run.output_dir}")
     return 0
+
+
+def replay_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fvx.run replay", description=(
+        "Recompute step N of a run from the newest checkpoint at or before it, and compare its metrics with the "
+        "logged ones (exit status 1 on any difference)."))
+    parser.add_argument("run_dir", help="the run folder")
+    parser.add_argument("--step", type=int, required=True, help="the step to replay (0-based, as logged)")
+    args = parser.parse_args(argv)
+    try:
+        result = replay.replay(args.run_dir, args.step)
+    except BAD_INPUT as error:
+        return _error(error)
+    rows = replay.compare(result.metrics, replay.logged_metrics(args.run_dir, args.step))
+    print(replay.report(result, rows, args.run_dir))
+    return 0 if all(row.same for row in rows) else 1
+
+
+def export_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fvx.run export", description=(
+        "Write a trained role of a run as a diffusers folder (transformer/ loadable by from_pretrained)."))
+    parser.add_argument("run_dir", help="the run folder")
+    parser.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
+    parser.add_argument("--step", type=int, help="the checkpoint to export (default: the newest)")
+    parser.add_argument("--role", help="the trained role to export (default: the run's only one)")
+    parser.add_argument("--ema", action="store_true", help="export the role's EMA params")
+    args = parser.parse_args(argv)
+    try:
+        done = export.export(args.run_dir, args.out, step=args.step, role=args.role, ema=args.ema)
+    except BAD_INPUT as error:
+        return _error(error)
+    what = "EMA params" if done.ema else "params"
+    print(f"exported the {what} of role {done.role!r} at step {done.step} to {done.folder}/{export.TRANSFORMER}")
+    if not done.pipeline_files:
+        print("note: this model family writes no pipeline files; a full diffusers pipeline also needs the base "
+              "model's model_index.json, scheduler, VAE, text encoder and tokenizer beside transformer/")
+    else:
+        print("note: a full diffusers pipeline also needs the base model's VAE, text encoder and tokenizer beside "
+              "transformer/ (fvx trains transformers only)")
+    return 0
+
+
+COMMANDS = {"replay": replay_main, "export": export_main}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]](argv[1:])
+    return train_main(argv)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@
 The state is a pytree of tensors only, so it checkpoints as it is: the step, the run key, and per trainable role its
 params, optimizer state and (where used) EMA params. Frozen roles (a teacher) are not in it: they are arguments the
 method's step closes over. Keys derive from the run key and the step, so nothing about RNG needs saving.
+
+Non-finite steps. A step whose loss or gradients are not finite must not touch the state (its updates run in place,
+so the check comes before them): the method returns :func:`skipped` instead, the state with only its step advanced
+and ``metrics[NONFINITE] = 1``. The loop then halts or goes on, as ``run.on_nonfinite`` says.
 """
 from __future__ import annotations
 
@@ -32,6 +36,9 @@ class TrainState(NamedTuple):
 Batch = Mapping[str, Any]
 Metrics = dict[str, torch.Tensor]
 
+NONFINITE = "nonfinite"
+"""The metric a step reports (as 1) when it found a non-finite loss or gradient and applied no update."""
+
 
 class Program(NamedTuple):
     """What a method gives the loop: ``init(run_key) -> state``, the donating ``step_(state, batch)``, and
@@ -54,3 +61,15 @@ def copy(state: Any) -> Any:
 def step(program: Program, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     """``program.step_`` on a copy of ``state``: pure, at the cost of one copy of the state."""
     return program.step_(copy(state), batch)
+
+
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """Whether every element of ``tensors`` is finite (one host sync). Call it on the loss and the gradient norm
+    before a donating optimizer update: a NaN or Inf in any gradient makes the norm non-finite."""
+    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
+
+
+def skipped(state: TrainState, metrics: Metrics) -> tuple[TrainState, Metrics]:
+    """What a step returns when it applies no update: ``state`` with its step advanced, ``metrics`` flagged."""
+    flag = torch.ones((), dtype=torch.float32)
+    return state._replace(step=state.step + 1), {**metrics, NONFINITE: flag}

@@ -19,7 +19,7 @@ import torch
 from fvx import flow, grad, optim, random, tree
 from fvx.config import Config
 from fvx.optim_config import AdamWConfig
-from fvx.state import Batch, Metrics, Program, RoleState, TrainState
+from fvx.state import Batch, Metrics, Program, RoleState, TrainState, all_finite, skipped
 from fvx_models.model import Model
 
 ROLE = "student"
@@ -109,7 +109,8 @@ def step_(state: TrainState, batch: Batch, *, model: Model, config: Finetune, tx
           lr) -> tuple[TrainState, Metrics]:
     """One optimizer step over ``config.grad_accum`` micro-batches, donating ``state`` (see fvx.state.Program).
 
-    Metrics: ``loss`` (mean over micro-batches), ``grad_norm`` (before clipping), ``lr`` (of this update).
+    Metrics: ``loss`` (mean over micro-batches), ``grad_norm`` (before clipping), ``lr`` (of this update). A
+    non-finite loss or gradient applies nothing and adds ``nonfinite = 1`` (see fvx.state.skipped).
     """
     key = random.fold_in(state.key, state.step)
     role = state.roles[ROLE]
@@ -123,6 +124,8 @@ def step_(state: TrainState, batch: Batch, *, model: Model, config: Finetune, tx
         torch._foreach_mul_(tree.tensor_leaves(grads), 1.0 / config.grad_accum)
     metrics = {"loss": torch.stack(losses).mean(), "grad_norm": tree.global_norm(grads),
                "lr": torch.as_tensor(lr(state.step), dtype=torch.float32)}
+    if not all_finite(metrics["loss"], metrics["grad_norm"]):
+        return skipped(state, metrics)
     params, opt_state = optim.step_(tx, role.params, grads, role.opt_state)
     roles = {**state.roles, ROLE: role._replace(params=params, opt_state=opt_state)}
     return TrainState(step=state.step + 1, key=state.key, roles=roles), metrics

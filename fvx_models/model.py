@@ -27,6 +27,8 @@ class Model:
     apply(params, x_t, t, cond)  velocity ``[B, C, T, H, W]``; remat and compute dtype are fixed by the config
     normalize(latents)           VAE latents -> the DiT's input scale (per-channel ``(x - mean) / std``)
     denormalize(latents)         the inverse, before a VAE decode
+    pipeline_files(folder)       optional: writes the family's pipeline files (``model_index.json``, ``scheduler/``,
+                                 ...) into an exported folder beside ``transformer/``; None writes none
     """
 
     name: str
@@ -40,6 +42,7 @@ class Model:
     apply: Callable[[Params, torch.Tensor, torch.Tensor, Cond], torch.Tensor]
     normalize: Callable[[torch.Tensor], torch.Tensor]
     denormalize: Callable[[torch.Tensor], torch.Tensor]
+    pipeline_files: Callable[[str], None] | None = None
 
     def check_latents(self, shape: tuple[int, ...], where: str = "latents") -> None:
         """Raise a ValueError naming both shapes unless ``shape`` is ``[B, C, T, H, W]`` that this model accepts."""

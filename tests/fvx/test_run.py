@@ -9,7 +9,7 @@ from fvx import run, tracking
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXPERIMENT = str(ROOT / "experiments" / "finetune_wan.py")
-QUICK = ["run.progress=false", "data.batch_size=2", "data.prefetch=1"]
+QUICK = ["run.progress=false", "data.batch_size=2", "data.prefetch=1", "method.optim.warmup_steps=1"]
 
 
 def train(out, *extra):

@@ -1,0 +1,107 @@
+"""Deterministic replay of any step of a run: ``replay_step(run_dir, step) -> metrics``.
+
+Replay restores the newest checkpoint at or before ``step`` (or builds the initial state, a pure function of the config
+and seed, when none precedes it), takes the steps from there up to ``step`` on the same batches and keys, then takes
+``step`` once more and returns its metrics. :func:`compare` sets them beside what the run logged, as float32 (the
+precision TensorBoard stores); a NaN matches a NaN. Replay is bitwise in the mode (eager or compiled) and on the device
+type the run used.
+"""
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+from typing import NamedTuple
+
+import numpy as np
+
+from fvx import checkpoint, loop, tracking
+from fvx.state import NONFINITE
+
+
+class Replay(NamedTuple):
+    """A replayed step: its metrics, and the checkpoint it started from (None: the initial state)."""
+
+    step: int
+    metrics: dict[str, float]
+    from_checkpoint: int | None
+
+
+class Row(NamedTuple):
+    """One metric of a replayed step beside its logged value (None: not logged)."""
+
+    name: str
+    replayed: float
+    logged: float | None
+
+    @property
+    def same(self) -> bool:
+        return self.logged is None or same_float32(self.replayed, self.logged)
+
+
+def replay_step(run_dir: str | os.PathLike, step: int) -> dict[str, float]:
+    """The metrics of step ``step`` of the run in ``run_dir``, computed again (see the module docstring)."""
+    return replay(run_dir, step).metrics
+
+
+def replay(run_dir: str | os.PathLike, step: int) -> Replay:
+    """Recompute step ``step`` of the run in ``run_dir``; a ValueError names a step the run does not have."""
+    run_dir = pathlib.Path(run_dir)
+    config = loop.load_run(run_dir)
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < config.run.steps:
+        raise ValueError(f"replay: step {step!r} is beyond the run in {str(run_dir)!r}, which has steps 0 to "
+                         f"{config.run.steps - 1}")
+    built = loop.setup(config)
+    state = loop.initial_state(built)
+    with checkpoint.Checkpoints(run_dir / loop.CHECKPOINTS) as checkpoints:
+        base = max((s for s in checkpoints.steps() if s <= step), default=None)
+        if base is not None:
+            state = checkpoints.restore(base, state)
+    batch_at = loop.batch_fn(config, built)
+    for s in range(base or 0, step):
+        state, _ = built.program.step_(state, batch_at(s))
+    _, metrics = built.program.step_(state, batch_at(step))
+    return Replay(step, {name: float(value) for name, value in metrics.items()}, base)
+
+
+def logged_metrics(run_dir: str | os.PathLike, step: int) -> dict[str, float]:
+    """The scalars the run in ``run_dir`` logged at ``step`` (the last value where a tag repeats)."""
+    logdir = pathlib.Path(run_dir) / loop.TENSORBOARD
+    if not logdir.is_dir():
+        return {}
+    return {tag: value for tag, events in tracking.read_scalars(logdir).items() for s, value in events if s == step}
+
+
+def compare(replayed: dict[str, float], logged: dict[str, float]) -> list[Row]:
+    """Each replayed metric (but the ``nonfinite`` flag, which the loop does not log) beside its logged value."""
+    return [Row(name, value, logged.get(name)) for name, value in sorted(replayed.items()) if name != NONFINITE]
+
+
+def same_float32(a: float, b: float) -> bool:
+    """Whether ``a`` and ``b`` are the same float32 value (any NaN matches any NaN)."""
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return np.float32(a).tobytes() == np.float32(b).tobytes()
+
+
+def report(result: Replay, rows: list[Row], run_dir: str | os.PathLike) -> str:
+    """The table ``python -m fvx.run replay`` prints."""
+    start = "the initial state" if result.from_checkpoint is None else f"checkpoint {result.from_checkpoint}"
+    forward = result.step - (result.from_checkpoint or 0)
+    lines = [f"replay of step {result.step} of {run_dir}: from {start}, {forward} step(s) forward, then step "
+             f"{result.step}", f"  {'metric':<16}{'replayed':>18}{'logged':>18}"]
+    for row in rows:
+        logged = "not logged" if row.logged is None else f"{row.logged:.9g}"
+        verdict = "" if row.logged is None else ("  same" if row.same else "  DIFFERENT")
+        lines.append(f"  {row.name:<16}{row.replayed:>18.9g}{logged:>18}{verdict}")
+    if result.metrics.get(NONFINITE):
+        lines.append("the step's loss or gradients are not finite: the method applied no update")
+    compared = [row for row in rows if row.logged is not None]
+    different = [row.name for row in compared if not row.same]
+    if different:
+        lines.append(f"replay DIFFERS from the logged step {result.step}: {', '.join(different)}")
+    elif compared:
+        lines.append(f"replay matches the logged step {result.step} ({len(compared)} metrics, as float32)")
+    else:
+        lines.append(f"step {result.step} was not logged (run.log_every?): nothing to compare")
+    return "\n".join(lines)

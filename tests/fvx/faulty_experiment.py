@@ -1,0 +1,72 @@
+"""A tiny fine-tuning experiment for the checkpoint, resume and replay tests, with three fault hooks.
+
+- ``method.nan_at_step=k`` (config, so a replay sees it too): step k's latents are NaN, hence its loss and gradients.
+- ``FVX_TEST_HANG_AT_STEP=k`` (environment): step k touches ``$FVX_TEST_SIGNAL`` and sleeps: SIGKILL it mid-step.
+- ``FVX_TEST_HANG_IN_SAVE=k`` (environment): the background write of checkpoint k writes its arrays, touches
+  ``$FVX_TEST_SIGNAL`` and sleeps: SIGKILL it mid-save, leaving the step's temporary folder behind.
+"""
+import asyncio
+import os
+import pathlib
+import time
+
+from fvx import checkpoint
+from fvx.checkpoint import CheckpointConfig
+from fvx.data import DataConfig, SyntheticConfig
+from fvx.loop import Experiment, RunConfig
+from fvx.optim_config import AdamWConfig
+from fvx_methods.finetune import Finetune
+from fvx_models.wan import WanConfig
+
+HANG_AT_STEP = os.environ.get("FVX_TEST_HANG_AT_STEP")
+HANG_IN_SAVE = os.environ.get("FVX_TEST_HANG_IN_SAVE")
+
+
+def _signal_and_hang() -> None:
+    pathlib.Path(os.environ["FVX_TEST_SIGNAL"]).touch()
+    time.sleep(600)
+
+
+class FaultyFinetune(Finetune, tag="faulty_finetune"):
+    nan_at_step: int | None = None
+
+    def build(self, model, *, total_steps):
+        program = super().build(model, total_steps=total_steps)
+
+        def step_(state, batch):
+            step = int(state.step)
+            if HANG_AT_STEP is not None and step == int(HANG_AT_STEP):
+                _signal_and_hang()
+            if step == self.nan_at_step:
+                batch = {**batch, "latents": batch["latents"] * float("nan")}
+            return program.step_(state, batch)
+
+        return program._replace(step_=step_)
+
+
+if HANG_IN_SAVE is not None:
+    _write = checkpoint.TensorHandler._background_serialize
+
+    async def _write_then_hang(self, values, infos, args=None):
+        await _write(self, values, infos, args)
+        if f"/{HANG_IN_SAVE}{checkpoint.TMP_SUFFIX}/" in str(infos[0].parent_dir) + "/":
+            await asyncio.to_thread(_signal_and_hang)
+
+    checkpoint.TensorHandler._background_serialize = _write_then_hang
+
+
+class FaultyExperiment(Experiment):
+    model: WanConfig = WanConfig()
+    method: FaultyFinetune = FaultyFinetune()
+
+
+config = FaultyExperiment(
+    run=RunConfig(seed=3, steps=8, output_dir="runs/faulty", progress=False,
+                  checkpoint=CheckpointConfig(every=2, keep_latest=None)),
+    data=DataConfig(batch_size=4, prefetch=1, synthetic=SyntheticConfig(num_samples=12, latent_shape=(16, 1, 4, 4),
+                                                                        text_len=8, text_dim=32)),
+    model=WanConfig(preset="tiny"),
+    # A schedule that does not depend on run.steps, so a run of 4 steps resumed with --steps 8 is the run of 8 steps.
+    method=FaultyFinetune(grad_accum=2, optim=AdamWConfig(lr=1e-3, weight_decay=0.01, warmup_steps=2,
+                                                          schedule="constant_with_warmup")),
+)

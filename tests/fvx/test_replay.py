@@ -1,0 +1,129 @@
+"""Replay recomputes any logged step exactly and fails loudly on a tampered checkpoint; a NaN halts the run with the
+replay command, and that replay reproduces the NaN; ``skip`` leaves the state alone and counts the skip."""
+import math
+import pathlib
+import shutil
+
+import msgspec
+import pytest
+import torch
+
+from fvx import checkpoint, loop, replay, run, tracking
+from fvx import config as fconfig
+from fvx.state import NONFINITE
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+EXPERIMENT = str(ROOT / "tests" / "fvx" / "faulty_experiment.py")  # 8 steps, grad_accum 2, checkpoints every 2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny ops on a CPU shared with other jobs run several times faster and steadier on one intra-op thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> pathlib.Path:
+    out = tmp_path_factory.mktemp("replay") / "run"
+    assert run.main([EXPERIMENT, "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("step, start", [(1, None), (4, 4), (7, 6)])
+def test_replay_reproduces_logged_steps_exactly(run_dir, step, start):
+    result = replay.replay(run_dir, step)
+    assert result.from_checkpoint == start
+    logged = replay.logged_metrics(run_dir, step)
+    assert set(result.metrics) == {"loss", "grad_norm", "lr"}
+    for name, value in result.metrics.items():
+        assert replay.same_float32(value, logged[name]), name
+    assert replay.replay_step(run_dir, step) == result.metrics
+
+
+def test_replay_command_prints_both_columns(run_dir, capsys):
+    assert run.main(["replay", str(run_dir), "--step", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "from checkpoint 4, 1 step(s) forward, then step 5" in out
+    assert out.count("  same") == 3 and "replay matches the logged step 5" in out
+
+
+def test_replay_fails_loudly_on_a_tampered_checkpoint(run_dir, tmp_path, capsys):
+    tampered = tmp_path / "run"
+    shutil.copytree(run_dir, tampered)
+    with checkpoint.Checkpoints(tampered / "checkpoints") as checkpoints:  # a checkpoint 6 that is valid, but other
+        state = checkpoints.restore(6, loop.initial_state(loop.setup(loop.load_run(tampered))))
+    state.roles["student"].params["proj_out.bias"].add_(1e-3)
+    shutil.rmtree(tampered / "checkpoints" / "6")
+    with checkpoint.Checkpoints(tampered / "checkpoints", checkpoint.CheckpointConfig(async_save=False)) as writer:
+        writer.save(state, config={}, meta={})
+    assert run.main(["replay", str(tampered), "--step", "7"]) == 1
+    out = capsys.readouterr().out
+    assert "DIFFERENT" in out and "replay DIFFERS from the logged step 7: " in out
+    assert run.main(["replay", str(tampered), "--step", "5"]) == 0  # from checkpoint 4: untouched
+
+    data = max((p for p in (tampered / "checkpoints" / "4" / "state").rglob("*") if p.parent.name == "d"),
+               key=lambda p: p.stat().st_size)
+    content = bytearray(data.read_bytes())
+    content[len(content) // 2] ^= 0x10
+    data.write_bytes(bytes(content))
+    assert run.main(["replay", str(tampered), "--step", "5"]) == 2
+    assert f"checkpoint '{tampered / 'checkpoints' / '4'}' is corrupt: the bytes of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("step", ["8", "-1"])
+def test_replay_of_a_step_beyond_the_run_is_bad_input(run_dir, capsys, step):
+    assert run.main(["replay", str(run_dir), "--step", step]) == 2
+    assert "is beyond the run in" in capsys.readouterr().err
+
+
+def test_a_nan_halts_with_the_replay_command_and_its_replay_reproduces_the_nan(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run.main([EXPERIMENT, "--out", str(out), "method.nan_at_step=3"]) == 1
+    err = capsys.readouterr().err
+    command = f"python -m fvx.run replay {out} --step 3"
+    assert "step 3: non-finite loss or gradient (loss=nan, grad_norm=nan" in err and command in err
+    record = loop._read_json(out / loop.NONFINITE_FILE)
+    assert record["step"] == 3 and record["replay"] == command and not record["update_applied"]
+    assert math.isnan(replay.logged_metrics(out, 3)["loss"])
+    with checkpoint.Checkpoints(out / "checkpoints") as checkpoints:
+        assert checkpoints.steps() == [2]  # nothing saved after the bad step
+
+    assert run.main(["replay", str(out), "--step", "3"]) == 0
+    assert "replay matches the logged step 3" in capsys.readouterr().out
+    assert math.isnan(replay.replay_step(out, 3)["loss"])
+
+
+def test_skip_leaves_the_state_unchanged_and_counts_skips(tmp_path):
+    out = tmp_path / "run"
+    assert run.main([EXPERIMENT, "--out", str(out), "--steps", "5", "method.nan_at_step=3", "run.on_nonfinite=skip",
+                     "run.checkpoint.every=1"]) == 0
+    logged = tracking.read_scalars(out / "tb")
+    assert logged["nonfinite_skips"] == [(0, 0.0), (1, 0.0), (2, 0.0), (3, 1.0), (4, 1.0)]
+    assert math.isnan(logged["loss"][3][1]) and all(math.isfinite(v) for _, v in logged["loss"][4:])
+    with checkpoint.Checkpoints(out / "checkpoints") as checkpoints:
+        before, after = (checkpoint.leaves_by_name(checkpoints.read(s, ())) for s in (3, 4))
+        assert checkpoints.read_json(4, "meta")["nonfinite_skips"] == 1
+    assert int(before.pop("step")) == 3 and int(after.pop("step")) == 4
+    for name, tensor in before.items():  # params, optimizer state (count included) and key: untouched
+        assert torch.equal(tensor, after[name]), name
+
+
+def test_skip_halts_when_the_method_applied_a_non_finite_update(tmp_path):
+    """A method without the guard of fvx.state.skipped reports no flag: its update is spoiled and cannot be skipped."""
+    config = fconfig.apply_overrides(fconfig.load_experiment(EXPERIMENT), [
+        f"run.output_dir={tmp_path / 'run'}", "run.steps=3", "method.nan_at_step=1", "run.on_nonfinite=skip"])
+    prepared = loop.prepare(config)
+    guarded = prepared.setup.program.step_
+
+    def unguarded(state, batch):
+        state, metrics = guarded(state, batch)
+        metrics.pop(NONFINITE, None)
+        return state, metrics
+
+    setup = msgspec.structs.replace(prepared.setup, program=prepared.setup.program._replace(step_=unguarded))
+    with pytest.raises(loop.NonFiniteError, match="step 1: .*the method applied the update anyway") as error:
+        loop.train(config, prepared=prepared._replace(setup=setup))
+    assert error.value.step == 1 and error.value.replay_command.endswith("--step 1")
