@@ -157,6 +157,17 @@ def lookup_sigmas(grid: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, to
     return sigma, to_timestep(sigma, n)
 
 
+def nearest_grid_sigma(grid: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The grid level whose timestep is nearest each ``t``: ``grid[argmin_i |N grid_i - t|]`` (first on ties).
+
+    FastVideo's ``add_noise`` and ``predict_x0`` look a timestep up this way on the model's training grid
+    (``training_sigmas(shift)`` ``[N]``); ``t`` is any shape (0..1000), the result has its shape.
+    """
+    timesteps = to_timestep(grid, grid.shape[0])
+    flat = t.reshape(-1, 1).to(device=grid.device, dtype=torch.float32)
+    return grid[(timesteps[None, :] - flat).abs().argmin(dim=1)].reshape(t.shape)
+
+
 def sample_training_sigmas(key: torch.Tensor, grid: torch.Tensor, density: str, *, batch: int | None = None,
                            logit_mean: float = 0.0, logit_std: float = 1.0,
                            mode_scale: float = 1.29) -> tuple[torch.Tensor, torch.Tensor]:
