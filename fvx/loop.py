@@ -38,7 +38,7 @@ from tensorboard.summary.writer.record_writer import RecordWriter
 import fvx
 from fvx import checkpoint
 from fvx import config as fconfig
-from fvx import data, random, tracking
+from fvx import data, random, tracking, tree
 from fvx.config import Config
 from fvx.state import NONFINITE, Program, TrainState
 
@@ -108,11 +108,13 @@ class NonFiniteError(RuntimeError):
 # ---------------------------------------------------------------------------------------------------------- building
 
 
-def setup(config: Experiment) -> Setup:
-    """Build the model, the method's program and the dataset; keys are split off ``key(config.run.seed)``."""
+def setup(config: Experiment, *, mesh: Any = None) -> Setup:
+    """Build the model, the method's program and the dataset; keys are split off ``key(config.run.seed)``. On a
+    device mesh (a multi-process run) the model and the method are built on it (their ``build(..., mesh=)``)."""
     method_key, data_key = random.split(random.key(config.run.seed))
-    model = config.model.build()
-    program = config.method.build(model, total_steps=config.run.steps)
+    on_mesh = {} if mesh is None else {"mesh": mesh}
+    model = config.model.build(**on_mesh)
+    program = config.method.build(model, total_steps=config.run.steps, **on_mesh)
     dataset = data.open_dataset(config.data, data_key)
     return Setup(model=model, program=program, dataset=dataset, data_key=data_key, method_key=method_key)
 
@@ -131,10 +133,19 @@ def initial_state(built: Setup) -> TrainState:
     return built.program.init(built.method_key)
 
 
-def prepare(config: Experiment, *, resume: str | int | None = None, rank: int = 0, world: int = 1) -> Prepared:
-    """Build everything, check the first batch against the method, and restore the checkpoint ``resume`` names
-    (see :func:`find_checkpoint`), writing nothing: bad input and unusable checkpoints fail here."""
-    built = setup(config)
+def prepare(config: Experiment, *, resume: str | int | None = None, rank: int = 0, world: int = 1,
+            mesh: Any = None) -> Prepared:
+    """Build everything (on ``mesh`` when given), check the first batch against the method, and restore the checkpoint
+    ``resume`` names (see :func:`find_checkpoint`), writing nothing: bad input and unusable checkpoints fail here."""
+    if world > 1 and resume is not None:
+        raise checkpoint.CheckpointError("--resume with more than one process is not supported yet (sharded "
+                                         "checkpoints are future work): resume on one process")
+    saves = config.run.checkpoint
+    if world > 1 and (saves.every or saves.final):
+        raise checkpoint.CheckpointError(
+            f"checkpoints of a {world}-process run are not supported yet (sharded checkpoints are future work): "
+            "run with run.checkpoint.every=0 run.checkpoint.final=false, or on one process")
+    built = setup(config, mesh=mesh)
     built.program.check(batch_fn(config, built, rank=rank, world=world)(0))
     state = initial_state(built)
     if resume is None:
@@ -331,10 +342,23 @@ def train(config: Experiment, *, prepared: Prepared | None = None, launch: Launc
             state = run_steps(config, prepared.setup, state, range(start, config.run.steps), tracker,
                               save=None if checkpoints is None else save, nonfinite_skips=prepared.nonfinite_skips,
                               rank=rank, world=world)
+            log_run_summary(tracker, state, getattr(prepared.setup.model, "compile_stats", None), config.run.steps - 1)
     finally:
         if checkpoints is not None:
             checkpoints.close()  # waits for a pending async save
     return state
+
+
+def log_run_summary(tracker: tracking.Tracker, state: TrainState, compile_stats: Any, step: int) -> None:
+    """At the run's last ``step``: ``state_bytes_per_rank`` (what rank 0 holds of the state: its local shards when
+    sharded) and, for a model with compiled blocks (``fvx.compile.CompileStats``; None: not compiled),
+    ``compile/graphs`` and ``compile/recompiles``."""
+    if step < 0:
+        return
+    summary = {"state_bytes_per_rank": sum(x.numel() * x.element_size() for x in tree.tensor_leaves(state))}
+    if compile_stats is not None:
+        summary.update({"compile/graphs": compile_stats.graphs, "compile/recompiles": compile_stats.recompiles})
+    tracker.scalars(step, summary)
 
 
 def run_steps(config: Experiment, built: Setup, state: TrainState, steps: range, tracker: tracking.Tracker, *,

@@ -1,6 +1,8 @@
 """The command line.
 
     python -m fvx.run EXPERIMENT.py [a.b=value ...] [--out DIR] [--steps N] [--resume [latest|STEP|PATH]]
+    python -m fvx.run EXPERIMENT.py [a.b=value ...] --dry-run [--world N] [--replicate R] [--video FxHxW]
+    torchrun --nproc_per_node N -m fvx.run EXPERIMENT.py [a.b=value ...] [--replicate R]
     python -m fvx.run replay RUN_DIR --step N
     python -m fvx.run export RUN_DIR --out FOLDER [--step N] [--role ROLE] [--ema]
 
@@ -8,6 +10,12 @@
 ``--out`` from its newest checkpoint, from checkpoint STEP there, or from a checkpoint at PATH (a checkpoint folder,
 or a checkpoints or run folder: its newest). ``replay`` recomputes step N of a run and compares its metrics with the
 logged ones (fvx.replay). ``export`` writes a trained role as a diffusers folder (fvx.export).
+
+``--dry-run`` prints, per rank, each role's params, gradients, AdamW state and EMA bytes, the activations of one
+differentiated forward and the gathered params, for ``--world`` ranks (default: this launch's) at a ``--video`` of
+FRAMESxHEIGHTxWIDTH pixels (fvx.dry_run); it allocates no weight. Under torchrun every process joins one process group
+(gloo on CPUs, NCCL on GPUs), params are sharded over ``WORLD_SIZE / --replicate`` ranks (HSDP with ``--replicate`` >
+1), each rank reads its own slice of the global batch, and only rank 0 logs and writes the run folder.
 
 Exit status: 0 done; 1 a run halted on a non-finite loss or gradient, or a replay differs from the log; 2 bad input
 (an unknown field, a wrong type, a missing file, data that does not fit the model, a missing, corrupt or mismatched
@@ -22,11 +30,15 @@ import sys
 import time
 from typing import Sequence
 
+import torch.distributed
+
 from fvx import config as fconfig
-from fvx import export, loop, replay
+from fvx import dry_run, export, loop, replay, sharding
 
 USAGE = ("python -m fvx.run EXPERIMENT.py [a.b.c=value ...] [--out DIR] [--steps N] [--resume [latest|STEP|PATH]] "
-         "[--help]\n       python -m fvx.run replay RUN_DIR --step N\n"
+         "[--replicate R] [--help]\n"
+         "       python -m fvx.run EXPERIMENT.py [a.b.c=value ...] --dry-run [--world N] [--replicate R] [--video FxHxW]\n"
+         "       python -m fvx.run replay RUN_DIR --step N\n"
          "       python -m fvx.run export RUN_DIR --out FOLDER [--step N] [--role ROLE] [--ema]")
 BAD_INPUT = (fconfig.ConfigError, ValueError, FileNotFoundError)
 
@@ -40,6 +52,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="the number of steps (shortcut for run.steps=N)")
     parser.add_argument("--resume", nargs="?", const="latest",
                         help="resume from the run folder's newest checkpoint, from checkpoint STEP, or from PATH")
+    parser.add_argument("--dry-run", action="store_true", help="print the memory estimate per rank and exit")
+    parser.add_argument("--world", type=int, help="--dry-run: the number of ranks (default: this launch's)")
+    parser.add_argument("--video", default="81x480x832", help="--dry-run: FRAMESxHEIGHTxWIDTH in pixels")
+    parser.add_argument("--replicate", type=int, default=1, help="HSDP replica groups (params shard over the rest)")
     parser.add_argument("-h", "--help", action="store_true", help="list the experiment's config fields and exit")
     args = parser.parse_intermixed_args(argv)
     if args.resume is not None and "=" in args.resume and not os.path.exists(args.resume):
@@ -97,23 +113,46 @@ def train_main(argv: Sequence[str]) -> int:
         if args.help:
             print_fields(config, args.experiment)
             return 0
-        prepared = loop.prepare(config, resume=args.resume)
+        if args.dry_run:
+            world = args.world if args.world is not None else int(os.environ.get("WORLD_SIZE", "1"))
+            print(dry_run.report(config, world=world, video=dry_run.parse_video(args.video), replicate=args.replicate))
+            return 0
+        d = sharding.init_distributed()
+    except BAD_INPUT as error:
+        return _error(error)
+    try:
+        return _train(args, config, d)
+    finally:
+        if d.backend is not None:
+            torch.distributed.destroy_process_group()
+
+
+def _train(args: argparse.Namespace, config: fconfig.Config, d: sharding.Dist) -> int:
+    """Train on this process's part of the launch (``d``): rank 0 prints and writes."""
+    say = print if d.rank == 0 else (lambda *a, **k: None)
+    try:
+        mesh = sharding.make_mesh(args.replicate) if d.world > 1 else None
+        prepared = loop.prepare(config, resume=args.resume, rank=d.rank, world=d.world, mesh=mesh)
         launch = loop.Launch(experiment=str(pathlib.Path(args.experiment).absolute()),
                              overrides=tuple(overrides_of(args)))
     except BAD_INPUT as error:
-        return _error(error)
+        return _error(error) if d.rank == 0 else 2
     if prepared.resumed_from is not None:
-        print(f"resuming from {prepared.resumed_from} (step {int(prepared.state.step)})")
+        say(f"resuming from {prepared.resumed_from} (step {int(prepared.state.step)})")
         for change in prepared.config_changes:
-            print(f"note: config differs from the checkpoint's: {change}", file=sys.stderr)
+            say(f"note: config differs from the checkpoint's: {change}", file=sys.stderr)
     start, first = time.perf_counter(), int(prepared.state.step)
     try:
-        loop.train(config, prepared=prepared, launch=launch)
+        loop.train(config, prepared=prepared, launch=launch, rank=d.rank, world=d.world)
     except loop.NonFiniteError as error:
-        print(f"fvx.run: {error}", file=sys.stderr)
+        say(f"fvx.run: {error}", file=sys.stderr)
         return 1
     steps = max(config.run.steps - first, 0)
-    print(f"done: {steps} steps in {time.perf_counter() - start:.1f} s; run folder {config.run.output_dir}")
+    say(f"done: {steps} steps in {time.perf_counter() - start:.1f} s; run folder {config.run.output_dir}"
+        + (f" ({d.world} processes)" if d.world > 1 else ""))
+    stats = getattr(prepared.setup.model, "compile_stats", None)
+    if stats is not None:
+        say(f"compiled blocks: {stats.graphs} graph(s), {stats.recompiles} recompile(s)")
     return 0
 
 

@@ -348,16 +348,9 @@ def predict_x0(model: Model, params: Params, x_t: torch.Tensor, t: torch.Tensor,
 
 def per_sample_normal(key: torch.Tensor, sample_index: torch.Tensor, draw: int, shape: tuple[int, ...],
                       device: torch.device) -> torch.Tensor:
-    """Noise ``[B, *shape]``: sample b's draw number ``draw`` is ``normal(fold_in(fold_in(key, draw), index_b))``.
-
-    Small draws run as one ``vmap`` over the sample keys (bitwise the per-sample loop, ~30x faster for 64 samples of
-    64 numbers: eager Philox is op-overhead bound); draws big enough for fvx.random's compiled fast path, which cannot
-    run under vmap, loop over the samples, where the per-call overhead is negligible.
-    """
-    keys = random.fold_in(random.fold_in(key, draw), sample_index.to(key.device)).to(device)
-    if math.prod(shape) < random.FAST_PATH_MIN_NUMEL:
-        return torch.vmap(lambda k: random.normal(k, shape))(keys)
-    return torch.stack([random.normal(k, shape) for k in keys])
+    """Noise ``[B, *shape]``: sample b's draw number ``draw`` is ``normal(fold_in(fold_in(key, draw), index_b))``."""
+    keys = random.fold_in(random.fold_in(key, draw), sample_index.to(key.device))
+    return random.normal_each(keys, shape, device=device)
 
 
 def sample_shape(batch: Batch, config: DMD2) -> tuple[int, ...]:

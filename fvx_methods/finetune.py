@@ -8,6 +8,10 @@ training-grid entry at ``floor(1000 u)``, ``x_t = (1 - sigma) x0 + sigma noise``
 
 Noise and timesteps come from ``fold_in(step_key, global_sample_index)``, so a sample draws the same numbers whatever
 the number of ranks or micro-batches.
+
+Data parallel (``build(..., mesh=...)``): params, gradients and AdamW state are this rank's local shards; each rank's
+loss is the plain mean over its own slice of the global batch (the gathers' backward averages gradients over ranks),
+the gradient norm and clipping are global (one all-reduce), and the logged loss is the mean over ranks.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import torch
 
-from fvx import flow, grad, optim, random, tree
+from fvx import flow, grad, optim, random, sharding, tree
 from fvx.config import Config
 from fvx.optim_config import AdamWConfig
 from fvx.state import Batch, Metrics, Program, RoleState, TrainState, all_finite, skipped
@@ -41,15 +45,33 @@ class Finetune(Config, tag="finetune"):
         if self.optim.lr <= 0:
             raise ValueError(f"fine-tuning needs optim.lr > 0, got {self.optim.lr}")
 
-    def build(self, model: Model, *, total_steps: int) -> Program:
-        """The loop's ``(init, step_)`` for this config, ``model`` and run length (the LR schedule needs it)."""
-        tx = self.optim.build(total_steps)
+    def build(self, model: Model, *, total_steps: int, mesh: Any = None) -> Program:
+        """The loop's ``(init, step_)`` for this config, ``model`` and run length (the LR schedule needs it); on a
+        device mesh (a model built on the same mesh) the step runs on local shards with global norms."""
+        group = sharding.Group() if mesh is None else sharding.group_of(mesh)
+        tx = optimizer(self.optim, total_steps, group)
         lr = self.optim.schedule_fn(total_steps)
         return Program(
             init=lambda run_key: init(run_key, model, tx),
-            step_=lambda state, batch: step_(state, batch, model=model, config=self, tx=tx, lr=lr),
+            step_=lambda state, batch: step_(state, batch, model=model, config=self, tx=tx, lr=lr, group=group),
             check=lambda batch: check_batch(batch, model),
         )
+
+    def memory_plan(self, shapes: Any) -> Any:
+        """For ``--dry-run``: one trainable fp32 role with AdamW; a rank's batch runs in ``grad_accum`` pieces."""
+        from fvx import dry_run, memory  # the dry run only
+
+        return dry_run.Plan(roles=(memory.Role(ROLE, shapes, trainable=True),), micro_batches=self.grad_accum)
+
+
+def optimizer(config: AdamWConfig, total_steps: int, group: sharding.Group) -> optim.GradientTransformation:
+    """``config``'s transformation; over shards (``group`` of more than one rank) the clip uses the global norm."""
+    if group.dp_size == 1 or config.max_grad_norm == 0:
+        return config.build(total_steps)
+    b1, b2 = config.betas
+    adamw = optim.adamw(config.schedule_fn(total_steps), b1=b1, b2=b2, eps=config.eps,
+                        weight_decay=config.weight_decay)
+    return optim.chain(sharding.clip_by_global_norm(config.max_grad_norm, group), adamw)
 
 
 def check_batch(batch: Batch, model: Model) -> None:
@@ -65,9 +87,8 @@ def check_batch(batch: Batch, model: Model) -> None:
 def per_sample_noise(key: torch.Tensor, sample_index: torch.Tensor, shape: tuple[int, ...],
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample keys ``fold_in(key, index)`` split into (noise ``[B, *shape]``, timestep keys ``[B, 2]``)."""
-    sample_keys = [random.split(k) for k in random.fold_in(key, sample_index)]
-    noise = torch.stack([random.normal(k[0], shape, device=device) for k in sample_keys])
-    return noise, torch.stack([k[1] for k in sample_keys])
+    sample_keys = torch.vmap(random.split)(random.fold_in(key, sample_index))
+    return random.normal_each(sample_keys[:, 0], shape, device=device), sample_keys[:, 1]
 
 
 def loss_fn(params: dict, batch: Batch, key: torch.Tensor, *, model: Model,
@@ -106,11 +127,12 @@ def micro_batches(batch: Batch, n: int) -> list[dict[str, Any]]:
 
 
 def step_(state: TrainState, batch: Batch, *, model: Model, config: Finetune, tx: optim.GradientTransformation,
-          lr) -> tuple[TrainState, Metrics]:
+          lr, group: sharding.Group = sharding.Group()) -> tuple[TrainState, Metrics]:
     """One optimizer step over ``config.grad_accum`` micro-batches, donating ``state`` (see fvx.state.Program).
 
-    Metrics: ``loss`` (mean over micro-batches), ``grad_norm`` (before clipping), ``lr`` (of this update). A
-    non-finite loss or gradient applies nothing and adds ``nonfinite = 1`` (see fvx.state.skipped).
+    Metrics: ``loss`` (mean over micro-batches and ranks), ``grad_norm`` (before clipping), ``lr`` (of this update).
+    A non-finite loss or gradient applies nothing and adds ``nonfinite = 1`` (see fvx.state.skipped); every rank
+    decides alike, from the rank-mean loss and the global norm.
     """
     key = random.fold_in(state.key, state.step)
     role = state.roles[ROLE]
@@ -122,7 +144,8 @@ def step_(state: TrainState, batch: Batch, *, model: Model, config: Finetune, tx
         grads = g if grads is None else optim.apply_updates_(grads, g)
     if config.grad_accum > 1:
         torch._foreach_mul_(tree.tensor_leaves(grads), 1.0 / config.grad_accum)
-    metrics = {"loss": torch.stack(losses).mean(), "grad_norm": tree.global_norm(grads),
+    grad_norm = tree.global_norm(grads) if group.dp_size == 1 else sharding.global_norm_sharded(grads, group)
+    metrics = {"loss": sharding.dp_mean(torch.stack(losses).mean(), group), "grad_norm": grad_norm,
                "lr": torch.as_tensor(lr(state.step), dtype=torch.float32)}
     if not all_finite(metrics["loss"], metrics["grad_norm"]):
         return skipped(state, metrics)

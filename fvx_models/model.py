@@ -8,7 +8,7 @@ the flow velocity ``v = noise - x0`` in the latents' layout, whatever the family
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -29,6 +29,12 @@ class Model:
     denormalize(latents)         the inverse, before a VAE decode
     pipeline_files(folder)       optional: writes the family's pipeline files (``model_index.json``, ``scheduler/``,
                                  ...) into an exported folder beside ``transformer/``; None writes none
+    layout                       the shard layout (``fvx.sharding.plan``) when built on a device mesh, else None: then
+                                 ``initial_params`` returns this rank's local shards and ``apply`` takes them (each
+                                 block gathers its own); ``init``/``load``/``export`` still speak full params
+    compile_stats                the ``fvx.compile.CompileStats`` of the compiled blocks, or None when not compiled
+    memory_spec()                optional: an ``fvx.dry_run.ModelSpec`` (shapes from the skeleton, no weights) for
+                                 ``--dry-run``
     """
 
     name: str
@@ -43,6 +49,9 @@ class Model:
     normalize: Callable[[torch.Tensor], torch.Tensor]
     denormalize: Callable[[torch.Tensor], torch.Tensor]
     pipeline_files: Callable[[str], None] | None = None
+    layout: Mapping[str, Any] | None = None
+    compile_stats: Any = None
+    memory_spec: Callable[[], Any] | None = None
 
     def check_latents(self, shape: tuple[int, ...], where: str = "latents") -> None:
         """Raise a ValueError naming both shapes unless ``shape`` is ``[B, C, T, H, W]`` that this model accepts."""

@@ -32,8 +32,9 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.func import functional_call
 
+from fvx import compile as fvx_compile
 from fvx import grad as fvx_grad
-from fvx import random
+from fvx import memory, random, sharding
 from fvx.config import Config
 from fvx_models.model import Cond, Model, Params
 
@@ -120,6 +121,33 @@ def _keeps_fp32(module: nn.Module, name: str) -> bool:
     return any(part in keep for part in name.split("."))
 
 
+def units(module: nn.Module) -> list[str]:
+    """The transformer blocks, as unit prefixes ("blocks.0.", ...): what compiles as one graph and gathers its shards
+    as one unit (fvx.compile, fvx.sharding)."""
+    return [f"blocks.{i}." for i in range(len(module.blocks))]
+
+
+def compute_dtypes(module: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.dtype] | None:
+    """Per param, the dtype it computes in: fp32 for the modules diffusers keeps in fp32, else ``dtype`` (None: as
+    stored)."""
+    if dtype is None:
+        return None
+    return {name: torch.float32 if _keeps_fp32(module, name) else dtype for name, _ in module.named_parameters()}
+
+
+VAE_STRIDE = (4, 8, 8)  # Wan 2.1 VAE: time, height, width
+
+
+def dims(preset: str, text_len: int | None = None) -> memory.DitDims:
+    """The sizes fvx.memory and bench/flops.py need; ``text_len`` defaults to the preset's (512 for UMT5)."""
+    _check_preset(preset)
+    k = PRESETS[preset]
+    return memory.DitDims(layers=k["num_layers"], dim=k["num_attention_heads"] * k["attention_head_dim"],
+                          ffn_dim=k["ffn_dim"], text_len=METADATA[preset].text_len if text_len is None else text_len,
+                          text_dim=k["text_dim"], in_channels=k["in_channels"], out_channels=k["out_channels"],
+                          patch=tuple(k["patch_size"]), freq_dim=k["freq_dim"])
+
+
 # ------------------------------------------------------------------------------------------------------------ init
 
 
@@ -161,6 +189,8 @@ def apply(
     cond: Cond,
     *,
     compute_dtype: torch.dtype | None = None,
+    layout: sharding.Layout | None = None,
+    group: sharding.Group | None = None,
 ) -> torch.Tensor:
     """Flow velocity ``noise - x0``, fp32 ``[B, C, T, H, W]``, of latents ``x_t [B, C, T, H, W]`` at ``t [B]`` (0..1000).
 
@@ -169,13 +199,22 @@ def apply(
     ``cond["text_mask"] [B, L]`` only zeroes the padded positions. ``compute_dtype`` (e.g. bf16) casts params and
     latents inside the call, except the modules diffusers keeps in fp32; gradients reach the caller's params in their
     own dtype. ``t`` stays fp32 (bf16 cannot hold 999). The RoPE tables move to ``x_t``'s device per call (~1 MB).
+
+    Sharded (``layout`` and ``group`` given): ``params`` are this rank's local shards, the module's blocks were routed
+    with a gathering function (:meth:`WanConfig.build`), and each unit gathers its params in the compute dtype (the
+    cast sits inside the gather, so gradients are reduced in fp32).
     """
     x_t, t, text = _check_inputs(module, x_t, t, cond)
     if compute_dtype is not None:
-        params = {name: p.to(torch.float32 if _keeps_fp32(module, name) else compute_dtype) for name, p in params.items()}
         x_t, text = x_t.to(compute_dtype), text.to(compute_dtype)
     buffers = {name: b.to(x_t.device) for name, b in module.named_buffers()}
     inputs = {"hidden_states": x_t, "timestep": t, "encoder_hidden_states": text, "return_dict": False}
+    if layout is not None:
+        (out,) = sharding.sharded_call(module, params, buffers, (), inputs, layout=layout, group=group,
+                                       compute_dtypes=compute_dtypes(module, compute_dtype))
+        return out.float()
+    if compute_dtype is not None:
+        params = {name: p.to(torch.float32 if _keeps_fp32(module, name) else compute_dtype) for name, p in params.items()}
     (out,) = functional_call(module, (params, buffers), (), inputs, strict=True)
     return out.float()
 
@@ -417,26 +456,54 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class WanConfig(Config, tag="wan"):
-    """A Wan 2.1 T2V DiT: architecture preset, optional local diffusers folder to start from, remat, compute dtype."""
+    """A Wan 2.1 T2V DiT: architecture preset, optional local diffusers folder to start from, remat, compute dtype, and
+    how its blocks run: ``compile="none"`` eagerly, ``"blocks"`` through one ``torch.compile``'d function shared by all
+    blocks (fvx.compile; ``compile_backend`` "inductor", or "aot_eager" to check numerics without codegen)."""
 
     preset: str = "tiny"
     path: str | None = None  # a transformer folder with config.json, or a pipeline root with transformer/
     remat: bool = False
     compute_dtype: Literal["fp32", "bf16"] = "fp32"
+    compile: fvx_compile.Mode = "none"
+    compile_backend: str = "inductor"
 
     def __post_init__(self) -> None:
         _check_preset(self.preset)
 
-    def build(self) -> Model:
-        """The :class:`Model` whose functions are bound to one skeleton built now and to this config."""
+    def build(self, *, mesh: Any = None) -> Model:
+        """The :class:`Model` whose functions are bound to one skeleton built now and to this config. On a device mesh
+        (``fvx.sharding.make_mesh``) params are sharded: ``initial_params`` gives local shards and ``apply`` gathers
+        each unit's in the compute dtype just before it runs."""
         module = skeleton(self.preset, remat=self.remat)
         kwargs, meta = PRESETS[self.preset], METADATA[self.preset]
+        dtype = _DTYPES[self.compute_dtype]
         init_fn = functools.partial(init, module)
         load_fn = functools.partial(load, module)
         path = self.path
+        blocks = units(module)
+        shapes = _param_shapes(module)
+        layout = group = None
+        if mesh is not None:
+            group = sharding.group_of(mesh)
+            layout = sharding.plan(shapes, group.shard_size)
+        stats = None
+        if self.compile != "none" or layout is not None:
+            gather = None if layout is None else sharding.unit_gather(layout, blocks, group,
+                                                                      compute_dtypes(module, dtype))
+            stats = fvx_compile.install_units(module, blocks, mode=self.compile, gather=gather,
+                                              backend=self.compile_backend)
 
         def initial_params(key: torch.Tensor) -> Params:
-            return load_fn(path) if path is not None else init_fn(key)
+            full = load_fn(path) if path is not None else init_fn(key)
+            if mesh is None:
+                return full
+            return sharding.to_local(sharding.shard(full, mesh, layout=layout))
+
+        def memory_spec() -> Any:
+            from fvx.dry_run import ModelSpec  # the dry run only
+
+            return ModelSpec(shapes=shapes, dims=dims(self.preset), units=tuple(blocks), vae_stride=VAE_STRIDE,
+                             compute_bytes=dtype.itemsize, remat=self.remat)
 
         return Model(
             name=f"wan:{self.preset}",
@@ -447,7 +514,10 @@ class WanConfig(Config, tag="wan"):
             load=load_fn,
             export=functools.partial(export, module),
             initial_params=initial_params,
-            apply=functools.partial(apply, module, compute_dtype=_DTYPES[self.compute_dtype]),
+            apply=functools.partial(apply, module, compute_dtype=dtype, layout=layout, group=group),
             normalize=functools.partial(normalize, mean=meta.latents_mean, std=meta.latents_std),
             denormalize=functools.partial(denormalize, mean=meta.latents_mean, std=meta.latents_std),
+            layout=layout,
+            compile_stats=None if self.compile == "none" else stats,
+            memory_spec=memory_spec,
         )

@@ -1,0 +1,120 @@
+"""Launching fvx.run: a 2-process (gloo) fine-tuning run logs the losses of one process and holds half the state per
+rank; ``--dry-run`` prints per-role bytes per rank from shapes alone; compiled blocks are counted in the logs."""
+import math
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from fvx import dry_run, memory, run, tracking
+from fvx_models import wan
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+EXPERIMENT = str(ROOT / "experiments" / "finetune_wan.py")
+QUICK = ["--steps", "3", "run.progress=false", "data.batch_size=4", "data.prefetch=1", "method.optim.warmup_steps=1",
+         "run.checkpoint.every=0", "run.checkpoint.final=false"]
+COMPARED = ("loss", "grad_norm", "lr")
+REL = 1e-6  # fp32: 2 processes differ from one only in reduction order
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch2(out: pathlib.Path, *overrides: str) -> None:
+    """``fvx.run`` on 2 gloo processes, as torchrun would start them."""
+    port, procs = _free_port(), []
+    for rank in range(2):
+        env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+        procs.append(subprocess.Popen([sys.executable, "-m", "fvx.run", EXPERIMENT, "--out", str(out), *QUICK,
+                                       *overrides], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate()[0] for p in procs]
+    for rank, (p, text) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {rank}:\n{text}"
+    assert "done: 3 steps" in outputs[0] and "(2 processes)" in outputs[0]
+    assert "done:" not in outputs[1]  # only rank 0 reports
+
+
+def launch1(out: pathlib.Path, *overrides: str) -> None:
+    assert run.main([EXPERIMENT, "--out", str(out), *QUICK, *overrides]) == 0
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(2-process, 1-process) run folders: eager, and remat with compiled blocks."""
+    base = tmp_path_factory.mktemp("launch")
+    variants = {"eager": (), "remat_compiled": ("model.remat=true", "model.compile=blocks",
+                                                "model.compile_backend=aot_eager")}
+    folders = {}
+    for name, overrides in variants.items():
+        launch2(base / f"{name}2", *overrides)
+        launch1(base / f"{name}1", *overrides)
+        folders[name] = (base / f"{name}2", base / f"{name}1")
+    return folders
+
+
+@pytest.mark.slow  # two launches of 2 processes: about 20 s on 2 cores
+@pytest.mark.parametrize("variant", ["eager", "remat_compiled"])
+def test_two_processes_log_the_losses_of_one_and_hold_half_the_state(runs, variant):
+    two, one = (tracking.read_scalars(folder / "tb") for folder in runs[variant])
+    for name in COMPARED:
+        assert [s for s, _ in two[name]] == [0, 1, 2], name
+        for (_, got), (_, want) in zip(two[name], one[name]):
+            assert math.isclose(got, want, rel_tol=REL, abs_tol=1e-9), (name, two[name], one[name])
+    assert (runs[variant][0] / "config.json").is_file()
+    ratio = two["state_bytes_per_rank"][0][1] / one["state_bytes_per_rank"][0][1]
+    assert 0.5 <= ratio < 0.51, ratio  # even shards (+ padding, step and key): about half
+    if variant == "remat_compiled":
+        assert two["compile/graphs"] == one["compile/graphs"] == [(2, 1.0)]
+        assert two["compile/recompiles"] == [(2, 0.0)]
+
+
+def test_two_process_checkpoints_are_refused_in_one_clear_error(tmp_path, capsys):
+    """Sharded checkpoints are not written yet: a multi-process run that would save stops before writing anything."""
+    from fvx import loop
+
+    config = run.resolve_config(run.parse_args([EXPERIMENT, "--out", str(tmp_path / "r")]))
+    with pytest.raises(ValueError, match="run.checkpoint.every=0 run.checkpoint.final=false"):
+        loop.prepare(config, rank=0, world=2)
+    assert not (tmp_path / "r").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------- dry run
+
+
+def test_dry_run_prints_per_role_bytes_per_rank_from_shapes(capsys):
+    assert run.main([EXPERIMENT, "--dry-run", "--world", "4", "--video", "33x256x256", "model.preset=wan2.1-t2v-1.3b",
+                     "model.remat=true", "model.compute_dtype=bf16", "data.batch_size=8"]) == 0
+    out = capsys.readouterr().out
+    assert "wan:wan2.1-t2v-1.3b: 4 ranks" in out and "9x32x32 = 2304 tokens" in out and "2 sample(s) per rank" in out
+    shapes = {n: tuple(p.shape) for n, p in wan.skeleton("wan2.1-t2v-1.3b").named_parameters()}
+    numel = sum(math.prod(s) for s in shapes.values())
+    row = next(line for line in out.splitlines() if line.startswith("student")).split()[1:]
+    params, grads, adamw, ema, total = (float(v) for v in row)
+    per_rank = numel / 4 / memory.GIB  # every 1.3B param has a dimension 4 divides: no padding
+    assert (params, grads, adamw, ema) == (round(4 * per_rank, 2), round(4 * per_rank, 2), round(8 * per_rank, 2), 0)
+
+
+def test_dry_run_estimate_counts_micro_batches_and_rejects_bad_input():
+    spec = wan.WanConfig(preset="tiny").build().memory_spec()
+    role = memory.Role("student", spec.shapes, trainable=True)
+    whole, _ = dry_run.estimate(spec, dry_run.Plan((role,)), world=2, replicate=1, video=(17, 64, 64), global_batch=8)
+    halves, _ = dry_run.estimate(spec, dry_run.Plan((role,), micro_batches=2), world=2, replicate=1,
+                                 video=(17, 64, 64), global_batch=8)
+    assert whole.roles == halves.roles and whole.activations == 2 * halves.activations
+    with pytest.raises(ValueError, match="not divisible by --world 3"):
+        dry_run.estimate(spec, dry_run.Plan((role,)), world=3, replicate=1, video=(17, 64, 64), global_batch=8)
+    with pytest.raises(ValueError, match="FRAMESxHEIGHTxWIDTH"):
+        dry_run.parse_video("17x64")
+
+
+def test_dry_run_bad_video_is_one_clear_error(capsys):
+    assert run.main([EXPERIMENT, "--dry-run", "--video", "16x64x64"]) == 2
+    assert "frames must be 1 + a multiple of 4" in capsys.readouterr().err
