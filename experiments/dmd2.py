@@ -21,16 +21,23 @@ optionally "text_mask" [1, 512]); FastVideo's recipe trains on 4 GPUs with batch
         data.path=/data/Wan-Syn_77x448x832_600k/combined_parquet_dataset data.text_len=512 data.batch_size=4 \
         --steps 4000 --out runs/wan21_dmd2_4steps
 """
+from fvx import random
 from fvx.data import DataConfig, SyntheticConfig
 from fvx.loop import Experiment, RunConfig
 from fvx.optim_config import AdamWConfig
+from fvx.validation import ValidationConfig
 from fvx_methods.dmd2 import DMD2
 from fvx_models.wan import WanConfig
+from fvx_models.wan_vae import WanVAEConfig
 
 
 class DMD2Wan(Experiment):
     model: WanConfig = WanConfig()
+    vae: WanVAEConfig | None = None  # decodes validation samples; None logs latent previews
     method: DMD2 = DMD2()
+
+    def build_vae(self):
+        return None if self.vae is None else self.vae.build(random.key(self.validation.seed))
 
 
 config = DMD2Wan(
@@ -38,6 +45,8 @@ config = DMD2Wan(
     data=DataConfig(batch_size=4, synthetic=SyntheticConfig(num_samples=64, latent_shape=(16, 2, 16, 16),
                                                              text_len=8, text_dim=32)),
     model=WanConfig(preset="tiny"),
+    vae=WanVAEConfig(preset="tiny"),
+    validation=ValidationConfig(every=100, num_prompts=2),
     method=DMD2(
         rollout_mode="simulate", denoising_steps=(1000, 750, 500, 250), generator_update_interval=5,
         guidance_scale=4.5, timestep_shift=8.0, cfg_uncond="zero",

@@ -8,16 +8,23 @@ The full-size run is the same file with overrides, e.g. Wan 2.1 T2V 1.3B on a Fa
         data.path=/data/my_dataset/combined_parquet_dataset data.text_len=512 data.batch_size=8 \
         method.optim.lr=1e-6 method.optim.weight_decay=0.01 --steps 4000 --out runs/wan_t2v
 """
+from fvx import random
 from fvx.data import DataConfig, SyntheticConfig
 from fvx.loop import Experiment, RunConfig
 from fvx.optim_config import AdamWConfig
+from fvx.validation import ValidationConfig
 from fvx_methods.finetune import Finetune
 from fvx_models.wan import WanConfig
+from fvx_models.wan_vae import WanVAEConfig
 
 
 class FinetuneWan(Experiment):
     model: WanConfig = WanConfig()
+    vae: WanVAEConfig | None = None  # decodes validation samples; None logs latent previews
     method: Finetune = Finetune()
+
+    def build_vae(self):
+        return None if self.vae is None else self.vae.build(random.key(self.validation.seed))
 
 
 config = FinetuneWan(
@@ -25,5 +32,7 @@ config = FinetuneWan(
     data=DataConfig(batch_size=4, synthetic=SyntheticConfig(num_samples=64, latent_shape=(16, 2, 16, 16),
                                                              text_len=8, text_dim=32)),
     model=WanConfig(preset="tiny"),
+    vae=WanVAEConfig(preset="tiny"),
+    validation=ValidationConfig(every=200, num_prompts=2),
     method=Finetune(optim=AdamWConfig(lr=1e-3, weight_decay=0.01, max_grad_norm=1.0, schedule="cosine", warmup_steps=30)),
 )

@@ -38,7 +38,7 @@ from tensorboard.summary.writer.record_writer import RecordWriter
 import fvx
 from fvx import checkpoint
 from fvx import config as fconfig
-from fvx import data, random, tracking, tree
+from fvx import data, random, tracking, tree, validation
 from fvx.config import Config
 from fvx.state import NONFINITE, Program, TrainState
 
@@ -62,10 +62,16 @@ class RunConfig(Config):
 
 
 class Experiment(Config):
-    """The root of an experiment config; subclasses add ``model`` and ``method``."""
+    """The root of an experiment config; subclasses add ``model`` and ``method``, and may override :meth:`build_vae`
+    to decode validation samples into videos (without a decoder, validation logs latent previews)."""
 
     run: RunConfig = RunConfig()
     data: data.DataConfig = data.DataConfig()
+    validation: validation.ValidationConfig = validation.ValidationConfig()
+
+    def build_vae(self) -> Any:
+        """The decoder of validation samples (an object with ``decode(latents) -> video``), or None."""
+        return None
 
 
 class Launch(msgspec.Struct, frozen=True):
@@ -84,6 +90,7 @@ class Setup(msgspec.Struct, frozen=True):
     dataset: Any
     data_key: torch.Tensor
     method_key: torch.Tensor
+    mesh: Any = None  # the device mesh of a multi-process run (fvx.sharding.make_mesh), else None
 
 
 class Prepared(NamedTuple):
@@ -116,7 +123,7 @@ def setup(config: Experiment, *, mesh: Any = None) -> Setup:
     model = config.model.build(**on_mesh)
     program = config.method.build(model, total_steps=config.run.steps, **on_mesh)
     dataset = data.open_dataset(config.data, data_key)
-    return Setup(model=model, program=program, dataset=dataset, data_key=data_key, method_key=method_key)
+    return Setup(model=model, program=program, dataset=dataset, data_key=data_key, method_key=method_key, mesh=mesh)
 
 
 def batch_fn(config: Experiment, built: Setup, *, rank: int = 0, world: int = 1) -> Callable[[int], Any]:
@@ -137,14 +144,6 @@ def prepare(config: Experiment, *, resume: str | int | None = None, rank: int = 
             mesh: Any = None) -> Prepared:
     """Build everything (on ``mesh`` when given), check the first batch against the method, and restore the checkpoint
     ``resume`` names (see :func:`find_checkpoint`), writing nothing: bad input and unusable checkpoints fail here."""
-    if world > 1 and resume is not None:
-        raise checkpoint.CheckpointError("--resume with more than one process is not supported yet (sharded "
-                                         "checkpoints are future work): resume on one process")
-    saves = config.run.checkpoint
-    if world > 1 and (saves.every or saves.final):
-        raise checkpoint.CheckpointError(
-            f"checkpoints of a {world}-process run are not supported yet (sharded checkpoints are future work): "
-            "run with run.checkpoint.every=0 run.checkpoint.final=false, or on one process")
     built = setup(config, mesh=mesh)
     built.program.check(batch_fn(config, built, rank=rank, world=world)(0))
     state = initial_state(built)
@@ -152,7 +151,7 @@ def prepare(config: Experiment, *, resume: str | int | None = None, rank: int = 
         _check_no_checkpoints(pathlib.Path(config.run.output_dir) / CHECKPOINTS)
         return Prepared(built, state)
     folder, step = find_checkpoint(pathlib.Path(config.run.output_dir), str(resume))
-    with checkpoint.Checkpoints(folder) as checkpoints:
+    with open_checkpoints(folder, built) as checkpoints:
         state = checkpoints.restore(step, state)
         meta = checkpoints.read_json(step, "meta")
         saved = checkpoints.read_json(step, "config").get("config", {})
@@ -160,6 +159,15 @@ def prepare(config: Experiment, *, resume: str | int | None = None, rank: int = 
     changes = _differences(saved, current, ignore=("run.output_dir", "run.progress"))
     return Prepared(built, state, nonfinite_skips=int(meta.get("nonfinite_skips", 0)), resumed_from=folder / str(step),
                     config_changes=tuple(changes))
+
+
+def open_checkpoints(folder: pathlib.Path, built: Setup,
+                     config: checkpoint.CheckpointConfig | None = None) -> checkpoint.Checkpoints:
+    """The run's checkpoints in ``folder`` (writable with ``config``): of local shards on a multi-process run's mesh
+    (every rank calls this, and then every method, alike), else of whole tensors."""
+    if built.mesh is None:
+        return checkpoint.Checkpoints(folder, config)
+    return checkpoint.Checkpoints(folder, config, mesh=built.mesh, layout=built.model.layout)
 
 
 def find_checkpoint(run_dir: pathlib.Path, resume: str) -> tuple[pathlib.Path, int]:
@@ -314,8 +322,9 @@ def _before(record: bytes, step: int) -> bool:
 def train(config: Experiment, *, prepared: Prepared | None = None, launch: Launch = Launch(), rank: int = 0,
           world: int = 1) -> TrainState:
     """Run from the prepared state (step 0, or a restored checkpoint) to ``config.run.steps``; log to TensorBoard
-    and save checkpoints on rank 0; return the final state. Raises :class:`NonFiniteError` when a step's loss or
-    gradients are not finite and ``run.on_nonfinite`` is ``halt`` (or the method could not skip the update)."""
+    and save checkpoints on rank 0 (on every rank of a sharded run: each writes its shards); return the final
+    state. Raises :class:`NonFiniteError` when a step's loss or gradients are not finite and ``run.on_nonfinite``
+    is ``halt`` (or the method could not skip the update)."""
     out = pathlib.Path(config.run.output_dir)
     prepared = prepared if prepared is not None else prepare(config, rank=rank, world=world)
     state, start = prepared.state, int(prepared.state.step)
@@ -328,25 +337,44 @@ def train(config: Experiment, *, prepared: Prepared | None = None, launch: Launc
             truncate_events(out / TENSORBOARD, start)
             wait_for_a_new_second(out / TENSORBOARD)
     saves = config.run.checkpoint
-    checkpoints = (checkpoint.Checkpoints(out / CHECKPOINTS, saves)
-                   if rank == 0 and (saves.every or saves.final) else None)
+    checkpoints = (open_checkpoints(out / CHECKPOINTS, prepared.setup, saves)  # every rank: sharded saves
+                   if (rank == 0 or world > 1) and (saves.every or saves.final) else None)
     record = config_record(config)
 
     def save(state: TrainState, skips: int) -> None:
         checkpoints.save(state, config=record, meta={**meta, "nonfinite_skips": skips})
 
+    validator = make_validator(config, prepared.setup, out)
     try:
         with tracking.open_tracker(out / TENSORBOARD, rank=rank) as tracker:
             if rank == 0 and log_hparams:
                 tracker.hparams(msgspec.to_builtins(config))
+
+            def validate(state: TrainState, updates: int) -> None:
+                if validator is not None and validation.should_validate(config.validation, updates):
+                    samplers = prepared.setup.program.validate(state, config.validation)
+                    validation.validate(validator, tracker, updates, samplers)
+
+            if start == 0:
+                validate(state, 0)
             state = run_steps(config, prepared.setup, state, range(start, config.run.steps), tracker,
-                              save=None if checkpoints is None else save, nonfinite_skips=prepared.nonfinite_skips,
-                              rank=rank, world=world)
+                              save=None if checkpoints is None else save, after_step=validate,
+                              nonfinite_skips=prepared.nonfinite_skips, rank=rank, world=world)
             log_run_summary(tracker, state, getattr(prepared.setup.model, "compile_stats", None), config.run.steps - 1)
     finally:
         if checkpoints is not None:
             checkpoints.close()  # waits for a pending async save
     return state
+
+
+def make_validator(config: Experiment, built: Setup, out: pathlib.Path) -> validation.Validator | None:
+    """The run's fixed validation prompts, noise and decoder, or None when validation is off."""
+    if config.validation.every == 0:
+        return None
+    vae = config.build_vae()
+    return validation.make_validator(config.validation, built.dataset, text_dim=built.model.text_dim,
+                                     denormalize=built.model.denormalize, decode=None if vae is None else vae.decode,
+                                     folder=out / "validation")
 
 
 def log_run_summary(tracker: tracking.Tracker, state: TrainState, compile_stats: Any, step: int) -> None:
@@ -362,10 +390,12 @@ def log_run_summary(tracker: tracking.Tracker, state: TrainState, compile_stats:
 
 
 def run_steps(config: Experiment, built: Setup, state: TrainState, steps: range, tracker: tracking.Tracker, *,
-              save: Callable[[TrainState, int], None] | None = None, nonfinite_skips: int = 0, rank: int = 0,
+              save: Callable[[TrainState, int], None] | None = None,
+              after_step: Callable[[TrainState, int], None] | None = None, nonfinite_skips: int = 0, rank: int = 0,
               world: int = 1) -> TrainState:
     """Take ``steps`` with ``built.program.step_`` on prefetched batches, logging every ``config.run.log_every`` (and
-    every non-finite step), and calling ``save(state, skips)`` after each step a checkpoint is due."""
+    every non-finite step), calling ``save(state, skips)`` after each step a checkpoint is due, then
+    ``after_step(state, updates)`` (``updates`` = step + 1: validation)."""
     global_batch, run = config.data.batch_size, config.run
     progress = _progress_bar(config, steps, rank)
     try:
@@ -389,8 +419,11 @@ def run_steps(config: Experiment, built: Setup, state: TrainState, steps: range,
                     raise _halt(config, step, values, applied=not flagged, rank=rank)
                 if save is not None and checkpoint.due(run.checkpoint, step + 1, run.steps):
                     save(state, nonfinite_skips)
+                if after_step is not None:
+                    after_step(state, step + 1)
                 if progress is not None:
-                    progress.set_postfix(loss=f"{values.get('loss', float('nan')):.4g}", refresh=False)
+                    losses = {name: f"{value:.4g}" for name, value in values.items() if name.endswith("loss")}
+                    progress.set_postfix(losses, refresh=False)
                     progress.update(1)
     finally:
         if progress is not None:

@@ -10,7 +10,7 @@ and ``metrics[NONFINITE] = 1``. The loop then halts or goes on, as ``run.on_nonf
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -41,8 +41,9 @@ NONFINITE = "nonfinite"
 
 
 class Program(NamedTuple):
-    """What a method gives the loop: ``init(run_key) -> state``, the donating ``step_(state, batch)``, and
-    ``check(batch)``, which raises a clear error when a batch does not fit (called once before the first step).
+    """What a method gives the loop: ``init(run_key) -> state``, the donating ``step_(state, batch)``,
+    ``check(batch)``, which raises a clear error when a batch does not fit (called once before the first step), and
+    ``validate(state, validation_config)``, the models to sample at a validation (``fvx.validation.Sampler`` list).
 
     ``step_`` takes its state over (JAX's donation): it may update the state's tensors in place, and the caller must
     use only the state it returns. :func:`step` gives the pure version.
@@ -51,6 +52,7 @@ class Program(NamedTuple):
     init: Callable[[torch.Tensor], TrainState]
     step_: Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
     check: Callable[[Batch], None] = lambda batch: None
+    validate: Callable[[TrainState, Any], Sequence[Any]] = lambda state, config: ()
 
 
 def copy(state: Any) -> Any:

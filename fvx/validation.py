@@ -327,3 +327,51 @@ def log_validation(
     if captions is not None:
         tracker.text(step, f"{prefix}/captions", "\n".join(f"- prompt_{i}: {c}" for i, c in enumerate(captions)))
     return paths
+
+
+# ---------------------------------------------------------------------------------------------------------- the loop's
+
+
+class Sampler(NamedTuple):
+    """One model a method asks to validate: ``tag`` (e.g. "student"), its ``apply(params, x_t, t, cond)`` and
+    ``params`` (used as they are, no copy), the sigma schedule, and the sampler kind (``"ode"`` or ``"sde"``)."""
+
+    tag: str
+    apply: flow.ApplyFn
+    params: Any
+    sigmas: Sequence[float] | torch.Tensor
+    sampler: str = "ode"
+
+
+class Validator(NamedTuple):
+    """What a run validates with, fixed once at its start: prompts, noise and keys are the same at every validation."""
+
+    config: ValidationConfig
+    prompts: Prompts
+    noise: torch.Tensor
+    keys: torch.Tensor
+    denormalize: Callable[[torch.Tensor], torch.Tensor] | None
+    decode: Callable[[torch.Tensor], torch.Tensor] | None
+    folder: pathlib.Path | None
+
+
+def make_validator(config: ValidationConfig, dataset: Any, *, text_dim: int | None = None,
+                   denormalize: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   decode: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   folder: str | os.PathLike | None = None) -> Validator:
+    """Read the prompts and draw the noise (from ``key(config.seed)``) that every validation of the run reuses."""
+    prompts = read_prompts(config, dataset, text_dim=text_dim)
+    noise_key, sampler_key = random.split(random.key(config.seed))
+    noise = fixed_noise(noise_key, (len(prompts.text), *latent_shape(config, dataset)))
+    return Validator(config, prompts, noise, prompt_keys(sampler_key, len(prompts.text)), denormalize, decode,
+                     None if folder is None else pathlib.Path(folder))
+
+
+def validate(validator: Validator, tracker: Tracker, step: int, samplers: Sequence[Sampler]) -> None:
+    """Sample every ``samplers`` entry from the fixed noise and prompts, decode when a decoder is set, and log it."""
+    for entry in samplers:
+        latents, video = sample_videos(entry.apply, entry.params, validator.noise, entry.sigmas,
+                                       validator.prompts.cond(), key=validator.keys, sampler=entry.sampler,
+                                       denormalize=validator.denormalize, decode=validator.decode)
+        log_validation(tracker, step, entry.tag, latents, video, folder=validator.folder, fps=validator.config.fps,
+                       captions=validator.prompts.captions)

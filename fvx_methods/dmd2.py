@@ -59,7 +59,7 @@ import optree
 import torch
 from safetensors import safe_open
 
-from fvx import ema, flow, grad, optim, random, tree
+from fvx import ema, flow, grad, optim, random, tree, validation
 from fvx.config import Config
 from fvx.optim_config import AdamWConfig
 from fvx.state import Batch, Metrics, Program, RoleState, TrainState, all_finite, skipped
@@ -99,6 +99,7 @@ class DMD2(Config, tag="dmd2"):
     ema_decay / ema_start_step: the student's EMA (None or 0 turns it off); starts at iteration ``ema_start_step``.
     teacher_path / critic_path: local diffusers folders; None takes ``model.initial_params`` (see module docstring).
     init_seed: the seed of the teacher's random params when neither it nor the model names a folder (tiny presets).
+    validate_teacher: also sample the teacher (guided, many-step ODE) at validations, beside the few-step student.
     """
 
     rollout_mode: Literal["simulate", "data_latent"] = "simulate"
@@ -120,6 +121,7 @@ class DMD2(Config, tag="dmd2"):
     teacher_path: str | None = None
     critic_path: str | None = None
     init_seed: int = 0
+    validate_teacher: bool = False
 
     def __post_init__(self) -> None:
         steps = self.denoising_steps
@@ -161,6 +163,8 @@ class DMD2(Config, tag="dmd2"):
             step_=lambda state, batch: step_(state, batch, model=model, config=self, teacher=teacher(), txs=txs,
                                              negative=negative),
             check=lambda batch: check_batch(batch, model, self, negative),
+            validate=lambda state, validation_config: validate(state, validation_config, model=model, config=self,
+                                                               teacher=teacher, negative=negative),
         )
 
     def memory_plan(self, shapes: Any) -> Any:
@@ -305,6 +309,25 @@ def check_batch(batch: Batch, model: Model, config: DMD2, negative: Cond | None 
 
 
 # --------------------------------------------------------------------------------------------- timesteps and x0
+
+
+def validate(state: TrainState, validation_config: Any, *, model: Model, config: DMD2,
+             teacher: Callable[[], Params], negative: Cond | None = None) -> list[validation.Sampler]:
+    """What a validation samples: the student (its EMA when kept) with its few-step SDE schedule, and with
+    ``validate_teacher`` the teacher, guided, on the many-step ODE. Params are used in place, never copied."""
+    student = state.roles[STUDENT]
+    few_steps = denoising_timesteps(config) / flow.NUM_TRAIN_TIMESTEPS
+    samplers = [validation.Sampler("student" if student.ema is None else "student_ema", model.apply,
+                                   student.params if student.ema is None else student.ema, few_steps, "sde")]
+    if config.validate_teacher:
+        def guided(params: Params, x_t: torch.Tensor, t: torch.Tensor, cond: Cond) -> torch.Tensor:
+            uncond = uncond_text(cond, config, negative)
+            return flow.cfg(model.apply(params, x_t, t, cond), model.apply(params, x_t, t, uncond),
+                            config.guidance_scale)
+
+        many_steps = validation.many_step_sigmas(validation_config.num_steps, validation_config.flow_shift)
+        samplers.append(validation.Sampler("teacher", guided, teacher(), many_steps, "ode"))
+    return samplers
 
 
 def denoising_timesteps(config: DMD2) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import torch
 
-from fvx import flow, grad, optim, random, sharding, tree
+from fvx import ema, flow, grad, optim, random, sharding, tree, validation
 from fvx.config import Config
 from fvx.optim_config import AdamWConfig
 from fvx.state import Batch, Metrics, Program, RoleState, TrainState, all_finite, skipped
@@ -30,7 +30,9 @@ ROLE = "student"
 
 
 class Finetune(Config, tag="finetune"):
-    """Knobs of fine-tuning: the optimizer, the timestep density, the loss form, and gradient accumulation."""
+    """Knobs of fine-tuning: the optimizer, the timestep density, the loss form, gradient accumulation, and an EMA of
+    the params (``ema_decay``, None or 0 for none): a copy at update ``max(ema_start_step, 1)``, then
+    ``ema <- d ema + (1 - d) params`` after every update; validation and ``export --ema`` use it."""
 
     optim: AdamWConfig = AdamWConfig()
     weighting_scheme: Literal["uniform", "logit_normal", "mode"] = "uniform"
@@ -40,10 +42,14 @@ class Finetune(Config, tag="finetune"):
     precondition_outputs: bool = False
     flow_shift: Annotated[float, msgspec.Meta(gt=0)] = 3.0
     grad_accum: Annotated[int, msgspec.Meta(ge=1)] = 1
+    ema_decay: float | None = None
+    ema_start_step: Annotated[int, msgspec.Meta(ge=0)] = 0
 
     def __post_init__(self) -> None:
         if self.optim.lr <= 0:
             raise ValueError(f"fine-tuning needs optim.lr > 0, got {self.optim.lr}")
+        if self.ema_decay:
+            ema.check_decay(self.ema_decay)
 
     def build(self, model: Model, *, total_steps: int, mesh: Any = None) -> Program:
         """The loop's ``(init, step_)`` for this config, ``model`` and run length (the LR schedule needs it); on a
@@ -52,9 +58,10 @@ class Finetune(Config, tag="finetune"):
         tx = optimizer(self.optim, total_steps, group)
         lr = self.optim.schedule_fn(total_steps)
         return Program(
-            init=lambda run_key: init(run_key, model, tx),
+            init=lambda run_key: init(run_key, model, tx, with_ema=bool(self.ema_decay)),
             step_=lambda state, batch: step_(state, batch, model=model, config=self, tx=tx, lr=lr, group=group),
             check=lambda batch: check_batch(batch, model),
+            validate=lambda state, validation_config: validate(state, validation_config, model=model),
         )
 
     def memory_plan(self, shapes: Any) -> Any:
@@ -109,12 +116,22 @@ def loss_fn(params: dict, batch: Batch, key: torch.Tensor, *, model: Model,
     return loss, {"sigma": sigma}
 
 
-def init(run_key: torch.Tensor, model: Model, tx: optim.GradientTransformation) -> TrainState:
-    """The initial state: the model's initial params (loaded or drawn), a fresh optimizer state, step 0."""
+def init(run_key: torch.Tensor, model: Model, tx: optim.GradientTransformation, *,
+         with_ema: bool = False) -> TrainState:
+    """The initial state: the model's initial params (loaded or drawn), a fresh optimizer state, step 0, and with
+    ``with_ema`` an EMA copy of the params."""
     params_key, steps_key = random.split(run_key)
     params = model.initial_params(params_key)
-    return TrainState(step=torch.zeros((), dtype=torch.int64), key=steps_key,
-                      roles={ROLE: RoleState(params=params, opt_state=tx.init(params))})
+    role = RoleState(params=params, opt_state=tx.init(params), ema=ema.ema_init(params) if with_ema else None)
+    return TrainState(step=torch.zeros((), dtype=torch.int64), key=steps_key, roles={ROLE: role})
+
+
+def validate(state: TrainState, config: validation.ValidationConfig, *, model: Model) -> list[validation.Sampler]:
+    """The model to sample at a validation: the EMA params when kept, else the params, on the many-step ODE."""
+    role = state.roles[ROLE]
+    sigmas = validation.many_step_sigmas(config.num_steps, config.flow_shift)
+    return [validation.Sampler("model" if role.ema is None else "model_ema", model.apply,
+                               role.params if role.ema is None else role.ema, sigmas, "ode")]
 
 
 def micro_batches(batch: Batch, n: int) -> list[dict[str, Any]]:
@@ -150,5 +167,8 @@ def step_(state: TrainState, batch: Batch, *, model: Model, config: Finetune, tx
     if not all_finite(metrics["loss"], metrics["grad_norm"]):
         return skipped(state, metrics)
     params, opt_state = optim.step_(tx, role.params, grads, role.opt_state)
+    if role.ema is not None:  # EMA after step s counts s + 1 updates; it starts as a copy at max(start, 1)
+        ema.ema_step_(role.ema, params, int(state.step) + 1, decay=config.ema_decay,
+                      start_step=max(config.ema_start_step, 1))
     roles = {**state.roles, ROLE: role._replace(params=params, opt_state=opt_state)}
     return TrainState(step=state.step + 1, key=state.key, roles=roles), metrics

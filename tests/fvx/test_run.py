@@ -62,3 +62,16 @@ def test_module_entry_point_runs(tmp_path):
                              "--steps", "2", *QUICK], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert "done: 2 steps" in result.stdout
+
+
+def test_validation_logs_videos_at_its_cadence(tmp_path):
+    out = tmp_path / "v"
+    assert run.main([EXPERIMENT, "--out", str(out), "--steps", "4", *QUICK, "validation.every=2",
+                     "validation.num_prompts=1", "validation.num_steps=2"]) == 0
+    images = tracking.read_images(out / "tb")
+    assert [step for step, _ in images["validation/model/prompt_0"]] == [0, 2, 4]
+    assert (out / "validation" / "step_4").is_dir()
+    without_vae = tmp_path / "latents"
+    assert run.main([EXPERIMENT, "--out", str(without_vae), "--steps", "2", *QUICK, "validation.every=2",
+                     "validation.num_prompts=1", "validation.num_steps=2", "vae=null"]) == 0
+    assert "validation/model/latents_0" in tracking.read_images(without_vae / "tb")

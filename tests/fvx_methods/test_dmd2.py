@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from fvx import config as fconfig
-from fvx import flow, grad, random, tree
+from fvx import flow, grad, random, tree, validation
 from fvx.optim_config import AdamWConfig
 from fvx_methods import dmd2
 from fvx_models.wan import WanConfig
@@ -354,6 +354,22 @@ def test_ema_follows_its_formula_from_its_start_step(model, roles):
             torch.testing.assert_close(student.ema[n], expected[n], rtol=0, atol=1e-6)
         if iteration < start:
             assert all(torch.equal(student.ema[n], initial[n]) for n in initial)
+
+
+def test_validation_samples_the_few_step_student_and_optionally_the_guided_teacher(model, roles):
+    config, state, kwargs = setup(model, roles, ema_decay=0.9, validate_teacher=True)
+    vconfig = validation.ValidationConfig(num_steps=3)
+    samplers = dmd2.validate(state, vconfig, model=model, config=config, teacher=lambda: roles["teacher"])
+    student, teacher = samplers
+    assert (student.tag, student.sampler) == ("student_ema", "sde") and student.params is state.roles["student"].ema
+    torch.testing.assert_close(student.sigmas, torch.tensor([1.0, 0.75, 0.5, 0.25]))
+    assert (teacher.tag, teacher.sampler, len(teacher.sigmas)) == ("teacher", "ode", 3)
+    batch = make_batch(size=1)
+    x, t, cond = torch.randn(1, *SHAPE, generator=torch.Generator().manual_seed(3)), torch.tensor([500.0]), {
+        "text": batch["text"], "text_mask": batch["text_mask"]}
+    uncond = {"text": torch.zeros_like(batch["text"]), "text_mask": torch.zeros_like(batch["text_mask"])}
+    expected = flow.cfg(model.apply(roles["teacher"], x, t, cond), model.apply(roles["teacher"], x, t, uncond), 2.0)
+    torch.testing.assert_close(teacher.apply(roles["teacher"], x, t, cond), expected)
 
 
 def test_same_seed_bit_identical_runs(model):

@@ -141,3 +141,27 @@ def test_bad_batches_and_config_are_named(model):
         check(wide)
     with pytest.raises(ValueError, match="optim.lr > 0"):
         finetune.Finetune(optim=AdamWConfig(lr=0.0))
+
+
+def test_ema_follows_its_formula_from_its_start_step(model):
+    decay, start = 0.9, 2
+    program = finetune.Finetune(optim=AdamWConfig(lr=1e-3), ema_decay=decay, ema_start_step=start).build(
+        model, total_steps=10)
+    state = program.init(random.key(0))
+    initial = {k: v.clone() for k, v in state.roles["student"].params.items()}
+    expected = None
+    for step in range(4):
+        state, _ = program.step_(state, make_batch())
+        params = state.roles["student"].params
+        updates = step + 1
+        if updates < start:
+            assert all(torch.equal(state.roles["student"].ema[k], initial[k]) for k in initial)
+        elif updates == start:
+            expected = {k: v.clone() for k, v in params.items()}
+        else:
+            expected = {k: decay * expected[k] + (1 - decay) * params[k] for k in expected}
+        if expected is not None:
+            for k in expected:
+                torch.testing.assert_close(state.roles["student"].ema[k], expected[k], rtol=1e-6, atol=1e-7)
+    samplers = program.validate(state, finetune.validation.ValidationConfig(num_steps=3))
+    assert [s.tag for s in samplers] == ["model_ema"] and samplers[0].params is state.roles["student"].ema
