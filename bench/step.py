@@ -2,7 +2,8 @@
 
 Baseline: ``nn.Module`` forward, ``loss.backward()``, ``clip_grad_norm_(foreach=True)`` and
 ``torch.optim.AdamW(foreach=True)``. fvx: ``Finetune(...).build(model).step_`` (functional_call forward,
-``fvx.grad.value_and_grad``, foreach clip + AdamW in place). Same architecture, initial params, batch, noise and
+``fvx.grad.value_and_grad``, foreach clip + AdamW in place), eager and with ``compile=blocks`` (one inductor graph
+shared by all transformer blocks). Same architecture, initial params, batch, noise and
 timesteps: both steps draw the noise and timesteps with the same fvx keys inside their timing. Timings alternate
 fvx / baseline; peak memory is measured per variant in a fresh subprocess.
     python bench/step.py [--repeats 10] [--threads N]
@@ -35,13 +36,13 @@ CASES = {
 TEXT_LEN = 16
 
 
-def build(case: str):
+def build(case: str, compile: str = "none"):
     """The fvx model and program, a baseline module and optimizer with the same initial params, and a batch."""
     arch, latent_shape, batch_size = CASES[case]
     preset = f"bench-{case}"
     wan.PRESETS[preset] = {**wan.PRESETS["tiny"], **arch}  # a bench-only architecture, registered in this process
     wan.METADATA[preset] = wan.METADATA["tiny"]
-    model = wan.WanConfig(preset=preset).build()
+    model = wan.WanConfig(preset=preset, compile=compile).build()
     config = finetune.Finetune(optim=AdamWConfig(lr=1e-4, weight_decay=0.01, max_grad_norm=1.0))
     program = config.build(model, total_steps=1000)
     state = program.init(random.key(0))
@@ -81,21 +82,25 @@ def baseline_step(module, optimizer, batch, draws) -> torch.Tensor:
 
 def run_case(case: str, repeats: int) -> dict:
     model, config, program, state, module, optimizer, batch = build(case)
-    holder = {"state": state, "step": 0}
-    first_fvx = program.step_(holder["state"], batch)
-    holder["state"] = first_fvx[0]
+    compiled = build(case, compile="blocks")[2]
+    holder = {"fvx": state, "fvx_blocks": compiled.init(random.key(0))}
+    first_fvx = program.step_(holder["fvx"], batch)
+    holder["fvx"] = first_fvx[0]
     first_base = baseline_step(module, optimizer, batch, baseline_draws(config, batch, state, 0))
     agree = abs(first_fvx[1]["loss"].item() - first_base.item())
 
-    def fvx_step():
-        holder["state"], metrics = program.step_(holder["state"], batch)
-        metrics["loss"].item()
+    def fvx_step(name, prog):
+        def step():
+            holder[name], metrics = prog.step_(holder[name], batch)
+            metrics["loss"].item()
+        return step
 
     def base_step():
-        draws = baseline_draws(config, batch, holder["state"], int(holder["state"].step))
+        draws = baseline_draws(config, batch, holder["fvx"], int(holder["fvx"].step))
         baseline_step(module, optimizer, batch, draws)
 
-    times = alternate({"fvx": fvx_step, "baseline": base_step}, repeats=repeats, warmup=1)
+    times = alternate({"fvx": fvx_step("fvx", program), "fvx_blocks": fvx_step("fvx_blocks", compiled),
+                       "baseline": base_step}, repeats=repeats, warmup=2)
     tokens = batch["latents"][0, 0].numel() // 4
     return {"case": case, "tokens": tokens, "batch": len(batch["sample_index"]), "loss_diff_step0": agree, **times}
 
@@ -126,8 +131,8 @@ def main() -> None:
         print(json.dumps(peak_memory(*args.memory, steps=3)))
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats} alternating steps")
-    print(f"{'case':10} {'tokens':>6} {'B':>2} {'fvx ms':>8} {'base ms':>8} {'time ratio':>10} "
-          f"{'fvx MB':>8} {'base MB':>8} {'mem ratio':>9} {'|dloss| step 0':>14}")
+    print(f"{'case':10} {'tokens':>6} {'B':>2} {'base ms':>8} {'fvx ms':>8} {'ratio':>6} {'blocks ms':>9} {'ratio':>6} "
+          f"{'base MB':>8} {'fvx MB':>8} {'ratio':>6} {'|dloss| step 0':>14}")
     for case in CASES:
         row = run_case(case, args.repeats)
         mem = {}
@@ -136,9 +141,11 @@ def main() -> None:
             if args.threads:
                 cmd += ["--threads", str(args.threads)]
             mem[variant] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-        print(f"{case:10} {row['tokens']:6d} {row['batch']:2d} {row['fvx'] * 1e3:8.1f} {row['baseline'] * 1e3:8.1f} "
-              f"{row['fvx'] / row['baseline']:10.2f} {mem['fvx']:8.1f} {mem['baseline']:8.1f} "
-              f"{mem['fvx'] / mem['baseline']:9.2f} {row['loss_diff_step0']:14.2e}")
+        base = row["baseline"]
+        print(f"{case:10} {row['tokens']:6d} {row['batch']:2d} {base * 1e3:8.1f} {row['fvx'] * 1e3:8.1f} "
+              f"{row['fvx'] / base:6.2f} {row['fvx_blocks'] * 1e3:9.1f} {row['fvx_blocks'] / base:6.2f} "
+              f"{mem['baseline']:8.1f} {mem['fvx']:8.1f} {mem['fvx'] / mem['baseline']:6.2f} "
+              f"{row['loss_diff_step0']:14.2e}")
 
 
 if __name__ == "__main__":

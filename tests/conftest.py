@@ -12,6 +12,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """One intra-op thread for the whole suite: tiny models are bound by per-op overhead (one thread is faster, and
+    much steadier on a CPU shared with other jobs), and bitwise comparisons across runs need a fixed thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def key():
     """A fresh fvx key per test (seed 0): tests derive every draw from it."""

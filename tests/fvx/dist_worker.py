@@ -9,10 +9,13 @@ from __future__ import annotations
 import sys
 import traceback
 
+import optree
 import torch
 
+from fvx import checkpoint
 from fvx import compile as fvx_compile
 from fvx import ema, grad, optim, random, sharding
+from fvx.state import RoleState, TrainState
 from fvx_models import wan
 
 UNITS = ("blocks.0.", "blocks.1.")
@@ -29,6 +32,35 @@ def problem() -> tuple[dict, dict]:
                  text=random.normal(k[1], (BATCH, 5, wan.PRESETS["tiny"]["text_dim"])),
                  target=random.normal(k[2], (BATCH, 16, 2, 4, 6)), odd_x=random.normal(k[3], (4, ODD_SHAPE[0])))
     return wan.init(module, random.key(0)), batch
+
+
+def odd_param(params: dict) -> torch.Tensor:
+    return params["proj_out.weight"][: ODD_SHAPE[0], : ODD_SHAPE[1]].clone()
+
+
+def checkpoint_layout(params: dict, shard_size: int) -> sharding.Layout:
+    """The tiny Wan's layout plus the padded ``odd`` param."""
+    return sharding.plan({**{n: p.shape for n, p in params.items()}, "odd": ODD_SHAPE}, shard_size)
+
+
+def single_process_state() -> TrainState:
+    """A full train state (params with the padded ``odd`` one, AdamW moments, no EMA) that the test saves in one
+    process and the workers restore as shards."""
+    params, _ = problem()
+    params = {**params, "odd": odd_param(params)}
+    adamw = optim.AdamWState(torch.tensor(4), {n: 2 * p for n, p in params.items()}, {n: p * p for n, p in params.items()})
+    return TrainState(torch.tensor(4), random.key(5), {"student": RoleState(params, (optim.EmptyState(), adamw))})
+
+
+def map_params(fn, state, layout: sharding.Layout):
+    """``fn`` applied to every sub-dict of ``state`` keyed like ``layout``."""
+    names = set(layout)
+
+    def is_params(node):
+        return isinstance(node, dict) and set(node) == names
+
+    return optree.tree_map(lambda node: fn(node) if is_params(node) else node, state, is_leaf=is_params,
+                           none_is_leaf=True)
 
 
 def teacher_dtypes(names) -> dict[str, torch.dtype]:
@@ -141,7 +173,7 @@ def run(out_dir: str) -> None:
     results["teacher_out"] = torch.cat(everyone)
 
     # A param no dimension of which 2 divides: zero-padded even shards; gradient and checkpoint view strip the pad.
-    odd = {"odd": params["proj_out.weight"][: ODD_SHAPE[0], : ODD_SHAPE[1]].clone()}
+    odd = {"odd": odd_param(params)}
     odd_layout = sharding.plan({"odd": ODD_SHAPE}, group.shard_size)
     odd_sharded = sharding.shard(odd, mesh, layout=odd_layout)
     results["odd_local_shape"] = tuple(odd_sharded["odd"].to_local().shape)
@@ -164,11 +196,49 @@ def run(out_dir: str) -> None:
     import jax
 
     results["jax_process_count"] = jax.process_count()
+    results.update(sharded_checkpoints(out_dir, mesh, params, local_params, opt_state, shadow,
+                                       odd_sharded["odd"].to_local()))
     if d.rank == 0:
         torch.save(results, f"{out_dir}/results.pt")
     torch.distributed.barrier()
     jax.distributed.shutdown()
     torch.distributed.destroy_process_group()
+
+
+def same_everywhere(flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank."""
+    value = torch.tensor(int(flag))
+    torch.distributed.all_reduce(value, torch.distributed.ReduceOp.MIN)
+    return bool(value)
+
+
+def sharded_checkpoints(out_dir: str, mesh, params: dict, local_params: dict, opt_state, shadow: dict,
+                        odd_local: torch.Tensor) -> dict:
+    """fvx.checkpoint on a mesh: a sharded state saved (for the test to read in one process: 2 -> 1) and restored
+    here (2 -> 2), and the test's single-process checkpoint restored as shards (1 -> 2)."""
+    layout = checkpoint_layout(params, 2)
+    adamw = opt_state[1]
+    with_odd = lambda tree, odd: {**tree, "odd": odd}  # noqa: E731
+    state = TrainState(torch.tensor(7), random.key(3), {"student": RoleState(
+        with_odd(local_params, odd_local),
+        (optim.EmptyState(), adamw._replace(mu=with_odd(adamw.mu, 2 * odd_local), nu=with_odd(adamw.nu, odd_local ** 2))),
+        with_odd(shadow, -odd_local))})
+    config = checkpoint.CheckpointConfig(every=1, async_save=True)  # a sharded save is synchronous regardless
+    with checkpoint.Checkpoints(f"{out_dir}/ck2", config, mesh=mesh, layout=layout) as saving:
+        saving.save(state, config={"config": {}}, meta={"world_size": 2})
+    with checkpoint.Checkpoints(f"{out_dir}/ck2", mesh=mesh, layout=layout) as reading:
+        back = reading.restore(7, optree.tree_map(torch.zeros_like, state, none_is_leaf=False))
+    same = [torch.equal(a, b) for a, b in zip(optree.tree_leaves(back), optree.tree_leaves(state))]
+    full = map_params(lambda d: sharding.unshard(sharding.from_local(d, mesh, layout), layout), state, layout)
+
+    whole = single_process_state()
+    with checkpoint.Checkpoints(f"{out_dir}/ck1", mesh=mesh, layout=layout) as reading:
+        sliced = reading.restore(4, map_params(lambda d: sharding.to_local(sharding.shard(d, mesh, layout=layout)),
+                                               whole, layout))
+    want = map_params(lambda d: sharding.to_local(sharding.shard(d, mesh, layout=layout)), whole, layout)
+    same_sliced = [torch.equal(a, b) for a, b in zip(optree.tree_leaves(sliced), optree.tree_leaves(want))]
+    return {"ck_saved_full": full, "ck_2to2_equal": same_everywhere(all(same) and len(same) > 0),
+            "ck_1to2_equal": same_everywhere(all(same_sliced) and len(same_sliced) > 0)}
 
 
 if __name__ == "__main__":

@@ -13,15 +13,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXPERIMENT = str(ROOT / "tests" / "fvx" / "faulty_experiment.py")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops on a CPU shared with other jobs run several times faster and steadier on one intra-op thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> pathlib.Path:
     """A 2-step run, plus a hand-made checkpoint 3 whose role has EMA params (fine-tuning keeps none)."""

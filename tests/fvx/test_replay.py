@@ -16,15 +16,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXPERIMENT = str(ROOT / "tests" / "fvx" / "faulty_experiment.py")  # 8 steps, grad_accum 2, checkpoints every 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops on a CPU shared with other jobs run several times faster and steadier on one intra-op thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> pathlib.Path:
     out = tmp_path_factory.mktemp("replay") / "run"

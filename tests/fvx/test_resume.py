@@ -41,16 +41,6 @@ def assert_same_run(run_dir: pathlib.Path, reference: pathlib.Path) -> None:
         assert torch.equal(tensor, expected_state[name]), name
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread here and in the subprocesses (bitwise results depend on the thread count): tiny ops on a
-    CPU shared with other jobs also run several times faster and steadier on one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> pathlib.Path:
     """The uninterrupted run of 8 steps."""

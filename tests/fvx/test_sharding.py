@@ -6,11 +6,13 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
+import optree
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from fvx import ema, grad, optim, sharding
+from fvx import checkpoint, ema, grad, optim, sharding
 from fvx.tree import global_norm
 from fvx_models import wan
 
@@ -126,6 +128,8 @@ def _free_port() -> int:
 def run2(tmp_path_factory):
     """Launch 2 gloo ranks of dist_worker.py once; what rank 0 saved."""
     out = tmp_path_factory.mktemp("dist")
+    with checkpoint.Checkpoints(out / "ck1", checkpoint.CheckpointConfig(async_save=False)) as saving:
+        saving.save(worker.single_process_state(), config={"config": {}}, meta={"world_size": 1})
     port = _free_port()
     procs = []
     for rank in range(2):
@@ -245,3 +249,22 @@ def test_two_process_padded_param_gradient_and_checkpoint(run2, reference):
 def test_two_process_jax_distributed_sees_both_processes(run2):
     results, _ = run2
     assert results["jax_started"] is True and results["jax_process_count"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load in this (single) process
+def test_two_process_checkpoints_restore_on_one_and_two_processes_bit_for_bit(run2):
+    """fvx.checkpoint on a mesh (orbax + DCP): saved on 2 ranks, restored exactly on 2 (the workers compared) and in
+    this process as full tensors (padding stripped); a single-process checkpoint restores exactly as shards."""
+    results, out = run2
+    assert results["ck_2to2_equal"] and results["ck_1to2_equal"]
+    want = results["ck_saved_full"]
+    with checkpoint.Checkpoints(out / "ck2") as reading:
+        assert reading.steps() == [7] and reading.is_sharded(7)
+        assert reading.read_json(7, "meta") == {"world_size": 2, "step": 7}
+        assert reading.specs(7)["roles.student.params.odd"] == checkpoint.TensorSpec(worker.ODD_SHAPE, np.float32)
+        got = reading.restore(7, optree.tree_map(torch.zeros_like, want))
+        assert torch.equal(reading.read(7, ("roles", "student", "ema"))["odd"], want.roles["student"].ema["odd"])
+    leaves = optree.tree_leaves(got)
+    assert len(leaves) == len(optree.tree_leaves(want)) and tuple(got.roles["student"].params["odd"].shape) == (5, 3)
+    assert all(torch.equal(a, b) for a, b in zip(leaves, optree.tree_leaves(want)))

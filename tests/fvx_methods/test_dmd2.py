@@ -18,15 +18,6 @@ SHIFT = 3.0  # the models' training-grid shift (DMD2.flow_shift default)
 SHAPE = (16, 1, 4, 4)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models are per-op-overhead bound: one intra-op thread is faster, and much faster on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model():
     return WanConfig(preset="tiny").build()
