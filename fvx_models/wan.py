@@ -13,7 +13,6 @@ diffusers' ``WanPipeline`` feeds the transformer output to ``FlowMatchEulerDiscr
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import math
 import os
@@ -36,6 +35,7 @@ from fvx import compile as fvx_compile
 from fvx import grad as fvx_grad
 from fvx import memory, random, sharding
 from fvx.config import Config
+from fvx_models import diffusers_folder as dfolder
 from fvx_models.model import Cond, Model, Params
 
 # -------------------------------------------------------------------------------------------------------- presets
@@ -76,11 +76,8 @@ METADATA: dict[str, Metadata] = {
     "wan2.1-t2v-14b": Metadata(WAN21_LATENTS_MEAN, WAN21_LATENTS_STD, 512),
 }
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
-WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+CONFIG_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME = dfolder.CONFIG_NAME, dfolder.WEIGHTS_NAME, dfolder.WEIGHTS_INDEX_NAME
 MAX_SHARD_BYTES = 10 * 10**9  # diffusers' default max_shard_size "10GB"
-_LIST_LIMIT = 10  # names shown per category in an error message
 
 
 def _check_preset(preset: str) -> None:
@@ -272,14 +269,10 @@ def load(module: WanTransformer3DModel, folder: str | os.PathLike) -> Params:
     The folder's config.json must describe the skeleton's architecture, and its weights must hold exactly the
     skeleton's params with their shapes; otherwise one ValueError lists every difference.
     """
-    folder = _transformer_folder(pathlib.Path(folder))
-    _check_config(module, folder)
-    files = _weight_files(folder)
-    shapes = {}
-    for path in files:
-        with safe_open(path, framework="pt") as f:
-            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
-    shapes = {name: shape for name, shape in shapes.items() if not _ignored_on_load(module, name)}
+    folder = dfolder.component_folder(pathlib.Path(folder), "transformer", "Wan load", "transformer")
+    dfolder.check_config(folder, module, "Wan load")
+    files = dfolder.weight_files(folder, "Wan load")
+    shapes = {name: shape for name, shape in dfolder.stored_shapes(files).items() if not _ignored_on_load(module, name)}
     _check_tensors(module, shapes, f"weights in {str(folder)!r}")
     params = {}
     for path in files:
@@ -290,65 +283,6 @@ def load(module: WanTransformer3DModel, folder: str | os.PathLike) -> Params:
     return {name: params[name] for name in _param_shapes(module)}
 
 
-def _transformer_folder(folder: pathlib.Path) -> pathlib.Path:
-    if (folder / CONFIG_NAME).is_file():
-        return folder
-    if (folder / "transformer" / CONFIG_NAME).is_file():
-        return folder / "transformer"
-    raise ValueError(
-        f"Wan load: no {CONFIG_NAME} in {str(folder)!r} nor in {str(folder / 'transformer')!r}; expected a diffusers "
-        "transformer folder or a pipeline root holding one under transformer/"
-    )
-
-
-def _check_config(module: WanTransformer3DModel, folder: pathlib.Path) -> None:
-    """A ValueError listing each architecture field where ``folder/config.json`` differs from the skeleton."""
-    path = folder / CONFIG_NAME
-    try:
-        stored = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"Wan load: {str(path)!r} is not valid JSON: {error}") from None
-    if not isinstance(stored, dict):
-        raise ValueError(f"Wan load: {str(path)!r} does not hold a JSON object")
-    class_name = stored.get("_class_name", WanTransformer3DModel.__name__)
-    if class_name != WanTransformer3DModel.__name__:
-        raise ValueError(f"Wan load: {str(path)!r} describes a {class_name}, not a WanTransformer3DModel")
-    defaults = {name: p.default for name, p in inspect.signature(WanTransformer3DModel.__init__).parameters.items()}
-    differences = []
-    for field, expected in module.config.items():
-        if field.startswith("_"):
-            continue
-        found = stored.get(field, defaults.get(field))
-        if _normalise(found) != _normalise(expected):
-            differences.append(f"{field}: folder has {found!r}, expected {expected!r}")
-    if differences:
-        raise ValueError(f"Wan load: {str(path)!r} does not match the model's architecture: " + "; ".join(differences))
-
-
-def _normalise(value: Any) -> Any:
-    return tuple(value) if isinstance(value, (list, tuple)) else value
-
-
-def _weight_files(folder: pathlib.Path) -> list[pathlib.Path]:
-    """The safetensors files holding the weights: the single file, or the shards an index json names."""
-    if (folder / WEIGHTS_NAME).is_file():
-        return [folder / WEIGHTS_NAME]
-    index_path = folder / WEIGHTS_INDEX_NAME
-    if not index_path.is_file():
-        raise ValueError(
-            f"Wan load: no {WEIGHTS_NAME} nor {WEIGHTS_INDEX_NAME} in {str(folder)!r} (fvx reads safetensors only)"
-        )
-    try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
-        raise ValueError(f"Wan load: {str(index_path)!r} is not a safetensors index with a weight_map: {error}") from None
-    files = [folder / name for name in sorted(set(weight_map.values()))]
-    missing = [str(path.name) for path in files if not path.is_file()]
-    if missing:
-        raise ValueError(f"Wan load: shards named in {str(index_path)!r} are missing: {_listed(missing)}")
-    return files
-
-
 def _ignored_on_load(module: nn.Module, name: str) -> bool:
     patterns = getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ()
     return any(re.search(pattern, name) for pattern in patterns)
@@ -356,21 +290,9 @@ def _ignored_on_load(module: nn.Module, name: str) -> bool:
 
 def _check_tensors(module: nn.Module, shapes: Mapping[str, tuple[int, ...]], what: str) -> None:
     """One ValueError naming missing keys, unexpected keys and shape mismatches of ``shapes`` against the skeleton."""
-    expected = _param_shapes(module)
-    missing = [name for name in expected if name not in shapes]
-    unexpected = [name for name in shapes if name not in expected]
-    mismatched = [f"{name}: {list(shapes[name])} vs expected {list(shape)}"
-                  for name, shape in expected.items() if name in shapes and tuple(shapes[name]) != shape]
-    problems = [f"{label} ({len(items)}): {_listed(items)}"
-                for label, items in (("missing keys", missing), ("unexpected keys", unexpected),
-                                     ("shape mismatches", mismatched)) if items]
+    problems = dfolder.shape_problems(_param_shapes(module), shapes)
     if problems:
         raise ValueError(f"Wan: {what} do not fit the model: " + "; ".join(problems))
-
-
-def _listed(items: list[str]) -> str:
-    shown = ", ".join(items[:_LIST_LIMIT])
-    return shown + (f", ... and {len(items) - _LIST_LIMIT} more" if len(items) > _LIST_LIMIT else "")
 
 
 # ---------------------------------------------------------------------------------------------------------- export
@@ -400,7 +322,7 @@ def export(
         raise TypeError(f"Wan export: params must be a dict of tensors, got {type(params).__name__}")
     not_tensors = [name for name, value in params.items() if not isinstance(value, torch.Tensor)]
     if not_tensors:
-        raise TypeError(f"Wan export: params must map names to tensors; not tensors: {_listed(not_tensors)}")
+        raise TypeError(f"Wan export: params must map names to tensors; not tensors: {dfolder.listed(not_tensors)}")
     _check_tensors(module, {name: tuple(p.shape) for name, p in params.items()}, "params")
     tensors = {name: _exported(module, name, params[name], dtype) for name in _param_shapes(module)}
     folder.parent.mkdir(parents=True, exist_ok=True)

@@ -18,8 +18,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import inspect
-import json
 import math
 import os
 import pathlib
@@ -33,6 +31,7 @@ from torch import nn
 
 from fvx import random
 from fvx.config import Config
+from fvx_models import diffusers_folder as dfolder
 from fvx_models.wan import WAN21_LATENTS_MEAN, WAN21_LATENTS_STD
 
 Params = dict[str, torch.Tensor]
@@ -56,12 +55,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 """``AutoencoderKLWan`` constructor arguments per preset (every argument, so a folder's config.json can be checked)."""
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
-WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+CONFIG_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME = dfolder.CONFIG_NAME, dfolder.WEIGHTS_NAME, dfolder.WEIGHTS_INDEX_NAME
 _DECODER_PREFIXES = ("post_quant_conv.", "decoder.")
 _STATS_FIELDS = ("latents_mean", "latents_std")  # data about the latents, not architecture: read, not checked
-_LIST_LIMIT = 10
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -172,14 +168,13 @@ def load(module: AutoencoderKLWan, all_shapes: Mapping[str, tuple[int, ...]],
     the weights must hold every decoder tensor with its shape and nothing the VAE does not have (encoder weights are
     allowed and skipped). Otherwise one ValueError lists every difference.
     """
-    folder = _vae_folder(pathlib.Path(folder))
-    stored = _check_config(module, folder)
-    files = _weight_files(folder)
-    shapes = {}
-    for path in files:
-        with safe_open(path, framework="pt") as f:
-            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
-    _check_tensors(_decoder_shapes(module), all_shapes, shapes, f"weights in {str(folder)!r}")
+    folder = dfolder.component_folder(pathlib.Path(folder), "vae", "Wan VAE load", "AutoencoderKLWan")
+    stored = dfolder.check_config(folder, module, "Wan VAE load", skip=_STATS_FIELDS)
+    stored = {**{field: dfolder.constructor_defaults(AutoencoderKLWan)[field] for field in _STATS_FIELDS}, **stored}
+    files = dfolder.weight_files(folder, "Wan VAE load")
+    problems = dfolder.shape_problems(_decoder_shapes(module), dfolder.stored_shapes(files), known=all_shapes)
+    if problems:
+        raise ValueError(f"Wan VAE: weights in {str(folder)!r} do not fit the VAE: " + "; ".join(problems))
     params = {}
     for path in files:
         with safe_open(path, framework="pt") as f:
@@ -187,85 +182,6 @@ def load(module: AutoencoderKLWan, all_shapes: Mapping[str, tuple[int, ...]],
                 if name.startswith(_DECODER_PREFIXES):
                     params[name] = f.get_tensor(name).to(torch.float32)
     return params, stored
-
-
-def _vae_folder(folder: pathlib.Path) -> pathlib.Path:
-    if (folder / CONFIG_NAME).is_file():
-        return folder
-    if (folder / "vae" / CONFIG_NAME).is_file():
-        return folder / "vae"
-    raise ValueError(
-        f"Wan VAE load: no {CONFIG_NAME} in {str(folder)!r} nor in {str(folder / 'vae')!r}; expected a diffusers "
-        "AutoencoderKLWan folder or a pipeline root holding one under vae/"
-    )
-
-
-def _check_config(module: AutoencoderKLWan, folder: pathlib.Path) -> dict[str, Any]:
-    """The folder's config.json; a ValueError lists each architecture field where it differs from the skeleton."""
-    path = folder / CONFIG_NAME
-    try:
-        stored = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"Wan VAE load: {str(path)!r} is not valid JSON: {error}") from None
-    if not isinstance(stored, dict):
-        raise ValueError(f"Wan VAE load: {str(path)!r} does not hold a JSON object")
-    class_name = stored.get("_class_name", AutoencoderKLWan.__name__)
-    if class_name != AutoencoderKLWan.__name__:
-        raise ValueError(f"Wan VAE load: {str(path)!r} describes a {class_name}, not an AutoencoderKLWan")
-    defaults = {name: p.default for name, p in inspect.signature(AutoencoderKLWan.__init__).parameters.items()}
-    differences = []
-    for field, expected in module.config.items():
-        if field.startswith("_") or field in _STATS_FIELDS:
-            continue
-        found = stored.get(field, defaults.get(field))
-        if _normalise(found) != _normalise(expected):
-            differences.append(f"{field}: folder has {found!r}, expected {expected!r}")
-    if differences:
-        raise ValueError(f"Wan VAE load: {str(path)!r} does not match the preset's architecture: "
-                         + "; ".join(differences))
-    return {**{field: defaults[field] for field in _STATS_FIELDS}, **stored}
-
-
-def _normalise(value: Any) -> Any:
-    return tuple(value) if isinstance(value, (list, tuple)) else value
-
-
-def _weight_files(folder: pathlib.Path) -> list[pathlib.Path]:
-    """The safetensors files holding the weights: the single file, or the shards an index json names."""
-    if (folder / WEIGHTS_NAME).is_file():
-        return [folder / WEIGHTS_NAME]
-    index_path = folder / WEIGHTS_INDEX_NAME
-    if not index_path.is_file():
-        raise ValueError(f"Wan VAE load: no {WEIGHTS_NAME} nor {WEIGHTS_INDEX_NAME} in {str(folder)!r} "
-                         "(fvx reads safetensors only)")
-    try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
-        raise ValueError(f"Wan VAE load: {str(index_path)!r} is not a safetensors index: {error}") from None
-    files = [folder / name for name in sorted(set(weight_map.values()))]
-    missing = [path.name for path in files if not path.is_file()]
-    if missing:
-        raise ValueError(f"Wan VAE load: shards named in {str(index_path)!r} are missing: {_listed(missing)}")
-    return files
-
-
-def _check_tensors(decoder: Mapping[str, tuple[int, ...]], known: Mapping[str, tuple[int, ...]],
-                   found: Mapping[str, tuple[int, ...]], what: str) -> None:
-    """One ValueError naming missing decoder keys, keys the VAE does not have, and shape mismatches."""
-    missing = [name for name in decoder if name not in found]
-    unexpected = [name for name in found if name not in known]
-    mismatched = [f"{name}: {list(found[name])} vs expected {list(shape)}"
-                  for name, shape in known.items() if name in found and tuple(found[name]) != shape]
-    problems = [f"{label} ({len(items)}): {_listed(items)}"
-                for label, items in (("missing keys", missing), ("unexpected keys", unexpected),
-                                     ("shape mismatches", mismatched)) if items]
-    if problems:
-        raise ValueError(f"Wan VAE: {what} do not fit the VAE: " + "; ".join(problems))
-
-
-def _listed(items: list[str]) -> str:
-    shown = ", ".join(items[:_LIST_LIMIT])
-    return shown + (f", ... and {len(items) - _LIST_LIMIT} more" if len(items) > _LIST_LIMIT else "")
 
 
 # ---------------------------------------------------------------------------------------------------------- decode
