@@ -22,8 +22,17 @@ before the next step instead would overlap nothing, since that step updates the 
 cores: a 1.2 GB state blocks training for 0.19 s (0.10 s of it the copy) of a 1.4 s save. A synchronous save writes
 straight from the state's own memory (zero-copy numpy views) and returns once the step folder is complete.
 
-Multi-process runs: only one process may write (orbax treats every process as primary without
-``jax.distributed.initialize``); sharded (DTensor) state is not handled here yet.
+Sharded state (a multi-process run: ``Checkpoints(..., mesh=, layout=)``, the state holding local shards as
+``fvx.sharding`` lays them out). The state is stored with ``torch.distributed.checkpoint`` (DCP) in a fifth item
+``dcp/`` instead of ``state/`` and ``checksums/``: every sub-dict keyed like the params (params, AdamW moments, EMA) as
+DTensors of the unpadded full shapes (``fvx.sharding.checkpoint_tree``), other leaves (step, key, counts) as plain
+tensors that one rank writes. Tensors are named by their path joined with ``/`` (param names hold dots). DCP reshards
+on load, so a checkpoint saved on N processes restores on M: into local shards on a mesh, or into full tensors in one
+process (resume, replay, export). A single-process checkpoint also restores on a mesh (each rank reads it whole and
+keeps its slice). All processes call every method of a sharded :class:`Checkpoints` in the same order (orbax barriers
+through ``jax.distributed``, which must be initialised: ``fvx.sharding.init_jax_distributed``; DCP's collectives).
+Sharded saves are synchronous (DCP runs collectives, which must not race the step's), and DCP stores no byte
+checksums: a flipped byte in ``dcp/`` restores silently.
 """
 from __future__ import annotations
 
@@ -45,16 +54,22 @@ import jax  # noqa: E402
 import ml_dtypes  # noqa: E402
 import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
+import optree  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
 from orbax.checkpoint import type_handlers  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
-from fvx import tree  # noqa: E402
+from fvx import sharding, tree  # noqa: E402
 from fvx.config import Config  # noqa: E402
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 _LIST_LIMIT = 10  # names shown per category in an error message
-_JSON_ITEMS = ("config", "meta", "checksums")
+_JSON_ITEMS = ("config", "meta")
+DCP_ITEM = "dcp"  # the item holding sharded state
+DCP_SEPARATOR = "/"  # joins a leaf's path into its DCP name
 
 
 class CheckpointConfig(Config):
@@ -158,6 +173,40 @@ class ChecksumRestore(ocp.args.CheckpointArgs):
     pass
 
 
+class DcpHandler(ocp.CheckpointHandler):
+    """Orbax storage of a flat ``{name: tensor or DTensor}`` through ``torch.distributed.checkpoint``: every process
+    writes its shards into the item folder; restoring loads in place into the given tensors, resharding as needed."""
+
+    def save(self, directory, args: DcpSave) -> None:
+        dcp.save(dict(args.state), checkpoint_id=str(directory), no_dist=not dist.is_initialized())
+
+    def restore(self, directory, args: DcpRestore) -> dict[str, Any]:
+        dcp.load(args.state, checkpoint_id=str(directory), no_dist=args.no_dist or not dist.is_initialized())
+        return args.state
+
+    def metadata(self, directory) -> None:
+        return None
+
+    def finalize(self, directory) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@ocp.args.register_with_handler(DcpHandler, for_save=True)
+@dataclasses.dataclass
+class DcpSave(ocp.args.CheckpointArgs):
+    state: Mapping[str, torch.Tensor]
+
+
+@ocp.args.register_with_handler(DcpHandler, for_restore=True)
+@dataclasses.dataclass
+class DcpRestore(ocp.args.CheckpointArgs):
+    state: dict[str, torch.Tensor]  # loaded in place
+    no_dist: bool = False  # read in this process alone (all of it), even when a process group exists
+
+
 class _QuietOrbax(logging.Filter):
     """Drops orbax warnings about choices fvx makes on purpose: a registry without jax.Array (fvx keeps no array
     metadata) and read-only managers."""
@@ -182,16 +231,28 @@ def _key_name(key: Any) -> str:
     return str(key)
 
 
+def leaves_by_path(state: Any) -> dict[tuple[str, ...], Any]:
+    """The leaves of a pytree by path of key names (``("roles", "student", "opt_state", "1", "mu", <param>)``)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(state)
+    return {tuple(_key_name(k) for k in path): leaf for path, leaf in flat}
+
+
 def leaves_by_name(state: Any) -> dict[str, Any]:
     """The leaves of a pytree by dotted path, as orbax names them (``roles.student.opt_state.1.mu.<param>``)."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(state)
-    named = {".".join(_key_name(k) for k in path): leaf for path, leaf in flat}
-    if len(named) != len(flat):
+    by_path = leaves_by_path(state)
+    named = {".".join(path): leaf for path, leaf in by_path.items()}
+    if len(named) != len(by_path):
         raise ValueError("checkpoint: two leaves of the state have the same dotted name (keys containing dots?)")
     return named
 
 
+def dcp_names(state: Any) -> dict[str, Any]:
+    """The leaves of a pytree named as a sharded checkpoint stores them: the path joined with ``/``."""
+    return {DCP_SEPARATOR.join(path): leaf for path, leaf in leaves_by_path(state).items()}
+
+
 def _specs(state: Any) -> dict[str, TensorSpec]:
+    """Dotted name -> shape and dtype of every leaf (a DTensor's are its global ones)."""
     specs = {}
     for name, leaf in leaves_by_name(state).items():
         if not isinstance(leaf, torch.Tensor):
@@ -223,28 +284,35 @@ def check_fits(stored: Mapping[str, TensorSpec], target: Mapping[str, TensorSpec
 
 class Checkpoints:
     """The checkpoints in one folder. ``Checkpoints(directory, config)`` saves (and deletes what retention drops);
-    ``Checkpoints(directory)`` only reads. Use as a context manager, or call :meth:`close` (it waits for saves)."""
+    ``Checkpoints(directory)`` only reads. Use as a context manager, or call :meth:`close` (it waits for saves).
 
-    def __init__(self, directory: str | os.PathLike, config: CheckpointConfig | None = None):
+    With ``mesh`` and ``layout`` (``fvx.sharding.make_mesh`` and the model's shard layout) the states saved and
+    restored hold this rank's local shards, and every process of the mesh makes the same calls (module docstring)."""
+
+    def __init__(self, directory: str | os.PathLike, config: CheckpointConfig | None = None, *, mesh: Any = None,
+                 layout: sharding.Layout | None = None):
+        if (mesh is None) != (layout is None):
+            raise ValueError("Checkpoints: pass mesh and layout together (a sharded state), or neither")
         self.directory = pathlib.Path(directory).absolute()
         self.config = config
+        self._mesh, self._layout = mesh, layout
         self._manager = None
         if config is None and not self.directory.is_dir():
             return  # nothing to read: steps() is empty
-        if config is not None and self.directory.is_dir():
+        if config is not None and self.directory.is_dir() and _primary():
             for unfinished in self.directory.glob(f"*{TMP_SUFFIX}*"):
-                shutil.rmtree(unfinished)
+                shutil.rmtree(unfinished, ignore_errors=True)
         options = ocp.CheckpointManagerOptions(
             read_only=config is None,
             create=config is not None,
             max_to_keep=None if config is None else config.keep_latest,
             keep_period=None if config is None else config.keep_every,
-            enable_async_checkpointing=config is not None and config.async_save,
+            enable_async_checkpointing=config is not None and config.async_save and mesh is None,
         )
         registry = type_handlers.create_type_handler_registry((torch.Tensor, TensorHandler()))
         handlers = {"state": ocp.PyTreeCheckpointHandler(type_handler_registry=registry),
                     "checksums": ChecksumHandler(), "config": ocp.JsonCheckpointHandler(),
-                    "meta": ocp.JsonCheckpointHandler()}
+                    "meta": ocp.JsonCheckpointHandler(), DCP_ITEM: DcpHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def __enter__(self) -> Checkpoints:
@@ -281,6 +349,10 @@ class Checkpoints:
     def path(self, step: int) -> pathlib.Path:
         return self.directory / str(step)
 
+    def is_sharded(self, step: int) -> bool:
+        """Whether checkpoint ``step`` holds its state through torch.distributed.checkpoint (a multi-process save)."""
+        return (self.path(step) / DCP_ITEM).is_dir()
+
     def _require(self, step: int) -> pathlib.Path:
         steps = self.steps()
         if step not in steps:
@@ -290,7 +362,12 @@ class Checkpoints:
         path = self.path(step)
         for item in _JSON_ITEMS:  # orbax would raise a bare JSONDecodeError naming no file
             _check_json(path / item / "metadata")
-        _check_json(path / "state" / "_METADATA")
+        if self.is_sharded(step):
+            if not (path / DCP_ITEM / ".metadata").is_file():
+                raise CheckpointError(f"checkpoint file {str(path / DCP_ITEM / '.metadata')!r} is missing")
+        else:
+            _check_json(path / "checksums" / "metadata")
+            _check_json(path / "state" / "_METADATA")
         return path
 
     # ---------------------------------------------------------------------------------------------------- saving
@@ -304,13 +381,17 @@ class Checkpoints:
         step = int(state.step)
         if step in self.steps():
             return False
-        tensors = tree.map_tensors(host_copy, state) if self.config.async_save else state
-        named = leaves_by_name(tensors)
-        _specs(tensors)  # tensors only, or a TypeError naming the leaf
-        args = ocp.args.Composite(
-            state=ocp.args.PyTreeSave(tensors), checksums=ChecksumSave(named), config=ocp.args.JsonSave(dict(config)),
-            meta=ocp.args.JsonSave({**meta, "step": step}),
-        )
+        if self._mesh is not None:  # synchronous: DCP's collectives must not race the next step's
+            views = sharding.checkpoint_tree(state, self._mesh, self._layout)
+            _specs(views)  # tensors only, or a TypeError naming the leaf
+            items = {DCP_ITEM: DcpSave(dcp_names(views))}
+        else:
+            tensors = tree.map_tensors(host_copy, state) if self.config.async_save else state
+            named = leaves_by_name(tensors)
+            _specs(tensors)  # tensors only, or a TypeError naming the leaf
+            items = {"state": ocp.args.PyTreeSave(tensors), "checksums": ChecksumSave(named)}
+        args = ocp.args.Composite(**items, config=ocp.args.JsonSave(dict(config)),
+                                  meta=ocp.args.JsonSave({**meta, "step": step}))
         return bool(self._manager.save(step, args=args, force=True))
 
     # -------------------------------------------------------------------------------------------------- reading
@@ -322,13 +403,35 @@ class Checkpoints:
 
     def specs(self, step: int) -> dict[str, TensorSpec]:
         """Every stored tensor of checkpoint ``step`` by dotted name, with its shape and dtype (no array is read)."""
+        if self.is_sharded(step):
+            return {name.replace(DCP_SEPARATOR, "."): _spec_of(m) for name, m in self._dcp_metadata(step).items()}
         return {name: TensorSpec(tuple(m.shape), np.dtype(m.dtype))
                 for name, m in leaves_by_name(self.layout(step)).items()}
 
+    def _dcp_metadata(self, step: int) -> dict[str, Any]:
+        """DCP's record of every tensor of a sharded checkpoint (global shape, dtype), by DCP name."""
+        path = self._require(step) / DCP_ITEM
+        try:
+            stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        except Exception as error:
+            raise CheckpointError(f"checkpoint file {str(path / '.metadata')!r} is corrupt or truncated "
+                                  f"({type(error).__name__}: {error})") from None
+        return {name: m for name, m in stored.items() if isinstance(m, dcp.TensorStorageMetadata)}
+
     def layout(self, step: int) -> Any:
         """The stored tree of checkpoint ``step``: nested dicts and lists (NamedTuples become dicts by field name,
-        None stays None) with orbax ``ArrayMetadata`` leaves."""
+        None stays None) with orbax ``ArrayMetadata`` leaves; for a sharded checkpoint, nested dicts (sequence
+        indices as string keys, no None holes) with :class:`TensorSpec` leaves."""
         path = self._require(step)
+        if self.is_sharded(step):
+            nested: dict = {}
+            for name, m in self._dcp_metadata(step).items():
+                *parents, leaf = name.split(DCP_SEPARATOR)
+                node = nested
+                for key in parents:
+                    node = node.setdefault(key, {})
+                node[leaf] = _spec_of(m)
+            return nested
         try:
             return self._manager.item_metadata(step)["state"].tree
         except Exception as error:
@@ -338,9 +441,38 @@ class Checkpoints:
         """Checkpoint ``step`` restored into the structure of ``target`` (a state like the one saved: same names,
         shapes and dtypes, else one CheckpointError lists every difference); tensors land on ``target``'s devices."""
         path = self._require(step)
-        check_fits(self.specs(step), _specs(target), f"checkpoint {str(path)!r}")
+        where = f"checkpoint {str(path)!r}"
+        if self._mesh is not None:
+            return self._restore_sharded(step, target, where)
+        if self.is_sharded(step):  # saved by N processes, restored whole in this one
+            fresh = tree.map_tensors(torch.zeros_like, target)
+            check_fits(self.specs(step), _specs(fresh), where)
+            self._load(step, dcp_names(fresh), no_dist=True)
+            return fresh
+        check_fits(self.specs(step), _specs(target), where)
         restored = self._read(step, target, partial=False)
         return tree.map_tensors(lambda r, t: torch.empty_like(t).copy_(r), restored, target)
+
+    def _restore_sharded(self, step: int, target: Any, where: str) -> Any:
+        """Checkpoint ``step`` as this rank's local shards, ``target`` giving the structure: DCP loads the slices of
+        a sharded checkpoint in place (zero padding kept); a single-process one is read whole and sliced."""
+        mesh, layout = self._mesh, self._layout
+        if self.is_sharded(step):
+            fresh = tree.map_tensors(torch.zeros_like, target)
+            views = sharding.checkpoint_tree(fresh, mesh, layout)
+            check_fits(self.specs(step), _specs(views), where)
+            self._load(step, dcp_names(views), no_dist=False)
+            return fresh
+        check_fits(self.specs(step), _specs(sharding.checkpoint_tree(target, mesh, layout)), where)
+        full = self._read(step, target, partial=False)
+        return _local_slices(full, target, mesh, layout)
+
+    def _load(self, step: int, flat: dict[str, torch.Tensor], *, no_dist: bool) -> None:
+        """DCP-load the tensors of ``flat`` (DCP names) in place from checkpoint ``step``."""
+        try:
+            self._manager.restore(step, args=ocp.args.Composite(**{DCP_ITEM: DcpRestore(flat, no_dist)}))
+        except Exception as error:
+            raise _unreadable(self.path(step) / DCP_ITEM, error) from None
 
     def read(self, step: int, path: tuple[str, ...]) -> Any:
         """The subtree at ``path`` (e.g. ``("roles", "student", "params")``) of checkpoint ``step``, as CPU tensors,
@@ -355,6 +487,8 @@ class Checkpoints:
             node = node[key]
         if not leaves_by_name(node):
             raise CheckpointError(f"checkpoint {str(self.path(step))!r} holds no tensors under {'.'.join(path)!r}")
+        if self.is_sharded(step):
+            return self._read_sharded(step, tuple(path))
         item = jax.tree_util.tree_map(lambda _: 0, node)
         for key in reversed(path):
             item = {key: item}
@@ -362,6 +496,22 @@ class Checkpoints:
         for key in path:
             restored = restored[key]
         return restored
+
+    def _read_sharded(self, step: int, path: tuple[str, ...]) -> dict:
+        """The subtree at ``path`` of sharded checkpoint ``step``, whole in this process (nested dicts of CPU
+        tensors)."""
+        prefix = DCP_SEPARATOR.join(path) + DCP_SEPARATOR
+        flat = {name: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+                for name, m in self._dcp_metadata(step).items() if name.startswith(prefix)}
+        self._load(step, flat, no_dist=True)
+        nested: dict = {}
+        for name, tensor in flat.items():
+            *parents, leaf = name[len(prefix):].split(DCP_SEPARATOR)
+            node = nested
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[leaf] = tensor
+        return nested
 
     def _read(self, step: int, item: Any, *, partial: bool) -> Any:
         """Read the tensors of ``item``'s structure and check them against the stored checksums."""
@@ -377,6 +527,34 @@ class Checkpoints:
             raise _unreadable(path, error) from None
         _verify(result["state"], result["checksums"], path)
         return result["state"]
+
+
+def _primary() -> bool:
+    """Whether this process is rank 0 (or the only one)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _spec_of(stored: Any) -> TensorSpec:
+    """The :class:`TensorSpec` of DCP's ``TensorStorageMetadata``."""
+    return TensorSpec(tuple(stored.size), as_numpy(torch.empty(0, dtype=stored.properties.dtype)).dtype)
+
+
+def _local_slices(full: Any, target: Any, mesh: Any, layout: sharding.Layout) -> Any:
+    """``full`` (full tensors, structured like ``target``) as new tensors shaped like ``target``'s: each sub-dict
+    keyed like the params cut to this rank's zero-padded shard (``fvx.sharding.local_slice``), other leaves copied,
+    all on ``target``'s devices and dtypes."""
+    names, index, size = set(layout), mesh.get_local_rank(sharding.SHARD), mesh.size(1)
+
+    def is_params(node: Any) -> bool:
+        return isinstance(node, dict) and set(node) == names
+
+    def take(t: Any, f: Any) -> Any:
+        if is_params(t):
+            return {n: None if t[n] is None else
+                    torch.empty_like(t[n]).copy_(sharding.local_slice(f[n], layout[n], index, size)) for n in t}
+        return tree.map_tensors(lambda a, b: torch.empty_like(a).copy_(b), t, f)
+
+    return optree.tree_map(take, target, full, is_leaf=is_params, none_is_leaf=True)
 
 
 def _verify(state: Any, sums: Mapping[str, int], path: pathlib.Path) -> None:

@@ -182,7 +182,7 @@ def find_checkpoint(run_dir: pathlib.Path, resume: str) -> tuple[pathlib.Path, i
         path = pathlib.Path(resume)
         if not path.exists():
             raise checkpoint.CheckpointError(f"--resume {resume!r}: no such checkpoint, step number or folder")
-        if path.name.isdigit() and (path / "state").is_dir():
+        if path.name.isdigit() and ((path / "state").is_dir() or (path / checkpoint.DCP_ITEM).is_dir()):
             folder, step = path.parent, int(path.name)
         elif (path / CHECKPOINTS).is_dir():
             folder, step = path / CHECKPOINTS, None

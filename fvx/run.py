@@ -118,11 +118,16 @@ def train_main(argv: Sequence[str]) -> int:
             print(dry_run.report(config, world=world, video=dry_run.parse_video(args.video), replicate=args.replicate))
             return 0
         d = sharding.init_distributed()
+        jax_started = sharding.init_jax_distributed(d)  # orbax's primary process for sharded checkpoints
     except BAD_INPUT as error:
         return _error(error)
     try:
         return _train(args, config, d)
     finally:
+        if jax_started:
+            import jax
+
+            jax.distributed.shutdown()
         if d.backend is not None:
             torch.distributed.destroy_process_group()
 

@@ -59,7 +59,7 @@ import optree
 import torch
 from safetensors import safe_open
 
-from fvx import ema, flow, grad, optim, random, tree, validation
+from fvx import ema, flow, grad, optim, random, sharding, tree, validation
 from fvx.config import Config
 from fvx.optim_config import AdamWConfig
 from fvx.state import Batch, Metrics, Program, RoleState, TrainState, all_finite, skipped
@@ -149,19 +149,20 @@ class DMD2(Config, tag="dmd2"):
     def build(self, model: Model, *, total_steps: int, mesh: Any = None) -> Program:
         """The loop's Program for ``model`` and a ``total_steps`` run. The negative-prompt file is checked now; the
         frozen teacher loads on the first step (once), so every bad input, including the loop's check of the first
-        batch, fails before any weights load. Single process only for now (``mesh`` must be None)."""
-        if mesh is not None:
-            raise ValueError("DMD2 does not run data-parallel yet (sharded student, critic and teacher are future "
-                             "work): run it on one process")
+        batch, fails before any weights load. On a device mesh (a model built on the same mesh) the student, critic
+        and teacher are local shards (the teacher in its stored dtype, without optimizer state), norms and clips
+        are global per role, and the DMD normaliser and logged losses are means over the ranks' equal slices."""
+        group = sharding.Group() if mesh is None else sharding.group_of(mesh)
+        place = _placement(model, mesh)
         negative = None
         if self.negative_prompt_path is not None:
             negative = load_negative_prompt(self.negative_prompt_path, model.text_dim)
-        teacher = functools.cache(lambda: teacher_params(model, self))
-        txs = optimizers(self, total_steps)
+        teacher = functools.cache(lambda: teacher_params(model, self, place))
+        txs = optimizers(self, total_steps, group)
         return Program(
-            init=lambda run_key: init(run_key, model, self, txs),
+            init=lambda run_key: init(run_key, model, self, txs, place=place),
             step_=lambda state, batch: step_(state, batch, model=model, config=self, teacher=teacher(), txs=txs,
-                                             negative=negative),
+                                             negative=negative, group=group),
             check=lambda batch: check_batch(batch, model, self, negative),
             validate=lambda state, validation_config: validate(state, validation_config, model=model, config=self,
                                                                teacher=teacher, negative=negative),
@@ -189,26 +190,50 @@ class Optimizers(NamedTuple):
     critic_lr: Callable[[Any], Any]
 
 
-def optimizers(config: DMD2, total_steps: int) -> Optimizers:
-    return Optimizers(config.optim.build(total_steps), config.critic_optim.build(total_steps),
+def optimizers(config: DMD2, total_steps: int, group: sharding.Group = sharding.Group()) -> Optimizers:
+    """Each trainable role's AdamW; over shards (``group`` of more than one rank) each clips by its global norm."""
+    return Optimizers(_adamw(config.optim, total_steps, group), _adamw(config.critic_optim, total_steps, group),
                       config.optim.schedule_fn(total_steps), config.critic_optim.schedule_fn(total_steps))
 
 
-def teacher_params(model: Model, config: DMD2) -> Params:
-    """The frozen teacher: ``teacher_path`` loaded, else ``model.initial_params(key(init_seed))``; no grad."""
+def _adamw(config: AdamWConfig, total_steps: int, group: sharding.Group) -> optim.GradientTransformation:
+    if group.dp_size == 1 or config.max_grad_norm == 0:
+        return config.build(total_steps)
+    b1, b2 = config.betas
+    adamw = optim.adamw(config.schedule_fn(total_steps), b1=b1, b2=b2, eps=config.eps,
+                        weight_decay=config.weight_decay)
+    return optim.chain(sharding.clip_by_global_norm(config.max_grad_norm, group), adamw)
+
+
+def _placement(model: Model, mesh: Any) -> Callable[[Params], Params]:
+    """Full params -> what the step takes: themselves, or on ``mesh`` this rank's local shards (``model.layout``)."""
+    if mesh is None:
+        return lambda params: params
+    return lambda params: sharding.to_local(sharding.shard(params, mesh, layout=model.layout))
+
+
+def _norm(grads: Params, group: sharding.Group) -> torch.Tensor:
+    return tree.global_norm(grads) if group.dp_size == 1 else sharding.global_norm_sharded(grads, group)
+
+
+def teacher_params(model: Model, config: DMD2, place: Callable[[Params], Params] = lambda params: params) -> Params:
+    """The frozen teacher: ``teacher_path`` loaded (and ``place``d: sharded on a mesh), else
+    ``model.initial_params(key(init_seed))`` (local shards on a mesh already); no grad."""
     if config.teacher_path is not None:
-        params = model.load(config.teacher_path)
+        params = place(model.load(config.teacher_path))
     else:
         params = model.initial_params(random.key(config.init_seed))
     return tree.map_tensors(torch.Tensor.detach, params)
 
 
-def init(run_key: torch.Tensor, model: Model, config: DMD2, txs: Optimizers) -> TrainState:
+def init(run_key: torch.Tensor, model: Model, config: DMD2, txs: Optimizers,
+         place: Callable[[Params], Params] = lambda params: params) -> TrainState:
     """Step 0: the student's initial params (with an EMA copy when enabled), the critic's (``critic_path`` or its own
     key), a fresh optimizer state each. The student's key and the steps' key are those of fine-tuning."""
     student_key, steps_key, critic_key = random.split(run_key, 3)
     student = model.initial_params(student_key)
-    critic = model.load(config.critic_path) if config.critic_path is not None else model.initial_params(critic_key)
+    critic = place(model.load(config.critic_path)) if config.critic_path is not None else \
+        model.initial_params(critic_key)
     roles = {
         STUDENT: RoleState(params=student, opt_state=txs.student.init(student),
                            ema=ema.ema_init(student) if config.ema_enabled else None),
@@ -426,13 +451,14 @@ def student_rollout(student_params: Params, batch: Batch, key: torch.Tensor, *, 
     return _rollout(student_params, batch, key, model, config, with_grad)[0]
 
 
-def dmd_loss(x0_gen: torch.Tensor, x0_fake: torch.Tensor, x0_real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def dmd_loss(x0_gen: torch.Tensor, x0_fake: torch.Tensor, x0_real: torch.Tensor,
+             group: sharding.Group = sharding.Group()) -> tuple[torch.Tensor, torch.Tensor]:
     """``(0.5 mean((x0_gen - sg(x0_gen - grad))^2), mean|x0_gen - x0_real|)`` with
     ``grad = nan_to_num((x0_fake - x0_real) / mean|x0_gen - x0_real|)``, in fp32, so that
     ``d loss / d x0_gen = grad / numel`` (up to the rounding of ``x0_gen - (x0_gen - grad)``)."""
     x0_gen = x0_gen.float()
     with torch.no_grad():
-        normalizer = (x0_gen - x0_real.float()).abs().mean()
+        normalizer = sharding.dp_mean((x0_gen - x0_real.float()).abs().mean(), group)  # of the global batch
         direction = torch.nan_to_num((x0_fake.float() - x0_real.float()) / normalizer)
         target = x0_gen - direction
     return 0.5 * torch.mean((x0_gen - target) ** 2), normalizer
@@ -464,9 +490,10 @@ def real_and_fake_x0(critic_params: Params, teacher_params: Params, x0_gen: torc
 
 
 def generator_loss(student_params: Params, critic_params: Params, teacher_params: Params, batch: Batch,
-                   key: torch.Tensor, *, model: Model, config: DMD2,
-                   negative: Cond | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The DMD loss of the student (module docstring), differentiable in ``student_params`` only.
+                   key: torch.Tensor, *, model: Model, config: DMD2, negative: Cond | None = None,
+                   group: sharding.Group = sharding.Group()) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The DMD loss of the student (module docstring), differentiable in ``student_params`` only; over shards the
+    normaliser is the mean over ``group``'s ranks (the global batch's), the loss this rank's slice's.
 
     ``split(key)`` gives the rollout key (:func:`student_rollout`) and the score key (timestep ``t`` from its first
     half, per-sample noise from its second). aux: ``dmd_normalizer`` ``mean|x0_gen - x0_real|``,
@@ -476,7 +503,7 @@ def generator_loss(student_params: Params, critic_params: Params, teacher_params
     x0_gen, t_gen = _rollout(student_params, batch, rollout_key, model, config, with_grad=True)
     x0_fake, x0_real, t = real_and_fake_x0(critic_params, teacher_params, x0_gen, batch, score_key, model=model,
                                            config=config, negative=negative)
-    loss, normalizer = dmd_loss(x0_gen, x0_fake, x0_real)
+    loss, normalizer = dmd_loss(x0_gen, x0_fake, x0_real, group)
     return loss, {"dmd_normalizer": normalizer, "generator_timestep": t_gen, "score_timestep": t}
 
 
@@ -522,13 +549,13 @@ def _keys(state: TrainState) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _critic_update(state: TrainState, batch: Batch, key: torch.Tensor, model: Model, config: DMD2,
-                   txs: Optimizers) -> tuple[Params, Metrics]:
+                   txs: Optimizers, group: sharding.Group) -> tuple[Params, Metrics]:
     """The critic's gradients (from the params before this step) and metrics."""
     critic, student = state.roles[CRITIC], state.roles[STUDENT]
     value_and_grad = grad.value_and_grad(critic_loss, has_aux=True)
     (loss, _), grads = value_and_grad(critic.params, student.params, batch, key, model=model, config=config)
     lr = txs.critic_lr(_update_count(critic.opt_state))
-    return grads, {"critic_loss": loss, "grad_norm/critic": tree.global_norm(grads),
+    return grads, {"critic_loss": sharding.dp_mean(loss, group), "grad_norm/critic": _norm(grads, group),
                    "lr/critic": torch.as_tensor(lr, dtype=torch.float32)}
 
 
@@ -546,11 +573,11 @@ def _ema_(student: RoleState, step: int, config: DMD2) -> RoleState:
 
 
 def critic_step_(state: TrainState, batch: Batch, *, model: Model, config: DMD2, teacher: Params, txs: Optimizers,
-                 negative: Cond | None = None) -> tuple[TrainState, Metrics]:
+                 negative: Cond | None = None, group: sharding.Group = sharding.Group()) -> tuple[TrainState, Metrics]:
     """A step that updates only the critic (and the student's EMA), donating ``state``."""
     s = int(state.step)
     _, critic_key = _keys(state)
-    critic_grads, metrics = _critic_update(state, batch, critic_key, model, config, txs)
+    critic_grads, metrics = _critic_update(state, batch, critic_key, model, config, txs, group)
     metrics["update_student"] = torch.zeros((), dtype=torch.float32)
     if not all_finite(metrics["critic_loss"], metrics["grad_norm/critic"]):
         return skipped(state, metrics)
@@ -560,7 +587,8 @@ def critic_step_(state: TrainState, batch: Batch, *, model: Model, config: DMD2,
 
 
 def student_and_critic_step_(state: TrainState, batch: Batch, *, model: Model, config: DMD2, teacher: Params,
-                             txs: Optimizers, negative: Cond | None = None) -> tuple[TrainState, Metrics]:
+                             txs: Optimizers, negative: Cond | None = None,
+                             group: sharding.Group = sharding.Group()) -> tuple[TrainState, Metrics]:
     """A step that updates the student and the critic (both losses from the params before the step), then the
     student's EMA, donating ``state``."""
     s = int(state.step)
@@ -568,12 +596,12 @@ def student_and_critic_step_(state: TrainState, batch: Batch, *, model: Model, c
     student, critic = state.roles[STUDENT], state.roles[CRITIC]
     value_and_grad = grad.value_and_grad(generator_loss, has_aux=True)
     (loss, aux), student_grads = value_and_grad(student.params, critic.params, teacher, batch, generator_key,
-                                                model=model, config=config, negative=negative)
+                                                model=model, config=config, negative=negative, group=group)
     lr = txs.student_lr(_update_count(student.opt_state))
-    metrics = {"generator_loss": loss, "dmd_normalizer": aux["dmd_normalizer"],
-               "grad_norm/student": tree.global_norm(student_grads),
+    metrics = {"generator_loss": sharding.dp_mean(loss, group), "dmd_normalizer": aux["dmd_normalizer"],
+               "grad_norm/student": _norm(student_grads, group),
                "lr/student": torch.as_tensor(lr, dtype=torch.float32)}
-    critic_grads, critic_metrics = _critic_update(state, batch, critic_key, model, config, txs)
+    critic_grads, critic_metrics = _critic_update(state, batch, critic_key, model, config, txs, group)
     metrics.update(critic_metrics, update_student=torch.ones((), dtype=torch.float32))
     if not all_finite(*(metrics[name] for name in ("generator_loss", "grad_norm/student", "critic_loss",
                                                     "grad_norm/critic"))):
@@ -584,15 +612,15 @@ def student_and_critic_step_(state: TrainState, batch: Batch, *, model: Model, c
 
 
 def step_(state: TrainState, batch: Batch, *, model: Model, config: DMD2, teacher: Params, txs: Optimizers,
-          negative: Cond | None = None) -> tuple[TrainState, Metrics]:
+          negative: Cond | None = None, group: sharding.Group = sharding.Group()) -> tuple[TrainState, Metrics]:
     """One DMD2 step, donating ``state`` (see fvx.state.Program): :func:`student_and_critic_step_` on student-update
     steps, else :func:`critic_step_`. ``teacher`` is the frozen teacher's params (read only).
 
     Metrics: ``critic_loss``, ``grad_norm/critic``, ``lr/critic``, ``update_student`` (0/1) every step; on update
     steps also ``generator_loss``, ``dmd_normalizer``, ``grad_norm/student``, ``lr/student``. Norms are before clipping.
     A non-finite loss or gradient norm of either role applies nothing (no update, no EMA) and adds ``nonfinite = 1``
-    (fvx.state.skipped).
+    (fvx.state.skipped). Over shards (``group``), params are local shards, norms global, losses means over ranks.
     """
     chosen = student_and_critic_step_ if update_student(int(state.step), config.generator_update_interval) \
         else critic_step_
-    return chosen(state, batch, model=model, config=config, teacher=teacher, txs=txs, negative=negative)
+    return chosen(state, batch, model=model, config=config, teacher=teacher, txs=txs, negative=negative, group=group)

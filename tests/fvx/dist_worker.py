@@ -15,7 +15,9 @@ import torch
 from fvx import checkpoint
 from fvx import compile as fvx_compile
 from fvx import ema, grad, optim, random, sharding
+from fvx.optim_config import AdamWConfig
 from fvx.state import RoleState, TrainState
+from fvx_methods import dmd2
 from fvx_models import wan
 
 UNITS = ("blocks.0.", "blocks.1.")
@@ -198,11 +200,41 @@ def run(out_dir: str) -> None:
     results["jax_process_count"] = jax.process_count()
     results.update(sharded_checkpoints(out_dir, mesh, params, local_params, opt_state, shadow,
                                        odd_sharded["odd"].to_local()))
+    results["dmd2_metrics"], results["dmd2_roles"] = dmd2_run(mesh, d.rank, d.world)
     if d.rank == 0:
         torch.save(results, f"{out_dir}/results.pt")
     torch.distributed.barrier()
     jax.distributed.shutdown()
     torch.distributed.destroy_process_group()
+
+
+DMD2_STEPS = 3  # critic only, then student and critic (interval 2), then critic only
+
+
+def dmd2_run(mesh=None, rank: int = 0, world: int = 1) -> tuple[list[dict], dict]:
+    """DMD2 on the tiny Wan (CFG with zero uncond, a clip that bites, EMA) for DMD2_STEPS steps on this rank's slice of
+    a fixed global batch of 4: (metrics per step as floats, every role's full params and EMA after the last step)."""
+    g = random.split(random.key(11), 2)
+    batch = {"latents": random.normal(g[0], (4, 16, 2, 4, 6)),
+             "text": random.normal(g[1], (4, 5, wan.PRESETS["tiny"]["text_dim"])),
+             "text_mask": torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2, [1.0] * 5, [1.0] * 4 + [0.0]]),
+             "sample_index": torch.tensor([3, 8, 13, 21])}
+    config = dmd2.DMD2(denoising_steps=(1000, 750, 500), generator_update_interval=2, guidance_scale=3.0,
+                       cfg_uncond="zero", ema_decay=0.9, optim=AdamWConfig(lr=1e-3, max_grad_norm=0.05),
+                       critic_optim=AdamWConfig(lr=2e-3, max_grad_norm=0.05))
+    model = wan.WanConfig(preset="tiny").build(mesh=mesh)
+    program = config.build(model, total_steps=DMD2_STEPS, mesh=mesh)
+    state = program.init(random.key(7))
+    local = {k: v.chunk(world)[rank] for k, v in batch.items()}
+    metrics = []
+    for _ in range(DMD2_STEPS):
+        state, m = program.step_(state, local)
+        metrics.append({name: float(value) for name, value in m.items()})
+    roles = {f"{role}.{part}": getattr(state.roles[role], part) for role in state.roles for part in ("params", "ema")
+             if getattr(state.roles[role], part) is not None}
+    if mesh is not None:
+        roles = {k: sharding.unshard(sharding.from_local(v, mesh, model.layout), model.layout) for k, v in roles.items()}
+    return metrics, roles
 
 
 def same_everywhere(flag: bool) -> bool:

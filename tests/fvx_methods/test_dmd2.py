@@ -483,11 +483,6 @@ def test_nonfinite_step_applies_nothing(model, roles, interval):
                for a, b in zip(leaves, expected))
 
 
-def test_not_data_parallel_yet(model):
-    with pytest.raises(ValueError, match="one process"):
-        dmd2.DMD2().build(model, total_steps=1, mesh=object())
-
-
 # --------------------------------------------------------------------------------------------- resume, end to end
 
 
