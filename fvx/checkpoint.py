@@ -60,7 +60,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from orbax.checkpoint import type_handlers  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
 
 from fvx import sharding, tree  # noqa: E402
 from fvx.config import Config  # noqa: E402

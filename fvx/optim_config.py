@@ -6,7 +6,7 @@ from typing import Annotated, Callable, Literal
 import msgspec
 import torch
 
-from fvx import optim, schedules
+from fvx import optim, schedules, sharding
 from fvx.config import Config
 
 ScheduleName = Literal[
@@ -44,10 +44,13 @@ class AdamWConfig(Config):
             num_cycles=self.num_cycles, min_lr_ratio=self.min_lr_ratio, power=self.power, lr_end=self.lr_end,
         )
 
-    def build(self, total_steps: int) -> optim.GradientTransformation:
-        """``chain(clip_by_global_norm, adamw(schedule))``, or AdamW alone when clipping is off."""
+    def build(self, total_steps: int, group: sharding.Group = sharding.Group()) -> optim.GradientTransformation:
+        """``chain(clip_by_global_norm, adamw(schedule))``, or AdamW alone when clipping is off. Over the shards of
+        a ``group`` of several ranks the clip takes the global norm (one all-reduce)."""
         b1, b2 = self.betas
         adamw = optim.adamw(self.schedule_fn(total_steps), b1=b1, b2=b2, eps=self.eps, weight_decay=self.weight_decay)
         if self.max_grad_norm == 0:
             return adamw
-        return optim.chain(optim.clip_by_global_norm(self.max_grad_norm), adamw)
+        clip = (optim.clip_by_global_norm(self.max_grad_norm) if group.dp_size == 1
+                else sharding.clip_by_global_norm(self.max_grad_norm, group))
+        return optim.chain(clip, adamw)

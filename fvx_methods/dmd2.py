@@ -192,17 +192,8 @@ class Optimizers(NamedTuple):
 
 def optimizers(config: DMD2, total_steps: int, group: sharding.Group = sharding.Group()) -> Optimizers:
     """Each trainable role's AdamW; over shards (``group`` of more than one rank) each clips by its global norm."""
-    return Optimizers(_adamw(config.optim, total_steps, group), _adamw(config.critic_optim, total_steps, group),
+    return Optimizers(config.optim.build(total_steps, group), config.critic_optim.build(total_steps, group),
                       config.optim.schedule_fn(total_steps), config.critic_optim.schedule_fn(total_steps))
-
-
-def _adamw(config: AdamWConfig, total_steps: int, group: sharding.Group) -> optim.GradientTransformation:
-    if group.dp_size == 1 or config.max_grad_norm == 0:
-        return config.build(total_steps)
-    b1, b2 = config.betas
-    adamw = optim.adamw(config.schedule_fn(total_steps), b1=b1, b2=b2, eps=config.eps,
-                        weight_decay=config.weight_decay)
-    return optim.chain(sharding.clip_by_global_norm(config.max_grad_norm, group), adamw)
 
 
 def _placement(model: Model, mesh: Any) -> Callable[[Params], Params]:

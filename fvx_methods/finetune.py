@@ -55,7 +55,7 @@ class Finetune(Config, tag="finetune"):
         """The loop's ``(init, step_)`` for this config, ``model`` and run length (the LR schedule needs it); on a
         device mesh (a model built on the same mesh) the step runs on local shards with global norms."""
         group = sharding.Group() if mesh is None else sharding.group_of(mesh)
-        tx = optimizer(self.optim, total_steps, group)
+        tx = self.optim.build(total_steps, group)
         lr = self.optim.schedule_fn(total_steps)
         return Program(
             init=lambda run_key: init(run_key, model, tx, with_ema=bool(self.ema_decay)),
@@ -69,16 +69,6 @@ class Finetune(Config, tag="finetune"):
         from fvx import dry_run, memory  # the dry run only
 
         return dry_run.Plan(roles=(memory.Role(ROLE, shapes, trainable=True),), micro_batches=self.grad_accum)
-
-
-def optimizer(config: AdamWConfig, total_steps: int, group: sharding.Group) -> optim.GradientTransformation:
-    """``config``'s transformation; over shards (``group`` of more than one rank) the clip uses the global norm."""
-    if group.dp_size == 1 or config.max_grad_norm == 0:
-        return config.build(total_steps)
-    b1, b2 = config.betas
-    adamw = optim.adamw(config.schedule_fn(total_steps), b1=b1, b2=b2, eps=config.eps,
-                        weight_decay=config.weight_decay)
-    return optim.chain(sharding.clip_by_global_norm(config.max_grad_norm, group), adamw)
 
 
 def check_batch(batch: Batch, model: Model) -> None:
