@@ -14,8 +14,20 @@ def current_rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """The highest resident memory this process has had (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """The highest resident memory this process has had (Linux ``VmHWM``), since :func:`reset_peak_rss` if called.
+    Not ``ru_maxrss``: after fork + exec that also holds the parent's resident size at the fork."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (peak memory needs Linux)")
+
+
+def reset_peak_rss() -> None:
+    """Lower this process's peak resident memory to its current value (Linux >= 4.0, ``/proc/self/clear_refs``), so
+    that :func:`peak_rss_bytes` measures from here on (past setup and compilation, say)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def timed(fn: Callable[[], object], sync: Callable[[], None] = lambda: None) -> float:

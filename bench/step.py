@@ -6,23 +6,36 @@ Baseline: ``nn.Module`` forward, ``loss.backward()``, ``clip_grad_norm_(foreach=
 shared by all transformer blocks). Same architecture, initial params, batch, noise and
 timesteps: both steps draw the noise and timesteps with the same fvx keys inside their timing. Timings alternate
 fvx / baseline; peak memory is measured per variant in a fresh subprocess.
-    python bench/step.py [--repeats 10] [--threads N]
+
+A second table runs the same fvx step (eager and ``compile=blocks``) on the same global batch in 1 process and in 2
+gloo processes (params, grads and AdamW state sharded, each rank on its half of the batch, one thread each; the
+1-process run gets ``--threads``), each in fresh processes: per-rank median step time, peak resident memory of the
+process over the timed steps (reset after setup and two warm-up steps, so compilation's transient peak does not
+count; the allocator keeps what the warm-up steps touched, so this is the rank's steady-state footprint, torch's
+own ~300 MB included), and the params + optimizer state a rank holds. A case whose batch does not split over 2 ranks runs there on a global batch
+rounded up to a multiple of 2 (its B column says which). ``--skip-dist`` leaves it out.
+    python bench/step.py [--repeats 10] [--threads N] [--skip-dist]
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import pathlib
+import socket
+import statistics
 import subprocess
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from common import alternate, current_rss_bytes, peak_rss_bytes  # noqa: E402
+sys.path.insert(1, str(pathlib.Path(__file__).resolve().parents[1]))  # the repository root: fvx, fvx_models, ...
+from common import alternate, current_rss_bytes, peak_rss_bytes, reset_peak_rss, timed  # noqa: E402
 
 import torch  # noqa: E402
 from diffusers import WanTransformer3DModel  # noqa: E402
 
-from fvx import flow, random  # noqa: E402
+from fvx import flow, random, sharding  # noqa: E402
 from fvx.optim_config import AdamWConfig  # noqa: E402
 from fvx_methods import finetune  # noqa: E402
 from fvx_models import wan  # noqa: E402
@@ -34,27 +47,41 @@ CASES = {
                    "text_dim": 64, "rope_max_seq_len": 64}, (16, 4, 32, 32), 1),
 }
 TEXT_LEN = 16
+WORLD = 2  # processes of the multi-process table
+VARIANTS = {"fvx": "none", "fvx_blocks": "blocks"}  # name -> WanConfig.compile
 
 
-def build(case: str, compile: str = "none"):
-    """The fvx model and program, a baseline module and optimizer with the same initial params, and a batch."""
-    arch, latent_shape, batch_size = CASES[case]
+def build_fvx(case: str, compile: str = "none", mesh=None, batch_size: int | None = None):
+    """The fvx model, config, program and initial state of ``case`` (sharded on ``mesh``), and its global batch
+    (``batch_size`` samples, default the case's)."""
+    arch, latent_shape, case_batch = CASES[case]
+    batch_size = batch_size or case_batch
     preset = f"bench-{case}"
     wan.PRESETS[preset] = {**wan.PRESETS["tiny"], **arch}  # a bench-only architecture, registered in this process
     wan.METADATA[preset] = wan.METADATA["tiny"]
-    model = wan.WanConfig(preset=preset, compile=compile).build()
+    model = wan.WanConfig(preset=preset, compile=compile).build(mesh=mesh)
     config = finetune.Finetune(optim=AdamWConfig(lr=1e-4, weight_decay=0.01, max_grad_norm=1.0))
-    program = config.build(model, total_steps=1000)
+    program = config.build(model, total_steps=1000, mesh=mesh)
     state = program.init(random.key(0))
-    module = WanTransformer3DModel(**wan.PRESETS[preset])
-    module.load_state_dict(state.roles["student"].params)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
     g = torch.Generator().manual_seed(0)
     text_dim = wan.PRESETS[preset]["text_dim"]
     batch = {"latents": torch.randn(batch_size, *latent_shape, generator=g),
              "text": torch.randn(batch_size, TEXT_LEN, text_dim, generator=g),
              "text_mask": torch.ones(batch_size, TEXT_LEN), "sample_index": torch.arange(batch_size)}
+    return model, config, program, state, batch
+
+
+def build(case: str, compile: str = "none"):
+    """The fvx model and program, a baseline module and optimizer with the same initial params, and a batch."""
+    model, config, program, state, batch = build_fvx(case, compile)
+    module = WanTransformer3DModel(**model_kwargs(case))
+    module.load_state_dict(state.roles["student"].params)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
     return model, config, program, state, module, optimizer, batch
+
+
+def model_kwargs(case: str) -> dict:
+    return wan.PRESETS[f"bench-{case}"]
 
 
 def baseline_draws(config, batch, state, step: int):
@@ -119,16 +146,113 @@ def peak_memory(case: str, variant: str, steps: int) -> float:
     return (peak_rss_bytes() - base) / 2**20
 
 
+# ------------------------------------------------------------------------------------------------ processes
+
+
+def rank_slice(batch: dict, rank: int, world: int) -> dict:
+    """Rank ``rank``'s contiguous rows of the global batch (as fvx.data.batch_at splits it)."""
+    local = len(batch["sample_index"]) // world
+    return {name: value[rank * local:(rank + 1) * local] for name, value in batch.items()}
+
+
+def measure_steps(program, state, batch: dict, repeats: int) -> dict:
+    """Step-0 loss, median step seconds after 2 warm-up steps, peak resident MB over the timed steps (reset after the
+    warm-up) and MB of params + AdamW state held, of ``program`` from ``state`` on ``batch``."""
+    holder = {"state": state}
+
+    def step():
+        holder["state"], metrics = program.step_(holder["state"], batch)
+        return metrics["loss"].item()
+
+    loss0 = step()
+    step()
+    gc.collect()
+    reset_peak_rss()
+    seconds = statistics.median(timed(step) for _ in range(repeats))
+    return {"loss0": loss0, "step_s": seconds, "peak_mb": peak_rss_bytes() / 2**20,
+            "state_mb": sharding.local_bytes(holder["state"].roles) / 2**20}
+
+
+def measure_process(case: str, repeats: int, batch_size: int) -> dict:
+    """:func:`measure_steps` of each fvx variant in this process, on its part of the global batch of ``batch_size``.
+    Under torchrun's environment (WORLD_SIZE, ...) the params are sharded over all processes."""
+    d = sharding.init_distributed()
+    mesh = sharding.make_mesh() if d.world > 1 else None
+    out = {}
+    for name, compile in VARIANTS.items():
+        _, _, program, state, batch = build_fvx(case, compile, mesh, batch_size)
+        out[name] = measure_steps(program, state, rank_slice(batch, d.rank, d.world), repeats)
+    if d.world > 1:
+        torch.distributed.destroy_process_group()
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(case: str, repeats: int, batch_size: int, world: int, threads: int | None) -> list[dict]:
+    """:func:`measure_process` in ``world`` fresh processes (gloo when more than one), each rank's result."""
+    cmd = [sys.executable, __file__, "--process", case, "--repeats", str(repeats), "--batch", str(batch_size)]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    env = {key: value for key, value in os.environ.items() if key not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        rank_env = env if world == 1 else {**env, "WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                           "OMP_NUM_THREADS": str(threads or 1)}
+        procs.append(subprocess.Popen(cmd, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for rank, proc in enumerate(procs):
+        stdout, stderr = proc.communicate(timeout=600)
+        if proc.returncode:
+            raise RuntimeError(f"bench process {rank} of {world} failed:\n{stderr[-3000:]}")
+        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    return results
+
+
+def print_processes(repeats: int, threads: int | None) -> None:
+    """The 1-process vs WORLD-process table of every case, on its global batch rounded up to a multiple of WORLD."""
+    print(f"\nfvx step on the same global batch: 1 process ({threads or torch.get_num_threads()} threads) vs "
+          f"{WORLD} gloo processes (1 thread each, sharded); median of {repeats} steps; MB: peak RSS over the steps "
+          "(after 2 warm-up steps), and params + AdamW state held")
+    ranks = range(WORLD)
+    print(f"{'case':10} {'variant':10} {'B':>2} {'1p ms':>7} " + " ".join(f"{f'r{r} ms':>7}" for r in ranks)
+          + f" {'1p MB':>7} " + " ".join(f"{f'r{r} MB':>7}" for r in ranks)
+          + f" {'1p state':>8} " + " ".join(f"{f'r{r} state':>8}" for r in ranks) + f" {'|dloss| 0':>9}")
+    for case, (_, _, case_batch) in CASES.items():
+        batch_size = -(-case_batch // WORLD) * WORLD
+        (single,) = run_processes(case, repeats, batch_size, 1, threads)
+        multi = run_processes(case, repeats, batch_size, WORLD, 1)
+        for name in VARIANTS:
+            one, per_rank = single[name], [m[name] for m in multi]
+            print(f"{case:10} {name:10} {batch_size:2d} {one['step_s'] * 1e3:7.1f} "
+                  + " ".join(f"{r['step_s'] * 1e3:7.1f}" for r in per_rank)
+                  + f" {one['peak_mb']:7.1f} " + " ".join(f"{r['peak_mb']:7.1f}" for r in per_rank)
+                  + f" {one['state_mb']:8.2f} " + " ".join(f"{r['state_mb']:8.2f}" for r in per_rank)
+                  + f" {abs(per_rank[0]['loss0'] - one['loss0']):9.2e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--skip-dist", action="store_true", help="leave out the 1- vs 2-process table")
     parser.add_argument("--memory", nargs=2, metavar=("CASE", "VARIANT"), help=argparse.SUPPRESS)
+    parser.add_argument("--process", metavar="CASE", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.memory:
         print(json.dumps(peak_memory(*args.memory, steps=3)))
+        return
+    if args.process:
+        print(json.dumps(measure_process(args.process, args.repeats, args.batch)))
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats} alternating steps")
     print(f"{'case':10} {'tokens':>6} {'B':>2} {'base ms':>8} {'fvx ms':>8} {'ratio':>6} {'blocks ms':>9} {'ratio':>6} "
@@ -146,6 +270,8 @@ def main() -> None:
               f"{row['fvx'] / base:6.2f} {row['fvx_blocks'] * 1e3:9.1f} {row['fvx_blocks'] / base:6.2f} "
               f"{mem['baseline']:8.1f} {mem['fvx']:8.1f} {mem['fvx'] / mem['baseline']:6.2f} "
               f"{row['loss_diff_step0']:14.2e}")
+    if not args.skip_dist:
+        print_processes(args.repeats, args.threads)
 
 
 if __name__ == "__main__":

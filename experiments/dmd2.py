@@ -6,12 +6,14 @@ it runs on a 2-core CPU in about two minutes and shows the mechanics, not a usef
 The real recipe is the same file with overrides: Wan 2.1 T2V 1.3B for all three roles, simulate rollout, steps
 [1000, 750, 500, 250], student updated every 5th step, teacher guidance 4.5 (fvx's `uncond + g (cond - uncond)`; the
 legacy `w` form would say 3.5), score timesteps shifted by 8, student AdamW lr 2e-6 and critic lr 8e-6, both with
-betas (0, 0.999), weight decay 0.01 and a constant schedule, EMA 0.98 from the start. The negative prompt is the
+betas (0, 0.999), weight decay 0.01 and a constant schedule, EMA 0.98 from the start; the frozen teacher
+is stored in bf16 (fp32 where diffusers keeps fp32), half its fp32 bytes. The negative prompt is the
 UMT5 embedding of Wan's default negative prompt, stored once as a safetensors file (tensor "text" [1, 512, 4096],
 optionally "text_mask" [1, 512]); FastVideo's recipe trains on 4 GPUs with batch 1 each:
     python -m fvx.run experiments/dmd2.py model.preset=wan2.1-t2v-1.3b \
         model.path=/models/Wan2.1-T2V-1.3B-Diffusers model.compute_dtype=bf16 model.remat=true \
         method.teacher_path=/models/Wan2.1-T2V-1.3B-Diffusers method.critic_path=/models/Wan2.1-T2V-1.3B-Diffusers \
+        method.teacher_dtype=bf16 \
         method.rollout_mode=simulate method.denoising_steps=[1000,750,500,250] method.generator_update_interval=5 \
         method.guidance_scale=4.5 method.timestep_shift=8 method.flow_shift=3 \
         method.cfg_uncond=negative_prompt method.negative_prompt_path=/data/wan21_negative_prompt.safetensors \

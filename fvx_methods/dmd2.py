@@ -38,7 +38,10 @@ same interface: the teacher from ``teacher_path`` (``model.load``) or, when None
 student's folder when the model config names one, else random params from ``init_seed``); the critic likewise from
 ``critic_path`` or ``model.initial_params`` of its own key at ``init``. The teacher is an argument the step closes
 over: it is not in the state, gets no optimizer, is never saved, and is only ever called under ``torch.no_grad``,
-so FastVideo's "teacher must be non-trainable" and "all roles required" errors cannot arise here.
+so FastVideo's "teacher must be non-trainable" and "all roles required" errors cannot arise here. It is stored in
+``teacher_dtype``: ``bf16`` casts it once at load (sharded on a mesh straight into bf16 shards) except the params the
+model family keeps in fp32 (``Model.param_dtypes``); it still computes in the model's ``compute_dtype``, so under
+fp32 compute a bf16 teacher is the fp32 computation of its bf16-rounded weights.
 
 Deviations from FastVideo: ``simulate`` runs only the ``k`` no-grad transitions that reach step ``k`` (FastVideo
 runs all ``K - 1``; with counter-based keys the result is the same, at fewer model calls); ``data_latent`` honours
@@ -68,6 +71,8 @@ from fvx_models.model import Cond, Model, Params
 STUDENT, CRITIC = "student", "critic"
 NEGATIVE_TEXT, NEGATIVE_MASK = "text", "text_mask"  # tensor names in a negative-prompt safetensors file
 BATCH_NEGATIVE_TEXT, BATCH_NEGATIVE_MASK = "negative_text", "negative_text_mask"  # optional batch entries
+
+TEACHER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 Positive = Annotated[float, msgspec.Meta(gt=0)]
@@ -99,6 +104,8 @@ class DMD2(Config, tag="dmd2"):
     ema_decay / ema_start_step: the student's EMA (None or 0 turns it off); starts at iteration ``ema_start_step``.
     teacher_path / critic_path: local diffusers folders; None takes ``model.initial_params`` (see module docstring).
     init_seed: the seed of the teacher's random params when neither it nor the model names a folder (tiny presets).
+    teacher_dtype: how the frozen teacher is stored: ``bf16`` (half the bytes; fp32 where the model family keeps
+        fp32) or ``fp32`` (as loaded). It computes in the model's ``compute_dtype`` either way.
     validate_teacher: also sample the teacher (guided, many-step ODE) at validations, beside the few-step student.
     """
 
@@ -121,6 +128,7 @@ class DMD2(Config, tag="dmd2"):
     teacher_path: str | None = None
     critic_path: str | None = None
     init_seed: int = 0
+    teacher_dtype: Literal["fp32", "bf16"] = "bf16"
     validate_teacher: bool = False
 
     def __post_init__(self) -> None:
@@ -150,14 +158,15 @@ class DMD2(Config, tag="dmd2"):
         """The loop's Program for ``model`` and a ``total_steps`` run. The negative-prompt file is checked now; the
         frozen teacher loads on the first step (once), so every bad input, including the loop's check of the first
         batch, fails before any weights load. On a device mesh (a model built on the same mesh) the student, critic
-        and teacher are local shards (the teacher in its stored dtype, without optimizer state), norms and clips
+        and teacher are local shards (the teacher in ``teacher_dtype``, without optimizer state), norms and clips
         are global per role, and the DMD normaliser and logged losses are means over the ranks' equal slices."""
         group = sharding.Group() if mesh is None else sharding.group_of(mesh)
         place = _placement(model, mesh)
+        dtypes = teacher_dtypes(model, self)
         negative = None
         if self.negative_prompt_path is not None:
             negative = load_negative_prompt(self.negative_prompt_path, model.text_dim)
-        teacher = functools.cache(lambda: teacher_params(model, self, place))
+        teacher = functools.cache(lambda: teacher_params(model, self, place, dtypes))
         txs = optimizers(self, total_steps, group)
         return Program(
             init=lambda run_key: init(run_key, model, self, txs, place=place),
@@ -169,13 +178,15 @@ class DMD2(Config, tag="dmd2"):
         )
 
     def memory_plan(self, shapes: Any) -> Any:
-        """For ``--dry-run``: a trainable student (with its EMA when enabled), a trainable critic and a frozen fp32
-        teacher of one architecture; the two backward passes run one after the other."""
+        """For ``--dry-run``: a trainable student (with its EMA when enabled), a trainable critic and a frozen
+        teacher of one architecture, at 2 bytes a param in bf16 (its few fp32-kept params, norms and the time
+        embedding, counted as bf16) or 4 in fp32; the two backward passes run one after the other."""
         from fvx import dry_run, memory  # the dry run only
 
+        teacher_bytes = TEACHER_DTYPES[self.teacher_dtype].itemsize
         return dry_run.Plan(roles=(memory.Role(STUDENT, shapes, trainable=True, ema=self.ema_enabled),
                                    memory.Role(CRITIC, shapes, trainable=True),
-                                   memory.Role("teacher", shapes, trainable=False)))
+                                   memory.Role("teacher", shapes, trainable=False, param_bytes=teacher_bytes)))
 
 
 # ------------------------------------------------------------------------------------------------ roles and setup
@@ -196,29 +207,56 @@ def optimizers(config: DMD2, total_steps: int, group: sharding.Group = sharding.
                       config.optim.schedule_fn(total_steps), config.critic_optim.schedule_fn(total_steps))
 
 
-def _placement(model: Model, mesh: Any) -> Callable[[Params], Params]:
-    """Full params -> what the step takes: themselves, or on ``mesh`` this rank's local shards (``model.layout``)."""
+Placement = Callable[..., Params]  # (full params, per-name dtypes or None) -> what the step takes
+
+
+def _placement(model: Model, mesh: Any) -> Placement:
+    """Full params (and optional per-name dtypes) -> what the step takes: themselves cast, or on ``mesh`` this rank's
+    local shards (``model.layout``) in those dtypes."""
     if mesh is None:
-        return lambda params: params
-    return lambda params: sharding.to_local(sharding.shard(params, mesh, layout=model.layout))
+        return cast_params
+    return lambda params, dtypes=None: sharding.to_local(sharding.shard(params, mesh, layout=model.layout,
+                                                                        dtype=dtypes))
+
+
+def cast_params(params: Params, dtypes: dict[str, torch.dtype] | None = None) -> Params:
+    """Each param in its dtype of ``dtypes`` (full params or local shards alike: the cast is elementwise); None keeps
+    them as they are."""
+    if dtypes is None:
+        return params
+    return {name: p.to(dtypes[name]) for name, p in params.items()}
+
+
+def teacher_dtypes(model: Model, config: DMD2) -> dict[str, torch.dtype] | None:
+    """Per param, the frozen teacher's storage dtype: None (as loaded, fp32) for ``teacher_dtype="fp32"``, else the
+    model family's ``param_dtypes(bf16)`` (bf16 but the params it keeps in fp32)."""
+    if config.teacher_dtype == "fp32":
+        return None
+    if model.param_dtypes is None:
+        raise ValueError(f"method.teacher_dtype={config.teacher_dtype!r} needs the model family to name the params it "
+                         f"keeps in fp32 (Model.param_dtypes), and model {model.name} does not; set "
+                         "method.teacher_dtype='fp32'")
+    return model.param_dtypes(TEACHER_DTYPES[config.teacher_dtype])
 
 
 def _norm(grads: Params, group: sharding.Group) -> torch.Tensor:
     return tree.global_norm(grads) if group.dp_size == 1 else sharding.global_norm_sharded(grads, group)
 
 
-def teacher_params(model: Model, config: DMD2, place: Callable[[Params], Params] = lambda params: params) -> Params:
-    """The frozen teacher: ``teacher_path`` loaded (and ``place``d: sharded on a mesh), else
-    ``model.initial_params(key(init_seed))`` (local shards on a mesh already); no grad."""
+def teacher_params(model: Model, config: DMD2, place: Placement = cast_params,
+                   dtypes: dict[str, torch.dtype] | None = None) -> Params:
+    """The frozen teacher in ``dtypes`` (:func:`teacher_dtypes`; None keeps fp32): ``teacher_path`` loaded and
+    ``place``d (sharded on a mesh, into those dtypes), else ``model.initial_params(key(init_seed))`` (local shards on
+    a mesh already) cast; no grad."""
     if config.teacher_path is not None:
-        params = place(model.load(config.teacher_path))
+        params = place(model.load(config.teacher_path), dtypes)
     else:
-        params = model.initial_params(random.key(config.init_seed))
+        params = cast_params(model.initial_params(random.key(config.init_seed)), dtypes)
     return tree.map_tensors(torch.Tensor.detach, params)
 
 
 def init(run_key: torch.Tensor, model: Model, config: DMD2, txs: Optimizers,
-         place: Callable[[Params], Params] = lambda params: params) -> TrainState:
+         place: Placement = cast_params) -> TrainState:
     """Step 0: the student's initial params (with an EMA copy when enabled), the critic's (``critic_path`` or its own
     key), a fresh optimizer state each. The student's key and the steps' key are those of fine-tuning."""
     student_key, steps_key, critic_key = random.split(run_key, 3)

@@ -35,6 +35,9 @@ class Model:
     compile_stats                the ``fvx.compile.CompileStats`` of the compiled blocks, or None when not compiled
     memory_spec()                optional: an ``fvx.dry_run.ModelSpec`` (shapes from the skeleton, no weights) for
                                  ``--dry-run``
+    param_dtypes(dtype)          optional: per param name, the dtype it is stored and computed in when the model runs
+                                 in ``dtype``: ``dtype``, except the params the family keeps in fp32 (diffusers'
+                                 ``_keep_in_fp32_modules``); how a method stores a frozen role in bf16
     """
 
     name: str
@@ -52,6 +55,7 @@ class Model:
     layout: Mapping[str, Any] | None = None
     compile_stats: Any = None
     memory_spec: Callable[[], Any] | None = None
+    param_dtypes: Callable[[torch.dtype], dict[str, torch.dtype]] | None = None
 
     def check_latents(self, shape: tuple[int, ...], where: str = "latents") -> None:
         """Raise a ValueError naming both shapes unless ``shape`` is ``[B, C, T, H, W]`` that this model accepts."""

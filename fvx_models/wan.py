@@ -197,6 +197,11 @@ def apply(
     latents inside the call, except the modules diffusers keeps in fp32; gradients reach the caller's params in their
     own dtype. ``t`` stays fp32 (bf16 cannot hold 999). The RoPE tables move to ``x_t``'s device per call (~1 MB).
 
+    Params may be stored in a lower precision than they compute in (a frozen teacher in bf16, fp32 where diffusers
+    keeps fp32: ``Model.param_dtypes``): the compute dtype decides, so under ``compute_dtype`` fp32 a bf16-stored
+    teacher computes in fp32 from its bf16-rounded weights (a full fp32 copy while it runs unsharded, one unit's
+    sharded), and under bf16 its params are used as stored.
+
     Sharded (``layout`` and ``group`` given): ``params`` are this rank's local shards, the module's blocks were routed
     with a gathering function (:meth:`WanConfig.build`), and each unit gathers its params in the compute dtype (the
     cast sits inside the gather, so gradients are reduced in fp32).
@@ -442,4 +447,5 @@ class WanConfig(Config, tag="wan"):
             layout=layout,
             compile_stats=None if self.compile == "none" else stats,
             memory_spec=memory_spec,
+            param_dtypes=functools.partial(compute_dtypes, module),
         )

@@ -401,6 +401,55 @@ def test_build_loads_teacher_and_critic_from_folders(model, roles, tmp_path):
     assert set(state.roles) == {"student", "critic"} and torch.isfinite(metrics["generator_loss"])
 
 
+KEPT_FP32 = {"time_embedder", "scale_shift_table", "norm1", "norm2", "norm3"}  # diffusers' Wan list, by hand
+
+
+def test_bf16_teacher_is_bf16_but_the_fp32_kept_modules_and_guides_like_the_fp32_teacher(model, roles, tmp_path):
+    """The teacher loads (from init_seed, or a folder) in bf16 except Wan's fp32-kept modules, holding the fp32
+    teacher's values rounded; its guided x0 is close to the fp32 teacher's, and a step with it runs."""
+    fp32 = dmd2.DMD2(init_seed=3, teacher_dtype="fp32")
+    assert dmd2.teacher_dtypes(model, fp32) is None
+    assert all(torch.equal(p, roles["teacher"][n]) for n, p in dmd2.teacher_params(model, fp32).items())
+    config = dmd2.DMD2(init_seed=3, cfg_uncond="zero", guidance_scale=3.0)
+    assert config.teacher_dtype == "bf16"
+    dtypes = dmd2.teacher_dtypes(model, config)
+    teacher = dmd2.teacher_params(model, config, dtypes=dtypes)
+    model.export(roles["teacher"], tmp_path / "teacher")
+    from_folder = dmd2.teacher_params(model, dmd2.DMD2(teacher_path=str(tmp_path / "teacher")), dtypes=dtypes)
+    for name, p in teacher.items():
+        kept = bool(KEPT_FP32 & set(name.split(".")))
+        assert p.dtype == (torch.float32 if kept else torch.bfloat16), name
+        assert torch.equal(p, roles["teacher"][name].to(p.dtype)) and torch.equal(from_folder[name], p), name
+        assert not p.requires_grad
+    assert 0 < sum(p.dtype == torch.float32 for p in teacher.values()) < len(teacher) // 2
+
+    batch, key = make_batch(), random.key(5)
+    x0_gen = torch.randn(2, *SHAPE, generator=torch.Generator().manual_seed(1))
+    _, real_bf16, _ = dmd2.real_and_fake_x0(roles["critic"], teacher, x0_gen, batch, key, model=model, config=config)
+    _, real_fp32, _ = dmd2.real_and_fake_x0(roles["critic"], roles["teacher"], x0_gen, batch, key, model=model,
+                                            config=config)
+    assert real_bf16.dtype == torch.float32 and not torch.equal(real_bf16, real_fp32)
+    assert (real_bf16 - real_fp32).norm() < 0.02 * real_fp32.norm()
+
+    program = config.build(model, total_steps=1)
+    state, metrics = program.step_(program.init(random.key(0)), make_batch(size=1))
+    assert torch.isfinite(metrics["generator_loss"]) and torch.isfinite(metrics["critic_loss"])
+
+
+def test_bf16_teacher_needs_the_models_param_dtypes_and_halves_the_dry_run_bytes(model):
+    from fvx import memory
+
+    with pytest.raises(ValueError, match="teacher_dtype='bf16'.*param_dtypes"):
+        dmd2.DMD2().build(dataclasses.replace(model, param_dtypes=None), total_steps=1)
+    dmd2.DMD2(teacher_dtype="fp32").build(dataclasses.replace(model, param_dtypes=None), total_steps=1)
+    shapes = model.memory_spec().shapes
+    bf16 = {r.name: memory.role_bytes(r, 2) for r in dmd2.DMD2().memory_plan(shapes).roles}
+    fp32 = {r.name: memory.role_bytes(r, 2) for r in dmd2.DMD2(teacher_dtype="fp32").memory_plan(shapes).roles}
+    assert 2 * bf16["teacher"].params == fp32["teacher"].params == fp32["critic"].params > 0
+    assert bf16["teacher"].total == bf16["teacher"].params
+    assert bf16["student"] == fp32["student"] and bf16["critic"] == fp32["critic"]
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 
 

@@ -117,6 +117,28 @@ def test_bf16_keeps_diffusers_fp32_modules(module):
     assert "blocks.0.attn1.norm_q.weight" not in keep and "proj_out.weight" not in keep
 
 
+KEPT_FP32 = {"time_embedder", "scale_shift_table", "norm1", "norm2", "norm3"}  # diffusers' Wan list, by hand
+
+
+def test_model_names_its_param_dtypes_and_apply_takes_bf16_stored_params(params, batch):
+    """``param_dtypes(bf16)``: bf16 but diffusers' fp32-kept modules. Params stored that way compute in the compute
+    dtype: under fp32 exactly as their bf16-rounded fp32 values, under bf16 exactly as the fp32 masters."""
+    model = wan.WanConfig(preset="tiny").build()
+    dtypes = model.param_dtypes(torch.bfloat16)
+    assert dtypes.keys() == params.keys()
+    kept = {name for name in params if KEPT_FP32 & set(name.split("."))}
+    assert kept and len(kept) < len(params)
+    assert all(dtype == (torch.float32 if name in kept else torch.bfloat16) for name, dtype in dtypes.items())
+    stored = {name: p.to(dtypes[name]) for name, p in params.items()}
+    rounded = {name: p.float() for name, p in stored.items()}
+    x, t, cond = batch["x"], batch["t"], {"text": batch["text"]}
+    out = model.apply(stored, x, t, cond)
+    assert out.dtype == torch.float32 and torch.equal(out, model.apply(rounded, x, t, cond))
+    assert not torch.equal(out, model.apply(params, x, t, cond))
+    half = wan.WanConfig(preset="tiny", compute_dtype="bf16").build()
+    assert torch.equal(half.apply(stored, x, t, cond), half.apply(params, x, t, cond))
+
+
 def test_apply_rejects_inputs_that_do_not_fit(module, params, batch):
     x, t, text = batch["x"], batch["t"], batch["text"]
     with pytest.raises(ValueError, match=r"x_t must be \[B, 16, T, H, W\].*\(2, 16, 2, 3, 6\)"):
