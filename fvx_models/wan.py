@@ -23,8 +23,9 @@ import tempfile
 import zlib
 from typing import Any, Literal, Mapping, NamedTuple
 
+import diffusers
 import torch
-from diffusers import WanTransformer3DModel
+from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -303,6 +304,19 @@ def _check_tensors(module: nn.Module, shapes: Mapping[str, tuple[int, ...]], wha
 # ---------------------------------------------------------------------------------------------------------- export
 
 
+def pipeline_files(folder: str | os.PathLike, *, flow_shift: float = 3.0) -> None:
+    """Write diffusers' ``WanPipeline`` files beside an exported ``transformer/``: ``model_index.json`` and
+    ``scheduler/`` (a ``FlowMatchEulerDiscreteScheduler`` with ``flow_shift``). The VAE, text encoder and tokenizer
+    that model_index.json names are not fvx's to write: copy them from the base model."""
+    folder = pathlib.Path(folder)
+    FlowMatchEulerDiscreteScheduler(shift=flow_shift).save_config(folder / "scheduler")
+    index = {"_class_name": "WanPipeline", "_diffusers_version": diffusers.__version__,
+             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+             "transformer": ["diffusers", "WanTransformer3DModel"], "vae": ["diffusers", "AutoencoderKLWan"],
+             "text_encoder": ["transformers", "UMT5EncoderModel"], "tokenizer": ["transformers", "AutoTokenizer"]}
+    (folder / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
 def export(
     module: WanTransformer3DModel,
     params: Params,
@@ -440,6 +454,7 @@ class WanConfig(Config, tag="wan"):
             init=init_fn,
             load=load_fn,
             export=functools.partial(export, module),
+            pipeline_files=pipeline_files,
             initial_params=initial_params,
             apply=functools.partial(apply, module, compute_dtype=dtype, layout=layout, group=group),
             normalize=functools.partial(normalize, mean=meta.latents_mean, std=meta.latents_std),

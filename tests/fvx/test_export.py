@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 import torch
-from diffusers import WanTransformer3DModel
+from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
 
 from fvx import checkpoint, loop, run, tree
 
@@ -48,6 +48,10 @@ def test_export_round_trips_through_from_pretrained(run_dir, tmp_path, capsys, a
     assert_loads_exactly(out, stored(run_dir, step, part))
     manifest = json.loads((out / "fvx_export.json").read_text())
     assert manifest == {"run": str(run_dir), "step": step, "role": "student", "ema": part == "ema"}
+    index = json.loads((out / "model_index.json").read_text())
+    assert index["_class_name"] == "WanPipeline" and index["transformer"] == ["diffusers", "WanTransformer3DModel"]
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(out, subfolder="scheduler")
+    assert scheduler.config.shift == 3.0
 
 
 @pytest.mark.parametrize("args, message", [
