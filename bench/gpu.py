@@ -36,15 +36,6 @@ VAE_STRIDE, TEXT_LEN = (4, 8, 8), 512
 LR, MAX_NORM = 1e-5, 1.0
 
 
-def dims_of(preset: str, text_len: int) -> memory.DitDims:
-    """The sizes bench/flops.py and fvx.memory need, from a Wan preset."""
-    k = wan.PRESETS[preset]
-    return memory.DitDims(layers=k["num_layers"], dim=k["num_attention_heads"] * k["attention_head_dim"],
-                          ffn_dim=k["ffn_dim"], text_len=text_len, text_dim=k["text_dim"],
-                          in_channels=k["in_channels"], out_channels=k["out_channels"],
-                          patch=tuple(k["patch_size"]), freq_dim=k["freq_dim"])
-
-
 def make_batch(preset: str, video: tuple[int, int, int], text_len: int, device: torch.device, seed: int = 0) -> dict:
     grid = memory.latent_grid(*video, vae_stride=VAE_STRIDE, patch=wan.PRESETS[preset]["patch_size"])
     shape = (1, wan.PRESETS[preset]["in_channels"], grid.frames, grid.height, grid.width)
@@ -146,13 +137,13 @@ def estimated_peak(preset: str, tokens: int, text_len: int) -> int:
     """fvx.memory's estimate for one process holding the whole model (shard size 1), remat, bf16."""
     shapes = {n: tuple(p.shape) for n, p in wan.skeleton(preset).named_parameters()}
     est = memory.estimate([memory.Role("student", shapes, trainable=True)], shard_size=1,
-                          dims=dims_of(preset, text_len), tokens=tokens, batch_per_rank=1, capacity=1 << 62)
+                          dims=wan.dims(preset, text_len), tokens=tokens, batch_per_rank=1, capacity=1 << 62)
     return est.total
 
 
 def report(rows: list[dict], preset: str, text_len: int, peak_flops: float) -> None:
     tokens, video = rows[0]["tokens"], rows[0]["video"]
-    step_flops = flops.training_flops(dims_of(preset, text_len), tokens)
+    step_flops = flops.training_flops(wan.dims(preset, text_len), tokens)
     base = rows[0]["s"]
     print(f"\n{preset}, video {'x'.join(map(str, video))} ({tokens} tokens), text {text_len}, batch 1, bf16, remat; "
           f"{step_flops / 1e12:.1f} TFLOP per step (3x forward); dry-run estimate of the peak: "
@@ -177,7 +168,7 @@ def dry_run(args) -> None:
                  memory.Role("critic (fake score)", shapes, trainable=True),
                  memory.Role("teacher (real score, bf16)", shapes, trainable=False, param_bytes=2)]
     units = [f"blocks.{i}." for i in range(wan.PRESETS[args.preset]["num_layers"])]
-    est = memory.estimate(roles, shard_size=args.world, dims=dims_of(args.preset, args.text_len), tokens=grid.tokens,
+    est = memory.estimate(roles, shard_size=args.world, dims=wan.dims(args.preset, args.text_len), tokens=grid.tokens,
                           batch_per_rank=1, units=units)
     print(memory.format_table(est, f"{args.preset} {args.roles}, {args.world} ranks (FSDP), video {args.video} "
                                    f"-> latent {grid.frames}x{grid.height}x{grid.width} = {grid.tokens} tokens, "

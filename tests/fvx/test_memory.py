@@ -13,14 +13,6 @@ from fvx import memory, random
 from fvx_models import wan
 
 
-def dims_of(preset: str, text_len: int) -> memory.DitDims:
-    k = wan.PRESETS[preset]
-    return memory.DitDims(layers=k["num_layers"], dim=k["num_attention_heads"] * k["attention_head_dim"],
-                          ffn_dim=k["ffn_dim"], text_len=text_len, text_dim=k["text_dim"],
-                          in_channels=k["in_channels"], out_channels=k["out_channels"],
-                          patch=tuple(k["patch_size"]), freq_dim=k["freq_dim"])
-
-
 def shapes_of(preset: str) -> dict:
     return {name: tuple(p.shape) for name, p in wan.skeleton(preset).named_parameters()}
 
@@ -116,7 +108,7 @@ def saved_bytes_of_one_block(tokens_shape=(1, 16, 4, 16, 16), text_len=5) -> tup
 
 def test_block_activation_estimate_matches_what_a_wan_block_saves():
     measured, tokens = saved_bytes_of_one_block()
-    estimate = memory.block_activation_bytes(dims_of("tiny", 5), tokens, compute_bytes=2)
+    estimate = memory.block_activation_bytes(wan.dims("tiny", 5), tokens, compute_bytes=2)
     assert abs(estimate - measured) <= 0.05 * measured, (estimate, measured)
 
 
@@ -137,7 +129,7 @@ def test_gathered_bytes_by_hand():
 def test_estimate_sums_roles_activations_and_gathers_and_gives_a_verdict():
     shapes = shapes_of("tiny")
     roles = [memory.Role("generator", shapes, True, ema=True), memory.Role("teacher", shapes, False, param_bytes=2)]
-    dims = dims_of("tiny", 8)
+    dims = wan.dims("tiny", 8)
     est = memory.estimate(roles, shard_size=2, dims=dims, tokens=64, batch_per_rank=1, units=["blocks.0.", "blocks.1."])
     by_role = sum(memory.role_bytes(r, 2).total for r in roles)
     assert est.total == by_role + est.activations + est.gathered
@@ -157,7 +149,7 @@ def test_fourteen_b_dmd2_on_8_ranks_at_81x480x832():
     grid = memory.latent_grid(81, 480, 832, vae_stride=(4, 8, 8), patch=(1, 2, 2))
     roles = [memory.Role("generator", shapes, True, ema=True), memory.Role("critic", shapes, True),
              memory.Role("teacher", shapes, False, param_bytes=2)]
-    est = memory.estimate(roles, shard_size=8, dims=dims_of("wan2.1-t2v-14b", 512), tokens=grid.tokens,
+    est = memory.estimate(roles, shard_size=8, dims=wan.dims("wan2.1-t2v-14b", 512), tokens=grid.tokens,
                           batch_per_rank=1, units=[f"blocks.{i}." for i in range(40)])
     numel = memory.local_numel(shapes, 1)
     assert 14.0e9 < numel < 14.5e9
@@ -190,4 +182,4 @@ def test_forward_flops_equal_torchs_flop_counter_on_the_tiny_wan():
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:  # math SDPA: counted matmuls
         wan.apply(module, params, x, torch.tensor([1.0, 500.0]), {"text": text})
     tokens = math.prod((4, 8 // 2, 8 // 2))
-    assert counter.get_total_flops() == flops.forward_flops(dims_of("tiny", 5), tokens, batch=2)
+    assert counter.get_total_flops() == flops.forward_flops(wan.dims("tiny", 5), tokens, batch=2)
