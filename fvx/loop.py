@@ -31,9 +31,6 @@ from typing import Annotated, Any, Callable, Literal, NamedTuple
 
 import msgspec
 import torch
-from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
-from tensorboard.compat.proto import event_pb2
-from tensorboard.summary.writer.record_writer import RecordWriter
 
 import fvx
 from fvx import checkpoint
@@ -280,42 +277,6 @@ def _write_json(path: pathlib.Path, record: Any) -> None:
     path.write_text(json.dumps(record, indent=2) + "\n")
 
 
-def truncate_events(logdir: pathlib.Path, from_step: int) -> int:
-    """Drop the summaries of steps ``>= from_step`` from every TensorBoard event file in ``logdir`` (each file
-    rewritten beside itself, then renamed over it); return how many events were dropped."""
-    dropped = 0
-    for path in sorted(logdir.glob("events.out.tfevents.*")):
-        records = list(RawEventFileLoader(str(path)).Load())
-        kept = [r for r in records if _before(r, from_step)]
-        if len(kept) == len(records):
-            continue
-        partial = path.with_name(f".{os.getpid()}.truncating")
-        with open(partial, "wb") as f:
-            writer = RecordWriter(f)
-            for record in kept:
-                writer.write(record)
-        os.replace(partial, path)
-        dropped += len(records) - len(kept)
-    return dropped
-
-
-def wait_for_a_new_second(logdir: pathlib.Path) -> None:
-    """Wait (at most a second) until the clock has passed the creation second of every event file in ``logdir``.
-
-    TensorBoard reads event files in name order, and a name starts with the second its writer opened; a file opened in
-    the same second as an existing one (a run resumed at once) would be ordered by host and pid instead."""
-    stamps = [int(part) for path in logdir.glob("events.out.tfevents.*")
-              if (part := path.name.split(".")[3]).isdigit()]
-    deadline = time.monotonic() + 1.1
-    while stamps and time.time() < max(stamps) + 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
-
-
-def _before(record: bytes, step: int) -> bool:
-    event = event_pb2.Event.FromString(record)
-    return not event.HasField("summary") or event.step < step
-
-
 # ---------------------------------------------------------------------------------------------------------- training
 
 
@@ -334,8 +295,8 @@ def train(config: Experiment, *, prepared: Prepared | None = None, launch: Launc
         fconfig.dump(config, out)
         _write_json(out / RUN_FILE, meta)
         if (out / TENSORBOARD).is_dir():
-            truncate_events(out / TENSORBOARD, start)
-            wait_for_a_new_second(out / TENSORBOARD)
+            tracking.truncate_events(out / TENSORBOARD, start)
+            tracking.wait_for_a_new_second(out / TENSORBOARD)
     saves = config.run.checkpoint
     checkpoints = (open_checkpoints(out / CHECKPOINTS, prepared.setup, saves)  # every rank: sharded saves
                    if (rank == 0 or world > 1) and (saves.every or saves.final) else None)

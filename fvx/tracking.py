@@ -15,6 +15,8 @@ import io
 import json
 import math
 import numbers
+import os
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -22,10 +24,13 @@ import numpy as np
 import torch
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import DEFAULT_SIZE_GUIDANCE, EventAccumulator
+from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+from tensorboard.compat.proto import event_pb2
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.plugins.hparams.metadata import SESSION_START_INFO_TAG
 from tensorboard.plugins.hparams.summary_v2 import hparams_pb
+from tensorboard.summary.writer.record_writer import RecordWriter
 from torch.utils.tensorboard import SummaryWriter
 
 Metric = float | torch.Tensor
@@ -364,3 +369,42 @@ def read_hparams(logdir: str | Path) -> dict[str, bool | float | str]:
         return {}
     values = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
     return {key: getattr(value, value.WhichOneof("kind")) for key, value in values.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------- resume
+
+
+def truncate_events(logdir: Path, from_step: int) -> int:
+    """Drop the summaries of steps ``>= from_step`` from every TensorBoard event file in ``logdir`` (each file
+    rewritten beside itself, then renamed over it); return how many events were dropped."""
+    dropped = 0
+    for path in sorted(logdir.glob("events.out.tfevents.*")):
+        records = list(RawEventFileLoader(str(path)).Load())
+        kept = [r for r in records if _before(r, from_step)]
+        if len(kept) == len(records):
+            continue
+        partial = path.with_name(f".{os.getpid()}.truncating")
+        with open(partial, "wb") as f:
+            writer = RecordWriter(f)
+            for record in kept:
+                writer.write(record)
+        os.replace(partial, path)
+        dropped += len(records) - len(kept)
+    return dropped
+
+
+def wait_for_a_new_second(logdir: Path) -> None:
+    """Wait (at most a second) until the clock has passed the creation second of every event file in ``logdir``.
+
+    TensorBoard reads event files in name order, and a name starts with the second its writer opened; a file opened in
+    the same second as an existing one (a run resumed at once) would be ordered by host and pid instead."""
+    stamps = [int(part) for path in logdir.glob("events.out.tfevents.*")
+              if (part := path.name.split(".")[3]).isdigit()]
+    deadline = time.monotonic() + 1.1
+    while stamps and time.time() < max(stamps) + 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _before(record: bytes, step: int) -> bool:
+    event = event_pb2.Event.FromString(record)
+    return not event.HasField("summary") or event.step < step

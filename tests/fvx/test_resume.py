@@ -108,7 +108,7 @@ def test_truncate_events_drops_the_steps_a_resumed_run_takes_again(tmp_path):
         tracker.hparams({"lr": 0.1})
         for step in range(6):
             tracker.scalars(step, {"loss": float(step)})
-    assert loop.truncate_events(tmp_path, 3) == 3
+    assert tracking.truncate_events(tmp_path, 3) == 3
     with tracking.open_tracker(tmp_path) as tracker:
         for step in range(3, 5):
             tracker.scalars(step, {"loss": 10.0 + step})
