@@ -1,4 +1,4 @@
-"""Analytic FLOPs of a DiT step, for MFU (MaxDiffusion's per-block count; a multiply-add is 2 FLOPs).
+"""Analytic FLOPs of a Wan-style DiT step, for MFU (MaxDiffusion's per-block count; a multiply-add is 2 FLOPs).
 
 Per block and sample, with ``S`` video tokens, ``L`` text tokens, width ``D`` and FFN width ``F``:
 
@@ -19,10 +19,35 @@ counted, as MFU counts the model's FLOPs, not the hardware's. tests/fvx/test_mem
 from __future__ import annotations
 
 import math
-
-from fvx.memory import DitDims
+from typing import NamedTuple
 
 H200_BF16_DENSE = 989e12  # FLOP/s, dense bf16 tensor cores
+
+
+class DitDims(NamedTuple):
+    """The sizes of a Wan-style DiT that the FLOP count needs."""
+
+    layers: int
+    dim: int
+    ffn_dim: int
+    text_len: int  # tokens the cross-attention attends to
+    text_dim: int  # width of the text encoder's embeddings
+    in_channels: int
+    out_channels: int
+    patch: tuple[int, int, int]
+    freq_dim: int  # width of the sinusoidal timestep embedding
+
+
+def wan_dims(preset: str, text_len: int | None = None) -> DitDims:
+    """The :class:`DitDims` of a ``fvx_models.wan`` preset; ``text_len`` defaults to the preset's (512 for UMT5)."""
+    from fvx_models import wan
+
+    spec = wan.WAN.preset(preset)
+    k = spec.kwargs
+    return DitDims(layers=k["num_layers"], dim=k["num_attention_heads"] * k["attention_head_dim"],
+                   ffn_dim=k["ffn_dim"], text_len=spec.text_len if text_len is None else text_len,
+                   text_dim=k["text_dim"], in_channels=k["in_channels"], out_channels=k["out_channels"],
+                   patch=tuple(k["patch_size"]), freq_dim=k["freq_dim"])
 
 
 def block_flops(dims: DitDims, tokens: int) -> dict[str, int]:

@@ -8,8 +8,8 @@ tokens) or the largest size that fits. Prints step time, peak memory, MFU (analy
     python bench/gpu.py --dry-run            # no device: the memory table of 14B three-role DMD2 on 8 ranks
 
 Baseline: the diffusers module with its own gradient checkpointing, ``torch.autocast(bf16)``, ``loss.backward()``,
-``clip_grad_norm_(foreach=True)``, ``torch.optim.AdamW(fused=True)``. fvx: ``fvx_models.wan.apply`` (bf16 compute),
-``fvx.grad.value_and_grad``, ``fvx.grad.remat``, ``fvx.optim`` clip + AdamW in place; ``compile: blocks`` routes the
+``clip_grad_norm_(foreach=True)``, ``torch.optim.AdamW(fused=True)``. fvx: ``WanConfig(...).build().apply`` (bf16
+compute, remat), ``fvx.grad.value_and_grad``, ``fvx.optim`` clip + AdamW in place; ``compile: blocks`` routes the
 30 blocks through one inductor-compiled function. Same initial params and batch for all.
 """
 from __future__ import annotations
@@ -27,7 +27,6 @@ import torch  # noqa: E402
 from diffusers import WanTransformer3DModel  # noqa: E402
 
 from bench import flops  # noqa: E402
-from fvx import compile as fvx_compile  # noqa: E402
 from fvx import grad, memory, optim  # noqa: E402
 from fvx_models import wan  # noqa: E402
 
@@ -36,12 +35,18 @@ VAE_STRIDE, TEXT_LEN = (4, 8, 8), 512
 LR, MAX_NORM = 1e-5, 1.0
 
 
+def kwargs_of(preset: str) -> dict:
+    return dict(wan.WAN.preset(preset).kwargs)
+
+
 def make_batch(preset: str, video: tuple[int, int, int], text_len: int, device: torch.device, seed: int = 0) -> dict:
-    grid = memory.latent_grid(*video, vae_stride=VAE_STRIDE, patch=wan.PRESETS[preset]["patch_size"])
-    shape = (1, wan.PRESETS[preset]["in_channels"], grid.frames, grid.height, grid.width)
+    kwargs = kwargs_of(preset)
+    grid = memory.latent_grid(*video, vae_stride=VAE_STRIDE, patch=kwargs["patch_size"])
+    shape = (1, kwargs["in_channels"], grid.frames, grid.height, grid.width)
     g = torch.Generator(device).manual_seed(seed)
+    text = torch.randn(1, text_len, kwargs["text_dim"], generator=g, device=device)
     return {"x": torch.randn(shape, generator=g, device=device), "t": torch.tensor([500.0], device=device),
-            "text": torch.randn(1, text_len, wan.PRESETS[preset]["text_dim"], generator=g, device=device),
+            "cond": {"text": text, "text_mask": torch.ones(1, text_len, device=device)},
             "target": torch.randn(shape, generator=g, device=device), "tokens": grid.tokens}
 
 
@@ -50,7 +55,7 @@ def initial_module(preset: str, device: torch.device) -> WanTransformer3DModel:
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
         with device:
-            return WanTransformer3DModel(**wan.PRESETS[preset])
+            return WanTransformer3DModel(**kwargs_of(preset))
 
 
 # -------------------------------------------------------------------------------------------------------- variants
@@ -59,7 +64,7 @@ def initial_module(preset: str, device: torch.device) -> WanTransformer3DModel:
 def baseline_step(module, optimizer, batch, compute_dtype):
     optimizer.zero_grad(set_to_none=True)
     with torch.autocast(batch["x"].device.type, dtype=compute_dtype):
-        v = module(batch["x"], batch["t"], batch["text"], return_dict=False)[0]
+        v = module(batch["x"], batch["t"], batch["cond"]["text"], return_dict=False)[0]
     loss = ((v.float() - batch["target"]) ** 2).mean()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(module.parameters(), MAX_NORM, foreach=True)
@@ -67,9 +72,9 @@ def baseline_step(module, optimizer, batch, compute_dtype):
     return loss.detach()
 
 
-def fvx_step(module, tx, params, opt_state, batch, compute_dtype):
+def fvx_step(model, tx, params, opt_state, batch):
     def loss_fn(p):
-        v = wan.apply(module, p, batch["x"], batch["t"], {"text": batch["text"]}, compute_dtype=compute_dtype)
+        v = model.apply(p, batch["x"], batch["t"], batch["cond"])
         return ((v - batch["target"]) ** 2).mean()
 
     loss, grads = grad.value_and_grad(loss_fn)(params)
@@ -117,33 +122,37 @@ def run_size(args, video, device, compute_dtype) -> list[dict]:
     params = {n: p.to(device) for n, p in params.items()}
     tx = optim.chain(optim.clip_by_global_norm(MAX_NORM), optim.adamw(LR))
     opt_state = tx.init(params)
-    units = [f"blocks.{i}." for i in range(wan.PRESETS[args.preset]["num_layers"])]
+    dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}[compute_dtype]
     for mode in ("none", "blocks"):
         if time.perf_counter() - args.start > args.budget_s:
             print(f"  skipping fvx {mode}: past the {args.budget_s} s budget", flush=True)
             continue
-        skeleton = wan.skeleton(args.preset, remat=True)
-        stats = fvx_compile.install_units(skeleton, units, mode=mode, backend=args.backend)
-        result = measure(lambda: fvx_step(skeleton, tx, params, opt_state, batch, compute_dtype), args.steps,
-                         args.warmup, device)
-        name = "fvx eager" if mode == "none" else f"fvx compile: blocks ({stats.graphs} graphs)"
+        model = wan.WanConfig(preset=args.preset, remat=True, compute_dtype=dtype, compile=mode,
+                              compile_backend=args.backend).build()
+        result = measure(lambda: fvx_step(model, tx, params, opt_state, batch), args.steps, args.warmup, device)
+        graphs = 0 if model.compile_stats is None else model.compile_stats.graphs
+        name = "fvx eager" if mode == "none" else f"fvx compile: blocks ({graphs} graphs)"
         rows.append({"variant": name, **result})
     for row in rows:
         row["tokens"], row["video"] = batch["tokens"], video
     return rows
 
 
+def model_spec(preset: str, text_len: int) -> memory.ModelSpec:
+    """The dry run's view of the preset under remat and bf16, at ``text_len`` text tokens."""
+    spec = wan.WanConfig(preset=preset, remat=True, compute_dtype="bf16").build().memory_spec()
+    return spec._replace(text_len=text_len)
+
+
 def estimated_peak(preset: str, tokens: int, text_len: int) -> int:
     """fvx.memory's estimate for one process holding the whole model (shard size 1), remat, bf16."""
-    shapes = {n: tuple(p.shape) for n, p in wan.skeleton(preset).named_parameters()}
-    est = memory.estimate([memory.Role("student", shapes, trainable=True)], shard_size=1,
-                          dims=wan.dims(preset, text_len), tokens=tokens, batch_per_rank=1, capacity=1 << 62)
-    return est.total
+    role = memory.Role("student", model_spec(preset, text_len), trainable=True)
+    return memory.estimate([role], shard_size=1, tokens=tokens, batch_per_rank=1, capacity=1 << 62).total
 
 
 def report(rows: list[dict], preset: str, text_len: int, peak_flops: float) -> None:
     tokens, video = rows[0]["tokens"], rows[0]["video"]
-    step_flops = flops.training_flops(wan.dims(preset, text_len), tokens)
+    step_flops = flops.training_flops(flops.wan_dims(preset, text_len), tokens)
     base = rows[0]["s"]
     print(f"\n{preset}, video {'x'.join(map(str, video))} ({tokens} tokens), text {text_len}, batch 1, bf16, remat; "
           f"{step_flops / 1e12:.1f} TFLOP per step (3x forward); dry-run estimate of the peak: "
@@ -159,17 +168,15 @@ def report(rows: list[dict], preset: str, text_len: int, peak_flops: float) -> N
 
 def dry_run(args) -> None:
     """The dry-run table: ``--roles`` of ``--preset`` sharded over ``--world`` ranks at ``--video``."""
-    shapes = {n: tuple(p.shape) for n, p in wan.skeleton(args.preset).named_parameters()}
+    spec = model_spec(args.preset, args.text_len)
     video = tuple(int(v) for v in args.video.split("x"))
-    grid = memory.latent_grid(*video, vae_stride=VAE_STRIDE, patch=wan.PRESETS[args.preset]["patch_size"])
-    roles = [memory.Role("student", shapes, trainable=True, ema=True)]
+    grid = memory.latent_grid(*video, vae_stride=VAE_STRIDE, patch=spec.patch)
+    roles = [memory.Role("student", spec, trainable=True, ema=True)]
     if args.roles == "dmd2":
-        roles = [memory.Role("generator (+EMA)", shapes, trainable=True, ema=True),
-                 memory.Role("critic (fake score)", shapes, trainable=True),
-                 memory.Role("teacher (real score, bf16)", shapes, trainable=False, param_bytes=2)]
-    units = [f"blocks.{i}." for i in range(wan.PRESETS[args.preset]["num_layers"])]
-    est = memory.estimate(roles, shard_size=args.world, dims=wan.dims(args.preset, args.text_len), tokens=grid.tokens,
-                          batch_per_rank=1, units=units)
+        roles = [memory.Role("generator (+EMA)", spec, trainable=True, ema=True),
+                 memory.Role("critic (fake score)", spec, trainable=True),
+                 memory.Role("teacher (real score, bf16)", spec, trainable=False, param_bytes=2)]
+    est = memory.estimate(roles, shard_size=args.world, tokens=grid.tokens, batch_per_rank=1)
     print(memory.format_table(est, f"{args.preset} {args.roles}, {args.world} ranks (FSDP), video {args.video} "
                                    f"-> latent {grid.frames}x{grid.height}x{grid.width} = {grid.tokens} tokens, "
                                    "batch 1 per rank, bf16 compute, remat"))

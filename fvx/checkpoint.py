@@ -22,11 +22,11 @@ before the next step instead would overlap nothing, since that step updates the 
 cores: a 1.2 GB state blocks training for 0.19 s (0.10 s of it the copy) of a 1.4 s save. A synchronous save writes
 straight from the state's own memory (zero-copy numpy views) and returns once the step folder is complete.
 
-Sharded state (a multi-process run: ``Checkpoints(..., mesh=, layout=)``, the state holding local shards as
-``fvx.sharding`` lays them out). The state is stored with ``torch.distributed.checkpoint`` (DCP) in a fifth item
-``dcp/`` instead of ``state/`` and ``checksums/``: every sub-dict keyed like the params (params, AdamW moments, EMA) as
-DTensors of the unpadded full shapes (``fvx.sharding.checkpoint_tree``), other leaves (step, key, counts) as plain
-tensors that one rank writes. Tensors are named by their path joined with ``/`` (param names hold dots). DCP reshards
+Sharded state (a multi-process run: ``Checkpoints(..., mesh=)``, the state holding ``fvx.sharding.Shards``, each
+with its own layout). The state is stored with ``torch.distributed.checkpoint`` (DCP) in a fifth item ``dcp/``
+instead of ``state/`` and ``checksums/``: every ``Shards`` (params, AdamW moments, EMA of any role, whatever its
+names) as DTensors of the unpadded full shapes (``fvx.sharding.checkpoint_tree``), other leaves (step, key, counts)
+as plain tensors that one rank writes. Tensors are named by their path joined with ``/`` (param names hold dots). DCP reshards
 on load, so a checkpoint saved on N processes restores on M: into local shards on a mesh, or into full tensors in one
 process (resume, replay, export). A single-process checkpoint also restores on a mesh (each rank reads it whole and
 keeps its slice). All processes call every method of a sharded :class:`Checkpoints` in the same order (orbax barriers
@@ -50,11 +50,9 @@ from typing import Annotated, Any, Mapping, NamedTuple
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # orbax imports jax: keep it off the GPUs torch uses
 
-import jax  # noqa: E402
 import ml_dtypes  # noqa: E402
 import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
-import optree  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -223,17 +221,9 @@ logging.getLogger("absl").addFilter(_QuietOrbax())
 # ---------------------------------------------------------------------------------------------------- tree names
 
 
-def _key_name(key: Any) -> str:
-    for attr in ("key", "name", "idx"):  # DictKey, GetAttrKey (NamedTuple fields), SequenceKey
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
 def leaves_by_path(state: Any) -> dict[tuple[str, ...], Any]:
     """The leaves of a pytree by path of key names (``("roles", "student", "opt_state", "1", "mu", <param>)``)."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(state)
-    return {tuple(_key_name(k) for k in path): leaf for path, leaf in flat}
+    return dict(tree.named_leaves(state))
 
 
 def leaves_by_name(state: Any) -> dict[str, Any]:
@@ -285,16 +275,13 @@ class Checkpoints:
     """The checkpoints in one folder. ``Checkpoints(directory, config)`` saves (and deletes what retention drops);
     ``Checkpoints(directory)`` only reads. Use as a context manager, or call :meth:`close` (it waits for saves).
 
-    With ``mesh`` and ``layout`` (``fvx.sharding.make_mesh`` and the model's shard layout) the states saved and
-    restored hold this rank's local shards, and every process of the mesh makes the same calls (module docstring)."""
+    With ``mesh`` (``fvx.sharding.make_mesh``) the states saved and restored hold this rank's ``Shards``, and every
+    process of the mesh makes the same calls (module docstring)."""
 
-    def __init__(self, directory: str | os.PathLike, config: CheckpointConfig | None = None, *, mesh: Any = None,
-                 layout: sharding.Layout | None = None):
-        if (mesh is None) != (layout is None):
-            raise ValueError("Checkpoints: pass mesh and layout together (a sharded state), or neither")
+    def __init__(self, directory: str | os.PathLike, config: CheckpointConfig | None = None, *, mesh: Any = None):
         self.directory = pathlib.Path(directory).absolute()
         self.config = config
-        self._mesh, self._layout = mesh, layout
+        self._mesh = mesh
         self._manager = None
         if config is None and not self.directory.is_dir():
             return  # nothing to read: steps() is empty
@@ -381,7 +368,7 @@ class Checkpoints:
         if step in self.steps():
             return False
         if self._mesh is not None:  # synchronous: DCP's collectives must not race the next step's
-            views = sharding.checkpoint_tree(state, self._mesh, self._layout)
+            views = sharding.checkpoint_tree(state, self._mesh)
             _specs(views)  # tensors only, or a TypeError naming the leaf
             items = {DCP_ITEM: DcpSave(dcp_names(views))}
         else:
@@ -455,16 +442,16 @@ class Checkpoints:
     def _restore_sharded(self, step: int, target: Any, where: str) -> Any:
         """Checkpoint ``step`` as this rank's local shards, ``target`` giving the structure: DCP loads the slices of
         a sharded checkpoint in place (zero padding kept); a single-process one is read whole and sliced."""
-        mesh, layout = self._mesh, self._layout
+        mesh = self._mesh
         if self.is_sharded(step):
             fresh = tree.map_tensors(torch.zeros_like, target)
-            views = sharding.checkpoint_tree(fresh, mesh, layout)
+            views = sharding.checkpoint_tree(fresh, mesh)
             check_fits(self.specs(step), _specs(views), where)
             self._load(step, dcp_names(views), no_dist=False)
             return fresh
-        check_fits(self.specs(step), _specs(sharding.checkpoint_tree(target, mesh, layout)), where)
-        full = self._read(step, target, partial=False)
-        return _local_slices(full, target, mesh, layout)
+        check_fits(self.specs(step), _specs(sharding.checkpoint_tree(target, mesh)), where)
+        full = self._read(step, _plain(target, mesh), partial=False)
+        return sharding.local_slices(full, target, mesh)
 
     def _load(self, step: int, flat: dict[str, torch.Tensor], *, no_dist: bool) -> None:
         """DCP-load the tensors of ``flat`` (DCP names) in place from checkpoint ``step``."""
@@ -488,7 +475,7 @@ class Checkpoints:
             raise CheckpointError(f"checkpoint {str(self.path(step))!r} holds no tensors under {'.'.join(path)!r}")
         if self.is_sharded(step):
             return self._read_sharded(step, tuple(path))
-        item = jax.tree_util.tree_map(lambda _: 0, node)
+        item = tree.tree_map(lambda _: 0, node)
         for key in reversed(path):
             item = {key: item}
         restored = self._read(step, item, partial=True)
@@ -515,7 +502,7 @@ class Checkpoints:
     def _read(self, step: int, item: Any, *, partial: bool) -> Any:
         """Read the tensors of ``item``'s structure and check them against the stored checksums."""
         path = self.path(step)
-        restore_args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=torch.Tensor), item)
+        restore_args = tree.tree_map(lambda _: ocp.RestoreArgs(restore_type=torch.Tensor), item)
         args = ocp.args.Composite(state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args,
                                                                partial_restore=partial),
                                   checksums=ChecksumRestore())
@@ -538,22 +525,16 @@ def _spec_of(stored: Any) -> TensorSpec:
     return TensorSpec(tuple(stored.size), as_numpy(torch.empty(0, dtype=stored.properties.dtype)).dtype)
 
 
-def _local_slices(full: Any, target: Any, mesh: Any, layout: sharding.Layout) -> Any:
-    """``full`` (full tensors, structured like ``target``) as new tensors shaped like ``target``'s: each sub-dict
-    keyed like the params cut to this rank's zero-padded shard (``fvx.sharding.local_slice``), other leaves copied,
-    all on ``target``'s devices and dtypes."""
-    names, index, size = set(layout), mesh.get_local_rank(sharding.SHARD), mesh.size(1)
+def _plain(target: Any, mesh: Any) -> Any:
+    """``target`` with each ``Shards`` as a plain dict of zeros of its full unpadded shapes: the structure a
+    single-process checkpoint is read into before it is sliced."""
+    def full(node: Any) -> Any:
+        if isinstance(node, sharding.Shards):
+            return {name: None if t is None else torch.zeros(node.layout[name].shape, dtype=t.dtype)
+                    for name, t in node.items()}
+        return node
 
-    def is_params(node: Any) -> bool:
-        return isinstance(node, dict) and set(node) == names
-
-    def take(t: Any, f: Any) -> Any:
-        if is_params(t):
-            return {n: None if t[n] is None else
-                    torch.empty_like(t[n]).copy_(sharding.local_slice(f[n], layout[n], index, size)) for n in t}
-        return tree.map_tensors(lambda a, b: torch.empty_like(a).copy_(b), t, f)
-
-    return optree.tree_map(take, target, full, is_leaf=is_params, none_is_leaf=True)
+    return tree.tree_map(full, target, is_leaf=lambda n: isinstance(n, sharding.Shards), none_is_leaf=True)
 
 
 def _verify(state: Any, sums: Mapping[str, int], path: pathlib.Path) -> None:

@@ -1,16 +1,18 @@
-"""How blocks are compiled (design §3): every unit of a model (each transformer block) runs through one function over
-one meta *template* unit, shared by all units through ``functional_call``, so one compiled graph serves every block.
+"""How blocks are compiled (design §3): the units of a model (its transformer blocks) come in named *groups* of one
+structure each (Wan has one, ``blocks``; HunyuanVideo three: its dual- and single-stream blocks and the token
+refiner's). Every unit of a group runs through one function over one meta *template* unit of that group, shared by
+all its units through ``functional_call``, so one compiled graph serves every block of a group.
 
-``install_units(module, ["blocks.0.", "blocks.1.", ...], mode=...)`` routes each unit's ``forward`` to
+``install_units(module, {"blocks": ["blocks.0.", "blocks.1.", ...]}, mode=...)`` routes each unit's ``forward`` to
 ``fn(unit_params, unit_buffers, *args)``, the params being whatever the unit holds at call time (under an enclosing
-``functional_call``, the caller's tensors). ``fn`` optionally gathers sharded params first (``gather``, from
+``functional_call``, the caller's tensors). ``fn`` optionally gathers sharded params first (``gathers[group]``, from
 ``fvx.sharding.unit_gather``) and then calls the template. With ``mode="blocks"`` ``fn`` is
 ``torch.compile(fullgraph=True, dynamic=False)``'d: shapes are static by construction and every rank compiles the
 same graph; the root and the activation checkpoint (``fvx.grad.remat``, which wraps the routed unit) stay eager.
-Compiled code sees plain local tensors only: DTensors are unwrapped before the call (``fvx.sharding.to_local``).
+Compiled code sees plain local tensors only.
 
-Each compiled graph is counted in a :class:`CompileStats` (by a wrapper around the backend) and logged on the
-``fvx.compile`` logger, so a test or a run can hold the count at one graph per distinct input signature.
+Each compiled graph is counted per group in a :class:`CompileStats` (by a wrapper around the backend) and logged on
+the ``fvx.compile`` logger, so a test or a run can hold the count at one graph per group and input signature.
 """
 from __future__ import annotations
 
@@ -34,36 +36,44 @@ log = logging.getLogger("fvx.compile")
 
 
 class CompileStats:
-    """The graphs torch.compile built for one installed function, one input signature each: grad mode and the
-    (shape, dtype) of every tensor input. ``recompiles`` counts graphs beyond one per distinct signature."""
+    """The graphs torch.compile built for the installed functions, per unit group, one input signature each: grad
+    mode and the (shape, dtype) of every tensor input. ``recompiles`` counts graphs beyond one per distinct
+    signature of a group."""
 
     def __init__(self) -> None:
-        self.signatures: list[tuple] = []
+        self.signatures: dict[str, list[tuple]] = {}
+
+    def record(self, group: str, signature: tuple) -> None:
+        self.signatures.setdefault(group, []).append(signature)
+
+    def graphs_of(self, group: str) -> int:
+        return len(self.signatures.get(group, ()))
 
     @property
     def graphs(self) -> int:
-        return len(self.signatures)
+        return sum(len(s) for s in self.signatures.values())
 
     @property
     def recompiles(self) -> int:
-        return len(self.signatures) - len(set(self.signatures))
+        return sum(len(s) - len(set(s)) for s in self.signatures.values())
 
     def __repr__(self) -> str:
-        return f"CompileStats(graphs={self.graphs}, recompiles={self.recompiles})"
+        groups = ", ".join(f"{name}={len(s)}" for name, s in self.signatures.items())
+        return f"CompileStats(graphs={self.graphs} ({groups}), recompiles={self.recompiles})"
 
 
-def counting_backend(backend: str | Callable, stats: CompileStats, name: str = "unit") -> Callable:
+def counting_backend(backend: str | Callable, stats: CompileStats, group: str = "unit") -> Callable:
     """``backend`` (a registered name such as "inductor" or "aot_eager", or a callable) that first records each
-    graph it is handed in ``stats`` and logs it."""
+    graph it is handed in ``stats`` under ``group`` and logs it."""
     inner = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
 
     def compile_graph(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
         tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
         signature = (torch.is_grad_enabled(), tuple((tuple(x.shape), str(x.dtype)) for x in tensors))
-        stats.signatures.append(signature)
+        stats.record(group, signature)
         level = logging.WARNING if stats.recompiles else logging.INFO
-        log.log(level, "%s: compiled graph %d (%d recompiles) for %d tensor inputs, grad %s", name, stats.graphs,
-                stats.recompiles, len(signature[1]), "on" if signature[0] else "off")
+        log.log(level, "%s: compiled graph %d (%d recompiles) for %d tensor inputs, grad %s", group,
+                stats.graphs_of(group), stats.recompiles, len(signature[1]), "on" if signature[0] else "off")
         return inner(graph, example_inputs)
 
     return compile_graph
@@ -106,58 +116,79 @@ def _structure(unit: nn.Module) -> tuple:
             tuple((n, tuple(b.shape), b.dtype) for n, b in unit.named_buffers()))
 
 
-def _routed_forward(unit: nn.Module, fn: UnitFn, *args: Any, **kwargs: Any) -> Any:
+def _routed_forward(unit: nn.Module, fn: UnitFn, contiguous: bool, *args: Any, **kwargs: Any) -> Any:
     params = dict(unit.named_parameters(remove_duplicate=False))
     buffers = dict(unit.named_buffers(remove_duplicate=False))
+    if contiguous:
+        args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
     return fn(params, buffers, *args, **kwargs)
 
 
-def route_units(module: nn.Module, units: Sequence[str], fn: UnitFn) -> None:
+def route_units(module: nn.Module, units: Sequence[str], fn: UnitFn, *, contiguous: bool = False) -> None:
     """Make every unit's ``forward`` call ``fn(its params, its buffers, *args, **kwargs)`` (mutates ``module``; the
-    units are recorded for :func:`routed_units`)."""
+    units are recorded for :func:`routed_units`). With ``contiguous`` tensor arguments are made contiguous first, so
+    that a compiled ``fn`` sees the same strides from every unit (HunyuanVideo's single-stream blocks hand the next
+    one a slice of their output)."""
     for prefix in units:
         unit = _unit(module, prefix)
-        unit.forward = functools.partial(_routed_forward, unit, fn)
-    object.__setattr__(module, _ROUTED, tuple(units))
+        unit.forward = functools.partial(_routed_forward, unit, fn, contiguous)
+    object.__setattr__(module, _ROUTED, routed_units(module) + tuple(units))
 
 
 def routed_units(module: nn.Module) -> tuple[str, ...]:
-    """The unit prefixes :func:`install_units` routed in ``module`` (empty if none)."""
+    """The unit prefixes :func:`install_units` routed in ``module``, of every group (empty if none)."""
     return vars(module).get(_ROUTED, ())
+
+
+def check_group(module: nn.Module, name: str, units: Sequence[str]) -> None:
+    """A ValueError unless ``units`` name existing submodules of one structure (class, param and buffer shapes)."""
+    if not units:
+        raise ValueError(f"unit group {name!r} has no units")
+    first = _structure(_unit(module, units[0]))
+    for prefix in units[1:]:
+        if _structure(_unit(module, prefix)) != first:
+            raise ValueError(f"unit {prefix!r} differs from unit {units[0]!r} of group {name!r} (class, param or "
+                             "buffer shapes)")
 
 
 def install_units(
     module: nn.Module,
-    units: Sequence[str],
+    groups: Mapping[str, Sequence[str]],
     *,
     mode: Mode = "none",
-    gather: Callable[[Mapping[str, torch.Tensor]], dict] | None = None,
+    gathers: Mapping[str, Callable[[Mapping[str, torch.Tensor]], dict]] | None = None,
     backend: str | Callable = "inductor",
-    unit_template: nn.Module | None = None,
+    templates: Mapping[str, nn.Module] | None = None,
 ) -> CompileStats:
-    """Route ``units`` of ``module`` through one function over a template unit: eager (``mode="none"``) or one
-    ``torch.compile``'d function for all of them (``mode="blocks"``, with ``backend``). ``gather`` turns a unit's
-    local params into full ones (sharding, compute-dtype casts). ``unit_template`` may be shared between models of
-    one architecture; by default it is a copy of the first unit. Returns the compile counters (empty for "none").
-    A ValueError names a bad mode, a unit that does not exist, or one unlike the first."""
+    """Route each group's units of ``module`` through one function over a template unit of the group: eager
+    (``mode="none"``) or one ``torch.compile``'d function per group (``mode="blocks"``, with ``backend``).
+    ``gathers[group]`` turns a unit's local params into full ones (sharding, compute-dtype casts). ``templates[group]``
+    may be shared between models of one architecture; by default it is a copy of the group's first unit. Returns
+    the compile counters (empty for "none"). A ValueError names a bad mode, a unit that does not exist, or one unlike
+    its group's first."""
     if mode not in MODES:
         raise ValueError(f"compile mode must be one of {MODES}, got {mode!r}")
-    units = tuple(units)
-    if not units:
-        raise ValueError("install_units needs at least one unit prefix")
+    if not groups:
+        raise ValueError("install_units needs at least one unit group")
     if routed_units(module):
         raise ValueError(f"install_units: {type(module).__name__} already has routed units")
-    first = _structure(_unit(module, units[0]))
-    for prefix in units[1:]:
-        if _structure(_unit(module, prefix)) != first:
-            raise ValueError(f"unit {prefix!r} differs from unit {units[0]!r} (class, param or buffer shapes)")
-    unit_template = template(module, units[0]) if unit_template is None else unit_template
-    if _structure(unit_template)[:2] != first[:2]:
-        raise ValueError("install_units: unit_template is not of the units' class and param shapes")
-    fn = unit_function(unit_template, gather)
+    gathers, templates = dict(gathers or {}), dict(templates or {})
+    unknown = sorted((set(gathers) | set(templates)) - set(groups))
+    if unknown:
+        raise ValueError(f"install_units: gathers or templates for unknown unit groups {unknown}")
     stats = CompileStats()
-    if mode == "blocks":
-        fn = torch.compile(fn, backend=counting_backend(backend, stats, name=type(unit_template).__name__),
-                           fullgraph=True, dynamic=False)
-    route_units(module, units, fn)
+    fns = {}
+    for name, units in groups.items():
+        units = tuple(units)
+        check_group(module, name, units)
+        unit_template = templates.get(name) or template(module, units[0])
+        if _structure(unit_template)[:2] != _structure(_unit(module, units[0]))[:2]:
+            raise ValueError(f"install_units: the template of group {name!r} is not of its units' class and shapes")
+        fn = unit_function(unit_template, gathers.get(name))
+        if mode == "blocks":
+            fn = torch.compile(fn, backend=counting_backend(backend, stats, group=name), fullgraph=True,
+                               dynamic=False)
+        fns[name] = (units, fn)
+    for units, fn in fns.values():
+        route_units(module, units, fn, contiguous=mode == "blocks")
     return stats

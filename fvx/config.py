@@ -287,17 +287,26 @@ def describe(config: msgspec.Struct) -> list[tuple[str, str, Any]]:
 
 def _rows(value: msgspec.Struct, struct_type: mi.StructType, prefix: str):
     for field in struct_type.fields:
-        path, child = prefix + field.name, getattr(value, field.name)
-        tagged = [s for s in _structs_in(field.type) if s.tag is not None]
-        optional = any(isinstance(t, mi.NoneType) for t in _members(field.type))
-        if len(tagged) > 1 or (tagged and optional):
-            tags = " | ".join([str(s.tag) for s in tagged] + ["None"] * optional)
-            yield path, tags, None if child is None else type(child).__struct_config__.tag
-        if isinstance(child, msgspec.Struct):
-            known = next((s for s in _structs_in(field.type) if s.cls is type(child)), None)
-            yield from _rows(child, known or mi.type_info(type(child)), path + ".")
-        elif not tagged:
-            yield path, type_name(field.type), child
+        yield from _field_rows(prefix + field.name, field.type, getattr(value, field.name))
+
+
+def _field_rows(path: str, field_type: mi.Type, child: Any):
+    """The rows of one field: a tag row for a tagged union, then a Struct's fields (or a dict of Structs' entries,
+    e.g. ``models.student.preset``), else the value itself."""
+    tagged = [s for s in _structs_in(field_type) if s.tag is not None]
+    optional = any(isinstance(t, mi.NoneType) for t in _members(field_type))
+    if len(tagged) > 1 or (tagged and optional):
+        tags = " | ".join([str(s.tag) for s in tagged] + ["None"] * optional)
+        yield path, tags, None if child is None else type(child).__struct_config__.tag
+    dict_type = next((t for t in _members(field_type) if isinstance(t, mi.DictType)), None)
+    if isinstance(child, msgspec.Struct):
+        known = next((s for s in _structs_in(field_type) if s.cls is type(child)), None)
+        yield from _rows(child, known or mi.type_info(type(child)), path + ".")
+    elif dict_type is not None and isinstance(child, dict) and _structs_in(dict_type.value_type):
+        for key, entry in child.items():
+            yield from _field_rows(f"{path}.{key}", dict_type.value_type, entry)
+    elif not tagged:
+        yield path, type_name(field_type), child
 
 
 def type_name(t: mi.Type) -> str:

@@ -15,6 +15,7 @@ Batch dict (torch tensors except ``caption``)::
     latents      [B, C, T, H, W] float32   (kind "t2v" only; from vae_latent)
     text         [B, text_len, D] float32  (text_embedding, zero-padded or cropped; zeroed for CFG-dropped samples)
     text_mask    [B, text_len] float32     (1 = real token; not changed by CFG dropout)
+    cfg_dropped  [B] bool                  (whether CFG dropout blanked the sample's text)
     index        [B] int64                 (dataset indices)
     caption      list[str]                 (when every file has a caption column)
     sample_index [B] int64                 (added by batch_at: global position in the run's sample stream)
@@ -308,13 +309,14 @@ def _collate(samples: list[dict], indices: list[int], *, text_len: int, cfg_rate
     width = samples[0]["text"].shape[1] if samples else 0
     text = np.zeros((len(samples), text_len, width), dtype=np.float32)
     mask = np.zeros((len(samples), text_len), dtype=np.float32)
-    for row, (sample, dropped) in enumerate(zip(samples, cfg_dropped(dropout_key, indices, cfg_rate))):
+    dropped = cfg_dropped(dropout_key, indices, cfg_rate)
+    for row, (sample, blank) in enumerate(zip(samples, dropped)):
         length = min(sample["text"].shape[0], text_len)
         mask[row, :length] = 1.0
-        if not dropped:
+        if not blank:
             text[row, :length] = sample["text"][:length]
     batch.update(text=torch.from_numpy(text), text_mask=torch.from_numpy(mask),
-                 index=torch.tensor(indices, dtype=torch.int64))
+                 cfg_dropped=torch.tensor(dropped, dtype=torch.bool), index=torch.tensor(indices, dtype=torch.int64))
     if samples and "caption" in samples[0]:
         batch["caption"] = [s["caption"] for s in samples]
     return batch

@@ -1,32 +1,21 @@
 """``python -m fvx.run EXPERIMENT.py --dry-run``: will the run fit? Per-role bytes per rank and an activation estimate
 (fvx.memory) from shapes alone, before any weight is allocated.
 
-Two hooks supply what fvx cannot know: the model family describes its architecture (``Model.memory_spec() ->``
-:class:`ModelSpec`, param shapes read off a meta skeleton), and the method names its roles
-(``config.method.memory_plan(shapes) ->`` :class:`Plan`: which roles train, keep an EMA, or are frozen in bf16).
+Two hooks supply what fvx cannot know: each role's model family describes its architecture (``Model.memory_spec() ->``
+``fvx.memory.ModelSpec``, param shapes read off a meta skeleton), and the method says what each role is
+(``config.method.memory_plan(specs) ->`` :class:`Plan`: which roles train, keep an EMA, or are frozen in bf16).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
-from fvx import memory
-
-
-class ModelSpec(NamedTuple):
-    """What a model family tells the dry run: param shapes, transformer sizes, unit prefixes (one per block), the
-    VAE's compression (time, height, width), the compute dtype's bytes, and whether blocks recompute (remat)."""
-
-    shapes: Mapping[str, tuple[int, ...]]
-    dims: memory.DitDims
-    units: tuple[str, ...]
-    vae_stride: tuple[int, int, int]
-    compute_bytes: int
-    remat: bool
+from fvx import loop, memory
 
 
 class Plan(NamedTuple):
-    """What a method tells the dry run: its roles, and how many micro-batches a rank's batch is differentiated in
-    (gradient accumulation: activations are those of one micro-batch)."""
+    """What a method tells the dry run: its roles (the first is the one the data feeds, whose latent grid the video
+    maps to), and how many micro-batches a rank's batch is differentiated in (gradient accumulation: activations are
+    those of one micro-batch)."""
 
     roles: tuple[memory.Role, ...]
     micro_batches: int = 1
@@ -40,7 +29,7 @@ def parse_video(text: str) -> tuple[int, int, int]:
     return int(parts[0]), int(parts[1]), int(parts[2])
 
 
-def estimate(spec: ModelSpec, plan: Plan, *, world: int, replicate: int, video: Sequence[int], global_batch: int
+def estimate(plan: Plan, *, world: int, replicate: int, video: Sequence[int], global_batch: int
              ) -> tuple[memory.Estimate, str]:
     """(the estimate, its title) of ``plan``'s roles sharded over ``world // replicate`` ranks, each rank
     differentiating ``global_batch // world // micro_batches`` samples of ``video`` at a time."""
@@ -53,10 +42,10 @@ def estimate(spec: ModelSpec, plan: Plan, *, world: int, replicate: int, video: 
     per_rank = global_batch // world
     if per_rank % plan.micro_batches:
         raise ValueError(f"a rank's batch of {per_rank} is not divisible into {plan.micro_batches} micro-batches")
-    grid = memory.latent_grid(*video, vae_stride=spec.vae_stride, patch=spec.dims.patch)
+    spec = plan.roles[0].model
+    grid = memory.latent_grid(*video, vae_stride=spec.vae_stride, patch=spec.patch)
     micro = per_rank // plan.micro_batches
-    est = memory.estimate(plan.roles, shard_size=world // replicate, dims=spec.dims, tokens=grid.tokens,
-                          batch_per_rank=micro, units=spec.units, compute_bytes=spec.compute_bytes, remat=spec.remat)
+    est = memory.estimate(plan.roles, shard_size=world // replicate, tokens=grid.tokens, batch_per_rank=micro)
     title = (f"{world} ranks ({replicate} replica group(s) x {world // replicate} shards), video "
              f"{'x'.join(map(str, video))} -> latent {grid.frames}x{grid.height}x{grid.width} = {grid.tokens} tokens, "
              f"{micro} sample(s) per rank per forward, compute {8 * spec.compute_bytes}-bit, "
@@ -65,17 +54,13 @@ def estimate(spec: ModelSpec, plan: Plan, *, world: int, replicate: int, video: 
 
 
 def report(config: Any, *, world: int, video: Sequence[int], replicate: int = 1) -> str:
-    """The dry-run table of an experiment config: builds the model's skeleton only (meta params)."""
-    model = config.model.build()
-    describe = getattr(model, "memory_spec", None)
-    if describe is None:
-        raise ValueError(f"--dry-run: model {getattr(model, 'name', type(model).__name__)} has no memory_spec "
-                         "(its family does not describe its shapes)")
+    """The dry-run table of an experiment config: builds each role's model skeleton only (meta params)."""
     plan_of = getattr(config.method, "memory_plan", None)
     if plan_of is None:
-        raise ValueError(f"--dry-run: method {type(config.method).__name__} defines no memory_plan(shapes) "
+        raise ValueError(f"--dry-run: method {type(config.method).__name__} defines no memory_plan(specs) "
                          "(which roles it trains, keeps an EMA of, or holds frozen)")
-    spec = describe()
-    est, title = estimate(spec, plan_of(spec.shapes), world=world, replicate=replicate, video=video,
-                          global_batch=config.data.batch_size)
-    return memory.format_table(est, f"{model.name}: {title}")
+    models = loop.build_models(config)
+    plan = plan_of({role: model.memory_spec() for role, model in models.items()})
+    est, title = estimate(plan, world=world, replicate=replicate, video=video, global_batch=config.data.batch_size)
+    names = ", ".join(dict.fromkeys(model.name for model in models.values()))
+    return memory.format_table(est, f"{names}: {title}")

@@ -14,7 +14,6 @@ import math
 import numbers
 from typing import Any
 
-import optree
 import torch
 
 from fvx import tree
@@ -38,7 +37,7 @@ def ema_init(params: Params) -> Params:
 
 def _aligned(ema: Params, params: Params) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The tensor leaves of ``ema`` and of ``params``, position by position; a ValueError if the trees differ."""
-    ema_leaves, spec = optree.tree_flatten(ema)
+    ema_leaves, spec = tree.flatten(ema)
     try:
         param_leaves = spec.flatten_up_to(params)
     except ValueError as error:

@@ -1,24 +1,21 @@
 """Export a trained role of a run as a diffusers folder: ``export(run_dir, out, step=None, role=None, ema=False)``.
 
-The folder gets ``transformer/`` (the model family's ``export``: config.json + safetensors, loadable by the family's
-``from_pretrained``), the family's pipeline files beside it where its ``Model.pipeline_files`` writes any (e.g.
-``model_index.json``, ``scheduler/``), and ``fvx_export.json`` (run folder, step, role, EMA or not). fvx trains
-transformers only: a pipeline that ``DiffusionPipeline.from_pretrained`` loads also needs the base model's VAE, text
-encoder and tokenizer, copied beside ``transformer/``. The folder is written beside ``out`` and renamed into place,
-so an error leaves nothing half-written.
+The folder gets what the role's model family writes (``Model.export``): its pipeline components (``transformer/``;
+``transformer/`` and ``transformer_2/`` for two experts: config.json + safetensors, loadable by the component class's
+``from_pretrained``) and pipeline files (``model_index.json``, ``scheduler/``), plus ``fvx_export.json`` (run folder,
+step, role, EMA or not). fvx trains transformers only: a pipeline that ``DiffusionPipeline.from_pretrained`` loads
+also needs the base model's VAE, text encoder and tokenizer, copied beside them. The family's folder is written
+beside ``out`` and renamed into place, so an error leaves nothing half-written.
 """
 from __future__ import annotations
 
 import json
 import os
 import pathlib
-import shutil
-import tempfile
 from typing import NamedTuple
 
 from fvx import checkpoint, loop
 
-TRANSFORMER = "transformer"
 MANIFEST = "fvx_export.json"
 
 
@@ -29,7 +26,7 @@ class Exported(NamedTuple):
     step: int
     role: str
     ema: bool
-    pipeline_files: bool  # whether the model family wrote pipeline files beside transformer/
+    components: tuple[str, ...]  # the pipeline component folders written (transformer/, ...)
 
 
 def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None, role: str | None = None,
@@ -49,22 +46,15 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | No
         role = _choose_role(layout, role, run_dir)
         if ema and _has_no_tensors(layout["roles"][role].get("ema")):
             raise ValueError(f"export --ema: role {role!r} of the run in {str(run_dir)!r} keeps no EMA params")
-        params = checkpoints.read(step, ("roles", role, "ema" if ema else "params"))
-    model = config.model.build()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        model.export(params, str(staging / TRANSFORMER))
-        if model.pipeline_files is not None:
-            model.pipeline_files(str(staging))
-        manifest = {"run": str(run_dir.absolute()), "step": step, "role": role, "ema": ema}
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        staging.chmod(0o755)
-        os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return Exported(out, step, role, ema, model.pipeline_files is not None)
+        params = checkpoints.read(step, ("roles", role, "params"))
+        if ema:  # the EMA covers the params the role trains; the others are exported as they are
+            params = {**params, **checkpoints.read(step, ("roles", role, "ema"))}
+    model = loop.role_configs(config)[role].build()
+    model.export(params, str(out))
+    manifest = {"run": str(run_dir.absolute()), "step": step, "role": role, "ema": ema}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    components = tuple(sorted(p.name for p in out.iterdir() if (p / "config.json").is_file()))
+    return Exported(out, step, role, ema, components)
 
 
 def _choose_role(layout: dict, role: str | None, run_dir: pathlib.Path) -> str:

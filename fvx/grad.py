@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-import optree
 import torch
 import torch.utils.checkpoint
 from torch.func import functional_call
@@ -19,7 +18,7 @@ from fvx import tree as tree_util
 
 def _differentiable_leaves(params: Any) -> tuple[list[torch.Tensor], Any]:
     """Detached leaves that require grad (sharing storage with ``params``), and the treedef to rebuild the tree."""
-    paths, leaves, treedef = optree.tree_flatten_with_path(params)
+    paths, leaves, treedef = tree_util.flatten_with_path(params)
     for path, leaf in zip(paths, leaves):
         if not (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()):
             where = ".".join(map(str, path)) or "<root>"
@@ -56,9 +55,9 @@ def value_and_grad(f: Callable[..., Any], has_aux: bool = False) -> Callable[...
     def wrapped(params: Any, *args: Any, **kwargs: Any):
         leaves, treedef = _differentiable_leaves(params)
         with torch.enable_grad():
-            loss, aux = _split_output(f(optree.tree_unflatten(treedef, leaves), *args, **kwargs), has_aux)
+            loss, aux = _split_output(f(tree_util.unflatten(treedef, leaves), *args, **kwargs), has_aux)
         grads = torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True) if leaves else ()
-        grads = optree.tree_unflatten(treedef, list(grads))
+        grads = tree_util.unflatten(treedef, list(grads))
         loss = loss.detach()
         if has_aux:
             return (loss, tree_util.map_tensors(torch.Tensor.detach, aux)), grads

@@ -1,8 +1,10 @@
 """The generic training loop: build, then step, log, checkpoint and show progress. It knows no model family and
 no method.
 
-An experiment's root config subclasses :class:`Experiment` and adds a ``model`` (whose ``build()`` gives the model
-interface) and a ``method`` (whose ``build(model, total_steps=...)`` gives an ``fvx.state.Program``).
+An experiment's root config subclasses :class:`Experiment` and adds ``models`` (model name -> a model config, whose
+``build(mesh=)`` gives the model interface) and a ``method`` whose ``roles`` (a Struct: role -> model name) say which
+model plays each role, and whose ``build(models, total_steps=...)`` (``models``: role -> built model) gives an
+``fvx.state.Program``. Each named model is built once, whatever the number of roles it plays.
 
 Step numbering. Step ``s`` (0-based) is the update that consumes ``batch_at(s)`` with the step key ``fold_in(key, s)``;
 TensorBoard shows its metrics at ``s``. Afterwards the state's ``step`` is ``s + 1``, and a checkpoint taken then is
@@ -59,8 +61,9 @@ class RunConfig(Config):
 
 
 class Experiment(Config):
-    """The root of an experiment config; subclasses add ``model`` and ``method``, and may override :meth:`build_vae`
-    to decode validation samples into videos (without a decoder, validation logs latent previews)."""
+    """The root of an experiment config; subclasses add ``models`` and ``method`` (module docstring), and may override
+    :meth:`build_vae` to decode validation samples into videos (without a decoder, validation logs latent
+    previews)."""
 
     run: RunConfig = RunConfig()
     data: data.DataConfig = data.DataConfig()
@@ -80,9 +83,10 @@ class Launch(msgspec.Struct, frozen=True):
 
 
 class Setup(msgspec.Struct, frozen=True):
-    """Everything a run builds from its config before the first step."""
+    """Everything a run builds from its config before the first step: the models by role, the method's program, the
+    dataset, and the keys."""
 
-    model: Any
+    models: dict[str, Any]
     program: Program
     dataset: Any
     data_key: torch.Tensor
@@ -91,10 +95,12 @@ class Setup(msgspec.Struct, frozen=True):
 
 
 class Prepared(NamedTuple):
-    """A run ready to start: what it built, the state it starts from, and, when resumed, from where."""
+    """A run ready to start: what it built, the state it starts from, the frozen roles' params, and, when resumed,
+    from where."""
 
     setup: Setup
     state: TrainState
+    frozen: dict[str, Any]
     nonfinite_skips: int = 0  # updates skipped before ``state.step`` (counted on in the logs)
     resumed_from: pathlib.Path | None = None  # the checkpoint folder the state came from
     config_changes: tuple[str, ...] = ()  # "field: checkpoint value -> this run's value", where they differ
@@ -112,22 +118,46 @@ class NonFiniteError(RuntimeError):
 # ---------------------------------------------------------------------------------------------------------- building
 
 
-def setup(config: Experiment, *, mesh: Any = None) -> Setup:
-    """Build the model, the method's program and the dataset; keys are split off ``key(config.run.seed)``. On a
-    device mesh (a multi-process run) the model and the method are built on it (their ``build(..., mesh=)``)."""
-    method_key, data_key = random.split(random.key(config.run.seed))
+def role_configs(config: Experiment) -> dict[str, Any]:
+    """Role -> the model config that plays it (``config.method.roles`` names models of ``config.models``); a
+    ConfigError names a role whose model the experiment does not define."""
+    roles = msgspec.structs.asdict(config.method.roles)
+    for role, name in roles.items():
+        if name not in config.models:
+            raise fconfig.ConfigError(f"method.roles.{role} names model {name!r}, which the experiment does not "
+                                      f"define (models: {', '.join(config.models) or 'none'})")
+    return {role: config.models[name] for role, name in roles.items()}
+
+
+def build_models(config: Experiment, *, mesh: Any = None) -> dict[str, Any]:
+    """Role -> built model: each named model of ``config.models`` that plays a role is built once (on ``mesh``)."""
+    built: dict[str, Any] = {}
+    roles = msgspec.structs.asdict(config.method.roles)
+    role_configs(config)  # every role names a model
     on_mesh = {} if mesh is None else {"mesh": mesh}
-    model = config.model.build(**on_mesh)
-    program = config.method.build(model, total_steps=config.run.steps, **on_mesh)
+    for name in dict.fromkeys(roles.values()):
+        built[name] = config.models[name].build(**on_mesh)
+    return {role: built[name] for role, name in roles.items()}
+
+
+def setup(config: Experiment, *, mesh: Any = None) -> Setup:
+    """Build the models, the method's program and the dataset; keys are split off ``key(config.run.seed)``. On a
+    device mesh (a multi-process run) the models and the method are built on it."""
+    method_key, data_key = random.split(random.key(config.run.seed))
+    models = build_models(config, mesh=mesh)
+    program = config.method.build(models, total_steps=config.run.steps, **({} if mesh is None else {"mesh": mesh}))
     dataset = data.open_dataset(config.data, data_key)
-    return Setup(model=model, program=program, dataset=dataset, data_key=data_key, method_key=method_key, mesh=mesh)
+    return Setup(models=models, program=program, dataset=dataset, data_key=data_key, method_key=method_key,
+                 mesh=mesh)
 
 
 def batch_fn(config: Experiment, built: Setup, *, rank: int = 0, world: int = 1) -> Callable[[int], Any]:
-    """``step -> this rank's batch``: a pure function of the config's seed."""
+    """``step -> this rank's batch`` as methods see it (the data model's ``cond`` made from the data): a pure function
+    of the config's seed."""
     def at(step: int):
-        return data.batch_at(built.dataset, built.data_key, step, batch_size=config.data.batch_size,
-                             rank=rank, world=world)
+        raw = data.batch_at(built.dataset, built.data_key, step, batch_size=config.data.batch_size, rank=rank,
+                            world=world)
+        return built.program.model.batch(raw)
     return at
 
 
@@ -137,16 +167,22 @@ def initial_state(built: Setup) -> TrainState:
     return built.program.init(built.method_key)
 
 
+def frozen_params(built: Setup) -> dict[str, Any]:
+    """The frozen roles' params (a teacher, loaded or drawn from the run's keys): made once per run, never saved."""
+    return built.program.frozen(built.method_key)
+
+
 def prepare(config: Experiment, *, resume: str | int | None = None, rank: int = 0, world: int = 1,
             mesh: Any = None) -> Prepared:
-    """Build everything (on ``mesh`` when given), check the first batch against the method, and restore the checkpoint
-    ``resume`` names (see :func:`find_checkpoint`), writing nothing: bad input and unusable checkpoints fail here."""
+    """Build everything (on ``mesh`` when given), check the first batch against the method, load the frozen roles
+    and restore the checkpoint ``resume`` names (see :func:`find_checkpoint`), writing nothing: bad input and
+    unusable checkpoints fail here."""
     built = setup(config, mesh=mesh)
     built.program.check(batch_fn(config, built, rank=rank, world=world)(0))
     state = initial_state(built)
     if resume is None:
         _check_no_checkpoints(pathlib.Path(config.run.output_dir) / CHECKPOINTS)
-        return Prepared(built, state)
+        return Prepared(built, state, frozen_params(built))
     folder, step = find_checkpoint(pathlib.Path(config.run.output_dir), str(resume))
     with open_checkpoints(folder, built) as checkpoints:
         state = checkpoints.restore(step, state)
@@ -154,17 +190,15 @@ def prepare(config: Experiment, *, resume: str | int | None = None, rank: int = 
         saved = checkpoints.read_json(step, "config").get("config", {})
     current = msgspec.json.decode(msgspec.json.encode(config))  # as JSON holds it: tuples are lists
     changes = _differences(saved, current, ignore=("run.output_dir", "run.progress"))
-    return Prepared(built, state, nonfinite_skips=int(meta.get("nonfinite_skips", 0)), resumed_from=folder / str(step),
-                    config_changes=tuple(changes))
+    return Prepared(built, state, frozen_params(built), nonfinite_skips=int(meta.get("nonfinite_skips", 0)),
+                    resumed_from=folder / str(step), config_changes=tuple(changes))
 
 
 def open_checkpoints(folder: pathlib.Path, built: Setup,
                      config: checkpoint.CheckpointConfig | None = None) -> checkpoint.Checkpoints:
     """The run's checkpoints in ``folder`` (writable with ``config``): of local shards on a multi-process run's mesh
     (every rank calls this, and then every method, alike), else of whole tensors."""
-    if built.mesh is None:
-        return checkpoint.Checkpoints(folder, config)
-    return checkpoint.Checkpoints(folder, config, mesh=built.mesh, layout=built.model.layout)
+    return checkpoint.Checkpoints(folder, config, mesh=built.mesh)
 
 
 def find_checkpoint(run_dir: pathlib.Path, resume: str) -> tuple[pathlib.Path, int]:
@@ -313,15 +347,15 @@ def train(config: Experiment, *, prepared: Prepared | None = None, launch: Launc
 
             def validate(state: TrainState, updates: int) -> None:
                 if validator is not None and validation.should_validate(config.validation, updates):
-                    samplers = prepared.setup.program.validate(state, config.validation)
+                    samplers = prepared.setup.program.validate(state, prepared.frozen, config.validation)
                     validation.validate(validator, tracker, updates, samplers)
 
             if start == 0:
                 validate(state, 0)
-            state = run_steps(config, prepared.setup, state, range(start, config.run.steps), tracker,
+            state = run_steps(config, prepared.setup, state, prepared.frozen, range(start, config.run.steps), tracker,
                               save=None if checkpoints is None else save, after_step=validate,
                               nonfinite_skips=prepared.nonfinite_skips, rank=rank, world=world)
-            log_run_summary(tracker, state, getattr(prepared.setup.model, "compile_stats", None), config.run.steps - 1)
+            log_run_summary(tracker, state, compile_stats(prepared.setup), config.run.steps - 1)
     finally:
         if checkpoints is not None:
             checkpoints.close()  # waits for a pending async save
@@ -329,32 +363,45 @@ def train(config: Experiment, *, prepared: Prepared | None = None, launch: Launc
 
 
 def make_validator(config: Experiment, built: Setup, out: pathlib.Path) -> validation.Validator | None:
-    """The run's fixed validation prompts, noise and decoder, or None when validation is off."""
+    """The run's fixed validation prompts (in the data model's cond), noise and decoder, or None when validation is
+    off."""
     if config.validation.every == 0:
         return None
     vae = config.build_vae()
-    return validation.make_validator(config.validation, built.dataset, text_dim=built.model.text_dim,
-                                     denormalize=built.model.denormalize, decode=None if vae is None else vae.decode,
-                                     folder=out / "validation")
+    return validation.make_validator(config.validation, built.dataset, built.program.model,
+                                     decode=None if vae is None else vae.decode, folder=out / "validation")
 
 
-def log_run_summary(tracker: tracking.Tracker, state: TrainState, compile_stats: Any, step: int) -> None:
+class CompiledGraphs(NamedTuple):
+    graphs: int
+    recompiles: int
+
+
+def compile_stats(built: Setup) -> CompiledGraphs | None:
+    """The compiled graphs of all the run's models together (each model built once), or None when none compiles."""
+    stats = {id(m.compile_stats): m.compile_stats for m in built.models.values() if m.compile_stats is not None}
+    if not stats:
+        return None
+    return CompiledGraphs(sum(s.graphs for s in stats.values()), sum(s.recompiles for s in stats.values()))
+
+
+def log_run_summary(tracker: tracking.Tracker, state: TrainState, stats: CompiledGraphs | None, step: int) -> None:
     """At the run's last ``step``: ``state_bytes_per_rank`` (what rank 0 holds of the state: its local shards when
-    sharded) and, for a model with compiled blocks (``fvx.compile.CompileStats``; None: not compiled),
-    ``compile/graphs`` and ``compile/recompiles``."""
+    sharded) and, when models compile their units, ``compile/graphs`` and ``compile/recompiles``."""
     if step < 0:
         return
     summary = {"state_bytes_per_rank": sum(x.numel() * x.element_size() for x in tree.tensor_leaves(state))}
-    if compile_stats is not None:
-        summary.update({"compile/graphs": compile_stats.graphs, "compile/recompiles": compile_stats.recompiles})
+    if stats is not None:
+        summary.update({"compile/graphs": stats.graphs, "compile/recompiles": stats.recompiles})
     tracker.scalars(step, summary)
 
 
-def run_steps(config: Experiment, built: Setup, state: TrainState, steps: range, tracker: tracking.Tracker, *,
+def run_steps(config: Experiment, built: Setup, state: TrainState, frozen: dict[str, Any], steps: range,
+              tracker: tracking.Tracker, *,
               save: Callable[[TrainState, int], None] | None = None,
               after_step: Callable[[TrainState, int], None] | None = None, nonfinite_skips: int = 0, rank: int = 0,
               world: int = 1) -> TrainState:
-    """Take ``steps`` with ``built.program.step_`` on prefetched batches, logging every ``config.run.log_every`` (and
+    """Take ``steps`` with ``built.program.step_`` (the frozen roles' params ``frozen``) on prefetched batches, logging every ``config.run.log_every`` (and
     every non-finite step), calling ``save(state, skips)`` after each step a checkpoint is due, then
     ``after_step(state, updates)`` (``updates`` = step + 1: validation)."""
     global_batch, run = config.data.batch_size, config.run
@@ -364,7 +411,7 @@ def run_steps(config: Experiment, built: Setup, state: TrainState, steps: range,
         with data.Prefetcher(batch_at, steps, depth=config.data.prefetch) as batches:
             for step, batch in batches:
                 start = time.perf_counter()
-                state, metrics = built.program.step_(state, batch)
+                state, metrics = built.program.step_(state, frozen, batch)
                 values = {name: float(value) for name, value in metrics.items()}  # waits for the step
                 elapsed = time.perf_counter() - start
                 flagged = values.pop(NONFINITE, 0.0) != 0.0

@@ -8,15 +8,18 @@ lays them out (padding included):
     optimizer   numel_local * 8                     trainable roles: AdamW's mu and nu in fp32
     ema         numel_local * 4                     roles that keep an EMA
 
-Activations of one differentiated forward of ``batch`` samples of ``S`` tokens each, with ``c`` compute-dtype bytes
-(2 for bf16). One block saves, per token, ``a`` fp32 vectors and ``b`` compute-dtype vectors of width ``dim``, and
-``f`` compute-dtype vectors of width ``ffn_dim`` (:class:`BlockActivations`; flash attention keeps O(S) statistics):
+Activations of one differentiated forward of ``batch`` samples of ``S`` video tokens each (``L`` text tokens), with
+``c`` compute-dtype bytes (2 for bf16). A model's units come in groups (:class:`UnitGroup`: Wan has one, HunyuanVideo
+its dual- and single-stream blocks and its token refiner); a unit of group ``g`` saves, per token it runs over (``S``,
+or ``L`` for a text refiner), ``a_g`` fp32 vectors and ``b_g`` compute-dtype vectors of width ``dim_g`` and ``f_g``
+compute-dtype vectors of width ``ffn_g`` (:class:`BlockActivations`, the family's measurement; flash attention keeps
+O(S) statistics):
 
-    block  = S * (4 a dim + c b dim + c f ffn_dim)
-    root   = S * 4 * 4 dim                          patch embedding, final norm and modulation, output projection
-    remat  = batch * (layers * S * dim * c + 2 block + root)    each block's input, plus one block recomputed with
-                                                                as much again for its gradients and temporaries
-    eager  = batch * ((layers + 1) * block + root)
+    block_g = tokens_g * (4 a_g dim_g + c b_g dim_g + c f_g ffn_g)
+    root    = S * 4 * 4 dim                         patch embedding, final norm and modulation, output projection
+    remat   = batch * (sum_g n_g tokens_g dim_g c + 2 max_g block_g + root)   each unit's input, plus one unit
+                                                    recomputed with as much again for its gradients and temporaries
+    eager   = batch * (sum_g n_g block_g + max_g block_g + root)
 
 Gathered params (transient): sharded, the root's full params in the compute dtype live through the step and one
 unit's full params, their compute-dtype grads and the fp32 copy reduce-scattered live during its backward:
@@ -35,18 +38,44 @@ GIB = 2**30
 H200_BYTES = 141 * 10**9  # HBM3e of one H200
 
 
-class DitDims(NamedTuple):
-    """The sizes of a diffusion transformer that the estimates need; a model family supplies them."""
+class BlockActivations(NamedTuple):
+    """Vectors one unit saves for its backward, per token: fp32 of width dim, compute dtype of width dim, compute
+    dtype of width ffn_dim. A model family measures them for each of its unit groups (saved-tensor hooks, bf16,
+    eager; tests/fvx_models check them); compiled units save less."""
 
-    layers: int
+    fp32_dim: float
+    compute_dim: float
+    compute_ffn: float
+
+
+class UnitGroup(NamedTuple):
+    """One group of units of a model, as the estimate sees it: how many, their widths, what each saves per token,
+    and whether they run over the text tokens (a token refiner) instead of the video's."""
+
+    name: str
+    count: int
     dim: int
     ffn_dim: int
-    text_len: int  # tokens the cross-attention attends to
-    text_dim: int  # width of the text encoder's embeddings
-    in_channels: int
-    out_channels: int
+    saved: BlockActivations
+    text_tokens: bool = False
+
+
+class ModelSpec(NamedTuple):
+    """What a model family tells the dry run (``Model.memory_spec()``): param shapes read off the meta skeleton, the
+    unit prefixes (what gathers as one), the unit groups, the root's width, the text length it attends to, the VAE's
+    compression (time, height, width), the patch, the compute dtype's bytes, whether units recompute (remat), and
+    the bytes of a param stored for a frozen role (2 for a bf16 teacher)."""
+
+    shapes: Mapping[str, tuple[int, ...]]
+    units: tuple[str, ...]
+    groups: tuple[UnitGroup, ...]
+    dim: int
+    text_len: int
+    vae_stride: tuple[int, int, int]
     patch: tuple[int, int, int]
-    freq_dim: int  # width of the sinusoidal timestep embedding
+    compute_bytes: int
+    remat: bool
+    frozen_bytes: int = 2
 
 
 class LatentGrid(NamedTuple):
@@ -77,11 +106,11 @@ def latent_grid(frames: int, height: int, width: int, *, vae_stride: Sequence[in
 
 
 class Role(NamedTuple):
-    """One model of a method: its param shapes, whether it trains (grads, AdamW) and keeps an EMA, and the bytes of
-    one stored param element (4 for fp32 masters, 2 for a bf16 frozen teacher)."""
+    """One model of a method: its :class:`ModelSpec`, whether it trains (grads, AdamW) and keeps an EMA, and the
+    bytes of one stored param element (4 for fp32 masters, 2 for a bf16 frozen teacher)."""
 
     name: str
-    shapes: Mapping[str, tuple[int, ...]]
+    model: ModelSpec
     trainable: bool
     ema: bool = False
     param_bytes: int = 4
@@ -105,7 +134,7 @@ def local_numel(shapes: Mapping[str, Sequence[int]], shard_size: int) -> int:
 
 def role_bytes(role: Role, shard_size: int) -> RoleBytes:
     """Bytes per rank of ``role``'s params, grads, AdamW state and EMA (see the module docstring)."""
-    n = local_numel(role.shapes, shard_size)
+    n = local_numel(role.model.shapes, shard_size)
     return RoleBytes(params=n * role.param_bytes, grads=4 * n if role.trainable else 0,
                      optimizer=8 * n if role.trainable else 0, ema=4 * n if role.ema else 0)
 
@@ -113,44 +142,44 @@ def role_bytes(role: Role, shard_size: int) -> RoleBytes:
 # ----------------------------------------------------------------------------------------------------- activations
 
 
-class BlockActivations(NamedTuple):
-    """Vectors one block saves for its backward, per token: fp32 of width dim, compute dtype of width dim, compute
-    dtype of width ffn_dim. The default was measured (saved-tensor hooks, bf16, eager) on diffusers'
-    ``WanTransformerBlock``: its norms, modulations, RoPE and residuals run in fp32. Compiled blocks save less."""
-
-    fp32_dim: float = 12
-    compute_dim: float = 10
-    compute_ffn: float = 2
-
-
-def block_activation_bytes(dims: DitDims, tokens: int, compute_bytes: int = 2,
-                           per_token: BlockActivations = BlockActivations()) -> int:
-    """Bytes one block saves for its backward, for one sample of ``tokens`` tokens."""
-    width = 4 * per_token.fp32_dim * dims.dim + compute_bytes * (per_token.compute_dim * dims.dim
-                                                                 + per_token.compute_ffn * dims.ffn_dim)
+def block_activation_bytes(group: UnitGroup, tokens: int, compute_bytes: int = 2) -> int:
+    """Bytes one unit of ``group`` saves for its backward, for one sample of ``tokens`` tokens."""
+    s = group.saved
+    width = 4 * s.fp32_dim * group.dim + compute_bytes * (s.compute_dim * group.dim + s.compute_ffn * group.ffn_dim)
     return int(tokens * width)
 
 
-def activation_bytes(dims: DitDims, tokens: int, batch: int, *, compute_bytes: int = 2, remat: bool = True,
-                     per_token: BlockActivations = BlockActivations()) -> int:
-    """Peak activation bytes of one differentiated forward and its backward (formulas in the module docstring)."""
-    block = block_activation_bytes(dims, tokens, compute_bytes, per_token)
-    root = tokens * 16 * dims.dim
+def activation_bytes(spec: ModelSpec, tokens: int, batch: int, *, compute_bytes: int | None = None,
+                     remat: bool | None = None) -> int:
+    """Peak activation bytes of one differentiated forward and its backward (formulas in the module docstring);
+    ``compute_bytes`` and ``remat`` default to the spec's."""
+    c = spec.compute_bytes if compute_bytes is None else compute_bytes
+    remat = spec.remat if remat is None else remat
+    if not spec.groups:
+        raise ValueError("activation_bytes: the model spec has no unit groups")
+
+    def tokens_of(group: UnitGroup) -> int:
+        return spec.text_len if group.text_tokens else tokens
+
+    blocks = [block_activation_bytes(g, tokens_of(g), c) for g in spec.groups]
+    root = tokens * 16 * spec.dim
     if remat:
-        return batch * (dims.layers * tokens * dims.dim * compute_bytes + 2 * block + root)
-    return batch * ((dims.layers + 1) * block + root)
+        inputs = sum(g.count * tokens_of(g) * g.dim * c for g in spec.groups)
+        return batch * (inputs + 2 * max(blocks) + root)
+    return batch * (sum(g.count * b for g, b in zip(spec.groups, blocks)) + max(blocks) + root)
 
 
-def gathered_bytes(role: Role, units: Sequence[str], shard_size: int, compute_bytes: int = 2) -> int:
+def gathered_bytes(role: Role, shard_size: int, compute_bytes: int | None = None) -> int:
     """Transient bytes of full (gathered or cast) params while ``role`` computes (module docstring)."""
-    numel = {name: math.prod(shape) for name, shape in role.shapes.items()}
+    c = role.model.compute_bytes if compute_bytes is None else compute_bytes
+    numel = {name: math.prod(shape) for name, shape in role.model.shapes.items()}
     if shard_size == 1:
-        return 0 if compute_bytes == role.param_bytes else sum(numel.values()) * compute_bytes
-    by_unit = sharding.names_by_unit(numel, units)
+        return 0 if c == role.param_bytes else sum(numel.values()) * c
+    by_unit = sharding.names_by_unit(numel, role.model.units)
     root = sum(numel[name] for name in by_unit.pop(None))
     unit = max((sum(numel[name] for name in names) for names in by_unit.values()), default=0)
-    grad_bytes = (compute_bytes + 4) if role.trainable else 0
-    return root * (compute_bytes + (4 if role.trainable else 0)) + unit * (compute_bytes + grad_bytes)
+    grad_bytes = (c + 4) if role.trainable else 0
+    return root * (c + (4 if role.trainable else 0)) + unit * (c + grad_bytes)
 
 
 # -------------------------------------------------------------------------------------------------------- estimate
@@ -173,22 +202,21 @@ class Estimate(NamedTuple):
         return self.total <= self.capacity
 
 
-def estimate(roles: Sequence[Role], *, shard_size: int, dims: DitDims, tokens: int, batch_per_rank: int,
-             units: Sequence[str] = (), compute_bytes: int = 2, remat: bool = True, capacity: int = H200_BYTES,
-             per_token: BlockActivations = BlockActivations()) -> Estimate:
+def estimate(roles: Sequence[Role], *, shard_size: int, tokens: int, batch_per_rank: int,
+             capacity: int = H200_BYTES) -> Estimate:
     """The :class:`Estimate` of a run whose roles are sharded over ``shard_size`` ranks (replicas hold the same),
-    each rank differentiating ``batch_per_rank`` samples of ``tokens`` tokens at a time (the largest forward with
-    grad of the method's steps; the no-grad forwards of other roles free each block's activations as they go)."""
+    each rank differentiating ``batch_per_rank`` samples of ``tokens`` tokens at a time through its largest trainable
+    role (the no-grad forwards of other roles free each unit's activations as they go)."""
     if not roles:
         raise ValueError("estimate needs at least one role")
     if shard_size < 1 or batch_per_rank < 1 or tokens < 1:
         raise ValueError(f"shard_size, batch_per_rank and tokens must be >= 1, got {shard_size}, {batch_per_rank}, "
                          f"{tokens}")
+    differentiated = [role for role in roles if role.trainable] or list(roles)
     return Estimate(
         roles=tuple((role.name, role_bytes(role, shard_size)) for role in roles),
-        activations=activation_bytes(dims, tokens, batch_per_rank, compute_bytes=compute_bytes, remat=remat,
-                                     per_token=per_token),
-        gathered=max(gathered_bytes(role, units, shard_size, compute_bytes) for role in roles),
+        activations=max(activation_bytes(role.model, tokens, batch_per_rank) for role in differentiated),
+        gathered=max(gathered_bytes(role, shard_size) for role in roles),
         capacity=int(capacity),
     )
 

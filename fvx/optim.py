@@ -45,9 +45,9 @@ import math
 import numbers
 from typing import Any, Callable, NamedTuple, Optional, Union
 
-import optree
 import torch
 
+from fvx import tree
 from fvx.tree import Mask, global_norm, map_tensors, partition, tensor_leaves, zeros_like
 
 Params = Any  # a pytree of tensors
@@ -120,12 +120,12 @@ def _donating_update(tx: GradientTransformation, updates: Updates, state: State,
 def _aligned(updates: Updates, **trees: Any) -> tuple[list[torch.Tensor], ...]:
     """The tensor leaves of ``updates`` and, position by position, of each of ``trees`` (same structure); positions
     where the update is ``None`` are left out. Flattening only: the arithmetic runs on the returned lists."""
-    leaves, spec = optree.tree_flatten(updates, none_is_leaf=True)
+    leaves, spec = tree.flatten(updates, none_is_leaf=True)
     keep = [i for i, u in enumerate(leaves) if isinstance(u, torch.Tensor)]
     out = [[leaves[i] for i in keep]]
-    for name, tree in trees.items():
+    for name, other in trees.items():
         try:
-            others = spec.flatten_up_to(tree)
+            others = spec.flatten_up_to(other)
         except ValueError as e:
             raise ValueError(f"{name} does not have the structure of the updates: {e}") from None
         chosen = [others[i] for i in keep]
@@ -336,9 +336,7 @@ def apply_updates_(params: Params, updates: Updates) -> Params:
 def apply_updates(params: Params, updates: Updates) -> Params:
     """``params + updates`` as new tensors in each param's dtype; params with a ``None`` update are returned as
     they are (the same tensors)."""
-    copies = optree.tree_map(
-        lambda p, u: p if u is None else p.clone(), params, updates, none_is_leaf=True
-    )
+    copies = tree.tree_map(lambda p, u: p if u is None else p.clone(), params, updates, none_is_leaf=True)
     return apply_updates_(copies, updates)
 
 

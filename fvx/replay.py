@@ -53,14 +53,15 @@ def replay(run_dir: str | os.PathLike, step: int) -> Replay:
                          f"{config.run.steps - 1}")
     built = loop.setup(config)
     state = loop.initial_state(built)
+    frozen = loop.frozen_params(built)
     with checkpoint.Checkpoints(run_dir / loop.CHECKPOINTS) as checkpoints:
         base = max((s for s in checkpoints.steps() if s <= step), default=None)
         if base is not None:
             state = checkpoints.restore(base, state)
     batch_at = loop.batch_fn(config, built)
     for s in range(base or 0, step):
-        state, _ = built.program.step_(state, batch_at(s))
-    _, metrics = built.program.step_(state, batch_at(step))
+        state, _ = built.program.step_(state, frozen, batch_at(s))
+    _, metrics = built.program.step_(state, frozen, batch_at(step))
     return Replay(step, {name: float(value) for name, value in metrics.items()}, base)
 
 

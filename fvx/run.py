@@ -155,7 +155,7 @@ def _train(args: argparse.Namespace, config: fconfig.Config, d: sharding.Dist) -
     steps = max(config.run.steps - first, 0)
     say(f"done: {steps} steps in {time.perf_counter() - start:.1f} s; run folder {config.run.output_dir}"
         + (f" ({d.world} processes)" if d.world > 1 else ""))
-    stats = getattr(prepared.setup.model, "compile_stats", None)
+    stats = loop.compile_stats(prepared.setup)
     if stats is not None:
         say(f"compiled blocks: {stats.graphs} graph(s), {stats.recompiles} recompile(s)")
     return 0
@@ -191,13 +191,10 @@ def export_main(argv: Sequence[str]) -> int:
     except BAD_INPUT as error:
         return _error(error)
     what = "EMA params" if done.ema else "params"
-    print(f"exported the {what} of role {done.role!r} at step {done.step} to {done.folder}/{export.TRANSFORMER}")
-    if not done.pipeline_files:
-        print("note: this model family writes no pipeline files; a full diffusers pipeline also needs the base "
-              "model's model_index.json, scheduler, VAE, text encoder and tokenizer beside transformer/")
-    else:
-        print("note: a full diffusers pipeline also needs the base model's VAE, text encoder and tokenizer beside "
-              "transformer/ (fvx trains transformers only)")
+    print(f"exported the {what} of role {done.role!r} at step {done.step} to {done.folder} "
+          f"({', '.join(done.components)}, model_index.json, scheduler/)")
+    print("note: a full diffusers pipeline also needs the base model's VAE, text encoder(s) and tokenizer(s) beside "
+          "them (fvx trains transformers only)")
     return 0
 
 

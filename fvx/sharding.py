@@ -1,10 +1,12 @@
 """Functional FSDP2-style sharding of a params pytree (SimpleFSDP, design §3): shards at rest, per-unit gathers in use.
 
-At rest every param is a ``DTensor`` on a (replicate, shard) device mesh, placed ``(Replicate(), Shard(d))``: each rank
-of a shard group holds one even slice, and replica groups (HSDP) hold the same slices. Even means identical local
-shapes on every rank, so every rank compiles the same graphs: ``d`` is the first dimension the shard size divides, and
-a param none of whose dimensions it divides is zero-padded on dim 0 up to the next multiple (:class:`ShardSpec` records
-the padding; :func:`unshard` and :func:`checkpoint_view` strip it).
+At rest a params dict is a :class:`Shards`: this rank's local slices as plain tensors, with the layout that places them
+on a (replicate, shard) device mesh as ``(Replicate(), Shard(d))``: each rank of a shard group holds one even slice,
+and replica groups (HSDP) hold the same slices. Even means identical local shapes on every rank, so every rank
+compiles the same graphs: ``d`` is the first dimension the shard size divides, and a param none of whose dimensions
+it divides is zero-padded on dim 0 up to the next multiple (:class:`ShardSpec` records the padding; :func:`unshard`
+and :func:`checkpoint_view` strip it). The layout travels in the pytree node itself, so grads, AdamW moments and EMA
+mapped from a ``Shards`` carry it; DTensors appear only where ``torch.distributed.checkpoint`` needs them.
 
 In use, a unit (the root, or one transformer block) gathers its params just before it runs, through an
 ``autograd.Function`` over the functional collectives addressed by process-group *name* (compiled graphs hold no
@@ -14,8 +16,8 @@ over the data-parallel ranks, so each rank's loss is the plain mean over its own
 batch, exactly as in one process. A gather that runs inside a pure checkpoint (``fvx.grad.remat``) runs again in the
 backward: the full params live only while their unit computes (FSDP's reshard-after-forward).
 
-Optimizer, EMA and gradient norm run on the local shards (:func:`to_local`, no copy); the zero padding stays zero
-under AdamW and EMA, and the global norm is one ``all_reduce`` of the local sum of squares.
+Optimizer, EMA and gradient norm run on the local shards as they are; the zero padding stays zero under AdamW and
+EMA, and the global norm is one ``all_reduce`` of the local sum of squares.
 """
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ import math
 import os
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
-import optree
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -32,7 +33,7 @@ from torch.func import functional_call
 
 from fvx import compile as fvx_compile
 from fvx import optim
-from fvx.tree import map_tensors, tensor_leaves
+from fvx.tree import map_tensors, register_node, tensor_leaves, tree_map
 
 Params = dict[str, torch.Tensor]
 DtypeSpec = torch.dtype | Mapping[str, torch.dtype | None] | None  # one dtype, one per param name, or keep
@@ -230,18 +231,54 @@ def local_slice(full: torch.Tensor, spec: ShardSpec, index: int, shard_size: int
     return torch.cat([part, part.new_zeros(pad_shape)], dim=spec.dim)
 
 
-def shard(
-    params: Mapping[str, torch.Tensor], mesh: DeviceMesh, *, layout: Layout | None = None, dtype: DtypeSpec = None
-) -> dict[str, DTensor]:
-    """``params`` (full tensors, the same on every rank) as even ``DTensor(Replicate(), Shard(d))`` shards on
-    ``mesh``'s device, in ``dtype`` (one dtype, or per name; None keeps each param's own: a frozen teacher is
-    sharded in bf16). Params are read one at a time and only the local slice is kept, so a lazy mapping (one that
-    loads on access) never holds more than one full param. ``layout`` defaults to :func:`plan` of the shapes."""
+class Shards(dict):
+    """This rank's local shards of a params-like dict (params, grads, AdamW moments, an EMA) with their
+    :data:`Layout`. The layout is static metadata of the pytree node (like a JAX treedef's static fields), so every
+    tree mapped from a ``Shards`` (gradients from ``fvx.grad``, AdamW's moments, an EMA) is a ``Shards`` with the same
+    layout: a state describes its own layout, whatever the names of its params (a critic of another size, adapters).
+    Values are local tensors (or ``None`` holes); a plain comprehension over it gives a plain dict."""
+
+    def __init__(self, local: Mapping[str, torch.Tensor | None], layout: Mapping[str, ShardSpec]):
+        super().__init__(local)
+        unknown = [name for name in self if name not in layout]
+        if unknown:
+            raise ValueError(f"Shards: no layout for {sorted(unknown)[:10]}")
+        self.layout: Layout = {name: layout[name] for name in self}
+
+    def select(self, names: Iterable[str]) -> Shards:
+        """The shards of ``names`` only, with their layout."""
+        return Shards({name: self[name] for name in names}, self.layout)
+
+    def __repr__(self) -> str:
+        return f"Shards({dict.__repr__(self)})"
+
+
+def _flatten_shards(node: Shards):
+    """Leaves in sorted key order, as optree flattens a dict; the insertion order is kept for unflattening."""
+    names = sorted(node)
+    return [node[n] for n in names], (tuple(names), tuple(node), tuple((n, node.layout[n]) for n in node)), names
+
+
+def _unflatten_shards(meta, values) -> Shards:
+    names, order, layout = meta
+    by_name = dict(zip(names, values))
+    return Shards({n: by_name[n] for n in order}, dict(layout))
+
+
+register_node(Shards, _flatten_shards, _unflatten_shards)
+
+
+def shard(params: Mapping[str, torch.Tensor], mesh: DeviceMesh, *, layout: Layout | None = None,
+          dtype: DtypeSpec = None) -> Shards:
+    """``params`` (full tensors, the same on every rank) as this rank's even shards on ``mesh``'s device, in
+    ``dtype`` (one dtype, or per name; None keeps each param's own: a frozen teacher is sharded in bf16). Params are
+    read one at a time and only the local slice is kept, so a lazy mapping (one that loads on access) never holds
+    more than one full param. ``layout`` defaults to :func:`plan` of the shapes."""
     group = group_of(mesh)
     layout = plan({name: tuple(p.shape) for name, p in params.items()}, group.shard_size) if layout is None else layout
-    if set(layout) != set(params):
-        raise ValueError(f"shard: layout and params name different tensors: "
-                         f"{sorted(set(layout) ^ set(params))[:10]}")
+    missing = [name for name in params if name not in layout]
+    if missing:
+        raise ValueError(f"shard: the layout has no entry for {sorted(missing)[:10]}")
     index, device = mesh.get_local_rank(SHARD), _mesh_device(mesh)
     out = {}
     for name, full in params.items():
@@ -249,10 +286,8 @@ def shard(
         if tuple(full.shape) != spec.shape:
             raise ValueError(f"shard: param {name!r} has shape {tuple(full.shape)}, its layout says {spec.shape}")
         part = local_slice(full.detach(), spec, index, group.shard_size)
-        local = torch.empty(part.shape, dtype=_dtype_for(dtype, name) or full.dtype, device=device).copy_(part)
-        out[name] = DTensor.from_local(local, mesh, _placements(spec), run_check=False, shape=spec.padded_shape(),
-                                       stride=_contiguous_stride(spec.padded_shape()))
-    return out
+        out[name] = torch.empty(part.shape, dtype=_dtype_for(dtype, name) or full.dtype, device=device).copy_(part)
+    return Shards(out, layout)
 
 
 def _strip(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
@@ -261,81 +296,79 @@ def _strip(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     return full.narrow(spec.dim, 0, spec.shape[spec.dim]).clone()
 
 
-def unshard(sharded: Mapping[str, DTensor], layout: Layout) -> Params:
+def unshard(shards: Shards, mesh: DeviceMesh) -> Params:
     """Full, unpadded tensors on every rank (a collective: every rank calls it with the same names in the same
     order). For export and tests; training never needs it."""
-    return {name: _strip(dt.full_tensor(), layout[name]) for name, dt in sharded.items()}
+    dtensors = _dtensors(shards, mesh)
+    return {name: _strip(dt.full_tensor(), shards.layout[name]) for name, dt in dtensors.items()}
 
 
-def checkpoint_view(sharded: Mapping[str, DTensor], layout: Layout) -> dict[str, DTensor]:
+def _dtensors(shards: Shards, mesh: DeviceMesh) -> dict[str, DTensor | None]:
+    """The shards as DTensors of the padded shapes on ``mesh`` (sharing storage; ``None`` holes stay ``None``)."""
+    group = group_of(mesh)
+    out = {}
+    for name, local in shards.items():
+        spec = shards.layout[name]
+        if local is None:
+            out[name] = None
+            continue
+        if tuple(local.shape) != spec.local_shape(group.shard_size):
+            raise ValueError(f"{name!r} has shape {tuple(local.shape)}, expected the local shape "
+                             f"{spec.local_shape(group.shard_size)}")
+        out[name] = DTensor.from_local(local.detach(), mesh, _placements(spec), run_check=False,
+                                       shape=spec.padded_shape(), stride=_contiguous_stride(spec.padded_shape()))
+    return out
+
+
+def checkpoint_view(shards: Shards, mesh: DeviceMesh) -> dict[str, DTensor | None]:
     """DTensors of the *unpadded* full shapes whose local tensors are views of the padded shards (no copy): what
     ``torch.distributed.checkpoint`` saves and loads in place, so a checkpoint holds no padding and reshards to any
     world size. Padded params become torch.chunk-style uneven shards (the last ranks hold fewer rows, maybe none)."""
     out = {}
-    for name, dt in sharded.items():
-        spec = layout[name]
+    for name, dt in _dtensors(shards, mesh).items():
+        spec = shards.layout[name]
         if dt is None or spec.padded == spec.shape[spec.dim]:
             out[name] = dt
             continue
-        mesh, local = dt.device_mesh, dt.to_local()
         chunk = spec.padded // mesh.size(1)
         real = max(0, min(chunk, spec.shape[0] - mesh.get_local_rank(SHARD) * chunk))
-        out[name] = DTensor.from_local(local.narrow(0, 0, real), mesh, _placements(spec), run_check=False,
+        out[name] = DTensor.from_local(dt.to_local().narrow(0, 0, real), mesh, _placements(spec), run_check=False,
                                        shape=spec.shape, stride=_contiguous_stride(spec.shape))
     return out
+
+
+def _is_shards(node: Any) -> bool:
+    return isinstance(node, Shards)
+
+
+def checkpoint_tree(state: Any, mesh: DeviceMesh) -> Any:
+    """``state`` with every :class:`Shards` node as its :func:`checkpoint_view` (a plain dict of DTensors): what
+    ``torch.distributed.checkpoint`` saves, and loads in place into the padded shards, whatever the world size it
+    was saved with. Other leaves (a step, a key, counts, replicated tensors) stay plain."""
+    return tree_map(lambda node: checkpoint_view(node, mesh) if _is_shards(node) else node, state,
+                    is_leaf=_is_shards, none_is_leaf=True)
+
+
+def local_slices(full: Any, target: Any, mesh: DeviceMesh) -> Any:
+    """``full`` (whole tensors, structured like ``target`` but with plain dicts where ``target`` has
+    :class:`Shards`) as new tensors shaped like ``target``'s: each ``Shards`` node of ``target`` cut to this rank's
+    zero-padded slice of its own layout, other leaves copied; on ``target``'s devices and dtypes."""
+    index, size = mesh.get_local_rank(SHARD), mesh.size(1)
+
+    def take(t: Any, f: Any) -> Any:
+        if _is_shards(t):
+            return Shards({n: None if t[n] is None else
+                           torch.empty_like(t[n]).copy_(local_slice(f[n], t.layout[n], index, size)) for n in t},
+                          t.layout)
+        return map_tensors(lambda a, b: torch.empty_like(a).copy_(b), t, f)
+
+    return tree_map(take, target, full, is_leaf=_is_shards, none_is_leaf=True)
 
 
 def to_local(tree: Any) -> Any:
     """Every ``DTensor`` leaf of ``tree`` as its local shard: the same storage (in-place updates of the result
     update the DTensor), detached. Other leaves pass through."""
     return map_tensors(lambda x: x.to_local().detach() if isinstance(x, DTensor) else x, tree)
-
-
-def from_local(local: Mapping[str, torch.Tensor], mesh: DeviceMesh, layout: Layout) -> dict[str, DTensor]:
-    """Local shards keyed like the params (grads, AdamW moments, an EMA) as DTensors on ``mesh``, sharing storage;
-    ``None`` holes (masked-out leaves) stay ``None``."""
-    group = group_of(mesh)
-    out = {}
-    for name, tensor in local.items():
-        spec = layout[name]
-        if tensor is None:
-            out[name] = None
-            continue
-        if tuple(tensor.shape) != spec.local_shape(group.shard_size):
-            raise ValueError(f"from_local: {name!r} has shape {tuple(tensor.shape)}, "
-                             f"expected the local shape {spec.local_shape(group.shard_size)}")
-        out[name] = DTensor.from_local(tensor, mesh, _placements(spec), run_check=False, shape=spec.padded_shape(),
-                                       stride=_contiguous_stride(spec.padded_shape()))
-    return out
-
-
-def dtensor_tree(tree: Any, mesh: DeviceMesh, layout: Layout) -> Any:
-    """``tree`` with every sub-dict keyed exactly like the params (params, grads, AdamW's mu and nu, an EMA) wrapped
-    by :func:`from_local`; other leaves (a step count) stay plain. The form ``torch.distributed.checkpoint`` saves."""
-    names = set(layout)
-
-    def is_params(node: Any) -> bool:
-        return isinstance(node, dict) and set(node) == names
-
-    return optree.tree_map(lambda node: from_local(node, mesh, layout) if is_params(node) else node, tree,
-                           is_leaf=is_params, none_is_leaf=True)
-
-
-def checkpoint_tree(tree: Any, mesh: DeviceMesh, layout: Layout) -> Any:
-    """``tree`` (a train state: params, AdamW moments, EMA; local shards or DTensors) with every sub-dict keyed
-    exactly like the params as :func:`checkpoint_view` DTensors: what ``torch.distributed.checkpoint`` saves, and
-    loads in place into the padded shards, whatever the world size it was saved with. Other leaves stay plain."""
-    names = set(layout)
-
-    def is_params(node: Any) -> bool:
-        return isinstance(node, dict) and set(node) == names
-
-    def view(node: dict) -> dict:
-        plain = {name: t for name, t in node.items() if not isinstance(t, DTensor)}
-        return checkpoint_view({**node, **from_local(plain, mesh, layout)}, layout)
-
-    return optree.tree_map(lambda node: view(node) if is_params(node) else node, tree, is_leaf=is_params,
-                           none_is_leaf=True)
 
 
 def local_bytes(tree: Any) -> int:

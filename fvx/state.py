@@ -1,8 +1,8 @@
 """How a method's training state is laid out, and the pair of functions a method hands the loop.
 
 The state is a pytree of tensors only, so it checkpoints as it is: the step, the run key, and per trainable role its
-params, optimizer state and (where used) EMA params. Frozen roles (a teacher) are not in it: they are arguments the
-method's step closes over. Keys derive from the run key and the step, so nothing about RNG needs saving.
+params, optimizer state and (where used) EMA params. Frozen roles (a teacher) are not in it: they are arguments of
+the step (:data:`Frozen`). Keys derive from the run key and the step, so nothing about RNG needs saving.
 
 Non-finite steps. A step whose loss or gradients are not finite must not touch the state (its updates run in place,
 so the check comes before them): the method returns :func:`skipped` instead, the state with only its step advanced
@@ -40,19 +40,30 @@ NONFINITE = "nonfinite"
 """The metric a step reports (as 1) when it found a non-finite loss or gradient and applied no update."""
 
 
-class Program(NamedTuple):
-    """What a method gives the loop: ``init(run_key) -> state``, the donating ``step_(state, batch)``,
-    ``check(batch)``, which raises a clear error when a batch does not fit (called once before the first step), and
-    ``validate(state, validation_config)``, the models to sample at a validation (``fvx.validation.Sampler`` list).
+Frozen = Mapping[str, Any]  # frozen role name -> its params (a teacher): arguments of the step, never saved
 
-    ``step_`` takes its state over (JAX's donation): it may update the state's tensors in place, and the caller must
-    use only the state it returns. :func:`step` gives the pure version.
+
+class Program(NamedTuple):
+    """What a method gives the loop, built from its role -> model mapping:
+
+    model                                   the model the data feeds: its latent space and conditioning (the student)
+    init(run_key) -> state                  step 0's trainable state
+    frozen(run_key) -> {role: params}       the frozen roles' params (a teacher), made once by the loop before the
+                                            first step and passed to every step; never saved
+    step_(state, frozen, batch)             one step, donating ``state`` (JAX's donation: it may update the state's
+                                            tensors in place, and the caller must use only the state it returns);
+                                            :func:`step` gives the pure version
+    check(batch)                            raises a clear error when a batch does not fit (called once before the
+                                            first step)
+    validate(state, frozen, config)         the models to sample at a validation (``fvx.validation.Sampler`` list)
     """
 
+    model: Any
     init: Callable[[torch.Tensor], TrainState]
-    step_: Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
+    step_: Callable[[TrainState, Frozen, Batch], tuple[TrainState, Metrics]]
+    frozen: Callable[[torch.Tensor], dict[str, Any]] = lambda run_key: {}
     check: Callable[[Batch], None] = lambda batch: None
-    validate: Callable[[TrainState, Any], Sequence[Any]] = lambda state, config: ()
+    validate: Callable[[TrainState, Frozen, Any], Sequence[Any]] = lambda state, frozen, config: ()
 
 
 def copy(state: Any) -> Any:
@@ -60,9 +71,9 @@ def copy(state: Any) -> Any:
     return tree.map_tensors(torch.clone, state)
 
 
-def step(program: Program, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+def step(program: Program, state: TrainState, frozen: Frozen, batch: Batch) -> tuple[TrainState, Metrics]:
     """``program.step_`` on a copy of ``state``: pure, at the cost of one copy of the state."""
-    return program.step_(copy(state), batch)
+    return program.step_(copy(state), frozen, batch)
 
 
 def all_finite(*tensors: torch.Tensor) -> bool:

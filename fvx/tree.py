@@ -1,7 +1,11 @@
 """The few pytree helpers fvx needs, on optree.
 
-A pytree here is any nesting of dicts, lists, tuples, NamedTuples and registered nodes whose leaves are tensors
-(or other values, which the tensor helpers pass through untouched). ``None`` is an empty subtree, as in optree.
+A pytree here is any nesting of dicts, lists, tuples, NamedTuples and nodes registered with :func:`register_node`
+whose leaves are tensors (or other values, which the tensor helpers pass through untouched). ``None`` is an empty
+subtree, as in optree. fvx registers its own node types (e.g. ``fvx.sharding.Shards``, a params dict that carries its
+shard layout as static metadata, as JAX keeps static fields in the treedef) in optree's namespace ``"fvx"``: flatten
+and map fvx trees with the functions here (or pass ``namespace=fvx.tree.NAMESPACE`` to optree), never with another
+pytree library.
 """
 from __future__ import annotations
 
@@ -12,16 +16,55 @@ import torch
 
 Tree = Any
 Mask = Any  # a pytree of bools with the structure of the tree, or a function tree -> such a pytree
+NAMESPACE = "fvx"  # optree's registry namespace of fvx's node types
+
+
+def register_node(cls: type, flatten: Callable, unflatten: Callable) -> type:
+    """Register ``cls`` as a pytree node in fvx's namespace (optree's ``flatten -> (children, metadata, entries)``
+    and ``unflatten(metadata, children)``); returns ``cls``, so it works as a class decorator's body."""
+    return optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)
+
+
+def flatten(tree: Tree, *, none_is_leaf: bool = False, is_leaf: Callable | None = None) -> tuple[list, Any]:
+    """(leaves, treedef) of ``tree``, fvx's node types included."""
+    return optree.tree_flatten(tree, is_leaf=is_leaf, none_is_leaf=none_is_leaf, namespace=NAMESPACE)
+
+
+def flatten_with_path(tree: Tree, *, none_is_leaf: bool = False) -> tuple[list[tuple], list, Any]:
+    """(paths, leaves, treedef) of ``tree``: each path the tuple of keys (dict keys, field names, indices)."""
+    return optree.tree_flatten_with_path(tree, none_is_leaf=none_is_leaf, namespace=NAMESPACE)
+
+
+def unflatten(treedef: Any, leaves: list) -> Tree:
+    return optree.tree_unflatten(treedef, leaves)
+
+
+def tree_map(fn: Callable[..., Any], tree: Tree, *rest: Tree, none_is_leaf: bool = False,
+             is_leaf: Callable | None = None) -> Tree:
+    """optree's ``tree_map`` in fvx's namespace."""
+    return optree.tree_map(fn, tree, *rest, is_leaf=is_leaf, none_is_leaf=none_is_leaf, namespace=NAMESPACE)
+
+
+def leaves(tree: Tree, *, is_leaf: Callable | None = None) -> list:
+    return optree.tree_leaves(tree, is_leaf=is_leaf, namespace=NAMESPACE)
+
+
+def named_leaves(tree: Tree) -> list[tuple[tuple[str, ...], Any]]:
+    """``(path, leaf)`` for every leaf, the path the names of the keys on the way: dict keys, NamedTuple field names,
+    sequence indices (as text). ``None`` is an empty subtree."""
+    accessors, values, _ = optree.tree_flatten_with_accessor(tree, namespace=NAMESPACE)
+    return [(tuple(str(getattr(entry, "field", None) or entry.entry) for entry in accessor), value)
+            for accessor, value in zip(accessors, values)]
 
 
 def map_tensors(fn: Callable[..., Any], tree: Tree, *rest: Tree) -> Tree:
     """Apply ``fn`` to every tensor leaf (with the matching leaves of ``rest``); other leaves pass through."""
-    return optree.tree_map(lambda x, *ys: fn(x, *ys) if isinstance(x, torch.Tensor) else x, tree, *rest)
+    return tree_map(lambda x, *ys: fn(x, *ys) if isinstance(x, torch.Tensor) else x, tree, *rest)
 
 
 def tensor_leaves(tree: Tree) -> list[torch.Tensor]:
     """The tensor leaves of ``tree`` in optree's canonical order."""
-    return [x for x in optree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+    return [x for x in leaves(tree) if isinstance(x, torch.Tensor)]
 
 
 def zeros_like(tree: Tree) -> Tree:
@@ -51,7 +94,7 @@ def to_device(tree: Tree, device: torch.device | str, non_blocking: bool = False
 def _resolve_mask(tree: Tree, mask: Mask) -> Tree:
     mask = mask(tree) if callable(mask) else mask
     try:
-        return optree.tree_broadcast_prefix(mask, tree)
+        return optree.tree_broadcast_prefix(mask, tree, namespace=NAMESPACE)
     except ValueError as e:
         raise ValueError(f"mask does not match the tree's structure: {e}") from None
 
@@ -63,8 +106,8 @@ def partition(tree: Tree, mask: Mask) -> tuple[Tree, Tree]:
     of the tree returning one. ``combine(*partition(t, m))`` gives back ``t``.
     """
     full = _resolve_mask(tree, mask)
-    selected = optree.tree_map(lambda x, m: x if m else None, tree, full)
-    rest = optree.tree_map(lambda x, m: None if m else x, tree, full)
+    selected = tree_map(lambda x, m: x if m else None, tree, full)
+    rest = tree_map(lambda x, m: None if m else x, tree, full)
     return selected, rest
 
 
@@ -74,4 +117,4 @@ def combine(*trees: Tree) -> Tree:
     def first(*xs):
         return next((x for x in xs if x is not None), None)
 
-    return optree.tree_map(first, *trees, none_is_leaf=True)
+    return tree_map(first, *trees, none_is_leaf=True)

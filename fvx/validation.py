@@ -2,27 +2,26 @@
 
 Generic: it knows no model family and no method. A caller supplies an ``apply_fn(params, x_t, t, cond) -> velocity``
 (wrapped with ``flow.cfg`` for guidance), the params to sample with (used in place: nothing is copied), a schedule,
-and optionally ``denormalize`` and a VAE's ``decode``. Prompt ``i`` always gets the noise ``normal(fold_in(key, i))``
+and optionally ``denormalize`` and a VAE's ``decode``; prompts are the model's ``cond`` (read through the model's
+``load_cond`` and ``batch``, never by tensor name). Prompt ``i`` always gets the noise ``normal(fold_in(key, i))``
 and, for the SDE sampler, the key ``fold_in(sampler_key, i)``, so every validation of a run (and of another run with
 the same validation seed) starts from the same numbers, whatever the number of prompts. A typical call::
 
-    prompts = read_prompts(config, dataset, text_dim=model.text_dim)
+    prompts = read_prompts(config, dataset, model)
     noise_key, sampler_key = random.split(random.key(config.seed))
-    noise = fixed_noise(noise_key, (len(prompts.text), *latent_shape(config, dataset)))
+    noise = fixed_noise(noise_key, (prompts.count, *latent_shape(config, dataset)))
     if should_validate(config, step):
-        latents, video = sample_videos(model.apply, params, noise, sigmas, prompts.cond(),
+        latents, video = sample_videos(model.apply, params, noise, sigmas, prompts.cond,
                                        key=prompt_keys(sampler_key, len(noise)), sampler="sde",
                                        denormalize=model.denormalize, decode=vae.decode)
         log_validation(tracker, step, "student", latents, video, folder=run_dir / "validation", fps=config.fps,
                        captions=prompts.captions)
 
-Prompts file (``prompts_file``, written by :func:`save_prompts`): safetensors holding ``text`` ``[N, L, D]`` float,
-optionally ``text_mask`` ``[N, L]`` (1 = real token; all ones when absent), and the captions as a JSON list in the
-file's metadata under ``captions``.
+Prompts file (``prompts_file``): a cond file of the model's family (``fvx_models.cond``: its cond tensors ``[N, ...]``
+and the captions as a JSON list in the file's metadata under ``captions``), as ``fvx_models.cond.save`` writes it.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import pathlib
@@ -30,8 +29,6 @@ from typing import Annotated, Any, Callable, NamedTuple, Sequence
 
 import msgspec
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from fvx import flow, random
 from fvx.config import Config
@@ -66,17 +63,14 @@ class ValidationConfig(Config):
 
 
 class Prompts(NamedTuple):
-    """Validation prompts: text ``[N, L, D]`` and text_mask ``[N, L]`` float32 (CPU), captions when known."""
+    """Validation prompts: the model's ``cond`` with one row per prompt (fp32, CPU), captions when known."""
 
-    text: torch.Tensor
-    text_mask: torch.Tensor
+    cond: dict[str, torch.Tensor]
     captions: tuple[str, ...] | None = None
 
-    def cond(self, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
-        """The model conditioning ``{"text", "text_mask"}``, on ``device`` when given."""
-        if device is None:
-            return {"text": self.text, "text_mask": self.text_mask}
-        return {"text": self.text.to(device), "text_mask": self.text_mask.to(device)}
+    @property
+    def count(self) -> int:
+        return next(iter(self.cond.values())).shape[0]
 
 
 # ---------------------------------------------------------------------------------------------------------- cadence
@@ -121,107 +115,46 @@ def many_step_sigmas(num_steps: int, shift: float) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------- prompts
 
 
-def read_prompts(config: ValidationConfig, dataset: Any = None, *, text_dim: int | None = None) -> Prompts:
-    """The ``config.num_prompts`` validation prompts, from ``config.prompts_file`` or else from ``dataset``.
-
-    From a dataset: the first samples (in index order) whose text CFG dropout did not blank (a blanked sample has an
-    all-zero embedding under a nonzero mask). ``text_dim``, when given, must equal the embeddings' width.
-    """
+def read_prompts(config: ValidationConfig, dataset: Any, model: Any) -> Prompts:
+    """The ``config.num_prompts`` validation prompts, from ``config.prompts_file`` (a cond file of ``model``'s family,
+    read by ``model.load_cond``) or else from ``dataset``: the first samples in index order that CFG dropout did not
+    blank, as ``model.batch`` makes their cond."""
     if config.prompts_file is not None:
-        prompts = load_prompts(config.prompts_file, config.num_prompts)
-        where = f"validation.prompts_file {config.prompts_file!r}"
-    elif dataset is not None:
-        prompts = _dataset_prompts(dataset, config.num_prompts)
-        where = "the dataset's text embeddings"
-    else:
+        path = config.prompts_file
+        if not pathlib.Path(path).is_file():
+            raise ValueError(f"validation.prompts_file {path!r} does not exist")
+        cond, captions = model.load_cond(path)
+        count = next(iter(cond.values())).shape[0]
+        if config.num_prompts > count:
+            raise ValueError(f"validation.num_prompts={config.num_prompts}, but validation.prompts_file {path!r} "
+                             f"holds only {count} prompts")
+        keep = slice(0, config.num_prompts)
+        return Prompts({name: t[keep].float() for name, t in cond.items()},
+                       None if captions is None else captions[keep])
+    if dataset is None:
         raise ValueError("validation needs prompts: set validation.prompts_file or pass the dataset")
-    if text_dim is not None and prompts.text.shape[-1] != text_dim:
-        raise ValueError(f"validation prompts: {where} are {prompts.text.shape[-1]} wide, but the model takes "
-                         f"text_dim={text_dim}")
-    return prompts
+    return _dataset_prompts(dataset, config.num_prompts, model)
 
 
-def _dataset_prompts(dataset: Any, num: int) -> Prompts:
-    rows: list[tuple[torch.Tensor, torch.Tensor, str | None]] = []
+def _dataset_prompts(dataset: Any, num: int, model: Any) -> Prompts:
+    conds: list[dict[str, torch.Tensor]] = []
+    captions: list[str | None] = []
     start = 0
-    while len(rows) < num and start < len(dataset):
+    while len(conds) < num and start < len(dataset):
         indices = list(range(start, min(start + num, len(dataset))))
-        batch = dataset.read(indices)
-        captions = batch.get("caption") or [None] * len(indices)
-        for text, mask, caption in zip(batch["text"], batch["text_mask"], captions):
-            blanked = bool((mask > 0).any()) and not bool(text.any())
-            if not blanked and len(rows) < num:
-                rows.append((text, mask, caption))
+        batch = model.batch(dataset.read(indices))
+        names = batch.get("caption") or [None] * len(indices)
+        dropped = batch.get("cfg_dropped", torch.zeros(len(indices), dtype=torch.bool))
+        for row, (blank, caption) in enumerate(zip(dropped.tolist(), names)):
+            if not blank and len(conds) < num:
+                conds.append({name: t[row] for name, t in batch["cond"].items()})
+                captions.append(caption)
         start += len(indices)
-    if len(rows) < num:
-        raise ValueError(f"validation.num_prompts={num}, but the dataset has only {len(rows)} samples with a text "
-                         f"embedding that CFG dropout did not blank (of {len(dataset)})")
-    captions = tuple(c for _, _, c in rows)
-    return Prompts(text=torch.stack([t for t, _, _ in rows]).float(),
-                   text_mask=torch.stack([m for _, m, _ in rows]).float(),
-                   captions=captions if all(c is not None for c in captions) else None)
-
-
-def load_prompts(path: str | os.PathLike, num: int | None = None) -> Prompts:
-    """The first ``num`` (all when None) prompts of a prompts file (see the module docstring)."""
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise ValueError(f"validation prompts file {str(path)!r} does not exist")
-    try:
-        with safe_open(path, framework="pt") as f:
-            names, metadata = set(f.keys()), f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in ("text", "text_mask") if name in names}
-    except (SafetensorError, OSError) as error:
-        raise ValueError(f"validation prompts file {str(path)!r} is not a readable safetensors file: {error}") from None
-    if "text" not in tensors:
-        raise ValueError(f"validation prompts file {str(path)!r} has no 'text' tensor [N, L, D] "
-                         f"(it holds: {sorted(names)})")
-    text = tensors["text"]
-    if text.dim() != 3 or text.shape[0] == 0 or not text.is_floating_point():
-        raise ValueError(f"validation prompts file {str(path)!r}: 'text' must be a float tensor [N, L, D] with "
-                         f"N >= 1, got {text.dtype} {list(text.shape)}")
-    mask = tensors.get("text_mask", torch.ones(text.shape[:2]))
-    if tuple(mask.shape) != tuple(text.shape[:2]):
-        raise ValueError(f"validation prompts file {str(path)!r}: 'text_mask' must be {list(text.shape[:2])}, "
-                         f"got {list(mask.shape)}")
-    captions = _captions(metadata, text.shape[0], path)
-    num = text.shape[0] if num is None else num
-    if num > text.shape[0]:
-        raise ValueError(f"validation.num_prompts={num}, but {str(path)!r} holds only {text.shape[0]} prompts")
-    return Prompts(text=text[:num].float(), text_mask=mask[:num].float(),
-                   captions=None if captions is None else captions[:num])
-
-
-def _captions(metadata: dict[str, str], count: int, path: pathlib.Path) -> tuple[str, ...] | None:
-    if "captions" not in metadata:
-        return None
-    try:
-        captions = json.loads(metadata["captions"])
-    except json.JSONDecodeError:
-        captions = None
-    if not (isinstance(captions, list) and len(captions) == count and all(isinstance(c, str) for c in captions)):
-        raise ValueError(f"validation prompts file {str(path)!r}: metadata 'captions' must be a JSON list of "
-                         f"{count} strings")
-    return tuple(captions)
-
-
-def save_prompts(path: str | os.PathLike, text: torch.Tensor, text_mask: torch.Tensor | None = None,
-                 captions: Sequence[str] | None = None) -> None:
-    """Write a prompts file: ``text`` ``[N, L, D]``, ``text_mask`` ``[N, L]`` (optional), ``captions`` (N strings)."""
-    if not (isinstance(text, torch.Tensor) and text.dim() == 3 and text.is_floating_point()):
-        raise ValueError(f"text must be a float tensor [N, L, D], got {getattr(text, 'shape', type(text).__name__)}")
-    tensors = {"text": text.detach().float().cpu().contiguous()}
-    if text_mask is not None:
-        if tuple(text_mask.shape) != tuple(text.shape[:2]):
-            raise ValueError(f"text_mask must be {list(text.shape[:2])}, got {list(text_mask.shape)}")
-        tensors["text_mask"] = text_mask.detach().float().cpu().contiguous()
-    metadata = {}
-    if captions is not None:
-        captions = list(captions)
-        if len(captions) != text.shape[0] or not all(isinstance(c, str) for c in captions):
-            raise ValueError(f"captions must be {text.shape[0]} strings, got {captions!r}")
-        metadata["captions"] = json.dumps(captions)
-    save_file(tensors, str(path), metadata=metadata)
+    if len(conds) < num:
+        raise ValueError(f"validation.num_prompts={num}, but the dataset has only {len(conds)} samples whose text "
+                         f"CFG dropout did not blank (of {len(dataset)})")
+    cond = {name: torch.stack([c[name] for c in conds]).float() for name in conds[0]}
+    return Prompts(cond, tuple(captions) if all(c is not None for c in captions) else None)
 
 
 def latent_shape(config: ValidationConfig, dataset: Any = None) -> tuple[int, int, int, int]:
@@ -355,15 +288,15 @@ class Validator(NamedTuple):
     folder: pathlib.Path | None
 
 
-def make_validator(config: ValidationConfig, dataset: Any, *, text_dim: int | None = None,
-                   denormalize: Callable[[torch.Tensor], torch.Tensor] | None = None,
+def make_validator(config: ValidationConfig, dataset: Any, model: Any, *,
                    decode: Callable[[torch.Tensor], torch.Tensor] | None = None,
                    folder: str | os.PathLike | None = None) -> Validator:
-    """Read the prompts and draw the noise (from ``key(config.seed)``) that every validation of the run reuses."""
-    prompts = read_prompts(config, dataset, text_dim=text_dim)
+    """Read the prompts (in ``model``'s cond) and draw the noise (from ``key(config.seed)``) that every validation of
+    the run reuses; decoded videos go through ``model.denormalize`` then ``decode``."""
+    prompts = read_prompts(config, dataset, model)
     noise_key, sampler_key = random.split(random.key(config.seed))
-    noise = fixed_noise(noise_key, (len(prompts.text), *latent_shape(config, dataset)))
-    return Validator(config, prompts, noise, prompt_keys(sampler_key, len(prompts.text)), denormalize, decode,
+    noise = fixed_noise(noise_key, (prompts.count, *latent_shape(config, dataset)))
+    return Validator(config, prompts, noise, prompt_keys(sampler_key, prompts.count), model.denormalize, decode,
                      None if folder is None else pathlib.Path(folder))
 
 
@@ -371,7 +304,7 @@ def validate(validator: Validator, tracker: Tracker, step: int, samplers: Sequen
     """Sample every ``samplers`` entry from the fixed noise and prompts, decode when a decoder is set, and log it."""
     for entry in samplers:
         latents, video = sample_videos(entry.apply, entry.params, validator.noise, entry.sigmas,
-                                       validator.prompts.cond(), key=validator.keys, sampler=entry.sampler,
+                                       validator.prompts.cond, key=validator.keys, sampler=entry.sampler,
                                        denormalize=validator.denormalize, decode=validator.decode)
         log_validation(tracker, step, entry.tag, latents, video, folder=validator.folder, fps=validator.config.fps,
                        captions=validator.prompts.captions)

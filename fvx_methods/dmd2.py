@@ -1,8 +1,10 @@
 """DMD2 distribution-matching distillation (FastVideo's DMD2Method, spec §2.4) as pure functions.
 
-Three roles share one architecture (the student's :class:`fvx_models.model.Model`): the **student** (trainable, a
-few-step generator), the **critic** (trainable, the "fake score": a flow-matching model of the student's samples) and
-the **teacher** (frozen, the "real score"). Per step, with ``k`` the rollout index, ``t`` a score timestep and
+Three roles, each a :class:`fvx_models.model.Model` of any family (``roles`` names the experiment's model of each):
+the **student** (trainable, a few-step generator), the **critic** (trainable, the "fake score": a flow-matching model
+of the student's samples) and the **teacher** (frozen, the "real score"). A teacher of another size than the
+student (a 14B teacher for a 1.3B student) is a model of its own; all three must denoise the same latent space from
+the same conditioning (checked at build, from the configs). Per step, with ``k`` the rollout index, ``t`` a score timestep and
 ``g = guidance_scale``::
 
     x0_gen   = student rollout, gradient only through its last model call           (student_rollout)
@@ -33,15 +35,14 @@ losses of a step see the params from before the step. The student's LR schedule 
 EMA of the student (``ema_decay``): left alone until ``i == max(ema_start_step, 1)``, re-initialised from the
 student there, then ``shadow <- d shadow + (1 - d) student`` at the end of every later step, update step or not.
 
-Roles and sources. ``build(model, total_steps=...)`` receives the student's model and makes the other two from the
-same interface: the teacher from ``teacher_path`` (``model.load``) or, when None, ``model.initial_params`` (the
-student's folder when the model config names one, else random params from ``init_seed``); the critic likewise from
-``critic_path`` or ``model.initial_params`` of its own key at ``init``. The teacher is an argument the step closes
-over: it is not in the state, gets no optimizer, is never saved, and is only ever called under ``torch.no_grad``,
-so FastVideo's "teacher must be non-trainable" and "all roles required" errors cannot arise here. It is stored in
-``teacher_dtype``: ``bf16`` casts it once at load (sharded on a mesh straight into bf16 shards) except the params the
-model family keeps in fp32 (``Model.param_dtypes``); it still computes in the model's ``compute_dtype``, so under
-fp32 compute a bf16 teacher is the fp32 computation of its bf16-rounded weights.
+Roles and sources. ``build(models, total_steps=...)`` receives each role's model. Each role starts from its model's
+``initial_params``: the model config's ``path`` when it names a folder, else random params from the role's own key
+(``split(run_key, 4)``: student, steps, critic, teacher). The teacher is frozen: the loop makes its params once
+(``Program.frozen``) and passes them to every step; it is not in the state, gets no optimizer, is never saved, and is
+only ever called under ``torch.no_grad``, so FastVideo's "teacher must be non-trainable" and "all roles required"
+errors cannot arise here. It is stored in its model config's ``frozen_dtype`` (bf16 but the params the family keeps
+in fp32; sharded on a mesh straight into bf16 shards) and computes in its ``compute_dtype``, so under fp32 compute a
+bf16 teacher is the fp32 computation of its bf16-rounded weights.
 
 Deviations from FastVideo: ``simulate`` runs only the ``k`` no-grad transitions that reach step ``k`` (FastVideo
 runs all ``K - 1``; with counter-based keys the result is the same, at fewer model calls); ``data_latent`` honours
@@ -52,30 +53,30 @@ default to dmd2_t2v.yaml's values here, as does the student's optimizer.
 """
 from __future__ import annotations
 
-import functools
 import math
-import pathlib
-from typing import Annotated, Any, Callable, Literal, NamedTuple
+from typing import Annotated, Any, Callable, Literal, Mapping, NamedTuple
 
 import msgspec
-import optree
 import torch
-from safetensors import safe_open
 
 from fvx import ema, flow, grad, optim, random, sharding, tree, validation
 from fvx.config import Config
 from fvx.optim_config import AdamWConfig
 from fvx.state import Batch, Metrics, Program, RoleState, TrainState, all_finite, skipped
-from fvx_models.model import Cond, Model, Params
+from fvx_models.model import Cond, Model, Params, check_shared_data
 
-STUDENT, CRITIC = "student", "critic"
-NEGATIVE_TEXT, NEGATIVE_MASK = "text", "text_mask"  # tensor names in a negative-prompt safetensors file
-BATCH_NEGATIVE_TEXT, BATCH_NEGATIVE_MASK = "negative_text", "negative_text_mask"  # optional batch entries
-
-TEACHER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+STUDENT, CRITIC, TEACHER = "student", "critic", "teacher"
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 Positive = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class DMD2Roles(Config):
+    """Which of the experiment's models plays each role (the critic is a copy of the student's model by default)."""
+
+    student: str = "student"
+    critic: str = "student"
+    teacher: str = "teacher"
 
 
 class DMD2(Config, tag="dmd2"):
@@ -95,20 +96,18 @@ class DMD2(Config, tag="dmd2"):
         timesteps up as levels and by ``warp_denoising_step``.
     optim / critic_optim: the student's and the critic's AdamW, each with its own LR, betas and schedule; the
         critic's LR must be > 0.
-    cfg_uncond: the teacher's unconditional text: ``negative_prompt`` (the embedding in ``negative_prompt_path``, else
-        ``batch["negative_text"]``), ``zero`` (zero text and mask) or ``keep`` (the conditional text).
-    negative_prompt_path: a safetensors file with tensor ``"text"`` ``[L, D]`` or ``[1, L, D]`` (``D`` = the model's
-        text width, checked when the method is built, before any weights load) and optionally ``"text_mask"``
-        ``[L]`` or ``[1, L]`` (default all ones). No text encoder runs in training.
+    cfg_uncond: the teacher's unconditional cond: ``negative_prompt`` (the cond file ``negative_prompt_path``),
+        ``zero`` (the family's zero cond: zero text and mask) or ``keep`` (the conditional cond).
+    negative_prompt_path: a cond file of the student's family (``fvx_models.cond``: for Wan a safetensors file with
+        ``"text"`` ``[L, D]`` or ``[1, L, D]`` and optionally ``"text_mask"``), read and checked when the method is
+        built, before any weights load. No text encoder runs in training.
     latent_shape: ``(C, T, H, W)`` of the student's samples when the batch has no latents (simulate on text_only data).
     ema_decay / ema_start_step: the student's EMA (None or 0 turns it off); starts at iteration ``ema_start_step``.
-    teacher_path / critic_path: local diffusers folders; None takes ``model.initial_params`` (see module docstring).
-    init_seed: the seed of the teacher's random params when neither it nor the model names a folder (tiny presets).
-    teacher_dtype: how the frozen teacher is stored: ``bf16`` (half the bytes; fp32 where the model family keeps
-        fp32) or ``fp32`` (as loaded). It computes in the model's ``compute_dtype`` either way.
     validate_teacher: also sample the teacher (guided, many-step ODE) at validations, beside the few-step student.
+    roles: which of the experiment's models plays the student, the critic and the teacher.
     """
 
+    roles: DMD2Roles = DMD2Roles()
     rollout_mode: Literal["simulate", "data_latent"] = "simulate"
     denoising_steps: tuple[int, ...] = (1000, 750, 500, 250)
     warp_denoising_step: bool = False
@@ -125,10 +124,6 @@ class DMD2(Config, tag="dmd2"):
     latent_shape: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt] | None = None
     ema_decay: float | None = None
     ema_start_step: Annotated[int, msgspec.Meta(ge=0)] = 0
-    teacher_path: str | None = None
-    critic_path: str | None = None
-    init_seed: int = 0
-    teacher_dtype: Literal["fp32", "bf16"] = "bf16"
     validate_teacher: bool = False
 
     def __post_init__(self) -> None:
@@ -154,39 +149,44 @@ class DMD2(Config, tag="dmd2"):
     def ema_enabled(self) -> bool:
         return bool(self.ema_decay)
 
-    def build(self, model: Model, *, total_steps: int, mesh: Any = None) -> Program:
-        """The loop's Program for ``model`` and a ``total_steps`` run. The negative-prompt file is checked now; the
-        frozen teacher loads on the first step (once), so every bad input, including the loop's check of the first
-        batch, fails before any weights load. On a device mesh (a model built on the same mesh) the student, critic
-        and teacher are local shards (the teacher in ``teacher_dtype``, without optimizer state), norms and clips
-        are global per role, and the DMD normaliser and logged losses are means over the ranks' equal slices."""
+    def build(self, models: Mapping[str, Model], *, total_steps: int, mesh: Any = None) -> Program:
+        """The loop's Program for the role -> model mapping and a ``total_steps`` run. The roles' latent spaces and
+        conditioning are checked against the student's and the negative-prompt file is read now, so every bad input,
+        including the loop's check of the first batch, fails before any weights load. On a device mesh (models built
+        on the same mesh) every role's params are local shards (the teacher in its frozen dtype, without optimizer
+        state), norms and clips are global per role, and the DMD normaliser and logged losses are means over the
+        ranks' equal slices."""
+        check_shared_data(models, data_role=STUDENT)
         group = sharding.Group() if mesh is None else sharding.group_of(mesh)
-        place = _placement(model, mesh)
-        dtypes = teacher_dtypes(model, self)
         negative = None
         if self.negative_prompt_path is not None:
-            negative = load_negative_prompt(self.negative_prompt_path, model.text_dim)
-        teacher = functools.cache(lambda: teacher_params(model, self, place, dtypes))
+            negative, _ = models[STUDENT].load_cond(self.negative_prompt_path)
+            rows = next(iter(negative.values())).shape[0]
+            if rows != 1:
+                raise ValueError(f"method.negative_prompt_path {self.negative_prompt_path!r} holds {rows} prompts; "
+                                 "a negative prompt is one")
         txs = optimizers(self, total_steps, group)
         return Program(
-            init=lambda run_key: init(run_key, model, self, txs, place=place),
-            step_=lambda state, batch: step_(state, batch, model=model, config=self, teacher=teacher(), txs=txs,
-                                             negative=negative, group=group),
-            check=lambda batch: check_batch(batch, model, self, negative),
-            validate=lambda state, validation_config: validate(state, validation_config, model=model, config=self,
-                                                               teacher=teacher, negative=negative),
+            model=models[STUDENT],
+            init=lambda run_key: init(run_key, models, self, txs),
+            frozen=lambda run_key: {TEACHER: models[TEACHER].initial_params(role_keys(run_key).teacher, frozen=True)},
+            step_=lambda state, frozen, batch: step_(state, batch, models=models, config=self,
+                                                     teacher=frozen[TEACHER], txs=txs, negative=negative, group=group),
+            check=lambda batch: check_batch(batch, models[STUDENT], self, negative),
+            validate=lambda state, frozen, validation_config: validate(
+                state, validation_config, models=models, config=self, teacher=frozen[TEACHER], negative=negative),
         )
 
-    def memory_plan(self, shapes: Any) -> Any:
+    def memory_plan(self, specs: Mapping[str, Any]) -> Any:
         """For ``--dry-run``: a trainable student (with its EMA when enabled), a trainable critic and a frozen
-        teacher of one architecture, at 2 bytes a param in bf16 (its few fp32-kept params, norms and the time
-        embedding, counted as bf16) or 4 in fp32; the two backward passes run one after the other."""
+        teacher, each of its own model, the teacher at its frozen dtype's bytes a param (its few fp32-kept params,
+        norms and the time embedding, counted at that width); the two backward passes run one after the other."""
         from fvx import dry_run, memory  # the dry run only
 
-        teacher_bytes = TEACHER_DTYPES[self.teacher_dtype].itemsize
-        return dry_run.Plan(roles=(memory.Role(STUDENT, shapes, trainable=True, ema=self.ema_enabled),
-                                   memory.Role(CRITIC, shapes, trainable=True),
-                                   memory.Role("teacher", shapes, trainable=False, param_bytes=teacher_bytes)))
+        return dry_run.Plan(roles=(memory.Role(STUDENT, specs[STUDENT], trainable=True, ema=self.ema_enabled),
+                                   memory.Role(CRITIC, specs[CRITIC], trainable=True),
+                                   memory.Role(TEACHER, specs[TEACHER], trainable=False,
+                                               param_bytes=specs[TEACHER].frozen_bytes)))
 
 
 # ------------------------------------------------------------------------------------------------ roles and setup
@@ -207,143 +207,53 @@ def optimizers(config: DMD2, total_steps: int, group: sharding.Group = sharding.
                       config.optim.schedule_fn(total_steps), config.critic_optim.schedule_fn(total_steps))
 
 
-Placement = Callable[..., Params]  # (full params, per-name dtypes or None) -> what the step takes
+class RoleKeys(NamedTuple):
+    student: torch.Tensor
+    steps: torch.Tensor
+    critic: torch.Tensor
+    teacher: torch.Tensor
 
 
-def _placement(model: Model, mesh: Any) -> Placement:
-    """Full params (and optional per-name dtypes) -> what the step takes: themselves cast, or on ``mesh`` this rank's
-    local shards (``model.layout``) in those dtypes."""
-    if mesh is None:
-        return cast_params
-    return lambda params, dtypes=None: sharding.to_local(sharding.shard(params, mesh, layout=model.layout,
-                                                                        dtype=dtypes))
-
-
-def cast_params(params: Params, dtypes: dict[str, torch.dtype] | None = None) -> Params:
-    """Each param in its dtype of ``dtypes`` (full params or local shards alike: the cast is elementwise); None keeps
-    them as they are."""
-    if dtypes is None:
-        return params
-    return {name: p.to(dtypes[name]) for name, p in params.items()}
-
-
-def teacher_dtypes(model: Model, config: DMD2) -> dict[str, torch.dtype] | None:
-    """Per param, the frozen teacher's storage dtype: None (as loaded, fp32) for ``teacher_dtype="fp32"``, else the
-    model family's ``param_dtypes(bf16)`` (bf16 but the params it keeps in fp32)."""
-    if config.teacher_dtype == "fp32":
-        return None
-    if model.param_dtypes is None:
-        raise ValueError(f"method.teacher_dtype={config.teacher_dtype!r} needs the model family to name the params it "
-                         f"keeps in fp32 (Model.param_dtypes), and model {model.name} does not; set "
-                         "method.teacher_dtype='fp32'")
-    return model.param_dtypes(TEACHER_DTYPES[config.teacher_dtype])
+def role_keys(run_key: torch.Tensor) -> RoleKeys:
+    """The keys of each role's initial params and of the steps: ``split(run_key, 4)`` (the student's and the steps'
+    are fine-tuning's)."""
+    return RoleKeys(*random.split(run_key, 4))
 
 
 def _norm(grads: Params, group: sharding.Group) -> torch.Tensor:
     return tree.global_norm(grads) if group.dp_size == 1 else sharding.global_norm_sharded(grads, group)
 
 
-def teacher_params(model: Model, config: DMD2, place: Placement = cast_params,
-                   dtypes: dict[str, torch.dtype] | None = None) -> Params:
-    """The frozen teacher in ``dtypes`` (:func:`teacher_dtypes`; None keeps fp32): ``teacher_path`` loaded and
-    ``place``d (sharded on a mesh, into those dtypes), else ``model.initial_params(key(init_seed))`` (local shards on
-    a mesh already) cast; no grad."""
-    if config.teacher_path is not None:
-        params = place(model.load(config.teacher_path), dtypes)
-    else:
-        params = cast_params(model.initial_params(random.key(config.init_seed)), dtypes)
-    return tree.map_tensors(torch.Tensor.detach, params)
-
-
-def init(run_key: torch.Tensor, model: Model, config: DMD2, txs: Optimizers,
-         place: Placement = cast_params) -> TrainState:
-    """Step 0: the student's initial params (with an EMA copy when enabled), the critic's (``critic_path`` or its own
-    key), a fresh optimizer state each. The student's key and the steps' key are those of fine-tuning."""
-    student_key, steps_key, critic_key = random.split(run_key, 3)
-    student = model.initial_params(student_key)
-    critic = place(model.load(config.critic_path)) if config.critic_path is not None else \
-        model.initial_params(critic_key)
+def init(run_key: torch.Tensor, models: Mapping[str, Model], config: DMD2, txs: Optimizers) -> TrainState:
+    """Step 0: the student's and the critic's initial params (each from its model: its folder or its own key), a
+    fresh optimizer state each over the params it trains, and the student's EMA when enabled."""
+    keys = role_keys(run_key)
+    student = models[STUDENT].initial_params(keys.student)
+    critic = models[CRITIC].initial_params(keys.critic)
+    trained = models[STUDENT].trainable(student)
     roles = {
-        STUDENT: RoleState(params=student, opt_state=txs.student.init(student),
-                           ema=ema.ema_init(student) if config.ema_enabled else None),
-        CRITIC: RoleState(params=critic, opt_state=txs.critic.init(critic)),
+        STUDENT: RoleState(params=student, opt_state=txs.student.init(trained),
+                           ema=ema.ema_init(trained) if config.ema_enabled else None),
+        CRITIC: RoleState(params=critic, opt_state=txs.critic.init(models[CRITIC].trainable(critic))),
     }
-    return TrainState(step=torch.zeros((), dtype=torch.int64), key=steps_key, roles=roles)
+    return TrainState(step=torch.zeros((), dtype=torch.int64), key=keys.steps, roles=roles)
 
 
-# ------------------------------------------------------------------------------------------ negative conditioning
-
-
-def check_negative_prompt(path: str, text_dim: int) -> None:
-    """Check the negative-prompt file from its safetensors header alone (no tensor is read)."""
-    if not pathlib.Path(path).is_file():
-        raise ValueError(f"negative_prompt_path {path!r} is not a file")
-    with safe_open(path, framework="pt") as f:
-        names = set(f.keys())
-        if NEGATIVE_TEXT not in names:
-            raise ValueError(f"negative_prompt_path {path!r} has no tensor {NEGATIVE_TEXT!r} (found {sorted(names)})")
-        shape = tuple(f.get_slice(NEGATIVE_TEXT).get_shape())
-        mask_shape = tuple(f.get_slice(NEGATIVE_MASK).get_shape()) if NEGATIVE_MASK in names else None
-    if not (len(shape) == 2 or (len(shape) == 3 and shape[0] == 1)):
-        raise ValueError(f"negative_prompt_path {path!r}: {NEGATIVE_TEXT!r} must be [L, D] or [1, L, D], "
-                         f"got {list(shape)}")
-    if shape[-1] != text_dim:
-        raise ValueError(f"negative_prompt_path {path!r}: the embedding width is {shape[-1]} but the model's text "
-                         f"width is {text_dim} (shape {list(shape)})")
-    if mask_shape is not None and mask_shape not in ((shape[-2],), (1, shape[-2])):
-        raise ValueError(f"negative_prompt_path {path!r}: {NEGATIVE_MASK!r} must be [{shape[-2]}] or "
-                         f"[1, {shape[-2]}], got {list(mask_shape)}")
-
-
-def load_negative_prompt(path: str, text_dim: int) -> dict[str, torch.Tensor]:
-    """The negative-prompt embedding of ``path`` as ``{"text": [1, L, D], "text_mask": [1, L]}`` fp32."""
-    check_negative_prompt(path, text_dim)
-    with safe_open(path, framework="pt") as f:
-        text = f.get_tensor(NEGATIVE_TEXT).float()
-        mask = f.get_tensor(NEGATIVE_MASK).float() if NEGATIVE_MASK in f.keys() else None
-    text = text.reshape(1, *text.shape[-2:])
-    mask = torch.ones(text.shape[:2]) if mask is None else mask.reshape(1, -1)
-    return {"text": text, "text_mask": mask}
-
-
-def text_cond(batch: Batch) -> Cond:
-    """The conditional text of ``batch``: ``{"text": [B, L, D], "text_mask": [B, L]}``."""
-    return {"text": batch["text"], "text_mask": batch["text_mask"]}
-
-
-def uncond_text(batch: Batch, config: DMD2, negative: Cond | None = None) -> Cond:
-    """The teacher's unconditional text under ``config.cfg_uncond`` (spec §3.1), batched like ``batch["text"]``."""
-    text, mask = batch["text"], batch["text_mask"]
-    if config.cfg_uncond == "keep":
-        return text_cond(batch)
-    if config.cfg_uncond == "zero":
-        return {"text": torch.zeros_like(text), "text_mask": torch.zeros_like(mask)}
-    size = text.shape[0]
-    if negative is not None:
-        neg = negative["text"].to(device=text.device, dtype=text.dtype)
-        neg_mask = negative["text_mask"].to(device=mask.device, dtype=mask.dtype)
-        return {"text": neg.expand(size, -1, -1), "text_mask": neg_mask.expand(size, -1)}
-    if BATCH_NEGATIVE_TEXT in batch:
-        neg = batch[BATCH_NEGATIVE_TEXT]
-        neg_mask = batch.get(BATCH_NEGATIVE_MASK)
-        return {"text": neg, "text_mask": torch.ones(neg.shape[:2], dtype=mask.dtype, device=neg.device)
-                if neg_mask is None else neg_mask}
-    raise ValueError("cfg_uncond='negative_prompt' needs a negative-prompt embedding: set method.negative_prompt_path "
-                     f"or provide batch[{BATCH_NEGATIVE_TEXT!r}] (or use cfg_uncond='zero' or 'keep')")
+def uncond(model: Model, batch: Batch, config: DMD2, negative: Cond | None = None) -> Cond:
+    """The teacher's unconditional cond under ``config.cfg_uncond`` (spec §3.1), batched like ``batch["cond"]``."""
+    return model.uncond(batch["cond"], config.cfg_uncond, negative)
 
 
 # ---------------------------------------------------------------------------------------------- batch validation
 
 
 def check_batch(batch: Batch, model: Model, config: DMD2, negative: Cond | None = None) -> None:
-    """Raise a ValueError when ``batch`` cannot feed this method and model (called once, before the first step).
+    """Raise a ValueError when ``batch`` cannot feed this method and the student's model (called once, before the
+    first step; the batch's cond was checked when the model made it).
 
     This is where ``text_only`` data meets ``data_latent``: the method cannot see the data config, but such a
     batch has no latents, and the loop checks the first batch before it writes or trains anything.
     """
-    if batch["text"].shape[-1] != model.text_dim:
-        raise ValueError(f"batch text embeddings of shape {tuple(batch['text'].shape)} do not fit model "
-                         f"{model.name}: it takes a text width of {model.text_dim}")
     has_latents = "latents" in batch
     if config.rollout_mode == "data_latent" and not has_latents:
         raise ValueError("rollout_mode='data_latent' noises the data latents, but the batch has none "
@@ -356,32 +266,37 @@ def check_batch(batch: Batch, model: Model, config: DMD2, negative: Cond | None 
     else:
         model.check_latents((1, *config.latent_shape), where="method.latent_shape")
     if config.guidance_scale != 1.0:
-        uncond = uncond_text(batch, config, negative)
-        if uncond["text"].shape[-1] != model.text_dim:
-            raise ValueError(f"negative text of shape {tuple(uncond['text'].shape)} does not fit model "
-                             f"{model.name}: it takes a text width of {model.text_dim}")
+        uncond(model, batch, config, negative)  # a negative prompt is there when cfg_uncond needs one
 
 
 # --------------------------------------------------------------------------------------------- timesteps and x0
 
 
-def validate(state: TrainState, validation_config: Any, *, model: Model, config: DMD2,
-             teacher: Callable[[], Params], negative: Cond | None = None) -> list[validation.Sampler]:
+def validate(state: TrainState, validation_config: Any, *, models: Mapping[str, Model], config: DMD2,
+             teacher: Params, negative: Cond | None = None) -> list[validation.Sampler]:
     """What a validation samples: the student (its EMA when kept) with its few-step SDE schedule, and with
     ``validate_teacher`` the teacher, guided, on the many-step ODE. Params are used in place, never copied."""
-    student = state.roles[STUDENT]
+    student, model = state.roles[STUDENT], models[STUDENT]
     few_steps = denoising_timesteps(config) / flow.NUM_TRAIN_TIMESTEPS
-    samplers = [validation.Sampler("student" if student.ema is None else "student_ema", model.apply,
-                                   student.params if student.ema is None else student.ema, few_steps, "sde")]
+    params = student.params if student.ema is None else with_trained(student.params, student.ema)
+    samplers = [validation.Sampler("student" if student.ema is None else "student_ema", model.apply, params,
+                                   few_steps, "sde")]
     if config.validate_teacher:
+        teacher_model = models[TEACHER]
+
         def guided(params: Params, x_t: torch.Tensor, t: torch.Tensor, cond: Cond) -> torch.Tensor:
-            uncond = uncond_text(cond, config, negative)
-            return flow.cfg(model.apply(params, x_t, t, cond), model.apply(params, x_t, t, uncond),
+            unconditional = teacher_model.uncond(cond, config.cfg_uncond, negative)
+            return flow.cfg(teacher_model.apply(params, x_t, t, cond), teacher_model.apply(params, x_t, t, unconditional),
                             config.guidance_scale)
 
         many_steps = validation.many_step_sigmas(validation_config.num_steps, validation_config.flow_shift)
-        samplers.append(validation.Sampler("teacher", guided, teacher(), many_steps, "ode"))
+        samplers.append(validation.Sampler("teacher", guided, teacher, many_steps, "ode"))
     return samplers
+
+
+def with_trained(params: Params, trained: Params) -> Params:
+    """``params`` with the trained ones replaced by ``trained`` (an EMA, or the differentiated leaves)."""
+    return trained if len(trained) == len(params) else {**params, **trained}
 
 
 def denoising_timesteps(config: DMD2) -> torch.Tensor:
@@ -449,7 +364,7 @@ def _rollout(params: Params, batch: Batch, key: torch.Tensor, model: Model, conf
     steps = denoising_timesteps(config)
     grid = flow.training_sigmas(config.flow_shift)
     k = rollout_index(index_key, len(steps))
-    cond, index, device = text_cond(batch), batch["sample_index"], batch["text"].device
+    cond, index, device = batch["cond"], batch["sample_index"], batch["sample_index"].device
     steps, grid = steps.to(device), grid.to(device)
     if config.rollout_mode == "data_latent":
         x0 = model.normalize(batch["latents"].float())
@@ -503,23 +418,23 @@ def _noised(x0: torch.Tensor, batch: Batch, key: torch.Tensor, config: DMD2,
 
 
 def real_and_fake_x0(critic_params: Params, teacher_params: Params, x0_gen: torch.Tensor, batch: Batch,
-                     key: torch.Tensor, *, model: Model, config: DMD2,
+                     key: torch.Tensor, *, critic: Model, teacher: Model, config: DMD2,
                      negative: Cond | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(x0_fake, x0_real, t)`` of the student sample ``x0_gen`` noised at a score timestep (no grad): the critic's
     x0 and the teacher's guided x0 ``uncond + g (cond - uncond)``."""
     grid = flow.training_sigmas(config.flow_shift).to(x0_gen.device)
     with torch.no_grad():
         x_t, _, t = _noised(x0_gen.detach(), batch, key, config, grid)
-        x0_fake = predict_x0(model, critic_params, x_t, t, text_cond(batch), grid)
-        x0_cond = predict_x0(model, teacher_params, x_t, t, text_cond(batch), grid)
+        x0_fake = predict_x0(critic, critic_params, x_t, t, batch["cond"], grid)
+        x0_cond = predict_x0(teacher, teacher_params, x_t, t, batch["cond"], grid)
         if config.guidance_scale == 1.0:
             return x0_fake, x0_cond, t
-        x0_uncond = predict_x0(model, teacher_params, x_t, t, uncond_text(batch, config, negative), grid)
+        x0_uncond = predict_x0(teacher, teacher_params, x_t, t, uncond(teacher, batch, config, negative), grid)
         return x0_fake, flow.cfg(x0_cond, x0_uncond, config.guidance_scale), t
 
 
 def generator_loss(student_params: Params, critic_params: Params, teacher_params: Params, batch: Batch,
-                   key: torch.Tensor, *, model: Model, config: DMD2, negative: Cond | None = None,
+                   key: torch.Tensor, *, models: Mapping[str, Model], config: DMD2, negative: Cond | None = None,
                    group: sharding.Group = sharding.Group()) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The DMD loss of the student (module docstring), differentiable in ``student_params`` only; over shards the
     normaliser is the mean over ``group``'s ranks (the global batch's), the loss this rank's slice's.
@@ -529,15 +444,16 @@ def generator_loss(student_params: Params, critic_params: Params, teacher_params
     ``generator_timestep`` (the rollout's graded step) and ``score_timestep``.
     """
     rollout_key, score_key = random.split(key)
-    x0_gen, t_gen = _rollout(student_params, batch, rollout_key, model, config, with_grad=True)
-    x0_fake, x0_real, t = real_and_fake_x0(critic_params, teacher_params, x0_gen, batch, score_key, model=model,
-                                           config=config, negative=negative)
+    x0_gen, t_gen = _rollout(student_params, batch, rollout_key, models[STUDENT], config, with_grad=True)
+    x0_fake, x0_real, t = real_and_fake_x0(critic_params, teacher_params, x0_gen, batch, score_key,
+                                           critic=models[CRITIC], teacher=models[TEACHER], config=config,
+                                           negative=negative)
     loss, normalizer = dmd_loss(x0_gen, x0_fake, x0_real, group)
     return loss, {"dmd_normalizer": normalizer, "generator_timestep": t_gen, "score_timestep": t}
 
 
-def critic_loss(critic_params: Params, student_params: Params, batch: Batch, key: torch.Tensor, *, model: Model,
-                config: DMD2) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def critic_loss(critic_params: Params, student_params: Params, batch: Batch, key: torch.Tensor, *,
+                models: Mapping[str, Model], config: DMD2) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The critic's flow-matching loss on a fresh student sample: ``mean((v(x_t, t) - (eps - x0_gen))^2)``.
 
     Key layout as :func:`generator_loss`; the rollout runs without grad. aux: ``generator_timestep``,
@@ -545,10 +461,10 @@ def critic_loss(critic_params: Params, student_params: Params, batch: Batch, key
     """
     rollout_key, score_key = random.split(key)
     with torch.no_grad():
-        x0_gen, t_gen = _rollout(student_params, batch, rollout_key, model, config, with_grad=False)
+        x0_gen, t_gen = _rollout(student_params, batch, rollout_key, models[STUDENT], config, with_grad=False)
     grid = flow.training_sigmas(config.flow_shift).to(x0_gen.device)
     x_t, noise, t = _noised(x0_gen, batch, score_key, config, grid)
-    v = model.apply(critic_params, x_t, t.expand(x_t.shape[0]), text_cond(batch)).float()
+    v = models[CRITIC].apply(critic_params, x_t, t.expand(x_t.shape[0]), batch["cond"]).float()
     loss = torch.mean((v - flow.velocity_target(x0_gen, noise)) ** 2)
     return loss, {"generator_timestep": t_gen, "score_timestep": t}
 
@@ -564,7 +480,7 @@ def update_student(step: int, interval: int) -> bool:
 
 def _update_count(opt_state: Any) -> torch.Tensor:
     """The AdamW update count inside an optimizer state (the LR schedule's argument)."""
-    found = [node for node in optree.tree_leaves(opt_state, is_leaf=lambda n: isinstance(n, optim.AdamWState))
+    found = [node for node in tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, optim.AdamWState))
              if isinstance(node, optim.AdamWState)]
     if len(found) != 1:
         raise ValueError(f"expected one AdamW state in the optimizer state, found {len(found)}")
@@ -577,71 +493,82 @@ def _keys(state: TrainState) -> tuple[torch.Tensor, torch.Tensor]:
     return generator_key, critic_key
 
 
-def _critic_update(state: TrainState, batch: Batch, key: torch.Tensor, model: Model, config: DMD2,
+def _value_and_grad_trained(loss: Callable, model: Model, params: Params, *args: Any, **kwargs: Any):
+    """``((loss, aux), grads)`` of ``loss(params, *args)`` differentiated in the params ``model`` trains only."""
+    def of_trained(trained: Params, *rest: Any, **kw: Any):
+        return loss(with_trained(params, trained), *rest, **kw)
+
+    return grad.value_and_grad(of_trained, has_aux=True)(model.trainable(params), *args, **kwargs)
+
+
+def _critic_update(state: TrainState, batch: Batch, key: torch.Tensor, models: Mapping[str, Model], config: DMD2,
                    txs: Optimizers, group: sharding.Group) -> tuple[Params, Metrics]:
     """The critic's gradients (from the params before this step) and metrics."""
     critic, student = state.roles[CRITIC], state.roles[STUDENT]
-    value_and_grad = grad.value_and_grad(critic_loss, has_aux=True)
-    (loss, _), grads = value_and_grad(critic.params, student.params, batch, key, model=model, config=config)
+    (loss, _), grads = _value_and_grad_trained(critic_loss, models[CRITIC], critic.params, student.params, batch,
+                                               key, models=models, config=config)
     lr = txs.critic_lr(_update_count(critic.opt_state))
     return grads, {"critic_loss": sharding.dp_mean(loss, group), "grad_norm/critic": _norm(grads, group),
                    "lr/critic": torch.as_tensor(lr, dtype=torch.float32)}
 
 
-def _apply_(role: RoleState, grads: Params, tx: optim.GradientTransformation) -> RoleState:
-    params, opt_state = optim.step_(tx, role.params, grads, role.opt_state)
-    return role._replace(params=params, opt_state=opt_state)
+def _apply_(role: RoleState, model: Model, grads: Params, tx: optim.GradientTransformation) -> RoleState:
+    """The optimizer step of the params the role's model trains, in place (``role.params`` sees it)."""
+    _, opt_state = optim.step_(tx, model.trainable(role.params), grads, role.opt_state)
+    return role._replace(opt_state=opt_state)
 
 
-def _ema_(student: RoleState, step: int, config: DMD2) -> RoleState:
+def _ema_(student: RoleState, model: Model, step: int, config: DMD2) -> RoleState:
     """The student's EMA at the end of step ``step`` (iteration ``step + 1``), in place."""
     if config.ema_enabled:
-        ema.ema_step_(student.ema, student.params, step + 1, decay=config.ema_decay,
+        ema.ema_step_(student.ema, model.trainable(student.params), step + 1, decay=config.ema_decay,
                       start_step=max(config.ema_start_step, 1))
     return student
 
 
-def critic_step_(state: TrainState, batch: Batch, *, model: Model, config: DMD2, teacher: Params, txs: Optimizers,
-                 negative: Cond | None = None, group: sharding.Group = sharding.Group()) -> tuple[TrainState, Metrics]:
+def critic_step_(state: TrainState, batch: Batch, *, models: Mapping[str, Model], config: DMD2, teacher: Params,
+                 txs: Optimizers, negative: Cond | None = None,
+                 group: sharding.Group = sharding.Group()) -> tuple[TrainState, Metrics]:
     """A step that updates only the critic (and the student's EMA), donating ``state``."""
     s = int(state.step)
     _, critic_key = _keys(state)
-    critic_grads, metrics = _critic_update(state, batch, critic_key, model, config, txs, group)
+    critic_grads, metrics = _critic_update(state, batch, critic_key, models, config, txs, group)
     metrics["update_student"] = torch.zeros((), dtype=torch.float32)
     if not all_finite(metrics["critic_loss"], metrics["grad_norm/critic"]):
         return skipped(state, metrics)
-    roles = {STUDENT: _ema_(state.roles[STUDENT], s, config),
-             CRITIC: _apply_(state.roles[CRITIC], critic_grads, txs.critic)}
+    roles = {STUDENT: _ema_(state.roles[STUDENT], models[STUDENT], s, config),
+             CRITIC: _apply_(state.roles[CRITIC], models[CRITIC], critic_grads, txs.critic)}
     return TrainState(step=state.step + 1, key=state.key, roles=roles), metrics
 
 
-def student_and_critic_step_(state: TrainState, batch: Batch, *, model: Model, config: DMD2, teacher: Params,
-                             txs: Optimizers, negative: Cond | None = None,
+def student_and_critic_step_(state: TrainState, batch: Batch, *, models: Mapping[str, Model], config: DMD2,
+                             teacher: Params, txs: Optimizers, negative: Cond | None = None,
                              group: sharding.Group = sharding.Group()) -> tuple[TrainState, Metrics]:
     """A step that updates the student and the critic (both losses from the params before the step), then the
     student's EMA, donating ``state``."""
     s = int(state.step)
     generator_key, critic_key = _keys(state)
     student, critic = state.roles[STUDENT], state.roles[CRITIC]
-    value_and_grad = grad.value_and_grad(generator_loss, has_aux=True)
-    (loss, aux), student_grads = value_and_grad(student.params, critic.params, teacher, batch, generator_key,
-                                                model=model, config=config, negative=negative, group=group)
+    (loss, aux), student_grads = _value_and_grad_trained(generator_loss, models[STUDENT], student.params,
+                                                         critic.params, teacher, batch, generator_key, models=models,
+                                                         config=config, negative=negative, group=group)
     lr = txs.student_lr(_update_count(student.opt_state))
     metrics = {"generator_loss": sharding.dp_mean(loss, group), "dmd_normalizer": aux["dmd_normalizer"],
                "grad_norm/student": _norm(student_grads, group),
                "lr/student": torch.as_tensor(lr, dtype=torch.float32)}
-    critic_grads, critic_metrics = _critic_update(state, batch, critic_key, model, config, txs, group)
+    critic_grads, critic_metrics = _critic_update(state, batch, critic_key, models, config, txs, group)
     metrics.update(critic_metrics, update_student=torch.ones((), dtype=torch.float32))
     if not all_finite(*(metrics[name] for name in ("generator_loss", "grad_norm/student", "critic_loss",
                                                     "grad_norm/critic"))):
         return skipped(state, metrics)
-    student = _ema_(_apply_(student, student_grads, txs.student), s, config)
-    roles = {STUDENT: student, CRITIC: _apply_(critic, critic_grads, txs.critic)}
+    student = _ema_(_apply_(student, models[STUDENT], student_grads, txs.student), models[STUDENT], s, config)
+    roles = {STUDENT: student, CRITIC: _apply_(critic, models[CRITIC], critic_grads, txs.critic)}
     return TrainState(step=state.step + 1, key=state.key, roles=roles), metrics
 
 
-def step_(state: TrainState, batch: Batch, *, model: Model, config: DMD2, teacher: Params, txs: Optimizers,
-          negative: Cond | None = None, group: sharding.Group = sharding.Group()) -> tuple[TrainState, Metrics]:
+def step_(state: TrainState, batch: Batch, *, models: Mapping[str, Model], config: DMD2, teacher: Params,
+          txs: Optimizers, negative: Cond | None = None,
+          group: sharding.Group = sharding.Group()) -> tuple[TrainState, Metrics]:
     """One DMD2 step, donating ``state`` (see fvx.state.Program): :func:`student_and_critic_step_` on student-update
     steps, else :func:`critic_step_`. ``teacher`` is the frozen teacher's params (read only).
 
@@ -652,4 +579,5 @@ def step_(state: TrainState, batch: Batch, *, model: Model, config: DMD2, teache
     """
     chosen = student_and_critic_step_ if update_student(int(state.step), config.generator_update_interval) \
         else critic_step_
-    return chosen(state, batch, model=model, config=config, teacher=teacher, txs=txs, negative=negative, group=group)
+    return chosen(state, batch, models=models, config=config, teacher=teacher, txs=txs, negative=negative,
+                  group=group)

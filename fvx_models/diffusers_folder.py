@@ -1,22 +1,33 @@
-"""Reading a local diffusers component folder (``config.json`` + safetensors weights) and checking it against a
-skeleton module: the parts every model family's ``load`` shares. Never pickle, never a hub.
+"""Local diffusers folders, generically: reading a model's params from its pipeline components (``config.json`` +
+safetensors weights, checked against the skeleton) and writing them back as a folder ``from_pretrained`` loads.
+Never pickle, never a hub.
 
-Every error is a ValueError that starts with ``what`` (e.g. ``"Wan load"``) and names the file and the differences.
+A model's params come from one or more pipeline components (``transformer/``; Wan 2.2 A14B's two experts
+``transformer/`` and ``transformer_2/``), each a submodule of the skeleton whose params carry a prefix in the flat
+params dict (``components``: folder name -> prefix, "" for the whole module). Every error is a ValueError that starts
+with ``what`` (e.g. ``"wan load"``) and names the file and the differences.
 """
 from __future__ import annotations
 
 import inspect
 import json
+import os
 import pathlib
-from typing import Any, Iterable, Mapping
+import re
+import shutil
+import tempfile
+from typing import Any, Callable, Iterable, Mapping
 
-from safetensors import safe_open
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 LIST_LIMIT = 10  # names shown per category in an error message
+MAX_SHARD_BYTES = 10 * 10**9  # diffusers' default max_shard_size "10GB"
 
 
 def listed(items: list[str]) -> str:
@@ -90,11 +101,11 @@ def weight_files(folder: pathlib.Path, what: str) -> list[pathlib.Path]:
     return files
 
 
-def stored_shapes(files: Iterable[pathlib.Path]) -> dict[str, tuple[int, ...]]:
+def stored_shapes(files: Iterable[pathlib.Path], what: str = "load") -> dict[str, tuple[int, ...]]:
     """Every tensor's shape in the safetensors ``files``, read from their headers (no data)."""
     shapes = {}
     for path in files:
-        with safe_open(path, framework="pt") as f:
+        with _open(path, what) as f:
             shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
     return shapes
 
@@ -111,3 +122,158 @@ def shape_problems(required: Mapping[str, tuple[int, ...]], found: Mapping[str, 
     return [f"{label} ({len(items)}): {listed(items)}"
             for label, items in (("missing keys", missing), ("unexpected keys", unexpected),
                                  ("shape mismatches", mismatched)) if items]
+
+
+# ---------------------------------------------------------------------------------------------- a model's components
+
+
+def submodule(module: nn.Module, prefix: str) -> nn.Module:
+    """The component of ``module`` whose params carry ``prefix`` ("" is the module itself)."""
+    return module if not prefix else module.get_submodule(prefix.removesuffix("."))
+
+
+def param_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(p.shape) for name, p in module.named_parameters()}
+
+
+def _ignored_on_load(module: nn.Module, name: str) -> bool:
+    patterns = getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ()
+    return any(re.search(pattern, name) for pattern in patterns)
+
+
+def read_params(folder: str | os.PathLike, module: nn.Module, components: Mapping[str, str],
+                what: str) -> dict[str, torch.Tensor]:
+    """fp32 params of ``module`` from a local folder: a pipeline root holding each component's folder, or (for a
+    model of one component) that component's folder itself. Each component's config.json must describe the
+    skeleton's architecture and its weights hold exactly the skeleton's params with their shapes; otherwise one
+    ValueError lists every difference. Never touches a hub."""
+    folder = pathlib.Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"{what}: {str(folder)!r} is not a folder")
+    params: dict[str, torch.Tensor] = {}
+    for component, prefix in components.items():
+        part = submodule(module, prefix)
+        if len(components) == 1:
+            where = component_folder(folder, component, what, f"{type(part).__name__} {component}")
+        else:
+            where = folder / component
+            if not (where / CONFIG_NAME).is_file():
+                raise ValueError(f"{what}: no {CONFIG_NAME} in {str(where)!r}; expected a diffusers pipeline root "
+                                 f"with the components {', '.join(f'{c}/' for c in components)}")
+        check_config(where, part, what)
+        files = weight_files(where, what)
+        shapes = {name: shape for name, shape in stored_shapes(files, what).items() if not _ignored_on_load(part, name)}
+        problems = shape_problems(param_shapes(part), shapes)
+        if problems:
+            raise ValueError(f"{what}: weights in {str(where)!r} do not fit the model: " + "; ".join(problems))
+        loaded = {}
+        for path in files:
+            with _open(path, what) as f:
+                for name in f.keys():
+                    if name in shapes:
+                        loaded[name] = _tensor(f, name, path, what).to(torch.float32)
+        params.update({prefix + name: loaded[name] for name in param_shapes(part)})
+    return {name: params[name] for name in param_shapes(module)}
+
+
+def _open(path: pathlib.Path, what: str):
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{what}: {str(path)!r} is not a readable safetensors file ({error})") from None
+
+
+def _tensor(f: Any, name: str, path: pathlib.Path, what: str) -> torch.Tensor:
+    try:
+        return f.get_tensor(name)
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{what}: cannot read tensor {name!r} of {str(path)!r} (truncated?): {error}") from None
+
+
+def check_params(module: nn.Module, params: Any, what: str) -> None:
+    """A ValueError unless ``params`` maps exactly ``module``'s param names to tensors of their shapes."""
+    if not isinstance(params, Mapping):
+        raise TypeError(f"{what}: params must be a dict of tensors, got {type(params).__name__}")
+    not_tensors = [name for name, value in params.items() if not isinstance(value, torch.Tensor)]
+    if not_tensors:
+        raise TypeError(f"{what}: params must map names to tensors; not tensors: {listed(not_tensors)}")
+    problems = shape_problems(param_shapes(module), {name: tuple(p.shape) for name, p in params.items()})
+    if problems:
+        raise ValueError(f"{what}: params do not fit the model: " + "; ".join(problems))
+
+
+def write_folder(params: Mapping[str, torch.Tensor], folder: str | os.PathLike, module: nn.Module,
+                 components: Mapping[str, str], what: str, *, dtype_of: Callable[[str], torch.dtype | None],
+                 pipeline_files: Callable[[pathlib.Path], None] | None = None,
+                 max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
+    """Write ``params`` (whole tensors) as a diffusers pipeline folder: one folder per component (config.json +
+    safetensors, sharded with an index json above ``max_shard_bytes``) that the component class's
+    ``from_pretrained`` loads, and ``pipeline_files`` (model_index.json, scheduler/). ``dtype_of(name)`` casts a
+    floating-point param (None: keep). Written beside ``folder`` and renamed into place, so an error leaves nothing
+    half-written; an existing non-empty ``folder`` is an error."""
+    folder = pathlib.Path(folder)
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise ValueError(f"{what}: {str(folder)!r} already exists and is not an empty folder")
+    if max_shard_bytes <= 0:
+        raise ValueError(f"{what}: max_shard_bytes must be positive, got {max_shard_bytes}")
+    check_params(module, params, what)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
+    try:
+        for component, prefix in components.items():
+            part = submodule(module, prefix)
+            tensors = {name: _exported(params[prefix + name], dtype_of(prefix + name)) for name in param_shapes(part)}
+            part.save_config(staging / component)
+            write_weights(tensors, staging / component, max_shard_bytes)
+        if pipeline_files is not None:
+            pipeline_files(staging)
+        for path in [staging, *staging.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        os.replace(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _exported(param: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    param = param.detach().to("cpu")
+    if dtype is not None and param.is_floating_point():
+        param = param.to(dtype)
+    return param.contiguous()
+
+
+def write_weights(tensors: dict[str, torch.Tensor], folder: pathlib.Path, max_shard_bytes: int) -> None:
+    """One safetensors file, or numbered shards of at most ``max_shard_bytes`` (a bigger tensor gets its own) plus
+    diffusers' index json."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], folder / WEIGHTS_NAME, metadata=metadata)
+        return
+    stem = WEIGHTS_NAME.removesuffix(".safetensors")
+    weight_map = {}
+    for number, shard in enumerate(shards, start=1):
+        filename = f"{stem}-{number:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / filename, metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, filename))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def write_model_index(folder: pathlib.Path, pipeline_class: str, components: Mapping[str, tuple[str, str]],
+                      **fields: Any) -> None:
+    """diffusers' ``model_index.json``: the pipeline class, each component's (library, class), and extra fields."""
+    import diffusers
+
+    index = {"_class_name": pipeline_class, "_diffusers_version": diffusers.__version__, **fields,
+             **{name: list(where) for name, where in components.items()}}
+    (folder / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")

@@ -1,71 +1,156 @@
-"""The model interface methods see: one DiT architecture as pure functions over a flat params dict.
+"""The model interface methods see: one DiT of a family as pure functions over a params dict.
 
-A family module (``fvx_models.wan``, ...) builds a :class:`Model` from its config. Methods reach a model only
-through these fields; they never touch the skeleton module. Tensors at this interface are in fvx's canonical
-layout: latents ``[B, C, T, H, W]``, timesteps ``[B]`` on the 0..1000 scale (``t = 1000 sigma``), and the output is
-the flow velocity ``v = noise - x0`` in the latents' layout, whatever the family predicts natively.
+A family's config (``fvx_models.wan.WanConfig``, ...) builds a :class:`Model` through the generic builder
+(``fvx_models.build``). Methods reach a model only through these fields; they never touch the skeleton module and
+never name a family's conditioning keys. Tensors at this interface are in fvx's canonical layout: latents
+``[B, C, T, H, W]``, timesteps ``[B]`` on the 0..1000 scale (``t = 1000 sigma``), conditioning a ``cond`` dict that the
+family builds from the data (``Model.batch(raw)["cond"]``), and the output is the flow velocity ``v = noise - x0`` in
+the latents' layout, whatever the family predicts natively.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
-Params = dict[str, torch.Tensor]
-Cond = Mapping[str, torch.Tensor]  # {"text": [B, L, D], "text_mask": [B, L] (1 = real token)}
+Params = dict[str, torch.Tensor]  # a flat dict keyed like the diffusers state_dict, or its fvx.sharding.Shards
+Cond = Mapping[str, torch.Tensor]  # the family's conditioning tensors, each with a leading batch dim
+
+
+class LatentSpace(NamedTuple):
+    """The VAE latents a model denoises: ``channels``, and how VAE latents map to the DiT's input scale,
+    ``normalize(x) = ((x - mean_c) / std_c) * scale`` (per-channel statistics as Wan's VAEs, or a scalar scaling
+    factor as HunyuanVideo's; None: 0 and 1). ``vae_stride`` is the VAE's (time, height, width) compression and
+    ``vae`` names the VAE, for messages. Two models can share a batch only when their latent spaces are equal."""
+
+    channels: int
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+    scale: float = 1.0
+    vae_stride: tuple[int, int, int] = (4, 8, 8)
+    vae: str = ""
+
+    def normalize(self, latents: torch.Tensor) -> torch.Tensor:
+        """VAE latents ``[B, C, T, H, W]`` -> the DiT's input scale, computed in fp32, returned in x's dtype."""
+        x = latents.float()
+        if self.mean is not None:
+            x = x - self._stats(self.mean, latents)
+        if self.std is not None:
+            x = x / self._stats(self.std, latents)
+        if self.scale != 1.0:
+            x = x * self.scale
+        return x.to(latents.dtype)
+
+    def denormalize(self, latents: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`normalize`, before a VAE decode."""
+        x = latents.float()
+        if self.scale != 1.0:
+            x = x / self.scale
+        if self.std is not None:
+            x = x * self._stats(self.std, latents)
+        if self.mean is not None:
+            x = x + self._stats(self.mean, latents)
+        return x.to(latents.dtype)
+
+    @staticmethod
+    def _stats(values: tuple[float, ...], like: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=like.device).view(1, -1, 1, 1, 1)
 
 
 @dataclasses.dataclass(frozen=True)
 class Model:
     """One architecture of a model family, as pure functions (see the module docstring for layouts).
 
-    init(key) -> params          random params from an fvx key (tiny presets, tests)
-    load(folder) -> params       a local diffusers-format folder, read with safetensors (no hub access)
-    export(params, folder)       a folder that diffusers' ``from_pretrained`` loads
-    initial_params(key)          the params a run starts from: ``load(path)`` when the config names a folder, else ``init``
-    apply(params, x_t, t, cond)  velocity ``[B, C, T, H, W]``; remat and compute dtype are fixed by the config
-    normalize(latents)           VAE latents -> the DiT's input scale (per-channel ``(x - mean) / std``)
-    denormalize(latents)         the inverse, before a VAE decode
-    pipeline_files(folder)       optional: writes the family's pipeline files (``model_index.json``, ``scheduler/``,
-                                 ...) into an exported folder beside ``transformer/``; None writes none
-    layout                       the shard layout (``fvx.sharding.plan``) when built on a device mesh, else None: then
-                                 ``initial_params`` returns this rank's local shards and ``apply`` takes them (each
-                                 block gathers its own); ``init``/``load``/``export`` still speak full params
-    compile_stats                the ``fvx.compile.CompileStats`` of the compiled blocks, or None when not compiled
-    memory_spec()                optional: an ``fvx.dry_run.ModelSpec`` (shapes from the skeleton, no weights) for
-                                 ``--dry-run``
-    param_dtypes(dtype)          optional: per param name, the dtype it is stored and computed in when the model runs
-                                 in ``dtype``: ``dtype``, except the params the family keeps in fp32 (diffusers'
-                                 ``_keep_in_fp32_modules``); how a method stores a frozen role in bf16
+    Params are *placed*: what ``init``, ``load`` and ``initial_params`` return is what ``apply`` takes, this rank's
+    local shards (an ``fvx.sharding.Shards``) when the model is built on a device mesh, else whole tensors. No
+    method places or casts params itself.
+
+    init(key) -> params             random fp32 params from an fvx key (tiny presets, tests)
+    load(folder) -> params          a local diffusers folder (a pipeline root or the component folder), fp32
+    initial_params(key, frozen=)    what a role starts from: ``load(path)`` when the config names a folder, else
+                                    ``init(key)``; ``frozen=True`` stores it in the config's ``frozen_dtype`` (bf16
+                                    but the modules diffusers keeps in fp32), detached: a teacher
+    apply(params, x_t, t, cond)     velocity ``[B, C, T, H, W]`` fp32; remat, compute dtype and compilation are the
+                                    config's
+    batch(raw) -> batch             a data batch as methods see it: ``latents``, ``sample_index``, ... and ``cond``,
+                                    the family's conditioning made from the data entries it reads (a ValueError
+                                    names a missing tensor and the family)
+    uncond(cond, mode, negative)    the unconditional cond for CFG: ``"zero"``, ``"keep"`` or ``"negative_prompt"``
+                                    (``negative``, a cond of one row from :attr:`load_cond`, expanded to the batch)
+    load_cond(path) -> (cond, captions)   a cond file (safetensors of the family's cond tensors, captions in its
+                                    metadata or None): negative prompts, validation prompts
+    export(params, folder)          whole params -> a diffusers pipeline folder: the family's component folders
+                                    (``transformer/``, ...) and pipeline files that ``from_pretrained`` loads
+    trainable(params) -> params     the params that train, sharing their tensors (all but ``frozen_names``): what a
+                                    method differentiates, optimises and keeps an EMA of
+    frozen_names                    params the config never trains (an expert left frozen), else empty
+    layout                          the shard layout on a mesh, else None
+    compile_stats                   the ``fvx.compile.CompileStats`` of the compiled units, or None
+    memory_spec()                   an ``fvx.memory.ModelSpec`` from the meta skeleton (``--dry-run``)
     """
 
     name: str
-    latent_channels: int
-    text_dim: int
+    latents: LatentSpace
+    cond: Mapping[str, tuple]  # cond tensor name -> its shape after the batch dim ("L": the text length)
     patch_size: tuple[int, int, int]
     init: Callable[[torch.Tensor], Params]
     load: Callable[[str], Params]
-    export: Callable[[Params, str], None]
-    initial_params: Callable[[torch.Tensor], Params]
+    initial_params: Callable[..., Params]
     apply: Callable[[Params, torch.Tensor, torch.Tensor, Cond], torch.Tensor]
-    normalize: Callable[[torch.Tensor], torch.Tensor]
-    denormalize: Callable[[torch.Tensor], torch.Tensor]
-    pipeline_files: Callable[[str], None] | None = None
+    batch: Callable[[Mapping[str, Any]], dict[str, Any]]
+    uncond: Callable[..., dict[str, torch.Tensor]]
+    load_cond: Callable[[str], tuple[dict[str, torch.Tensor], tuple[str, ...] | None]]
+    export: Callable[[Params, str], None]
+    memory_spec: Callable[[], Any]
+    trainable: Callable[[Params], Params]
+    frozen_names: frozenset[str] = frozenset()
     layout: Mapping[str, Any] | None = None
     compile_stats: Any = None
-    memory_spec: Callable[[], Any] | None = None
-    param_dtypes: Callable[[torch.dtype], dict[str, torch.dtype]] | None = None
+
+    @property
+    def latent_channels(self) -> int:
+        return self.latents.channels
+
+    def normalize(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.latents.normalize(latents)
+
+    def denormalize(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.latents.denormalize(latents)
 
     def check_latents(self, shape: tuple[int, ...], where: str = "latents") -> None:
         """Raise a ValueError naming both shapes unless ``shape`` is ``[B, C, T, H, W]`` that this model accepts."""
         ok = (
             len(shape) == 5
-            and shape[1] == self.latent_channels
+            and shape[1] == self.latents.channels
             and all(size % patch == 0 for size, patch in zip(shape[2:], self.patch_size))
         )
         if not ok:
             raise ValueError(
                 f"{where} of shape {tuple(shape)} do not fit model {self.name}: it takes [B, C, T, H, W] with "
-                f"C = {self.latent_channels} and T, H, W divisible by the patch size {self.patch_size}"
+                f"C = {self.latents.channels} and T, H, W divisible by the patch size {self.patch_size}"
             )
+
+
+def check_shared_data(models: Mapping[str, Model], *, data_role: str) -> None:
+    """A ValueError naming both roles' models unless every model takes the latent space and conditioning of
+    ``models[data_role]`` (the one the data is for): a teacher and a student must denoise the same latents from the
+    same text embeddings. Checked from the configs alone, before any weight loads."""
+    data = models[data_role]
+    for role, model in models.items():
+        if model.latents != data.latents:
+            raise ValueError(f"roles {data_role!r} ({data.name}) and {role!r} ({model.name}) denoise different latent "
+                             f"spaces: {_latent_summary(data.latents)} vs {_latent_summary(model.latents)}")
+        if dict(model.cond) != dict(data.cond):
+            raise ValueError(f"roles {data_role!r} ({data.name}) and {role!r} ({model.name}) take different "
+                             f"conditioning: {dict(data.cond)} vs {dict(model.cond)}")
+
+
+def _latent_summary(space: LatentSpace) -> str:
+    stats = "per-channel statistics" if space.mean is not None or space.std is not None else "no statistics"
+    what = f"{space.channels} channels, {stats}"
+    if space.mean is not None:
+        what += f" (mean[0] {space.mean[0]}, std[0] {space.std[0] if space.std else 1})"
+    if space.scale != 1.0:
+        what += f", scale {space.scale}"
+    return what + (f", VAE {space.vae}" if space.vae else "")

@@ -10,6 +10,8 @@ import os
 import pathlib
 import time
 
+import msgspec
+
 from fvx import checkpoint
 from fvx.checkpoint import CheckpointConfig
 from fvx.data import DataConfig, SyntheticConfig
@@ -30,16 +32,16 @@ def _signal_and_hang() -> None:
 class FaultyFinetune(Finetune, tag="faulty_finetune"):
     nan_at_step: int | None = None
 
-    def build(self, model, *, total_steps):
-        program = super().build(model, total_steps=total_steps)
+    def build(self, models, *, total_steps):
+        program = super().build(models, total_steps=total_steps)
 
-        def step_(state, batch):
+        def step_(state, frozen, batch):
             step = int(state.step)
             if HANG_AT_STEP is not None and step == int(HANG_AT_STEP):
                 _signal_and_hang()
             if step == self.nan_at_step:
                 batch = {**batch, "latents": batch["latents"] * float("nan")}
-            return program.step_(state, batch)
+            return program.step_(state, frozen, batch)
 
         return program._replace(step_=step_)
 
@@ -56,7 +58,7 @@ if HANG_IN_SAVE is not None:
 
 
 class FaultyExperiment(Experiment):
-    model: WanConfig = WanConfig()
+    models: dict[str, WanConfig] = msgspec.field(default_factory=lambda: {"student": WanConfig()})
     method: FaultyFinetune = FaultyFinetune()
 
 
@@ -65,7 +67,7 @@ config = FaultyExperiment(
                   checkpoint=CheckpointConfig(every=2, keep_latest=None)),
     data=DataConfig(batch_size=4, prefetch=1, synthetic=SyntheticConfig(num_samples=12, latent_shape=(16, 1, 4, 4),
                                                                         text_len=8, text_dim=32)),
-    model=WanConfig(preset="tiny"),
+    models={"student": WanConfig(preset="tiny")},
     # A schedule that does not depend on run.steps, so a run of 4 steps resumed with --steps 8 is the run of 8 steps.
     method=FaultyFinetune(grad_accum=2, optim=AdamWConfig(lr=1e-3, weight_decay=0.01, warmup_steps=2,
                                                           schedule="constant_with_warmup")),

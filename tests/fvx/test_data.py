@@ -134,7 +134,7 @@ def test_reads_a_file_built_by_hand_in_fastvideo_layout(tmp_path):
 def test_text_only_kind_reads_text_only_and_t2v_files(tmp_path, t2v_folder):
     root, samples = t2v_folder
     batch = open_parquet(root, kind="text_only", text_len=8).read([4])
-    assert set(batch) == {"text", "text_mask", "index", "caption"}
+    assert set(batch) == {"text", "text_mask", "cfg_dropped", "index", "caption"}
     assert torch.equal(batch["text"][0], expected_text(samples[4]["text"], 8)[0])
     text_samples = make_samples(5, 3, latents=False)
     data.write_parquet(tmp_path / "t.parquet", text_samples, kind="text_only")

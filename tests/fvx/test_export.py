@@ -44,7 +44,7 @@ def assert_loads_exactly(folder: pathlib.Path, params: dict) -> None:
 def test_export_round_trips_through_from_pretrained(run_dir, tmp_path, capsys, args, step, part):
     out = tmp_path / "exported"
     assert run.main(["export", str(run_dir), "--out", str(out), *args]) == 0
-    assert f"at step {step} to {out}/transformer" in capsys.readouterr().out
+    assert f"at step {step} to {out} (transformer, model_index.json, scheduler/)" in capsys.readouterr().out
     assert_loads_exactly(out, stored(run_dir, step, part))
     manifest = json.loads((out / "fvx_export.json").read_text())
     assert manifest == {"run": str(run_dir), "step": step, "role": "student", "ema": part == "ema"}

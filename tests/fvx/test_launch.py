@@ -53,7 +53,7 @@ def runs(tmp_path_factory):
     """(2-process, 1-process) run folders: eager (saving checkpoints 2 and 3), and remat with compiled blocks."""
     base = tmp_path_factory.mktemp("launch")
     variants = {"eager": ("run.checkpoint.every=2", "run.checkpoint.final=true"),
-                "remat_compiled": ("model.remat=true", "model.compile=blocks", "model.compile_backend=aot_eager")}
+                "remat_compiled": ("models.student.remat=true", "models.student.compile=blocks", "models.student.compile_backend=aot_eager")}
     folders = {}
     for name, overrides in variants.items():
         launch2(base / f"{name}2", *overrides)
@@ -119,11 +119,11 @@ def test_a_two_process_checkpoint_resumes_on_one_process_and_continues_to_match(
 
 
 def test_dry_run_prints_per_role_bytes_per_rank_from_shapes(capsys):
-    assert run.main([EXPERIMENT, "--dry-run", "--world", "4", "--video", "33x256x256", "model.preset=wan2.1-t2v-1.3b",
-                     "model.remat=true", "model.compute_dtype=bf16", "data.batch_size=8"]) == 0
+    assert run.main([EXPERIMENT, "--dry-run", "--world", "4", "--video", "33x256x256", "models.student.preset=wan2.1-t2v-1.3b",
+                     "models.student.remat=true", "models.student.compute_dtype=bf16", "data.batch_size=8"]) == 0
     out = capsys.readouterr().out
     assert "wan:wan2.1-t2v-1.3b: 4 ranks" in out and "9x32x32 = 2304 tokens" in out and "2 sample(s) per rank" in out
-    shapes = {n: tuple(p.shape) for n, p in wan.skeleton("wan2.1-t2v-1.3b").named_parameters()}
+    shapes = wan.WanConfig(preset="wan2.1-t2v-1.3b").build().memory_spec().shapes
     numel = sum(math.prod(s) for s in shapes.values())
     row = next(line for line in out.splitlines() if line.startswith("student")).split()[1:]
     params, grads, adamw, ema, total = (float(v) for v in row)
@@ -133,13 +133,13 @@ def test_dry_run_prints_per_role_bytes_per_rank_from_shapes(capsys):
 
 def test_dry_run_estimate_counts_micro_batches_and_rejects_bad_input():
     spec = wan.WanConfig(preset="tiny").build().memory_spec()
-    role = memory.Role("student", spec.shapes, trainable=True)
-    whole, _ = dry_run.estimate(spec, dry_run.Plan((role,)), world=2, replicate=1, video=(17, 64, 64), global_batch=8)
-    halves, _ = dry_run.estimate(spec, dry_run.Plan((role,), micro_batches=2), world=2, replicate=1,
+    role = memory.Role("student", spec, trainable=True)
+    whole, _ = dry_run.estimate(dry_run.Plan((role,)), world=2, replicate=1, video=(17, 64, 64), global_batch=8)
+    halves, _ = dry_run.estimate(dry_run.Plan((role,), micro_batches=2), world=2, replicate=1,
                                  video=(17, 64, 64), global_batch=8)
     assert whole.roles == halves.roles and whole.activations == 2 * halves.activations
     with pytest.raises(ValueError, match="not divisible by --world 3"):
-        dry_run.estimate(spec, dry_run.Plan((role,)), world=3, replicate=1, video=(17, 64, 64), global_batch=8)
+        dry_run.estimate(dry_run.Plan((role,)), world=3, replicate=1, video=(17, 64, 64), global_batch=8)
     with pytest.raises(ValueError, match="FRAMESxHEIGHTxWIDTH"):
         dry_run.parse_video("17x64")
 

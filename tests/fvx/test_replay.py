@@ -109,8 +109,8 @@ def test_skip_halts_when_the_method_applied_a_non_finite_update(tmp_path):
     prepared = loop.prepare(config)
     guarded = prepared.setup.program.step_
 
-    def unguarded(state, batch):
-        state, metrics = guarded(state, batch)
+    def unguarded(state, frozen, batch):
+        state, metrics = guarded(state, frozen, batch)
         metrics.pop(NONFINITE, None)
         return state, metrics
 

@@ -32,16 +32,16 @@ def test_same_seed_gives_bit_identical_logged_losses(tmp_path):
 def test_help_lists_fields_with_defaults(capsys):
     assert run.main([EXPERIMENT, "--help"]) == 0
     out = capsys.readouterr().out
-    assert "method.optim.lr" in out and "model.preset" in out and "'tiny'" in out
+    assert "method.optim.lr" in out and "models.student.preset" in out and "'tiny'" in out
 
 
 @pytest.mark.parametrize("args, message", [
     (["method.optim.lrr=1e-3"], "did you mean 'method.optim.lr'"),
     (["method.optim.lr=fast"], "$.method.optim.lr"),
-    (["model.preset=wan-giant"], "wan2.1-t2v-1.3b"),
+    (["models.student.preset=wan-giant"], "wan2.1-t2v-1.3b"),
     (["data.path=/nonexistent/data"], "/nonexistent/data"),
     (["data.synthetic.latent_shape=[4,1,8,8]"], "(2, 4, 1, 8, 8)"),
-    (["model.path=/nonexistent/model"], "/nonexistent/model"),
+    (["models.student.path=/nonexistent/model"], "/nonexistent/model"),
     (["steps"], "not an override"),
 ])
 def test_bad_input_is_one_clear_error_and_writes_nothing(tmp_path, capsys, args, message):

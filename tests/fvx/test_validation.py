@@ -9,6 +9,8 @@ from PIL import Image
 from fvx import config as fconfig
 from fvx import data, random, tracking, validation
 from fvx.validation import ValidationConfig
+from fvx_models import cond as fcond
+from fvx_models.wan import WanConfig
 from fvx_models.wan_vae import WanVAEConfig
 
 SHAPE = (2, 16, 2, 4, 4)  # [N, C, T, H, W]
@@ -17,6 +19,12 @@ SHAPE = (2, 16, 2, 4, 4)  # [N, C, T, H, W]
 @pytest.fixture(scope="module")
 def vae():
     return WanVAEConfig().build(random.key(0))
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The tiny Wan: its cond is text [N, L, 32] and text_mask [N, L]."""
+    return WanConfig().build()
 
 
 def linear_velocity(params, x_t, t, cond):
@@ -32,7 +40,7 @@ def gif_frames(data_bytes: bytes) -> Image.Image:
 
 
 class BlankingDataset:
-    """Texts i * ones; sample 1's text is blanked as CFG dropout blanks it (zeros under a nonzero mask)."""
+    """Texts i * ones; sample 1's text is blanked as CFG dropout blanks it (and flagged, as fvx.data flags it)."""
 
     def __init__(self, n=4):
         self.n = n
@@ -41,8 +49,9 @@ class BlankingDataset:
         return self.n
 
     def read(self, indices):
-        text = torch.stack([torch.full((3, 2), float(i + 1)) * (i != 1) for i in indices])
+        text = torch.stack([torch.full((3, 32), float(i + 1)) * (i != 1) for i in indices])
         return {"text": text, "text_mask": torch.ones(len(indices), 3), "caption": [f"c{i}" for i in indices],
+                "cfg_dropped": torch.tensor([i == 1 for i in indices]),
                 "latents": torch.zeros(len(indices), 16, 3, 4, 6)}
 
 
@@ -190,51 +199,56 @@ def test_latent_preview_by_hand():
 # ---------------------------------------------------------------------------------------------------------- prompts
 
 
-def test_prompts_from_the_dataset_skip_cfg_blanked_samples():
-    prompts = validation.read_prompts(ValidationConfig(num_prompts=3), BlankingDataset(), text_dim=2)
-    assert [row[0, 0].item() for row in prompts.text] == [1.0, 3.0, 4.0]
-    assert prompts.captions == ("c0", "c2", "c3") and prompts.text_mask.shape == (3, 3)
+def test_prompts_from_the_dataset_skip_cfg_blanked_samples(model):
+    prompts = validation.read_prompts(ValidationConfig(num_prompts=3), BlankingDataset(), model)
+    assert [row[0, 0].item() for row in prompts.cond["text"]] == [1.0, 3.0, 4.0]
+    assert prompts.captions == ("c0", "c2", "c3") and prompts.cond["text_mask"].shape == (3, 3) and prompts.count == 3
     with pytest.raises(ValueError, match="only 3 samples"):
-        validation.read_prompts(ValidationConfig(num_prompts=4), BlankingDataset())
-    with pytest.raises(ValueError, match="are 2 wide, but the model takes text_dim=5"):
-        validation.read_prompts(ValidationConfig(num_prompts=1), BlankingDataset(), text_dim=5)
+        validation.read_prompts(ValidationConfig(num_prompts=4), BlankingDataset(), model)
 
 
-def test_prompts_and_latent_shape_from_a_synthetic_dataset(key):
+def test_prompts_and_latent_shape_from_a_synthetic_dataset(key, model):
     config = data.DataConfig(text_len=6, synthetic=data.SyntheticConfig(num_samples=5, latent_shape=(16, 2, 4, 6),
-                                                                        text_len=4, text_dim=8))
+                                                                        text_len=4, text_dim=32))
     dataset = data.open_dataset(config, key)
-    prompts = validation.read_prompts(ValidationConfig(num_prompts=2), dataset)
+    prompts = validation.read_prompts(ValidationConfig(num_prompts=2), dataset, model)
     expected = dataset.read([0, 1])
-    assert torch.equal(prompts.text, expected["text"]) and torch.equal(prompts.text_mask, expected["text_mask"])
-    assert torch.equal(prompts.cond()["text"], expected["text"])
+    assert torch.equal(prompts.cond["text"], expected["text"])
+    assert torch.equal(prompts.cond["text_mask"], expected["text_mask"])
     assert validation.latent_shape(ValidationConfig(), dataset) == (16, 2, 4, 6)
     assert validation.latent_shape(ValidationConfig(latent_shape=(16, 1, 2, 2)), dataset) == (16, 1, 2, 2)
     text_only = data.open_dataset(msgspec.structs.replace(config, kind="text_only"), key)
     with pytest.raises(ValueError, match="latent_shape must be set for data without latents"):
         validation.latent_shape(ValidationConfig(), text_only)
+    narrow = data.open_dataset(msgspec.structs.replace(config, synthetic=msgspec.structs.replace(
+        config.synthetic, text_dim=8)), key)
+    with pytest.raises(ValueError, match=r"wan: the batch's cond\['text'\] must be \[B, L, 32\], got \[2, 6, 8\]"):
+        validation.read_prompts(ValidationConfig(num_prompts=2), narrow, model)
 
 
-def test_prompts_file_round_trip_and_errors(tmp_path, key):
+def test_prompts_file_is_a_cond_file_of_the_models_family(tmp_path, key, model):
     path = tmp_path / "prompts.safetensors"
-    text, mask = random.normal(key, (3, 4, 8)), torch.tensor([[1.0, 1, 0, 0]] * 3)
-    validation.save_prompts(path, text, mask, captions=["a", "b", "c"])
-    prompts = validation.read_prompts(ValidationConfig(num_prompts=2, prompts_file=str(path)), text_dim=8)
-    assert torch.equal(prompts.text, text[:2]) and torch.equal(prompts.text_mask, mask[:2])
+    text, mask = random.normal(key, (3, 4, 32)), torch.tensor([[1.0, 1, 0, 0]] * 3)
+    fcond.save(path, {"text": text, "text_mask": mask}, captions=["a", "b", "c"])
+    prompts = validation.read_prompts(ValidationConfig(num_prompts=2, prompts_file=str(path)), None, model)
+    assert torch.equal(prompts.cond["text"], text[:2]) and torch.equal(prompts.cond["text_mask"], mask[:2])
     assert prompts.captions == ("a", "b")
-    validation.save_prompts(tmp_path / "bare.safetensors", text)
-    bare = validation.load_prompts(tmp_path / "bare.safetensors")
-    assert torch.equal(bare.text_mask, torch.ones(3, 4)) and bare.captions is None
+    fcond.save(tmp_path / "bare.safetensors", {"text": text})  # no mask: all ones, as the family's default
+    bare, captions = model.load_cond(str(tmp_path / "bare.safetensors"))
+    assert torch.equal(bare["text_mask"], torch.ones(3, 4)) and captions is None
     with pytest.raises(ValueError, match="holds only 3 prompts"):
-        validation.read_prompts(ValidationConfig(num_prompts=4, prompts_file=str(path)))
+        validation.read_prompts(ValidationConfig(num_prompts=4, prompts_file=str(path)), None, model)
     with pytest.raises(ValueError, match="does not exist"):
-        validation.read_prompts(ValidationConfig(prompts_file=str(tmp_path / "nope.safetensors")))
+        validation.read_prompts(ValidationConfig(prompts_file=str(tmp_path / "nope.safetensors")), None, model)
     with pytest.raises(ValueError, match="set validation.prompts_file or pass the dataset"):
-        validation.read_prompts(ValidationConfig())
+        validation.read_prompts(ValidationConfig(), None, model)
     from safetensors.torch import save_file
     save_file({"embeddings": text}, tmp_path / "wrong.safetensors")
-    with pytest.raises(ValueError, match="has no 'text' tensor"):
-        validation.load_prompts(tmp_path / "wrong.safetensors")
+    with pytest.raises(ValueError, match=r"it takes text \[B, L, 32\], text_mask \[B, L\].*holds \['embeddings'\]"):
+        model.load_cond(str(tmp_path / "wrong.safetensors"))
+    save_file({"text": text[..., :8].contiguous()}, tmp_path / "narrow.safetensors")
+    with pytest.raises(ValueError, match=r"must be \[B, L, 32\], got \[3, 4, 8\]"):
+        model.load_cond(str(tmp_path / "narrow.safetensors"))
     (tmp_path / "garbage.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="not a readable safetensors file"):
-        validation.load_prompts(tmp_path / "garbage.safetensors")
+        model.load_cond(str(tmp_path / "garbage.safetensors"))

@@ -16,17 +16,18 @@ STEPS = 3
 
 def batch(step: int) -> dict:
     k = random.split(random.key(100 + step), 2)
-    return {"latents": random.normal(k[0], (2, 16, 2, 4, 4)), "text": random.normal(k[1], (2, 8, 32)),
-            "text_mask": torch.ones(2, 8), "sample_index": torch.arange(2 * step, 2 * step + 2)}
+    return {"latents": random.normal(k[0], (2, 16, 2, 4, 4)), "sample_index": torch.arange(2 * step, 2 * step + 2),
+            "cond": {"text": random.normal(k[1], (2, 8, 32)), "text_mask": torch.ones(2, 8)}}
 
 
 def train(compile: str, remat: bool) -> tuple[list, fstate.TrainState, object]:
     """(per-step metrics, final state, the model) of STEPS fine-tuning steps of the tiny Wan."""
     model = wan.WanConfig(preset="tiny", remat=remat, compile=compile, compile_backend="aot_eager").build()
-    program = finetune.Finetune(optim=AdamWConfig(lr=1e-3, weight_decay=0.01)).build(model, total_steps=STEPS)
+    program = finetune.Finetune(optim=AdamWConfig(lr=1e-3, weight_decay=0.01)).build({"student": model},
+                                                                                    total_steps=STEPS)
     state, metrics = program.init(random.key(0)), []
     for step in range(STEPS):
-        state, m = program.step_(state, batch(step))
+        state, m = program.step_(state, {}, batch(step))
         metrics.append(m)
     return metrics, state, model
 
@@ -55,7 +56,8 @@ def test_bad_compile_mode_names_the_field():
 def test_memory_spec_describes_the_preset_from_its_skeleton():
     spec = wan.WanConfig(preset="wan2.1-t2v-1.3b", compute_dtype="bf16", remat=True).build().memory_spec()
     assert spec.units == tuple(f"blocks.{i}." for i in range(30)) and spec.vae_stride == (4, 8, 8)
-    assert (spec.dims.dim, spec.dims.ffn_dim, spec.dims.layers, spec.dims.text_len) == (1536, 8960, 30, 512)
-    assert spec.compute_bytes == 2 and spec.remat
+    (blocks,) = spec.groups
+    assert (spec.dim, blocks.ffn_dim, blocks.count, spec.text_len) == (1536, 8960, 30, 512)
+    assert spec.compute_bytes == 2 and spec.remat and spec.frozen_bytes == 2
     assert 1.2e9 < sum(math.prod(s) for s in spec.shapes.values()) < 1.5e9
     assert spec.shapes["blocks.0.ffn.net.0.proj.weight"] == (8960, 1536)

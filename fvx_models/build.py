@@ -1,0 +1,265 @@
+"""The generic builder: any family's spec (``fvx_models.family.Family``) and config -> the :class:`Model` methods see.
+
+``ModelConfig`` holds the knobs every family shares: the preset, a local diffusers folder to start from, remat, the
+compute dtype, how a frozen role is stored, and how units run (eagerly, or ``compile="blocks"``: one compiled
+function per unit group). A family's config subclasses it (adding its own knobs) and names its spec in the class
+variable ``family``. :func:`build` applies, in order and the same way to every family: the meta skeleton, remat
+(``fvx.grad.remat`` through diffusers' gradient checkpointing), the unit groups, sharding over a device mesh (per-unit
+gathers in the compute dtype), and compilation (``fvx.compile``), as torchtitan applies ``apply_ac``,
+``apply_compile`` and ``apply_fsdp`` to any model.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, ClassVar, Literal, Mapping
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from fvx import compile as fvx_compile
+from fvx import grad as fvx_grad
+from fvx import memory, sharding, tree
+from fvx.config import Config
+from fvx_models import cond as fcond
+from fvx_models import diffusers_folder as dfolder
+from fvx_models.family import Family, Preset, init_params
+from fvx_models.model import Model, Params
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class ModelConfig(Config):
+    """A model of some family: ``preset`` (an architecture of the family), ``path`` (a local diffusers pipeline root
+    or component folder to start from; None: random init from the run's keys), ``remat`` (recompute each unit's
+    activations in the backward), ``compute_dtype`` (params and activations are cast inside the call; masters stay
+    fp32), ``frozen_dtype`` (how a role that never trains stores this model: bf16 halves a teacher, except the
+    modules diffusers keeps in fp32), and ``compile``: ``"none"`` runs units eagerly, ``"blocks"`` through one
+    ``torch.compile``'d function per unit group (``compile_backend`` "inductor", or "aot_eager" to check numerics
+    without codegen)."""
+
+    family: ClassVar[Family]
+
+    preset: str = "tiny"
+    path: str | None = None
+    remat: bool = False
+    compute_dtype: Literal["fp32", "bf16"] = "fp32"
+    frozen_dtype: Literal["fp32", "bf16"] = "bf16"
+    compile: fvx_compile.Mode = "none"
+    compile_backend: str = "inductor"
+
+    def __post_init__(self) -> None:
+        self.family.preset(self.preset)
+
+    @property
+    def spec(self) -> Preset:
+        return self.family.preset(self.preset)
+
+    def frozen(self, name: str) -> bool:
+        """Whether param ``name`` never trains under this config (a family may freeze a part, e.g. an expert)."""
+        return False
+
+    def build(self, *, mesh: Any = None) -> Model:
+        """The :class:`Model` of this config: a skeleton built now, params sharded over ``mesh`` when given."""
+        return build(self, mesh=mesh)
+
+
+# ---------------------------------------------------------------------------------------------------------- pieces
+
+
+def skeleton(config: ModelConfig) -> nn.Module:
+    """The family's meta skeleton with remat installed when the config asks for it (effective only under grad)."""
+    module = config.family.skeleton(config)
+    if config.remat:
+        for part in module.modules():
+            if getattr(part, "_supports_gradient_checkpointing", False):
+                part.enable_gradient_checkpointing(fvx_grad.remat)
+    return module
+
+
+def unit_groups(family: Family, module: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Group name -> the unit prefixes of its ModuleLists (``"blocks.0."``, ...)."""
+    groups = {}
+    for name, paths in family.unit_groups.items():
+        units = tuple(f"{path}.{i}." for path in paths for i in range(len(module.get_submodule(path))))
+        if units:
+            groups[name] = units
+    return groups
+
+
+def fp32_kept(module: nn.Module) -> frozenset[str]:
+    """The params diffusers keeps in fp32 under a low-precision dtype (each component's ``_keep_in_fp32_modules``,
+    matched against the parts of the param's name within that component, as diffusers does)."""
+    kept = set()
+    for prefix, part in module.named_modules():
+        keep = getattr(type(part), "_keep_in_fp32_modules", None) or ()
+        if not keep:
+            continue
+        start = f"{prefix}." if prefix else ""
+        for name, _ in part.named_parameters():
+            if any(piece in keep for piece in name.split(".")):
+                kept.add(start + name)
+    return frozenset(kept)
+
+
+def dtypes_for(module: nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """Per param, the dtype it is stored or computed in under ``dtype``: fp32 for the params diffusers keeps in fp32."""
+    kept = fp32_kept(module)
+    return {name: torch.float32 if name in kept else dtype for name, _ in module.named_parameters()}
+
+
+def place(params: Params, *, mesh: Any, layout: sharding.Layout | None,
+          dtypes: Mapping[str, torch.dtype] | None = None) -> Params:
+    """Whole params as the step takes them: this rank's ``Shards`` on ``mesh`` (in ``dtypes``), or cast."""
+    if mesh is not None:
+        return sharding.shard(params, mesh, layout=layout, dtype=dtypes)
+    if dtypes is None:
+        return params
+    return {name: p.to(dtypes[name]) for name, p in params.items()}
+
+
+def _check_inputs(who: str, config: ModelConfig, spec: fcond.Spec, x_t: Any, t: Any, cond: Any) -> None:
+    preset = config.spec
+    channels, patch = preset.latents.channels, _patch(config)
+    if not (isinstance(x_t, torch.Tensor) and x_t.dim() == 5 and x_t.shape[1] == channels
+            and all(size % p == 0 for size, p in zip(x_t.shape[2:], patch))):
+        got = tuple(x_t.shape) if isinstance(x_t, torch.Tensor) else type(x_t).__name__
+        raise ValueError(f"{who} apply: x_t must be [B, {channels}, T, H, W] with T, H, W divisible by {patch}, "
+                         f"got {got}")
+    batch = x_t.shape[0]
+    if not (isinstance(t, torch.Tensor) and tuple(t.shape) == (batch,)):
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{who} apply: t must be a tensor of shape [{batch}] (one timestep per sample), got {got}")
+    fcond.check(cond, spec, who, batch=batch)
+
+
+def _patch(config: ModelConfig) -> tuple[int, int, int]:
+    kwargs = config.spec.kwargs
+    patch = kwargs.get("patch_size")
+    if isinstance(patch, int):  # HunyuanVideo: spatial patch_size and patch_size_t
+        return (kwargs.get("patch_size_t", 1), patch, patch)
+    return tuple(patch)
+
+
+# ----------------------------------------------------------------------------------------------------------- apply
+
+
+def apply(config: ModelConfig, module: nn.Module, spec: fcond.Spec, params: Params, x_t: torch.Tensor,
+          t: torch.Tensor, cond: Mapping[str, torch.Tensor], *, compute_dtypes: Mapping[str, torch.dtype] | None,
+          layout: sharding.Layout | None, group: sharding.Group | None) -> torch.Tensor:
+    """Flow velocity fp32 ``[B, C, T, H, W]`` of latents ``x_t [B, C, T, H, W]`` at ``t [B]`` (0..1000) under
+    ``cond``. Under a compute dtype, params (but the fp32-kept) and the float inputs are cast inside the call;
+    gradients reach the caller's params in their own dtype; ``t`` stays fp32 (bf16 cannot hold 999). Params may be
+    stored lower than they compute in (a bf16 teacher under fp32 compute computes from its bf16-rounded weights).
+    Sharded (``layout``): ``params`` are this rank's shards and each unit gathers its own in the compute dtype."""
+    family = config.family
+    _check_inputs(family.name, config, spec, x_t, t, cond)
+    dtype = DTYPES[config.compute_dtype]
+    x_t, cond = x_t.to(dtype), fcond.to(cond, dtype=dtype)
+    kwargs = family.inputs(config, x_t, t.to(torch.float32), cond, layout is not None)
+    buffers = {name: b.to(x_t.device) for name, b in module.named_buffers()}
+    if layout is not None:
+        out = sharding.sharded_call(module, params, buffers, (), kwargs, layout=layout, group=group,
+                                    compute_dtypes=compute_dtypes)
+    else:  # a cast to a param's own dtype is free (the same tensor)
+        params = {name: p.to(compute_dtypes[name]) for name, p in params.items()}
+        out = functional_call(module, (params, buffers), (), kwargs, strict=True)
+    return family.output(out).float()
+
+
+# ----------------------------------------------------------------------------------------------------------- build
+
+
+def build(config: ModelConfig, *, mesh: Any = None) -> Model:
+    """The :class:`Model` of ``config`` (module docstring): every function bound to one skeleton built now."""
+    family, preset = config.family, config.spec
+    who = f"{family.name}:{config.preset}"
+    module = skeleton(config)
+    groups = unit_groups(family, module)
+    shapes = dfolder.param_shapes(module)
+    dtype = DTYPES[config.compute_dtype]
+    compute_dtypes = dtypes_for(module, dtype)
+    layout = group = None
+    if mesh is not None:
+        group = sharding.group_of(mesh)
+        layout = sharding.plan(shapes, group.shard_size)
+    stats = None
+    if config.compile != "none" or layout is not None:
+        gathers = None if layout is None else {
+            name: sharding.unit_gather(layout, units, group, compute_dtypes) for name, units in groups.items()}
+        stats = fvx_compile.install_units(module, groups, mode=config.compile, gathers=gathers,
+                                          backend=config.compile_backend)
+    spec = dict(family.cond_spec(config))
+    placed = functools.partial(place, mesh=mesh, layout=layout)
+    frozen_names = frozenset(name for name in shapes if config.frozen(name))
+
+    def init(key: torch.Tensor) -> Params:
+        return placed(init_params(module, key, family.init_rules, family.name))
+
+    def load(folder: str) -> Params:
+        return placed(dfolder.read_params(folder, module, family.components, f"{family.name} load"))
+
+    def initial_params(key: torch.Tensor, *, frozen: bool = False) -> Params:
+        dtypes = dtypes_for(module, DTYPES[config.frozen_dtype]) if frozen else None
+        full = (dfolder.read_params(config.path, module, family.components, f"{family.name} load")
+                if config.path is not None else init_params(module, key, family.init_rules, family.name))
+        params = placed(full, dtypes=dtypes)
+        return tree.map_tensors(torch.Tensor.detach, params) if frozen else params
+
+    def export(params: Params, folder: str, dtype: torch.dtype | None = None) -> None:
+        kept = fp32_kept(module)
+        pipeline = None if family.pipeline_files is None else functools.partial(family.pipeline_files, config)
+        dfolder.write_folder(params, folder, module, family.components, f"{family.name} export",
+                             dtype_of=lambda name: None if dtype is None else (torch.float32 if name in kept else dtype),
+                             pipeline_files=pipeline)
+
+    def memory_spec() -> memory.ModelSpec:
+        root_dim, widths = family.widths(config)
+        activations = {**family.activations, **preset.options.get("activations", {})}
+        unit_specs = tuple(memory.UnitGroup(name, len(units), *widths[name], activations[name],
+                                            text_tokens=name in family.text_groups) for name, units in groups.items())
+        return memory.ModelSpec(shapes=shapes, units=tuple(u for units in groups.values() for u in units),
+                                groups=unit_specs, dim=root_dim, text_len=preset.text_len,
+                                vae_stride=preset.latents.vae_stride, patch=_patch(config),
+                                compute_bytes=dtype.itemsize, remat=config.remat,
+                                frozen_bytes=DTYPES[config.frozen_dtype].itemsize)
+
+    return Model(
+        name=who,
+        latents=preset.latents,
+        cond=spec,
+        patch_size=_patch(config),
+        init=init,
+        load=load,
+        initial_params=initial_params,
+        apply=functools.partial(apply, config, module, spec, compute_dtypes=compute_dtypes, layout=layout,
+                                group=group),
+        batch=functools.partial(_model_batch, config, spec),
+        uncond=functools.partial(fcond.uncond, zero=family.zero_cond),
+        load_cond=lambda path: fcond.load(path, spec, family.name, defaults=family.cond_defaults),
+        export=export,
+        memory_spec=memory_spec,
+        trainable=functools.partial(_trainable, frozen_names),
+        frozen_names=frozen_names,
+        layout=layout,
+        compile_stats=None if config.compile == "none" else stats,
+    )
+
+
+def _trainable(frozen_names: frozenset[str], params: Params) -> Params:
+    """The params that train (all of them but ``frozen_names``), sharing their tensors."""
+    if not frozen_names:
+        return params
+    names = [name for name in params if name not in frozen_names]
+    if isinstance(params, sharding.Shards):
+        return params.select(names)
+    return {name: params[name] for name in names}
+
+
+def _model_batch(config: ModelConfig, spec: fcond.Spec, raw: Mapping[str, Any]) -> dict[str, Any]:
+    """A data batch as methods see it: the family's ``cond`` in place of the data entries it is made from."""
+    family = config.family
+    cond = family.cond_from_batch(config, raw)
+    fcond.check(cond, spec, family.name, where="the batch's cond")
+    return {**{key: value for key, value in raw.items() if key not in family.data_keys}, "cond": cond}
+

@@ -1,0 +1,142 @@
+"""A model family as a spec: what a family file declares about its architecture, and nothing else.
+
+A :class:`Family` holds the presets (the diffusers constructor's arguments, the latent space, the text length), how
+to build the meta skeleton, which diffusers pipeline components its params come from, its named groups of units
+(ModuleList paths: what compiles as one graph and gathers its shards as one unit), what a unit of each group saves
+for its backward, its conditioning spec, how a data batch becomes a ``cond``, how ``(x_t, t, cond)`` become the
+DiT's keyword arguments and how its output becomes a velocity. Sharding, remat, compute dtype, compilation and the
+diffusers folder I/O are generic (``fvx_models.build``, ``fvx_models.diffusers_folder``) and apply to any spec.
+
+Init. :func:`init_params` draws every param from ``fold_in(key, crc32(name))`` (so a param's values do not depend
+on what else the model holds) by PyTorch's default rules: Linear/Conv weights and biases ~ U(-1/sqrt(fan_in),
+1/sqrt(fan_in)), Embedding ~ N(0, 1), norm weights one and biases zero; a family adds rules for its own parameters
+(Wan's ``scale_shift_table``) by local name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from fvx import memory, random
+from fvx_models import cond as fcond
+from fvx_models.model import LatentSpace
+
+InitRule = Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]  # (key, shape) -> fp32 tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """One architecture of a family: the diffusers constructor's arguments (every one, so a folder's config.json
+    can be checked), its latent space, the text length its encoder pads to, and family facts of this preset
+    (``options``, e.g. Wan 2.2 TI2V's per-token timesteps; ``"activations"`` overrides the family's per group)."""
+
+    kwargs: Mapping[str, Any]
+    latents: LatentSpace
+    text_len: int
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """The spec of a model family (module docstring). Callables take the family's config (a
+    ``fvx_models.build.ModelConfig``), whose ``preset`` names one of ``presets``.
+
+    skeleton(config) -> module           params on meta, buffers real; no RNG read
+    components                           diffusers pipeline component -> the prefix of its params ("" for a model of
+                                         one component, "transformer." and "transformer_2." for two experts)
+    unit_groups                          group name -> ModuleList paths whose children are that group's units
+    activations                          group name -> what one unit saves per token (measured; fvx.memory)
+    widths(config) -> (dim, {group: (dim, ffn_dim)})   the root's and each group's widths, for the dry run
+    text_groups                          groups that run over the text tokens (a token refiner)
+    cond_spec(config) -> spec            the cond tensors and their shapes (fvx_models.cond)
+    cond_from_batch(config, batch)       a data batch's ``cond`` (a ValueError names a missing tensor)
+    data_keys                            the data batch's entries ``cond_from_batch`` reads (``fvx.data``'s names)
+    inputs(config, x_t, t, cond, sharded) -> kwargs   the DiT's forward arguments, inputs in the compute dtype
+    output(out) -> tensor                the DiT's output as the flow velocity ``noise - x0`` (default ``out[0]``)
+    zero_cond(cond) -> cond              the "zero" unconditional (default: every tensor zeroed)
+    cond_defaults                        cond tensors a cond file may leave out -> how to make them
+    init_rules                           param local name -> :data:`InitRule`, beside the default rules
+    pipeline_files(config, folder)       writes the pipeline's ``model_index.json`` and ``scheduler/`` beside the
+                                         exported components
+    """
+
+    name: str
+    presets: Mapping[str, Preset]
+    skeleton: Callable[[Any], nn.Module]
+    components: Mapping[str, str]
+    unit_groups: Mapping[str, tuple[str, ...]]
+    activations: Mapping[str, memory.BlockActivations]
+    widths: Callable[[Any], tuple[int, Mapping[str, tuple[int, int]]]]
+    cond_spec: Callable[[Any], fcond.Spec]
+    cond_from_batch: Callable[[Any, Mapping[str, Any]], dict[str, torch.Tensor]]
+    inputs: Callable[..., dict[str, Any]]
+    data_keys: tuple[str, ...] = ("text", "text_mask")
+    output: Callable[[Any], torch.Tensor] = lambda out: out[0]
+    zero_cond: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] = fcond.zeros
+    cond_defaults: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
+    init_rules: Mapping[str, InitRule] = dataclasses.field(default_factory=dict)
+    text_groups: frozenset[str] = frozenset()
+    pipeline_files: Callable[[Any, Any], None] | None = None
+
+    def preset(self, name: str) -> Preset:
+        if name not in self.presets:
+            raise ValueError(f"unknown {self.name} preset {name!r}; valid presets: {', '.join(self.presets)}")
+        return self.presets[name]
+
+
+def skeleton_of(module_class: type, kwargs: Mapping[str, Any], rebuild: Callable[[nn.Module], None] = lambda m: None
+                ) -> nn.Module:
+    """``module_class(**kwargs)`` with its params on meta (no RNG read), then ``rebuild`` (which re-creates the
+    submodules that hold buffers, e.g. RoPE tables, on the CPU); a RuntimeError if a buffer is left on meta."""
+    with torch.device("meta"):
+        module = module_class(**kwargs)
+    with torch.device("cpu"):
+        rebuild(module)
+    still_meta = [name for name, buffer in module.named_buffers() if buffer.is_meta]
+    if still_meta:
+        raise RuntimeError(f"{module_class.__name__} skeleton: buffers left on meta (diffusers changed?): {still_meta}")
+    return module
+
+
+def require(batch: Mapping[str, Any], names: tuple[str, ...], family: str, what: str) -> None:
+    """A ValueError naming the first of ``names`` the batch lacks, and the family that needs it."""
+    for name in names:
+        if name not in batch:
+            raise ValueError(f"{family} needs the batch tensor {name!r} ({what}), but the batch has "
+                             f"{sorted(k for k in batch if not k.startswith('_'))}")
+
+
+# ------------------------------------------------------------------------------------------------------------ init
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return any(cls.__name__.endswith("Norm") for cls in type(module).__mro__)
+
+
+def _default_rule(owner: nn.Module, local_name: str) -> InitRule | None:
+    if isinstance(owner, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        bound = 1.0 / math.sqrt(math.prod(owner.weight.shape[1:]))
+        return lambda key, shape: random.uniform(key, shape, minval=-bound, maxval=bound)
+    if isinstance(owner, nn.Embedding):
+        return lambda key, shape: random.normal(key, shape)
+    if _is_norm(owner):
+        return (lambda key, shape: torch.ones(shape)) if local_name == "weight" else (lambda key, shape: torch.zeros(shape))
+    return None
+
+
+def init_params(module: nn.Module, key: torch.Tensor, rules: Mapping[str, InitRule], who: str) -> dict[str, torch.Tensor]:
+    """Random fp32 params of ``module`` keyed like its state_dict (module docstring); no global RNG."""
+    params = {}
+    for module_name, owner in module.named_modules():
+        for local_name, param in owner.named_parameters(recurse=False):
+            name = f"{module_name}.{local_name}" if module_name else local_name
+            rule = rules.get(local_name) or _default_rule(owner, local_name)
+            if rule is None:
+                raise ValueError(f"{who} init: no rule for parameter {name!r} of a {type(owner).__name__}")
+            params[name] = rule(random.fold_in(key, zlib.crc32(name.encode())), tuple(param.shape))
+    return params

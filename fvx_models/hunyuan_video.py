@@ -1,0 +1,150 @@
+"""HunyuanVideo text-to-video (diffusers ``HunyuanVideoTransformer3DModel``): the family's spec.
+
+Three unit groups: 20 dual-stream blocks (video and text tokens apart, joint attention), 40 single-stream blocks (one
+concatenated sequence) and the text token refiner's blocks (run over the text tokens only). Conditioning: the LLaMA
+text embedding ``text [B, L, 4096]`` with its mask ``text_mask [B, L]`` (valid tokens first, as the pipeline's
+tokenizer pads), and CLIP's pooled embedding ``pooled [B, 768]``. FastVideo's Hunyuan data packs the pooled vector as
+row 0 of ``text_embedding``, zero-padded to the LLaMA width (``../shared/spec/fastvideo_train.md`` §3.3): row 0 is
+``pooled``, rows 1: are ``text``.
+
+The DiT predicts the flow velocity (its pipeline steps ``FlowMatchEulerDiscreteScheduler``). It is
+guidance-distilled: it embeds a guidance scale, which its pipeline passes as ``guidance_scale * 1000``
+(``HunyuanVideoConfig.embedded_guidance``, default the pipeline's 6.0). Latents are the HunyuanVideo VAE's scaled by
+its ``scaling_factor`` 0.476986, as FastVideo's plugin normalises them; FastVideo trains it with flow shift 7.
+"""
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Mapping
+
+import msgspec
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideoTransformer3DModel
+from typing_extensions import Annotated
+
+from fvx import memory
+from fvx_models import diffusers_folder as dfolder
+from fvx_models.build import ModelConfig
+from fvx_models.family import Family, Preset, require, skeleton_of
+from fvx_models.model import LatentSpace
+
+SCALING_FACTOR = 0.476986  # AutoencoderKLHunyuanVideo's scaling_factor
+LATENTS = LatentSpace(16, scale=SCALING_FACTOR, vae_stride=(4, 8, 8), vae="HunyuanVideo")
+FLOW_SHIFT = 7.0
+
+_HUNYUAN = dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128, num_layers=20,
+                num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2, patch_size_t=1,
+                qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096, pooled_projection_dim=768,
+                rope_theta=256.0, rope_axes_dim=(16, 56, 56), image_condition_type=None)
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset({**_HUNYUAN, "num_attention_heads": 2, "attention_head_dim": 32, "num_layers": 1,
+                    "num_single_layers": 2, "num_refiner_layers": 1, "mlp_ratio": 2.0, "text_embed_dim": 32,
+                    "pooled_projection_dim": 16, "rope_axes_dim": (8, 12, 12)}, LATENTS, 9),
+    "hunyuanvideo-t2v": Preset(_HUNYUAN, LATENTS, 257),  # 256 LLaMA tokens + the packed pooled row
+}
+"""``HunyuanVideoTransformer3DModel`` constructor arguments per preset (every argument), latent space, and the packed
+text length (the LLaMA tokens plus the pooled row)."""
+
+REFINER_MLP_RATIO = 4.0  # the token refiner's own (diffusers does not pass the model's mlp_ratio to it)
+
+# What one unit of each group saves per token it runs over (saved-tensor hooks, bf16, eager: `python
+# bench/activations.py`; tests/fvx_models/test_families.py measures it again). The refiner's FFN is 4x its width
+# whatever the model's mlp_ratio, so its FFN vectors are counted at width dim.
+ACTIVATIONS = {
+    "transformer_blocks": memory.BlockActivations(fp32_dim=2.2, compute_dim=16.7, compute_ffn=2.1),
+    "single_transformer_blocks": memory.BlockActivations(fp32_dim=2.2, compute_dim=14.5, compute_ffn=2.1),
+    "token_refiner": memory.BlockActivations(fp32_dim=0.0, compute_dim=17.7, compute_ffn=0.0),
+}
+
+
+def cond_spec(config: ModelConfig) -> dict[str, tuple]:
+    k = config.spec.kwargs
+    return {"text": ("L", k["text_embed_dim"]), "text_mask": ("L",), "pooled": (k["pooled_projection_dim"],)}
+
+
+def cond_from_batch(config: ModelConfig, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Unpack FastVideo's Hunyuan embedding: row 0 the pooled CLIP vector (zero-padded), rows 1: the LLaMA tokens."""
+    require(batch, ("text", "text_mask"), "hunyuan_video", "the packed [pooled CLIP | LLaMA] text embedding")
+    text, mask = batch["text"], batch["text_mask"]
+    pooled_dim = config.spec.kwargs["pooled_projection_dim"]
+    if text.dim() != 3 or text.shape[1] < 2 or text.shape[2] < pooled_dim:
+        raise ValueError(f"hunyuan_video: the batch's text embedding {list(text.shape)} is not the packed "
+                         f"[B, 1 + L, D] form (row 0 the pooled CLIP vector of width {pooled_dim})")
+    return {"text": text[:, 1:], "text_mask": mask[:, 1:], "pooled": text[:, 0, :pooled_dim]}
+
+
+def zero_cond(cond: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Zero embeddings with one valid token: the token refiner pools over the mask, so an all-zero mask would divide
+    0 by 0 (an empty prompt still has its begin-of-text token)."""
+    mask = torch.zeros_like(cond["text_mask"])
+    mask[:, 0] = 1
+    return {"text": torch.zeros_like(cond["text"]), "text_mask": mask, "pooled": torch.zeros_like(cond["pooled"])}
+
+
+def inputs(config: HunyuanVideoConfig, x_t: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor],
+           sharded: bool) -> dict[str, Any]:
+    kwargs = {"hidden_states": x_t, "timestep": t, "encoder_hidden_states": cond["text"],
+              "encoder_attention_mask": cond["text_mask"], "pooled_projections": cond["pooled"],
+              "return_dict": False}
+    if config.spec.kwargs["guidance_embeds"]:
+        kwargs["guidance"] = torch.full((x_t.shape[0],), config.embedded_guidance * 1000.0, dtype=torch.float32,
+                                        device=x_t.device)
+    return kwargs
+
+
+def widths(config: ModelConfig) -> tuple[int, dict[str, tuple[int, int]]]:
+    k = config.spec.kwargs
+    dim = k["num_attention_heads"] * k["attention_head_dim"]
+    ffn = int(dim * k["mlp_ratio"])
+    return dim, {"transformer_blocks": (dim, ffn), "single_transformer_blocks": (dim, ffn),
+                 "token_refiner": (dim, int(dim * REFINER_MLP_RATIO))}
+
+
+def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
+    """diffusers' ``HunyuanVideoPipeline`` files beside ``transformer/``: ``model_index.json`` and ``scheduler/``
+    (flow shift 7); copy the VAE, both text encoders and tokenizers from the base model."""
+    FlowMatchEulerDiscreteScheduler(shift=FLOW_SHIFT).save_config(folder / "scheduler")
+    dfolder.write_model_index(
+        folder, "HunyuanVideoPipeline",
+        {"scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
+         "transformer": ("diffusers", "HunyuanVideoTransformer3DModel"),
+         "vae": ("diffusers", "AutoencoderKLHunyuanVideo"), "text_encoder": ("transformers", "LlamaModel"),
+         "tokenizer": ("transformers", "LlamaTokenizerFast"), "text_encoder_2": ("transformers", "CLIPTextModel"),
+         "tokenizer_2": ("transformers", "CLIPTokenizer")})
+
+
+HUNYUAN_VIDEO = Family(
+    name="hunyuan_video",
+    presets=PRESETS,
+    skeleton=lambda config: skeleton_of(HunyuanVideoTransformer3DModel, config.spec.kwargs),
+    components={"transformer": ""},
+    unit_groups={"transformer_blocks": ("transformer_blocks",),
+                 "single_transformer_blocks": ("single_transformer_blocks",),
+                 "token_refiner": ("context_embedder.token_refiner.refiner_blocks",)},
+    activations=ACTIVATIONS,
+    text_groups=frozenset({"token_refiner"}),
+    widths=widths,
+    cond_spec=cond_spec,
+    cond_from_batch=cond_from_batch,
+    inputs=inputs,
+    zero_cond=zero_cond,
+    cond_defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
+    pipeline_files=pipeline_files,
+)
+
+
+class HunyuanVideoConfig(ModelConfig, tag="hunyuan_video"):
+    """A HunyuanVideo DiT (presets: tiny, hunyuanvideo-t2v). ``embedded_guidance``: the guidance scale the
+    guidance-distilled DiT is told (its pipeline's ``guidance_scale``, passed as ``g * 1000``); required by every
+    preset, which all embed guidance."""
+
+    family = HUNYUAN_VIDEO
+
+    embedded_guidance: Annotated[float, msgspec.Meta(gt=0)] | None = 6.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.spec.kwargs["guidance_embeds"] and self.embedded_guidance is None:
+            raise ValueError(f"HunyuanVideo preset {self.preset!r} embeds a guidance scale: set "
+                             "embedded_guidance (its pipeline's guidance_scale, default 6.0)")

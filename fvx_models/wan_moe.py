@@ -1,0 +1,122 @@
+"""Wan 2.2 A14B text-to-video: two Wan-14B experts (diffusers ``WanTransformer3DModel`` twice), the family's spec.
+
+The pipeline routes each denoising call by its timestep: ``transformer`` (the high-noise expert) takes
+``t >= boundary_ratio * 1000``, ``transformer_2`` (low noise) the rest; 0.875 for T2V. Training routes per sample: a
+batch whose samples straddle the boundary runs each expert on its own samples. Params are one flat dict with each
+expert's under its pipeline component's name (``transformer.blocks.0. ...``, ``transformer_2.blocks.0. ...``), and
+both experts' blocks form one unit group (one compiled graph). Either expert can be left frozen
+(``Wan22MoEConfig.trainable``). Conditioning, latents (the Wan 2.1 VAE's) and output are Wan 2.1's.
+
+Sharded, every rank runs both experts in every call, so that all ranks issue the same gathers and reduce-scatters: an
+expert with no sample of this rank's slice runs on one sample and adds zero times its output (its gradients are
+exactly zero).
+"""
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Literal, Mapping
+
+import msgspec
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
+from torch import nn
+from typing_extensions import Annotated
+
+from fvx_models import diffusers_folder as dfolder
+from fvx_models import wan
+from fvx_models.build import ModelConfig
+from fvx_models.family import Family, Preset, skeleton_of
+
+EXPERTS = ("transformer", "transformer_2")  # high noise, low noise: the pipeline's component names
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(wan.TINY, wan.TINY_VAE, 8, {"flow_shift": 12.0}),
+    "wan2.2-t2v-a14b": Preset(wan.WAN21_14B, wan.WAN21_VAE, 512, {"flow_shift": 12.0}),
+}
+"""The ``WanTransformer3DModel`` arguments of each expert per preset, the latent space and the text length."""
+
+
+class TwoExperts(nn.Module):
+    """The two experts and the router between them: ``forward`` takes Wan's arguments for the whole batch and runs
+    ``transformer`` on the samples with ``t >= boundary`` and ``transformer_2`` on the others."""
+
+    def __init__(self, high: nn.Module, low: nn.Module, boundary: float):
+        super().__init__()
+        self.transformer, self.transformer_2 = high, low
+        self.boundary = boundary
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                run_idle_experts: bool = False, return_dict: bool = False) -> tuple[torch.Tensor]:
+        high = timestep >= self.boundary
+        out = torch.zeros_like(hidden_states)
+        for expert, chosen in ((self.transformer, high), (self.transformer_2, ~high)):
+            index = chosen.nonzero().flatten()
+            if index.numel():
+                part = expert(hidden_states[index], timestep[index], encoder_hidden_states[index], return_dict=False)
+                out = out.index_copy(0, index, part[0])
+            elif run_idle_experts:
+                idle = expert(hidden_states[:1], timestep[:1], encoder_hidden_states[:1], return_dict=False)[0]
+                out = out + 0.0 * idle.sum()
+        return (out,)
+
+
+def skeleton(config: Wan22MoEConfig) -> TwoExperts:
+    kwargs = config.spec.kwargs
+    high, low = (skeleton_of(WanTransformer3DModel, kwargs, wan.rebuild_rope) for _ in EXPERTS)
+    return TwoExperts(high, low, config.boundary_ratio * 1000.0)
+
+
+def inputs(config: Wan22MoEConfig, x_t: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor],
+           sharded: bool) -> dict[str, Any]:
+    return {"hidden_states": x_t, "timestep": t, "encoder_hidden_states": wan.masked_text(cond),
+            "run_idle_experts": sharded, "return_dict": False}
+
+
+def pipeline_files(config: Wan22MoEConfig, folder: pathlib.Path) -> None:
+    """diffusers' ``WanPipeline`` files of a two-expert pipeline beside ``transformer/`` and ``transformer_2/``
+    (``boundary_ratio``, the scheduler with the preset's flow shift); copy the VAE, text encoder and tokenizer."""
+    FlowMatchEulerDiscreteScheduler(shift=config.spec.options["flow_shift"]).save_config(folder / "scheduler")
+    dfolder.write_model_index(
+        folder, "WanPipeline",
+        {"scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
+         "transformer": ("diffusers", "WanTransformer3DModel"), "transformer_2": ("diffusers", "WanTransformer3DModel"),
+         "vae": ("diffusers", "AutoencoderKLWan"), "text_encoder": ("transformers", "UMT5EncoderModel"),
+         "tokenizer": ("transformers", "AutoTokenizer")},
+        boundary_ratio=config.boundary_ratio, expand_timesteps=False)
+
+
+WAN_MOE = Family(
+    name="wan_moe",
+    presets=PRESETS,
+    skeleton=skeleton,
+    components={expert: f"{expert}." for expert in EXPERTS},
+    unit_groups={"blocks": tuple(f"{expert}.blocks" for expert in EXPERTS)},
+    activations={"blocks": wan.BLOCK_ACTIVATIONS},
+    widths=wan.widths,
+    cond_spec=wan.text_cond_spec,
+    cond_from_batch=wan.text_cond_from_batch,
+    inputs=inputs,
+    cond_defaults=wan.WAN.cond_defaults,
+    init_rules=wan.WAN.init_rules,
+    pipeline_files=pipeline_files,
+)
+
+
+class Wan22MoEConfig(ModelConfig, tag="wan_moe"):
+    """Wan 2.2 A14B's two experts (presets: tiny, wan2.2-t2v-a14b): ``boundary_ratio`` routes a call to
+    ``transformer`` when ``t >= 1000 boundary_ratio`` (0.875 for T2V, the pipeline's), and ``trainable`` names the
+    experts that train (the others stay as loaded)."""
+
+    family = WAN_MOE
+
+    boundary_ratio: Annotated[float, msgspec.Meta(gt=0, lt=1)] = 0.875
+    trainable: tuple[Literal["transformer", "transformer_2"], ...] = EXPERTS
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.trainable or len(set(self.trainable)) != len(self.trainable):
+            raise ValueError(f"trainable must name each expert to train once (of {', '.join(EXPERTS)}), got "
+                             f"{list(self.trainable)}")
+
+    def frozen(self, name: str) -> bool:
+        return not name.startswith(tuple(f"{expert}." for expert in self.trainable))

@@ -1,0 +1,165 @@
+"""Every model family through the generic builder (tiny presets of the real diffusers classes): apply equals the
+diffusers module called as its pipeline calls it, export round-trips through from_pretrained bit for bit, remat and
+compiled units change nothing, the dry run's activation figures match what units save, and fine-tuning learns."""
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from fvx import grad, memory, random
+from fvx.optim_config import AdamWConfig
+from fvx_methods import finetune
+from fvx_models import build
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1]))
+from family_cases import CASES, FAMILIES, inputs, native_modules, raw_batch  # noqa: E402
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[2] / "bench"))
+from activations import saved_per_group  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request):
+    return request.param, CASES[request.param]
+
+
+@pytest.fixture(scope="module")
+def built(case):
+    name, c = case
+    model = c.config.build()
+    return name, c, model, model.init(random.key(0))
+
+
+def mse(model, x, t, cond, target):
+    def loss(params):
+        return ((model.apply(params, x, t, cond) - target) ** 2).mean()
+
+    return loss
+
+
+def test_apply_equals_the_diffusers_module_called_as_its_pipeline_does(built):
+    name, case, model, params = built
+    x, t, cond = inputs(model, random.key(1))
+    if name == "wan_moe":  # samples on both sides of the 875 boundary
+        x, t, cond = inputs(model, random.key(1), batch=3, t=(900.0, 100.0, 875.0))
+    got = model.apply(params, x, t, cond)
+    with torch.no_grad():
+        want = case.native(native_modules(case, params), x, t, cond)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_export_loads_with_from_pretrained_bit_for_bit_and_back(built, tmp_path):
+    name, case, model, params = built
+    model.export(params, str(tmp_path / "out"))
+    folder = tmp_path / "out"
+    index = json.loads((folder / "model_index.json").read_text())
+    for component, prefix in case.config.family.components.items():
+        cls = case.classes[component]
+        assert index[component] == ["diffusers", cls.__name__]
+        state = torch.get_rng_state()
+        theirs = cls.from_pretrained(folder / component).state_dict()
+        torch.set_rng_state(state)
+        ours = {n[len(prefix):]: p for n, p in params.items() if n.startswith(prefix)}
+        assert list(theirs) == list(ours)
+        assert all(torch.equal(theirs[n], ours[n]) for n in ours), component
+    back = model.load(str(folder))
+    assert list(back) == list(params) and all(torch.equal(back[n], params[n]) for n in params)
+    assert (folder / "scheduler" / "scheduler_config.json").is_file()
+
+
+def test_remat_gradients_equal_no_remat(built):
+    name, case, model, params = built
+    x, t, cond = inputs(model, random.key(2))
+    target = random.normal(random.key(3), x.shape)
+    remat = type(case.config)(**{**_fields(case.config), "remat": True}).build()
+    loss, grads = grad.value_and_grad(mse(model, x, t, cond, target))(params)
+    loss_r, grads_r = grad.value_and_grad(mse(remat, x, t, cond, target))(params)
+    assert torch.equal(loss, loss_r)
+    assert all(torch.equal(grads[n], grads_r[n]) for n in grads)
+
+
+def _fields(config) -> dict:
+    return {field: getattr(config, field) for field in config.__struct_fields__}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_compiled_units_make_one_graph_per_group_and_match_eager(name):
+    case = CASES[name]
+    eager = case.config.build()
+    compiled = type(case.config)(**{**_fields(case.config), "compile": "blocks",
+                                    "compile_backend": "aot_eager"}).build()
+    params = eager.init(random.key(0))
+    x, t, cond = inputs(eager, random.key(2))
+    target = random.normal(random.key(3), x.shape)
+    loss, grads = grad.value_and_grad(mse(eager, x, t, cond, target))(params)
+    for _ in range(2):
+        loss_c, grads_c = grad.value_and_grad(mse(compiled, x, t, cond, target))(params)
+    stats = compiled.compile_stats
+    groups = build.unit_groups(case.config.family, build.skeleton(case.config))
+    assert sorted(stats.signatures) == sorted(groups) and stats.recompiles == 0
+    assert all(stats.graphs_of(group) == 1 for group in groups), stats
+    torch.testing.assert_close(loss_c, loss, rtol=1e-5, atol=0)
+    for n in grads:
+        torch.testing.assert_close(grads_c[n], grads[n], rtol=1e-4, atol=1e-4 * grads[n].abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["wan", "wan-ti2v", "hunyuan_video"])
+def test_dry_run_activation_figures_match_what_each_unit_group_saves(name):
+    """The family's per-token coefficients against saved-tensor hooks on the first unit of each group (bf16)."""
+    config = CASES[name].config
+    model = config.build()
+    spec = type(config)(**{**_fields(config), "compute_dtype": "bf16"}).build().memory_spec()
+    x, t, cond = inputs(model, random.key(1), frames=4, size=16, text_len=8)
+    measured = saved_per_group(config, x, t, cond)
+    for group in spec.groups:
+        fp32, half, tokens = measured[group.name]
+        estimate = memory.block_activation_bytes(group, tokens, compute_bytes=2)
+        assert abs(estimate - (fp32 + half)) <= 0.05 * (fp32 + half), (group.name, estimate, fp32 + half)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_tiny_fine_tuning_lowers_a_fixed_key_eval_loss(name):
+    config = CASES[name].config
+    model = config.build()
+    method = finetune.Finetune(optim=AdamWConfig(lr=2e-3, weight_decay=0.0))
+    program = method.build({"student": model}, total_steps=16)
+    state = program.init(random.key(0))
+    batches = [model.batch(raw_batch(model, random.key(10 + i % 2), first=2 * i)) for i in range(16)]
+    program.check(batches[0])
+
+    def eval_loss(params):
+        losses = [finetune.loss_fn(params, b, random.key(99), model=model, config=method)[0] for b in batches[:2]]
+        return float(torch.stack(losses).mean())
+
+    before = eval_loss(state.roles["student"].params)
+    for batch in batches:
+        state, metrics = program.step_(state, {}, batch)
+        assert math.isfinite(float(metrics["loss"]))
+    after = eval_loss(state.roles["student"].params)
+    assert after < 0.9 * before, (before, after)
+
+
+def test_a_batch_missing_a_cond_tensor_names_it_and_the_family():
+    model = CASES["hunyuan_video"].config.build()
+    raw = raw_batch(model, random.key(0))
+    del raw["text_mask"]
+    with pytest.raises(ValueError, match="hunyuan_video needs the batch tensor 'text_mask'"):
+        model.batch(raw)
+    narrow = {**raw_batch(model, random.key(0)), "text": torch.zeros(2, 1, 32)}
+    with pytest.raises(ValueError, match=r"hunyuan_video: the batch's text embedding \[2, 1, 32\] is not the packed"):
+        model.batch(narrow)
+    wan_model = CASES["wan"].config.build()
+    wide = {**raw_batch(wan_model, random.key(0)), "text": torch.zeros(2, 5, 31)}
+    with pytest.raises(ValueError, match=r"wan: the batch's cond\['text'\] must be \[B, L, 32\], got \[2, 5, 31\]"):
+        wan_model.batch(wide)
+
+
+def test_memory_spec_names_every_group_with_its_widths():
+    spec = CASES["hunyuan_video"].config.build().memory_spec()
+    assert [(g.name, g.count, g.dim, g.ffn_dim, g.text_tokens) for g in spec.groups] == [
+        ("transformer_blocks", 1, 64, 128, False), ("single_transformer_blocks", 2, 64, 128, False),
+        ("token_refiner", 1, 64, 256, True)]
+    assert len(spec.units) == 4 and spec.vae_stride == (4, 8, 8) and spec.patch == (1, 2, 2)
