@@ -125,10 +125,10 @@ def evaluate(name: str, model, params, toy: Toy, n: int, key: torch.Tensor, sigm
 
 
 def train(program, batches, steps: int, label: str, every: int) -> tuple:
-    state = program.init(random.key(0))
+    state, frozen = program.init(random.key(0)), program.frozen(random.key(0))
     start = time.perf_counter()
     for step in range(steps):
-        state, m = program.step_(state, batches(step))
+        state, m = program.step_(state, frozen, program.model.batch(batches(step)))
         if step % every == 0 or step == steps - 1:
             shown = ", ".join(f"{k}={float(v):.4g}" for k, v in m.items() if not k.startswith(("lr", "grad")))
             print(f"  {label} step {step:5d}: {shown}", flush=True)
@@ -162,7 +162,7 @@ def main() -> None:
     finetune = Finetune(optim=AdamWConfig(lr=1e-3, weight_decay=0.0, schedule="cosine",
                                            warmup_steps=min(100, args.teacher_steps)),
                         flow_shift=3.0)
-    teacher_state, teacher_s = train(finetune.build(model, total_steps=args.teacher_steps), batches,
+    teacher_state, teacher_s = train(finetune.build({"student": model}, total_steps=args.teacher_steps), batches,
                                      args.teacher_steps, "finetune", max(1, args.teacher_steps // 10))
     teacher = teacher_state.roles["student"].params
 
@@ -170,14 +170,15 @@ def main() -> None:
         folder = str(pathlib.Path(tmp) / "teacher")
         model.export(teacher, folder)
         student_model = WanConfig(preset="tiny", path=folder).build()
+        roles = {"student": student_model, "critic": student_model, "teacher": student_model}
         dmd = DMD2(rollout_mode="simulate", denoising_steps=STEPS, generator_update_interval=args.interval,
-                   guidance_scale=1.0, timestep_shift=3.0, flow_shift=3.0, teacher_path=folder, critic_path=folder,
+                   guidance_scale=1.0, timestep_shift=3.0, flow_shift=3.0,
                    optim=AdamWConfig(lr=args.lr, betas=(0.0, 0.999), weight_decay=0.0, max_grad_norm=1.0),
                    critic_optim=AdamWConfig(lr=args.critic_lr, betas=(0.0, 0.999), weight_decay=0.0,
                                             max_grad_norm=1.0),
                    ema_decay=0.99)
         print(f"student: DMD2 {args.dmd_steps} steps, batch {batch_size}, interval {args.interval}")
-        student_state, dmd_s = train(dmd.build(student_model, total_steps=args.dmd_steps), batches, args.dmd_steps,
+        student_state, dmd_s = train(dmd.build(roles, total_steps=args.dmd_steps), batches, args.dmd_steps,
                                      "dmd2", max(1, args.dmd_steps // 10))
 
     student = student_state.roles["student"]

@@ -1,9 +1,10 @@
-"""The fine-tuning step of fvx against an eager PyTorch baseline written the usual way, in one process.
+"""The fine-tuning step of fvx against an eager PyTorch baseline written the usual way, in one process, for the tiny
+model of every family and a larger Wan (``cpu-4x256``).
 
-Baseline: ``nn.Module`` forward, ``loss.backward()``, ``clip_grad_norm_(foreach=True)`` and
-``torch.optim.AdamW(foreach=True)``. fvx: ``Finetune(...).build(model).step_`` (functional_call forward,
-``fvx.grad.value_and_grad``, foreach clip + AdamW in place), eager and with ``compile=blocks`` (one inductor graph
-shared by all transformer blocks). Same architecture, initial params, batch, noise and
+Baseline: the family's diffusers ``nn.Module`` forward (with the arguments its pipeline passes), ``loss.backward()``,
+``clip_grad_norm_(foreach=True)`` and ``torch.optim.AdamW(foreach=True)``. fvx: ``Finetune(...).build(models).step_``
+(functional_call forward, ``fvx.grad.value_and_grad``, foreach clip + AdamW in place), eager and with
+``compile=blocks`` (one inductor graph per unit group). Same architecture, initial params, batch, noise and
 timesteps: both steps draw the noise and timesteps with the same fvx keys inside their timing. Timings alternate
 fvx / baseline; peak memory is measured per variant in a fresh subprocess.
 
@@ -33,73 +34,96 @@ sys.path.insert(1, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo
 from common import alternate, current_rss_bytes, peak_rss_bytes, reset_peak_rss, timed  # noqa: E402
 
 import torch  # noqa: E402
-from diffusers import WanTransformer3DModel  # noqa: E402
 
 from fvx import flow, random, sharding  # noqa: E402
 from fvx.optim_config import AdamWConfig  # noqa: E402
 from fvx_methods import finetune  # noqa: E402
 from fvx_models import wan  # noqa: E402
+from fvx_models.family import Preset  # noqa: E402
+from fvx_models.hunyuan_video import HunyuanVideoConfig  # noqa: E402
+from fvx_models.skyreels_v2 import SkyReelsV2Config  # noqa: E402
+from fvx_models.wan_moe import Wan22MoEConfig  # noqa: E402
 
-# name -> (architecture on top of the tiny preset, latent [C, T, H, W], batch size)
+# Wan's 4 layers x dim 256, registered in this process as a bench-only preset
+wan.PRESETS["bench-cpu-4x256"] = Preset({**wan.TINY, "num_layers": 4, "num_attention_heads": 2,
+                                         "attention_head_dim": 128, "ffn_dim": 1024, "text_dim": 64,
+                                         "rope_max_seq_len": 64}, wan.TINY_VAE, 16)
+
+# name -> (model config, latent [C, T, H, W], batch size)
 CASES = {
-    "tiny": ({}, (16, 2, 16, 16), 4),
-    "cpu-4x256": ({"num_layers": 4, "num_attention_heads": 2, "attention_head_dim": 128, "ffn_dim": 1024,
-                   "text_dim": 64, "rope_max_seq_len": 64}, (16, 4, 32, 32), 1),
+    "tiny": (wan.WanConfig(preset="tiny"), (16, 2, 16, 16), 4),
+    "wan-ti2v": (wan.WanConfig(preset="tiny-ti2v"), (48, 2, 16, 16), 4),
+    "skyreels": (SkyReelsV2Config(preset="tiny"), (16, 2, 16, 16), 4),
+    "wan-a14b": (Wan22MoEConfig(preset="tiny"), (16, 2, 16, 16), 4),
+    "hunyuan": (HunyuanVideoConfig(preset="tiny"), (16, 2, 16, 16), 4),
+    "cpu-4x256": (wan.WanConfig(preset="bench-cpu-4x256"), (16, 4, 32, 32), 1),
 }
 TEXT_LEN = 16
 WORLD = 2  # processes of the multi-process table
-VARIANTS = {"fvx": "none", "fvx_blocks": "blocks"}  # name -> WanConfig.compile
+DIST_CASES = ("tiny", "cpu-4x256")
+VARIANTS = {"fvx": "none", "fvx_blocks": "blocks"}  # name -> ModelConfig.compile
+
+
+def model_config(case: str, compile: str = "none"):
+    config = CASES[case][0]
+    return type(config)(**{**{f: getattr(config, f) for f in config.__struct_fields__}, "compile": compile})
+
+
+def make_batch(model, latent_shape, batch_size: int) -> dict:
+    """A batch as methods see it: latents, the model's cond from its spec (normal embeddings, all-ones masks)."""
+    g = torch.Generator().manual_seed(0)
+    cond = {name: torch.ones(batch_size, TEXT_LEN) if name.endswith("mask") else
+            torch.randn(batch_size, *(TEXT_LEN if s == "L" else s for s in shape), generator=g)
+            for name, shape in model.cond.items()}
+    return {"latents": torch.randn(batch_size, *latent_shape, generator=g), "cond": cond,
+            "sample_index": torch.arange(batch_size)}
 
 
 def build_fvx(case: str, compile: str = "none", mesh=None, batch_size: int | None = None):
     """The fvx model, config, program and initial state of ``case`` (sharded on ``mesh``), and its global batch
     (``batch_size`` samples, default the case's)."""
-    arch, latent_shape, case_batch = CASES[case]
-    batch_size = batch_size or case_batch
-    preset = f"bench-{case}"
-    wan.PRESETS[preset] = {**wan.PRESETS["tiny"], **arch}  # a bench-only architecture, registered in this process
-    wan.METADATA[preset] = wan.METADATA["tiny"]
-    model = wan.WanConfig(preset=preset, compile=compile).build(mesh=mesh)
+    _, latent_shape, case_batch = CASES[case]
+    model = model_config(case, compile).build(mesh=mesh)
     config = finetune.Finetune(optim=AdamWConfig(lr=1e-4, weight_decay=0.01, max_grad_norm=1.0))
-    program = config.build(model, total_steps=1000, mesh=mesh)
+    program = config.build({"student": model}, total_steps=1000, **({} if mesh is None else {"mesh": mesh}))
     state = program.init(random.key(0))
-    g = torch.Generator().manual_seed(0)
-    text_dim = wan.PRESETS[preset]["text_dim"]
-    batch = {"latents": torch.randn(batch_size, *latent_shape, generator=g),
-             "text": torch.randn(batch_size, TEXT_LEN, text_dim, generator=g),
-             "text_mask": torch.ones(batch_size, TEXT_LEN), "sample_index": torch.arange(batch_size)}
-    return model, config, program, state, batch
+    return model, config, program, state, make_batch(model, latent_shape, batch_size or case_batch)
 
 
 def build(case: str, compile: str = "none"):
     """The fvx model and program, a baseline module and optimizer with the same initial params, and a batch."""
     model, config, program, state, batch = build_fvx(case, compile)
-    module = WanTransformer3DModel(**model_kwargs(case))
-    module.load_state_dict(state.roles["student"].params)
+    module = baseline_module(case, state.roles["student"].params)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
     return model, config, program, state, module, optimizer, batch
 
 
-def model_kwargs(case: str) -> dict:
-    return wan.PRESETS[f"bench-{case}"]
+def baseline_module(case: str, params: dict) -> torch.nn.Module:
+    """The family's diffusers module (the skeleton, its params assigned real copies): what a user trains."""
+    config = model_config(case)
+    module = config.family.skeleton(config)
+    module.load_state_dict({n: p.detach().clone() for n, p in params.items()}, assign=True)
+    return module.requires_grad_(True).train()
 
 
 def baseline_draws(config, batch, state, step: int):
     """The noise, sigma and t that fvx's step ``step`` draws, for the baseline to use."""
     key = random.fold_in(state.key, step)
-    x0 = batch["latents"]
+    x0 = batch["latents"]  # only its shape and device are used
     noise, t_keys = finetune.per_sample_noise(key, batch["sample_index"], tuple(x0.shape[1:]), x0.device)
     grid = flow.training_sigmas(config.flow_shift)
     sigma, t = flow.sample_training_sigmas(t_keys, grid, config.weighting_scheme)
     return noise, sigma, t
 
 
-def baseline_step(module, optimizer, batch, draws) -> torch.Tensor:
+def baseline_step(case: str, module, optimizer, batch, draws) -> torch.Tensor:
+    """``module.forward`` with the family's arguments, ``loss.backward()``, clip, AdamW: the eager PyTorch loop."""
     noise, sigma, t = draws
-    x0 = batch["latents"]
+    config = model_config(case)
+    x0 = config.spec.latents.normalize(batch["latents"])
     x_t = flow.add_noise(x0, noise, sigma)
     optimizer.zero_grad(set_to_none=True)
-    v = module(x_t, t, batch["text"], return_dict=False)[0]
+    v = config.family.output(module(**config.family.inputs(config, x_t, t, batch["cond"], False)))
     loss = torch.mean((v.float() - (noise - x0)) ** 2)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0, foreach=True)
@@ -111,24 +135,24 @@ def run_case(case: str, repeats: int) -> dict:
     model, config, program, state, module, optimizer, batch = build(case)
     compiled = build(case, compile="blocks")[2]
     holder = {"fvx": state, "fvx_blocks": compiled.init(random.key(0))}
-    first_fvx = program.step_(holder["fvx"], batch)
+    first_fvx = program.step_(holder["fvx"], {}, batch)
     holder["fvx"] = first_fvx[0]
-    first_base = baseline_step(module, optimizer, batch, baseline_draws(config, batch, state, 0))
+    first_base = baseline_step(case, module, optimizer, batch, baseline_draws(config, batch, state, 0))
     agree = abs(first_fvx[1]["loss"].item() - first_base.item())
 
     def fvx_step(name, prog):
         def step():
-            holder[name], metrics = prog.step_(holder[name], batch)
+            holder[name], metrics = prog.step_(holder[name], {}, batch)
             metrics["loss"].item()
         return step
 
     def base_step():
         draws = baseline_draws(config, batch, holder["fvx"], int(holder["fvx"].step))
-        baseline_step(module, optimizer, batch, draws)
+        baseline_step(case, module, optimizer, batch, draws)
 
     times = alternate({"fvx": fvx_step("fvx", program), "fvx_blocks": fvx_step("fvx_blocks", compiled),
                        "baseline": base_step}, repeats=repeats, warmup=2)
-    tokens = batch["latents"][0, 0].numel() // 4
+    tokens = batch["latents"][0, 0].numel() // 4  # every case patches 1 x 2 x 2
     return {"case": case, "tokens": tokens, "batch": len(batch["sample_index"]), "loss_diff_step0": agree, **times}
 
 
@@ -140,9 +164,9 @@ def peak_memory(case: str, variant: str, steps: int) -> float:
     base = current_rss_bytes()
     for step in range(steps):
         if variant == "fvx":
-            state, _ = program.step_(state, batch)
+            state, _ = program.step_(state, {}, batch)
         else:
-            baseline_step(module, optimizer, batch, baseline_draws(config, batch, state, step))
+            baseline_step(case, module, optimizer, batch, baseline_draws(config, batch, state, step))
     return (peak_rss_bytes() - base) / 2**20
 
 
@@ -152,7 +176,9 @@ def peak_memory(case: str, variant: str, steps: int) -> float:
 def rank_slice(batch: dict, rank: int, world: int) -> dict:
     """Rank ``rank``'s contiguous rows of the global batch (as fvx.data.batch_at splits it)."""
     local = len(batch["sample_index"]) // world
-    return {name: value[rank * local:(rank + 1) * local] for name, value in batch.items()}
+    rows = slice(rank * local, (rank + 1) * local)
+    return {name: {k: v[rows] for k, v in value.items()} if isinstance(value, dict) else value[rows]
+            for name, value in batch.items()}
 
 
 def measure_steps(program, state, batch: dict, repeats: int) -> dict:
@@ -161,7 +187,7 @@ def measure_steps(program, state, batch: dict, repeats: int) -> dict:
     holder = {"state": state}
 
     def step():
-        holder["state"], metrics = program.step_(holder["state"], batch)
+        holder["state"], metrics = program.step_(holder["state"], {}, batch)
         return metrics["loss"].item()
 
     loss0 = step()
@@ -225,6 +251,8 @@ def print_processes(repeats: int, threads: int | None) -> None:
           + f" {'1p MB':>7} " + " ".join(f"{f'r{r} MB':>7}" for r in ranks)
           + f" {'1p state':>8} " + " ".join(f"{f'r{r} state':>8}" for r in ranks) + f" {'|dloss| 0':>9}")
     for case, (_, _, case_batch) in CASES.items():
+        if case not in DIST_CASES:
+            continue
         batch_size = -(-case_batch // WORLD) * WORLD
         (single,) = run_processes(case, repeats, batch_size, 1, threads)
         multi = run_processes(case, repeats, batch_size, WORLD, 1)

@@ -75,3 +75,44 @@ def test_validation_logs_videos_at_its_cadence(tmp_path):
     assert run.main([EXPERIMENT, "--out", str(without_vae), "--steps", "2", *QUICK, "validation.every=2",
                      "validation.num_prompts=1", "validation.num_steps=2", "vae=null"]) == 0
     assert "validation/model/latents_0" in tracking.read_images(without_vae / "tb")
+
+
+EXPERIMENTS = ROOT / "experiments"
+
+
+@pytest.mark.parametrize("experiment, args, message", [
+    ("dmd2.py", ["method.roles.teacher=big"],
+     "method.roles.teacher names model 'big', which the experiment does not define (models: student, teacher)"),
+    ("dmd2.py", ["models.teacher.preset=tiny-ti2v"],
+     "roles 'student' (wan:tiny) and 'teacher' (wan:tiny-ti2v) denoise different latent spaces"),
+    ("finetune_hunyuan.py", ["models.student.embedded_guidance=null"], "embeds a guidance scale: set embedded_guidance"),
+    ("finetune_hunyuan.py", ["data.text_len=1"], "is not the packed [B, 1 + L, D] form"),
+    ("finetune_skyreels_v2.py", ["data.synthetic.text_dim=16"], "must be [B, L, 32], got [2, 512, 16]"),
+])
+def test_bad_roles_models_and_cond_are_one_clear_error_and_write_nothing(tmp_path, capsys, experiment, args,
+                                                                         message):
+    out = tmp_path / "run"
+    assert run.main([str(EXPERIMENTS / experiment), "--out", str(out), *QUICK, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fvx.run: error:") and message in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_a_folder_of_another_family_is_refused_naming_its_class(tmp_path, capsys):
+    from fvx import random
+    from fvx_models.hunyuan_video import HunyuanVideoConfig
+
+    hunyuan = HunyuanVideoConfig().build()
+    hunyuan.export(hunyuan.init(random.key(0)), str(tmp_path / "hunyuan"))
+    out = tmp_path / "run"
+    assert run.main([EXPERIMENT, "--out", str(out), *QUICK, f"models.student.path={tmp_path / 'hunyuan'}"]) == 2
+    err = capsys.readouterr().err
+    assert "describes a HunyuanVideoTransformer3DModel, not a WanTransformer3DModel" in err and not out.exists()
+
+
+@pytest.mark.parametrize("experiment", sorted(p.name for p in EXPERIMENTS.glob("*.py")))
+def test_every_experiment_trains_two_steps_and_validates(tmp_path, experiment):
+    out = tmp_path / "run"
+    assert run.main([str(EXPERIMENTS / experiment), "--out", str(out), "--steps", "2", *QUICK, "validation.every=2",
+                     "validation.num_prompts=1", "validation.num_steps=2"]) == 0
+    assert (out / "validation" / "step_2").is_dir() and (out / "checkpoints" / "2").is_dir()
