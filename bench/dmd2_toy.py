@@ -31,6 +31,7 @@ import torch
 sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])  # the repository root, not bench/
 from fvx import flow, random  # noqa: E402
 from fvx.optim_config import AdamWConfig  # noqa: E402
+from fvx_methods import distribution_matching as dm  # noqa: E402
 from fvx_methods.dmd2 import DMD2  # noqa: E402
 from fvx_methods.finetune import Finetune  # noqa: E402
 from fvx_models.wan import WanConfig  # noqa: E402
@@ -121,11 +122,20 @@ def evaluate(name: str, model, params, toy: Toy, n: int, key: torch.Tensor, sigm
     return {"name": name, **{k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}}
 
 
+def batch_normalised_dmd_loss(x0_gen, x0_fake, x0_real):
+    """``dm.dmd_loss`` with one normaliser for the whole (single-process) batch: the ablation of ``--batch-normaliser``."""
+    x0_gen = x0_gen.float()
+    with torch.no_grad():
+        normalizer = (x0_gen - x0_real.float()).abs().mean()
+        target = x0_gen - torch.nan_to_num((x0_fake.float() - x0_real.float()) / normalizer)
+    return 0.5 * torch.mean((x0_gen - target) ** 2), normalizer.expand(x0_gen.shape[0])
+
+
 # ----------------------------------------------------------------------------------------------------------- main
 
 
-def train(program, batches, steps: int, label: str, every: int) -> tuple:
-    state, frozen = program.init(random.key(0)), program.frozen(random.key(0))
+def train(program, batches, steps: int, label: str, every: int, seed: int = 0) -> tuple:
+    state, frozen = program.init(random.key(seed)), program.frozen(random.key(seed))
     start = time.perf_counter()
     for step in range(steps):
         state, m = program.step_(state, frozen, program.model.batch(batches(step)))
@@ -145,7 +155,13 @@ def main() -> None:
     parser.add_argument("--critic-lr", type=float, default=2e-4)
     parser.add_argument("--samples", type=int, default=256, help="samples per prompt")
     parser.add_argument("--interval", type=int, default=5, help="DMD2 generator_update_interval")
+    parser.add_argument("--seed", type=int, default=0, help="the DMD2 run's key (its rollouts, timesteps and noise)")
+    parser.add_argument("--batch-normaliser", action="store_true",
+                        help="ablation: normalise the DMD gradient by the whole batch's mean|x0_gen - x0_real| "
+                             "(fvx before it took the paper's per-sample normaliser)")
     args = parser.parse_args()
+    if args.batch_normaliser:
+        dm.dmd_loss = batch_normalised_dmd_loss
     if args.quick:
         args.teacher_steps, args.dmd_steps, args.samples = 50, 20, 32
     torch.set_num_threads(1)  # a model this small is per-op-overhead bound: one thread is fastest
@@ -179,7 +195,7 @@ def main() -> None:
                    ema_decay=0.99)
         print(f"student: DMD2 {args.dmd_steps} steps, batch {batch_size}, interval {args.interval}")
         student_state, dmd_s = train(dmd.build(roles, total_steps=args.dmd_steps), batches, args.dmd_steps,
-                                     "dmd2", max(1, args.dmd_steps // 10))
+                                     "dmd2", max(1, args.dmd_steps // 10), seed=args.seed)
 
     student = student_state.roles["student"]
     n, eval_key = args.samples, random.key(99)

@@ -12,7 +12,6 @@ The real model is the same file with overrides, e.g. SkyReels-V2 T2V 14B (540P) 
 """
 import msgspec
 
-from fvx import random
 from fvx.data import DataConfig, SyntheticConfig
 from fvx.loop import Experiment, RunConfig
 from fvx.optim_config import AdamWConfig
@@ -26,9 +25,6 @@ class FinetuneSkyReelsV2(Experiment):
     models: dict[str, SkyReelsV2Config] = msgspec.field(default_factory=lambda: {"student": SkyReelsV2Config()})
     vae: WanVAEConfig | None = None  # decodes validation samples; None logs latent previews
     method: Finetune = Finetune()
-
-    def build_vae(self):
-        return None if self.vae is None else self.vae.build(random.key(self.validation.seed))
 
 
 config = FinetuneSkyReelsV2(

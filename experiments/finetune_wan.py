@@ -2,16 +2,16 @@
 
 The default is the tiny preset on synthetic latents: it trains on a 2-core CPU in about a minute.
     python -m fvx.run experiments/finetune_wan.py
-The full-size run is the same file with overrides, e.g. Wan 2.1 T2V 1.3B on a FastVideo-preprocessed dataset:
-    python -m fvx.run experiments/finetune_wan.py models.student.preset=wan2.1-t2v-1.3b \
-        models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers models.student.compute_dtype=bf16 \
-        models.student.remat=true data.path=/data/my_dataset/combined_parquet_dataset data.text_len=512 \
-        data.batch_size=8 method.optim.lr=1e-6 method.optim.weight_decay=0.01 --steps 4000 --out runs/wan_t2v
+FastVideo's recipe is the recipe `wan21_t2v_1p3b` (Wan 2.1 T2V 1.3B, 8 ranks of batch 1); point its paths at local
+folders:
+    torchrun --nproc-per-node 8 -m fvx.run experiments/finetune_wan.py:wan21_t2v_1p3b \
+        models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers data.path=/data/my_dataset/combined_parquet_dataset
 Wan 2.2 TI2V-5B is the same family (`models.student.preset=wan2.2-ti2v-5b`, 48-channel latents of the Wan 2.2 VAE).
 """
 import msgspec
 
-from fvx import random
+from fvx.checkpoint import CheckpointConfig
+from fvx.config import recipe
 from fvx.data import DataConfig, SyntheticConfig
 from fvx.loop import Experiment, RunConfig
 from fvx.optim_config import AdamWConfig
@@ -26,9 +26,6 @@ class FinetuneWan(Experiment):
     vae: WanVAEConfig | None = None  # decodes validation samples; None logs latent previews
     method: Finetune = Finetune()
 
-    def build_vae(self):
-        return None if self.vae is None else self.vae.build(random.key(self.validation.seed))
-
 
 config = FinetuneWan(
     run=RunConfig(seed=0, steps=600, output_dir="runs/finetune_wan", log_every=1),
@@ -39,3 +36,20 @@ config = FinetuneWan(
     validation=ValidationConfig(every=200, num_prompts=2),
     method=Finetune(optim=AdamWConfig(lr=1e-3, weight_decay=0.01, max_grad_norm=1.0, schedule="cosine", warmup_steps=30)),
 )
+
+
+@recipe
+def wan21_t2v_1p3b() -> FinetuneWan:
+    """FastVideo's fine_tuning/wan/t2v.yaml: Wan 2.1 T2V 1.3B, AdamW lr 1e-6, betas (0.9, 0.999), weight decay 0.01,
+    constant, clip 1; global batch 8 (8 data-parallel ranks of 1), 20 latent frames of 448x832; 4000 steps,
+    checkpoints every 100 (the newest 3 kept); validation every 100 steps, 50 steps at guidance 5."""
+    return FinetuneWan(
+        run=RunConfig(seed=1000, steps=4000, output_dir="outputs/wan_finetune",
+                      checkpoint=CheckpointConfig(every=100, keep_latest=3)),
+        data=DataConfig(path="data/preprocessed", batch_size=8, text_len=512, cfg_rate=0.0, num_latent_t=20),
+        models={"student": WanConfig(preset="wan2.1-t2v-1.3b", path="models/Wan2.1-T2V-1.3B-Diffusers",
+                                     compute_dtype="bf16", remat=True)},
+        validation=ValidationConfig(every=100, num_prompts=4, num_steps=50, flow_shift=3.0, guidance_scale=5.0),
+        method=Finetune(optim=AdamWConfig(lr=1e-6, betas=(0.9, 0.999), weight_decay=0.01, max_grad_norm=1.0,
+                                          schedule="constant"), flow_shift=3.0),
+    )

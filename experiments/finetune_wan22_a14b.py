@@ -15,7 +15,6 @@ and under torchrun (``torchrun --nproc_per_node 8 -m fvx.run ...``) both experts
 """
 import msgspec
 
-from fvx import random
 from fvx.data import DataConfig, SyntheticConfig
 from fvx.loop import Experiment, RunConfig
 from fvx.optim_config import AdamWConfig
@@ -29,9 +28,6 @@ class FinetuneWan22A14B(Experiment):
     models: dict[str, Wan22MoEConfig] = msgspec.field(default_factory=lambda: {"student": Wan22MoEConfig()})
     vae: WanVAEConfig | None = None  # decodes validation samples; None logs latent previews
     method: Finetune = Finetune()
-
-    def build_vae(self):
-        return None if self.vae is None else self.vae.build(random.key(self.validation.seed))
 
 
 config = FinetuneWan22A14B(

@@ -227,7 +227,7 @@ def leaves_by_path(state: Any) -> dict[tuple[str, ...], Any]:
 
 
 def leaves_by_name(state: Any) -> dict[str, Any]:
-    """The leaves of a pytree by dotted path, as orbax names them (``roles.student.opt_state.1.mu.<param>``)."""
+    """The leaves of a pytree by dotted path, as orbax names them (``roles.student.opt_state.mu.<param>``)."""
     by_path = leaves_by_path(state)
     named = {".".join(path): leaf for path, leaf in by_path.items()}
     if len(named) != len(by_path):

@@ -73,33 +73,65 @@ def _to_builtins(config: msgspec.Struct) -> Any:
 # ---------------------------------------------------------------------------------------------------- experiments
 
 
+RECIPE_MARK = "__fvx_recipe__"
+
+
+def recipe(fn: Any) -> Any:
+    """Mark a function of an experiment file as a named recipe: ``python -m fvx.run file.py:name`` runs the config it
+    returns instead of the file's ``config``."""
+    setattr(fn, RECIPE_MARK, True)
+    return fn
+
+
+def split_recipe(path: str | pathlib.Path) -> tuple[pathlib.Path, str | None]:
+    """``"dir/file.py:name"`` -> (the file, ``"name"``); a path without a recipe -> (the path, None)."""
+    text = str(path)
+    head, sep, name = text.rpartition(":")
+    if sep and head.endswith(".py") and name.isidentifier():
+        return pathlib.Path(head), name
+    return pathlib.Path(text), None
+
+
+def recipes(namespace: dict[str, Any]) -> list[str]:
+    """The names of the recipe functions (:func:`recipe`) an experiment file defines, in definition order."""
+    return [name for name, value in namespace.items() if callable(value) and getattr(value, RECIPE_MARK, False)]
+
+
 def load_experiment(path: str | pathlib.Path) -> msgspec.Struct:
-    """Run the Python file at ``path`` and return its validated ``config``.
+    """Run the Python file at ``path`` and return its validated ``config``, or with ``path`` of the form
+    ``file.py:name`` the validated config its recipe ``name`` (:func:`recipe`) returns.
 
     The file runs as a module under a private name derived from its path (so ``dmd2.py`` cannot clash with another
     module), which is dropped from ``sys.modules`` afterwards unless the file defines Struct classes: msgspec resolves
     their annotations through ``sys.modules``. An exception raised by the file propagates with its own traceback and a
     note naming the file.
     """
-    path = pathlib.Path(path)
+    path, name = split_recipe(path)
     if not path.is_file():
         raise ConfigError(f"experiment file not found: {str(path)!r}")
-    namespace = _run_experiment(path)
-    if "config" not in namespace:
+    namespace = run_experiment(path)
+    if name is not None:
+        known = recipes(namespace)
+        if name not in known:
+            listed = f"its recipes: {', '.join(known)}" if known else "it defines no recipes (@fvx.config.recipe)"
+            raise ConfigError(f"experiment file {str(path)!r} has no recipe {name!r}; {listed}")
+        config, what = namespace[name](), f"recipe {name!r} of experiment file {str(path)!r}"
+    elif "config" not in namespace:
         raise ConfigError(f"experiment file {str(path)!r} does not assign `config`")
-    config = namespace["config"]
+    else:
+        config, what = namespace["config"], f"experiment file {str(path)!r}"
     if not isinstance(config, msgspec.Struct):
         raise ConfigError(
-            f"experiment file {str(path)!r}: `config` is a {type(config).__qualname__}, "
+            f"{what}: `config` is a {type(config).__qualname__}, "
             "expected a msgspec Struct (a subclass of fvx.config.Config)"
         )
     try:
         return validate(config)
     except ConfigError as error:
-        raise ConfigError(f"experiment file {str(path)!r}: {error}") from None
+        raise ConfigError(f"{what}: {error}") from None
 
 
-def _run_experiment(path: pathlib.Path) -> dict[str, Any]:
+def run_experiment(path: pathlib.Path) -> dict[str, Any]:
     """Execute the file as a fresh module and return its namespace."""
     name = _module_name(path)
     spec = importlib.util.spec_from_file_location(name, path)
@@ -118,10 +150,13 @@ def _run_experiment(path: pathlib.Path) -> dict[str, Any]:
     return vars(module)
 
 
+PRIVATE = "fvx_experiment_"  # the prefix of experiment files' module names
+
+
 def _module_name(path: pathlib.Path) -> str:
     digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]
     stem = re.sub(r"\W", "_", path.stem)
-    return f"fvx_experiment_{stem}_{digest}"
+    return f"{PRIVATE}{stem}_{digest}"
 
 
 def _defines_structs(module: Any) -> bool:
@@ -334,20 +369,76 @@ def type_name(t: mi.Type) -> str:
 # ---------------------------------------------------------------------------------------------------- dump / load
 
 
-def dump(config: msgspec.Struct, folder: str | pathlib.Path) -> pathlib.Path:
-    """Validate ``config`` and write ``folder/config.json`` (pretty) with its type as ``"module:QualName"``; return the
-    file's path. ``load(folder)`` rebuilds an equal config."""
+TRUSTED = ("fvx", "fvx_models", "fvx_methods")
+"""The packages whose config classes ``config.json`` may name: :func:`load` imports nothing else."""
+
+
+def record(config: msgspec.Struct) -> dict[str, Any]:
+    """The config as ``config.json`` holds it: its type as ``"module:QualName"``, its builtins form, and ``types``:
+    the class of every Struct in it (:func:`type_tree`), so that :func:`load` can type it without the file that made
+    it."""
     _require_struct(config)
-    record = {"config_type": f"{type(config).__module__}:{type(config).__qualname__}", "config": validate(config)}
+    return {"config_type": _spec(type(config)), "types": type_tree(config),
+            "config": msgspec.to_builtins(validate(config))}
+
+
+def dump(config: msgspec.Struct, folder: str | pathlib.Path) -> pathlib.Path:
+    """Validate ``config`` and write ``folder/config.json`` (pretty, :func:`record`); return the file's path.
+    ``load(folder)`` rebuilds an equal config."""
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / CONFIG_FILE
-    path.write_bytes(msgspec.json.format(msgspec.json.encode(record), indent=2) + b"\n")
+    path.write_bytes(msgspec.json.format(msgspec.json.encode(record(config)), indent=2) + b"\n")
     return path
 
 
+def type_tree(value: Any) -> dict[str, Any] | None:
+    """``{"class": "module:QualName", "fields": {name: subtree}}`` for a Struct (with ``"base"``, its nearest class
+    in a :data:`TRUSTED` package, when it is not in one), ``{"dict": {key: subtree}}`` for a dict holding Structs,
+    None for anything else."""
+    if isinstance(value, msgspec.Struct):
+        cls = type(value)
+        fields = {name: tree for name in cls.__struct_fields__ if (tree := type_tree(getattr(value, name))) is not None}
+        node: dict[str, Any] = {"class": _spec(cls), "fields": fields}
+        if not _trusted(cls):
+            node["base"] = _spec(next(base for base in cls.__mro__ if _trusted(base) or base is msgspec.Struct))
+        return node
+    if isinstance(value, dict) and any(isinstance(v, msgspec.Struct) for v in value.values()):
+        return {"dict": {str(k): type_tree(v) for k, v in value.items()}}
+    return None
+
+
+class Loaded(msgspec.Struct, frozen=True):
+    """A config read back from ``config.json`` and where each of its classes came from."""
+
+    config: Any
+    sources: tuple[str, ...]  # e.g. "method: FaultyFinetune from the experiment file '...'"
+
+
 def load(folder: str | pathlib.Path, type: type[S] | None = None) -> S:
-    """The config :func:`dump` wrote to ``folder``, as ``type`` when given, else as the type recorded in the file."""
+    """The config :func:`dump` wrote to ``folder``: as ``type`` when given, else typed from the file's ``types``
+    (:func:`load_typed`)."""
+    if type is not None:
+        return _convert(_read_record(folder), type, pathlib.Path(folder) / CONFIG_FILE)
+    return load_typed(folder).config
+
+
+def load_typed(folder: str | pathlib.Path, classes: Any = None) -> Loaded:
+    """The config in ``folder/config.json`` typed from its ``types``: classes of the :data:`TRUSTED` packages are
+    imported (and those of modules already imported); any other class (one an experiment file defined) is
+    ``classes(spec)`` when that gives one, else rebuilt from its recorded fields on its trusted base, which keeps its
+    values but not its code. ``sources`` says, for
+    each class not imported from fvx, which way it went."""
+    path = pathlib.Path(folder) / CONFIG_FILE
+    record = _read_record(folder)
+    if "types" not in record:  # written before types were recorded
+        return Loaded(_convert(record, _import_type(record.get("config_type"), path), path), ())
+    sources: list[str] = []
+    cls = _resolve(record["types"], record["config"], "config", path, classes, sources)
+    return Loaded(_convert(record, cls, path), tuple(sources))
+
+
+def _read_record(folder: str | pathlib.Path) -> dict[str, Any]:
     path = pathlib.Path(folder) / CONFIG_FILE
     try:
         record = msgspec.json.decode(path.read_bytes())
@@ -357,11 +448,57 @@ def load(folder: str | pathlib.Path, type: type[S] | None = None) -> S:
         raise ConfigError(f"{str(path)!r} is not valid JSON: {error}") from None
     if not isinstance(record, dict) or "config" not in record:
         raise ConfigError(f"{str(path)!r} is not an fvx config dump (no 'config' entry)")
-    cls = type if type is not None else _import_type(record.get("config_type"), path)
+    return record
+
+
+def _convert(record: dict[str, Any], cls: type, path: pathlib.Path) -> Any:
     try:
         return msgspec.convert(record["config"], cls)
     except msgspec.ValidationError as error:
         raise ConfigError(f"{str(path)!r} does not hold a valid {cls.__qualname__}: {error}") from None
+
+
+def _spec(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _trusted(cls: type) -> bool:
+    return cls.__module__.split(".")[0] in TRUSTED
+
+
+def _resolve(node: Any, values: Any, where: str, path: pathlib.Path, classes: Any, sources: list[str]) -> Any:
+    """The type a ``types`` subtree describes (``values``: its builtins form, for the fields it does not type)."""
+    if not isinstance(node, dict) or not ("class" in node or "dict" in node):
+        raise ConfigError(f"{str(path)!r}: malformed types entry at {where}")
+    if "dict" in node:
+        kinds = {(child or {}).get("class") for child in node["dict"].values()}
+        entries = [_resolve(child, values.get(key), f"{where}.{key}", path, classes, sources)
+                   for key, child in node["dict"].items() if child is not None]
+        if len(kinds) != 1 or None in kinds:
+            raise ConfigError(f"{str(path)!r}: {where} holds entries of several config classes ({sorted(map(str, kinds))}"
+                              "); a dict field needs one")
+        return dict[str, entries[0]]
+    spec = node["class"]
+    module_name, _, qualname = spec.partition(":")
+    if module_name.split(".")[0] in TRUSTED or (module_name in sys.modules and not module_name.startswith(PRIVATE)):
+        return _import_type(spec, path)  # fvx's, or a module this process has imported (nothing new runs)
+    cls = classes(spec) if classes is not None else None
+    if cls is not None:
+        sources.append(f"{where}: {qualname} from the experiment file")
+        return cls
+    base = _import_type(node.get("base", ""), path) if node.get("base", "").split(".")[0] in TRUSTED else Config
+    fields = [(name, _resolve(node["fields"][name], values[name], f"{where}.{name}", path, classes, sources)
+               if name in node["fields"] else Any) for name in values if name != _tag_field(base)]
+    sources.append(f"{where}: {qualname} rebuilt from config.json on {base.__qualname__} (its values, not its code)")
+    options = base.__struct_config__
+    tag = values.get(options.tag_field) if options.tag_field else None
+    namespace = {"__annotations__": dict(fields), "__module__": "fvx_rebuilt"}
+    return type(base)(qualname.rpartition(".")[2], (base,), namespace, kw_only=True,
+                      **({"tag": tag, "tag_field": options.tag_field} if tag is not None else {}))
+
+
+def _tag_field(cls: type) -> str | None:
+    return getattr(cls, "__struct_config__").tag_field if hasattr(cls, "__struct_config__") else None
 
 
 def _import_type(spec: Any, path: pathlib.Path) -> type:

@@ -95,6 +95,8 @@ class DataConfig(Config):
     ``path``: a parquet file, or a folder searched recursively for ``*.parquet`` (sorted by path); None = synthetic.
     ``batch_size`` is global (summed over ranks). ``text_len`` is the length text embeddings are padded or cropped to.
     ``cfg_rate``: the fraction of samples whose text embedding is zeroed (fixed per dataset index, as FastVideo).
+    ``num_latent_t``: keep the first ``num_latent_t`` latent frames of every sample (FastVideo's
+    ``data.num_latent_t``; None keeps them all).
     ``prefetch``: batches computed ahead in a background thread (0 = synchronous).
     """
 
@@ -103,6 +105,7 @@ class DataConfig(Config):
     batch_size: PositiveInt = 1
     text_len: PositiveInt = 512
     cfg_rate: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    num_latent_t: PositiveInt | None = None
     prefetch: Annotated[int, msgspec.Meta(ge=0)] = 2
     synthetic: SyntheticConfig = SyntheticConfig()
 
@@ -126,7 +129,8 @@ def open_dataset(config: DataConfig, key: torch.Tensor) -> Dataset:
     """
     config = validate(config)
     samples_key, dropout_key = random.split(key, 2)
-    collate = functools.partial(_collate, text_len=config.text_len, cfg_rate=config.cfg_rate, dropout_key=dropout_key)
+    collate = functools.partial(_collate, text_len=config.text_len, cfg_rate=config.cfg_rate, dropout_key=dropout_key,
+                                num_latent_t=config.num_latent_t)
     if config.path is None:
         return SyntheticDataset(config.synthetic, samples_key, kind=config.kind, collate=collate)
     return ParquetDataset(find_parquet_files(config.path), kind=config.kind, collate=collate)
@@ -294,13 +298,19 @@ def _check_indices(indices: Sequence[int], length: int) -> list[int]:
 
 
 def _collate(samples: list[dict], indices: list[int], *, text_len: int, cfg_rate: float,
-             dropout_key: torch.Tensor) -> dict[str, Any]:
+             dropout_key: torch.Tensor, num_latent_t: int | None = None) -> dict[str, Any]:
     """Stack samples (dicts of float32 arrays: latents [C,T,H,W], text [L,D]) into a batch; pad/crop text to
     ``text_len`` with its mask; zero the text of CFG-dropped samples (the mask is kept, as FastVideo)."""
     batch: dict[str, Any] = {}
     if samples and "latents" in samples[0]:
         _check_same(samples, "latents", lambda a: a.shape, "shape")
-        batch["latents"] = torch.from_numpy(np.stack([s["latents"] for s in samples]))
+        latents = np.stack([s["latents"] for s in samples])
+        if num_latent_t is not None:
+            if latents.shape[2] < num_latent_t:
+                raise ValueError(f"{samples[0]['where']}: latents of {latents.shape[2]} frames "
+                                 f"({list(latents.shape[1:])}) are fewer than data.num_latent_t={num_latent_t}")
+            latents = latents[:, :, :num_latent_t]
+        batch["latents"] = torch.from_numpy(np.ascontiguousarray(latents))
     _check_same(samples, "text", lambda a: a.shape[1:], "embedding width")
     for sample in samples:
         if sample["text"].ndim != 2:

@@ -22,6 +22,7 @@ The run folder (``run.output_dir``)::
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import math
@@ -35,6 +36,7 @@ import msgspec
 import torch
 
 import fvx
+from fvx import callbacks as fcallbacks
 from fvx import checkpoint
 from fvx import config as fconfig
 from fvx import data, random, tracking, tree, validation
@@ -62,16 +64,22 @@ class RunConfig(Config):
 
 class Experiment(Config):
     """The root of an experiment config; subclasses add ``models`` and ``method`` (module docstring), and may override
-    :meth:`build_vae` to decode validation samples into videos (without a decoder, validation logs latent
-    previews)."""
+    :meth:`callbacks` to add lifecycle hooks (``fvx.callbacks``). A field ``vae`` (a config with ``build(key)``)
+    decodes validation samples into videos; without one, validation logs latent previews."""
 
     run: RunConfig = RunConfig()
     data: data.DataConfig = data.DataConfig()
     validation: validation.ValidationConfig = validation.ValidationConfig()
 
     def build_vae(self) -> Any:
-        """The decoder of validation samples (an object with ``decode(latents) -> video``), or None."""
-        return None
+        """The decoder of validation samples: the experiment's ``vae`` config built from the validation seed (an
+        object with ``decode(latents) -> video``), or None without one."""
+        vae = getattr(self, "vae", None)
+        return None if vae is None else vae.build(random.key(self.validation.seed))
+
+    def callbacks(self) -> tuple[fcallbacks.Callback, ...]:
+        """The run's callbacks besides validation (which the loop adds), run in order."""
+        return ()
 
 
 class Launch(msgspec.Struct, frozen=True):
@@ -102,6 +110,7 @@ class Prepared(NamedTuple):
     state: TrainState
     frozen: dict[str, Any]
     nonfinite_skips: int = 0  # updates skipped before ``state.step`` (counted on in the logs)
+    callbacks: tuple[fcallbacks.Callback, ...] = ()  # the experiment's (``Experiment.callbacks``), made once
     resumed_from: pathlib.Path | None = None  # the checkpoint folder the state came from
     config_changes: tuple[str, ...] = ()  # "field: checkpoint value -> this run's value", where they differ
 
@@ -140,12 +149,17 @@ def build_models(config: Experiment, *, mesh: Any = None) -> dict[str, Any]:
     return {role: built[name] for role, name in roles.items()}
 
 
-def setup(config: Experiment, *, mesh: Any = None) -> Setup:
-    """Build the models, the method's program and the dataset; keys are split off ``key(config.run.seed)``. On a
-    device mesh (a multi-process run) the models and the method are built on it."""
+def setup(config: Experiment, *, mesh: Any = None, callbacks: tuple[fcallbacks.Callback, ...] = ()) -> Setup:
+    """Build the models, the method's program (its ``before_update`` running the callbacks'
+    ``on_before_optimizer_step``) and the dataset; keys are split off ``key(config.run.seed)``. On a device mesh (a
+    multi-process run) the models and the method are built on it."""
     method_key, data_key = random.split(random.key(config.run.seed))
     models = build_models(config, mesh=mesh)
-    program = config.method.build(models, total_steps=config.run.steps, **({} if mesh is None else {"mesh": mesh}))
+    extra = {} if mesh is None else {"mesh": mesh}
+    hook = fcallbacks.before_update(callbacks)
+    if hook is not None:
+        extra["before_update"] = hook
+    program = config.method.build(models, total_steps=config.run.steps, **extra)
     dataset = data.open_dataset(config.data, data_key)
     return Setup(models=models, program=program, dataset=dataset, data_key=data_key, method_key=method_key,
                  mesh=mesh)
@@ -177,12 +191,13 @@ def prepare(config: Experiment, *, resume: str | int | None = None, rank: int = 
     """Build everything (on ``mesh`` when given), check the first batch against the method, load the frozen roles
     and restore the checkpoint ``resume`` names (see :func:`find_checkpoint`), writing nothing: bad input and
     unusable checkpoints fail here."""
-    built = setup(config, mesh=mesh)
+    callbacks = fcallbacks.check(config.callbacks())
+    built = setup(config, mesh=mesh, callbacks=callbacks)
     built.program.check(batch_fn(config, built, rank=rank, world=world)(0))
     state = initial_state(built)
     if resume is None:
         _check_no_checkpoints(pathlib.Path(config.run.output_dir) / CHECKPOINTS)
-        return Prepared(built, state, frozen_params(built))
+        return Prepared(built, state, frozen_params(built), callbacks=callbacks)
     folder, step = find_checkpoint(pathlib.Path(config.run.output_dir), str(resume))
     with open_checkpoints(folder, built) as checkpoints:
         state = checkpoints.restore(step, state)
@@ -191,7 +206,7 @@ def prepare(config: Experiment, *, resume: str | int | None = None, rank: int = 
     current = msgspec.json.decode(msgspec.json.encode(config))  # as JSON holds it: tuples are lists
     changes = _differences(saved, current, ignore=("run.output_dir", "run.progress"))
     return Prepared(built, state, frozen_params(built), nonfinite_skips=int(meta.get("nonfinite_skips", 0)),
-                    resumed_from=folder / str(step), config_changes=tuple(changes))
+                    resumed_from=folder / str(step), config_changes=tuple(changes), callbacks=callbacks)
 
 
 def open_checkpoints(folder: pathlib.Path, built: Setup,
@@ -262,39 +277,71 @@ def _differences(old: Any, new: Any, *, ignore: tuple[str, ...] = (), prefix: st
 
 
 def run_metadata(launch: Launch, world: int) -> dict[str, Any]:
-    """run.json's record: how the run was started, and the versions and world size it ran with."""
+    """run.json's record: how the run was started (with the experiment file's sha256), and the versions and world
+    size it ran with."""
     versions = {"fvx": fvx.__version__, "torch": torch.__version__}
     for package in ("diffusers", "orbax-checkpoint"):
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
-    return {"experiment": launch.experiment, "overrides": list(launch.overrides), "world_size": world, **versions}
+    return {"experiment": launch.experiment, "experiment_sha256": _experiment_hash(launch.experiment),
+            "overrides": list(launch.overrides), "world_size": world, **versions}
 
 
-def config_record(config: Experiment) -> dict[str, Any]:
-    """The config as config.json holds it: its type as ``"module:QualName"`` and its builtins form."""
-    return {"config_type": f"{type(config).__module__}:{type(config).__qualname__}",
-            "config": msgspec.to_builtins(config)}
+def _experiment_hash(experiment: str | None) -> str | None:
+    if experiment is None:
+        return None
+    path, _ = fconfig.split_recipe(experiment)
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
 def load_run(run_dir: str | os.PathLike) -> Experiment:
-    """The config a run folder was trained with: config.json's values, typed by re-running the experiment file that
-    run.json names (experiment files define their config class in a private module)."""
+    """The config a run folder was trained with (:func:`load_run_sources`)."""
+    return load_run_sources(run_dir).config
+
+
+def load_run_sources(run_dir: str | os.PathLike) -> fconfig.Loaded:
+    """The config a run folder was trained with, from its config.json alone: fvx's classes by their recorded names;
+    the classes its experiment file defined from that file when it is still there unchanged (the sha256 in
+    run.json), else rebuilt from config.json (values kept, the file's code not run). ``sources`` says which."""
     run_dir = pathlib.Path(run_dir)
     if not (run_dir / fconfig.CONFIG_FILE).is_file():
         raise fconfig.ConfigError(f"{str(run_dir)!r} is not an fvx run folder (it has no {fconfig.CONFIG_FILE})")
-    experiment = _read_json(run_dir / RUN_FILE).get("experiment")
-    if experiment is None:
-        config = fconfig.load(run_dir)
-    else:
-        if not pathlib.Path(experiment).is_file():
-            raise fconfig.ConfigError(f"{str(run_dir / RUN_FILE)!r} names the experiment file {experiment!r}, which "
-                                      "no longer exists; it is needed for the config's type")
-        config = fconfig.load(run_dir, type=type(fconfig.load_experiment(experiment)))
-    if not isinstance(config, Experiment):
-        raise fconfig.ConfigError(f"{str(run_dir)!r} holds a {type(config).__qualname__}, not an fvx.loop.Experiment")
-    return config
+    meta = _read_json(run_dir / RUN_FILE)
+    experiment, recorded = meta.get("experiment"), meta.get("experiment_sha256")
+    notes: list[str] = []
+    classes = None
+    if experiment is not None:
+        current = _experiment_hash(experiment)
+        if current is None:
+            notes.append(f"the experiment file {experiment!r} no longer exists")
+        elif recorded is not None and current != recorded:
+            notes.append(f"the experiment file {experiment!r} changed since the run (sha256 differs): not used")
+        else:
+            classes = _classes_of(experiment)
+    loaded = fconfig.load_typed(run_dir, classes)
+    if not isinstance(loaded.config, Experiment):
+        raise fconfig.ConfigError(f"{str(run_dir)!r} holds a {type(loaded.config).__qualname__}, not an "
+                                  "fvx.loop.Experiment")
+    return fconfig.Loaded(loaded.config, tuple(notes) + loaded.sources)
+
+
+def _classes_of(experiment: str) -> Callable[[str], type | None]:
+    """``"module:QualName" -> class`` of the experiment file, run once when first asked."""
+    namespace: dict[str, Any] = {}
+
+    def lookup(spec: str) -> type | None:
+        if not namespace:
+            path, _ = fconfig.split_recipe(experiment)
+            namespace.update(fconfig.run_experiment(path))
+        module, _, qualname = spec.partition(":")
+        value: Any = namespace if namespace.get("__name__") == module else None
+        for attr in qualname.split(".") if value is not None else ():
+            value = value.get(attr) if isinstance(value, dict) else getattr(value, attr, None)
+        return value if isinstance(value, type) else None
+
+    return lookup
 
 
 def _read_json(path: pathlib.Path) -> dict[str, Any]:
@@ -334,28 +381,32 @@ def train(config: Experiment, *, prepared: Prepared | None = None, launch: Launc
     saves = config.run.checkpoint
     checkpoints = (open_checkpoints(out / CHECKPOINTS, prepared.setup, saves)  # every rank: sharded saves
                    if (rank == 0 or world > 1) and (saves.every or saves.final) else None)
-    record = config_record(config)
+    record = fconfig.record(config)
 
     def save(state: TrainState, skips: int) -> None:
         checkpoints.save(state, config=record, meta={**meta, "nonfinite_skips": skips})
 
+    hooks = prepared.callbacks
     validator = make_validator(config, prepared.setup, out)
+    if validator is not None:
+        hooks = fcallbacks.check(hooks + (validation.callback(validator, prepared.setup.program.validate, hooks),))
+
     try:
         with tracking.open_tracker(out / TENSORBOARD, rank=rank) as tracker:
             if rank == 0 and log_hparams:
                 tracker.hparams(msgspec.to_builtins(config))
 
-            def validate(state: TrainState, updates: int) -> None:
-                if validator is not None and validation.should_validate(config.validation, updates):
-                    samplers = prepared.setup.program.validate(state, prepared.frozen, config.validation)
-                    validation.validate(validator, tracker, updates, samplers)
+            def context(state: TrainState, metrics: dict[str, float]) -> fcallbacks.Context:
+                return fcallbacks.Context(int(state.step), state, prepared.frozen, metrics, tracker, out)
 
-            if start == 0:
-                validate(state, 0)
+            fcallbacks.call(hooks, "on_train_start", context(state, {}))
             state = run_steps(config, prepared.setup, state, prepared.frozen, range(start, config.run.steps), tracker,
-                              save=None if checkpoints is None else save, after_step=validate,
+                              save=None if checkpoints is None else save,
+                              after_step=lambda state, metrics: fcallbacks.call(hooks, "on_step_end",
+                                                                                context(state, metrics)),
                               nonfinite_skips=prepared.nonfinite_skips, rank=rank, world=world)
             log_run_summary(tracker, state, compile_stats(prepared.setup), config.run.steps - 1)
+            fcallbacks.call(hooks, "on_train_end", context(state, {}))
     finally:
         if checkpoints is not None:
             checkpoints.close()  # waits for a pending async save
@@ -399,11 +450,11 @@ def log_run_summary(tracker: tracking.Tracker, state: TrainState, stats: Compile
 def run_steps(config: Experiment, built: Setup, state: TrainState, frozen: dict[str, Any], steps: range,
               tracker: tracking.Tracker, *,
               save: Callable[[TrainState, int], None] | None = None,
-              after_step: Callable[[TrainState, int], None] | None = None, nonfinite_skips: int = 0, rank: int = 0,
-              world: int = 1) -> TrainState:
-    """Take ``steps`` with ``built.program.step_`` (the frozen roles' params ``frozen``) on prefetched batches, logging every ``config.run.log_every`` (and
-    every non-finite step), calling ``save(state, skips)`` after each step a checkpoint is due, then
-    ``after_step(state, updates)`` (``updates`` = step + 1: validation)."""
+              after_step: Callable[[TrainState, dict[str, float]], None] | None = None, nonfinite_skips: int = 0,
+              rank: int = 0, world: int = 1) -> TrainState:
+    """Take ``steps`` with ``built.program.step_`` (the frozen roles' params ``frozen``) on prefetched batches,
+    logging every ``config.run.log_every`` (and every non-finite step), calling ``save(state, skips)`` after each
+    step a checkpoint is due, then ``after_step(state, metrics)`` (the callbacks' ``on_step_end``)."""
     global_batch, run = config.data.batch_size, config.run
     progress = _progress_bar(config, steps, rank)
     try:
@@ -428,7 +479,7 @@ def run_steps(config: Experiment, built: Setup, state: TrainState, frozen: dict[
                 if save is not None and checkpoint.due(run.checkpoint, step + 1, run.steps):
                     save(state, nonfinite_skips)
                 if after_step is not None:
-                    after_step(state, step + 1)
+                    after_step(state, values)
                 if progress is not None:
                     losses = {name: f"{value:.4g}" for name, value in values.items() if name.endswith("loss")}
                     progress.set_postfix(losses, refresh=False)

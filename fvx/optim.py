@@ -37,7 +37,13 @@ float rounding, not bit for bit. AdamW's learning rate comes from its schedule e
 tensor, so a compiled step sees the learning rate and the step as data and does not recompile as they change.
 
 A ``None`` leaf in ``updates`` is a zero update that costs nothing, like a parameter whose ``.grad`` is ``None`` in
-``torch.optim``: transformations skip it and ``apply_updates`` leaves that parameter as it is. ``masked`` makes them.
+``torch.optim``: transformations skip it and ``apply_updates`` leaves that parameter as it is.
+
+Parameter groups, as optax: ``masked(tx, mask)`` applies ``tx`` to the leaves ``mask`` selects and passes the others
+through unchanged, so ``chain(masked(adamw(1e-1), m), masked(adamw(1e-2), not_m))`` trains two groups with their
+own learning rates; ``multi_transform({label: tx}, labels)`` does the same from one label per leaf. ``adamw``'s
+``weight_decay_mask`` decays only the leaves it selects. The state types are registered as safe for
+``torch.load(weights_only=True)``, so an optimizer state round-trips through ``torch.save``.
 """
 from __future__ import annotations
 
@@ -48,7 +54,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 import torch
 
 from fvx import tree
-from fvx.tree import Mask, global_norm, map_tensors, partition, tensor_leaves, zeros_like
+from fvx.tree import Mask, combine, global_norm, map_tensors, partition, tensor_leaves, zeros_like
 
 Params = Any  # a pytree of tensors
 Updates = Any  # a pytree of tensors (or None holes) with the structure of Params
@@ -87,6 +93,15 @@ class MaskedState(NamedTuple):
     """The inner transformation's state, with ``None`` at masked-out leaves."""
 
     inner_state: State
+
+
+class MultiTransformState(NamedTuple):
+    """Each label's transformation state (over its leaves, ``None`` elsewhere), by label."""
+
+    inner_states: dict
+
+
+torch.serialization.add_safe_globals([EmptyState, AdamWState, MaskedState, MultiTransformState])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -185,12 +200,15 @@ def adamw(
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
+    weight_decay_mask: Mask = None,
 ) -> GradientTransformation:
     """AdamW as ``torch.optim.AdamW`` computes it: bias-corrected moments and decoupled decay ``p -= lr * wd * p``.
 
     The update is ``-lr * (m_hat / (sqrt(v_hat) + eps) + wd * p)``, with ``lr = learning_rate(count)`` for a schedule
     (``count`` = updates applied before this one, a 0-dim int64 tensor) or the float itself. Moments take each param's
     shape, dtype and device; ``count`` lives on the first param's device. Needs ``params`` when ``weight_decay > 0``.
+    ``weight_decay_mask`` (a pytree of bools, or a function of the params returning one; None: every leaf) selects
+    the params that decay (e.g. not the norms and biases).
     """
     if not callable(learning_rate):
         learning_rate = _check_real("learning_rate", learning_rate, low=0.0)
@@ -222,11 +240,15 @@ def adamw(
         torch._foreach_div_(grads, _sqrt(bc2))
         torch._foreach_add_(grads, eps)
 
+    def decayed(updates: Updates, grads: list, params: Params) -> tuple[list, list]:
+        """(the update buffers, the params) of the leaves that decay, position by position."""
+        (_, p), flags = _aligned(updates, params=params), _mask_flags(weight_decay_mask, updates, params)
+        return [g for g, f in zip(grads, flags) if f], [x for x, f in zip(p, flags) if f]
+
     def update_(updates: Updates, state: AdamWState, params: Params = None) -> tuple[Updates, AdamWState]:
         if weight_decay and params is None:
             raise ValueError("adamw with weight_decay > 0 needs params in update")
-        decayed = {"params": params} if weight_decay else {}
-        grads, mu, nu, *p = _aligned(updates, mu=state.mu, nu=state.nu, **decayed)
+        grads, mu, nu = _aligned(updates, mu=state.mu, nu=state.nu)
         lr, bc1, bc2 = schedule(state.count)
         if grads:
             # The grads' buffers end up holding the update: 1 / denominator -> * mu -> scale, decay.
@@ -235,7 +257,9 @@ def adamw(
             torch._foreach_mul_(grads, mu)
             if weight_decay:
                 torch._foreach_div_(grads, bc1)
-                torch._foreach_add_(grads, p[0], alpha=weight_decay)
+                decaying, p = decayed(updates, grads, params)
+                if decaying:
+                    torch._foreach_add_(decaying, p, alpha=weight_decay)
                 torch._foreach_mul_(grads, -lr)
             else:
                 torch._foreach_mul_(grads, -lr / bc1)
@@ -252,7 +276,9 @@ def adamw(
         if grads:
             moments_and_denominator_(grads, mu, nu, bc2)
             if weight_decay:
-                torch._foreach_mul_(p, 1.0 - lr * weight_decay)
+                _, decaying = decayed(updates, grads, params)
+                if decaying:
+                    torch._foreach_mul_(decaying, 1.0 - lr * weight_decay)
             if isinstance(lr, torch.Tensor) or isinstance(bc1, torch.Tensor):
                 # foreach addcdiv_ takes no 0-dim tensor as its value: fold -lr / bc1 into the denominator (torch's
                 # capturable AdamW does the same). lr = 0 makes it -inf and the update -0: the params stay put.
@@ -300,25 +326,104 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
     return _from_donating(init, update_, apply_ if txs and txs[-1].apply_ is not None else None)
 
 
+def _mask_flags(mask: Mask, updates: Updates, params: Params = None) -> list[bool]:
+    """One bool per tensor leaf of ``updates`` (in ``_aligned``'s order): ``mask`` (a prefix pytree, or a function of
+    the params, else of the updates) broadcast over the tree; None selects every leaf."""
+    leaves, spec = tree.flatten(updates, none_is_leaf=True)
+    if mask is None:
+        return [True for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    resolved = mask(updates if params is None else params) if callable(mask) else mask
+    flags = spec.flatten_up_to(tree.broadcast_prefix(resolved, updates))
+    return [bool(f) for f, leaf in zip(flags, leaves) if isinstance(leaf, torch.Tensor)]
+
+
+def _selects_something(selected: Any, what: str) -> None:
+    if not tensor_leaves(selected):
+        raise ValueError(f"{what} selects no parameter")
+
+
 def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
-    """Apply ``inner`` to the leaves where ``mask`` is True only; the rest get a ``None`` (zero, free) update and no
+    """Apply ``inner`` to the leaves where ``mask`` is True; the others pass through unchanged, as in optax, and hold no
     state. ``mask`` is a pytree of bools (a prefix of the params is enough) or a function of the params returning one
-    (called on ``params`` in update, or on ``updates`` when params are not given)."""
+    (called on ``params`` in update, or on ``updates`` when params are not given). A mask that selects no param is
+    an error (at init)."""
     if not isinstance(inner, GradientTransformation):
         raise TypeError(f"masked needs a GradientTransformation, got {inner!r}")
 
     def init(params: Params) -> MaskedState:
         selected, _ = partition(params, mask)
+        _selects_something(selected, "masked: the mask")
         return MaskedState(inner.init(selected))
 
     def update_(updates: Updates, state: MaskedState, params: Params = None) -> tuple[Updates, MaskedState]:
         full = mask(updates if params is None else params) if callable(mask) else mask
-        selected, _ = partition(updates, full)
+        selected, rest = partition(updates, full)
         selected_params = None if params is None else partition(params, full)[0]
         selected, inner_state = _donating_update(inner, selected, state.inner_state, selected_params)
-        return selected, MaskedState(inner_state)
+        return combine(selected, rest), MaskedState(inner_state)
 
     return _from_donating(init, update_)
+
+
+def multi_transform(transforms: dict[str, GradientTransformation], labels: Any) -> GradientTransformation:
+    """A transformation per parameter group (optax's ``multi_transform``, now ``partition``): ``labels`` gives each
+    param a label of ``transforms`` (a pytree of strings, a prefix of the params, or a function of the params
+    returning one); each label's leaves go through its transformation, with its own state. A param whose label has no
+    transformation, or a label that labels no param, is an error (at init) naming it."""
+    for label, tx in transforms.items():
+        if not isinstance(tx, GradientTransformation):
+            raise TypeError(f"multi_transform: transforms[{label!r}] is not a GradientTransformation: {tx!r}")
+
+    def resolved(tree_: Any) -> Any:
+        return tree.broadcast_prefix(labels(tree_) if callable(labels) else labels, tree_)
+
+    def groups(tree_: Any, by: Any) -> dict[str, tuple[Any, Any]]:
+        return {label: partition(tree_, tree.tree_map(lambda l, label=label: l == label, by))
+                for label in transforms}
+
+    def init(params: Params) -> MultiTransformState:
+        by = resolved(params)
+        unknown = sorted({l for l in tree.leaves(by) if l not in transforms})
+        if unknown:
+            raise ValueError(f"multi_transform: params are labelled {unknown}, which have no transformation "
+                             f"(transformations: {', '.join(transforms)})")
+        states = {}
+        for label, (selected, _) in groups(params, by).items():
+            _selects_something(selected, f"multi_transform: the label {label!r}")
+            states[label] = transforms[label].init(selected)
+        return MultiTransformState(states)
+
+    def update_(updates: Updates, state: MultiTransformState, params: Params = None) -> tuple[Updates, Any]:
+        by = resolved(updates if params is None else params)
+        param_groups = None if params is None else groups(params, by)
+        outputs, states = [], {}
+        for label, (selected, _) in groups(updates, by).items():
+            group_params = None if param_groups is None else param_groups[label][0]
+            selected, states[label] = _donating_update(transforms[label], selected, state.inner_states[label],
+                                                       group_params)
+            outputs.append(selected)
+        return combine(*outputs), MultiTransformState(states)
+
+    def apply_(updates: Updates, state: MultiTransformState, params: Params) -> tuple[Params, Any]:
+        """Each label's fused step on its own leaves, in place (the groups' params share the params' tensors)."""
+        by = resolved(params)
+        param_groups, states = groups(params, by), {}
+        for label, (selected, _) in groups(updates, by).items():
+            _, states[label] = step_(transforms[label], param_groups[label][0], selected, state.inner_states[label])
+        return params, MultiTransformState(states)
+
+    fused = all(tx.apply_ is not None for tx in transforms.values())
+    return _from_donating(init, update_, apply_ if fused else None)
+
+
+def get_count(state: State) -> torch.Tensor:
+    """The number of updates applied so far, read from the (first) AdamW state inside an optimizer state: what a
+    schedule is evaluated on (big_vision's ``get_count``). A ValueError when the state holds no AdamW."""
+    found = [node for node in tree.leaves(state, is_leaf=lambda n: isinstance(n, AdamWState))
+             if isinstance(node, AdamWState)]
+    if not found:
+        raise ValueError("get_count: the optimizer state holds no AdamW state (no update count)")
+    return found[0].count
 
 
 # ---------------------------------------------------------------------------------------------------------------------

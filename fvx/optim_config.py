@@ -1,12 +1,12 @@
-"""The optimizer knobs of a trainable role, as a config, and the transformation they build."""
+"""The optimizer knobs of a trainable role, as a config, and the role optimizer they build (``fvx.role``)."""
 from __future__ import annotations
 
-from typing import Annotated, Callable, Literal
+from typing import Annotated, Any, Callable, Literal
 
 import msgspec
 import torch
 
-from fvx import optim, schedules, sharding
+from fvx import optim, role, schedules, sharding, tree
 from fvx.config import Config
 
 ScheduleName = Literal[
@@ -17,13 +17,18 @@ ScheduleName = Literal[
 class AdamWConfig(Config):
     """AdamW with gradient clipping and a learning-rate schedule (FastVideo's ``training.optimizer``/``scheduler``).
 
-    ``max_grad_norm`` 0 turns clipping off. ``num_cycles`` None takes the schedule's own default.
+    ``max_grad_norm`` 0 turns clipping off. ``num_cycles`` None takes the schedule's own default (0.5 for the
+    cosines, as FastVideo's fixed value; 1 for restarts, as its 0). ``decay_norms_and_biases`` False leaves every
+    1-D param (norm weights, biases) undecayed. A schedule spans the run's ``run.steps``: a warmup longer than the run
+    is legal (the lr never finishes warming up). Defaults that differ from FastVideo's when a recipe omits the key are
+    listed with their reasons in docs/design.md.
     """
 
     lr: Annotated[float, msgspec.Meta(ge=0)] = 1e-5
     betas: tuple[float, float] = (0.9, 0.999)
     eps: Annotated[float, msgspec.Meta(ge=0)] = 1e-8
-    weight_decay: Annotated[float, msgspec.Meta(ge=0)] = 0.01
+    weight_decay: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    decay_norms_and_biases: bool = True
     max_grad_norm: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     schedule: ScheduleName = "constant"
     warmup_steps: Annotated[int, msgspec.Meta(ge=0)] = 0
@@ -44,13 +49,20 @@ class AdamWConfig(Config):
             num_cycles=self.num_cycles, min_lr_ratio=self.min_lr_ratio, power=self.power, lr_end=self.lr_end,
         )
 
-    def build(self, total_steps: int, group: sharding.Group = sharding.Group()) -> optim.GradientTransformation:
-        """``chain(clip_by_global_norm, adamw(schedule))``, or AdamW alone when clipping is off. Over the shards of
-        a ``group`` of several ranks the clip takes the global norm (one all-reduce)."""
+    def build(self, total_steps: int) -> optim.GradientTransformation:
+        """AdamW on the schedule (clipping is the role update's, :meth:`role`)."""
         b1, b2 = self.betas
-        adamw = optim.adamw(self.schedule_fn(total_steps), b1=b1, b2=b2, eps=self.eps, weight_decay=self.weight_decay)
-        if self.max_grad_norm == 0:
-            return adamw
-        clip = (optim.clip_by_global_norm(self.max_grad_norm) if group.dp_size == 1
-                else sharding.clip_by_global_norm(self.max_grad_norm, group))
-        return optim.chain(clip, adamw)
+        mask = None if self.decay_norms_and_biases else _matrices
+        return optim.adamw(self.schedule_fn(total_steps), b1=b1, b2=b2, eps=self.eps, weight_decay=self.weight_decay,
+                           weight_decay_mask=mask)
+
+    def role(self, total_steps: int, group: sharding.Group = sharding.Group(), *, ema_decay: float | None = None,
+             ema_start_step: int = 0) -> role.RoleOptimizer:
+        """The :class:`fvx.role.RoleOptimizer` of a role trained with these knobs (its norm over ``group``'s ranks)."""
+        return role.RoleOptimizer(self.build(total_steps), self.schedule_fn(total_steps), self.max_grad_norm, group,
+                                  ema_decay or None, ema_start_step)
+
+
+def _matrices(params: Any) -> Any:
+    """True for params of two or more dimensions: the decay mask without norms and biases."""
+    return tree.map_tensors(lambda p: p.dim() >= 2, params)

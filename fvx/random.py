@@ -376,6 +376,18 @@ def randint(
     return (random63 % (high - low) + low).to(dtype)
 
 
+def randint_each(keys: torch.Tensor, shape: Shape, low: int, high: int) -> torch.Tensor:
+    """One ``randint(keys[b], shape, low, high)`` (int64) per key of ``keys [B, 2]``, stacked ``[B, *shape]``
+    (bitwise the loop, as one ``vmap`` over the keys)."""
+    if not isinstance(keys, torch.Tensor) or keys.dim() != 2 or keys.shape[-1] != 2:
+        got = tuple(keys.shape) if isinstance(keys, torch.Tensor) else type(keys).__name__
+        raise TypeError(f"fvx.random.randint_each: `keys` must be a batch of keys [B, 2], got {got}")
+    dims, n = _shape(shape, "randint_each")
+    if n >= FAST_PATH_MIN_NUMEL:
+        return torch.stack([randint(k, dims, low, high) for k in keys])
+    return torch.vmap(lambda k: randint(k, dims, low, high))(keys)
+
+
 def bernoulli(
     key: torch.Tensor,
     p: float | torch.Tensor = 0.5,

@@ -20,11 +20,13 @@ from fvx.state import NONFINITE
 
 
 class Replay(NamedTuple):
-    """A replayed step: its metrics, and the checkpoint it started from (None: the initial state)."""
+    """A replayed step: its metrics, the checkpoint it started from (None: the initial state), and where the config's
+    classes came from (``fvx.loop.load_run_sources``)."""
 
     step: int
     metrics: dict[str, float]
     from_checkpoint: int | None
+    sources: tuple[str, ...] = ()
 
 
 class Row(NamedTuple):
@@ -47,7 +49,8 @@ def replay_step(run_dir: str | os.PathLike, step: int) -> dict[str, float]:
 def replay(run_dir: str | os.PathLike, step: int) -> Replay:
     """Recompute step ``step`` of the run in ``run_dir``; a ValueError names a step the run does not have."""
     run_dir = pathlib.Path(run_dir)
-    config = loop.load_run(run_dir)
+    loaded = loop.load_run_sources(run_dir)
+    config = loaded.config
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < config.run.steps:
         raise ValueError(f"replay: step {step!r} is beyond the run in {str(run_dir)!r}, which has steps 0 to "
                          f"{config.run.steps - 1}")
@@ -62,7 +65,7 @@ def replay(run_dir: str | os.PathLike, step: int) -> Replay:
     for s in range(base or 0, step):
         state, _ = built.program.step_(state, frozen, batch_at(s))
     _, metrics = built.program.step_(state, frozen, batch_at(step))
-    return Replay(step, {name: float(value) for name, value in metrics.items()}, base)
+    return Replay(step, {name: float(value) for name, value in metrics.items()}, base, loaded.sources)
 
 
 def logged_metrics(run_dir: str | os.PathLike, step: int) -> dict[str, float]:
@@ -90,7 +93,9 @@ def report(result: Replay, rows: list[Row], run_dir: str | os.PathLike) -> str:
     start = "the initial state" if result.from_checkpoint is None else f"checkpoint {result.from_checkpoint}"
     forward = result.step - (result.from_checkpoint or 0)
     lines = [f"replay of step {result.step} of {run_dir}: from {start}, {forward} step(s) forward, then step "
-             f"{result.step}", f"  {'metric':<16}{'replayed':>18}{'logged':>18}"]
+             f"{result.step}", f"config: {pathlib.Path(run_dir) / 'config.json'}"
+             + "".join(f"\n  {source}" for source in result.sources),
+             f"  {'metric':<16}{'replayed':>18}{'logged':>18}"]
     for row in rows:
         logged = "not logged" if row.logged is None else f"{row.logged:.9g}"
         verdict = "" if row.logged is None else ("  same" if row.same else "  DIFFERENT")

@@ -32,6 +32,7 @@ from typing import Sequence
 
 import torch.distributed
 
+from fvx import callbacks as fcallbacks
 from fvx import config as fconfig
 from fvx import dry_run, export, loop, replay, sharding
 
@@ -151,6 +152,10 @@ def _train(args: argparse.Namespace, config: fconfig.Config, d: sharding.Dist) -
         loop.train(config, prepared=prepared, launch=launch, rank=d.rank, world=d.world)
     except loop.NonFiniteError as error:
         say(f"fvx.run: {error}", file=sys.stderr)
+        return 1
+    except fcallbacks.CallbackError as error:
+        say(f"fvx.run: the run stopped: {error} (checkpoints saved before it are intact; continue with --resume)",
+            file=sys.stderr)
         return 1
     steps = max(config.run.steps - first, 0)
     say(f"done: {steps} steps in {time.perf_counter() - start:.1f} s; run folder {config.run.output_dir}"

@@ -52,9 +52,7 @@ def _check_steps(warmup_steps, total_steps) -> tuple[int, int]:
     if total_steps is None:
         raise ValueError("total_steps is required by this schedule")
     total_steps = _check_int("total_steps", total_steps, low=1)
-    if warmup_steps > total_steps:
-        raise ValueError(f"warmup_steps ({warmup_steps}) must be <= total_steps ({total_steps})")
-    return warmup_steps, total_steps
+    return warmup_steps, total_steps  # a warmup longer than the run is legal: the lr never finishes warming up
 
 
 # ---------------------------------------------------------------------------------------------------------------------

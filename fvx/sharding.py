@@ -32,7 +32,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.func import functional_call
 
 from fvx import compile as fvx_compile
-from fvx import optim
 from fvx.tree import map_tensors, register_node, tensor_leaves, tree_map
 
 Params = dict[str, torch.Tensor]
@@ -509,26 +508,15 @@ def global_norm_sharded(tree: Any, group: Group) -> torch.Tensor:
     return squares.sqrt()
 
 
-def clip_by_global_norm(max_norm: float, group: Group) -> optim.GradientTransformation:
-    """``fvx.optim.clip_by_global_norm`` over sharded updates: the scale ``min(1, max_norm / (norm + 1e-6))`` uses
-    :func:`global_norm_sharded`, so every rank scales by the same factor. Stateless."""
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not 0 < max_norm < math.inf:
-        raise ValueError(f"max_norm must be a finite number > 0, got {max_norm!r}")
-
-    def init(params: Any) -> optim.EmptyState:
-        return optim.EmptyState()
-
-    def update_(updates: Any, state: optim.EmptyState, params: Any = None) -> tuple[Any, optim.EmptyState]:
-        leaves = tensor_leaves(updates)
-        if leaves:
-            scale = torch.clamp(max_norm / (global_norm_sharded(leaves, group) + 1e-6), max=1.0)
-            torch._foreach_mul_(leaves, scale)
-        return updates, state
-
-    def update(updates: Any, state: optim.EmptyState, params: Any = None) -> tuple[Any, optim.EmptyState]:
-        return update_(map_tensors(torch.clone, updates), state, params)
-
-    return optim.GradientTransformation(init, update, update_)
+def dp_max(value: int, group: Group) -> int:
+    """The largest of a per-rank integer over the data-parallel ranks (one all-reduce; every rank gets it)."""
+    if group.dp_size == 1:
+        return int(value)
+    total = torch.tensor(int(value), dtype=torch.int64)
+    for name, size in ((group.shard_name, group.shard_size), (group.replicate_name, group.replicate_size)):
+        if size > 1:
+            total = _wait(torch.ops._c10d_functional.all_reduce(total, "max", name))
+    return int(total)
 
 
 def dp_mean(value: torch.Tensor, group: Group) -> torch.Tensor:

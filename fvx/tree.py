@@ -91,12 +91,17 @@ def to_device(tree: Tree, device: torch.device | str, non_blocking: bool = False
     return map_tensors(lambda x: x.to(device, non_blocking=non_blocking), tree)
 
 
-def _resolve_mask(tree: Tree, mask: Mask) -> Tree:
-    mask = mask(tree) if callable(mask) else mask
+def broadcast_prefix(prefix: Tree, tree: Tree) -> Tree:
+    """``prefix`` (a pytree that is a prefix of ``tree``'s structure: ``{"blocks": True, "head": False}``) with each of
+    its leaves repeated over the subtree of ``tree`` below it; a ValueError when it is no prefix."""
     try:
-        return optree.tree_broadcast_prefix(mask, tree, namespace=NAMESPACE)
+        return optree.tree_broadcast_prefix(prefix, tree, namespace=NAMESPACE)
     except ValueError as e:
         raise ValueError(f"mask does not match the tree's structure: {e}") from None
+
+
+def _resolve_mask(tree: Tree, mask: Mask) -> Tree:
+    return broadcast_prefix(mask(tree) if callable(mask) else mask, tree)
 
 
 def partition(tree: Tree, mask: Mask) -> tuple[Tree, Tree]:

@@ -25,11 +25,12 @@ from __future__ import annotations
 import math
 import os
 import pathlib
-from typing import Annotated, Any, Callable, NamedTuple, Sequence
+from typing import Annotated, Any, Callable, Literal, NamedTuple, Sequence
 
 import msgspec
 import torch
 
+from fvx import callbacks as fcallbacks
 from fvx import flow, random
 from fvx.config import Config
 from fvx.tracking import Tracker
@@ -48,7 +49,10 @@ class ValidationConfig(Config):
     docstring) or, without one, of the dataset (skipping samples whose text CFG dropout blanked). ``latent_shape``
     ``[C, T, H, W]`` to sample (default: the dataset's). ``num_steps`` and ``flow_shift`` give the many-step ODE
     schedule (:func:`many_step_sigmas`) for models validated without a schedule of their own (fine-tuning, a DMD2
-    teacher). ``seed`` fixes the noise, independently of the run's seed.
+    teacher). ``guidance_scale`` is the classifier-free guidance ``uncond + g (cond - uncond)`` of the models a method
+    samples with guidance (fine-tuning; FastVideo's t2v recipe validates at 5), the unconditional cond being
+    ``cfg_uncond``'s: the cond file ``negative_prompt_path`` (``negative_prompt``), the family's zero cond, or the
+    cond itself (``keep``). ``seed`` fixes the noise, independently of the run's seed.
     """
 
     every: Annotated[int, msgspec.Meta(ge=0)] = 0
@@ -58,8 +62,18 @@ class ValidationConfig(Config):
     latent_shape: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt] | None = None
     num_steps: PositiveInt = 20
     flow_shift: PositiveFloat = 3.0
+    guidance_scale: float = 1.0
+    cfg_uncond: Literal["negative_prompt", "zero", "keep"] = "zero"
+    negative_prompt_path: str | None = None
     fps: PositiveFloat = 16.0
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.guidance_scale):
+            raise ValueError(f"validation.guidance_scale must be finite, got {self.guidance_scale}")
+        if self.guidance_scale != 1.0 and self.cfg_uncond == "negative_prompt" and self.negative_prompt_path is None:
+            raise ValueError("validation.cfg_uncond='negative_prompt' needs validation.negative_prompt_path (a cond "
+                             "file); or use cfg_uncond='zero'")
 
 
 class Prompts(NamedTuple):
@@ -104,8 +118,10 @@ def fixed_noise(key: torch.Tensor, shape: Sequence[int], *,
 
 
 def many_step_sigmas(num_steps: int, shift: float) -> torch.Tensor:
-    """The ``num_steps``-step Euler schedule ``[K]`` fp32: ``shift_sigma(1 - k / K)`` for ``k = 0..K-1`` (the
-    samplers end at 0), i.e. diffusers' flow-matching Euler schedule on evenly spaced timesteps ``1000 .. 1000 / K``."""
+    """The ``num_steps``-step Euler schedule ``[K]`` fp32: the evenly spaced levels ``1 - k / K`` for
+    ``k = 0..K-1``, shifted (``shift_sigma``); the samplers end at 0. It is how FastVideo's
+    ``SelfForcingFlowMatchScheduler`` lays out its steps; diffusers' ``FlowMatchEulerDiscreteScheduler.set_timesteps``
+    differs (it spaces from its smallest training level and applies the shift twice, design §2)."""
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
         raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
     steps = [flow.NUM_TRAIN_TIMESTEPS * (num_steps - k) / num_steps for k in range(num_steps)]
@@ -267,17 +283,20 @@ def log_validation(
 
 class Sampler(NamedTuple):
     """One model a method asks to validate: ``tag`` (e.g. "student"), its ``apply(params, x_t, t, cond)`` and
-    ``params`` (used as they are, no copy), the sigma schedule, and the sampler kind (``"ode"`` or ``"sde"``)."""
+    ``params`` (used as they are, no copy), the sigma schedule, the sampler kind (``"ode"`` or ``"sde"``), and
+    whether to sample it with the validation's classifier-free guidance (``guided``)."""
 
     tag: str
     apply: flow.ApplyFn
     params: Any
     sigmas: Sequence[float] | torch.Tensor
     sampler: str = "ode"
+    guided: bool = False
 
 
 class Validator(NamedTuple):
-    """What a run validates with, fixed once at its start: prompts, noise and keys are the same at every validation."""
+    """What a run validates with, fixed once at its start: prompts, noise and keys are the same at every validation;
+    ``uncond(cond)`` is the unconditional cond guided samplers use."""
 
     config: ValidationConfig
     prompts: Prompts
@@ -286,6 +305,19 @@ class Validator(NamedTuple):
     denormalize: Callable[[torch.Tensor], torch.Tensor] | None
     decode: Callable[[torch.Tensor], torch.Tensor] | None
     folder: pathlib.Path | None
+    uncond: Callable[[Any], Any] | None = None
+
+
+def guided(apply_fn: flow.ApplyFn, uncond: Callable[[Any], Any], guidance_scale: float) -> flow.ApplyFn:
+    """``apply_fn`` under classifier-free guidance: ``uncond + g (cond - uncond)`` of the velocities, the
+    unconditional call on ``uncond(cond)``; ``apply_fn`` itself when ``g == 1``."""
+    if guidance_scale == 1.0:
+        return apply_fn
+
+    def apply(params: Any, x_t: torch.Tensor, t: torch.Tensor, cond: Any) -> torch.Tensor:
+        return flow.cfg(apply_fn(params, x_t, t, cond), apply_fn(params, x_t, t, uncond(cond)), guidance_scale)
+
+    return apply
 
 
 def make_validator(config: ValidationConfig, dataset: Any, model: Any, *,
@@ -296,15 +328,44 @@ def make_validator(config: ValidationConfig, dataset: Any, model: Any, *,
     prompts = read_prompts(config, dataset, model)
     noise_key, sampler_key = random.split(random.key(config.seed))
     noise = fixed_noise(noise_key, (prompts.count, *latent_shape(config, dataset)))
+    negative = (None if config.negative_prompt_path is None
+                else model.load_negative(config.negative_prompt_path, "validation.negative_prompt_path"))
+
+    def uncond(cond: Any) -> Any:
+        return model.uncond(cond, config.cfg_uncond, negative)
+
     return Validator(config, prompts, noise, prompt_keys(sampler_key, prompts.count), model.denormalize, decode,
-                     None if folder is None else pathlib.Path(folder))
+                     None if folder is None else pathlib.Path(folder), uncond)
 
 
 def validate(validator: Validator, tracker: Tracker, step: int, samplers: Sequence[Sampler]) -> None:
     """Sample every ``samplers`` entry from the fixed noise and prompts, decode when a decoder is set, and log it."""
     for entry in samplers:
-        latents, video = sample_videos(entry.apply, entry.params, validator.noise, entry.sigmas,
+        apply_fn = entry.apply
+        if entry.guided and validator.uncond is not None:
+            apply_fn = guided(entry.apply, validator.uncond, validator.config.guidance_scale)
+        latents, video = sample_videos(apply_fn, entry.params, validator.noise, entry.sigmas,
                                        validator.prompts.cond, key=validator.keys, sampler=entry.sampler,
                                        denormalize=validator.denormalize, decode=validator.decode)
         log_validation(tracker, step, entry.tag, latents, video, folder=validator.folder, fps=validator.config.fps,
                        captions=validator.prompts.captions)
+
+
+def callback(validator: Validator, samplers_of: Callable[[Any, Any, ValidationConfig], Sequence[Sampler]],
+             others: Sequence[fcallbacks.Callback] = ()) -> fcallbacks.Callback:
+    """Validation as a callback: after every ``validator.config.every`` updates (and before the first step of a fresh
+    run with ``at_start``) it samples ``samplers_of(state, frozen, config)`` (the method's ``Program.validate``)
+    and logs them, between the ``on_validation_begin`` and ``on_validation_end`` hooks of ``others``."""
+    def run(context: fcallbacks.Context) -> None:
+        if not should_validate(validator.config, context.step):
+            return
+        fcallbacks.call(others, "on_validation_begin", context)
+        validate(validator, context.tracker, context.step,
+                 samplers_of(context.state, context.frozen, validator.config))
+        fcallbacks.call(others, "on_validation_end", context)
+
+    def at_start(context: fcallbacks.Context) -> None:
+        if context.step == 0:  # a resumed run validated at its start step before
+            run(context)
+
+    return fcallbacks.Callback("validation", on_train_start=at_start, on_step_end=run)

@@ -80,6 +80,7 @@ class Model:
                                     (``negative``, a cond of one row from :attr:`load_cond`, expanded to the batch)
     load_cond(path) -> (cond, captions)   a cond file (safetensors of the family's cond tensors, captions in its
                                     metadata or None): negative prompts, validation prompts
+    load_negative(path, where)      a cond file of one row (a negative prompt)
     export(params, folder)          whole params -> a diffusers pipeline folder: the family's component folders
                                     (``transformer/``, ...) and pipeline files that ``from_pretrained`` loads
     trainable(params) -> params     the params that train, sharing their tensors (all but ``frozen_names``): what a
@@ -117,6 +118,14 @@ class Model:
 
     def denormalize(self, latents: torch.Tensor) -> torch.Tensor:
         return self.latents.denormalize(latents)
+
+    def load_negative(self, path: str, where: str) -> dict[str, torch.Tensor]:
+        """The one-row cond of the negative-prompt file ``path`` (``where`` names the knob in errors)."""
+        cond, _ = self.load_cond(path)
+        count = next(iter(cond.values())).shape[0]
+        if count != 1:
+            raise ValueError(f"{where} {path!r} holds {count} prompts; a negative prompt is one")
+        return cond
 
     def check_latents(self, shape: tuple[int, ...], where: str = "latents") -> None:
         """Raise a ValueError naming both shapes unless ``shape`` is ``[B, C, T, H, W]`` that this model accepts."""

@@ -17,7 +17,7 @@ from torch.func import functional_call
 
 from fvx import checkpoint
 from fvx import compile as fvx_compile
-from fvx import ema, grad, optim, random, sharding, tree
+from fvx import ema, grad, optim, random, role, sharding, tree
 from fvx.optim_config import AdamWConfig
 from fvx.state import RoleState, TrainState
 from fvx_methods import dmd2, finetune
@@ -146,16 +146,16 @@ def core(out_dir: str, d) -> dict:
     assert isinstance(local_grads, sharding.Shards) and local_grads.layout == layout  # grads carry the layout
 
     # One AdamW step (with a global-norm clip that bites) on the local shards, then an EMA update.
-    tx = optim.chain(sharding.clip_by_global_norm(MAX_NORM, group), optim.adamw(LR, weight_decay=WEIGHT_DECAY))
+    opt = role.RoleOptimizer(optim.adamw(LR, weight_decay=WEIGHT_DECAY), lambda count: LR, MAX_NORM, group)
     shadow = ema.ema_init(local)
-    results["grad_norm"] = sharding.global_norm_sharded(local_grads, group)
-    opt_state = tx.init(local)
-    optim.step_(tx, local, local_grads, opt_state)
+    measured = role.measure(opt, role.init(opt, local, local), local_grads)
+    results["grad_norm"] = measured.norm
+    opt_state = role.update_(opt, role.init(opt, local, local), local, measured, 0).opt_state
     results["params_after_step"] = sharding.unshard(local, mesh)
     ema.ema_update_(shadow, local, EMA_DECAY)
     results["ema_after_step"] = sharding.unshard(shadow, mesh)
     results["moments_are_shards"] = all(isinstance(m, sharding.Shards) and m.layout == layout
-                                        for m in (opt_state[1].mu, opt_state[1].nu, shadow))
+                                        for m in (opt_state.mu, opt_state.nu, shadow))
 
     # HSDP with a replicate dim of 2 and shards of 1 (DDP through the replicate all-reduce).
     ddp_mesh = sharding.make_mesh(2, 1)
@@ -184,7 +184,7 @@ def core(out_dir: str, d) -> dict:
     results["odd_grad_padded"] = sharding._dtensors(odd_grad, mesh)["odd"].full_tensor()
     results["odd_grad"] = sharding.unshard(odd_grad, mesh)["odd"]
     results["odd_view_full"] = sharding.checkpoint_view(odd, mesh)["odd"].full_tensor()
-    adamw = opt_state[1]
+    adamw = opt_state
     saved = {"params": sharding.checkpoint_view(local, mesh), "odd": sharding.checkpoint_view(odd, mesh)["odd"],
              "mu": sharding.checkpoint_view(adamw.mu, mesh), "count": adamw.count}
     dcp.save(saved, checkpoint_id=f"{out_dir}/dcp")
@@ -263,17 +263,17 @@ def moe_run(mesh=None, rank: int = 0, world: int = 1) -> tuple[float, dict]:
 DMD2_STEPS = 3  # critic only, then student and critic (interval 2), then critic only
 
 
-def dmd2_run(mesh=None, rank: int = 0, world: int = 1) -> tuple[list[dict], dict]:
+def dmd2_run(mesh=None, rank: int = 0, world: int = 1, grad_accum: int = 1) -> tuple[list[dict], dict]:
     """DMD2 on the tiny Wan with a teacher of another size (tiny-deep; CFG with zero uncond, a clip that bites, EMA)
-    for DMD2_STEPS steps on this rank's slice of a fixed global batch of 4: (metrics per step as floats, every
-    trained role's full params and EMA after the last step)."""
+    for DMD2_STEPS steps on this rank's slice of a fixed global batch of 4, in ``grad_accum`` micro-batches: (metrics
+    per step as floats, every trained role's full params and EMA after the last step)."""
     g = random.split(random.key(11), 2)
     raw = {"latents": random.normal(g[0], (4, 16, 2, 4, 6)), "text": random.normal(g[1], (4, 5, 32)),
            "text_mask": torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2, [1.0] * 5, [1.0] * 4 + [0.0]]),
            "sample_index": torch.tensor([3, 8, 13, 21])}
     config = dmd2.DMD2(denoising_steps=(1000, 750, 500), generator_update_interval=2, guidance_scale=3.0,
                        cfg_uncond="zero", ema_decay=0.9, optim=AdamWConfig(lr=1e-3, max_grad_norm=0.05),
-                       critic_optim=AdamWConfig(lr=2e-3, max_grad_norm=0.05))
+                       critic_optim=AdamWConfig(lr=2e-3, max_grad_norm=0.05), grad_accum=grad_accum)
     on_mesh = {} if mesh is None else {"mesh": mesh}
     student = wan.WanConfig(preset="tiny").build(**on_mesh)
     models = {"student": student, "critic": student, "teacher": wan.WanConfig(preset="tiny-deep").build(**on_mesh)}
@@ -308,7 +308,7 @@ def run(out_dir: str) -> None:
 
     results["jax_process_count"] = jax.process_count()
     results.update(sharded_checkpoints(out_dir, mesh))
-    results["dmd2_metrics"], results["dmd2_roles"] = dmd2_run(mesh, d.rank, d.world)
+    results["dmd2_metrics"], results["dmd2_roles"] = dmd2_run(mesh, d.rank, d.world, grad_accum=2)
     results["families"] = {name: family_run(name, mesh, d.rank, d.world) for name in FAMILIES}
     results["moe"] = moe_run(mesh, d.rank, d.world)
     if d.rank == 0:

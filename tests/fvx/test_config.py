@@ -8,6 +8,7 @@ import msgspec
 import pytest
 from msgspec import Meta
 
+from fvx import config as fconfig
 from fvx.config import ConfigError, Config, apply_overrides, describe, dump, load, load_experiment, validate
 
 
@@ -182,7 +183,7 @@ def test_load_experiment_returns_the_validated_config(tmp_path):
     path = write(tmp_path, "dmd2.py", IMPORTS + 'config = Run(model=Model(path="/m"), method=DMD2(), tags=["x"])\n')
     config = load_experiment(path)
     assert config == Run(model=Model(path="/m"), method=DMD2(), tags=("x",))
-    assert not any(name.startswith("fvx_experiment_dmd2") for name in sys.modules)
+    assert fconfig._module_name(path) not in sys.modules  # it defines no Struct: its module is dropped
 
 
 def test_experiments_with_one_stem_or_a_stdlib_name_do_not_clash(tmp_path):
@@ -267,6 +268,7 @@ def test_dump_refuses_an_invalid_config_and_load_reports_bad_folders(tmp_path):
         load(tmp_path / "run", type=Optim)
     record = json.loads((tmp_path / "run" / "config.json").read_text())
     record["config_type"] = "no_such_module_xyz:Run"
+    del record["types"]  # a dump from before types were recorded: typed by config_type alone
     (tmp_path / "run" / "config.json").write_text(json.dumps(record))
     with pytest.raises(ConfigError, match="'no_such_module_xyz:Run', which cannot be imported .*pass type="):
         load(tmp_path / "run")

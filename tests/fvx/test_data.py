@@ -82,6 +82,19 @@ def test_write_then_read_round_trip_with_padding_and_cropping(t2v_folder):
         assert torch.equal(batch["text"][row], text) and torch.equal(batch["text_mask"][row], mask)
 
 
+def test_num_latent_t_keeps_the_first_frames(tmp_path):
+    samples = [{**sample, "latents": random.normal(random.key(i), (2, 5, 2, 3))}
+               for i, sample in enumerate(make_samples(4, 3))]
+    data.write_parquet(tmp_path / "five.parquet", samples)
+    batch = open_parquet(tmp_path / "five.parquet", text_len=4, num_latent_t=3).read([2, 0])
+    assert batch["latents"].shape == (2, 2, 3, 2, 3) and batch["latents"].is_contiguous()
+    assert torch.equal(batch["latents"][0], samples[2]["latents"][:, :3])
+    assert torch.equal(open_parquet(tmp_path / "five.parquet", text_len=4).read([1])["latents"][0],
+                       samples[1]["latents"])
+    with pytest.raises(ValueError, match=r"latents of 5 frames \(\[2, 5, 2, 3\]\) are fewer than data.num_latent_t=6"):
+        open_parquet(tmp_path / "five.parquet", text_len=4, num_latent_t=6).read([0])
+
+
 def test_written_files_have_fastvideo_columns_and_types(t2v_folder, tmp_path):
     root, samples = t2v_folder
     schema = pq.read_schema(root / "c.parquet")

@@ -15,8 +15,11 @@ from fvx.optim import (
     apply_updates,
     chain,
     clip_by_global_norm,
+    get_count,
     masked,
+    multi_transform,
     step_,
+    MultiTransformState,
 )
 from fvx.schedules import cosine
 from fvx.tree import global_norm, map_tensors
@@ -246,7 +249,8 @@ FROZEN = {"scale": False, "bias": True, "weight": True, "conv": False}
 
 
 @pytest.mark.parametrize("mask", [FROZEN, lambda p: {k: FROZEN[k] for k in p}], ids=["tree", "function"])
-def test_masked_leaves_are_untouched_and_hold_no_state(mask):
+def test_masked_transforms_its_leaves_passes_the_others_through_and_holds_no_state_for_them(mask):
+    """optax's masked: selected leaves get the inner update, the others come out as they went in."""
     params = make_params()
     trainable = {k: v for k, v in params.items() if FROZEN[k]}
     ref = TorchAdamW(trainable, warmup_cosine(), (0.9, 0.999), max_norm=1.0)
@@ -258,36 +262,110 @@ def test_masked_leaves_are_untouched_and_hold_no_state(mask):
     for k, m in FROZEN.items():
         assert (adam_state.mu[k] is None) == (not m) and (adam_state.nu[k] is None) == (not m)
     assert len(optree.tree_leaves(state)) == 1 + 2 * 2  # count + two moments of the two trainable leaves
-
-    donated_params, donated_state = clone(params), tx.init(params)
-    initial = clone(params)
     for step in range(5):
         grads = make_grads(params, step)
         updates, state = tx.update(grads, state, params)
-        assert updates["scale"] is None and updates["conv"] is None
-        params = apply_updates(params, updates)
-        donated_grads = clone(grads)
-        step_(tx, donated_params, donated_grads, donated_state)
-        expected = ref.step({k: grads[k] for k in trainable})
         for k in params:
-            if FROZEN[k]:
-                torch.testing.assert_close(params[k], expected[k], atol=1e-6, rtol=1e-6)
-            else:
-                assert torch.equal(params[k], initial[k]) and torch.equal(donated_params[k], initial[k])
-                assert torch.equal(donated_grads[k], grads[k])  # a masked-out grad buffer is not written
-        assert_trees_equal(donated_params, params)
-        assert_trees_equal(donated_state, state)
+            if not FROZEN[k]:
+                assert torch.equal(updates[k], grads[k])  # passed through unchanged
+        trained = {k: params[k] + updates[k] for k in trainable}
+        expected = ref.step({k: grads[k] for k in trainable})
+        for k in trainable:
+            torch.testing.assert_close(trained[k], expected[k], atol=1e-6, rtol=1e-6)
+        params = {**params, **trained}
 
 
-def test_masked_accepts_grads_with_none_for_frozen_leaves():
+def test_two_masked_optimizers_chained_train_two_groups_with_their_own_lr():
+    """chain(masked(adamw(a), m), masked(adamw(b), not m)) updates both groups, each as its own AdamW would."""
     params = make_params()
-    tx = masked(adamw(1e-3), FROZEN)
+    other = {k: not v for k, v in FROZEN.items()}
+    tx = chain(masked(adamw(1e-1), FROZEN), masked(adamw(1e-2), other))
+    refs = {lr: TorchAdamW({k: v for k, v in params.items() if group[k]}, lambda s, lr=lr: lr, (0.9, 0.999),
+                           weight_decay=0.0) for lr, group in ((1e-1, FROZEN), (1e-2, other))}
+    donated, state = clone(params), tx.init(params)
+    for step in range(4):
+        grads = make_grads(params, step)
+        step_(tx, donated, clone(grads), state)
+        for lr, group in ((1e-1, FROZEN), (1e-2, other)):
+            expected = refs[lr].step({k: g for k, g in grads.items() if group[k]})
+            for k in expected:
+                torch.testing.assert_close(donated[k], expected[k], atol=1e-6, rtol=1e-6)
+    assert all(not torch.equal(donated[k], params[k]) for k in params)
+
+
+def test_multi_transform_equals_two_separate_optimizers():
+    params = make_params()
+    labels = {"scale": "head", "bias": "body", "weight": "body", "conv": "head"}
+    tx = multi_transform({"body": adamw(1e-2, weight_decay=WD), "head": adamw(3e-2, b1=0.0)}, labels)
+    own = {"body": adamw(1e-2, weight_decay=WD), "head": adamw(3e-2, b1=0.0)}
+    for fused in (False, True):  # the pure update path, and the donating fused step of each group
+        parts = {name: {k: v.clone() for k, v in params.items() if labels[k] == name} for name in own}
+        states = {name: own[name].init(parts[name]) for name in own}
+        current, state = clone(params), tx.init(params)
+        assert isinstance(state, MultiTransformState) and set(state.inner_states) == {"body", "head"}
+        for step in range(3):
+            grads = make_grads(params, step)
+            if fused:
+                step_(tx, current, clone(grads), state)
+            else:
+                updates, state = tx.update(grads, state, current)
+                current = apply_updates(current, updates)
+            for name in own:
+                group_grads = {k: grads[k].clone() for k in parts[name]}
+                if fused:
+                    step_(own[name], parts[name], group_grads, states[name])
+                else:
+                    updates, states[name] = own[name].update(group_grads, states[name], parts[name])
+                    parts[name] = apply_updates(parts[name], updates)
+        for name in own:
+            for k, v in parts[name].items():
+                assert torch.equal(current[k], v), (fused, k)
+        assert int(get_count(state)) == 3
+
+
+def test_weight_decay_mask_leaves_masked_params_undecayed():
+    """With zero gradients AdamW's only change is the decay: the masked-out params keep their values."""
+    params = make_params()
+    decays = lambda p: {k: v.dim() >= 2 for k, v in p.items()}  # noqa: E731 - matrices only: not norms, biases
+    for pure in (True, False):
+        tx = adamw(1e-1, weight_decay=0.5, weight_decay_mask=decays)
+        state, current = tx.init(params), clone(params)
+        zeros = {k: torch.zeros_like(v) for k, v in params.items()}
+        if pure:
+            updates, _ = tx.update(zeros, state, current)
+            current = apply_updates(current, updates)
+        else:
+            step_(tx, current, zeros, state)
+        for k, v in params.items():
+            if v.dim() >= 2:
+                torch.testing.assert_close(current[k], v * (1 - 1e-1 * 0.5))
+            else:
+                assert torch.equal(current[k], v), k
+
+
+def test_masks_and_labels_that_select_nothing_are_named():
+    params = make_params()
+    with pytest.raises(ValueError, match="masked: the mask selects no parameter"):
+        masked(adamw(1e-3), {k: False for k in params}).init(params)
+    with pytest.raises(ValueError, match="the label 'head' selects no parameter"):
+        multi_transform({"body": adamw(1e-3), "head": adamw(1e-3)}, "body").init(params)
+    with pytest.raises(ValueError, match=r"labelled \['tail'\], which have no transformation"):
+        multi_transform({"body": adamw(1e-3)}, {"scale": "tail", "bias": "body", "weight": "body",
+                                                 "conv": "body"}).init(params)
+    with pytest.raises(ValueError, match="holds no AdamW state"):
+        get_count(clip_by_global_norm(1.0).init(params))
+
+
+def test_optimizer_states_round_trip_torch_save_and_a_weights_only_load(tmp_path):
+    params = make_params()
+    tx = chain(clip_by_global_norm(1.0), masked(adamw(1e-3), FROZEN),
+               multi_transform({"a": adamw(1e-3)}, "a"))
     state = tx.init(params)
-    full = make_grads(params, 0)
-    partial = {k: (g if FROZEN[k] else None) for k, g in full.items()}
-    a, _ = tx.update(full, state, params)
-    b, _ = tx.update(partial, state, params)
-    assert_trees_equal(a, b)
+    step_(tx, clone(params), make_grads(params, 0), state)
+    torch.save(state, tmp_path / "state.pt")
+    back = torch.load(tmp_path / "state.pt", weights_only=True)
+    assert type(back[0]) is EmptyState and type(back[1]) is MaskedState and type(back[2]) is MultiTransformState
+    assert_trees_equal(back, state)
 
 
 def test_a_transformation_with_only_a_pure_update_works_in_the_donating_path():

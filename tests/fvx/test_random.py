@@ -173,6 +173,16 @@ def test_randint_range_and_rough_uniformity(key):
     assert random.randint(key, (SMALL,), 0, 256, dtype=torch.uint8).max() == 255
 
 
+def test_batched_draws_equal_one_draw_per_key(key):
+    keys = random.fold_in(key, torch.arange(7) * 11)
+    assert torch.equal(random.randint_each(keys, (), 0, 1000),
+                       torch.stack([random.randint(k, (), 0, 1000) for k in keys]))
+    assert torch.equal(random.randint_each(keys, (3,), -5, 5), torch.stack([random.randint(k, (3,), -5, 5) for k in keys]))
+    assert torch.equal(random.normal_each(keys, (2, 3)), torch.stack([random.normal(k, (2, 3)) for k in keys]))
+    with pytest.raises(TypeError, match=r"randint_each: `keys` must be a batch of keys \[B, 2\]"):
+        random.randint_each(key, (), 0, 3)
+
+
 def test_bernoulli_rates(key):
     b = random.bernoulli(key, 0.3, (SMALL,))
     assert abs(b.float().mean().item() - 0.3) < 5 * math.sqrt(0.3 * 0.7 / SMALL)

@@ -118,3 +118,30 @@ def test_skip_halts_when_the_method_applied_a_non_finite_update(tmp_path):
     with pytest.raises(loop.NonFiniteError, match="step 1: .*the method applied the update anyway") as error:
         loop.train(config, prepared=prepared._replace(setup=setup))
     assert error.value.step == 1 and error.value.replay_command.endswith("--step 1")
+
+
+def test_replay_and_export_work_after_the_experiment_file_is_deleted_or_changed(tmp_path, capsys):
+    """config.json types the config by itself: with the experiment file gone (or edited), replay rebuilds the
+    experiment's own classes from config.json and says so; fvx's classes come by their recorded names."""
+    experiment = tmp_path / "mine.py"
+    shutil.copy(ROOT / "experiments" / "finetune_wan.py", experiment)
+    out = tmp_path / "run"
+    quick = ["--steps", "3", "run.progress=false", "validation.every=0", "run.checkpoint.every=2",
+             "run.checkpoint.async_save=false", "data.synthetic.latent_shape=[16,1,4,4]"]
+    assert run.main([str(experiment), "--out", str(out), *quick]) == 0
+    capsys.readouterr()
+    assert run.main(["replay", str(out), "--step", "2"]) == 0
+    assert "config: FinetuneWan from the experiment file" in capsys.readouterr().out
+    experiment.write_text(experiment.read_text().replace("lr=1e-3", "lr=5e-3"))  # edited since the run
+    assert run.main(["replay", str(out), "--step", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "changed since the run (sha256 differs): not used" in printed
+    assert "FinetuneWan rebuilt from config.json on Experiment" in printed and "replay matches" in printed
+    experiment.unlink()
+    assert run.main(["replay", str(out), "--step", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "no longer exists" in printed and "replay matches the logged step 2" in printed
+    loaded = loop.load_run(out)
+    assert type(loaded.method).__module__ == "fvx_methods.finetune" and loaded.method.optim.lr == 1e-3
+    assert type(loaded.models["student"]).__module__ == "fvx_models.wan" and loaded.vae is not None
+    assert run.main(["export", str(out), "--out", str(tmp_path / "exported")]) == 0

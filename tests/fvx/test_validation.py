@@ -252,3 +252,53 @@ def test_prompts_file_is_a_cond_file_of_the_models_family(tmp_path, key, model):
     (tmp_path / "garbage.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="not a readable safetensors file"):
         model.load_cond(str(tmp_path / "garbage.safetensors"))
+
+
+# ---------------------------------------------------------------------------------------------------------- guidance
+
+
+def test_a_guided_sampler_steps_with_uncond_plus_g_times_the_difference(tmp_path, key, model):
+    """Fine-tuning validates with CFG: every Euler step's velocity is uncond + g (cond - uncond), the unconditional
+    call on the family's zero cond (or the negative prompt's)."""
+    config = data.DataConfig(text_len=6, synthetic=data.SyntheticConfig(num_samples=4, latent_shape=(16, 1, 4, 4),
+                                                                        text_len=4, text_dim=32))
+    dataset = data.open_dataset(config, key)
+    params = model.init(random.key(1))
+    negative = tmp_path / "negative.safetensors"
+    fcond.save(negative, {"text": random.normal(random.key(2), (1, 6, 32)), "text_mask": torch.ones(1, 6)})
+    for uncond_mode, path in (("zero", None), ("negative_prompt", str(negative))):
+        vconfig = ValidationConfig(every=1, num_prompts=2, num_steps=3, guidance_scale=3.0, cfg_uncond=uncond_mode,
+                                   negative_prompt_path=path)
+        validator = validation.make_validator(vconfig, dataset, model)
+        seen = []
+
+        def apply(p, x, t, cond):
+            seen.append(cond)
+            return model.apply(p, x, t, cond)
+
+        with tracking.open_tracker(tmp_path / uncond_mode) as tracker:
+            validation.validate(validator, tracker, 1, [validation.Sampler("model", apply, params,
+                                                                           validation.many_step_sigmas(3, 3.0),
+                                                                           guided=True)])
+        assert len(seen) == 6 and all(seen[i] is validator.prompts.cond for i in range(0, 6, 2))
+        uncond = validator.uncond(validator.prompts.cond)
+        if uncond_mode == "zero":
+            assert not uncond["text"].any()
+        else:
+            assert torch.equal(uncond["text"][1], model.load_cond(str(negative))[0]["text"][0])
+        # the latents by hand: Euler with the guided velocity
+        sigmas = torch.cat([validation.many_step_sigmas(3, 3.0), torch.zeros(1)])
+        x = validator.noise.clone()
+        with torch.no_grad():
+            for i in range(3):
+                t = torch.full((2,), float(sigmas[i] * 1000))
+                vc = model.apply(params, x, t, validator.prompts.cond)
+                vu = model.apply(params, x, t, uncond)
+                x = x + (sigmas[i + 1] - sigmas[i]) * (vu + 3.0 * (vc - vu))
+        latents, _ = validation.sample_videos(validation.guided(model.apply, validator.uncond, 3.0), params,
+                                              validator.noise, validation.many_step_sigmas(3, 3.0),
+                                              validator.prompts.cond)
+        torch.testing.assert_close(latents, x, rtol=1e-5, atol=1e-5)
+    assert validation.guided(model.apply, validator.uncond, 1.0) is model.apply  # g = 1: no unconditional call
+    with pytest.raises(msgspec.ValidationError, match="negative_prompt_path"):
+        msgspec.convert({"guidance_scale": 2.0, "cfg_uncond": "negative_prompt"}, ValidationConfig)

@@ -1,5 +1,5 @@
-"""fvx_methods.dmd2: the losses against hand computations of spec §2.4, the rollout's graph, cadence, EMA,
-guidance convention, determinism and config errors."""
+"""fvx_methods.dmd2: the per-sample rollout, the step against the role library's hand sequence, gradient
+accumulation, cadence, EMA, validation, determinism, the roles' models and bad input (spec §2.4)."""
 import dataclasses
 import pathlib
 
@@ -9,8 +9,10 @@ import torch
 from safetensors.torch import save_file
 
 from fvx import config as fconfig
-from fvx import flow, grad, random, tree, validation
+from fvx import flow, grad, optim, random, role, tree, validation
 from fvx.optim_config import AdamWConfig
+from fvx.state import copy
+from fvx_methods import distribution_matching as dm
 from fvx_methods import dmd2
 from fvx_models.wan import WanConfig
 
@@ -45,12 +47,21 @@ def make_batch(size: int = 2, seed: int = 0, latents: bool = True):
     return batch
 
 
-def key_with_rollout_index(k: int, num_steps: int = 4, *, split_first: bool = True) -> torch.Tensor:
-    """A key whose rollout index (randint of split(split(key)[0])[0], or of split(key)[0]) is k."""
-    for seed in range(1000):
+def rows(batch, b):
+    """Sample ``b`` of ``batch`` as a batch of one."""
+    return {n: rows(v, b) if isinstance(v, dict) else v[b:b + 1] for n, v in batch.items()}
+
+
+def hand_k(key, index: int, num_steps: int = 4) -> int:
+    """A sample's exit index: randint of fold_in(split(key)[0], index)."""
+    return int(random.randint(random.fold_in(random.split(key)[0], index), (), 0, num_steps))
+
+
+def key_with_exits(ks, batch, num_steps: int = 4):
+    """A rollout key whose per-sample exit indices are ``ks``."""
+    for seed in range(5000):
         key = random.key(seed)
-        rollout_key = random.split(key)[0] if split_first else key
-        if int(random.randint(random.split(rollout_key)[0], (), 0, num_steps)) == k:
+        if [hand_k(key, int(i), num_steps) for i in batch["sample_index"]] == list(ks):
             return key
     raise AssertionError("no key found")
 
@@ -70,261 +81,206 @@ def hand_x0(model, params, x, t, cond):
     return x - hand_sigma(t) * v
 
 
-def hand_noise(key, batch, draw):
-    return torch.stack([random.normal(random.fold_in(random.fold_in(key, draw), int(i)), SHAPE)
-                        for i in batch["sample_index"]])
+def hand_noise(key, index, draw):
+    return random.normal(random.fold_in(random.fold_in(key, draw), int(index)), SHAPE)[None]
 
 
 def hand_rollout(model, params, batch, key, steps, mode="simulate", grad_last=True):
-    """(x0_gen, k): spec §2.4's rollout from the documented key layout; only the last call under grad."""
-    index_key, noise_key = random.split(key)
-    k = int(random.randint(index_key, (), 0, len(steps)))
-    cond = batch["cond"]
-    with torch.no_grad():
-        if mode == "data_latent":
-            s = hand_sigma(steps[k])
-            x = (1 - s) * batch["latents"] + s * hand_noise(noise_key, batch, 0)
-        else:
-            x = hand_noise(noise_key, batch, 0)
-            for j in range(k):
-                s = hand_sigma(steps[j + 1])
-                x = (1 - s) * hand_x0(model, params, x, steps[j], cond) + s * hand_noise(noise_key, batch, j + 1)
-    with torch.set_grad_enabled(grad_last):
-        return hand_x0(model, params, x, steps[k], cond), k
-
-
-def hand_score_timestep(key, config):
-    t0 = int(random.randint(key, (), 0, 1000))
-    s = config.timestep_shift
-    t = min(max(1000 * (s * t0 / 1000) / (1 + (s - 1) * t0 / 1000), 0.0), 1000.0)
-    return min(max(t, int(config.min_timestep_ratio * 1000)), int(config.max_timestep_ratio * 1000))
-
-
-# ---------------------------------------------------------------------------------------------------- the losses
-
-
-def test_dmd_loss_gradient_is_the_normalised_direction(key):
-    k1, k2, k3 = random.split(key, 3)
-    x0_gen = random.normal(k1, (2, *SHAPE)).requires_grad_(True)
-    x0_fake, x0_real = random.normal(k2, (2, *SHAPE)), random.normal(k3, (2, *SHAPE))
-    loss, normalizer = dmd2.dmd_loss(x0_gen, x0_fake, x0_real)
-    (g,) = torch.autograd.grad(loss, x0_gen)
-    expected_norm = (x0_gen.detach() - x0_real).abs().mean()
-    torch.testing.assert_close(normalizer, expected_norm)
-    # x0_gen - (x0_gen - grad) cancels to grad up to rounding of x0_gen (spec form): ~1e-7 of the typical entry
-    torch.testing.assert_close(g, (x0_fake - x0_real) / expected_norm / x0_gen.numel(), rtol=1e-6, atol=1e-9)
-    torch.testing.assert_close(loss, 0.5 * (((x0_fake - x0_real) / expected_norm) ** 2).mean())
-    # x0_gen == x0_real: the normaliser is 0 and nan_to_num keeps the loss finite (0/0 -> 0)
-    same = x0_real.clone().requires_grad_(True)
-    loss, normalizer = dmd2.dmd_loss(same, x0_real, x0_real)
-    assert normalizer == 0 and torch.isfinite(loss) and loss == 0
-
-
-@pytest.fixture
-def negative_file(tmp_path):
-    path = tmp_path / "negative.safetensors"
-    save_file({"text": random.normal(random.key(99), (1, 5, 32)), "text_mask": torch.tensor([[1, 1, 1, 1, 0.]])},
-              str(path))
-    return str(path)
-
-
-def test_generator_loss_matches_hand_computation(model, models, roles, negative_file):
-    config = dmd2.DMD2(guidance_scale=4.5, timestep_shift=8.0, min_timestep_ratio=0.02, max_timestep_ratio=0.98,
-                       negative_prompt_path=negative_file)
-    negative, _ = model.load_cond(negative_file)
-    batch, key = make_batch(), key_with_rollout_index(2)
-    steps = config.denoising_steps
-    value_and_grad = grad.value_and_grad(dmd2.generator_loss, has_aux=True)
-    (loss, aux), grads = value_and_grad(roles["student"], roles["critic"], roles["teacher"], batch, key,
-                                        models=models, config=config, negative=negative)
-
-    rollout_key, score_key = random.split(key)
-    student = tree.map_tensors(lambda p: p.detach().requires_grad_(True), roles["student"])
-    x0_gen, k = hand_rollout(model, student, batch, rollout_key, steps)
-    assert k == 2
-    t_key, noise_key = random.split(score_key)
-    t = hand_score_timestep(t_key, config)
-    s = hand_sigma(t)
-    with torch.no_grad():
-        x_t = (1 - s) * x0_gen + s * hand_noise(noise_key, batch, 0)
-        fake = hand_x0(model, roles["critic"], x_t, t, batch["cond"])
-        cond = hand_x0(model, roles["teacher"], x_t, t, batch["cond"])
-        uncond = hand_x0(model, roles["teacher"], x_t, t, {"text": negative["text"].expand(2, -1, -1),
-                                                           "text_mask": negative["text_mask"].expand(2, -1)})
-        real = uncond + 4.5 * (cond - uncond)
-        normalizer = (x0_gen - real).abs().mean()
-        direction = (fake - real) / normalizer
-    torch.testing.assert_close(aux["dmd_normalizer"], normalizer, rtol=1e-5, atol=0)
-    torch.testing.assert_close(loss, 0.5 * (direction ** 2).mean(), rtol=1e-5, atol=0)
-    torch.testing.assert_close(aux["score_timestep"], torch.tensor(t, dtype=torch.float32))
-    assert float(aux["generator_timestep"]) == steps[2]
-    # d L / d student = (d x0_gen / d student)^T (direction / numel): the gradient flows through x0_gen only
-    names = list(student)
-    expected = torch.autograd.grad(x0_gen, [student[n] for n in names], grad_outputs=direction / x0_gen.numel())
-    for name, g in zip(names, expected):
-        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-9)
-
-
-def test_critic_loss_is_flow_matching_on_a_fresh_rollout(model, models, roles):
-    config = dmd2.DMD2(timestep_shift=5.0)
-    batch, key = make_batch(seed=1), key_with_rollout_index(3)
-    loss, aux = dmd2.critic_loss(roles["critic"], roles["student"], batch, key, models=models, config=config)
-    rollout_key, score_key = random.split(key)
-    x0_gen, k = hand_rollout(model, roles["student"], batch, rollout_key, config.denoising_steps, grad_last=False)
-    t_key, noise_key = random.split(score_key)
-    t = hand_score_timestep(t_key, config)
-    noise = hand_noise(noise_key, batch, 0)
-    s = hand_sigma(t)
-    x_t = (1 - s) * x0_gen + s * noise
-    with torch.no_grad():
-        v = model.apply(roles["critic"], x_t, torch.full((2,), float(t)), batch["cond"])
-    torch.testing.assert_close(loss, ((v - (noise - x0_gen)) ** 2).mean(), rtol=1e-5, atol=0)
-    assert k == 3 and float(aux["generator_timestep"]) == 250
+    """(x0_gen, ks): spec §2.4's rollout sample by sample (batches of one), each at its own exit index."""
+    noise_key = random.split(key)[1]
+    out, ks = [], []
+    for b, index in enumerate(batch["sample_index"].tolist()):
+        k, one = hand_k(key, index, len(steps)), rows(batch, b)
+        with torch.no_grad():
+            if mode == "data_latent":
+                s = hand_sigma(steps[k])
+                x = (1 - s) * one["latents"] + s * hand_noise(noise_key, index, 0)
+            else:
+                x = hand_noise(noise_key, index, 0)
+                for j in range(k):
+                    s = hand_sigma(steps[j + 1])
+                    x = (1 - s) * hand_x0(model, params, x, steps[j], one["cond"]) + s * hand_noise(noise_key, index,
+                                                                                                 j + 1)
+        with torch.set_grad_enabled(grad_last):
+            out.append(hand_x0(model, params, x, steps[k], one["cond"]))
+        ks.append(k)
+    return torch.cat(out), ks
 
 
 def counting(model, calls):
-    """``model`` whose apply records, per call, whether it builds a graph through its params."""
+    """``model`` whose apply records, per call, whether it builds a graph through its params, and its batch size."""
     def apply(params, x, t, cond):
-        calls.append(torch.is_grad_enabled() and any(p.requires_grad for p in params.values()))
+        calls.append((torch.is_grad_enabled() and any(p.requires_grad for p in params.values()), x.shape[0]))
         return model.apply(params, x, t, cond)
     return dataclasses.replace(model, apply=apply)
 
 
-@pytest.mark.parametrize("k", [0, 1, 3])
-def test_simulate_rollout_grads_flow_through_one_student_call(model, roles, k):
-    batch, key = make_batch(latents=False), key_with_rollout_index(k, split_first=False)
+# ---------------------------------------------------------------------------------------------------- the rollout
+
+
+@pytest.mark.parametrize("ks", [(0, 0, 0), (0, 2, 1), (3, 1, 3)])
+def test_simulate_rollout_exits_each_sample_at_its_own_step(model, roles, ks):
+    batch = make_batch(size=3, latents=False)
+    key = key_with_exits(ks, batch)
     config = dmd2.DMD2(latent_shape=SHAPE)
-    calls = []
-    probe = random.normal(random.key(5), (2, *SHAPE))
+    calls, probe = [], random.normal(random.key(5), (3, *SHAPE))
 
     def loss(params):
-        x0 = dmd2.student_rollout(params, batch, key, model=counting(model, calls), config=config)
+        x0, t = dmd2.rollout(params, batch, key, True, model=counting(model, calls), config=config)
+        assert t.tolist() == [config.denoising_steps[k] for k in ks]
         return (x0 * probe).sum()
 
     value, grads = grad.value_and_grad(loss)(roles["student"])
-    assert calls == [False] * k + [True]  # k transitions without a graph, then the one graded call
+    hops = [(False, sum(k > j for k in ks)) for j in range(max(ks))]  # hop j on the samples with k > j, no graph
+    assert calls == hops + [(True, 3)]  # then one graded call on the whole batch
     student = tree.map_tensors(lambda p: p.detach().requires_grad_(True), roles["student"])
-    x0, hand_k = hand_rollout(model, student, batch, key, config.denoising_steps)
-    assert hand_k == k
-    torch.testing.assert_close(value, (x0 * probe).sum().detach(), rtol=1e-5, atol=1e-5)
+    x0, hand_ks = hand_rollout(model, student, batch, key, config.denoising_steps)
+    assert hand_ks == list(ks)
+    torch.testing.assert_close(value, (x0 * probe).sum().detach(), rtol=1e-5, atol=1e-4)
     expected = torch.autograd.grad((x0 * probe).sum(), list(student.values()))
     for (name, g), e in zip(grads.items(), expected):
-        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-8)
-    nonzero = [name for name, g in grads.items() if g.abs().sum() > 0]
-    assert len(nonzero) == len(grads), sorted(set(grads) - set(nonzero))  # every student param gets gradient
-    with torch.no_grad():
-        again = dmd2.student_rollout(roles["student"], batch, key, model=model, config=config, with_grad=False)
-    torch.testing.assert_close(again, x0.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+    assert all(g.abs().sum() > 0 for g in grads.values())  # every student param gets gradient
 
 
-def test_data_latent_rollout_noises_the_data(model, roles):
-    config = dmd2.DMD2(rollout_mode="data_latent", denoising_steps=(1000, 757, 522), warp_denoising_step=False)
-    batch, key = make_batch(seed=2), key_with_rollout_index(1, num_steps=3, split_first=False)
+def test_the_rollout_of_a_sample_does_not_depend_on_its_batch(model, roles):
+    """One process equals two: a sample's x0_gen alone equals its row of the whole batch."""
+    batch = make_batch(size=3, latents=False)
+    key = key_with_exits((0, 3, 1), batch)
+    config = dmd2.DMD2(latent_shape=SHAPE)
+    whole, _ = dmd2.rollout(roles["student"], batch, key, False, model=model, config=config)
+    for b in range(3):
+        alone, _ = dmd2.rollout(roles["student"], rows(batch, b), key, False, model=model, config=config)
+        torch.testing.assert_close(alone, whole[b:b + 1], rtol=1e-5, atol=1e-5)
+
+
+def test_data_latent_rollout_noises_the_data_to_each_samples_step(model, roles):
+    config = dmd2.DMD2(rollout_mode="data_latent", denoising_steps=(1000, 757, 522))
+    batch = make_batch(size=3, seed=2)
+    key = key_with_exits((1, 0, 2), batch, num_steps=3)
     calls = []
-    x0 = dmd2.student_rollout(roles["student"], batch, key, model=counting(model, calls), config=config,
-                              with_grad=False)
-    expected, k = hand_rollout(model, roles["student"], batch, key, config.denoising_steps, mode="data_latent",
-                               grad_last=False)
-    assert k == 1 and calls == [False]
+    x0, _ = dmd2.rollout(roles["student"], batch, key, False, model=counting(model, calls), config=config)
+    expected, ks = hand_rollout(model, roles["student"], batch, key, config.denoising_steps, mode="data_latent",
+                                grad_last=False)
+    assert ks == [1, 0, 2] and calls == [(False, 3)]
     torch.testing.assert_close(x0, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_guidance_convention_is_uncond_plus_g_times_difference(model, roles):
-    """fvx: uncond + g (cond - uncond); FastVideo's legacy trainer, Self-Forcing and CausVid: cond + w (cond - uncond),
-    so w = g - 1."""
-    batch, key = make_batch(), random.key(3)
-    common = dict(critic=model, teacher=model, negative=None)
-    fake, real, t = dmd2.real_and_fake_x0(roles["critic"], roles["teacher"], torch.zeros(2, *SHAPE), batch, key,
-                                          config=dmd2.DMD2(guidance_scale=4.5, cfg_uncond="zero"), **common)
-    grid = flow.training_sigmas(SHIFT)
-    x_t = dmd2._noised(torch.zeros(2, *SHAPE), batch, key, dmd2.DMD2(), grid)[0]
-    zero = {"text": torch.zeros_like(batch["cond"]["text"]), "text_mask": torch.zeros_like(batch["cond"]["text_mask"])}
-    with torch.no_grad():
-        cond_x0 = dmd2.predict_x0(model, roles["teacher"], x_t, t, batch["cond"], grid)
-        uncond_x0 = dmd2.predict_x0(model, roles["teacher"], x_t, t, zero, grid)
-    torch.testing.assert_close(real, uncond_x0 + 4.5 * (cond_x0 - uncond_x0))
-    torch.testing.assert_close(real, cond_x0 + 3.5 * (cond_x0 - uncond_x0), rtol=1e-5, atol=1e-5)  # w = g - 1
-    calls = []
-    probe = counting(model, calls)
-    _, real_g1, _ = dmd2.real_and_fake_x0(roles["critic"], roles["teacher"], torch.zeros(2, *SHAPE), batch, key,
-                                          critic=probe, teacher=probe, config=dmd2.DMD2(guidance_scale=1.0))
-    assert torch.equal(real_g1, cond_x0) and len(calls) == 2  # g = 1: critic + conditional teacher only
+def test_generator_loss_through_the_real_rollout_against_hand(model, models, roles):
+    """Per-sample k, t, noise and normaliser, all by hand sample by sample."""
+    config = dmd2.DMD2(guidance_scale=4.5, cfg_uncond="zero", timestep_shift=8.0, min_timestep_ratio=0.02,
+                       max_timestep_ratio=0.98)
+    batch = make_batch(size=3)
+    key = random.key(7)
+    rollout_key, score_key = random.split(key)
 
+    def rollout(params, micro, k, with_grad):
+        return dmd2.rollout(params, micro, k, with_grad, model=model, config=config)
 
-def test_uncond_policies(model, negative_file):
-    batch = make_batch()
-    kept = dmd2.uncond(model, batch, dmd2.DMD2(cfg_uncond="keep"))
-    assert kept["text"] is batch["cond"]["text"]
-    zero = dmd2.uncond(model, batch, dmd2.DMD2(cfg_uncond="zero"))
-    assert not zero["text"].any() and not zero["text_mask"].any()
-    negative, _ = model.load_cond(negative_file)
-    from_file = dmd2.uncond(model, batch, dmd2.DMD2(), negative)
-    assert from_file["text"].shape == (2, 5, 32) and torch.equal(from_file["text"][1], negative["text"][0])
-    assert from_file["text_mask"].tolist() == [[1, 1, 1, 1, 0]] * 2
-    with pytest.raises(ValueError, match="negative_prompt_path"):
-        dmd2.uncond(model, batch, dmd2.DMD2())
-
-
-# ------------------------------------------------------------------------------------------------ timesteps
-
-
-def test_score_timesteps_follow_shift_and_window():
-    config = dmd2.DMD2(timestep_shift=8.0, min_timestep_ratio=0.02, max_timestep_ratio=0.98)
-    assert dmd2.score_timestep_bounds(config) == (20, 980)
-    assert dmd2.score_timestep_bounds(dmd2.DMD2()) == (0, 1000)
-    values = []
-    for seed in range(200):
-        t = dmd2.sample_score_timestep(random.key(seed), config)
-        torch.testing.assert_close(t, torch.tensor(hand_score_timestep(random.key(seed), config), dtype=torch.float32))
-        values.append(float(t))
-    assert min(values) >= 20 and max(values) == 980  # shift 8 pushes many draws above the window
-
-
-def test_warped_steps_are_training_grid_values():
-    config = dmd2.DMD2(denoising_steps=(1000, 750, 500, 250, 0), warp_denoising_step=True, flow_shift=5.0)
-    warped = dmd2.denoising_timesteps(config)
-    grid = flow.training_sigmas(5.0) * 1000
-    assert warped.tolist() == [grid[0].item(), grid[250].item(), grid[500].item(), grid[750].item(), 0.0]
-    assert dmd2.denoising_timesteps(dmd2.DMD2()).tolist() == [1000, 750, 500, 250]
-
-
-def test_nearest_grid_sigma():
-    grid = flow.training_sigmas(SHIFT)
-    t = torch.tensor([1000.0, 750.0, 0.0, 333.3])
-    got = flow.nearest_grid_sigma(grid, t)
-    assert got.tolist() == [hand_sigma(float(v)).item() for v in t]
-    assert got[0] == 1.0 and got[2] == grid[-1]
-    assert flow.nearest_grid_sigma(grid, torch.tensor(500.0)).shape == ()
+    (loss, aux), grads = grad.value_and_grad(dm.generator_loss, has_aux=True)(
+        roles["student"], batch, roles["critic"], roles["teacher"], key, rollout=rollout, critic=model,
+        teacher=model, score=config.score())
+    student = tree.map_tensors(lambda p: p.detach().requires_grad_(True), roles["student"])
+    x0_gen, ks = hand_rollout(model, student, batch, rollout_key, config.denoising_steps)
+    assert len(set(ks)) > 1
+    t_key, noise_key = random.split(score_key)
+    directions, normalizers = [], []
+    for b, index in enumerate(batch["sample_index"].tolist()):
+        t0 = int(random.randint(random.fold_in(t_key, index), (), 0, 1000))
+        t = min(max(1000 * (8 * t0 / 1000) / (1 + 7 * t0 / 1000), 20), 980)
+        s, one = hand_sigma(t), rows(batch, b)
+        with torch.no_grad():
+            x_t = (1 - s) * x0_gen[b:b + 1] + s * hand_noise(noise_key, index, 0)
+            fake = hand_x0(model, roles["critic"], x_t, t, one["cond"])
+            c = hand_x0(model, roles["teacher"], x_t, t, one["cond"])
+            u = hand_x0(model, roles["teacher"], x_t, t, {n: torch.zeros_like(v) for n, v in one["cond"].items()})
+            real = u + 4.5 * (c - u)
+            normalizers.append((x0_gen[b:b + 1] - real).abs().mean())
+            directions.append((fake - real) / normalizers[-1])
+    direction = torch.cat(directions)
+    torch.testing.assert_close(aux["dmd_normalizer"], torch.stack(normalizers).mean(), rtol=1e-4, atol=0)
+    torch.testing.assert_close(loss, 0.5 * (direction ** 2).mean(), rtol=1e-4, atol=0)
+    expected = torch.autograd.grad(x0_gen, list(student.values()), grad_outputs=direction / x0_gen.numel())
+    for (name, g), e in zip(grads.items(), expected):  # batched vs one by one: float rounding only
+        assert (g - e).norm() <= 1e-3 * e.norm() + 1e-9, name
 
 
 # --------------------------------------------------------------------------------------------- steps and state
 
 
-def setup(models, roles, **knobs):
-    config = dmd2.DMD2(cfg_uncond="zero", guidance_scale=2.0,
-                       optim=AdamWConfig(lr=1e-3), critic_optim=AdamWConfig(lr=1e-3), **knobs)
-    txs = dmd2.optimizers(config, total_steps=10)
-    state = dmd2.init(random.key(4), models, config, txs)
-    kwargs = dict(models=models, config=config, teacher=roles["teacher"], txs=txs)
-    return config, state, kwargs
+def setup(models, roles, total_steps=10, **knobs):
+    knobs = {"optim": AdamWConfig(lr=1e-3), "critic_optim": AdamWConfig(lr=1e-3), **knobs}
+    config = dmd2.DMD2(cfg_uncond="zero", guidance_scale=2.0, **knobs)
+    program = config.build(models, total_steps=total_steps)
+    return config, program, program.init(random.key(4)), {"teacher": roles["teacher"]}
+
+
+def test_the_step_equals_the_hand_written_sequence_bitwise(model, models, roles):
+    """Both losses from the params before the step, then per role: global norm, clip, ``optim.step_`` of
+    ``chain(clip_by_global_norm, adamw)``, and the student's EMA."""
+    config, program, state, frozen = setup(models, roles, ema_decay=0.5,
+                                           optim=AdamWConfig(lr=1e-3, max_grad_norm=0.01, weight_decay=0.01),
+                                           critic_optim=AdamWConfig(lr=2e-3, max_grad_norm=0.01))
+    before, batch = copy(state), make_batch(size=2)
+    state, metrics = program.step_(state, frozen, batch)
+    student, critic = (tree.map_tensors(torch.clone, before.roles[n].params) for n in ("student", "critic"))
+    generator_key, critic_key = random.split(random.fold_in(before.key, 0))
+
+    def rollout(params, micro, k, with_grad):
+        return dmd2.rollout(params, micro, k, with_grad, model=model, config=config)
+
+    common = dict(rollout=rollout, critic=model, score=config.score())
+    (g_loss, _), g_grads = grad.value_and_grad(dm.generator_loss, has_aux=True)(
+        student, batch, critic, roles["teacher"], generator_key, teacher=model, **common)
+    (c_loss, _), c_grads = grad.value_and_grad(dm.critic_loss, has_aux=True)(critic, batch, student, critic_key,
+                                                                             **common)
+    assert torch.equal(metrics["generator_loss"], g_loss) and torch.equal(metrics["critic_loss"], c_loss)
+    assert torch.equal(metrics["grad_norm/student"], tree.global_norm(g_grads))
+    for name, params, grads, adamw in (("student", student, g_grads, config.optim),
+                                       ("critic", critic, c_grads, config.critic_optim)):
+        tx = optim.chain(optim.clip_by_global_norm(0.01), adamw.build(10))
+        params, opt_state = optim.step_(tx, params, grads, tx.init(params))
+        assert all(torch.equal(state.roles[name].params[n], params[n]) for n in params), name
+        assert all(torch.equal(state.roles[name].opt_state.nu[n], opt_state[1].nu[n]) for n in params), name
+    assert all(torch.equal(state.roles["student"].ema[n], p) for n, p in state.roles["student"].params.items())
+
+
+def test_grad_accumulation_equals_the_whole_batch(model, models, roles):
+    """grad_accum=2 over a batch of 4 equals one micro-batch of 4, to float rounding: the metrics of a step, and
+    each role's accumulated gradients."""
+    results = []
+    for accum in (1, 2):
+        config, program, state, frozen = setup(models, roles, grad_accum=accum)
+        results.append(program.step_(state, frozen, make_batch(size=4))[1])
+    for name in ("generator_loss", "critic_loss", "dmd_normalizer", "grad_norm/student", "grad_norm/critic"):
+        torch.testing.assert_close(results[0][name], results[1][name], rtol=1e-5, atol=0, msg=name)
+
+    def rollout(params, micro, k, with_grad):
+        return dmd2.rollout(params, micro, k, with_grad, model=model, config=config)
+
+    common = dict(rollout=rollout, critic=model, teacher=model, score=config.score())
+    one, two = (role.grads(dm.generator_loss, roles["student"], roles["student"], make_batch(size=4), n,
+                           roles["critic"], roles["teacher"], random.key(3), **common)[1] for n in (1, 2))
+    for n, g in one.items():
+        assert (g - two[n]).norm() <= 1e-5 * g.norm() + 1e-12, n
 
 
 def test_cadence_over_ten_steps_with_interval_five(models, roles):
-    config, state, kwargs = setup(models, roles, generator_update_interval=5)
+    _, program, state, frozen = setup(models, roles, generator_update_interval=5)
     teacher_before = tree.map_tensors(torch.clone, roles["teacher"])
     batch, updated = make_batch(size=1), []
     for s in range(10):
         before = tree.map_tensors(torch.clone, state.roles["student"].params)
         critic_before = tree.map_tensors(torch.clone, state.roles["critic"].params)
-        state, metrics = dmd2.step_(state, batch, **kwargs)
+        state, metrics = program.step_(state, frozen, batch)
         changed = not all(torch.equal(before[n], p) for n, p in state.roles["student"].params.items())
         assert changed == bool(metrics["update_student"]) == ("generator_loss" in metrics)
         assert not all(torch.equal(critic_before[n], p) for n, p in state.roles["critic"].params.items())
         if changed:
             updated.append(s)
     assert updated == [4, 9]  # FastVideo iterations 5 and 10
-    assert int(dmd2._update_count(state.roles["critic"].opt_state)) == 10
-    assert int(dmd2._update_count(state.roles["student"].opt_state)) == 2
+    assert int(optim.get_count(state.roles["critic"].opt_state)) == 10
+    assert int(optim.get_count(state.roles["student"].opt_state)) == 2
     assert int(state.step) == 10
     assert all(torch.equal(teacher_before[n], p) and not p.requires_grad for n, p in roles["teacher"].items())
     assert set(metrics) == {"generator_loss", "dmd_normalizer", "grad_norm/student", "lr/student", "critic_loss",
@@ -334,12 +290,13 @@ def test_cadence_over_ten_steps_with_interval_five(models, roles):
 
 def test_ema_follows_its_formula_from_its_start_step(models, roles):
     decay, start = 0.5, 3
-    config, state, kwargs = setup(models, roles, generator_update_interval=2, ema_decay=decay, ema_start_step=start)
+    _, program, state, frozen = setup(models, roles, generator_update_interval=2, ema_decay=decay,
+                                      ema_start_step=start)
     initial = tree.map_tensors(torch.clone, state.roles["student"].params)
     assert state.roles["critic"].ema is None
     expected, batch = initial, make_batch(size=1)
     for s in range(6):
-        state, _ = dmd2.step_(state, batch, **kwargs)
+        state, _ = program.step_(state, frozen, batch)
         student = state.roles["student"]
         iteration = s + 1
         if iteration == start:
@@ -353,13 +310,13 @@ def test_ema_follows_its_formula_from_its_start_step(models, roles):
 
 
 def test_validation_samples_the_few_step_student_and_optionally_the_guided_teacher(model, models, roles):
-    config, state, kwargs = setup(models, roles, ema_decay=0.9, validate_teacher=True)
+    _, program, state, frozen = setup(models, roles, ema_decay=0.9, validate_teacher=True)
     vconfig = validation.ValidationConfig(num_steps=3)
-    samplers = dmd2.validate(state, vconfig, models=models, config=config, teacher=roles["teacher"])
-    student, teacher = samplers
-    assert (student.tag, student.sampler) == ("student_ema", "sde") and student.params is state.roles["student"].ema
+    student, teacher = program.validate(state, frozen, vconfig)
+    assert (student.tag, student.sampler, student.guided) == ("student_ema", "sde", False)
+    assert student.params is state.roles["student"].ema
     torch.testing.assert_close(student.sigmas, torch.tensor([1.0, 0.75, 0.5, 0.25]))
-    assert (teacher.tag, teacher.sampler, len(teacher.sigmas)) == ("teacher", "ode", 3)
+    assert (teacher.tag, teacher.sampler, len(teacher.sigmas), teacher.guided) == ("teacher", "ode", 3, False)
     batch = make_batch(size=1)
     x, t, cond = torch.randn(1, *SHAPE, generator=torch.Generator().manual_seed(3)), torch.tensor([500.0]), batch["cond"]
     uncond = {name: torch.zeros_like(c) for name, c in cond.items()}
@@ -447,9 +404,9 @@ def test_bf16_teacher_is_bf16_but_the_fp32_kept_modules_and_guides_like_the_fp32
 
     batch, key = make_batch(), random.key(5)
     x0_gen = torch.randn(2, *SHAPE, generator=torch.Generator().manual_seed(1))
-    common = dict(critic=model, teacher=model, config=config)
-    _, real_bf16, _ = dmd2.real_and_fake_x0(roles["critic"], teacher, x0_gen, batch, key, **common)
-    _, real_fp32, _ = dmd2.real_and_fake_x0(roles["critic"], fp32, x0_gen, batch, key, **common)
+    common = dict(critic=model, teacher=model, score=config.score())
+    _, real_bf16, _ = dm.real_and_fake_x0(roles["critic"], teacher, x0_gen, batch, key, **common)
+    _, real_fp32, _ = dm.real_and_fake_x0(roles["critic"], fp32, x0_gen, batch, key, **common)
     assert real_bf16.dtype == torch.float32 and not torch.equal(real_bf16, real_fp32)
     assert (real_bf16 - real_fp32).norm() < 0.02 * real_fp32.norm()
 
@@ -472,7 +429,7 @@ def test_the_dry_run_counts_the_teacher_at_its_frozen_dtype(model):
 
 
 @pytest.mark.parametrize("knobs, match", [
-    (dict(denoising_steps=()), "non-empty"),
+    (dict(denoising_steps=()), "strictly descending"),
     (dict(denoising_steps=(1000, 1000, 500)), "strictly descending"),
     (dict(denoising_steps=(500, 750)), "strictly descending"),
     (dict(denoising_steps=(1200, 500)), r"\[0, 1000\]"),
@@ -507,6 +464,8 @@ def test_batch_errors(model):
         dmd2.check_batch(make_batch(), model, dmd2.DMD2(guidance_scale=4.5))
     with pytest.raises(ValueError, match="latent_shape"):
         dmd2.check_batch(text_only, model, dmd2.DMD2(latent_shape=(16, 1, 3, 3)))
+    with pytest.raises(ValueError, match="method.grad_accum = 3 does not divide a rank's batch of 2"):
+        dmd2.check_batch(make_batch(), model, dmd2.DMD2(grad_accum=3))
 
 
 def test_negative_prompt_file_errors_come_before_weights_load(model, tmp_path):
@@ -540,10 +499,10 @@ def test_bad_batches_fail_before_the_teacher_loads(model, tmp_path):
 
 @pytest.mark.parametrize("interval", [1, 1000], ids=["student_and_critic", "critic_only"])
 def test_nonfinite_step_applies_nothing(models, roles, interval):
-    config, state, kwargs = setup(models, roles, generator_update_interval=interval, ema_decay=0.5)
+    _, program, state, frozen = setup(models, roles, generator_update_interval=interval, ema_decay=0.5)
     state.roles["critic"].params["proj_out.bias"][0] = float("nan")
     before = tree.map_tensors(torch.clone, state)
-    state, metrics = dmd2.step_(state, make_batch(size=1), **kwargs)
+    state, metrics = program.step_(state, frozen, make_batch(size=1))
     assert metrics["nonfinite"] == 1 and int(state.step) == 1
     leaves, expected = tree.tensor_leaves(state.roles), tree.tensor_leaves(before.roles)
     assert all(torch.equal(a, b) or (a.isnan() == b.isnan()).all() and torch.equal(a.nan_to_num(), b.nan_to_num())

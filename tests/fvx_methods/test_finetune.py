@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from fvx import random, state as fstate
+from fvx import random, role, state as fstate
 from fvx.optim_config import AdamWConfig
 from fvx_methods import finetune
 from fvx_models.wan import WanConfig
@@ -65,7 +65,7 @@ def test_loss_equals_hand_computation(model, params, density, precondition):
     loss, aux = finetune.loss_fn(params, batch, key, model=model, config=config)
     expected = hand_loss(model, params, batch, key, config)
     torch.testing.assert_close(loss, expected, rtol=2e-6, atol=0)
-    assert aux["sigma"].shape == (2,)
+    assert aux["sigma"].shape == ()
 
 
 def test_loss_is_a_function_of_the_key(model, params):
@@ -83,7 +83,7 @@ def test_per_sample_draws_do_not_depend_on_batch_composition(model, params):
     batch, key = make_batch(), random.key(3)
     both = finetune.loss_fn(params, batch, key, model=model, config=config)[0]
     halves = [finetune.loss_fn(params, mb, key, model=model, config=config)[0]
-              for mb in finetune.micro_batches(batch, 2)]
+              for mb in role.micro_batches(batch, 2)]
     torch.testing.assert_close(both, torch.stack(halves).mean(), rtol=1e-6, atol=0)
 
 
@@ -183,7 +183,7 @@ def test_a_frozen_expert_stays_as_it_was_and_gets_no_optimizer_state():
     assert frozen and trained and len(frozen) + len(trained) == len(before)
     assert all(torch.equal(role.params[n], before[n]) for n in frozen)
     assert any(not torch.equal(role.params[n], before[n]) for n in trained)
-    assert sorted(role.opt_state[1].mu) == sorted(trained) and sorted(role.ema) == sorted(trained)
+    assert sorted(role.opt_state.mu) == sorted(trained) and sorted(role.ema) == sorted(trained)
     (sampler,) = program.validate(state, {}, finetune.validation.ValidationConfig(num_steps=2))
     assert sorted(sampler.params) == sorted(before) and sampler.params["transformer.proj_out.weight"] is \
         role.params["transformer.proj_out.weight"]

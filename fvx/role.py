@@ -1,0 +1,148 @@
+"""One trainable role's update, shared by every method: gradients -> global norm -> finite check -> clip and optimizer
+step -> EMA.
+
+A method computes its losses and gradients, then for each trainable role:
+
+    measured = role.measure(opt, role_state, grads)          # the global norm (once) and the lr of this update
+    if not all_finite(loss, measured.norm): return skipped(...)
+    role_state = role.update_(opt, role_state, trained, measured, step)   # clip by that norm, AdamW, EMA
+
+The learning rate is the schedule at the optimizer state's update count (``fvx.optim.get_count``, big_vision's
+``get_count``), so the logged lr is the applied one also after a skipped step. The clip scales the gradients by
+``min(1, max_grad_norm / (norm + 1e-6))`` (``torch.nn.utils.clip_grad_norm_``'s formula) with the norm the metrics
+report, computed once (over all ranks' shards when sharded). :func:`accumulate` is gradient accumulation over
+micro-batches for any loss (optax's ``MultiSteps`` idea, in one step): the mean of the micro-batches' losses and
+gradients, which equals the whole batch's to float rounding when the loss is a mean over samples whose draws come from
+their global sample index.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, NamedTuple
+
+import torch
+
+from fvx import ema, grad, optim, sharding, tree
+from fvx.state import Metrics, RoleState
+
+Params = Any
+BeforeUpdate = Callable[[str, Params, Params], None]  # (role, grads, params): a callback's look before the step
+
+
+class RoleOptimizer(NamedTuple):
+    """How one trainable role updates: its optimizer (without clipping), its lr as a function of the update count,
+    the clip threshold (0: none), the sharding group its norm reduces over, and its EMA (``ema_decay`` None: none),
+    a copy of the params at update ``max(ema_start_step, 1)`` then ``ema <- d ema + (1 - d) params`` after each
+    step."""
+
+    tx: optim.GradientTransformation
+    lr: Callable[[torch.Tensor], Any]
+    max_grad_norm: float = 0.0
+    group: sharding.Group = sharding.Group()
+    ema_decay: float | None = None
+    ema_start_step: int = 0
+
+
+def init(opt: RoleOptimizer, params: Params, trained: Params) -> RoleState:
+    """A role's state at step 0: ``params``, a fresh optimizer state and an EMA (when kept) over ``trained`` (the
+    params it trains)."""
+    return RoleState(params=params, opt_state=opt.tx.init(trained),
+                     ema=ema.ema_init(trained) if opt.ema_decay else None)
+
+
+class Measured(NamedTuple):
+    """A role's gradients with their global norm (before clipping) and the lr the update will apply."""
+
+    grads: Params
+    norm: torch.Tensor
+    lr: torch.Tensor
+
+
+def measure(opt: RoleOptimizer, state: RoleState, grads: Params) -> Measured:
+    """The global norm of ``grads`` (one all-reduce when sharded) and the lr of this update, read from the
+    optimizer state's count."""
+    norm = (tree.global_norm(grads) if opt.group.dp_size == 1 else sharding.global_norm_sharded(grads, opt.group))
+    lr = torch.as_tensor(opt.lr(optim.get_count(state.opt_state)), dtype=torch.float32)
+    return Measured(grads, norm, lr)
+
+
+def metrics(measured: Measured, name: str = "") -> Metrics:
+    """``grad_norm`` and ``lr`` (``grad_norm/<name>``, ``lr/<name>`` with a name)."""
+    suffix = f"/{name}" if name else ""
+    return {f"grad_norm{suffix}": measured.norm, f"lr{suffix}": measured.lr}
+
+
+def update_(opt: RoleOptimizer, state: RoleState, trained: Params, measured: Measured, step: int,
+            before: BeforeUpdate | None = None, name: str = "") -> RoleState:
+    """Clip ``measured.grads`` by its norm, apply the optimizer to ``trained`` (the params the role trains, sharing
+    ``state.params``' tensors) and step the EMA, all in place (donating ``state`` and the gradients); ``step`` is
+    the 0-based step. ``before(name, grads, trained)`` sees the clipped gradients first (a callback)."""
+    leaves = tree.tensor_leaves(measured.grads)
+    if opt.max_grad_norm and leaves:
+        torch._foreach_mul_(leaves, torch.clamp(opt.max_grad_norm / (measured.norm + 1e-6), max=1.0))
+    if before is not None:
+        before(name, measured.grads, trained)
+    _, opt_state = optim.step_(opt.tx, trained, measured.grads, state.opt_state)
+    return ema_(opt, state._replace(opt_state=opt_state), trained, step)
+
+
+def ema_(opt: RoleOptimizer, state: RoleState, trained: Params, step: int) -> RoleState:
+    """The EMA at the end of step ``step`` (it counts ``step + 1`` updates), in place; nothing without one."""
+    if state.ema is not None:
+        ema.ema_step_(state.ema, trained, step + 1, decay=opt.ema_decay, start_step=max(opt.ema_start_step, 1))
+    return state
+
+
+# ------------------------------------------------------------------------------------------------------ accumulation
+
+
+def micro_batches(batch: Mapping[str, Any], n: int) -> list[dict[str, Any]]:
+    """``batch`` cut into ``n`` equal micro-batches along dim 0: tensors and lists sliced, dicts (the cond) entry by
+    entry."""
+    size = len(batch["sample_index"])
+    if size % n:
+        raise ValueError(f"grad_accum = {n} does not divide this rank's batch of {size} samples")
+    if n == 1:
+        return [dict(batch)]
+    m = size // n
+    return [_rows(batch, slice(i * m, (i + 1) * m)) for i in range(n)]
+
+
+def _rows(value: Any, rows: slice) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _rows(v, rows) for k, v in value.items()}
+    return value[rows]
+
+
+def accumulate(value_and_grad: Callable[..., Any], params: Params, batch: Mapping[str, Any], n: int, *args: Any,
+               **kwargs: Any) -> tuple[tuple[torch.Tensor, dict], Params]:
+    """``((loss, aux), grads)`` of ``value_and_grad(params, micro_batch, *args, **kwargs)`` (from
+    ``fvx.grad.value_and_grad(..., has_aux=True)``) averaged over ``n`` micro-batches of ``batch``; the gradients
+    are summed in place, so one gradient buffer lives at a time. ``aux`` holds the micro-batches' mean of each
+    entry."""
+    losses, auxes, grads = [], [], None
+    for micro in micro_batches(batch, n):
+        (loss, aux), g = value_and_grad(params, micro, *args, **kwargs)
+        losses.append(loss)
+        auxes.append(aux)
+        grads = g if grads is None else optim.apply_updates_(grads, g)
+    if n == 1:
+        return (losses[0], auxes[0]), grads
+    torch._foreach_mul_(tree.tensor_leaves(grads), 1.0 / n)
+    aux = {name: torch.stack([a[name] for a in auxes]).mean(0) for name in auxes[0]}
+    return (torch.stack(losses).mean(), aux), grads
+
+
+def with_trained(params: Params, trained: Params) -> Params:
+    """``params`` (a flat dict) with the trained ones replaced by ``trained`` (an EMA, or the differentiated
+    leaves)."""
+    return trained if len(trained) == len(params) else {**params, **trained}
+
+
+def grads(loss: Callable[..., Any], params: Params, trained: Params, batch: Mapping[str, Any], n: int, *args: Any,
+          **kwargs: Any) -> tuple[tuple[torch.Tensor, dict], Params]:
+    """``((loss, aux), grads)`` of ``loss(with_trained(params, trained), micro_batch, *args, **kwargs)`` over ``n``
+    micro-batches (:func:`accumulate`), differentiated in ``trained`` only (the params a role trains)."""
+    def of_trained(trained: Params, micro: Mapping[str, Any], *rest: Any, **kw: Any):
+        return loss(with_trained(params, trained), micro, *rest, **kw)
+
+    return accumulate(grad.value_and_grad(of_trained, has_aux=True), trained, batch, n, *args, **kwargs)

@@ -1,0 +1,36 @@
+"""Every named recipe of every experiment file builds, dry-runs on the meta device, and round-trips through
+config.json without its file."""
+import pathlib
+
+import msgspec
+import pytest
+
+from fvx import config as fconfig
+from fvx import dry_run
+
+EXPERIMENTS = sorted((pathlib.Path(__file__).resolve().parents[1] / "experiments").glob("*.py"))
+RECIPES = [f"{path}:{name}" for path in EXPERIMENTS for name in fconfig.recipes(fconfig.run_experiment(path))]
+
+
+def test_the_experiments_define_recipes():
+    assert {pathlib.Path(r.partition(":")[0]).name for r in RECIPES} >= {"dmd2.py", "finetune_wan.py"}
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[pathlib.Path(r).name for r in RECIPES])
+def test_every_recipe_builds_and_dry_runs(recipe, tmp_path):
+    config = fconfig.load_experiment(recipe)
+    world = config.data.batch_size  # FastVideo's recipes run one sample per rank
+    report = dry_run.report(config, world=world, video=(77, 448, 832))
+    assert "fits in" in report or "does not fit" in report
+    fconfig.dump(config, tmp_path)
+    loaded = fconfig.load_typed(tmp_path)
+    assert msgspec.to_builtins(loaded.config) == msgspec.to_builtins(config)
+    assert [s for s in loaded.sources if "rebuilt" not in s] == []
+
+
+def test_an_unknown_recipe_lists_the_files_recipes():
+    path = next(p for p in EXPERIMENTS if p.name == "dmd2.py")
+    with pytest.raises(fconfig.ConfigError, match="has no recipe 'nope'; its recipes: wan21_t2v_1p3b"):
+        fconfig.load_experiment(f"{path}:nope")
+    with pytest.raises(fconfig.ConfigError, match="defines no recipes"):
+        fconfig.load_experiment(f"{next(p for p in EXPERIMENTS if p.name == 'finetune_hunyuan.py')}:x")
