@@ -1,12 +1,14 @@
 """Distil a 4-step Wan student with DMD2 (FastVideo's `distribution_matching/wan/dmd2_t2v.yaml`, as an fvx experiment).
 
-The default is a tiny Wan student and critic and a random tiny teacher of another size (`models.teacher`, preset
-tiny-deep) on synthetic data: it runs on a 2-core CPU in about two minutes and shows the mechanics, not a useful
-model.
+The default distils the teacher that `experiments/finetune_wan.py` trains on fvx's toy video world (exported to
+`runs/teacher`) into a 4-step student, on a 2-core CPU in about two minutes:
+    python -m fvx.run experiments/finetune_wan.py && python -m fvx.run export runs/finetune_wan --out runs/teacher
     python -m fvx.run experiments/dmd2.py
-Roles are models: `method.roles` names the model of `models` that plays each role (student and critic `student`,
-teacher `teacher`). FastVideo's recipe is the recipe `wan21_t2v_1p3b` (Wan 2.1 T2V 1.3B in every role, 4 ranks of
-batch 1); point its paths at local folders:
+The student starts as a copy of the teacher, whose own 4-step samples are blurred bars; its validation videos sharpen
+into the prompted bars and motion, and `validation/student_ema/nearest_mse` falls (the teacher's many-step samples
+are logged once, at step 0, as the target). Roles are models: `method.roles` names the model of `models` that plays
+each role (student and critic `student`, teacher `teacher`). FastVideo's recipe is the recipe `wan21_t2v_1p3b`
+(Wan 2.1 T2V 1.3B in every role, 4 ranks of batch 1); point its paths at local folders:
     torchrun --nproc-per-node 4 -m fvx.run experiments/dmd2.py:wan21_t2v_1p3b \
         models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers models.teacher.path=/models/Wan2.1-T2V-1.3B-Diffusers \
         method.negative_prompt_path=/data/wan21_negative_prompt.safetensors data.path=/data/Wan-Syn_77x448x832_600k
@@ -18,10 +20,11 @@ import msgspec
 
 from fvx.checkpoint import CheckpointConfig
 from fvx.config import recipe
-from fvx.data import DataConfig, SyntheticConfig
+from fvx.data import DataConfig
 from fvx.loop import Experiment, RunConfig
 from fvx.optim_config import AdamWConfig
 from fvx.validation import ValidationConfig
+from fvx.world import SpaceToDepth, WorldConfig
 from fvx_methods.dmd2 import DMD2
 from fvx_models.wan import WanConfig
 from fvx_models.wan_vae import WanVAEConfig
@@ -30,23 +33,24 @@ from fvx_models.wan_vae import WanVAEConfig
 class DMD2Wan(Experiment):
     models: dict[str, WanConfig] = msgspec.field(
         default_factory=lambda: {"student": WanConfig(), "teacher": WanConfig(preset="tiny-deep")})
-    vae: WanVAEConfig | None = None  # decodes validation samples; None logs latent previews
+    vae: WanVAEConfig | SpaceToDepth | None = None  # decodes validation samples; None logs latent previews
     method: DMD2 = DMD2()
 
 
+TEACHER = "runs/teacher"  # experiments/finetune_wan.py's run, exported (module docstring)
+
 config = DMD2Wan(
-    run=RunConfig(seed=0, steps=700, output_dir="runs/dmd2", log_every=1),
-    data=DataConfig(batch_size=4, synthetic=SyntheticConfig(num_samples=64, latent_shape=(16, 2, 16, 16),
-                                                             text_len=8, text_dim=32)),
-    models={"student": WanConfig(preset="tiny"), "teacher": WanConfig(preset="tiny-deep")},
-    vae=WanVAEConfig(preset="tiny"),
-    validation=ValidationConfig(every=100, num_prompts=2),
+    run=RunConfig(seed=0, steps=400, output_dir="runs/dmd2", log_every=1),
+    data=DataConfig(batch_size=8, text_len=4, world=WorldConfig()),
+    models={"student": WanConfig(preset="world", path=TEACHER), "teacher": WanConfig(preset="world", path=TEACHER)},
+    vae=SpaceToDepth(),
+    validation=ValidationConfig(every=100, num_prompts=8, num_steps=20, display_scale=4),
     method=DMD2(
-        rollout_mode="simulate", denoising_steps=(1000, 750, 500, 250), generator_update_interval=5,
-        guidance_scale=4.5, timestep_shift=8.0, cfg_uncond="zero",
-        optim=AdamWConfig(lr=1e-4, betas=(0.0, 0.999), weight_decay=0.01, max_grad_norm=1.0),
-        critic_optim=AdamWConfig(lr=4e-4, betas=(0.0, 0.999), weight_decay=0.01, max_grad_norm=1.0),
-        ema_decay=0.98,
+        rollout_mode="simulate", denoising_steps=(1000,), generator_update_interval=5, guidance_scale=1.0,
+        timestep_shift=3.0,
+        optim=AdamWConfig(lr=1e-4, betas=(0.0, 0.999), max_grad_norm=1.0),
+        critic_optim=AdamWConfig(lr=4e-4, betas=(0.0, 0.999), max_grad_norm=1.0),
+        ema_decay=0.95, validate_teacher=True,
     ),
 )
 

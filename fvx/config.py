@@ -141,6 +141,9 @@ def run_experiment(path: pathlib.Path) -> dict[str, Any]:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
+    except SyntaxError as error:
+        sys.modules.pop(name, None)
+        raise ConfigError(f"experiment file {str(path)!r}, line {error.lineno}: {error.msg}") from None
     except Exception as error:
         sys.modules.pop(name, None)
         error.add_note(f"(raised while running experiment file {str(path)!r})")
@@ -245,7 +248,13 @@ def _descend(holder: dict, slot: str, slot_type: mi.Type, here: str, child: str,
 
 def _new_value(current: Any, slot_type: mi.Type, raw: str, here: str, override: str) -> Any:
     """The builtins value an override puts in a slot: parsed text, or a variant switch on a tagged-union slot."""
+    if raw.strip().lower() in NON_FINITE and any(isinstance(t, mi.FloatType) for t in _members(slot_type)):
+        raise ConfigError(f"override {override!r}: {here} takes a finite number; non-finite values are refused")
     value = _parse(raw, slot_type)
+    literals = [v for t in _members(slot_type) if isinstance(t, mi.LiteralType) for v in t.values]
+    others = [t for t in _members(slot_type) if not isinstance(t, (mi.LiteralType, mi.NoneType))]
+    if literals and not others and value not in literals and value is not None:
+        raise ConfigError(f"override {override!r}: {here} must be one of {', '.join(map(repr, literals))}")
     variants = {s.tag: s for s in _structs_in(slot_type) if s.tag is not None}
     if not variants or isinstance(value, (dict, bool)) or not isinstance(value, (str, int)):
         return value
@@ -261,6 +270,9 @@ def _new_value(current: Any, slot_type: mi.Type, raw: str, here: str, override: 
 def _is_tag_switch(slot_type: mi.Type, rest: list[str]) -> bool:
     """Whether ``rest`` names the tag field of a tagged Struct slot (``method.type=...``)."""
     return len(rest) == 1 and any(s.tag is not None and s.tag_field == rest[0] for s in _structs_in(slot_type))
+
+
+NON_FINITE = {"nan", "+nan", "-nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity"}
 
 
 def _parse(raw: str, slot_type: mi.Type) -> Any:
@@ -321,8 +333,12 @@ def describe(config: msgspec.Struct) -> list[tuple[str, str, Any]]:
 
 
 def _rows(value: msgspec.Struct, struct_type: mi.StructType, prefix: str):
+    choices = value.field_choices() if hasattr(value, "field_choices") else {}  # e.g. a model config's presets
     for field in struct_type.fields:
-        yield from _field_rows(prefix + field.name, field.type, getattr(value, field.name))
+        for path, kind, child in _field_rows(prefix + field.name, field.type, getattr(value, field.name)):
+            if field.name in choices and path == prefix + field.name:
+                kind = f"one of {', '.join(choices[field.name])}"
+            yield path, kind, child
 
 
 def _field_rows(path: str, field_type: mi.Type, child: Any):
@@ -429,8 +445,14 @@ def load_typed(folder: str | pathlib.Path, classes: Any = None) -> Loaded:
     ``classes(spec)`` when that gives one, else rebuilt from its recorded fields on its trusted base, which keeps its
     values but not its code. ``sources`` says, for
     each class not imported from fvx, which way it went."""
-    path = pathlib.Path(folder) / CONFIG_FILE
-    record = _read_record(folder)
+    return from_record(_read_record(folder), classes, pathlib.Path(folder) / CONFIG_FILE)
+
+
+def from_record(record: dict[str, Any], classes: Any = None, path: str | pathlib.Path = CONFIG_FILE) -> Loaded:
+    """A :func:`record` typed as :func:`load_typed` says (``path`` names where it was read, in errors)."""
+    path = pathlib.Path(path)
+    if not isinstance(record, dict) or "config" not in record:
+        raise ConfigError(f"{str(path)!r} is not an fvx config record (no 'config' entry)")
     if "types" not in record:  # written before types were recorded
         return Loaded(_convert(record, _import_type(record.get("config_type"), path), path), ())
     sources: list[str] = []

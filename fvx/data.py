@@ -40,6 +40,7 @@ import torch
 
 from fvx import random
 from fvx.config import Config, validate
+from fvx.world import WorldConfig, WorldDataset
 
 Kind = Literal["t2v", "text_only"]
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
@@ -80,6 +81,10 @@ def _check_kind(kind: Any) -> None:
 # ------------------------------------------------------------------------------------------------------------ config
 
 
+class DataError(ValueError):
+    """A sample of the data cannot be used (found while reading it); the message names its file and row."""
+
+
 class SyntheticConfig(Config):
     """A synthetic dataset: ``num_samples`` standard-normal latents [C, T, H, W] and texts [text_len, text_dim]."""
 
@@ -92,7 +97,9 @@ class SyntheticConfig(Config):
 class DataConfig(Config):
     """Where the data comes from and how it is batched.
 
-    ``path``: a parquet file, or a folder searched recursively for ``*.parquet`` (sorted by path); None = synthetic.
+    ``path``: a parquet file, or a folder searched recursively for ``*.parquet`` (sorted by path); None = the toy video
+    world ``world`` when set (``fvx.world``: shapes moving as the prompt says, latents a codec decodes exactly), else
+    ``synthetic`` (Gaussian noise latents).
     ``batch_size`` is global (summed over ranks). ``text_len`` is the length text embeddings are padded or cropped to.
     ``cfg_rate``: the fraction of samples whose text embedding is zeroed (fixed per dataset index, as FastVideo).
     ``num_latent_t``: keep the first ``num_latent_t`` latent frames of every sample (FastVideo's
@@ -108,6 +115,7 @@ class DataConfig(Config):
     num_latent_t: PositiveInt | None = None
     prefetch: Annotated[int, msgspec.Meta(ge=0)] = 2
     synthetic: SyntheticConfig = SyntheticConfig()
+    world: WorldConfig | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------- datasets
@@ -131,6 +139,8 @@ def open_dataset(config: DataConfig, key: torch.Tensor) -> Dataset:
     samples_key, dropout_key = random.split(key, 2)
     collate = functools.partial(_collate, text_len=config.text_len, cfg_rate=config.cfg_rate, dropout_key=dropout_key,
                                 num_latent_t=config.num_latent_t)
+    if config.path is None and config.world is not None:
+        return WorldDataset(config.world, samples_key, kind=config.kind, collate=collate)
     if config.path is None:
         return SyntheticDataset(config.synthetic, samples_key, kind=config.kind, collate=collate)
     return ParquetDataset(find_parquet_files(config.path), kind=config.kind, collate=collate)
@@ -213,7 +223,10 @@ class ParquetDataset:
         if cache_key in self._cache:
             self._cache.move_to_end(cache_key)
             return self._cache[cache_key]
-        table = _parquet_file(self.files[file_number]).read_row_group(group, columns=self._columns)
+        try:
+            table = _parquet_file(self.files[file_number]).read_row_group(group, columns=self._columns)
+        except (pa.ArrowException, OSError) as error:
+            raise DataError(f"{str(self.files[file_number])!r} row group {group} cannot be read: {error}") from None
         self._cache[cache_key] = table
         while len(self._cache) > self._cache_groups:
             self._cache.popitem(last=False)
@@ -276,12 +289,12 @@ def _decode(table: pa.Table, name: str, row: int, where: str) -> np.ndarray:
     """Tensor ``name`` of ``row`` as a read-only float32 array of its stored shape (a view of the arrow buffer)."""
     data, shape = table.column(name + "_bytes")[row], table.column(name + "_shape")[row].as_py()
     if not data.is_valid or shape is None:
-        raise ValueError(f"{where}: {name}_bytes or {name}_shape is null")
+        raise DataError(f"{where}: {name}_bytes or {name}_shape is null")
     buffer = data.as_buffer()
     count = int(np.prod(shape, dtype=np.int64))
     if buffer.size != 4 * count or any(d < 0 for d in shape):
         stored = table.column(name + "_dtype")[row].as_py() if name + "_dtype" in table.column_names else None
-        raise ValueError(f"{where}: {name}_bytes holds {buffer.size} bytes but {name}_shape {shape} needs "
+        raise DataError(f"{where}: {name}_bytes holds {buffer.size} bytes but {name}_shape {shape} needs "
                          f"{4 * count} (float32" + (f"; stored dtype {stored!r}" if stored else "") + ")")
     return np.frombuffer(buffer, dtype=np.float32).reshape(shape)
 
@@ -307,14 +320,14 @@ def _collate(samples: list[dict], indices: list[int], *, text_len: int, cfg_rate
         latents = np.stack([s["latents"] for s in samples])
         if num_latent_t is not None:
             if latents.shape[2] < num_latent_t:
-                raise ValueError(f"{samples[0]['where']}: latents of {latents.shape[2]} frames "
+                raise DataError(f"{samples[0]['where']}: latents of {latents.shape[2]} frames "
                                  f"({list(latents.shape[1:])}) are fewer than data.num_latent_t={num_latent_t}")
             latents = latents[:, :, :num_latent_t]
         batch["latents"] = torch.from_numpy(np.ascontiguousarray(latents))
     _check_same(samples, "text", lambda a: a.shape[1:], "embedding width")
     for sample in samples:
         if sample["text"].ndim != 2:
-            raise ValueError(f"{sample['where']}: text embedding must be [L, D], "
+            raise DataError(f"{sample['where']}: text embedding must be [L, D], "
                              f"got shape {list(sample['text'].shape)}")
     width = samples[0]["text"].shape[1] if samples else 0
     text = np.zeros((len(samples), text_len, width), dtype=np.float32)
@@ -336,7 +349,7 @@ def _check_same(samples: list[dict], key: str, part: Callable[[np.ndarray], tupl
     first = samples[0] if samples else None
     for sample in samples[1:]:
         if part(sample[key]) != part(first[key]):
-            raise ValueError(f"samples in one batch differ in {key} {what}: {first['where']} has "
+            raise DataError(f"samples in one batch differ in {key} {what}: {first['where']} has "
                              f"{list(first[key].shape)}, {sample['where']} has {list(sample[key].shape)}")
 
 

@@ -29,8 +29,8 @@ def parse_video(text: str) -> tuple[int, int, int]:
     return int(parts[0]), int(parts[1]), int(parts[2])
 
 
-def estimate(plan: Plan, *, world: int, replicate: int, video: Sequence[int], global_batch: int
-             ) -> tuple[memory.Estimate, str]:
+def estimate(plan: Plan, *, world: int, replicate: int, video: Sequence[int], global_batch: int,
+             capacity: int = memory.H200_BYTES) -> tuple[memory.Estimate, str]:
     """(the estimate, its title) of ``plan``'s roles sharded over ``world // replicate`` ranks, each rank
     differentiating ``global_batch // world // micro_batches`` samples of ``video`` at a time."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
@@ -45,7 +45,8 @@ def estimate(plan: Plan, *, world: int, replicate: int, video: Sequence[int], gl
     spec = plan.roles[0].model
     grid = memory.latent_grid(*video, vae_stride=spec.vae_stride, patch=spec.patch)
     micro = per_rank // plan.micro_batches
-    est = memory.estimate(plan.roles, shard_size=world // replicate, tokens=grid.tokens, batch_per_rank=micro)
+    est = memory.estimate(plan.roles, shard_size=world // replicate, tokens=grid.tokens, batch_per_rank=micro,
+                          capacity=capacity)
     title = (f"{world} ranks ({replicate} replica group(s) x {world // replicate} shards), video "
              f"{'x'.join(map(str, video))} -> latent {grid.frames}x{grid.height}x{grid.width} = {grid.tokens} tokens, "
              f"{micro} sample(s) per rank per forward, compute {8 * spec.compute_bytes}-bit, "
@@ -53,14 +54,22 @@ def estimate(plan: Plan, *, world: int, replicate: int, video: Sequence[int], gl
     return est, title
 
 
-def report(config: Any, *, world: int, video: Sequence[int], replicate: int = 1) -> str:
-    """The dry-run table of an experiment config: builds each role's model skeleton only (meta params)."""
+def report(config: Any, *, world: int, video: Sequence[int], replicate: int = 1,
+           device_memory_gib: float | None = None) -> str:
+    """The dry-run table of an experiment config against a device of ``device_memory_gib`` GiB (default: an H200's
+    usable memory): builds each role's model skeleton only (meta params)."""
+    if device_memory_gib is not None and not 0 < device_memory_gib < float("inf"):
+        raise ValueError(f"--device-memory must be a positive number of GiB, got {device_memory_gib}")
+    capacity = memory.H200_BYTES if device_memory_gib is None else int(device_memory_gib * memory.GIB)
     plan_of = getattr(config.method, "memory_plan", None)
     if plan_of is None:
         raise ValueError(f"--dry-run: method {type(config.method).__name__} defines no memory_plan(specs) "
                          "(which roles it trains, keeps an EMA of, or holds frozen)")
     models = loop.build_models(config)
     plan = plan_of({role: model.memory_spec() for role, model in models.items()})
-    est, title = estimate(plan, world=world, replicate=replicate, video=video, global_batch=config.data.batch_size)
+    est, title = estimate(plan, world=world, replicate=replicate, video=video, global_batch=config.data.batch_size,
+                          capacity=capacity)
     names = ", ".join(dict.fromkeys(model.name for model in models.values()))
-    return memory.format_table(est, f"{names}: {title}")
+    device = ("an H200 (141 GB, as CUDA reports it; --device-memory GiB for another)" if device_memory_gib is None
+              else f"a device of {device_memory_gib:g} GiB")
+    return memory.format_table(est, f"{names}: {title}") + f"\ncapacity assumed: {device}"

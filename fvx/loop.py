@@ -30,7 +30,7 @@ import os
 import pathlib
 import shlex
 import time
-from typing import Annotated, Any, Callable, Literal, NamedTuple
+from typing import Annotated, Any, Callable, Literal, NamedTuple, Sequence
 
 import msgspec
 import torch
@@ -42,6 +42,7 @@ from fvx import config as fconfig
 from fvx import data, random, tracking, tree, validation
 from fvx.config import Config
 from fvx.state import NONFINITE, Program, TrainState
+from fvx.wandb_mirror import WandbConfig, WandbMirror, check_available
 
 RUN_FILE = "run.json"
 CHECKPOINTS = "checkpoints"
@@ -51,7 +52,8 @@ NONFINITE_FILE = "nonfinite.json"
 
 class RunConfig(Config):
     """Where a run writes, how long it runs, its seed (every key of the run derives from it), how it checkpoints,
-    and what a non-finite loss or gradient does: ``halt`` the run, or ``skip`` the update (the step still counts)."""
+    what a non-finite loss or gradient does (``halt`` the run, or ``skip`` the update: the step still counts), and
+    whether Weights & Biases mirrors the TensorBoard logs (``wandb``; None: TensorBoard only)."""
 
     seed: int = 0
     steps: Annotated[int, msgspec.Meta(ge=0)] = 100
@@ -60,6 +62,7 @@ class RunConfig(Config):
     progress: bool = True
     on_nonfinite: Literal["halt", "skip"] = "halt"
     checkpoint: checkpoint.CheckpointConfig = checkpoint.CheckpointConfig()
+    wandb: WandbConfig | None = None
 
 
 class Experiment(Config):
@@ -111,6 +114,7 @@ class Prepared(NamedTuple):
     frozen: dict[str, Any]
     nonfinite_skips: int = 0  # updates skipped before ``state.step`` (counted on in the logs)
     callbacks: tuple[fcallbacks.Callback, ...] = ()  # the experiment's (``Experiment.callbacks``), made once
+    validator: validation.Validator | None = None  # the run's fixed validation prompts and noise (None: off)
     resumed_from: pathlib.Path | None = None  # the checkpoint folder the state came from
     config_changes: tuple[str, ...] = ()  # "field: checkpoint value -> this run's value", where they differ
 
@@ -191,13 +195,18 @@ def prepare(config: Experiment, *, resume: str | int | None = None, rank: int = 
     """Build everything (on ``mesh`` when given), check the first batch against the method, load the frozen roles
     and restore the checkpoint ``resume`` names (see :func:`find_checkpoint`), writing nothing: bad input and
     unusable checkpoints fail here."""
+    out = pathlib.Path(config.run.output_dir)
+    check_writable(out)
+    if config.run.wandb is not None and rank == 0:
+        check_available()
     callbacks = fcallbacks.check(config.callbacks())
     built = setup(config, mesh=mesh, callbacks=callbacks)
     built.program.check(batch_fn(config, built, rank=rank, world=world)(0))
+    validator = make_validator(config, built, out)
     state = initial_state(built)
     if resume is None:
-        _check_no_checkpoints(pathlib.Path(config.run.output_dir) / CHECKPOINTS)
-        return Prepared(built, state, frozen_params(built), callbacks=callbacks)
+        _check_no_checkpoints(out / CHECKPOINTS)
+        return Prepared(built, state, frozen_params(built), callbacks=callbacks, validator=validator)
     folder, step = find_checkpoint(pathlib.Path(config.run.output_dir), str(resume))
     with open_checkpoints(folder, built) as checkpoints:
         state = checkpoints.restore(step, state)
@@ -206,7 +215,38 @@ def prepare(config: Experiment, *, resume: str | int | None = None, rank: int = 
     current = msgspec.json.decode(msgspec.json.encode(config))  # as JSON holds it: tuples are lists
     changes = _differences(saved, current, ignore=("run.output_dir", "run.progress"))
     return Prepared(built, state, frozen_params(built), nonfinite_skips=int(meta.get("nonfinite_skips", 0)),
-                    resumed_from=folder / str(step), config_changes=tuple(changes), callbacks=callbacks)
+                    resumed_from=folder / str(step), config_changes=tuple(changes), callbacks=callbacks,
+                    validator=validator)
+
+
+def resumed_config(config: Experiment, overrides: Sequence[str], resume: str) -> tuple[Experiment, tuple[str, ...]]:
+    """The config a ``--resume`` continues with: the one saved with the checkpoint it resumes from (read into
+    ``config``'s type: the experiment file's), with this launch's ``overrides`` applied on top; and what they change
+    (``"field: saved -> now"``). ``config`` (the file's config with the overrides) only says where the run folder
+    is."""
+    folder, step = find_checkpoint(pathlib.Path(config.run.output_dir), str(resume))
+    with checkpoint.Checkpoints(folder) as checkpoints:
+        saved = checkpoints.read_json(step, "config").get("config")
+    if not isinstance(saved, dict):
+        return config, ()  # a checkpoint without its config: the experiment file's, as given
+    try:
+        base = msgspec.convert(saved, type(config))
+    except msgspec.ValidationError as error:
+        raise fconfig.ConfigError(f"the config saved with checkpoint {folder / str(step)} does not fit the experiment "
+                                  f"file's config any more: {error}") from None
+    resumed = fconfig.apply_overrides(base, overrides)
+    changes = _differences(saved, msgspec.json.decode(msgspec.json.encode(resumed)),
+                           ignore=("run.output_dir", "run.progress"))
+    return resumed, tuple(changes)
+
+
+def check_writable(out: pathlib.Path) -> None:
+    """A ValueError naming ``out`` when the run folder cannot be made or written (checked before anything is)."""
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"run.output_dir {str(out)!r}: {str(existing)!r} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"run.output_dir {str(out)!r}: {str(existing)!r} is not writable")
 
 
 def open_checkpoints(folder: pathlib.Path, built: Setup,
@@ -277,8 +317,8 @@ def _differences(old: Any, new: Any, *, ignore: tuple[str, ...] = (), prefix: st
 
 
 def run_metadata(launch: Launch, world: int) -> dict[str, Any]:
-    """run.json's record: how the run was started (with the experiment file's sha256), and the versions and world
-    size it ran with."""
+    """One launch's record (in run.json and every checkpoint it saves): how it was started (with the experiment
+    file's sha256), and the versions and world size it ran with."""
     versions = {"fvx": fvx.__version__, "torch": torch.__version__}
     for package in ("diffusers", "orbax-checkpoint"):
         try:
@@ -296,19 +336,35 @@ def _experiment_hash(experiment: str | None) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
-def load_run(run_dir: str | os.PathLike) -> Experiment:
+def launches(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The launches of a run folder, oldest first (run.json's ``launches``: each launch's record, its ``start_step``
+    and the ``config`` it ran with)."""
+    meta = _read_json(pathlib.Path(run_dir) / RUN_FILE)
+    return list(meta.get("launches", [meta] if meta else []))
+
+
+def launch_at(run_dir: str | os.PathLike, step: int | None = None) -> dict[str, Any]:
+    """The launch that ran step ``step`` (the last whose ``start_step`` is at most ``step``; None: the last)."""
+    history = launches(run_dir)
+    if step is not None:
+        history = [entry for entry in history if entry.get("start_step", 0) <= step] or history[:1]
+    return history[-1] if history else {}
+
+
+def load_run(run_dir: str | os.PathLike, step: int | None = None) -> Experiment:
     """The config a run folder was trained with (:func:`load_run_sources`)."""
-    return load_run_sources(run_dir).config
+    return load_run_sources(run_dir, step).config
 
 
-def load_run_sources(run_dir: str | os.PathLike) -> fconfig.Loaded:
-    """The config a run folder was trained with, from its config.json alone: fvx's classes by their recorded names;
-    the classes its experiment file defined from that file when it is still there unchanged (the sha256 in
-    run.json), else rebuilt from config.json (values kept, the file's code not run). ``sources`` says which."""
+def load_run_sources(run_dir: str | os.PathLike, step: int | None = None) -> fconfig.Loaded:
+    """The config a run folder was trained with at step ``step`` (the launch that ran it; None: the last launch's,
+    config.json), from the run folder alone: fvx's classes by their recorded names; the classes its experiment file
+    defined from that file when it is still there unchanged (the sha256 in run.json), else rebuilt from the record
+    (values kept, the file's code not run). ``sources`` says which."""
     run_dir = pathlib.Path(run_dir)
     if not (run_dir / fconfig.CONFIG_FILE).is_file():
         raise fconfig.ConfigError(f"{str(run_dir)!r} is not an fvx run folder (it has no {fconfig.CONFIG_FILE})")
-    meta = _read_json(run_dir / RUN_FILE)
+    meta = launch_at(run_dir, step)
     experiment, recorded = meta.get("experiment"), meta.get("experiment_sha256")
     notes: list[str] = []
     classes = None
@@ -320,7 +376,9 @@ def load_run_sources(run_dir: str | os.PathLike) -> fconfig.Loaded:
             notes.append(f"the experiment file {experiment!r} changed since the run (sha256 differs): not used")
         else:
             classes = _classes_of(experiment)
-    loaded = fconfig.load_typed(run_dir, classes)
+    record = meta.get("config") if step is not None and "config" in meta else None
+    loaded = (fconfig.load_typed(run_dir, classes) if record is None
+              else fconfig.from_record(record, classes, run_dir / RUN_FILE))
     if not isinstance(loaded.config, Experiment):
         raise fconfig.ConfigError(f"{str(run_dir)!r} holds a {type(loaded.config).__qualname__}, not an "
                                   "fvx.loop.Experiment")
@@ -371,28 +429,30 @@ def train(config: Experiment, *, prepared: Prepared | None = None, launch: Launc
     prepared = prepared if prepared is not None else prepare(config, rank=rank, world=world)
     state, start = prepared.state, int(prepared.state.step)
     meta = run_metadata(launch, world)
+    record = fconfig.record(config)
     log_hparams = start == 0 or not (out / TENSORBOARD).is_dir()  # a run resumed in place logged them at step 0
     if rank == 0:
         fconfig.dump(config, out)
-        _write_json(out / RUN_FILE, meta)
+        earlier = [entry for entry in launches(out) if entry.get("start_step", 0) < start]  # those it continues
+        _write_json(out / RUN_FILE, {"launches": earlier + [{**meta, "start_step": start, "config": record}]})
         if (out / TENSORBOARD).is_dir():
             tracking.truncate_events(out / TENSORBOARD, start)
             tracking.wait_for_a_new_second(out / TENSORBOARD)
     saves = config.run.checkpoint
     checkpoints = (open_checkpoints(out / CHECKPOINTS, prepared.setup, saves)  # every rank: sharded saves
                    if (rank == 0 or world > 1) and (saves.every or saves.final) else None)
-    record = fconfig.record(config)
 
     def save(state: TrainState, skips: int) -> None:
         checkpoints.save(state, config=record, meta={**meta, "nonfinite_skips": skips})
 
-    hooks = prepared.callbacks
-    validator = make_validator(config, prepared.setup, out)
+    hooks, validator = prepared.callbacks, prepared.validator
     if validator is not None:
         hooks = fcallbacks.check(hooks + (validation.callback(validator, prepared.setup.program.validate, hooks),))
 
     try:
-        with tracking.open_tracker(out / TENSORBOARD, rank=rank) as tracker:
+        wandb = config.run.wandb
+        mirrors = (lambda: ()) if wandb is None else (lambda: (WandbMirror(wandb, out),))
+        with tracking.open_tracker(out / TENSORBOARD, rank=rank, mirrors=mirrors) as tracker:
             if rank == 0 and log_hparams:
                 tracker.hparams(msgspec.to_builtins(config))
 
@@ -512,4 +572,4 @@ def _progress_bar(config: Experiment, steps: range, rank: int):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=len(steps), initial=0, desc="train", unit="step", dynamic_ncols=True)
+    return tqdm(total=steps.stop, initial=steps.start, desc="train", unit="step", dynamic_ncols=True)

@@ -14,6 +14,7 @@ import pathlib
 from typing import NamedTuple
 
 import numpy as np
+from tqdm import tqdm
 
 from fvx import checkpoint, loop, tracking
 from fvx.state import NONFINITE
@@ -46,10 +47,11 @@ def replay_step(run_dir: str | os.PathLike, step: int) -> dict[str, float]:
     return replay(run_dir, step).metrics
 
 
-def replay(run_dir: str | os.PathLike, step: int) -> Replay:
-    """Recompute step ``step`` of the run in ``run_dir``; a ValueError names a step the run does not have."""
+def replay(run_dir: str | os.PathLike, step: int, *, progress: bool = False) -> Replay:
+    """Recompute step ``step`` of the run in ``run_dir`` (with a progress bar on stderr when ``progress``); a
+    ValueError names a step the run does not have."""
     run_dir = pathlib.Path(run_dir)
-    loaded = loop.load_run_sources(run_dir)
+    loaded = loop.load_run_sources(run_dir, step)
     config = loaded.config
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < config.run.steps:
         raise ValueError(f"replay: step {step!r} is beyond the run in {str(run_dir)!r}, which has steps 0 to "
@@ -62,9 +64,13 @@ def replay(run_dir: str | os.PathLike, step: int) -> Replay:
         if base is not None:
             state = checkpoints.restore(base, state)
     batch_at = loop.batch_fn(config, built)
+    bar = tqdm(total=step + 1, initial=base or 0, desc="replay", unit="step", disable=not progress)
     for s in range(base or 0, step):
         state, _ = built.program.step_(state, frozen, batch_at(s))
+        bar.update(1)
     _, metrics = built.program.step_(state, frozen, batch_at(step))
+    bar.update(1)
+    bar.close()
     return Replay(step, {name: float(value) for name, value in metrics.items()}, base, loaded.sources)
 
 

@@ -24,6 +24,7 @@ checkpoint, a step the run does not have), reported in one line on stderr with n
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import sys
@@ -34,7 +35,7 @@ import torch.distributed
 
 from fvx import callbacks as fcallbacks
 from fvx import config as fconfig
-from fvx import dry_run, export, loop, replay, sharding
+from fvx import data, dry_run, export, loop, replay, sharding
 
 USAGE = ("python -m fvx.run EXPERIMENT.py [a.b.c=value ...] [--out DIR] [--steps N] [--resume [latest|STEP|PATH]] "
          "[--replicate R] [--help]\n"
@@ -56,6 +57,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="print the memory estimate per rank and exit")
     parser.add_argument("--world", type=int, help="--dry-run: the number of ranks (default: this launch's)")
     parser.add_argument("--video", default="81x480x832", help="--dry-run: FRAMESxHEIGHTxWIDTH in pixels")
+    parser.add_argument("--device-memory", type=float, help="--dry-run: GiB per device (default: an H200's)")
     parser.add_argument("--replicate", type=int, default=1, help="HSDP replica groups (params shard over the rest)")
     parser.add_argument("-h", "--help", action="store_true", help="list the experiment's config fields and exit")
     args = parser.parse_intermixed_args(argv)
@@ -116,7 +118,8 @@ def train_main(argv: Sequence[str]) -> int:
             return 0
         if args.dry_run:
             world = args.world if args.world is not None else int(os.environ.get("WORLD_SIZE", "1"))
-            print(dry_run.report(config, world=world, video=dry_run.parse_video(args.video), replicate=args.replicate))
+            print(dry_run.report(config, world=world, video=dry_run.parse_video(args.video), replicate=args.replicate,
+                                 device_memory_gib=args.device_memory))
             return 0
         d = sharding.init_distributed()
         jax_started = sharding.init_jax_distributed(d)  # orbax's primary process for sharded checkpoints
@@ -138,20 +141,31 @@ def _train(args: argparse.Namespace, config: fconfig.Config, d: sharding.Dist) -
     say = print if d.rank == 0 else (lambda *a, **k: None)
     try:
         mesh = sharding.make_mesh(args.replicate) if d.world > 1 else None
+        if args.resume is not None:  # the run's own config, with what this launch overrides on top
+            config, _ = loop.resumed_config(config, overrides_of(args), args.resume)
         prepared = loop.prepare(config, resume=args.resume, rank=d.rank, world=d.world, mesh=mesh)
         launch = loop.Launch(experiment=str(pathlib.Path(args.experiment).absolute()),
                              overrides=tuple(overrides_of(args)))
     except BAD_INPUT as error:
         return _error(error) if d.rank == 0 else 2
+    if args.replicate != 1 and d.world == 1:
+        say(f"note: --replicate {args.replicate} has no effect in a single process (it groups the ranks of a "
+            "torchrun launch)", file=sys.stderr)
+    say(banner(args.experiment, config, prepared, d.world))
     if prepared.resumed_from is not None:
-        say(f"resuming from {prepared.resumed_from} (step {int(prepared.state.step)})")
+        say(f"resuming from {prepared.resumed_from} (step {int(prepared.state.step)}) with the config saved there"
+            + ("" if prepared.config_changes else ", unchanged"))
         for change in prepared.config_changes:
-            say(f"note: config differs from the checkpoint's: {change}", file=sys.stderr)
+            say(f"note: this launch changes {change}", file=sys.stderr)
     start, first = time.perf_counter(), int(prepared.state.step)
     try:
         loop.train(config, prepared=prepared, launch=launch, rank=d.rank, world=d.world)
     except loop.NonFiniteError as error:
         say(f"fvx.run: {error}", file=sys.stderr)
+        return 1
+    except data.DataError as error:  # a bad sample met mid-run: the data, not the program
+        say(f"fvx.run: the run stopped: {error} (checkpoints saved before are intact; fix or drop the sample and "
+            "continue with --resume)", file=sys.stderr)
         return 1
     except fcallbacks.CallbackError as error:
         say(f"fvx.run: the run stopped: {error} (checkpoints saved before it are intact; continue with --resume)",
@@ -166,6 +180,21 @@ def _train(args: argparse.Namespace, config: fconfig.Config, d: sharding.Dist) -
     return 0
 
 
+def banner(experiment: str, config: fconfig.Config, prepared: loop.Prepared, world: int) -> str:
+    """What this launch is about to do, in a line or two: experiment, run folder, ranks, models and steps."""
+    state, models = prepared.state, prepared.setup.models
+    sizes = {}
+    for role_name, model in models.items():
+        sizes.setdefault(model.name, []).append(role_name)
+    described = "; ".join(f"{name} ({', '.join(roles)})" for name, roles in sizes.items())
+    trained = sum(p.numel() for role_state in state.roles.values() for p in role_state.params.values())
+    start = int(state.step)
+    steps = (f"steps {start}..{config.run.steps}" if start else f"{config.run.steps} steps")
+    return (f"fvx: {experiment} -> {config.run.output_dir} ({world} process{'es' if world > 1 else ''}); "
+            f"models: {described}; {trained / 1e6:.2f}M trained params on this rank; {steps}, batch "
+            f"{config.data.batch_size}")
+
+
 def replay_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m fvx.run replay", description=(
         "Recompute step N of a run from the newest checkpoint at or before it, and compare its metrics with the "
@@ -174,7 +203,7 @@ def replay_main(argv: Sequence[str]) -> int:
     parser.add_argument("--step", type=int, required=True, help="the step to replay (0-based, as logged)")
     args = parser.parse_args(argv)
     try:
-        result = replay.replay(args.run_dir, args.step)
+        result = replay.replay(args.run_dir, args.step, progress=sys.stderr.isatty())
     except BAD_INPUT as error:
         return _error(error)
     rows = replay.compare(result.metrics, replay.logged_metrics(args.run_dir, args.step))
@@ -188,18 +217,28 @@ def export_main(argv: Sequence[str]) -> int:
     parser.add_argument("run_dir", help="the run folder")
     parser.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
     parser.add_argument("--step", type=int, help="the checkpoint to export (default: the newest)")
-    parser.add_argument("--role", help="the trained role to export (default: the run's only one)")
+    parser.add_argument("--role", help="the trained role to export (default: the run's only one, or the student)")
     parser.add_argument("--ema", action="store_true", help="export the role's EMA params")
+    parser.add_argument("--base", help="a diffusers pipeline folder of the base model: its other components (VAE, "
+                                       "text encoder, tokenizer) are linked in, so the folder loads as a pipeline")
     args = parser.parse_args(argv)
     try:
-        done = export.export(args.run_dir, args.out, step=args.step, role=args.role, ema=args.ema)
+        done = export.export(args.run_dir, args.out, step=args.step, role=args.role, ema=args.ema, base=args.base)
     except BAD_INPUT as error:
         return _error(error)
     what = "EMA params" if done.ema else "params"
     print(f"exported the {what} of role {done.role!r} at step {done.step} to {done.folder} "
           f"({', '.join(done.components)}, model_index.json, scheduler/)")
-    print("note: a full diffusers pipeline also needs the base model's VAE, text encoder(s) and tokenizer(s) beside "
-          "them (fvx trains transformers only)")
+    missing = export.missing_components(done.folder)
+    if args.base is not None:
+        print(f"linked from {args.base}: the other components; DiffusionPipeline.from_pretrained({str(done.folder)!r}) "
+              "loads the whole pipeline")
+    elif missing:
+        print(f"note: fvx trains transformers only: {', '.join(missing)} are not in it; load it with "
+              f"from_pretrained({str(done.folder)!r}, " + ", ".join(f"{m}=None" for m in missing)
+              + ") or pass them, or export again with --base /path/to/the/base/pipeline")
+    if done.sampling is not None:
+        print(f"sample it as trained: {json.dumps(done.sampling)} (recorded in {export.MANIFEST})")
     return 0
 
 

@@ -18,7 +18,7 @@ import numbers
 import os
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -213,10 +213,13 @@ def _write_mp4(path: Path, thwc: np.ndarray, fps: float) -> bool:
 
 
 class Tracker:
-    """Logs to one TensorBoard run; with ``writer=None`` (ranks other than 0) every call only checks its arguments."""
+    """Logs to one TensorBoard run, and the same to each of ``mirrors`` (e.g. ``fvx.wandb_mirror.WandbMirror``:
+    ``scalars``, ``video``, ``hparams``, ``close``); with ``writer=None`` (ranks other than 0) every call only checks
+    its arguments."""
 
-    def __init__(self, writer: SummaryWriter | None):
+    def __init__(self, writer: SummaryWriter | None, mirrors: Sequence[Any] = ()):
         self._writer = writer
+        self._mirrors = tuple(mirrors) if writer is not None else ()
         self._closed = False
 
     @property
@@ -243,7 +246,10 @@ class Tracker:
         _check_metrics(metrics)
         if self._open_writer() is None or not metrics:
             return
-        self._emit(_scalar_summary({name: _to_float(value) for name, value in metrics.items()}), step)
+        values = {name: _to_float(value) for name, value in metrics.items()}
+        self._emit(_scalar_summary(values), step)
+        for mirror in self._mirrors:
+            mirror.scalars(step, values)
 
     def text(self, step: int, tag: str, text: str) -> None:
         """Logs markdown ``text`` under ``tag`` (TensorBoard's text dashboard)."""
@@ -263,6 +269,8 @@ class Tracker:
             return
         self._emit(hparams_pb({key: _hparam_value(value) for key, value in flat.items()}), 0)
         self._writer.add_text(_CONFIG_TAG, _config_text(flat), 0)
+        for mirror in self._mirrors:
+            mirror.hparams(flat)
 
     def image(self, step: int, tag: str, image: torch.Tensor | np.ndarray) -> None:
         """Logs a PNG of ``image``: [C,H,W] or [H,W,C] (C in 1, 3, 4; channels-first when both ends could be C),
@@ -288,6 +296,8 @@ class Tracker:
         thwc = _to_uint8_last(frames, channels_first)
         gif = _gif_bytes(thwc, fps)
         self._emit(_image_summary(tag, gif, thwc.shape[1:]), step)
+        for mirror in self._mirrors:
+            mirror.video(step, tag, thwc, fps)
         if folder is None:
             return []
         stem = Path(folder) / f"{tag.replace('/', '_')}_{step}"
@@ -308,6 +318,8 @@ class Tracker:
         """Flushes and closes the event file; closing again does nothing, any other call afterwards raises."""
         if not self._closed and self._writer is not None:
             self._writer.close()
+            for mirror in self._mirrors:
+                mirror.close()
         self._closed = True
 
     def __enter__(self) -> Tracker:
@@ -317,11 +329,14 @@ class Tracker:
         self.close()
 
 
-def open_tracker(logdir: str | Path, *, rank: int = 0) -> Tracker:
-    """A tracker writing to ``logdir`` on rank 0 (created there), and one that writes nothing on other ranks."""
+def open_tracker(logdir: str | Path, *, rank: int = 0, mirrors: Callable[[], Sequence[Any]] = tuple) -> Tracker:
+    """A tracker writing to ``logdir`` on rank 0 (created there), with the trackers ``mirrors()`` opens there; one
+    that writes nothing on other ranks."""
     if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 0:
         raise ValueError(f"rank must be an int >= 0, got {rank!r}")
-    return Tracker(SummaryWriter(str(logdir)) if rank == 0 else None)
+    if rank != 0:
+        return Tracker(None)
+    return Tracker(SummaryWriter(str(logdir)), mirrors())
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -52,7 +52,8 @@ class ValidationConfig(Config):
     teacher). ``guidance_scale`` is the classifier-free guidance ``uncond + g (cond - uncond)`` of the models a method
     samples with guidance (fine-tuning; FastVideo's t2v recipe validates at 5), the unconditional cond being
     ``cfg_uncond``'s: the cond file ``negative_prompt_path`` (``negative_prompt``), the family's zero cond, or the
-    cond itself (``keep``). ``seed`` fixes the noise, independently of the run's seed.
+    cond itself (``keep``). ``display_scale`` enlarges the logged videos (nearest neighbour; tiny clips). ``seed``
+    fixes the noise, independently of the run's seed.
     """
 
     every: Annotated[int, msgspec.Meta(ge=0)] = 0
@@ -66,6 +67,7 @@ class ValidationConfig(Config):
     cfg_uncond: Literal["negative_prompt", "zero", "keep"] = "zero"
     negative_prompt_path: str | None = None
     fps: PositiveFloat = 16.0
+    display_scale: PositiveInt = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -77,10 +79,12 @@ class ValidationConfig(Config):
 
 
 class Prompts(NamedTuple):
-    """Validation prompts: the model's ``cond`` with one row per prompt (fp32, CPU), captions when known."""
+    """Validation prompts: the model's ``cond`` with one row per prompt (fp32, CPU), captions when known, and the
+    dataset samples they come from (None: from a prompts file)."""
 
     cond: dict[str, torch.Tensor]
     captions: tuple[str, ...] | None = None
+    indices: tuple[int, ...] | None = None
 
     @property
     def count(self) -> int:
@@ -155,6 +159,7 @@ def read_prompts(config: ValidationConfig, dataset: Any, model: Any) -> Prompts:
 def _dataset_prompts(dataset: Any, num: int, model: Any) -> Prompts:
     conds: list[dict[str, torch.Tensor]] = []
     captions: list[str | None] = []
+    indices_used: list[int] = []
     start = 0
     while len(conds) < num and start < len(dataset):
         indices = list(range(start, min(start + num, len(dataset))))
@@ -165,12 +170,13 @@ def _dataset_prompts(dataset: Any, num: int, model: Any) -> Prompts:
             if not blank and len(conds) < num:
                 conds.append({name: t[row] for name, t in batch["cond"].items()})
                 captions.append(caption)
+                indices_used.append(indices[row])
         start += len(indices)
     if len(conds) < num:
         raise ValueError(f"validation.num_prompts={num}, but the dataset has only {len(conds)} samples whose text "
                          f"CFG dropout did not blank (of {len(dataset)})")
     cond = {name: torch.stack([c[name] for c in conds]).float() for name in conds[0]}
-    return Prompts(cond, tuple(captions) if all(c is not None for c in captions) else None)
+    return Prompts(cond, tuple(captions) if all(c is not None for c in captions) else None, tuple(indices_used))
 
 
 def latent_shape(config: ValidationConfig, dataset: Any = None) -> tuple[int, int, int, int]:
@@ -296,7 +302,8 @@ class Sampler(NamedTuple):
 
 class Validator(NamedTuple):
     """What a run validates with, fixed once at its start: prompts, noise and keys are the same at every validation;
-    ``uncond(cond)`` is the unconditional cond guided samplers use."""
+    ``uncond(cond)`` is the unconditional cond guided samplers use; ``quality(video)`` scores decoded samples when
+    the dataset knows how (``sample_quality(videos, indices)``, e.g. ``fvx.world``), logged beside the videos."""
 
     config: ValidationConfig
     prompts: Prompts
@@ -306,6 +313,7 @@ class Validator(NamedTuple):
     decode: Callable[[torch.Tensor], torch.Tensor] | None
     folder: pathlib.Path | None
     uncond: Callable[[Any], Any] | None = None
+    quality: Callable[[torch.Tensor], dict[str, float]] | None = None
 
 
 def guided(apply_fn: flow.ApplyFn, uncond: Callable[[Any], Any], guidance_scale: float) -> flow.ApplyFn:
@@ -334,8 +342,11 @@ def make_validator(config: ValidationConfig, dataset: Any, model: Any, *,
     def uncond(cond: Any) -> Any:
         return model.uncond(cond, config.cfg_uncond, negative)
 
+    score = getattr(dataset, "sample_quality", None)
+    quality = (None if score is None or decode is None or prompts.indices is None
+               else lambda video: score(video, prompts.indices))
     return Validator(config, prompts, noise, prompt_keys(sampler_key, prompts.count), model.denormalize, decode,
-                     None if folder is None else pathlib.Path(folder), uncond)
+                     None if folder is None else pathlib.Path(folder), uncond, quality)
 
 
 def validate(validator: Validator, tracker: Tracker, step: int, samplers: Sequence[Sampler]) -> None:
@@ -347,6 +358,12 @@ def validate(validator: Validator, tracker: Tracker, step: int, samplers: Sequen
         latents, video = sample_videos(apply_fn, entry.params, validator.noise, entry.sigmas,
                                        validator.prompts.cond, key=validator.keys, sampler=entry.sampler,
                                        denormalize=validator.denormalize, decode=validator.decode)
+        if validator.quality is not None and video is not None:
+            tracker.scalars(step, {f"validation/{entry.tag}/{name}": value
+                                   for name, value in validator.quality(video).items()})
+        scale = validator.config.display_scale
+        if video is not None and scale > 1:
+            video = video.repeat_interleave(scale, dim=-1).repeat_interleave(scale, dim=-2)
         log_validation(tracker, step, entry.tag, latents, video, folder=validator.folder, fps=validator.config.fps,
                        captions=validator.prompts.captions)
 

@@ -80,9 +80,7 @@ def sample_shape(batch: Batch, config: DMD2) -> tuple[int, ...]:
 # --------------------------------------------------------------------------------------------------------- the step
 
 
-class Roles(NamedTuple):
-    """Each role's model and the trainable roles' optimizers."""
-
+class Roles(NamedTuple):  # each role's model and the trainable roles' optimizers
     student: Model
     critic: Model
     teacher: Model
@@ -99,12 +97,9 @@ def update_student(step: int, interval: int) -> bool:
 def step_(state: TrainState, batch: Batch, *, roles: Roles, config: DMD2, teacher: Params,
           negative: Cond | None = None, before: role.BeforeUpdate | None = None) -> tuple[TrainState, Metrics]:
     """One DMD2 step, donating ``state``: the critic's update every step, the student's on its cadence (else only
-    its EMA). ``split(fold_in(run_key, step))`` gives the generator's and the critic's keys.
-
-    Metrics: ``critic_loss``, ``grad_norm/critic``, ``lr/critic``, ``update_student`` (0/1); on student steps also
-    ``generator_loss``, ``dmd_normalizer`` (the mean of the per-sample normalisers), ``grad_norm/student``,
-    ``lr/student``. A non-finite loss or norm of either role applies nothing (``fvx.state.skipped``).
-    """
+    its EMA); ``split(fold_in(run_key, step))`` gives the generator's and the critic's keys. Metrics: ``critic_loss``,
+    ``grad_norm/critic``, ``lr/critic``, ``update_student``; on student steps ``generator_loss``, ``dmd_normalizer``
+    (the per-sample normalisers' mean), ``grad_norm/student``, ``lr/student``. Non-finite: nothing applied."""
     s, group = int(state.step), roles.critic_opt.group
     generator_key, critic_key = random.split(random.fold_in(state.key, state.step))
     student, critic = state.roles[STUDENT], state.roles[CRITIC]
@@ -212,6 +207,11 @@ class DMD2(Config, tag="dmd2"):
         return dm.Score(self.flow_shift, self.timestep_shift, self.min_timestep_ratio, self.max_timestep_ratio,
                         self.guidance_scale, self.cfg_uncond)
 
+    def sampling(self, role: str) -> dict | None:
+        """How a role is sampled as trained (recorded on export): the student with its few-step SDE, unguided."""
+        steps = dm.denoising_timesteps(self.denoising_steps, self.warp_denoising_step, self.flow_shift)
+        return {"timesteps": steps.tolist(), "sampler": "sde (x0, re-noised)"} if role == STUDENT else None
+
     def build(self, models: Mapping[str, Model], *, total_steps: int, mesh: Any = None,
               before_update: role.BeforeUpdate | None = None) -> Program:
         """The loop's Program for the role -> model mapping and a ``total_steps`` run. Latent spaces, cond and the
@@ -237,8 +237,7 @@ class DMD2(Config, tag="dmd2"):
         )
 
     def memory_plan(self, specs: Mapping[str, Any]) -> Any:
-        """For ``--dry-run``: a trainable student (with its EMA), a trainable critic and a frozen teacher at its
-        frozen dtype's bytes; the backward passes run one after the other, in ``grad_accum`` pieces."""
+        """For ``--dry-run``: trainable student (and EMA) and critic, a frozen teacher at its frozen dtype's bytes."""
         from fvx import dry_run, memory  # the dry run only
 
         return dry_run.Plan(roles=(memory.Role(STUDENT, specs[STUDENT], trainable=True, ema=bool(self.ema_decay)),
@@ -254,8 +253,7 @@ def role_keys(run_key: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def init(run_key: torch.Tensor, roles: Roles) -> TrainState:
-    """Step 0: the student's and the critic's initial params, each with a fresh optimizer state over the params it
-    trains (and the student's EMA when kept)."""
+    """Step 0: the student's and the critic's initial params with fresh optimizer states (and the student's EMA)."""
     student_key, steps_key, critic_key, _ = role_keys(run_key)
     student = roles.student.initial_params(student_key)
     critic = roles.critic.initial_params(critic_key)
@@ -265,8 +263,7 @@ def init(run_key: torch.Tensor, roles: Roles) -> TrainState:
 
 
 def check_batch(batch: Batch, model: Model, config: DMD2, negative: Cond | None = None) -> None:
-    """Raise a ValueError when ``batch`` cannot feed this method (called once, before the first step): this is where
-    ``text_only`` data meets ``data_latent`` or a missing ``latent_shape``."""
+    """A ValueError when ``batch`` cannot feed this method (once, before the first step: text_only data, ...)."""
     if "latents" in batch:
         model.check_latents(tuple(batch["latents"].shape), where="batch latents")
     elif config.rollout_mode == "data_latent":
@@ -286,8 +283,7 @@ def check_batch(batch: Batch, model: Model, config: DMD2, negative: Cond | None 
 
 def validate(state: TrainState, validation_config: Any, *, roles: Roles, config: DMD2, teacher: Params,
              negative: Cond | None = None) -> list[validation.Sampler]:
-    """The student (its EMA when kept) on its few-step SDE schedule, unguided; with ``validate_teacher`` the teacher
-    on the many-step ODE under the method's guidance."""
+    """The student (its EMA when kept), few-step SDE, unguided; ``validate_teacher``: the guided many-step teacher."""
     student = state.roles[STUDENT]
     steps = dm.denoising_timesteps(config.denoising_steps, config.warp_denoising_step, config.flow_shift)
     params = student.params if student.ema is None else role.with_trained(student.params, student.ema)

@@ -51,6 +51,10 @@ class ModelConfig(Config):
     def __post_init__(self) -> None:
         self.family.preset(self.preset)
 
+    def field_choices(self) -> dict[str, list[str]]:
+        """The values a text field takes, for ``--help``: the family's presets."""
+        return {"preset": list(self.family.presets)}
+
     @property
     def spec(self) -> Preset:
         return self.family.preset(self.preset)

@@ -105,7 +105,7 @@ def stored_shapes(files: Iterable[pathlib.Path], what: str = "load") -> dict[str
     """Every tensor's shape in the safetensors ``files``, read from their headers (no data)."""
     shapes = {}
     for path in files:
-        with _open(path, what) as f:
+        with open_safetensors(path, what) as f:
             shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
     return shapes
 
@@ -168,22 +168,23 @@ def read_params(folder: str | os.PathLike, module: nn.Module, components: Mappin
             raise ValueError(f"{what}: weights in {str(where)!r} do not fit the model: " + "; ".join(problems))
         loaded = {}
         for path in files:
-            with _open(path, what) as f:
+            with open_safetensors(path, what) as f:
                 for name in f.keys():
                     if name in shapes:
-                        loaded[name] = _tensor(f, name, path, what).to(torch.float32)
+                        loaded[name] = read_tensor(f, name, path, what).to(torch.float32)
         params.update({prefix + name: loaded[name] for name in param_shapes(part)})
     return {name: params[name] for name in param_shapes(module)}
 
 
-def _open(path: pathlib.Path, what: str):
+def open_safetensors(path: pathlib.Path, what: str):
+    """``safe_open(path)``, or a ValueError naming the file when it is not readable (truncated, not safetensors)."""
     try:
         return safe_open(path, framework="pt")
     except (SafetensorError, OSError) as error:
         raise ValueError(f"{what}: {str(path)!r} is not a readable safetensors file ({error})") from None
 
 
-def _tensor(f: Any, name: str, path: pathlib.Path, what: str) -> torch.Tensor:
+def read_tensor(f: Any, name: str, path: pathlib.Path, what: str) -> torch.Tensor:
     try:
         return f.get_tensor(name)
     except (SafetensorError, OSError) as error:

@@ -45,6 +45,7 @@ WAN22_LATENTS_STD = (0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5
                      0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458, 1.6887,
                      0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744)
 
+WORLD_CODEC = LatentSpace(192, vae_stride=(1, 8, 8), vae="space-to-depth 8 (fvx.world)")  # exact, unnormalised
 WAN21_VAE = LatentSpace(16, WAN21_LATENTS_MEAN, WAN21_LATENTS_STD, vae_stride=(4, 8, 8), vae="Wan 2.1")
 WAN22_VAE = LatentSpace(48, WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, vae_stride=(4, 16, 16), vae="Wan 2.2")
 TINY_VAE = LatentSpace(16, (0.0,) * 16, (1.0,) * 16, vae_stride=(4, 4, 4), vae="tiny Wan")  # the tiny Wan VAE's
@@ -75,6 +76,9 @@ PRESETS: dict[str, Preset] = {
                         {"flow_shift": 3.0}),
     # the tiny model in Wan 2.2 TI2V's layout: 48 channels with the 2.2 VAE's statistics, per-token timesteps
     "tiny-ti2v": Preset({**TINY, "in_channels": 48, "out_channels": 48}, WAN22_VAE, 8, TI2V),
+    # the toy video world's model (fvx.world: 48-channel space-to-depth latents of 32x32 clips, 4 text tokens)
+    "world": Preset({**TINY, "in_channels": 192, "out_channels": 192, "patch_size": (1, 1, 1),
+                     "num_attention_heads": 4, "attention_head_dim": 64, "ffn_dim": 512, "num_layers": 3}, WORLD_CODEC, 4, {"flow_shift": 3.0}),
     "wan2.1-t2v-1.3b": Preset(WAN21_1_3B, WAN21_VAE, 512, {"flow_shift": 3.0}),
     "wan2.1-t2v-14b": Preset(WAN21_14B, WAN21_VAE, 512, {"flow_shift": 5.0}),
     "wan2.2-ti2v-5b": Preset(WAN22_5B, WAN22_VAE, 512, TI2V),
@@ -162,7 +166,7 @@ WAN = Family(
 
 
 class WanConfig(ModelConfig, tag="wan"):
-    """A Wan 2.1 T2V or Wan 2.2 TI2V-5B DiT (presets: tiny, tiny-deep, tiny-ti2v, wan2.1-t2v-1.3b, wan2.1-t2v-14b,
-    wan2.2-ti2v-5b); the shared knobs are :class:`fvx_models.build.ModelConfig`'s."""
+    """A Wan 2.1 T2V or Wan 2.2 TI2V-5B DiT (presets: tiny, tiny-deep, tiny-ti2v, world, wan2.1-t2v-1.3b,
+    wan2.1-t2v-14b, wan2.2-ti2v-5b); the shared knobs are :class:`fvx_models.build.ModelConfig`'s."""
 
     family = WAN

@@ -26,7 +26,6 @@ from typing import Any, Callable, Literal, Mapping
 
 import torch
 from diffusers import AutoencoderKLWan
-from safetensors import safe_open
 from torch import nn
 
 from fvx import random
@@ -177,10 +176,10 @@ def load(module: AutoencoderKLWan, all_shapes: Mapping[str, tuple[int, ...]],
         raise ValueError(f"Wan VAE: weights in {str(folder)!r} do not fit the VAE: " + "; ".join(problems))
     params = {}
     for path in files:
-        with safe_open(path, framework="pt") as f:
+        with dfolder.open_safetensors(path, "Wan VAE load") as f:
             for name in f.keys():
                 if name.startswith(_DECODER_PREFIXES):
-                    params[name] = f.get_tensor(name).to(torch.float32)
+                    params[name] = dfolder.read_tensor(f, name, path, "Wan VAE load").to(torch.float32)
     return params, stored
 
 

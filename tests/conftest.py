@@ -28,3 +28,16 @@ def key():
     from fvx import random
 
     return random.key(0)
+
+
+@pytest.fixture(scope="session")
+def world_teacher(tmp_path_factory):
+    """A random model of the toy world's preset, exported as a diffusers folder: the default DMD2 experiment's
+    teacher (and student initialisation) in tests, instead of the trained ``runs/teacher``."""
+    from fvx import random
+    from fvx_models.wan import WanConfig
+
+    model = WanConfig(preset="world").build()
+    folder = tmp_path_factory.mktemp("world_teacher") / "teacher"
+    model.export(model.init(random.key(0)), str(folder))
+    return folder

@@ -47,7 +47,8 @@ def test_export_round_trips_through_from_pretrained(run_dir, tmp_path, capsys, a
     assert f"at step {step} to {out} (transformer, model_index.json, scheduler/)" in capsys.readouterr().out
     assert_loads_exactly(out, stored(run_dir, step, part))
     manifest = json.loads((out / "fvx_export.json").read_text())
-    assert manifest == {"run": str(run_dir), "step": step, "role": "student", "ema": part == "ema"}
+    assert manifest == {"run": str(run_dir), "step": step, "role": "student", "ema": part == "ema", "sampling": None,
+                        "base": None}
     index = json.loads((out / "model_index.json").read_text())
     assert index["_class_name"] == "WanPipeline" and index["transformer"] == ["diffusers", "WanTransformer3DModel"]
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(out, subfolder="scheduler")
@@ -72,3 +73,58 @@ def test_export_refuses_a_folder_that_holds_something(run_dir, tmp_path, capsys)
     assert run.main(["export", str(run_dir), "--out", str(tmp_path)]) == 2
     assert "already exists and is not an empty folder" in capsys.readouterr().err
     assert [p.name for p in tmp_path.iterdir()] == ["kept.txt"]
+
+
+def tiny_wan_base(folder: pathlib.Path) -> None:
+    """A diffusers WanPipeline folder of tiny random components (VAE, UMT5 text encoder, word-level tokenizer,
+    scheduler), without a transformer: a stand-in for the base model's pipeline folder."""
+    from diffusers import AutoencoderKLWan
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(0)
+    AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[True, True],
+                     scale_factor_spatial=4, latents_mean=[0.0] * 16, latents_std=[1.0] * 16).save_pretrained(
+        folder / "vae")
+    UMT5EncoderModel(UMT5Config(vocab_size=32, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)
+                     ).save_pretrained(folder / "text_encoder")
+    words = ["<pad>", "</s>", "<unk>"] + [f"w{i}" for i in range(29)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(folder / "tokenizer")
+    FlowMatchEulerDiscreteScheduler(shift=3.0).save_pretrained(folder / "scheduler")
+    (folder / "model_index.json").write_text(json.dumps({
+        "_class_name": "WanPipeline", "vae": ["diffusers", "AutoencoderKLWan"],
+        "text_encoder": ["transformers", "UMT5EncoderModel"], "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"], "transformer": [None, None]}))
+
+
+@pytest.mark.slow
+def test_a_distilled_student_exports_as_a_pipeline_that_samples_with_its_few_steps(tmp_path, capsys, world_teacher):
+    """DMD2's export defaults to the student, records its few-step timesteps, and with --base loads as a whole
+    WanPipeline that runs a 4-step sample; without --base it says which components to pass."""
+    from diffusers import WanPipeline
+
+    out = tmp_path / "run"
+    tiny = ["models.student.preset=tiny", "models.teacher.preset=tiny-deep", "models.student.path=null",
+            "models.teacher.path=null", "data.world=null", "data.text_len=8", "data.batch_size=2", "vae=null",
+            "data.synthetic.latent_shape=[16,2,8,8]", "validation.every=0", "run.progress=false",
+            "method.denoising_steps=[1000,750,500,250]"]
+    assert run.main([str(ROOT / "experiments" / "dmd2.py"), "--out", str(out), "--steps", "1", *tiny]) == 0
+    base = tmp_path / "base"
+    tiny_wan_base(base)
+    capsys.readouterr()
+    assert run.main(["export", str(out), "--ema", "--out", str(tmp_path / "bare")]) == 0
+    printed = capsys.readouterr().out
+    assert "role 'student'" in printed and "vae=None, text_encoder=None, tokenizer=None" in printed
+    assert '"timesteps": [1000.0, 750.0, 500.0, 250.0]' in printed
+    assert run.main(["export", str(out), "--ema", "--out", str(tmp_path / "exported"), "--base", str(base)]) == 0
+    manifest = json.loads((tmp_path / "exported" / "fvx_export.json").read_text())
+    assert manifest["role"] == "student" and manifest["sampling"]["timesteps"] == [1000.0, 750.0, 500.0, 250.0]
+    pipe = WanPipeline.from_pretrained(str(tmp_path / "exported"))
+    frames = pipe("w1 w2", num_inference_steps=4, height=16, width=16, num_frames=5, guidance_scale=1.0,
+                  output_type="np", generator=torch.Generator().manual_seed(0)).frames
+    assert frames.shape == (1, 5, 16, 16, 3) and torch.isfinite(torch.as_tensor(frames)).all()
+    assert run.main(["export", str(out), "--out", str(tmp_path / "nope"), "--base", str(tmp_path)]) == 2
+    assert "is not a diffusers pipeline folder (no model_index.json)" in capsys.readouterr().err

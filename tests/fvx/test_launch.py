@@ -145,5 +145,6 @@ def test_dry_run_estimate_counts_micro_batches_and_rejects_bad_input():
 
 
 def test_dry_run_bad_video_is_one_clear_error(capsys):
-    assert run.main([EXPERIMENT, "--dry-run", "--video", "16x64x64"]) == 2
+    temporal = str(ROOT / "experiments" / "finetune_skyreels_v2.py")  # a VAE with 4x temporal compression
+    assert run.main([temporal, "--dry-run", "--video", "16x64x64"]) == 2
     assert "frames must be 1 + a multiple of 4" in capsys.readouterr().err

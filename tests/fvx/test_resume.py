@@ -57,8 +57,36 @@ def test_n_steps_resumed_to_2n_is_the_2n_step_run(tmp_path, reference, capsys):
     assert train(out, "--steps", "8", "--resume") == 0
     captured = capsys.readouterr()
     assert f"resuming from {out / 'checkpoints' / '4'} (step 4)" in captured.out
-    assert "config differs from the checkpoint's: run.steps: 4 -> 8" in captured.err
+    assert "note: this launch changes run.steps: 4 -> 8" in captured.err
     assert_same_run(out, reference)
+
+
+def test_resume_continues_with_the_runs_own_config_and_replay_uses_the_config_of_each_step(tmp_path, capsys):
+    """Overrides given at the start stay in force on a resume that does not retype them; one retyped at the resume
+    applies from there on; run.json keeps every launch, and replay of a step uses the config that ran it."""
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    first = ["method.optim.lr=5e-3", "run.checkpoint.every=3", "data.batch_size=2"]
+    assert run.main([EXPERIMENT, "--out", str(whole), "--steps", "6", *first]) == 0
+    assert run.main([EXPERIMENT, "--out", str(resumed), "--steps", "3", *first]) == 0
+    capsys.readouterr()
+    assert run.main([EXPERIMENT, "--out", str(resumed), "--steps", "6", "--resume"]) == 0
+    captured = capsys.readouterr()
+    assert "with the config saved there" in captured.out and "this launch changes run.steps: 3 -> 6" in captured.err
+    assert "lr" not in captured.err and "batch_size" not in captured.err
+    with checkpoint.Checkpoints(resumed / loop.CHECKPOINTS) as checkpoints:
+        assert checkpoints.steps() == [3, 6]  # run.checkpoint.every=3 kept
+    logged, expected = tracking.read_scalars(resumed / "tb"), tracking.read_scalars(whole / "tb")
+    assert logged["loss"] == expected["loss"] and logged["lr"] == expected["lr"]
+    history = loop.launches(resumed)
+    assert [(h["start_step"], h["overrides"]) for h in history] == [
+        (0, [*first, f"run.output_dir={resumed}", "run.steps=3"]), (3, [f"run.output_dir={resumed}", "run.steps=6"])]
+
+    assert run.main([EXPERIMENT, "--out", str(resumed), "--steps", "8", "--resume", "method.optim.lr=1e-3"]) == 0
+    assert "this launch changes method.optim.lr: 0.005 -> 0.001" in capsys.readouterr().err
+    assert loop.load_run(resumed, step=4).method.optim.lr == 5e-3 and loop.load_run(resumed).method.optim.lr == 1e-3
+    for step in (2, 5, 7):  # before, between and after the resumes
+        assert run.main(["replay", str(resumed), "--step", str(step)]) == 0, step
+    assert "replay matches" in capsys.readouterr().out
 
 
 def start_killable(out: pathlib.Path, signal_file: pathlib.Path, **env) -> subprocess.Popen:
@@ -109,6 +137,7 @@ def test_truncate_events_drops_the_steps_a_resumed_run_takes_again(tmp_path):
         for step in range(6):
             tracker.scalars(step, {"loss": float(step)})
     assert tracking.truncate_events(tmp_path, 3) == 3
+    tracking.wait_for_a_new_second(tmp_path)  # as the loop does: event files sort by their second
     with tracking.open_tracker(tmp_path) as tracker:
         for step in range(3, 5):
             tracker.scalars(step, {"loss": 10.0 + step})

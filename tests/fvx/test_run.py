@@ -32,7 +32,7 @@ def test_same_seed_gives_bit_identical_logged_losses(tmp_path):
 def test_help_lists_fields_with_defaults(capsys):
     assert run.main([EXPERIMENT, "--help"]) == 0
     out = capsys.readouterr().out
-    assert "method.optim.lr" in out and "models.student.preset" in out and "'tiny'" in out
+    assert "method.optim.lr" in out and "models.student.preset" in out and "'world'" in out
 
 
 @pytest.mark.parametrize("args, message", [
@@ -40,7 +40,7 @@ def test_help_lists_fields_with_defaults(capsys):
     (["method.optim.lr=fast"], "$.method.optim.lr"),
     (["models.student.preset=wan-giant"], "wan2.1-t2v-1.3b"),
     (["data.path=/nonexistent/data"], "/nonexistent/data"),
-    (["data.synthetic.latent_shape=[4,1,8,8]"], "(2, 4, 1, 8, 8)"),
+    (["models.student.preset=tiny"], "batch latents of shape (2, 192, 4, 2, 2) do not fit model wan:tiny"),
     (["models.student.path=/nonexistent/model"], "/nonexistent/model"),
     (["steps"], "not an override"),
 ])
@@ -84,7 +84,7 @@ EXPERIMENTS = ROOT / "experiments"
     ("dmd2.py", ["method.roles.teacher=big"],
      "method.roles.teacher names model 'big', which the experiment does not define (models: student, teacher)"),
     ("dmd2.py", ["models.teacher.preset=tiny-ti2v"],
-     "roles 'student' (wan:tiny) and 'teacher' (wan:tiny-ti2v) denoise different latent spaces"),
+     "roles 'student' (wan:world) and 'teacher' (wan:tiny-ti2v) denoise different latent spaces"),
     ("finetune_hunyuan.py", ["models.student.embedded_guidance=null"], "embeds a guidance scale: set embedded_guidance"),
     ("finetune_hunyuan.py", ["data.text_len=1"], "is not the packed [B, 1 + L, D] form"),
     ("finetune_skyreels_v2.py", ["data.synthetic.text_dim=16"], "must be [B, L, 32], got [2, 512, 16]"),
@@ -111,8 +111,93 @@ def test_a_folder_of_another_family_is_refused_naming_its_class(tmp_path, capsys
 
 
 @pytest.mark.parametrize("experiment", sorted(p.name for p in EXPERIMENTS.glob("*.py")))
-def test_every_experiment_trains_two_steps_and_validates(tmp_path, experiment):
+def test_every_experiment_trains_two_steps_and_validates(tmp_path, experiment, world_teacher):
     out = tmp_path / "run"
+    teacher = ([f"models.student.path={world_teacher}", f"models.teacher.path={world_teacher}"]
+               if experiment == "dmd2.py" else [])
     assert run.main([str(EXPERIMENTS / experiment), "--out", str(out), "--steps", "2", *QUICK, "validation.every=2",
-                     "validation.num_prompts=1", "validation.num_steps=2"]) == 0
+                     "validation.num_prompts=1", "validation.num_steps=2", *teacher]) == 0
     assert (out / "validation" / "step_2").is_dir() and (out / "checkpoints" / "2").is_dir()
+
+
+def test_late_failures_are_found_before_anything_is_written(tmp_path, capsys):
+    """Each of these used to fail after the run folder (or a step-0 validation) was written: now exit 2, one line
+    naming the culprit, nothing written."""
+    from fvx import random
+    from fvx_models.wan import WanConfig
+
+    model = WanConfig(preset="world").build()
+    model.export(model.init(random.key(0)), str(tmp_path / "model"))
+    weights = next((tmp_path / "model" / "transformer").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-100])  # truncated
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "broken.py").write_text("import msgspec\nconfig = (\n")
+    cases = [
+        ([EXPERIMENT, "validation.prompts_file=/nonexistent/prompts.safetensors", "validation.every=2"],
+         "validation.prompts_file '/nonexistent/prompts.safetensors' does not exist"),
+        ([EXPERIMENT, f"models.student.path={tmp_path / 'model'}"], f"{weights}' is not a readable safetensors file"),
+        ([str(tmp_path / "broken.py")], "broken.py', line 2: '(' was never closed"),
+    ]
+    for args, message in cases:
+        out = tmp_path / "run"
+        assert run.main([*args, "--out", str(out), *QUICK]) == 2, message
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+        assert not out.exists()
+    assert run.main([EXPERIMENT, "--out", str(tmp_path / "a_file" / "run"), *QUICK]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+
+
+def test_a_corrupt_sample_met_mid_run_stops_with_one_line_and_keeps_the_checkpoints(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from fvx import checkpoint, data, loop
+    from fvx.world import WorldConfig
+
+    world = data.open_dataset(data.DataConfig(text_len=4, world=WorldConfig(num_samples=8)), random_key())
+    samples = [{"latents": world.read([i])["latents"][0], "text": world.read([i])["text"][0], "caption": f"clip {i}"}
+               for i in range(8)]
+    path = tmp_path / "data.parquet"
+    data.write_parquet(path, samples, rows_per_group=2)
+    out = tmp_path / "run"
+    args = [EXPERIMENT, "--out", str(out), "--steps", "8", *QUICK, f"data.path={path}", "data.world=null",
+            "run.checkpoint.every=1", "run.checkpoint.async_save=false", "validation.every=0"]
+    config = run.resolve_config(run.parse_args(args))
+    built = loop.setup(config)
+    first = set(loop.batch_fn(config, built)(0)["index"].tolist())
+    bad = next(i for i in range(8) if i not in first)  # met after the first step, not in the check before it
+    table = pq.read_table(path)
+    shapes = table.column("vae_latent_shape").to_pylist()
+    shapes[bad] = [1, 2, 3]  # its stored shape no longer matches its bytes
+    table = table.set_column(table.schema.get_field_index("vae_latent_shape"), "vae_latent_shape",
+                             pa.array(shapes, type=table.schema.field("vae_latent_shape").type))
+    pq.write_table(table, path, row_group_size=2)
+    assert run.main(args) == 1
+    err = capsys.readouterr().err
+    assert f"'{path}' row {bad}: vae_latent_bytes holds" in err and "checkpoints saved before are intact" in err
+    assert len(err.strip().splitlines()) == 1
+    with checkpoint.Checkpoints(out / loop.CHECKPOINTS) as saved:
+        assert saved.steps() and max(saved.steps()) < 8
+
+
+def random_key():
+    from fvx import random
+
+    return random.key(0)
+
+
+def test_feedback_names_values_presets_and_what_a_launch_does(tmp_path, capsys):
+    assert run.main([EXPERIMENT, "method.optim.lr=nan"]) == 2
+    assert "method.optim.lr takes a finite number; non-finite values are refused" in capsys.readouterr().err
+    assert run.main([EXPERIMENT, "method.weighting_scheme=gauss"]) == 2
+    assert "method.weighting_scheme must be one of 'logit_normal', 'mode', 'uniform'" in capsys.readouterr().err
+    assert run.main([EXPERIMENT, "--help"]) == 0
+    assert "(one of tiny, tiny-deep, tiny-ti2v, world, wan2.1-t2v-1.3b" in capsys.readouterr().out
+    assert run.main([EXPERIMENT, "--dry-run", "--device-memory", "24", "--video", "4x16x16"]) == 0
+    assert "fits in 24.0 GiB" in (printed := capsys.readouterr().out) and "a device of 24 GiB" in printed
+    assert run.main([EXPERIMENT, "--out", str(tmp_path / "r"), "--steps", "1", *QUICK, "--replicate", "2",
+                     "validation.every=0"]) == 0
+    captured = capsys.readouterr()
+    assert "--replicate 2 has no effect in a single process" in captured.err
+    assert f"finetune_wan.py -> {tmp_path / 'r'} (1 process); models: wan:world (student);" in captured.out

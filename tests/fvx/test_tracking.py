@@ -1,12 +1,16 @@
+import importlib.machinery
 import importlib.util
 import io
 import math
+import pathlib
+import types
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from fvx import tracking
 from fvx.tracking import open_tracker, read_hparams, read_images, read_scalars, read_texts
 
 HAS_FFMPEG = importlib.util.find_spec("imageio_ffmpeg") is not None
@@ -211,3 +215,61 @@ def test_mp4_written_when_ffmpeg_available(tmp_path):
     reader = imageio_ffmpeg.read_frames(str(mp4))
     meta = next(reader)
     assert meta["size"] == (10, 8) and meta["fps"] == 8 and sum(1 for _ in reader) == 5
+
+
+class FakeWandb(types.ModuleType):
+    """A stand-in for the ``wandb`` module: records what a run logs."""
+
+    def __init__(self):
+        super().__init__("wandb")
+        self.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+        self.inits, self.logs, self.config, self.finished = [], [], {}, 0
+        fake = self
+
+        class Run:
+            class config:
+                @staticmethod
+                def update(values, allow_val_change=False):
+                    fake.config.update(values)
+
+            @staticmethod
+            def log(values, step):
+                fake.logs.append((step, values))
+
+            @staticmethod
+            def finish():
+                fake.finished += 1
+
+        self.Run = Run
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        return self.Run
+
+    class Video:
+        def __init__(self, frames, fps, format):
+            self.shape, self.fps, self.format = frames.shape, fps, format
+
+
+def test_wandb_mirrors_the_scalars_videos_and_config_of_a_run(tmp_path, monkeypatch):
+    import sys
+
+    from fvx import run
+
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    out = tmp_path / "run"
+    experiment = str(pathlib.Path(__file__).resolve().parents[2] / "experiments" / "finetune_wan.py")
+    assert run.main([experiment, "--out", str(out), "--steps", "2", "run.progress=false", "data.batch_size=2",
+                     "validation.every=2", "validation.num_prompts=1", "validation.num_steps=2",
+                     "run.wandb.project=toy"]) == 0
+    (init,) = fake.inits
+    assert init["project"] == "toy" and init["mode"] == "offline" and init["dir"] == str(out) and init["name"] == "run"
+    logged = {name for _, values in fake.logs for name in values}
+    assert set(tracking.read_scalars(out / "tb")) <= logged
+    videos = [v for _, values in fake.logs for name, v in values.items() if name == "validation/model/prompt_0"]
+    assert len(videos) == 2 and videos[0].format == "gif" and videos[0].shape[1] == 3  # steps 0 and 2, [T, C, H, W]
+    assert fake.config["method.optim.lr"] == 3e-3 and fake.finished == 1
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed: one clear error before anything is written
+    assert run.main([experiment, "--out", str(tmp_path / "other"), "run.wandb.project=toy"]) == 2
+    assert not (tmp_path / "other").exists()

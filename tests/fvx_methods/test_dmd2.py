@@ -512,13 +512,14 @@ def test_nonfinite_step_applies_nothing(models, roles, interval):
 # --------------------------------------------------------------------------------------------- resume, end to end
 
 
-def test_resume_is_the_uninterrupted_run_bit_for_bit(tmp_path):
+def test_resume_is_the_uninterrupted_run_bit_for_bit(tmp_path, world_teacher):
     """6 DMD2 steps (student on every 2nd, EMA) equal 3 steps resumed to 6: logged metrics and final state."""
     from fvx import checkpoint, loop, run, tracking
 
     experiment = str(pathlib.Path(__file__).resolve().parents[2] / "experiments" / "dmd2.py")
-    quick = ["run.progress=false", "data.batch_size=2", "data.synthetic.latent_shape=[16,1,4,4]", "validation.every=0",
-             "method.generator_update_interval=2", "run.checkpoint.every=3", "run.checkpoint.async_save=false"]
+    quick = ["run.progress=false", "data.batch_size=2", "validation.every=0", "method.generator_update_interval=2",
+             "run.checkpoint.every=3", "run.checkpoint.async_save=false", f"models.student.path={world_teacher}",
+             f"models.teacher.path={world_teacher}"]
 
     def final_state(out):
         with checkpoint.Checkpoints(out / loop.CHECKPOINTS) as checkpoints:
