@@ -10,7 +10,12 @@ state a run resumed from it continues with step ``step``). It holds four orbax i
 
 Orbax writes a step into ``<step>.orbax-checkpoint-tmp`` and renames it once every item is complete, so a save killed
 half-way leaves a temporary folder that listing and restoring never see; a writing :class:`Checkpoints` deletes such
-folders when it opens (before any save, so that step can be saved again). Loading reads JSON and raw array bytes
+folders when it opens (before any save, so that step can be saved again). A step then counts only once fvx has
+*committed* it: every file and folder of it flushed to disk (``fsync``), then the marker file ``fvx-committed``
+written and flushed, so a committed checkpoint survives power loss (orbax itself flushes nothing). Retention (keep the
+newest K, and every M-th for good) is fvx's, applied only after a newer checkpoint is committed. A save that fails
+(no space left, any I/O error) raises a :class:`CheckpointWriteError` naming the folder and the bytes it needed;
+the uncommitted folder it leaves is never listed and is cleared by the next writer. Loading reads JSON and raw array bytes
 only; nothing is unpickled. Restoring checks the stored tree against a target state (names, shapes, dtypes; every
 difference listed) and every tensor against its checksum (OCDBT checksums its b-tree, not the array bytes: a flipped
 byte in a tensor would otherwise restore silently).
@@ -45,6 +50,7 @@ import pathlib
 import re
 import shutil
 import sys
+import threading
 import zlib
 from typing import Annotated, Any, Mapping, NamedTuple
 
@@ -72,13 +78,15 @@ DCP_SEPARATOR = "/"  # joins a leaf's path into its DCP name
 class CheckpointConfig(Config):
     """When a run saves its state and which checkpoints it keeps.
 
-    every: save after every ``every``-th step (0: no periodic saves). final: also save after the last step (once,
+    every: save after every ``every``-th step (0: no periodic saves); every_seconds: also save after the first step
+    that ends that long after the last save (None: no timed saves). final: also save after the last step (once,
     even when it is a multiple of ``every``). keep_latest: keep the newest K checkpoints (None: keep all).
     keep_every: also keep, for good, each checkpoint whose step is a multiple of M (orbax's ``keep_period``).
     async_save: write in the background from a host copy of the state, while training goes on.
     """
 
     every: Annotated[int, msgspec.Meta(ge=0)] = 100
+    every_seconds: Annotated[float, msgspec.Meta(gt=0)] | None = None
     final: bool = True
     keep_latest: Annotated[int, msgspec.Meta(ge=1)] | None = 3
     keep_every: Annotated[int, msgspec.Meta(ge=1)] | None = None
@@ -87,6 +95,13 @@ class CheckpointConfig(Config):
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, unreadable, corrupt, or does not fit the state it is restored into."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A save failed (a full disk, an I/O error); earlier checkpoints are intact. The message names the folder."""
+
+
+COMMIT_FILE = "fvx-committed"
 
 
 class TensorSpec(NamedTuple):
@@ -283,16 +298,20 @@ class Checkpoints:
         self.config = config
         self._mesh = mesh
         self._manager = None
+        self._failed = False  # a save failed (reported once)
+        self._pending: _Pending | None = None  # an async save, committed by its own thread once written
+        _quiet_late_reads()
         if config is None and not self.directory.is_dir():
             return  # nothing to read: steps() is empty
         if config is not None and self.directory.is_dir() and _primary():
             for unfinished in self.directory.glob(f"*{TMP_SUFFIX}*"):
                 shutil.rmtree(unfinished, ignore_errors=True)
+            for step_dir in self.directory.iterdir():  # complete in orbax's eyes, never committed: not a checkpoint
+                if step_dir.name.isdigit() and not (step_dir / COMMIT_FILE).is_file():
+                    shutil.rmtree(step_dir, ignore_errors=True)
         options = ocp.CheckpointManagerOptions(
             read_only=config is None,
             create=config is not None,
-            max_to_keep=None if config is None else config.keep_latest,
-            keep_period=None if config is None else config.keep_every,
             enable_async_checkpointing=config is not None and config.async_save and mesh is None,
         )
         registry = type_handlers.create_type_handler_registry((torch.Tensor, TensorHandler()))
@@ -308,15 +327,74 @@ class Checkpoints:
         self.close()
 
     def close(self) -> None:
-        """Wait for a pending save, then release orbax's resources."""
+        """Wait for a pending save and commit it, then release orbax's resources."""
         if self._manager is not None:
-            self._manager.close()
-            self._manager = None
+            try:
+                self.wait()
+            finally:
+                manager, self._manager = self._manager, None
+                try:
+                    manager.close()
+                except Exception:  # orbax re-raises a failed save that wait() has reported already
+                    if not self._failed:
+                        raise
 
     def wait(self) -> None:
-        """Block until a pending async save has written its step folder."""
-        if self._manager is not None:
+        """Block until a pending async save is written and committed (a :class:`CheckpointWriteError` if it
+        failed), then apply retention."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        pending.thread.join()
+        if pending.error is not None:
+            raise self._write_error(pending.step, pending.size, pending.error) from None
+        self._apply_retention()
+
+    def _commit_when_written(self, pending: _Pending) -> None:
+        """The commit thread of an async save: commit as soon as orbax has written the step (so a run killed before
+        its next save keeps it)."""
+        try:
             self._manager.wait_until_finished()
+            self._commit(pending.step)
+        except BaseException as error:  # reported by wait()
+            pending.error = error
+
+    def _write_error(self, step: int, size: int, error: BaseException) -> CheckpointWriteError:
+        self._failed = True
+        free = shutil.disk_usage(self.directory).free if self.directory.exists() else 0
+        cause = getattr(error, "strerror", None) or str(error).splitlines()[0] or type(error).__name__
+        return CheckpointWriteError(f"saving checkpoint {step} to {str(self.path(step))!r} failed: {cause} (it "
+                                    f"needs about {size:,} bytes; {free:,} free); earlier checkpoints are intact")
+
+    def _commit(self, step: int) -> None:
+        """Flush checkpoint ``step`` to disk, mark it committed (flushed too), then apply retention."""
+        folder = self.path(step)
+        sharded = self._mesh is not None and dist.is_initialized()
+        if sharded or _primary():  # each rank flushes what it wrote (its host's view of a shared folder)
+            _fsync_tree(folder)
+        if sharded:
+            dist.barrier()
+        if _primary():
+            marker = folder / COMMIT_FILE
+            with open(marker, "w") as f:
+                f.write(f"{step}\n")
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(folder)
+            _fsync_dir(self.directory)
+        if sharded:
+            dist.barrier()
+
+    def _apply_retention(self) -> None:
+        """Delete the committed checkpoints the config does not keep: all but the newest ``keep_latest``, except
+        multiples of ``keep_every`` (on rank 0, after the newest is committed)."""
+        if self.config is None or self.config.keep_latest is None or not _primary():
+            return
+        steps = self.steps()
+        for step in steps[:-self.config.keep_latest]:
+            if self.config.keep_every is None or step % self.config.keep_every:
+                shutil.rmtree(self.path(step), ignore_errors=True)
+        self._manager.reload()
 
     # -------------------------------------------------------------------------------------------------- listing
 
@@ -324,8 +402,10 @@ class Checkpoints:
         """The steps of complete checkpoints, ascending (temporary folders of unfinished saves are not listed)."""
         if self._manager is None:
             return []
-        self._manager.reload()
-        return sorted(self._manager.all_steps())
+        if self._pending is None:  # else the commit thread uses the manager; the folders say what is committed
+            self._manager.reload()
+        return sorted(int(p.name) for p in self.directory.iterdir()
+                      if p.name.isdigit() and (p / COMMIT_FILE).is_file()) if self.directory.is_dir() else []
 
     def latest(self) -> int | None:
         """The newest complete checkpoint's step, or None when there is none."""
@@ -364,9 +444,11 @@ class Checkpoints:
         in place."""
         if self.config is None:
             raise CheckpointError(f"{str(self.directory)!r} was opened for reading; pass a CheckpointConfig to save")
+        self.wait()  # the previous save, committed (or its failure raised) first
         step = int(state.step)
         if step in self.steps():
             return False
+        size = sum(t.numel() * t.element_size() for t in tree.tensor_leaves(state))
         if self._mesh is not None:  # synchronous: DCP's collectives must not race the next step's
             views = sharding.checkpoint_tree(state, self._mesh)
             _specs(views)  # tensors only, or a TypeError naming the leaf
@@ -378,13 +460,33 @@ class Checkpoints:
             items = {"state": ocp.args.PyTreeSave(tensors), "checksums": ChecksumSave(named)}
         args = ocp.args.Composite(**items, config=ocp.args.JsonSave(dict(config)),
                                   meta=ocp.args.JsonSave({**meta, "step": step}))
-        return bool(self._manager.save(step, args=args, force=True))
+        try:
+            saved = bool(self._manager.save(step, args=args, force=True))
+        except Exception as error:
+            raise self._write_error(step, size, error) from None
+        if not saved:
+            return False
+        if self.config.async_save and self._mesh is None:
+            self._pending = _Pending(step, size)
+            self._pending.thread = threading.Thread(target=self._commit_when_written, args=(self._pending,),
+                                                    name=f"fvx-commit-{step}", daemon=True)
+            self._pending.thread.start()
+        else:
+            try:
+                self._commit(step)
+            except OSError as error:
+                raise self._write_error(step, size, error) from None
+            self._apply_retention()
+        return True
 
     # -------------------------------------------------------------------------------------------------- reading
 
     def read_json(self, step: int, item: str) -> dict[str, Any]:
-        """The ``config`` or ``meta`` record of checkpoint ``step``."""
-        path = self._require(step) / item / "metadata"
+        """The ``config`` or ``meta`` record of checkpoint ``step`` (only that item is checked)."""
+        if step not in self.steps():
+            self._require(step)  # the error listing the checkpoints there are
+        path = self.path(step) / item / "metadata"
+        _check_json(path)
         return json.loads(path.read_text())
 
     def specs(self, step: int) -> dict[str, TensorSpec]:
@@ -506,13 +608,42 @@ class Checkpoints:
         args = ocp.args.Composite(state=ocp.args.PyTreeRestore(item=item, restore_args=restore_args,
                                                                partial_restore=partial),
                                   checksums=ChecksumRestore())
-        _quiet_late_reads()
         try:
             result = self._manager.restore(step, args=args)
         except Exception as error:
             raise _unreadable(path, error) from None
         _verify(result["state"], result["checksums"], path)
         return result["state"]
+
+
+@dataclasses.dataclass
+class _Pending:
+    """An async save in flight: its step and bytes, the thread that commits it, and its error, if any."""
+
+    step: int
+    size: int
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+
+def _fsync_dir(folder: pathlib.Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: pathlib.Path) -> None:
+    """``fsync`` every file below ``folder``, then every folder (their entries), deepest first."""
+    for root, dirs, files in os.walk(folder, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(pathlib.Path(root))
 
 
 def _primary() -> bool:
@@ -550,7 +681,7 @@ def _verify(state: Any, sums: Mapping[str, int], path: pathlib.Path) -> None:
 def _quiet_late_reads() -> None:
     """After a failed read, tensorstore still completes the other reads and calls back into orbax's event loop, which
     is closed by then: have ``sys.unraisablehook`` drop those ``RuntimeError('Event loop is closed')`` reports (and
-    only those) instead of printing a traceback for each. Installed once, before the first read."""
+    only those) instead of printing a traceback for each. Installed once, by the first :class:`Checkpoints`."""
     previous = sys.unraisablehook
     if getattr(previous, "_fvx_quiet", False):
         return

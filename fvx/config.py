@@ -424,6 +424,23 @@ def type_tree(value: Any) -> dict[str, Any] | None:
     return None
 
 
+def foreign_classes(config: msgspec.Struct) -> list[str]:
+    """The classes of ``config`` that no :data:`TRUSTED` package defines (an experiment file's), as
+    ``"module:QualName"``: what a run folder alone rebuilds as values without their code."""
+    found: list[str] = []
+
+    def walk(node: Any) -> None:
+        if not isinstance(node, dict):
+            return
+        if "class" in node and "base" in node:
+            found.append(node["class"])
+        for child in (node.get("fields") or node.get("dict") or {}).values():
+            walk(child)
+
+    walk(type_tree(config))
+    return found
+
+
 class Loaded(msgspec.Struct, frozen=True):
     """A config read back from ``config.json`` and where each of its classes came from."""
 

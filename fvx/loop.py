@@ -29,6 +29,7 @@ import math
 import os
 import pathlib
 import shlex
+import signal
 import time
 from typing import Annotated, Any, Callable, Literal, NamedTuple, Sequence
 
@@ -39,8 +40,10 @@ import fvx
 from fvx import callbacks as fcallbacks
 from fvx import checkpoint
 from fvx import config as fconfig
-from fvx import data, random, tracking, tree, validation
+from fvx import data, random, run_lock, tracking, tree, validation
 from fvx.config import Config
+from fvx.interrupts import Interrupted, Signals
+from fvx.sharding import any_rank
 from fvx.state import NONFINITE, Program, TrainState
 from fvx.wandb_mirror import WandbConfig, WandbMirror, check_available
 
@@ -52,7 +55,8 @@ NONFINITE_FILE = "nonfinite.json"
 
 class RunConfig(Config):
     """Where a run writes, how long it runs, its seed (every key of the run derives from it), how it checkpoints,
-    what a non-finite loss or gradient does (``halt`` the run, or ``skip`` the update: the step still counts), and
+    what a non-finite loss or gradient does (``halt`` the run, or ``skip`` the update: the step still counts; more
+    than ``max_consecutive_skips`` skips in a row halt it), and
     whether Weights & Biases mirrors the TensorBoard logs (``wandb``; None: TensorBoard only)."""
 
     seed: int = 0
@@ -61,6 +65,7 @@ class RunConfig(Config):
     log_every: Annotated[int, msgspec.Meta(ge=1)] = 1
     progress: bool = True
     on_nonfinite: Literal["halt", "skip"] = "halt"
+    max_consecutive_skips: Annotated[int, msgspec.Meta(ge=1)] = 20
     checkpoint: checkpoint.CheckpointConfig = checkpoint.CheckpointConfig()
     wandb: WandbConfig | None = None
 
@@ -197,6 +202,7 @@ def prepare(config: Experiment, *, resume: str | int | None = None, rank: int = 
     unusable checkpoints fail here."""
     out = pathlib.Path(config.run.output_dir)
     check_writable(out)
+    run_lock.check(out)
     if config.run.wandb is not None and rank == 0:
         check_available()
     callbacks = fcallbacks.check(config.callbacks())
@@ -207,9 +213,10 @@ def prepare(config: Experiment, *, resume: str | int | None = None, rank: int = 
     if resume is None:
         _check_no_checkpoints(out / CHECKPOINTS)
         return Prepared(built, state, frozen_params(built), callbacks=callbacks, validator=validator)
-    folder, step = find_checkpoint(pathlib.Path(config.run.output_dir), str(resume))
+    last_good = str(resume) == LAST_GOOD
+    folder, step = find_checkpoint(out, "latest" if last_good else str(resume))
     with open_checkpoints(folder, built) as checkpoints:
-        state = checkpoints.restore(step, state)
+        step, state = restore_intact(checkpoints, step, state, move_damaged=last_good and rank == 0)
         meta = checkpoints.read_json(step, "meta")
         saved = checkpoints.read_json(step, "config").get("config", {})
     current = msgspec.json.decode(msgspec.json.encode(config))  # as JSON holds it: tuples are lists
@@ -224,9 +231,17 @@ def resumed_config(config: Experiment, overrides: Sequence[str], resume: str) ->
     ``config``'s type: the experiment file's), with this launch's ``overrides`` applied on top; and what they change
     (``"field: saved -> now"``). ``config`` (the file's config with the overrides) only says where the run folder
     is."""
-    folder, step = find_checkpoint(pathlib.Path(config.run.output_dir), str(resume))
+    last_good = str(resume) == LAST_GOOD
+    folder, step = find_checkpoint(pathlib.Path(config.run.output_dir), "latest" if last_good else str(resume))
     with checkpoint.Checkpoints(folder) as checkpoints:
-        saved = checkpoints.read_json(step, "config").get("config")
+        candidates = [s for s in checkpoints.steps() if s <= step][::-1] if last_good else [step]
+        for candidate in candidates:  # last-good: the newest whose config record reads
+            try:
+                saved = checkpoints.read_json(candidate, "config").get("config")
+                break
+            except checkpoint.CheckpointError:
+                if candidate == candidates[-1]:
+                    raise
     if not isinstance(saved, dict):
         return config, ()  # a checkpoint without its config: the experiment file's, as given
     try:
@@ -238,6 +253,33 @@ def resumed_config(config: Experiment, overrides: Sequence[str], resume: str) ->
     changes = _differences(saved, msgspec.json.decode(msgspec.json.encode(resumed)),
                            ignore=("run.output_dir", "run.progress"))
     return resumed, tuple(changes)
+
+
+LAST_GOOD = "last-good"  # --resume last-good: from the newest intact checkpoint, the damaged newer ones moved aside
+
+
+def restore_intact(checkpoints: checkpoint.Checkpoints, step: int, target: TrainState, *,
+                   move_damaged: bool) -> tuple[int, TrainState]:
+    """``(step, state)`` restored from checkpoint ``step``. When it is damaged: with ``move_damaged``, the newest
+    intact older one, every damaged newer one renamed ``<step>.damaged`` (never deleted); else a CheckpointError
+    naming the damaged one and the newest intact one."""
+    try:
+        return step, checkpoints.restore(step, target)
+    except checkpoint.CheckpointError as damage:
+        older = [s for s in checkpoints.steps() if s < step]
+        for candidate in reversed(older):
+            try:
+                state = checkpoints.restore(candidate, target)
+            except checkpoint.CheckpointError:
+                continue
+            if not move_damaged:
+                raise checkpoint.CheckpointError(
+                    f"{damage}; the newest intact checkpoint is {candidate}: resume from it with --resume "
+                    f"{LAST_GOOD} (the damaged ones are moved aside, not deleted)") from None
+            for bad in [s for s in checkpoints.steps() if s > candidate]:
+                checkpoints.path(bad).rename(checkpoints.path(bad).with_name(f"{bad}.damaged"))
+            return candidate, state
+        raise checkpoint.CheckpointError(f"{damage}; no older checkpoint is intact either") from None
 
 
 def check_writable(out: pathlib.Path) -> None:
@@ -351,31 +393,30 @@ def launch_at(run_dir: str | os.PathLike, step: int | None = None) -> dict[str, 
     return history[-1] if history else {}
 
 
-def load_run(run_dir: str | os.PathLike, step: int | None = None) -> Experiment:
+def load_run(run_dir: str | os.PathLike, step: int | None = None, experiment: str | None = None) -> Experiment:
     """The config a run folder was trained with (:func:`load_run_sources`)."""
-    return load_run_sources(run_dir, step).config
+    return load_run_sources(run_dir, step, experiment).config
 
 
-def load_run_sources(run_dir: str | os.PathLike, step: int | None = None) -> fconfig.Loaded:
+def load_run_sources(run_dir: str | os.PathLike, step: int | None = None,
+                     experiment: str | None = None) -> fconfig.Loaded:
     """The config a run folder was trained with at step ``step`` (the launch that ran it; None: the last launch's,
-    config.json), from the run folder alone: fvx's classes by their recorded names; the classes its experiment file
-    defined from that file when it is still there unchanged (the sha256 in run.json), else rebuilt from the record
-    (values kept, the file's code not run). ``sources`` says which."""
+    config.json), read as data only: fvx's classes by their recorded names, the classes an experiment file defined
+    rebuilt from the record (values kept, no code run) unless the caller names that file (``experiment``, as a user
+    does on the command line), whose classes are then used. Nothing a run folder records is ever imported or run.
+    ``sources`` says where each class came from."""
     run_dir = pathlib.Path(run_dir)
     if not (run_dir / fconfig.CONFIG_FILE).is_file():
         raise fconfig.ConfigError(f"{str(run_dir)!r} is not an fvx run folder (it has no {fconfig.CONFIG_FILE})")
     meta = launch_at(run_dir, step)
-    experiment, recorded = meta.get("experiment"), meta.get("experiment_sha256")
     notes: list[str] = []
     classes = None
     if experiment is not None:
-        current = _experiment_hash(experiment)
-        if current is None:
-            notes.append(f"the experiment file {experiment!r} no longer exists")
-        elif recorded is not None and current != recorded:
-            notes.append(f"the experiment file {experiment!r} changed since the run (sha256 differs): not used")
-        else:
-            classes = _classes_of(experiment)
+        if _experiment_hash(experiment) is None:
+            raise fconfig.ConfigError(f"--experiment {experiment!r}: no such file")
+        if meta.get("experiment_sha256") not in (None, _experiment_hash(experiment)):
+            notes.append(f"the experiment file {experiment!r} differs from the one the run used (sha256)")
+        classes = _classes_of(experiment)
     record = meta.get("config") if step is not None and "config" in meta else None
     loaded = (fconfig.load_typed(run_dir, classes) if record is None
               else fconfig.from_record(record, classes, run_dir / RUN_FILE))
@@ -431,6 +472,18 @@ def train(config: Experiment, *, prepared: Prepared | None = None, launch: Launc
     meta = run_metadata(launch, world)
     record = fconfig.record(config)
     log_hparams = start == 0 or not (out / TENSORBOARD).is_dir()  # a run resumed in place logged them at step 0
+    lock = run_lock.acquire(out) if rank == 0 else None  # before anything is written
+    try:
+        return _train(config, prepared, out, meta, record, start, log_hparams, rank, world)
+    finally:
+        if lock is not None:
+            run_lock.release(lock)
+
+
+def _train(config: Experiment, prepared: Prepared, out: pathlib.Path, meta: dict, record: dict, start: int,
+           log_hparams: bool, rank: int, world: int) -> TrainState:
+    """:func:`train` once the run folder's lock is held."""
+    state = prepared.state
     if rank == 0:
         fconfig.dump(config, out)
         earlier = [entry for entry in launches(out) if entry.get("start_step", 0) < start]  # those it continues
@@ -464,8 +517,10 @@ def train(config: Experiment, *, prepared: Prepared | None = None, launch: Launc
                               save=None if checkpoints is None else save,
                               after_step=lambda state, metrics: fcallbacks.call(hooks, "on_step_end",
                                                                                 context(state, metrics)),
-                              nonfinite_skips=prepared.nonfinite_skips, rank=rank, world=world)
-            log_run_summary(tracker, state, compile_stats(prepared.setup), config.run.steps - 1)
+                              nonfinite_skips=prepared.nonfinite_skips, rank=rank, world=world,
+                              experiment=meta.get("experiment"))
+            if config.run.steps > start:  # a finished run resumed logs no second summary
+                log_run_summary(tracker, state, compile_stats(prepared.setup), config.run.steps - 1)
             fcallbacks.call(hooks, "on_train_end", context(state, {}))
     finally:
         if checkpoints is not None:
@@ -511,15 +566,18 @@ def run_steps(config: Experiment, built: Setup, state: TrainState, frozen: dict[
               tracker: tracking.Tracker, *,
               save: Callable[[TrainState, int], None] | None = None,
               after_step: Callable[[TrainState, dict[str, float]], None] | None = None, nonfinite_skips: int = 0,
-              rank: int = 0, world: int = 1) -> TrainState:
+              rank: int = 0, world: int = 1, experiment: str | None = None) -> TrainState:
     """Take ``steps`` with ``built.program.step_`` (the frozen roles' params ``frozen``) on prefetched batches,
     logging every ``config.run.log_every`` (and every non-finite step), calling ``save(state, skips)`` after each
-    step a checkpoint is due, then ``after_step(state, metrics)`` (the callbacks' ``on_step_end``)."""
+    step a checkpoint is due (by step count or ``every_seconds``), then ``after_step(state, metrics)`` (the callbacks'
+    ``on_step_end``). SIGTERM or SIGINT: the step in flight finishes, is saved, and :class:`Interrupted` stops the run
+    (every rank alike); more than ``run.max_consecutive_skips`` skipped steps in a row halt it."""
     global_batch, run = config.data.batch_size, config.run
     progress = _progress_bar(config, steps, rank)
+    consecutive, last_save = 0, time.monotonic()
     try:
         batch_at = batch_fn(config, built, rank=rank, world=world)
-        with data.Prefetcher(batch_at, steps, depth=config.data.prefetch) as batches:
+        with data.Prefetcher(batch_at, steps, depth=config.data.prefetch) as batches, Signals() as signals:
             for step, batch in batches:
                 start = time.perf_counter()
                 state, metrics = built.program.step_(state, frozen, batch)
@@ -529,15 +587,25 @@ def run_steps(config: Experiment, built: Setup, state: TrainState, frozen: dict[
                 nonfinite = flagged or not all(math.isfinite(v) for v in values.values())
                 skip = nonfinite and flagged and run.on_nonfinite == "skip"
                 nonfinite_skips += skip
+                consecutive = consecutive + 1 if skip else 0
                 if nonfinite or step % run.log_every == 0 or step == steps.stop - 1:
                     counted = {"nonfinite_skips": nonfinite_skips} if run.on_nonfinite == "skip" else {}
                     tracker.scalars(step, {**values, "step_time_s": elapsed, "samples_per_s": global_batch / elapsed,
                                            **counted})
-                if nonfinite and not skip:
+                if (nonfinite and not skip) or consecutive > run.max_consecutive_skips:
                     tracker.flush()
-                    raise _halt(config, step, values, applied=not flagged, rank=rank)
-                if save is not None and checkpoint.due(run.checkpoint, step + 1, run.steps):
+                    raise _halt(config, step, values, applied=not flagged, rank=rank, consecutive=consecutive,
+                                experiment=experiment)
+                timed = run.checkpoint.every_seconds is not None and \
+                    time.monotonic() - last_save >= run.checkpoint.every_seconds
+                stop = signals.received is not None
+                if world > 1:  # every rank must save and stop at the same step
+                    timed, stop = any_rank(timed), any_rank(stop)
+                if save is not None and (checkpoint.due(run.checkpoint, step + 1, run.steps) or timed or stop):
                     save(state, nonfinite_skips)
+                    last_save = time.monotonic()
+                if stop:
+                    raise Interrupted(step + 1, signals.received or signal.SIGTERM)
                 if after_step is not None:
                     after_step(state, values)
                 if progress is not None:
@@ -550,12 +618,19 @@ def run_steps(config: Experiment, built: Setup, state: TrainState, frozen: dict[
     return state
 
 
-def _halt(config: Experiment, step: int, values: dict[str, float], *, applied: bool, rank: int) -> NonFiniteError:
+def _halt(config: Experiment, step: int, values: dict[str, float], *, applied: bool, rank: int,
+          consecutive: int = 0, experiment: str | None = None) -> NonFiniteError:
     """Record the non-finite step in the run folder and make the error that stops the run."""
     out = config.run.output_dir
     command = f"python -m fvx.run replay {shlex.quote(out)} --step {step}"
+    own = fconfig.foreign_classes(config)
+    if own and experiment is not None:  # their code (not only their values) decides the step
+        command += f" --experiment {shlex.quote(experiment)}"
     shown = ", ".join(f"{name}={value:.6g}" for name, value in values.items())
-    if applied:
+    if consecutive > config.run.max_consecutive_skips:
+        why = (f"{consecutive} steps in a row were skipped, more than run.max_consecutive_skips="
+               f"{config.run.max_consecutive_skips}")
+    elif applied:
         why = ("the method applied the update anyway (it reports no 'nonfinite' flag; see fvx.state.skipped), so "
                "the state is spoiled and the step cannot be skipped")
     else:

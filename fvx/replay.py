@@ -47,11 +47,12 @@ def replay_step(run_dir: str | os.PathLike, step: int) -> dict[str, float]:
     return replay(run_dir, step).metrics
 
 
-def replay(run_dir: str | os.PathLike, step: int, *, progress: bool = False) -> Replay:
-    """Recompute step ``step`` of the run in ``run_dir`` (with a progress bar on stderr when ``progress``); a
+def replay(run_dir: str | os.PathLike, step: int, *, progress: bool = False, experiment: str | None = None) -> Replay:
+    """Recompute step ``step`` of the run in ``run_dir`` (with a progress bar on stderr when ``progress``), with the
+    classes of the experiment file ``experiment`` when the caller names one (the run folder alone is data); a
     ValueError names a step the run does not have."""
     run_dir = pathlib.Path(run_dir)
-    loaded = loop.load_run_sources(run_dir, step)
+    loaded = loop.load_run_sources(run_dir, step, experiment)
     config = loaded.config
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < config.run.steps:
         raise ValueError(f"replay: step {step!r} is beyond the run in {str(run_dir)!r}, which has steps 0 to "

@@ -27,6 +27,8 @@ import argparse
 import json
 import os
 import pathlib
+import shlex
+import signal
 import sys
 import time
 from typing import Sequence
@@ -35,7 +37,8 @@ import torch.distributed
 
 from fvx import callbacks as fcallbacks
 from fvx import config as fconfig
-from fvx import data, dry_run, export, loop, replay, sharding
+from fvx import checkpoint, data, dry_run, export, loop, replay, sharding, tracking
+from fvx.interrupts import Interrupted
 
 USAGE = ("python -m fvx.run EXPERIMENT.py [a.b.c=value ...] [--out DIR] [--steps N] [--resume [latest|STEP|PATH]] "
          "[--replicate R] [--help]\n"
@@ -163,6 +166,16 @@ def _train(args: argparse.Namespace, config: fconfig.Config, d: sharding.Dist) -
     except loop.NonFiniteError as error:
         say(f"fvx.run: {error}", file=sys.stderr)
         return 1
+    except Interrupted as stopped:
+        again = f"python -m fvx.run {shlex.quote(args.experiment)} --out {shlex.quote(config.run.output_dir)} --resume"
+        saved = "saved" if config.run.checkpoint.every or config.run.checkpoint.final else "NOT saved (checkpoints off)"
+        say(f"fvx.run: interrupted at step {stopped.step} ({signal.Signals(stopped.signum).name}; a checkpoint of it "
+            f"is {saved}); resume with: {again}", file=sys.stderr)
+        return 128 + stopped.signum
+    except checkpoint.CheckpointWriteError as error:  # a full disk, an I/O error
+        again = f"python -m fvx.run {shlex.quote(args.experiment)} --out {shlex.quote(config.run.output_dir)} --resume"
+        say(f"fvx.run: the run stopped: {error}; free space, then resume with: {again}", file=sys.stderr)
+        return 1
     except data.DataError as error:  # a bad sample met mid-run: the data, not the program
         say(f"fvx.run: the run stopped: {error} (checkpoints saved before are intact; fix or drop the sample and "
             "continue with --resume)", file=sys.stderr)
@@ -172,12 +185,20 @@ def _train(args: argparse.Namespace, config: fconfig.Config, d: sharding.Dist) -
             file=sys.stderr)
         return 1
     steps = max(config.run.steps - first, 0)
+    skipped = _skips(config) if config.run.on_nonfinite == "skip" else 0
     say(f"done: {steps} steps in {time.perf_counter() - start:.1f} s; run folder {config.run.output_dir}"
-        + (f" ({d.world} processes)" if d.world > 1 else ""))
+        + (f" ({d.world} processes)" if d.world > 1 else "")
+        + (f"; {skipped} non-finite step(s) skipped in all" if skipped else ""))
     stats = loop.compile_stats(prepared.setup)
     if stats is not None:
         say(f"compiled blocks: {stats.graphs} graph(s), {stats.recompiles} recompile(s)")
     return 0
+
+
+def _skips(config: fconfig.Config) -> int:
+    """The run's non-finite steps skipped so far (its last logged ``nonfinite_skips``)."""
+    logged = tracking.read_scalars(pathlib.Path(config.run.output_dir) / loop.TENSORBOARD).get("nonfinite_skips")
+    return int(logged[-1][1]) if logged else 0
 
 
 def banner(experiment: str, config: fconfig.Config, prepared: loop.Prepared, world: int) -> str:
@@ -201,9 +222,11 @@ def replay_main(argv: Sequence[str]) -> int:
         "logged ones (exit status 1 on any difference)."))
     parser.add_argument("run_dir", help="the run folder")
     parser.add_argument("--step", type=int, required=True, help="the step to replay (0-based, as logged)")
+    parser.add_argument("--experiment", help="the experiment file whose own classes (and their code) to use; the "
+                                             "run folder alone is read as data, never run")
     args = parser.parse_args(argv)
     try:
-        result = replay.replay(args.run_dir, args.step, progress=sys.stderr.isatty())
+        result = replay.replay(args.run_dir, args.step, progress=sys.stderr.isatty(), experiment=args.experiment)
     except BAD_INPUT as error:
         return _error(error)
     rows = replay.compare(result.metrics, replay.logged_metrics(args.run_dir, args.step))

@@ -508,6 +508,16 @@ def global_norm_sharded(tree: Any, group: Group) -> torch.Tensor:
     return squares.sqrt()
 
 
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any process of the default process group (itself in a single process)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return bool(flag)
+    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+    value = torch.tensor([int(flag)], device=device)
+    torch.distributed.all_reduce(value, torch.distributed.ReduceOp.MAX)
+    return bool(value.item())
+
+
 def dp_max(value: int, group: Group) -> int:
     """The largest of a per-rank integer over the data-parallel ranks (one all-reduce; every rank gets it)."""
     if group.dp_size == 1:

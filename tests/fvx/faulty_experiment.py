@@ -1,9 +1,12 @@
-"""A tiny fine-tuning experiment for the checkpoint, resume and replay tests, with three fault hooks.
+"""A tiny fine-tuning experiment for the checkpoint, resume and replay tests, with four fault hooks.
 
-- ``method.nan_at_step=k`` (config, so a replay sees it too): step k's latents are NaN, hence its loss and gradients.
+- ``method.nan_at_step=k`` (config, so a replay sees it too): step k's latents are NaN, hence its loss and gradients;
+  ``method.nan_from_step=k``: every step from k on.
 - ``FVX_TEST_HANG_AT_STEP=k`` (environment): step k touches ``$FVX_TEST_SIGNAL`` and sleeps: SIGKILL it mid-step.
 - ``FVX_TEST_HANG_IN_SAVE=k`` (environment): the background write of checkpoint k writes its arrays, touches
   ``$FVX_TEST_SIGNAL`` and sleeps: SIGKILL it mid-save, leaving the step's temporary folder behind.
+- ``FVX_TEST_PAUSE_AT_STEP=k`` (environment): step k touches ``$FVX_TEST_SIGNAL``, waits 3 s, then goes on: signal it
+  mid-step.
 """
 import asyncio
 import os
@@ -22,6 +25,7 @@ from fvx_models.wan import WanConfig
 
 HANG_AT_STEP = os.environ.get("FVX_TEST_HANG_AT_STEP")
 HANG_IN_SAVE = os.environ.get("FVX_TEST_HANG_IN_SAVE")
+PAUSE_AT_STEP = os.environ.get("FVX_TEST_PAUSE_AT_STEP")
 
 
 def _signal_and_hang() -> None:
@@ -31,15 +35,19 @@ def _signal_and_hang() -> None:
 
 class FaultyFinetune(Finetune, tag="faulty_finetune"):
     nan_at_step: int | None = None
+    nan_from_step: int | None = None
 
-    def build(self, models, *, total_steps):
-        program = super().build(models, total_steps=total_steps)
+    def build(self, models, *, total_steps, **options):
+        program = super().build(models, total_steps=total_steps, **options)
 
         def step_(state, frozen, batch):
             step = int(state.step)
             if HANG_AT_STEP is not None and step == int(HANG_AT_STEP):
                 _signal_and_hang()
-            if step == self.nan_at_step:
+            if PAUSE_AT_STEP is not None and step == int(PAUSE_AT_STEP):
+                pathlib.Path(os.environ["FVX_TEST_SIGNAL"]).touch()
+                time.sleep(3)
+            if step == self.nan_at_step or (self.nan_from_step is not None and step >= self.nan_from_step):
                 batch = {**batch, "latents": batch["latents"] * float("nan")}
             return program.step_(state, frozen, batch)
 

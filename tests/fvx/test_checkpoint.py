@@ -110,6 +110,29 @@ def test_an_interrupted_save_is_never_picked_up(tmp_path):
     assert Checkpoints(tmp_path).steps() == [4, 6]
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_committed_checkpoint_is_flushed_before_its_marker(tmp_path, monkeypatch, async_save):
+    """Every file and folder of a step is fsync'ed, then the commit marker; a step folder without the marker (orbax
+    finished, fvx did not commit: a crash between the two) is not a checkpoint, and the next writer clears it."""
+    synced = []
+    real = checkpoint.os.fsync
+    monkeypatch.setattr(checkpoint.os, "fsync", lambda fd: (synced.append(checkpoint.os.readlink(f"/proc/self/fd/{fd}")),
+                                                            real(fd))[1])
+    directory = tmp_path / "ckpt"
+    save(directory, make_state(4), async_save=async_save)
+    step_dir = directory / "4"
+    files = {str(p) for p in step_dir.rglob("*") if p.is_file()}
+    assert files <= set(synced) and str(step_dir / checkpoint.COMMIT_FILE) in synced
+    assert synced.index(str(step_dir / checkpoint.COMMIT_FILE)) > max(synced.index(f) for f in files - {
+        str(step_dir / checkpoint.COMMIT_FILE)})
+    assert str(step_dir) in synced and str(directory) in synced  # the directory entries too
+    (step_dir / checkpoint.COMMIT_FILE).unlink()  # as if the process died before committing
+    with Checkpoints(directory) as reader:
+        assert reader.steps() == []
+    with Checkpoints(directory, CheckpointConfig(async_save=False)):
+        assert not step_dir.exists()
+
+
 def test_restore_lists_every_mismatch(tmp_path):
     save(tmp_path, make_state())
     other = make_state(shape=(6, 7))

@@ -74,7 +74,9 @@ def test_a_nan_halts_with_the_replay_command_and_its_replay_reproduces_the_nan(t
     out = tmp_path / "run"
     assert run.main([EXPERIMENT, "--out", str(out), "method.nan_at_step=3"]) == 1
     err = capsys.readouterr().err
-    command = f"python -m fvx.run replay {out} --step 3"
+    # the NaN comes from the experiment file's own method class, so the replay names the file (a run folder alone
+    # is data: its classes' values are rebuilt, their code is not run)
+    command = f"python -m fvx.run replay {out} --step 3 --experiment {EXPERIMENT}"
     assert "step 3: non-finite loss or gradient (loss=nan, grad_norm=nan" in err and command in err
     record = loop._read_json(out / loop.NONFINITE_FILE)
     assert record["step"] == 3 and record["replay"] == command and not record["update_applied"]
@@ -82,9 +84,11 @@ def test_a_nan_halts_with_the_replay_command_and_its_replay_reproduces_the_nan(t
     with checkpoint.Checkpoints(out / "checkpoints") as checkpoints:
         assert checkpoints.steps() == [2]  # nothing saved after the bad step
 
-    assert run.main(["replay", str(out), "--step", "3"]) == 0
+    assert run.main(["replay", str(out), "--step", "3", "--experiment", EXPERIMENT]) == 0
     assert "replay matches the logged step 3" in capsys.readouterr().out
-    assert math.isnan(replay.replay_step(out, 3)["loss"])
+    assert math.isnan(replay.replay(out, 3, experiment=EXPERIMENT).metrics["loss"])
+    assert run.main(["replay", str(out), "--step", "3"]) == 1  # without the file's code there is no NaN
+    assert "FaultyFinetune rebuilt from config.json on Finetune" in capsys.readouterr().out
 
 
 def test_skip_leaves_the_state_unchanged_and_counts_skips(tmp_path):
@@ -121,8 +125,9 @@ def test_skip_halts_when_the_method_applied_a_non_finite_update(tmp_path):
 
 
 def test_replay_and_export_work_after_the_experiment_file_is_deleted_or_changed(tmp_path, capsys):
-    """config.json types the config by itself: with the experiment file gone (or edited), replay rebuilds the
-    experiment's own classes from config.json and says so; fvx's classes come by their recorded names."""
+    """config.json types the config by itself: replay rebuilds the experiment's own classes from it (the run folder
+    is data, never run) unless the user names the file, also after the file was edited or deleted, and says which;
+    fvx's classes come by their recorded names."""
     experiment = tmp_path / "mine.py"
     shutil.copy(ROOT / "experiments" / "finetune_wan.py", experiment)
     out = tmp_path / "run"
@@ -131,16 +136,16 @@ def test_replay_and_export_work_after_the_experiment_file_is_deleted_or_changed(
     assert run.main([str(experiment), "--out", str(out), *quick]) == 0
     capsys.readouterr()
     assert run.main(["replay", str(out), "--step", "2"]) == 0
-    assert "config: FinetuneWan from the experiment file" in capsys.readouterr().out
+    assert "config: FinetuneWan rebuilt from config.json on Experiment" in capsys.readouterr().out  # data only
+    assert run.main(["replay", str(out), "--step", "2", "--experiment", str(experiment)]) == 0
+    assert "config: FinetuneWan from the experiment file" in capsys.readouterr().out  # named by the user
     experiment.write_text(experiment.read_text() + "\n# edited since the run\n")
-    assert run.main(["replay", str(out), "--step", "2"]) == 0
+    assert run.main(["replay", str(out), "--step", "2", "--experiment", str(experiment)]) == 0
     printed = capsys.readouterr().out
-    assert "changed since the run (sha256 differs): not used" in printed
-    assert "FinetuneWan rebuilt from config.json on Experiment" in printed and "replay matches" in printed
+    assert "differs from the one the run used (sha256)" in printed and "replay matches" in printed
     experiment.unlink()
     assert run.main(["replay", str(out), "--step", "2"]) == 0
-    printed = capsys.readouterr().out
-    assert "no longer exists" in printed and "replay matches the logged step 2" in printed
+    assert "replay matches the logged step 2" in capsys.readouterr().out
     loaded = loop.load_run(out)
     assert type(loaded.method).__module__ == "fvx_methods.finetune" and loaded.method.optim.lr == 3e-3
     assert type(loaded.models["student"]).__module__ == "fvx_models.wan" and loaded.vae is not None
