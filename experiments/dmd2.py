@@ -26,6 +26,7 @@ from fvx.optim_config import AdamWConfig
 from fvx.validation import ValidationConfig
 from fvx.world import SpaceToDepth, WorldConfig
 from fvx_methods.dmd2 import DMD2
+from fvx_models.lora import LoRAConfig
 from fvx_models.wan import WanConfig
 from fvx_models.wan_vae import WanVAEConfig
 
@@ -53,6 +54,19 @@ config = DMD2Wan(
         ema_decay=0.95, validate_teacher=True,
     ),
 )
+
+
+@recipe
+def world_lora() -> DMD2Wan:
+    """The default run with a LoRA student and a LoRA critic (r 16, alpha 32 on the attention projections) on one
+    frozen base that is also the teacher: three roles, one copy of the weights in memory (``--dry-run`` shows it)."""
+    adapters = LoRAConfig(rank=16, alpha=32.0, target_modules=("to_q", "to_k", "to_v", "to_out"))
+    return msgspec.structs.replace(
+        config, run=msgspec.structs.replace(config.run, output_dir="runs/dmd2_lora"),
+        models={"student": WanConfig(preset="world", path=TEACHER, lora=adapters),
+                "teacher": WanConfig(preset="world", path=TEACHER)},
+        method=msgspec.structs.replace(config.method, optim=AdamWConfig(lr=1e-3, betas=(0.0, 0.999), max_grad_norm=1.0),
+                                       critic_optim=AdamWConfig(lr=4e-3, betas=(0.0, 0.999), max_grad_norm=1.0)))
 
 
 @recipe

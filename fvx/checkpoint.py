@@ -97,6 +97,10 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, unreadable, corrupt, or does not fit the state it is restored into."""
 
 
+class CheckpointMismatch(CheckpointError):
+    """An intact checkpoint whose tree does not fit the state it is restored into (another config or model)."""
+
+
 class CheckpointWriteError(RuntimeError):
     """A save failed (a full disk, an I/O error); earlier checkpoints are intact. The message names the folder."""
 
@@ -280,7 +284,7 @@ def check_fits(stored: Mapping[str, TensorSpec], target: Mapping[str, TensorSpec
                 for label, items in (("missing in the checkpoint", missing), ("not in this run's state", unexpected),
                                      ("shape or dtype mismatches", mismatched)) if items]
     if problems:
-        raise CheckpointError(f"{where} does not fit this run's state: " + "; ".join(problems))
+        raise CheckpointMismatch(f"{where} does not fit this run's state: " + "; ".join(problems))
 
 
 # ------------------------------------------------------------------------------------------------------ the manager

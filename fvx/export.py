@@ -20,6 +20,7 @@ from typing import NamedTuple
 from fvx import checkpoint, loop
 
 MANIFEST = "fvx_export.json"
+LORA_FORMATS = ("peft", "comfyui", "merged")  # adapters for diffusers/PEFT, for ComfyUI, or merged into the weights
 
 
 class Exported(NamedTuple):
@@ -34,13 +35,17 @@ class Exported(NamedTuple):
 
 
 def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None, role: str | None = None,
-           ema: bool = False, base: str | os.PathLike | None = None) -> Exported:
+           ema: bool = False, base: str | os.PathLike | None = None, lora: str | None = None) -> Exported:
     """Write role ``role``'s params (its EMA params with ``ema``) of checkpoint ``step`` (default: the newest) of the
     run in ``run_dir`` to the diffusers folder ``out``, with the other components of the pipeline folder ``base``
-    linked beside them. ``role`` defaults to the run's only trained role, or to ``student`` (a distillation's)."""
+    linked beside them. ``role`` defaults to the run's only trained role, or to ``student`` (a distillation's). A
+    LoRA role exports merged (``W + (alpha / r) B A``); ``lora="peft"`` or ``"comfyui"`` writes its adapters alone
+    (``Model.export_adapters``), ``"merged"`` the merged folder."""
     run_dir, out = pathlib.Path(run_dir), pathlib.Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"export: {str(out)!r} already exists and is not an empty folder")
+    if lora is not None and lora not in LORA_FORMATS:
+        raise ValueError(f"export --format must be one of {', '.join(LORA_FORMATS)}; got {lora!r}")
     base_index = None if base is None else _pipeline_index(pathlib.Path(base))
     config = loop.load_run(run_dir)
     with checkpoint.Checkpoints(run_dir / loop.CHECKPOINTS) as checkpoints:
@@ -52,15 +57,20 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | No
         role = _choose_role(layout, role, run_dir)
         if ema and _has_no_tensors(layout["roles"][role].get("ema")):
             raise ValueError(f"export --ema: role {role!r} of the run in {str(run_dir)!r} keeps no EMA params")
-        params = checkpoints.read(step, ("roles", role, "params"))
-        if ema:  # the EMA covers the params the role trains; the others are exported as they are
-            params = {**params, **checkpoints.read(step, ("roles", role, "ema"))}
+        trained = checkpoints.read(step, ("roles", role, "ema" if ema else "params"))
     model = loop.role_configs(config)[role].build()
-    model.export(params, str(out))
+    if lora is not None and model.export_adapters is None:
+        raise ValueError(f"export --lora: role {role!r} of the run in {str(run_dir)!r} trains no adapters (its model "
+                         "config has no lora); export it without --lora")
     sampling_of = getattr(config.method, "sampling", None)
     sampling = None if sampling_of is None else sampling_of(role)
     manifest = {"run": str(run_dir.absolute()), "step": step, "role": role, "ema": ema, "sampling": sampling,
                 "base": None if base is None else str(pathlib.Path(base).absolute())}
+    if lora != "merged" and lora is not None:
+        files = model.export_adapters(trained, str(out), lora)
+        (out / MANIFEST).write_text(json.dumps({**manifest, "lora": lora}, indent=2) + "\n")
+        return Exported(out, step, role, ema, tuple(path.name for path in files), sampling)
+    model.export(loop.role_params(config, role, model, trained), str(out))
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     components = tuple(sorted(p.name for p in out.iterdir() if (p / "config.json").is_file()))
     if base_index is not None:

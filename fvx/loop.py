@@ -41,6 +41,7 @@ from fvx import callbacks as fcallbacks
 from fvx import checkpoint
 from fvx import config as fconfig
 from fvx import data, random, run_lock, tracking, tree, validation
+from fvx import role as fvx_role
 from fvx.config import Config
 from fvx.interrupts import Interrupted, Signals
 from fvx.sharding import any_rank
@@ -195,6 +196,15 @@ def frozen_params(built: Setup) -> dict[str, Any]:
     return built.program.frozen(built.method_key)
 
 
+def role_params(config: Experiment, role: str, model: Any, trained: Any) -> Any:
+    """Role ``role``'s whole params for ``model``: ``trained`` (its params or EMA from a checkpoint) with the base it
+    holds frozen (a LoRA base, an expert left frozen), made as the run made it."""
+    if model.base_id() is None:
+        return trained
+    built = setup(config)
+    return fvx_role.with_trained(built.program.frozen(built.method_key)[role], trained)
+
+
 def prepare(config: Experiment, *, resume: str | int | None = None, rank: int = 0, world: int = 1,
             mesh: Any = None) -> Prepared:
     """Build everything (on ``mesh`` when given), check the first batch against the method, load the frozen roles
@@ -265,6 +275,8 @@ def restore_intact(checkpoints: checkpoint.Checkpoints, step: int, target: Train
     naming the damaged one and the newest intact one."""
     try:
         return step, checkpoints.restore(step, target)
+    except checkpoint.CheckpointMismatch:
+        raise  # not damage: the run's config or model differs from the checkpoint's
     except checkpoint.CheckpointError as damage:
         older = [s for s in checkpoints.steps() if s < step]
         for candidate in reversed(older):
@@ -468,7 +480,7 @@ def train(config: Experiment, *, prepared: Prepared | None = None, launch: Launc
     is ``halt`` (or the method could not skip the update)."""
     out = pathlib.Path(config.run.output_dir)
     prepared = prepared if prepared is not None else prepare(config, rank=rank, world=world)
-    state, start = prepared.state, int(prepared.state.step)
+    start = int(prepared.state.step)
     meta = run_metadata(launch, world)
     record = fconfig.record(config)
     log_hparams = start == 0 or not (out / TENSORBOARD).is_dir()  # a run resumed in place logged them at step 0

@@ -30,7 +30,7 @@ figure counts, since roles run one at a time.
 from __future__ import annotations
 
 import math
-from typing import Mapping, NamedTuple, Sequence
+from typing import Hashable, Mapping, NamedTuple, Sequence
 
 from fvx import sharding
 
@@ -64,7 +64,10 @@ class ModelSpec(NamedTuple):
     """What a model family tells the dry run (``Model.memory_spec()``): param shapes read off the meta skeleton, the
     unit prefixes (what gathers as one), the unit groups, the root's width, the text length it attends to, the VAE's
     compression (time, height, width), the patch, the compute dtype's bytes, whether units recompute (remat), and
-    the bytes of a param stored for a frozen role (2 for a bf16 teacher)."""
+    the bytes of a param stored frozen (2 for a bf16 teacher or LoRA base); which params a trained role trains
+    (``trained``, None: all) out of all ``shapes`` (a LoRA model's include its adapters), which belong to the
+    architecture (``architecture``, None: all; what a frozen role holds), and the identities of what a trained role
+    holds frozen (``base_id``) and of the whole frozen architecture (``whole_id``): equal ids are one copy in memory."""
 
     shapes: Mapping[str, tuple[int, ...]]
     units: tuple[str, ...]
@@ -76,6 +79,19 @@ class ModelSpec(NamedTuple):
     compute_bytes: int
     remat: bool
     frozen_bytes: int = 2
+    trained: frozenset[str] | None = None
+    architecture: frozenset[str] | None = None
+    base_id: Hashable = None
+    whole_id: Hashable = None
+
+    def part(self, names: frozenset[str] | None) -> dict[str, tuple[int, ...]]:
+        """The shapes of ``names`` (None: all)."""
+        return dict(self.shapes) if names is None else {n: s for n, s in self.shapes.items() if n in names}
+
+    def held(self) -> dict[str, tuple[int, ...]]:
+        """The shapes a trained role holds frozen: the architecture's params it does not train."""
+        trained = self.trained or frozenset()
+        return {n: s for n, s in self.part(self.architecture).items() if self.trained is not None and n not in trained}
 
 
 class LatentGrid(NamedTuple):
@@ -133,10 +149,32 @@ def local_numel(shapes: Mapping[str, Sequence[int]], shard_size: int) -> int:
 
 
 def role_bytes(role: Role, shard_size: int) -> RoleBytes:
-    """Bytes per rank of ``role``'s params, grads, AdamW state and EMA (see the module docstring)."""
-    n = local_numel(role.model.shapes, shard_size)
+    """Bytes per rank of ``role``'s params, grads, AdamW state and EMA (see the module docstring): the params it
+    trains, or a frozen role's whole architecture. What a trained role holds frozen is :func:`base_rows`'."""
+    spec = role.model
+    n = local_numel(spec.part(spec.trained if role.trainable else spec.architecture), shard_size)
     return RoleBytes(params=n * role.param_bytes, grads=4 * n if role.trainable else 0,
                      optimizer=8 * n if role.trainable else 0, ema=4 * n if role.ema else 0)
+
+
+def base_rows(roles: Sequence[Role], shard_size: int) -> list[tuple[str, RoleBytes]]:
+    """One row per distinct frozen base of the trained roles (a LoRA base, an expert left frozen), named by the
+    roles that share it; a base that is a frozen role's whole model (the teacher) is that role's row and adds
+    nothing."""
+    whole = {role.model.whole_id: role.name for role in roles if not role.trainable}
+    sharing: dict[Hashable, list[Role]] = {}
+    for role in roles:
+        if role.trainable and role.model.held():
+            sharing.setdefault(role.model.base_id, []).append(role)
+    rows = []
+    for identity, members in sharing.items():
+        names = "+".join(role.name for role in members)
+        if identity in whole:
+            rows.append((f"  base of {names} = {whole[identity]}", RoleBytes(0, 0, 0, 0)))
+            continue
+        n = local_numel(members[0].model.held(), shard_size)
+        rows.append((f"base of {names}", RoleBytes(n * members[0].model.frozen_bytes, 0, 0, 0)))
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------------- activations
@@ -170,16 +208,25 @@ def activation_bytes(spec: ModelSpec, tokens: int, batch: int, *, compute_bytes:
 
 
 def gathered_bytes(role: Role, shard_size: int, compute_bytes: int | None = None) -> int:
-    """Transient bytes of full (gathered or cast) params while ``role`` computes (module docstring)."""
+    """Transient bytes of full (gathered or cast) params while ``role`` computes (module docstring); gradients only
+    of the params it trains."""
     c = role.model.compute_bytes if compute_bytes is None else compute_bytes
-    numel = {name: math.prod(shape) for name, shape in role.model.shapes.items()}
-    if shard_size == 1:
-        return 0 if c == role.param_bytes else sum(numel.values()) * c
-    by_unit = sharding.names_by_unit(numel, role.model.units)
-    root = sum(numel[name] for name in by_unit.pop(None))
-    unit = max((sum(numel[name] for name in names) for names in by_unit.values()), default=0)
-    grad_bytes = (c + 4) if role.trainable else 0
-    return root * (c + (4 if role.trainable else 0)) + unit * (c + grad_bytes)
+    spec = role.model
+    numel = {name: math.prod(shape) for name, shape in
+             (spec.shapes if role.trainable else spec.part(spec.architecture)).items()}
+    trained = (spec.trained if spec.trained is not None else frozenset(numel)) if role.trainable else frozenset()
+    if shard_size == 1:  # a cast copy of every param not stored in the compute dtype
+        stored = {name: role.param_bytes if name in trained or not role.trainable else spec.frozen_bytes
+                  for name in numel}
+        return sum(n * c for name, n in numel.items() if stored[name] != c)
+
+    def held(names, grad_bytes: int) -> int:
+        return sum(numel[name] * (c + (grad_bytes if name in trained else 0)) for name in names)
+
+    by_unit = sharding.names_by_unit(numel, spec.units)
+    root = held(by_unit.pop(None), 4)
+    unit = max((held(names, c + 4) for names in by_unit.values()), default=0)
+    return root + unit
 
 
 # -------------------------------------------------------------------------------------------------------- estimate
@@ -214,7 +261,7 @@ def estimate(roles: Sequence[Role], *, shard_size: int, tokens: int, batch_per_r
                          f"{tokens}")
     differentiated = [role for role in roles if role.trainable] or list(roles)
     return Estimate(
-        roles=tuple((role.name, role_bytes(role, shard_size)) for role in roles),
+        roles=tuple((role.name, role_bytes(role, shard_size)) for role in roles) + tuple(base_rows(roles, shard_size)),
         activations=max(activation_bytes(role.model, tokens, batch_per_rank) for role in differentiated),
         gathered=max(gathered_bytes(role, shard_size) for role in roles),
         capacity=int(capacity),
@@ -228,12 +275,12 @@ def format_table(est: Estimate, title: str = "") -> str:
         return f"{n / GIB:9.2f}"
 
     lines = [title] if title else []
-    lines.append(f"{'per rank, GiB':28} {'params':>9} {'grads':>9} {'AdamW':>9} {'EMA':>9} {'total':>9}")
+    lines.append(f"{'per rank, GiB':34} {'params':>9} {'grads':>9} {'AdamW':>9} {'EMA':>9} {'total':>9}")
     for name, r in est.roles:
-        lines.append(f"{name:28} {gib(r.params)} {gib(r.grads)} {gib(r.optimizer)} {gib(r.ema)} {gib(r.total)}")
-    lines.append(f"{'activations':28} {'':39} {gib(est.activations)}")
-    lines.append(f"{'gathered params':28} {'':39} {gib(est.gathered)}")
-    lines.append(f"{'total':28} {'':39} {gib(est.total)}")
+        lines.append(f"{name:34} {gib(r.params)} {gib(r.grads)} {gib(r.optimizer)} {gib(r.ema)} {gib(r.total)}")
+    lines.append(f"{'activations':34} {'':39} {gib(est.activations)}")
+    lines.append(f"{'gathered params':34} {'':39} {gib(est.gathered)}")
+    lines.append(f"{'total':34} {'':39} {gib(est.total)}")
     verdict = "fits" if est.fits else "does NOT fit"
     lines.append(f"{verdict} in {est.capacity / GIB:.1f} GiB: headroom {(est.capacity - est.total) / GIB:.1f} GiB "
                  "(before the allocator's fragmentation and the CUDA/NCCL context, a few GiB)")

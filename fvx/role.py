@@ -5,7 +5,7 @@ A method computes its losses and gradients, then for each trainable role:
 
     measured = role.measure(opt, role_state, grads)          # the global norm (once) and the lr of this update
     if not all_finite(loss, measured.norm): return skipped(...)
-    role_state = role.update_(opt, role_state, trained, measured, step)   # clip by that norm, AdamW, EMA
+    role_state = role.update_(opt, role_state, measured, step)   # clip by that norm, AdamW, EMA
 
 The learning rate is the schedule at the optimizer state's update count (``fvx.optim.get_count``, big_vision's
 ``get_count``), so the logged lr is the applied one also after a skipped step. The clip scales the gradients by
@@ -42,11 +42,26 @@ class RoleOptimizer(NamedTuple):
     ema_start_step: int = 0
 
 
-def init(opt: RoleOptimizer, params: Params, trained: Params) -> RoleState:
-    """A role's state at step 0: ``params``, a fresh optimizer state and an EMA (when kept) over ``trained`` (the
-    params it trains)."""
-    return RoleState(params=params, opt_state=opt.tx.init(trained),
-                     ema=ema.ema_init(trained) if opt.ema_decay else None)
+def init(opt: RoleOptimizer, params: Params) -> RoleState:
+    """A role's state at step 0: the ``params`` it trains, a fresh optimizer state and an EMA (when kept)."""
+    return RoleState(params=params, opt_state=opt.tx.init(params), ema=ema.ema_init(params) if opt.ema_decay else None)
+
+
+def frozen_params(key: torch.Tensor, roles: Mapping[str, tuple[Any, bool]]) -> dict[str, Params]:
+    """Each role's frozen params, ``roles[name] = (model, whole_model)``: a frozen role's whole model (a teacher) or
+    a trained role's base (``model.base_params``), all drawn from ``key`` when not loaded. Made once per distinct
+    ``model.base_id`` and shared: a LoRA student, its critic and the teacher they share hold one base in memory.
+    Roles with nothing frozen are left out."""
+    made: dict[Any, Params] = {}
+    out = {}
+    for name, (model, whole_model) in roles.items():
+        identity = model.base_id(whole_model=whole_model)
+        if identity is None:
+            continue
+        if identity not in made:
+            made[identity] = model.base_params(key, whole_model=whole_model)
+        out[name] = made[identity]
+    return out
 
 
 class Measured(NamedTuple):
@@ -71,24 +86,24 @@ def metrics(measured: Measured, name: str = "") -> Metrics:
     return {f"grad_norm{suffix}": measured.norm, f"lr{suffix}": measured.lr}
 
 
-def update_(opt: RoleOptimizer, state: RoleState, trained: Params, measured: Measured, step: int,
+def update_(opt: RoleOptimizer, state: RoleState, measured: Measured, step: int,
             before: BeforeUpdate | None = None, name: str = "") -> RoleState:
-    """Clip ``measured.grads`` by its norm, apply the optimizer to ``trained`` (the params the role trains, sharing
-    ``state.params``' tensors) and step the EMA, all in place (donating ``state`` and the gradients); ``step`` is
-    the 0-based step. ``before(name, grads, trained)`` sees the clipped gradients first (a callback)."""
+    """Clip ``measured.grads`` by its norm, apply the optimizer to ``state.params`` and step the EMA, all in place
+    (donating ``state`` and the gradients); ``step`` is the 0-based step. ``before(name, grads, params)`` sees the
+    clipped gradients first (a callback)."""
     leaves = tree.tensor_leaves(measured.grads)
     if opt.max_grad_norm and leaves:
         torch._foreach_mul_(leaves, torch.clamp(opt.max_grad_norm / (measured.norm + 1e-6), max=1.0))
     if before is not None:
-        before(name, measured.grads, trained)
-    _, opt_state = optim.step_(opt.tx, trained, measured.grads, state.opt_state)
-    return ema_(opt, state._replace(opt_state=opt_state), trained, step)
+        before(name, measured.grads, state.params)
+    _, opt_state = optim.step_(opt.tx, state.params, measured.grads, state.opt_state)
+    return ema_(opt, state._replace(opt_state=opt_state), step)
 
 
-def ema_(opt: RoleOptimizer, state: RoleState, trained: Params, step: int) -> RoleState:
+def ema_(opt: RoleOptimizer, state: RoleState, step: int) -> RoleState:
     """The EMA at the end of step ``step`` (it counts ``step + 1`` updates), in place; nothing without one."""
     if state.ema is not None:
-        ema.ema_step_(state.ema, trained, step + 1, decay=opt.ema_decay, start_step=max(opt.ema_start_step, 1))
+        ema.ema_step_(state.ema, state.params, step + 1, decay=opt.ema_decay, start_step=max(opt.ema_start_step, 1))
     return state
 
 
@@ -132,17 +147,17 @@ def accumulate(value_and_grad: Callable[..., Any], params: Params, batch: Mappin
     return (torch.stack(losses).mean(), aux), grads
 
 
-def with_trained(params: Params, trained: Params) -> Params:
-    """``params`` (a flat dict) with the trained ones replaced by ``trained`` (an EMA, or the differentiated
-    leaves)."""
-    return trained if len(trained) == len(params) else {**params, **trained}
+def with_trained(base: Params | None, trained: Params) -> Params:
+    """The params a model applies: its frozen ``base`` (None or empty: none) and the ``trained`` ones (the role's
+    params, its EMA, or the differentiated leaves) in one flat dict."""
+    return trained if not base else {**base, **trained}
 
 
-def grads(loss: Callable[..., Any], params: Params, trained: Params, batch: Mapping[str, Any], n: int, *args: Any,
-          **kwargs: Any) -> tuple[tuple[torch.Tensor, dict], Params]:
-    """``((loss, aux), grads)`` of ``loss(with_trained(params, trained), micro_batch, *args, **kwargs)`` over ``n``
+def grads(loss: Callable[..., Any], base: Params | None, trained: Params, batch: Mapping[str, Any], n: int,
+          *args: Any, **kwargs: Any) -> tuple[tuple[torch.Tensor, dict], Params]:
+    """``((loss, aux), grads)`` of ``loss(with_trained(base, trained), micro_batch, *args, **kwargs)`` over ``n``
     micro-batches (:func:`accumulate`), differentiated in ``trained`` only (the params a role trains)."""
     def of_trained(trained: Params, micro: Mapping[str, Any], *rest: Any, **kw: Any):
-        return loss(with_trained(params, trained), micro, *rest, **kw)
+        return loss(with_trained(base, trained), micro, *rest, **kw)
 
     return accumulate(grad.value_and_grad(of_trained, has_aux=True), trained, batch, n, *args, **kwargs)

@@ -4,7 +4,7 @@
     python -m fvx.run EXPERIMENT.py [a.b=value ...] --dry-run [--world N] [--replicate R] [--video FxHxW]
     torchrun --nproc_per_node N -m fvx.run EXPERIMENT.py [a.b=value ...] [--replicate R]
     python -m fvx.run replay RUN_DIR --step N
-    python -m fvx.run export RUN_DIR --out FOLDER [--step N] [--role ROLE] [--ema]
+    python -m fvx.run export RUN_DIR --out FOLDER [--step N] [--role ROLE] [--ema] [--lora --format F]
 
 ``--help`` after an experiment lists its config fields with their current values. ``--resume`` continues the run in
 ``--out`` from its newest checkpoint, from checkpoint STEP there, or from a checkpoint at PATH (a checkpoint folder,
@@ -44,7 +44,7 @@ USAGE = ("python -m fvx.run EXPERIMENT.py [a.b.c=value ...] [--out DIR] [--steps
          "[--replicate R] [--help]\n"
          "       python -m fvx.run EXPERIMENT.py [a.b.c=value ...] --dry-run [--world N] [--replicate R] [--video FxHxW]\n"
          "       python -m fvx.run replay RUN_DIR --step N\n"
-         "       python -m fvx.run export RUN_DIR --out FOLDER [--step N] [--role ROLE] [--ema]")
+         "       python -m fvx.run export RUN_DIR --out FOLDER [--step N] [--role ROLE] [--ema] [--lora --format F]")
 BAD_INPUT = (fconfig.ConfigError, ValueError, FileNotFoundError)
 
 
@@ -244,11 +244,27 @@ def export_main(argv: Sequence[str]) -> int:
     parser.add_argument("--ema", action="store_true", help="export the role's EMA params")
     parser.add_argument("--base", help="a diffusers pipeline folder of the base model: its other components (VAE, "
                                        "text encoder, tokenizer) are linked in, so the folder loads as a pipeline")
+    parser.add_argument("--lora", action="store_true", help="export a LoRA role's adapters (without it, a LoRA role "
+                                                            "exports with its adapters merged into the weights)")
+    parser.add_argument("--format", choices=export.LORA_FORMATS, help=(
+        "with --lora: peft, the default (pytorch_lora_weights.safetensors for diffusers' load_lora_weights), comfyui (ComfyUI's "
+        "key layout with .alpha) or merged (a diffusers folder of W + (alpha/r) B A)"))
     args = parser.parse_args(argv)
+    if args.format is not None and not args.lora:
+        return _error(ValueError(f"export --format {args.format} is for adapters: add --lora"))
+    args.format = args.format or "peft"
     try:
-        done = export.export(args.run_dir, args.out, step=args.step, role=args.role, ema=args.ema, base=args.base)
+        done = export.export(args.run_dir, args.out, step=args.step, role=args.role, ema=args.ema, base=args.base,
+                             lora=args.format if args.lora else None)
     except BAD_INPUT as error:
         return _error(error)
+    if args.lora and args.format != "merged":
+        what = "EMA adapters" if done.ema else "adapters"
+        print(f"exported the {what} of role {done.role!r} at step {done.step} to {done.folder} as {args.format}: "
+              f"{', '.join(done.components)}")
+        if args.format == "peft":
+            print(f"load them with pipe.load_lora_weights({str(done.folder)!r}) on the base pipeline")
+        return 0
     what = "EMA params" if done.ema else "params"
     print(f"exported the {what} of role {done.role!r} at step {done.step} to {done.folder} "
           f"({', '.join(done.components)}, model_index.json, scheduler/)")

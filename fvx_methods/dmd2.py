@@ -3,7 +3,8 @@ the build over the distribution-matching core (``fvx_methods.distribution_matchi
 
 Roles (``roles`` names the experiment's model of each): the **student** (trainable, few-step), the **critic**
 (trainable, the fake score) and the **teacher** (frozen, the real score: made once by the loop in its config's
-``frozen_dtype``, never saved, called under ``torch.no_grad``).
+``frozen_dtype``, never saved, called under ``torch.no_grad``). A LoRA student or critic trains adapters on a frozen
+base; roles of one base (the teacher's architecture and weights) hold one copy of it (``fvx.role.frozen_params``).
 
 Rollout, per sample with ``k ~ randint[0, K)`` over the student's steps ``s_0 > ... > s_{K-1}``: ``simulate`` makes
 ``k`` no-grad hops ``x <- add_noise(x0(x, s_j), eps_{j+1}, s_{j+1})`` from ``eps_0`` (hop ``j`` runs on the samples
@@ -94,15 +95,17 @@ def update_student(step: int, interval: int) -> bool:
     return interval <= 0 or (step + 1) % interval == 0
 
 
-def step_(state: TrainState, batch: Batch, *, roles: Roles, config: DMD2, teacher: Params,
+def step_(state: TrainState, batch: Batch, *, roles: Roles, config: DMD2, frozen: Mapping[str, Params],
           negative: Cond | None = None, before: role.BeforeUpdate | None = None) -> tuple[TrainState, Metrics]:
     """One DMD2 step, donating ``state``: the critic's update every step, the student's on its cadence (else only
     its EMA); ``split(fold_in(run_key, step))`` gives the generator's and the critic's keys. Metrics: ``critic_loss``,
     ``grad_norm/critic``, ``lr/critic``, ``update_student``; on student steps ``generator_loss``, ``dmd_normalizer``
-    (the per-sample normalisers' mean), ``grad_norm/student``, ``lr/student``. Non-finite: nothing applied."""
+    (the per-sample normalisers' mean), ``grad_norm/student``, ``lr/student``. Non-finite: nothing applied.
+    ``frozen``: the teacher's params and the student's and critic's bases (when they have one)."""
     s, group = int(state.step), roles.critic_opt.group
     generator_key, critic_key = random.split(random.fold_in(state.key, state.step))
     student, critic = state.roles[STUDENT], state.roles[CRITIC]
+    student_base, critic_base, teacher = frozen.get(STUDENT), frozen.get(CRITIC), frozen[TEACHER]
     score, n = config.score(), config.grad_accum
 
     def rollout_(params: Params, micro: Batch, key: torch.Tensor, with_grad: bool):
@@ -112,28 +115,27 @@ def step_(state: TrainState, batch: Batch, *, roles: Roles, config: DMD2, teache
     metrics: Metrics = {"update_student": torch.tensor(float(updates))}
     checked = []
     if updates:
-        (loss, aux), grads = role.grads(dm.generator_loss, student.params, roles.student.trainable(student.params),
-                                        batch, n, critic.params,
-                                    teacher, generator_key, rollout=rollout_, critic=roles.critic,
-                                    teacher=roles.teacher, score=score, negative=negative)
+        (loss, aux), grads = role.grads(dm.generator_loss, student_base, student.params, batch, n,
+                                        role.with_trained(critic_base, critic.params), teacher, generator_key,
+                                        rollout=rollout_, critic=roles.critic, teacher=roles.teacher, score=score,
+                                        negative=negative)
         student_measured = role.measure(roles.student_opt, student, grads)
         metrics.update(generator_loss=sharding.dp_mean(loss, group),
                        dmd_normalizer=sharding.dp_mean(aux["dmd_normalizer"], group),
                        **role.metrics(student_measured, STUDENT))
         checked += [metrics["generator_loss"], student_measured.norm]
-    (loss, _), grads = role.grads(dm.critic_loss, critic.params, roles.critic.trainable(critic.params), batch, n,
-                                  student.params, critic_key, rollout=rollout_, critic=roles.critic, score=score)
+    (loss, _), grads = role.grads(dm.critic_loss, critic_base, critic.params, batch, n,
+                                  role.with_trained(student_base, student.params), critic_key, rollout=rollout_,
+                                  critic=roles.critic, score=score)
     critic_measured = role.measure(roles.critic_opt, critic, grads)
     metrics.update(critic_loss=sharding.dp_mean(loss, group), **role.metrics(critic_measured, CRITIC))
     if not all_finite(*checked, metrics["critic_loss"], critic_measured.norm):
         return skipped(state, metrics)
-    trained = roles.student.trainable(student.params)
     if updates:
-        student = role.update_(roles.student_opt, student, trained, student_measured, s, before, STUDENT)
+        student = role.update_(roles.student_opt, student, student_measured, s, before, STUDENT)
     else:
-        student = role.ema_(roles.student_opt, student, trained, s)
-    critic = role.update_(roles.critic_opt, critic, roles.critic.trainable(critic.params), critic_measured, s,
-                          before, CRITIC)
+        student = role.ema_(roles.student_opt, student, s)
+    critic = role.update_(roles.critic_opt, critic, critic_measured, s, before, CRITIC)
     return TrainState(step=state.step + 1, key=state.key, roles={STUDENT: student, CRITIC: critic}), metrics
 
 
@@ -228,12 +230,12 @@ class DMD2(Config, tag="dmd2"):
         return Program(
             model=roles.student,
             init=lambda run_key: init(run_key, roles),
-            frozen=lambda run_key: {TEACHER: roles.teacher.initial_params(role_keys(run_key)[3], frozen=True)},
-            step_=lambda state, frozen, batch: step_(state, batch, roles=roles, config=self, teacher=frozen[TEACHER],
+            frozen=lambda run_key: frozen_params(run_key, roles),
+            step_=lambda state, frozen, batch: step_(state, batch, roles=roles, config=self, frozen=frozen,
                                                      negative=negative, before=before_update),
             check=lambda batch: check_batch(batch, roles.student, self, negative),
-            validate=lambda state, frozen, cfg: validate(state, cfg, roles=roles, config=self,
-                                                         teacher=frozen[TEACHER], negative=negative),
+            validate=lambda state, frozen, cfg: validate(state, cfg, roles=roles, config=self, frozen=frozen,
+                                                         negative=negative),
         )
 
     def memory_plan(self, specs: Mapping[str, Any]) -> Any:
@@ -255,11 +257,15 @@ def role_keys(run_key: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def init(run_key: torch.Tensor, roles: Roles) -> TrainState:
     """Step 0: the student's and the critic's initial params with fresh optimizer states (and the student's EMA)."""
     student_key, steps_key, critic_key, _ = role_keys(run_key)
-    student = roles.student.initial_params(student_key)
-    critic = roles.critic.initial_params(critic_key)
     return TrainState(step=torch.zeros((), dtype=torch.int64), key=steps_key, roles={
-        STUDENT: role.init(roles.student_opt, student, roles.student.trainable(student)),
-        CRITIC: role.init(roles.critic_opt, critic, roles.critic.trainable(critic))})
+        STUDENT: role.init(roles.student_opt, roles.student.initial_params(student_key)),
+        CRITIC: role.init(roles.critic_opt, roles.critic.initial_params(critic_key))})
+
+
+def frozen_params(run_key: torch.Tensor, roles: Roles) -> dict[str, Params]:
+    """The teacher's params and the trained roles' bases, all from the teacher's key: one copy per distinct base."""
+    return role.frozen_params(role_keys(run_key)[3], {TEACHER: (roles.teacher, True), STUDENT: (roles.student, False),
+                                                      CRITIC: (roles.critic, False)})
 
 
 def check_batch(batch: Batch, model: Model, config: DMD2, negative: Cond | None = None) -> None:
@@ -281,12 +287,12 @@ def check_batch(batch: Batch, model: Model, config: DMD2, negative: Cond | None 
         model.uncond(batch["cond"], config.cfg_uncond, negative)  # a negative prompt is there when needed
 
 
-def validate(state: TrainState, validation_config: Any, *, roles: Roles, config: DMD2, teacher: Params,
+def validate(state: TrainState, validation_config: Any, *, roles: Roles, config: DMD2, frozen: Mapping[str, Params],
              negative: Cond | None = None) -> list[validation.Sampler]:
     """The student (its EMA when kept), few-step SDE, unguided; ``validate_teacher``: the guided many-step teacher."""
-    student = state.roles[STUDENT]
+    student, teacher = state.roles[STUDENT], frozen[TEACHER]
     steps = dm.denoising_timesteps(config.denoising_steps, config.warp_denoising_step, config.flow_shift)
-    params = student.params if student.ema is None else role.with_trained(student.params, student.ema)
+    params = role.with_trained(frozen.get(STUDENT), student.params if student.ema is None else student.ema)
     samplers = [validation.Sampler("student" if student.ema is None else "student_ema", roles.student.apply,
                                    params, steps / flow.NUM_TRAIN_TIMESTEPS, "sde")]
     if config.validate_teacher:

@@ -8,8 +8,9 @@ training-grid entry at ``floor(1000 u)``, ``x_t = (1 - sigma) x0 + sigma noise``
 
 Noise and timesteps come from ``fold_in(step_key, global_sample_index)``, so a sample draws the same numbers whatever
 the number of ranks or micro-batches. The role ``student`` is a model of any family (``roles.student`` names it);
-its ``cond`` comes with the batch. Only the params the model trains (``Model.trainable``: all of them, unless the
-model config freezes a part) are differentiated, optimised and averaged. The update is ``fvx.role``'s: global norm,
+its ``cond`` comes with the batch. The role's state holds the params the model trains (``Model.initial_params``:
+all of them, or the adapters of a LoRA model, or the part a family config leaves trainable); what the model holds
+frozen (a LoRA base) is a frozen argument of the step, never saved. The update is ``fvx.role``'s: global norm,
 finite check, clip, AdamW, EMA.
 
 Data parallel (``build(..., mesh=...)``): params, gradients and AdamW state are this rank's local shards; each rank's
@@ -27,7 +28,7 @@ from fvx import ema, flow, random, role, sharding, validation
 from fvx.config import Config
 from fvx.optim_config import AdamWConfig
 from fvx.state import Batch, Metrics, Program, TrainState, all_finite, skipped
-from fvx_models.model import Model
+from fvx_models.model import Model, Params
 
 STUDENT = "student"
 
@@ -64,7 +65,7 @@ def loss_fn(params: dict, batch: Batch, key: torch.Tensor, *, model: Model,
 
 
 def step_(state: TrainState, batch: Batch, *, model: Model, config: Finetune, opt: role.RoleOptimizer,
-          before: role.BeforeUpdate | None = None) -> tuple[TrainState, Metrics]:
+          base: Params | None = None, before: role.BeforeUpdate | None = None) -> tuple[TrainState, Metrics]:
     """One optimizer step over ``config.grad_accum`` micro-batches, donating ``state`` (see fvx.state.Program).
 
     Metrics: ``loss`` (mean over micro-batches and ranks), ``grad_norm`` (before clipping), ``lr`` (the one applied).
@@ -73,14 +74,13 @@ def step_(state: TrainState, batch: Batch, *, model: Model, config: Finetune, op
     """
     key = random.fold_in(state.key, state.step)
     student = state.roles[STUDENT]
-    trained = model.trainable(student.params)
-    (loss, _), grads = role.grads(loss_fn, student.params, trained, batch, config.grad_accum, key, model=model,
+    (loss, _), grads = role.grads(loss_fn, base, student.params, batch, config.grad_accum, key, model=model,
                                   config=config)
     measured = role.measure(opt, student, grads)
     metrics = {"loss": sharding.dp_mean(loss, opt.group), **role.metrics(measured)}
     if not all_finite(metrics["loss"], measured.norm):
         return skipped(state, metrics)
-    student = role.update_(opt, student, trained, measured, int(state.step), before, STUDENT)
+    student = role.update_(opt, student, measured, int(state.step), before, STUDENT)
     return state._replace(step=state.step + 1, roles={**state.roles, STUDENT: student}), metrics
 
 
@@ -128,10 +128,12 @@ class Finetune(Config, tag="finetune"):
         return Program(
             model=model,
             init=lambda run_key: init(run_key, model, opt),
+            frozen=lambda run_key: role.frozen_params(random.split(run_key)[0], {STUDENT: (model, False)}),
             step_=lambda state, frozen, batch: step_(state, batch, model=model, config=self, opt=opt,
-                                                     before=before_update),
+                                                     base=frozen.get(STUDENT), before=before_update),
             check=lambda batch: check_batch(batch, model),
-            validate=lambda state, frozen, validation_config: validate(state, validation_config, model=model),
+            validate=lambda state, frozen, validation_config: validate(state, validation_config, model=model,
+                                                                       base=frozen.get(STUDENT)),
         )
 
     def memory_plan(self, specs: Mapping[str, Any]) -> Any:
@@ -143,11 +145,10 @@ class Finetune(Config, tag="finetune"):
 
 
 def init(run_key: torch.Tensor, model: Model, opt: role.RoleOptimizer) -> TrainState:
-    """The initial state: the model's initial params (loaded or drawn), a fresh optimizer state and, when kept, an
-    EMA copy of the params it trains; step 0."""
+    """The initial state: the params the model trains (loaded or drawn from the first half of ``split(run_key)``,
+    which also draws its frozen base), a fresh optimizer state and, when kept, an EMA copy; step 0."""
     params_key, steps_key = random.split(run_key)
-    params = model.initial_params(params_key)
-    student = role.init(opt, params, model.trainable(params))
+    student = role.init(opt, model.initial_params(params_key))
     return TrainState(step=torch.zeros((), dtype=torch.int64), key=steps_key, roles={STUDENT: student})
 
 
@@ -159,11 +160,12 @@ def check_batch(batch: Batch, model: Model) -> None:
     model.check_latents(tuple(batch["latents"].shape), where="batch latents")
 
 
-def validate(state: TrainState, config: validation.ValidationConfig, *, model: Model) -> list[validation.Sampler]:
-    """The model to sample at a validation: the EMA params when kept, else the params, on the many-step ODE with
-    the validation's classifier-free guidance (``validation.guidance_scale``)."""
+def validate(state: TrainState, config: validation.ValidationConfig, *, model: Model,
+             base: Params | None = None) -> list[validation.Sampler]:
+    """The model to sample at a validation: the EMA params when kept, else the params (with the frozen ``base``),
+    on the many-step ODE with the validation's classifier-free guidance (``validation.guidance_scale``)."""
     student = state.roles[STUDENT]
     sigmas = validation.many_step_sigmas(config.num_steps, config.flow_shift)
-    params = student.params if student.ema is None else role.with_trained(student.params, student.ema)
+    params = role.with_trained(base, student.params if student.ema is None else student.ema)
     return [validation.Sampler("model" if student.ema is None else "model_ema", model.apply, params, sigmas, "ode",
                                guided=True)]

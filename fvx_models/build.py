@@ -10,8 +10,9 @@ gathers in the compute dtype), and compilation (``fvx.compile``), as torchtitan 
 """
 from __future__ import annotations
 
+import copy
 import functools
-from typing import Any, ClassVar, Literal, Mapping
+from typing import Any, ClassVar, Hashable, Literal, Mapping
 
 import torch
 from torch import nn
@@ -23,6 +24,8 @@ from fvx import memory, sharding, tree
 from fvx.config import Config
 from fvx_models import cond as fcond
 from fvx_models import diffusers_folder as dfolder
+from fvx_models import lora as flora
+from fvx_models import lora_files
 from fvx_models.family import Family, Preset, init_params
 from fvx_models.model import Model, Params
 
@@ -34,9 +37,10 @@ class ModelConfig(Config):
     or component folder to start from; None: random init from the run's keys), ``remat`` (recompute each unit's
     activations in the backward), ``compute_dtype`` (params and activations are cast inside the call; masters stay
     fp32), ``frozen_dtype`` (how a role that never trains stores this model: bf16 halves a teacher, except the
-    modules diffusers keeps in fp32), and ``compile``: ``"none"`` runs units eagerly, ``"blocks"`` through one
+    modules diffusers keeps in fp32), ``compile``: ``"none"`` runs units eagerly, ``"blocks"`` through one
     ``torch.compile``'d function per unit group (``compile_backend`` "inductor", or "aot_eager" to check numerics
-    without codegen)."""
+    without codegen), and ``lora``: train low-rank adapters on a frozen base (``fvx_models.lora``; the base is
+    stored in ``frozen_dtype``) instead of the params."""
 
     family: ClassVar[Family]
 
@@ -47,6 +51,7 @@ class ModelConfig(Config):
     frozen_dtype: Literal["fp32", "bf16"] = "bf16"
     compile: fvx_compile.Mode = "none"
     compile_backend: str = "inductor"
+    lora: flora.LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         self.family.preset(self.preset)
@@ -175,12 +180,21 @@ def apply(config: ModelConfig, module: nn.Module, spec: fcond.Spec, params: Para
 
 
 def build(config: ModelConfig, *, mesh: Any = None) -> Model:
-    """The :class:`Model` of ``config`` (module docstring): every function bound to one skeleton built now."""
+    """The :class:`Model` of ``config`` (module docstring): every function bound to one skeleton built now. With
+    ``config.lora`` the skeleton carries the adapters, and a copy without them reads and writes diffusers folders."""
     family, preset = config.family, config.spec
     who = f"{family.name}:{config.preset}"
     module = skeleton(config)
+    plain, adapted = module, ()
+    if config.lora is not None:
+        plain = copy.deepcopy(module)
+        adapted = flora.install(module, config.lora, who)
     groups = unit_groups(family, module)
     shapes = dfolder.param_shapes(module)
+    architecture = tuple(dfolder.param_shapes(plain))
+    trained = (frozenset(flora.adapter_names(adapted)) if adapted
+               else frozenset(name for name in architecture if not config.frozen(name)))
+    held = tuple(name for name in architecture if name not in trained)  # what a trained role holds frozen
     dtype = DTYPES[config.compute_dtype]
     compute_dtypes = dtypes_for(module, dtype)
     layout = group = None
@@ -195,25 +209,46 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
                                           backend=config.compile_backend)
     spec = dict(family.cond_spec(config))
     placed = functools.partial(place, mesh=mesh, layout=layout)
-    frozen_names = frozenset(name for name in shapes if config.frozen(name))
 
     def init(key: torch.Tensor) -> Params:
-        return placed(init_params(module, key, family.init_rules, family.name))
+        return placed(init_params(plain, key, family.init_rules, family.name))
 
     def load(folder: str) -> Params:
-        return placed(dfolder.read_params(folder, module, family.components, f"{family.name} load"))
+        return placed(dfolder.read_params(folder, plain, family.components, f"{family.name} load"))
 
-    def initial_params(key: torch.Tensor, *, frozen: bool = False) -> Params:
-        dtypes = dtypes_for(module, DTYPES[config.frozen_dtype]) if frozen else None
-        full = (dfolder.read_params(config.path, module, family.components, f"{family.name} load")
-                if config.path is not None else init_params(module, key, family.init_rules, family.name))
-        params = placed(full, dtypes=dtypes)
-        return tree.map_tensors(torch.Tensor.detach, params) if frozen else params
+    def whole(key: torch.Tensor) -> Params:
+        """The architecture's fp32 params: read from ``config.path``, else drawn from ``key``."""
+        if config.path is not None:
+            return dfolder.read_params(config.path, plain, family.components, f"{family.name} load")
+        return init_params(plain, key, family.init_rules, family.name)
+
+    def initial_params(key: torch.Tensor) -> Params:
+        if adapted:
+            return placed(flora.init_adapters(module, adapted, key, config.lora))
+        full = whole(key)
+        return placed({name: full[name] for name in architecture if name in trained})
+
+    def base_params(key: torch.Tensor, *, whole_model: bool = False) -> Params:
+        names = architecture if whole_model else held
+        if not names:
+            return {}
+        full = whole(key)
+        params = placed({name: full[name] for name in names}, dtypes=dtypes_for(plain, DTYPES[config.frozen_dtype]))
+        return tree.map_tensors(torch.Tensor.detach, params)
+
+    def base_id(*, whole_model: bool = False) -> Hashable | None:
+        names = architecture if whole_model else held
+        if not names:
+            return None
+        part = "all" if len(names) == len(architecture) else frozenset(names)
+        return (family.name, config.preset, config.path, config.frozen_dtype, mesh is None, part)
 
     def export(params: Params, folder: str, dtype: torch.dtype | None = None) -> None:
-        kept = fp32_kept(module)
+        if adapted:
+            params = flora.merged({name: params[name] for name in architecture}, params, adapted, config.lora.scale)
+        kept = fp32_kept(plain)
         pipeline = None if family.pipeline_files is None else functools.partial(family.pipeline_files, config)
-        dfolder.write_folder(params, folder, module, family.components, f"{family.name} export",
+        dfolder.write_folder(params, folder, plain, family.components, f"{family.name} export",
                              dtype_of=lambda name: None if dtype is None else (torch.float32 if name in kept else dtype),
                              pipeline_files=pipeline)
 
@@ -226,7 +261,9 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
                                 groups=unit_specs, dim=root_dim, text_len=preset.text_len,
                                 vae_stride=preset.latents.vae_stride, patch=_patch(config),
                                 compute_bytes=dtype.itemsize, remat=config.remat,
-                                frozen_bytes=DTYPES[config.frozen_dtype].itemsize)
+                                frozen_bytes=DTYPES[config.frozen_dtype].itemsize, trained=trained,
+                                architecture=frozenset(architecture), base_id=base_id(),
+                                whole_id=base_id(whole_model=True))
 
     return Model(
         name=who,
@@ -236,6 +273,8 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
         init=init,
         load=load,
         initial_params=initial_params,
+        base_params=base_params,
+        base_id=base_id,
         apply=functools.partial(apply, config, module, spec, compute_dtypes=compute_dtypes, layout=layout,
                                 group=group),
         batch=functools.partial(_model_batch, config, spec),
@@ -243,21 +282,12 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
         load_cond=lambda path: fcond.load(path, spec, family.name, defaults=family.cond_defaults),
         export=export,
         memory_spec=memory_spec,
-        trainable=functools.partial(_trainable, frozen_names),
-        frozen_names=frozen_names,
+        trained_names=trained,
+        export_adapters=None if config.lora is None else functools.partial(
+            lora_files.write, flora.Adapters(config.lora, adapted, family)),
         layout=layout,
         compile_stats=None if config.compile == "none" else stats,
     )
-
-
-def _trainable(frozen_names: frozenset[str], params: Params) -> Params:
-    """The params that train (all of them but ``frozen_names``), sharing their tensors."""
-    if not frozen_names:
-        return params
-    names = [name for name in params if name not in frozen_names]
-    if isinstance(params, sharding.Shards):
-        return params.select(names)
-    return {name: params[name] for name in names}
 
 
 def _model_batch(config: ModelConfig, spec: fcond.Spec, raw: Mapping[str, Any]) -> dict[str, Any]:

@@ -63,6 +63,8 @@ class Family:
     init_rules                           param local name -> :data:`InitRule`, beside the default rules
     pipeline_files(config, folder)       writes the pipeline's ``model_index.json`` and ``scheduler/`` beside the
                                          exported components
+    comfyui_name(module) -> name         a module's name in the original checkpoint layout ComfyUI loads LoRAs in
+                                         (None: it has none); None: the family has no ComfyUI layout in fvx
     """
 
     name: str
@@ -82,6 +84,7 @@ class Family:
     init_rules: Mapping[str, InitRule] = dataclasses.field(default_factory=dict)
     text_groups: frozenset[str] = frozenset()
     pipeline_files: Callable[[Any, Any], None] | None = None
+    comfyui_name: Callable[[str], str | None] | None = None
 
     def preset(self, name: str) -> Preset:
         if name not in self.presets:

@@ -62,17 +62,25 @@ class LatentSpace(NamedTuple):
 class Model:
     """One architecture of a model family, as pure functions (see the module docstring for layouts).
 
-    Params are *placed*: what ``init``, ``load`` and ``initial_params`` return is what ``apply`` takes, this rank's
-    local shards (an ``fvx.sharding.Shards``) when the model is built on a device mesh, else whole tensors. No
-    method places or casts params itself.
+    Params are *placed*: what ``init``, ``load``, ``initial_params`` and ``base_params`` return is what ``apply``
+    takes, this rank's local shards (an ``fvx.sharding.Shards``) when the model is built on a device mesh, else whole
+    tensors. No method places or casts params itself.
 
-    init(key) -> params             random fp32 params from an fvx key (tiny presets, tests)
-    load(folder) -> params          a local diffusers folder (a pipeline root or the component folder), fp32
-    initial_params(key, frozen=)    what a role starts from: ``load(path)`` when the config names a folder, else
-                                    ``init(key)``; ``frozen=True`` stores it in the config's ``frozen_dtype`` (bf16
-                                    but the modules diffusers keeps in fp32), detached: a teacher
-    apply(params, x_t, t, cond)     velocity ``[B, C, T, H, W]`` fp32; remat, compute dtype and compilation are the
-                                    config's
+    init(key) -> params             the architecture's random fp32 params from an fvx key (no adapters; tests)
+    load(folder) -> params          the architecture's params from a local diffusers folder (a pipeline root or the
+                                    component folder), fp32
+    initial_params(key)             what a role of this model trains and saves, fp32: every param, or those a
+                                    family config leaves trainable (one expert), or the adapters (``lora``: A drawn,
+                                    B zeros); read from the config's ``path`` when it names a folder, else drawn
+    base_params(key, whole_model=)  what a trained role holds frozen (the base of a LoRA model, an expert left
+                                    frozen; ``{}`` for a plain model), in the config's ``frozen_dtype`` (bf16 but
+                                    the modules diffusers keeps in fp32), detached; ``whole_model=True``: every
+                                    param of the architecture, as a frozen role (a teacher) holds it
+    base_id(whole_model=)           what ``base_params`` holds, hashable (None when nothing): equal ids give equal
+                                    tensors from the same key, so roles share one copy (``fvx.role.frozen_params``)
+    apply(params, x_t, t, cond)     velocity ``[B, C, T, H, W]`` fp32, ``params`` the base and the trained params
+                                    together (``fvx.role.with_trained(base, params)``); remat, compute dtype and
+                                    compilation are the config's
     batch(raw) -> batch             a data batch as methods see it: ``latents``, ``sample_index``, ... and ``cond``,
                                     the family's conditioning made from the data entries it reads (a ValueError
                                     names a missing tensor and the family)
@@ -81,11 +89,13 @@ class Model:
     load_cond(path) -> (cond, captions)   a cond file (safetensors of the family's cond tensors, captions in its
                                     metadata or None): negative prompts, validation prompts
     load_negative(path, where)      a cond file of one row (a negative prompt)
-    export(params, folder)          whole params -> a diffusers pipeline folder: the family's component folders
-                                    (``transformer/``, ...) and pipeline files that ``from_pretrained`` loads
-    trainable(params) -> params     the params that train, sharing their tensors (all but ``frozen_names``): what a
-                                    method differentiates, optimises and keeps an EMA of
-    frozen_names                    params the config never trains (an expert left frozen), else empty
+    export(params, folder)          whole params (base and trained; adapters merged into their weights) -> a
+                                    diffusers pipeline folder: the family's component folders (``transformer/``,
+                                    ...) and pipeline files that ``from_pretrained`` loads
+    trained_names                   the params ``initial_params`` returns
+    export_adapters(params, folder, form) -> paths   a LoRA model's adapters as files other tools load (``"peft"``
+                                    for diffusers' ``load_lora_weights``, ``"comfyui"``; fvx_models.lora_files);
+                                    None for a model without adapters
     layout                          the shard layout on a mesh, else None
     compile_stats                   the ``fvx.compile.CompileStats`` of the compiled units, or None
     memory_spec()                   an ``fvx.memory.ModelSpec`` from the meta skeleton (``--dry-run``)
@@ -97,15 +107,17 @@ class Model:
     patch_size: tuple[int, int, int]
     init: Callable[[torch.Tensor], Params]
     load: Callable[[str], Params]
-    initial_params: Callable[..., Params]
+    initial_params: Callable[[torch.Tensor], Params]
+    base_params: Callable[..., Params]
+    base_id: Callable[..., Any]
     apply: Callable[[Params, torch.Tensor, torch.Tensor, Cond], torch.Tensor]
     batch: Callable[[Mapping[str, Any]], dict[str, Any]]
     uncond: Callable[..., dict[str, torch.Tensor]]
     load_cond: Callable[[str], tuple[dict[str, torch.Tensor], tuple[str, ...] | None]]
     export: Callable[[Params, str], None]
     memory_spec: Callable[[], Any]
-    trainable: Callable[[Params], Params]
-    frozen_names: frozenset[str] = frozenset()
+    trained_names: frozenset[str]
+    export_adapters: Callable[..., list] | None = None
     layout: Mapping[str, Any] | None = None
     compile_stats: Any = None
 

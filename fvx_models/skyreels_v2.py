@@ -79,6 +79,7 @@ SKYREELS_V2 = Family(
     cond_defaults=wan.WAN.cond_defaults,
     init_rules=wan.WAN.init_rules,
     pipeline_files=pipeline_files,
+    comfyui_name=wan.comfyui_name,
 )
 
 

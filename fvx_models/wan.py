@@ -148,6 +148,27 @@ def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
         boundary_ratio=None, expand_timesteps=bool(options.get("expand_timesteps", False)))
 
 
+ORIGINAL_ATTENTION = {"attn1": "self_attn", "attn2": "cross_attn"}
+ORIGINAL_PROJECTIONS = {"to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "o", "add_k_proj": "k_img",
+                        "add_v_proj": "v_img"}
+ORIGINAL_FFN = {"ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2"}
+
+
+def comfyui_name(module: str) -> str | None:
+    """A block module's name in Wan's original checkpoints (``blocks.3.attn1.to_q`` -> ``blocks.3.self_attn.q``), the
+    layout ComfyUI loads Wan LoRAs in; None outside the blocks' attention and feed-forward layers."""
+    parts = module.split(".", 2)
+    if len(parts) != 3 or parts[0] != "blocks" or not parts[1].isdigit():
+        return None
+    block, rest = f"blocks.{parts[1]}", parts[2]
+    if rest in ORIGINAL_FFN:
+        return f"{block}.{ORIGINAL_FFN[rest]}"
+    attention, _, projection = rest.partition(".")
+    if attention in ORIGINAL_ATTENTION and projection in ORIGINAL_PROJECTIONS:
+        return f"{block}.{ORIGINAL_ATTENTION[attention]}.{ORIGINAL_PROJECTIONS[projection]}"
+    return None
+
+
 WAN = Family(
     name="wan",
     presets=PRESETS,
@@ -162,6 +183,7 @@ WAN = Family(
     cond_defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
     init_rules={"scale_shift_table": scale_shift_init},
     pipeline_files=pipeline_files,
+    comfyui_name=comfyui_name,
 )
 
 

@@ -30,7 +30,7 @@ def test_every_recipe_builds_and_dry_runs(recipe, tmp_path):
 
 def test_an_unknown_recipe_lists_the_files_recipes():
     path = next(p for p in EXPERIMENTS if p.name == "dmd2.py")
-    with pytest.raises(fconfig.ConfigError, match="has no recipe 'nope'; its recipes: wan21_t2v_1p3b"):
+    with pytest.raises(fconfig.ConfigError, match="has no recipe 'nope'; its recipes: world_lora, wan21_t2v_1p3b"):
         fconfig.load_experiment(f"{path}:nope")
     with pytest.raises(fconfig.ConfigError, match="defines no recipes"):
         fconfig.load_experiment(f"{next(p for p in EXPERIMENTS if p.name == 'finetune_hunyuan.py')}:x")

@@ -148,9 +148,9 @@ def core(out_dir: str, d) -> dict:
     # One AdamW step (with a global-norm clip that bites) on the local shards, then an EMA update.
     opt = role.RoleOptimizer(optim.adamw(LR, weight_decay=WEIGHT_DECAY), lambda count: LR, MAX_NORM, group)
     shadow = ema.ema_init(local)
-    measured = role.measure(opt, role.init(opt, local, local), local_grads)
+    measured = role.measure(opt, role.init(opt, local), local_grads)
     results["grad_norm"] = measured.norm
-    opt_state = role.update_(opt, role.init(opt, local, local), local, measured, 0).opt_state
+    opt_state = role.update_(opt, role.init(opt, local), measured, 0).opt_state
     results["params_after_step"] = sharding.unshard(local, mesh)
     ema.ema_update_(shadow, local, EMA_DECAY)
     results["ema_after_step"] = sharding.unshard(shadow, mesh)

@@ -128,3 +128,73 @@ def test_a_distilled_student_exports_as_a_pipeline_that_samples_with_its_few_ste
     assert frames.shape == (1, 5, 16, 16, 3) and torch.isfinite(torch.as_tensor(frames)).all()
     assert run.main(["export", str(out), "--out", str(tmp_path / "nope"), "--base", str(tmp_path)]) == 2
     assert "is not a diffusers pipeline folder (no model_index.json)" in capsys.readouterr().err
+
+
+# -------------------------------------------------------------------------------------------------------- LoRA
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, world_teacher) -> pathlib.Path:
+    """3 steps of experiments/finetune_wan_lora.py on the world teacher."""
+    out = tmp_path_factory.mktemp("lora") / "run"
+    assert run.main([str(ROOT / "experiments" / "finetune_wan_lora.py"), "--out", str(out), "--steps", "3",
+                     "run.progress=false", "validation.every=0", "data.batch_size=2",
+                     f"models.student.path={world_teacher}"]) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_a_lora_run_saves_adapters_only_and_exports_every_format(lora_run, tmp_path, capsys, world_teacher):
+    """The checkpoint holds the adapters only; the PEFT and ComfyUI files load with diffusers' load_lora_weights onto
+    the run's base and reproduce fvx's output; the merged folder (also what a plain export writes) loads with
+    from_pretrained."""
+    pytest.importorskip("peft")
+    from diffusers import WanPipeline
+
+    from fvx_models import lora_files
+
+    adapters = stored(lora_run, 3, "params")
+    assert adapters and all(".lora_" in name for name in adapters)
+    assert run.main(["export", str(lora_run), "--lora", "--out", str(tmp_path / "peft")]) == 0
+    assert "load them with pipe.load_lora_weights" in capsys.readouterr().out
+    assert run.main(["export", str(lora_run), "--lora", "--format", "comfyui", "--out", str(tmp_path / "comfy")]) == 0
+    assert run.main(["export", str(lora_run), "--lora", "--format", "merged", "--out", str(tmp_path / "merged")]) == 0
+    assert run.main(["export", str(lora_run), "--out", str(tmp_path / "plain")]) == 0  # a LoRA role exports merged
+
+    config = loop.load_run(lora_run)
+    model = config.models["student"].build()
+    params = loop.role_params(config, "student", model, adapters)  # the run's base (bf16 as stored) + adapters
+    base = {n: p.float() for n, p in params.items() if ".lora_" not in n}
+    batch = model.batch({"latents": torch.randn(1, 192, 4, 2, 2), "text": torch.randn(1, 4, 32),
+                         "text_mask": torch.ones(1, 4), "sample_index": torch.arange(1)})
+    x, t = batch["latents"], torch.tensor([400.0])
+    want = model.apply(params, x, t, batch["cond"])
+    for folder, weight in (("peft", lora_files.PEFT_FILE), ("comfy", lora_files.COMFYUI_FILE)):
+        transformer = WanTransformer3DModel.from_pretrained(pathlib.Path(world_teacher) / "transformer")
+        transformer.load_state_dict(base)
+        pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=FlowMatchEulerDiscreteScheduler(),
+                           transformer=transformer)
+        pipe.load_lora_weights(str(tmp_path / folder), weight_name=weight)
+        with torch.no_grad():
+            got = pipe.transformer(x, t, batch["cond"]["text"], return_dict=False)[0]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    merged = WanTransformer3DModel.from_pretrained(tmp_path / "merged" / "transformer").state_dict()
+    plain = WanTransformer3DModel.from_pretrained(tmp_path / "plain" / "transformer").state_dict()
+    assert all(torch.equal(merged[n], plain[n]) for n in merged)
+
+
+def test_lora_export_errors(run_dir, lora_run, tmp_path, capsys):
+    assert run.main(["export", str(run_dir), "--lora", "--out", str(tmp_path / "a")]) == 2
+    assert "trains no adapters (its model config has no lora); export it without --lora" in capsys.readouterr().err
+    assert run.main(["export", str(lora_run), "--format", "peft", "--out", str(tmp_path / "b")]) == 2
+    assert "export --format peft is for adapters: add --lora" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_resuming_lora_adapters_of_another_shape_names_the_shapes(lora_run, capsys):
+    assert run.main([str(ROOT / "experiments" / "finetune_wan_lora.py"), "--out", str(lora_run), "--resume",
+                     "--steps", "4", "models.student.lora.rank=8"]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit this run's state: shape or dtype mismatches" in err
+    assert "lora_A.weight: checkpoint [16, 256] float32, run [8, 256] float32" in err
+    assert "no older checkpoint" not in err and len(err.strip().splitlines()) == 1

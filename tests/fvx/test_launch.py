@@ -28,13 +28,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch2(out: pathlib.Path, *overrides: str) -> None:
+def launch2(out: pathlib.Path, *overrides: str, experiment: str = EXPERIMENT) -> None:
     """``fvx.run`` on 2 gloo processes, as torchrun would start them."""
     port, procs = _free_port(), []
     for rank in range(2):
         env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-        procs.append(subprocess.Popen([sys.executable, "-m", "fvx.run", EXPERIMENT, "--out", str(out), *QUICK,
+        procs.append(subprocess.Popen([sys.executable, "-m", "fvx.run", experiment, "--out", str(out), *QUICK,
                                        *overrides], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate()[0] for p in procs]
@@ -44,8 +44,24 @@ def launch2(out: pathlib.Path, *overrides: str) -> None:
     assert "done:" not in outputs[1]  # only rank 0 reports
 
 
-def launch1(out: pathlib.Path, *overrides: str) -> None:
-    assert run.main([EXPERIMENT, "--out", str(out), *QUICK, *overrides]) == 0
+def launch1(out: pathlib.Path, *overrides: str, experiment: str = EXPERIMENT) -> None:
+    assert run.main([experiment, "--out", str(out), *QUICK, *overrides]) == 0
+
+
+@pytest.mark.slow  # 2 + 1 processes of DMD2
+def test_dmd2_with_lora_roles_on_two_processes_logs_the_losses_of_one(tmp_path, world_teacher):
+    """A LoRA student and critic on the teacher's base, sharded over 2 gloo processes (base and adapters both),
+    log what one process logs."""
+    experiment = str(ROOT / "experiments" / "dmd2.py") + ":world_lora"
+    paths = (f"models.student.path={world_teacher}", f"models.teacher.path={world_teacher}",
+             "method.generator_update_interval=2")
+    launch2(tmp_path / "two", *paths, experiment=experiment)
+    launch1(tmp_path / "one", *paths, experiment=experiment)
+    two, one = (tracking.read_scalars(tmp_path / name / "tb") for name in ("two", "one"))
+    for name in ("critic_loss", "grad_norm/critic", "generator_loss", "grad_norm/student"):
+        assert [s for s, _ in two[name]] == [s for s, _ in one[name]] and two[name], name
+        for (_, got), (_, want) in zip(two[name], one[name]):
+            assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-8), (name, two[name], one[name])
 
 
 @pytest.fixture(scope="module")

@@ -95,15 +95,15 @@ def test_clip_uses_the_measured_norm_and_an_unclipped_role_keeps_its_gradients()
     grads = {"w": torch.tensor([3.0, 4.0, 0.0, 0.0])}
     seen = []
     clipped = role.RoleOptimizer(optim.adamw(0.1), lambda count: 0.1, max_grad_norm=1.0)
-    state = role.init(clipped, params, params)
+    state = role.init(clipped, params)
     measured = role.measure(clipped, state, tree.map_tensors(torch.clone, grads))
     assert float(measured.norm) == 5.0 and role.metrics(measured, "x") == {"grad_norm/x": measured.norm,
                                                                             "lr/x": measured.lr}
-    role.update_(clipped, state, params, measured, 0, before=lambda name, g, p: seen.append((name, g["w"].clone())),
+    role.update_(clipped, state, measured, 0, before=lambda name, g, p: seen.append((name, g["w"].clone())),
                  name="x")
     torch.testing.assert_close(seen[0][1], grads["w"] / (5.0 + 1e-6))
     free = role.RoleOptimizer(optim.adamw(0.1), lambda count: 0.1)
-    state = role.init(free, params, params)
-    role.update_(free, state, params, role.measure(free, state, tree.map_tensors(torch.clone, grads)), 0,
+    state = role.init(free, params)
+    role.update_(free, state, role.measure(free, state, tree.map_tensors(torch.clone, grads)), 0,
                  before=lambda name, g, p: seen.append((name, g["w"].clone())))
     assert torch.equal(seen[1][1], grads["w"])

@@ -1,6 +1,7 @@
 """fvx_methods.dmd2: the per-sample rollout, the step against the role library's hand sequence, gradient
 accumulation, cadence, EMA, validation, determinism, the roles' models and bad input (spec §2.4)."""
 import dataclasses
+import math
 import pathlib
 
 import msgspec
@@ -394,7 +395,7 @@ def test_bf16_teacher_is_bf16_but_the_fp32_kept_modules_and_guides_like_the_fp32
     """The teacher is stored in its model's frozen dtype (bf16 but Wan's fp32-kept modules), holding the fp32
     teacher's values rounded; its guided x0 is close to the fp32 teacher's, and a step with it runs."""
     config = dmd2.DMD2(cfg_uncond="zero", guidance_scale=3.0)
-    teacher = model.initial_params(random.key(3), frozen=True)
+    teacher = model.base_params(random.key(3), whole_model=True)
     fp32 = model.init(random.key(3))
     for name, p in teacher.items():
         kept = bool(KEPT_FP32 & set(name.split(".")))
@@ -423,6 +424,42 @@ def test_the_dry_run_counts_the_teacher_at_its_frozen_dtype(model):
     assert 2 * bf16["teacher"].params == fp32["teacher"].params == fp32["critic"].params > 0
     assert bf16["teacher"].total == bf16["teacher"].params
     assert bf16["student"] == fp32["student"] and bf16["critic"] == fp32["critic"]
+
+
+def test_a_lora_student_and_critic_share_one_frozen_base_with_the_teacher():
+    """Three roles, one base: the student's and the critic's frozen params are the teacher's tensors (same
+    storage); the state holds the adapters only, the base never changes, and the dry run counts it once."""
+    from fvx import memory
+    from fvx_models.lora import LoRAConfig
+
+    student = WanConfig(preset="tiny", lora=LoRAConfig(rank=2, target_modules=("to_q", "to_v"))).build()
+    teacher = WanConfig(preset="tiny").build()
+    models = {"student": student, "critic": student, "teacher": teacher}
+    config = dmd2.DMD2(cfg_uncond="zero", guidance_scale=2.0, generator_update_interval=1,
+                       optim=AdamWConfig(lr=1e-2), critic_optim=AdamWConfig(lr=1e-2))
+    program = config.build(models, total_steps=3)
+    state, frozen = program.init(random.key(4)), program.frozen(random.key(4))
+    assert frozen["student"] is frozen["critic"] is frozen["teacher"]
+    assert {n: p.data_ptr() for n, p in frozen["student"].items()} == {
+        n: p.data_ptr() for n, p in frozen["teacher"].items()}
+    for name in ("student", "critic"):
+        assert sorted(state.roles[name].params) == sorted(student.trained_names)
+    kept = {n: p.clone() for n, p in frozen["teacher"].items()}
+    for seed in range(3):
+        state, metrics = program.step_(state, frozen, make_batch(seed=seed))
+        assert torch.isfinite(metrics["generator_loss"]) and torch.isfinite(metrics["critic_loss"])
+    assert all(torch.equal(frozen["teacher"][n], kept[n]) for n in kept)
+
+    spec, teacher_spec = student.memory_spec(), teacher.memory_spec()
+    plan = config.memory_plan({"student": spec, "critic": spec, "teacher": teacher_spec})
+    est = memory.estimate(plan.roles, shard_size=1, tokens=16, batch_per_rank=1)
+    rows = dict(est.roles)
+    assert rows["  base of student+critic = teacher"].total == 0
+    adapters = sum(math.prod(s) for n, s in spec.shapes.items() if n in student.trained_names)
+    assert rows["student"].params == 4 * adapters and rows["student"].optimizer == 8 * adapters
+    assert rows["teacher"].params == 2 * sum(math.prod(s) for n, s in teacher_spec.shapes.items())
+    table = memory.format_table(est)
+    assert "base of student+critic = teacher" in table
 
 
 # ------------------------------------------------------------------------------------------------ bad input
@@ -512,11 +549,13 @@ def test_nonfinite_step_applies_nothing(models, roles, interval):
 # --------------------------------------------------------------------------------------------- resume, end to end
 
 
-def test_resume_is_the_uninterrupted_run_bit_for_bit(tmp_path, world_teacher):
-    """6 DMD2 steps (student on every 2nd, EMA) equal 3 steps resumed to 6: logged metrics and final state."""
+@pytest.mark.parametrize("recipe", ["", ":world_lora"])
+def test_resume_is_the_uninterrupted_run_bit_for_bit(tmp_path, world_teacher, recipe):
+    """6 DMD2 steps (student on every 2nd, EMA) equal 3 steps resumed to 6: logged metrics and final state; also
+    with a LoRA student and critic on the teacher's base."""
     from fvx import checkpoint, loop, run, tracking
 
-    experiment = str(pathlib.Path(__file__).resolve().parents[2] / "experiments" / "dmd2.py")
+    experiment = str(pathlib.Path(__file__).resolve().parents[2] / "experiments" / "dmd2.py") + recipe
     quick = ["run.progress=false", "data.batch_size=2", "validation.every=0", "method.generator_update_interval=2",
              "run.checkpoint.every=3", "run.checkpoint.async_save=false", f"models.student.path={world_teacher}",
              f"models.teacher.path={world_teacher}"]

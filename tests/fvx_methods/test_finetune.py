@@ -166,24 +166,27 @@ def test_ema_follows_its_formula_from_its_start_step(model):
     assert [s.tag for s in samplers] == ["model_ema"] and samplers[0].params is state.roles["student"].ema
 
 
-def test_a_frozen_expert_stays_as_it_was_and_gets_no_optimizer_state():
-    """Wan 2.2 A14B with only the low-noise expert trained: the high-noise one is bit-identical after training and
-    neither the optimizer nor the EMA holds it; validation samples with both."""
+def test_a_frozen_expert_is_a_frozen_argument_never_trained_or_saved():
+    """Wan 2.2 A14B with only the low-noise expert trained: the high-noise one is the step's frozen argument (in
+    the frozen dtype), bit-identical after training; the state, the optimizer and the EMA hold only the trained
+    expert; validation samples with both."""
     from fvx_models.wan_moe import Wan22MoEConfig
 
     model = Wan22MoEConfig(trainable=("transformer_2",)).build()
     program = finetune.Finetune(optim=AdamWConfig(lr=1e-3), ema_decay=0.9).build({"student": model}, total_steps=3)
-    state = program.init(random.key(0))
+    state, frozen = program.init(random.key(0)), program.frozen(random.key(0))
+    base = frozen["student"]
+    kept = {k: v.clone() for k, v in base.items()}
     before = {k: v.clone() for k, v in state.roles["student"].params.items()}
+    assert kept and all(n.startswith("transformer.") for n in kept)
+    assert before and all(n.startswith("transformer_2.") for n in before)
+    assert base["transformer.proj_out.weight"].dtype == torch.bfloat16  # frozen_dtype
     for seed in range(3):
-        state, metrics = program.step_(state, {}, make_batch(seed, size=4))
+        state, metrics = program.step_(state, frozen, make_batch(seed, size=4))
     role = state.roles["student"]
-    frozen = [n for n in before if n.startswith("transformer.")]
-    trained = [n for n in before if n.startswith("transformer_2.")]
-    assert frozen and trained and len(frozen) + len(trained) == len(before)
-    assert all(torch.equal(role.params[n], before[n]) for n in frozen)
-    assert any(not torch.equal(role.params[n], before[n]) for n in trained)
-    assert sorted(role.opt_state.mu) == sorted(trained) and sorted(role.ema) == sorted(trained)
-    (sampler,) = program.validate(state, {}, finetune.validation.ValidationConfig(num_steps=2))
-    assert sorted(sampler.params) == sorted(before) and sampler.params["transformer.proj_out.weight"] is \
-        role.params["transformer.proj_out.weight"]
+    assert all(torch.equal(base[n], kept[n]) for n in kept)
+    assert any(not torch.equal(role.params[n], before[n]) for n in before)
+    assert sorted(role.params) == sorted(role.opt_state.mu) == sorted(role.ema) == sorted(before)
+    (sampler,) = program.validate(state, frozen, finetune.validation.ValidationConfig(num_steps=2))
+    assert sorted(sampler.params) == sorted([*kept, *before])
+    assert sampler.params["transformer.proj_out.weight"] is base["transformer.proj_out.weight"]

@@ -112,10 +112,10 @@ def test_bf16_keeps_diffusers_fp32_modules(module):
 
 
 def test_a_frozen_role_is_stored_in_bf16_but_the_fp32_kept_modules(params, batch):
-    """``initial_params(frozen=True)``: bf16 but diffusers' fp32-kept modules, detached. Stored that way, params
+    """``base_params(whole_model=True)``: bf16 but diffusers' fp32-kept modules, detached. Stored that way, params
     compute in the compute dtype: under fp32 as their bf16-rounded fp32 values, under bf16 as the fp32 masters."""
     model = wan.WanConfig(preset="tiny").build()
-    stored = model.initial_params(random.key(0), frozen=True)
+    stored = model.base_params(random.key(0), whole_model=True)
     kept = {name for name in params if KEPT_FP32 & set(name.split("."))}
     assert all(p.dtype == (torch.float32 if name in kept else torch.bfloat16) for name, p in stored.items())
     assert all(not p.requires_grad for p in stored.values())
@@ -126,7 +126,7 @@ def test_a_frozen_role_is_stored_in_bf16_but_the_fp32_kept_modules(params, batch
     assert not torch.equal(out, model.apply(params, x, t, cond))
     half = wan.WanConfig(preset="tiny", compute_dtype="bf16").build()
     assert torch.equal(half.apply(stored, x, t, cond), half.apply(params, x, t, cond))
-    fp32 = wan.WanConfig(preset="tiny", frozen_dtype="fp32").build().initial_params(random.key(0), frozen=True)
+    fp32 = wan.WanConfig(preset="tiny", frozen_dtype="fp32").build().base_params(random.key(0), whole_model=True)
     assert_same_params(fp32, params)
 
 

@@ -1,0 +1,64 @@
+"""LoRA fine-tuning of Wan (FastVideo's `fine_tuning/wan/t2v_lora.yaml`: r 16, alpha 32 on to_q, to_k, to_v, to_out).
+
+The default adapts the teacher that `experiments/finetune_wan.py` trains on fvx's toy world (exported to
+`runs/teacher`) to a changed world: the prompt that meant red bars now shows green ones. Only the adapters train
+(0.2M params against the base's 3M, which stays frozen in bf16 and is never saved); the validation videos turn the
+first prompt's bars green, and `validation/model/nearest_mse` (distance to the new world's clips) falls:
+    python -m fvx.run experiments/finetune_wan.py && python -m fvx.run export runs/finetune_wan --out runs/teacher
+    python -m fvx.run experiments/finetune_wan_lora.py
+    python -m fvx.run export runs/finetune_wan_lora --lora --format peft --out runs/lora     # diffusers/PEFT file
+    python -m fvx.run export runs/finetune_wan_lora --lora --format comfyui --out runs/lora_comfyui
+FastVideo's recipe is `wan21_t2v_1p3b` (Wan 2.1 T2V 1.3B); point its paths at local folders:
+    torchrun --nproc-per-node 8 -m fvx.run experiments/finetune_wan_lora.py:wan21_t2v_1p3b \
+        models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers data.path=/data/my_dataset/combined_parquet_dataset
+"""
+import msgspec
+
+from fvx.checkpoint import CheckpointConfig
+from fvx.config import recipe
+from fvx.data import DataConfig
+from fvx.loop import Experiment, RunConfig
+from fvx.optim_config import AdamWConfig
+from fvx.validation import ValidationConfig
+from fvx.world import SpaceToDepth, WorldConfig
+from fvx_methods.finetune import Finetune
+from fvx_models.lora import LoRAConfig
+from fvx_models.wan import WanConfig
+from fvx_models.wan_vae import WanVAEConfig
+
+TEACHER = "runs/teacher"  # experiments/finetune_wan.py's run, exported (module docstring)
+T2V_LORA = LoRAConfig(rank=16, alpha=32.0, target_modules=("to_q", "to_k", "to_v", "to_out"))
+
+
+class FinetuneWanLoRA(Experiment):
+    models: dict[str, WanConfig] = msgspec.field(default_factory=lambda: {"student": WanConfig(lora=T2V_LORA)})
+    vae: WanVAEConfig | SpaceToDepth | None = None  # decodes validation samples; None logs latent previews
+    method: Finetune = Finetune()
+
+
+config = FinetuneWanLoRA(
+    run=RunConfig(seed=0, steps=300, output_dir="runs/finetune_wan_lora", log_every=1),
+    data=DataConfig(batch_size=8, text_len=4, world=WorldConfig(colours=("green", "blue"))),
+    models={"student": WanConfig(preset="world", path=TEACHER, lora=T2V_LORA)},
+    vae=SpaceToDepth(),
+    validation=ValidationConfig(every=100, num_prompts=8, num_steps=20, display_scale=4),
+    method=Finetune(optim=AdamWConfig(lr=3e-3, weight_decay=0.0, max_grad_norm=1.0, schedule="cosine",
+                                      warmup_steps=20)),
+)
+
+
+@recipe
+def wan21_t2v_1p3b() -> FinetuneWanLoRA:
+    """FastVideo's t2v_lora.yaml on Wan 2.1 T2V 1.3B: LoRA r 16, alpha 32 on to_q, to_k, to_v, to_out, the base in
+    bf16; otherwise fine_tuning/wan/t2v.yaml (global batch 8, 20 latent frames, clip 1, validation every 100 steps
+    at guidance 5), with AdamW lr 1e-4 and no weight decay on the adapters."""
+    return FinetuneWanLoRA(
+        run=RunConfig(seed=1000, steps=4000, output_dir="outputs/wan_lora",
+                      checkpoint=CheckpointConfig(every=100, keep_latest=3)),
+        data=DataConfig(path="data/preprocessed", batch_size=8, text_len=512, cfg_rate=0.0, num_latent_t=20),
+        models={"student": WanConfig(preset="wan2.1-t2v-1.3b", path="models/Wan2.1-T2V-1.3B-Diffusers",
+                                     compute_dtype="bf16", remat=True, lora=T2V_LORA)},
+        validation=ValidationConfig(every=100, num_prompts=4, num_steps=50, flow_shift=3.0, guidance_scale=5.0),
+        method=Finetune(optim=AdamWConfig(lr=1e-4, weight_decay=0.0, max_grad_norm=1.0, schedule="constant"),
+                        flow_shift=3.0),
+    )

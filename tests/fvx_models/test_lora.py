@@ -1,0 +1,198 @@
+"""LoRA as a model transform: the adapter forward equals the merged weights (outputs and gradients), the base never
+changes, fine-tuning learns on every family, the exported files load in diffusers (PEFT and ComfyUI layouts) and
+the merged folder with from_pretrained, and bad input is one clear error."""
+import math
+import sys
+
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline, WanPipeline
+from torch.func import grad
+
+from fvx import grad as fvx_grad
+from fvx import random, role
+from fvx.optim_config import AdamWConfig
+from fvx_methods import finetune
+from fvx_models import lora, lora_files
+from fvx_models.hunyuan_video import HunyuanVideoConfig
+from fvx_models.wan import WanConfig
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1]))
+from family_cases import CASES, inputs, native_modules, raw_batch  # noqa: E402
+
+LORA = lora.LoRAConfig(rank=4, alpha=8.0, target_modules=("to_q", "to_k", "to_v", "to_out"))
+
+
+def trained_adapters(model, key):
+    """Adapters as after some training: A as initialised, B random (an untrained B is zero)."""
+    adapters = model.initial_params(key)
+    return {name: random.normal(random.fold_in(key, i), tuple(p.shape)) * 0.1 if name.endswith(lora.B) else p
+            for i, (name, p) in enumerate(adapters.items())}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    plain = WanConfig(preset="tiny", frozen_dtype="fp32").build()
+    adapted = WanConfig(preset="tiny", frozen_dtype="fp32", lora=LORA).build()
+    base = adapted.base_params(random.key(0))
+    return plain, adapted, base, trained_adapters(adapted, random.key(1))
+
+
+def test_untrained_adapters_leave_the_base_output_unchanged(tiny):
+    plain, adapted, base, _ = tiny
+    x, t, cond = inputs(adapted, random.key(2))
+    fresh = adapted.initial_params(random.key(1))
+    assert all(torch.equal(p, torch.zeros_like(p)) for n, p in fresh.items() if n.endswith(lora.B))
+    torch.testing.assert_close(adapted.apply(role.with_trained(base, fresh), x, t, cond), plain.apply(base, x, t, cond),
+                               rtol=0, atol=0)
+
+
+def test_the_adapter_forward_and_gradients_equal_the_merged_weights(tiny):
+    plain, adapted, base, adapters = tiny
+    x, t, cond = inputs(adapted, random.key(2))
+    modules = adapted.export_adapters.args[0].modules
+    assert len(modules) == 2 * 2 * 4  # 2 blocks x 2 attentions x (q, k, v, out)
+    got = adapted.apply(role.with_trained(base, adapters), x, t, cond)
+    want = plain.apply(lora.merged(base, adapters, modules, LORA.scale), x, t, cond)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+    target = random.normal(random.key(3), tuple(x.shape))
+    adapter_grads = grad(lambda a: ((adapted.apply(role.with_trained(base, a), x, t, cond) - target) ** 2).mean())(
+        adapters)
+    merged_grads = grad(lambda a: ((plain.apply(lora.merged(base, a, modules, LORA.scale), x, t, cond) - target) ** 2
+                                   ).mean())(adapters)
+    for name in adapters:
+        torch.testing.assert_close(adapter_grads[name], merged_grads[name], rtol=1e-5, atol=1e-7)
+
+
+def test_lora_fine_tuning_trains_only_the_adapters_and_the_base_stays_bit_identical():
+    model = WanConfig(preset="tiny", lora=LORA).build()
+    program = finetune.Finetune(optim=AdamWConfig(lr=1e-2, weight_decay=0.0)).build({"student": model}, total_steps=3)
+    state, frozen = program.init(random.key(0)), program.frozen(random.key(0))
+    base = frozen["student"]
+    kept = {name: p.clone() for name, p in base.items()}
+    assert sorted(state.roles["student"].params) == sorted(model.trained_names)
+    assert not any(p.requires_grad for p in base.values())
+    assert base["blocks.0.attn1.to_q.weight"].dtype == torch.bfloat16  # the base is stored in frozen_dtype
+    for i in range(3):
+        state, metrics = program.step_(state, frozen, model.batch(raw_batch(model, random.key(10 + i))))
+        assert math.isfinite(float(metrics["loss"]))
+    assert all(torch.equal(base[name], kept[name]) for name in kept)
+    assert any(bool(p.abs().sum()) for n, p in state.roles["student"].params.items() if n.endswith(lora.B))
+
+
+@pytest.mark.parametrize("name", ["wan", "hunyuan_video"])
+def test_lora_fine_tuning_lowers_a_fixed_key_eval_loss(name):
+    config = CASES[name].config
+    targets = ("to_", "proj", "ff", "linear")  # attention, feed-forward and HunyuanVideo's fused single-stream input
+    model = type(config)(preset=config.preset, lora=lora.LoRAConfig(rank=4, alpha=8.0, target_modules=targets)).build()
+    method = finetune.Finetune(optim=AdamWConfig(lr=1e-2, weight_decay=0.0))
+    program = method.build({"student": model}, total_steps=16)
+    state, frozen = program.init(random.key(0)), program.frozen(random.key(0))
+    batches = [model.batch(raw_batch(model, random.key(10 + i % 2), first=2 * i)) for i in range(16)]
+
+    def eval_loss(adapters):
+        params = role.with_trained(frozen["student"], adapters)
+        losses = [finetune.loss_fn(params, b, random.key(99), model=model, config=method)[0] for b in batches[:2]]
+        return float(torch.stack(losses).mean())
+
+    before = eval_loss(state.roles["student"].params)
+    for batch in batches:
+        state, _ = program.step_(state, frozen, batch)
+    assert eval_loss(state.roles["student"].params) < 0.9 * before
+
+
+# ------------------------------------------------------------------------------------------------------- export
+
+
+def wan_pipeline(plain, base):
+    (transformer,) = native_modules(CASES["wan"], base).values()
+    return WanPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=transformer,
+                       scheduler=FlowMatchEulerDiscreteScheduler())
+
+
+@pytest.mark.parametrize("form", lora_files.FORMATS)
+def test_exported_adapters_load_with_diffusers_load_lora_weights(tiny, tmp_path, form):
+    pytest.importorskip("peft")
+    plain, adapted, base, adapters = tiny
+    files = adapted.export_adapters(adapters, str(tmp_path), form)
+    assert [p.name for p in files] == [lora_files.PEFT_FILE if form == "peft" else lora_files.COMFYUI_FILE]
+    pipe = wan_pipeline(plain, base)
+    pipe.load_lora_weights(str(tmp_path), weight_name=files[0].name)
+    x, t, cond = inputs(adapted, random.key(2))
+    with torch.no_grad():
+        loaded = CASES["wan"].native({"transformer": pipe.transformer}, x, t, cond)
+    torch.testing.assert_close(loaded.float(), adapted.apply(role.with_trained(base, adapters), x, t, cond),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_the_merged_export_loads_with_from_pretrained_and_equals_base_plus_scaled_ba(tiny, tmp_path):
+    from diffusers import WanTransformer3DModel
+
+    plain, adapted, base, adapters = tiny
+    adapted.export(role.with_trained(base, adapters), str(tmp_path))
+    loaded = WanTransformer3DModel.from_pretrained(tmp_path / "transformer").state_dict()
+    name = "blocks.1.attn2.to_v"
+    want = base[f"{name}.weight"] + LORA.scale * adapters[f"{name}.{lora.B}"] @ adapters[f"{name}.{lora.A}"]
+    torch.testing.assert_close(loaded[f"{name}.weight"], want, rtol=0, atol=1e-7)
+    assert torch.equal(loaded["proj_out.weight"], base["proj_out.weight"])
+    assert not any("lora" in key for key in loaded)
+
+
+def test_hunyuan_peft_export_loads_with_its_pipeline(tmp_path):
+    pytest.importorskip("peft")
+    config = HunyuanVideoConfig(preset="tiny", frozen_dtype="fp32", lora=LORA)
+    adapted = config.build()
+    base = adapted.base_params(random.key(0))
+    adapters = trained_adapters(adapted, random.key(1))
+    (transformer,) = native_modules(CASES["hunyuan_video"], base).values()
+    files = adapted.export_adapters(adapters, str(tmp_path), "peft")
+    pipe = HunyuanVideoPipeline(text_encoder=None, tokenizer=None, transformer=transformer, vae=None,
+                                scheduler=FlowMatchEulerDiscreteScheduler(), text_encoder_2=None, tokenizer_2=None)
+    pipe.load_lora_weights(str(tmp_path), weight_name=files[0].name)
+    x, t, cond = inputs(adapted, random.key(2))
+    with torch.no_grad():
+        loaded = CASES["hunyuan_video"].native({"transformer": pipe.transformer}, x, t, cond)
+    torch.testing.assert_close(loaded.float(), adapted.apply(role.with_trained(base, adapters), x, t, cond),
+                               rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------- bad input
+
+
+def test_a_target_that_matches_nothing_lists_module_names():
+    with pytest.raises(ValueError, match=r"match no linear layer; some of its linear layers: .*blocks\.N\.attn1\.to_q"):
+        WanConfig(preset="tiny", lora=lora.LoRAConfig(target_modules=("qkv_proj_nope",))).build()
+
+
+def test_a_rank_above_a_targets_dimension_names_the_target():
+    with pytest.raises(ValueError, match=r"lora.rank 4096 exceeds the dimensions of target 'blocks.0.attn1.to_q'"):
+        WanConfig(preset="tiny", lora=lora.LoRAConfig(rank=4096)).build()
+
+
+@pytest.mark.parametrize("rank", [0, -2])
+def test_a_rank_below_one_is_refused(rank):
+    with pytest.raises(ValueError, match="lora.rank must be a positive integer"):
+        lora.LoRAConfig(rank=rank)
+
+
+def test_comfyui_export_of_a_module_without_an_original_name_names_it(tmp_path):
+    model = WanConfig(preset="tiny", lora=lora.LoRAConfig(rank=2, target_modules=("proj_out",))).build()
+    with pytest.raises(ValueError, match=r"module 'proj_out' has no ComfyUI name in family wan"):
+        model.export_adapters(model.initial_params(random.key(0)), str(tmp_path), "comfyui")
+
+
+def test_remat_and_compiled_units_give_the_adapters_the_same_gradients(tiny):
+    plain, adapted, base, adapters = tiny
+    x, t, cond = inputs(adapted, random.key(2))
+    target = random.normal(random.key(3), tuple(x.shape))
+
+    def grads_of(model):  # fvx.grad: autograd outside the compiled regions (torch.func cannot remat)
+        loss = lambda a: ((model.apply(role.with_trained(base, a), x, t, cond) - target) ** 2).mean()  # noqa: E731
+        return fvx_grad.value_and_grad(loss)(adapters)[1]
+
+    want = grads_of(adapted)
+    for knobs in (dict(remat=True), dict(compile="blocks", compile_backend="aot_eager", remat=True)):
+        got = grads_of(WanConfig(preset="tiny", frozen_dtype="fp32", lora=LORA, **knobs).build())
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7)
