@@ -28,16 +28,14 @@ cores: a 1.2 GB state blocks training for 0.19 s (0.10 s of it the copy) of a 1.
 straight from the state's own memory (zero-copy numpy views) and returns once the step folder is complete.
 
 Sharded state (a multi-process run: ``Checkpoints(..., mesh=)``, the state holding ``fvx.sharding.Shards``, each
-with its own layout). The state is stored with ``torch.distributed.checkpoint`` (DCP) in a fifth item ``dcp/``
-instead of ``state/`` and ``checksums/``: every ``Shards`` (params, AdamW moments, EMA of any role, whatever its
-names) as DTensors of the unpadded full shapes (``fvx.sharding.checkpoint_tree``), other leaves (step, key, counts)
-as plain tensors that one rank writes. Tensors are named by their path joined with ``/`` (param names hold dots). DCP reshards
-on load, so a checkpoint saved on N processes restores on M: into local shards on a mesh, or into full tensors in one
-process (resume, replay, export). A single-process checkpoint also restores on a mesh (each rank reads it whole and
-keeps its slice). All processes call every method of a sharded :class:`Checkpoints` in the same order (orbax barriers
-through ``jax.distributed``, which must be initialised: ``fvx.sharding.init_jax_distributed``; DCP's collectives).
-Sharded saves are synchronous (DCP runs collectives, which must not race the step's), and DCP stores no byte
-checksums: a flipped byte in ``dcp/`` restores silently.
+with its own layout) goes to a fifth item ``shards/`` instead of ``state/`` and ``checksums/``: one safetensors file
+per rank of its unpadded slices, JSON metadata and a CRC-32 per slice (``fvx.shard_files``; nothing pickled, unlike
+``torch.distributed.checkpoint``'s ``.metadata``). Any region of any tensor reads back from the slices that overlap it,
+so a checkpoint saved on N processes restores on M: into local shards on a mesh, or into full tensors in one process
+(resume, replay, export), and every slice read is checked. A single-process checkpoint also restores on a mesh (each
+rank reads it whole and keeps its slice). All processes call every method of a sharded :class:`Checkpoints` in the
+same order (orbax barriers through ``jax.distributed``, which must be initialised:
+``fvx.sharding.init_jax_distributed``). Sharded saves are synchronous.
 """
 from __future__ import annotations
 
@@ -62,17 +60,16 @@ import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
 from orbax.checkpoint import type_handlers  # noqa: E402
 
-from fvx import sharding, tree  # noqa: E402
+from fvx import shard_files, sharding, tree  # noqa: E402
 from fvx.config import Config  # noqa: E402
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 _LIST_LIMIT = 10  # names shown per category in an error message
 _JSON_ITEMS = ("config", "meta")
-DCP_ITEM = "dcp"  # the item holding sharded state
-DCP_SEPARATOR = "/"  # joins a leaf's path into its DCP name
+SHARDS_ITEM = "shards"  # the item holding sharded state
+LEGACY_DCP_ITEM = "dcp"  # sharded state of earlier fvx versions: pickled metadata, never read
 
 
 class CheckpointConfig(Config):
@@ -189,16 +186,15 @@ class ChecksumRestore(ocp.args.CheckpointArgs):
     pass
 
 
-class DcpHandler(ocp.CheckpointHandler):
-    """Orbax storage of a flat ``{name: tensor or DTensor}`` through ``torch.distributed.checkpoint``: every process
-    writes its shards into the item folder; restoring loads in place into the given tensors, resharding as needed."""
+class ShardsHandler(ocp.CheckpointHandler):
+    """Orbax item of sharded state: each process writes its own safetensors file (``fvx.shard_files``); reading
+    goes through :mod:`fvx.shard_files` directly."""
 
-    def save(self, directory, args: DcpSave) -> None:
-        dcp.save(dict(args.state), checkpoint_id=str(directory), no_dist=not dist.is_initialized())
+    def save(self, directory, args: ShardsSave) -> None:
+        shard_files.write(pathlib.Path(directory), args.pieces, args.index, args.count)
 
-    def restore(self, directory, args: DcpRestore) -> dict[str, Any]:
-        dcp.load(args.state, checkpoint_id=str(directory), no_dist=args.no_dist or not dist.is_initialized())
-        return args.state
+    def restore(self, directory, args: Any = None) -> None:
+        raise NotImplementedError("sharded state is read with fvx.shard_files")
 
     def metadata(self, directory) -> None:
         return None
@@ -210,17 +206,18 @@ class DcpHandler(ocp.CheckpointHandler):
         pass
 
 
-@ocp.args.register_with_handler(DcpHandler, for_save=True)
+@ocp.args.register_with_handler(ShardsHandler, for_save=True)
 @dataclasses.dataclass
-class DcpSave(ocp.args.CheckpointArgs):
-    state: Mapping[str, torch.Tensor]
+class ShardsSave(ocp.args.CheckpointArgs):
+    pieces: Mapping[str, Any]  # name -> (host slice, its record)
+    index: int
+    count: int
 
 
-@ocp.args.register_with_handler(DcpHandler, for_restore=True)
+@ocp.args.register_with_handler(ShardsHandler, for_restore=True)
 @dataclasses.dataclass
-class DcpRestore(ocp.args.CheckpointArgs):
-    state: dict[str, torch.Tensor]  # loaded in place
-    no_dist: bool = False  # read in this process alone (all of it), even when a process group exists
+class ShardsRestore(ocp.args.CheckpointArgs):
+    """Unused (sharded state is read with fvx.shard_files); orbax needs restore args registered per handler."""
 
 
 class _QuietOrbax(logging.Filter):
@@ -252,11 +249,6 @@ def leaves_by_name(state: Any) -> dict[str, Any]:
     if len(named) != len(by_path):
         raise ValueError("checkpoint: two leaves of the state have the same dotted name (keys containing dots?)")
     return named
-
-
-def dcp_names(state: Any) -> dict[str, Any]:
-    """The leaves of a pytree named as a sharded checkpoint stores them: the path joined with ``/``."""
-    return {DCP_SEPARATOR.join(path): leaf for path, leaf in leaves_by_path(state).items()}
 
 
 def _specs(state: Any) -> dict[str, TensorSpec]:
@@ -321,7 +313,7 @@ class Checkpoints:
         registry = type_handlers.create_type_handler_registry((torch.Tensor, TensorHandler()))
         handlers = {"state": ocp.PyTreeCheckpointHandler(type_handler_registry=registry),
                     "checksums": ChecksumHandler(), "config": ocp.JsonCheckpointHandler(),
-                    "meta": ocp.JsonCheckpointHandler(), DCP_ITEM: DcpHandler()}
+                    "meta": ocp.JsonCheckpointHandler(), SHARDS_ITEM: ShardsHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def __enter__(self) -> Checkpoints:
@@ -353,6 +345,13 @@ class Checkpoints:
         if pending.error is not None:
             raise self._write_error(pending.step, pending.size, pending.error) from None
         self._apply_retention()
+
+    def poll(self) -> None:
+        """Raise the :class:`CheckpointWriteError` of a pending async save that has failed (the loop calls it after
+        every step, so a failure stops the run at the next step, not one save later); nothing otherwise."""
+        pending = self._pending
+        if pending is not None and not pending.thread.is_alive() and pending.error is not None:
+            self.wait()
 
     def _commit_when_written(self, pending: _Pending) -> None:
         """The commit thread of an async save: commit as soon as orbax has written the step (so a run killed before
@@ -420,8 +419,8 @@ class Checkpoints:
         return self.directory / str(step)
 
     def is_sharded(self, step: int) -> bool:
-        """Whether checkpoint ``step`` holds its state through torch.distributed.checkpoint (a multi-process save)."""
-        return (self.path(step) / DCP_ITEM).is_dir()
+        """Whether checkpoint ``step`` holds sharded state (a multi-process save)."""
+        return (self.path(step) / SHARDS_ITEM).is_dir()
 
     def _require(self, step: int) -> pathlib.Path:
         steps = self.steps()
@@ -432,9 +431,11 @@ class Checkpoints:
         path = self.path(step)
         for item in _JSON_ITEMS:  # orbax would raise a bare JSONDecodeError naming no file
             _check_json(path / item / "metadata")
+        if (path / LEGACY_DCP_ITEM).is_dir():
+            raise CheckpointError(f"checkpoint {str(path)!r} was saved by an earlier fvx with "
+                                  "torch.distributed.checkpoint, whose metadata is pickled: fvx does not read it")
         if self.is_sharded(step):
-            if not (path / DCP_ITEM / ".metadata").is_file():
-                raise CheckpointError(f"checkpoint file {str(path / DCP_ITEM / '.metadata')!r} is missing")
+            self._shard_index(step)
         else:
             _check_json(path / "checksums" / "metadata")
             _check_json(path / "state" / "_METADATA")
@@ -453,10 +454,10 @@ class Checkpoints:
         if step in self.steps():
             return False
         size = sum(t.numel() * t.element_size() for t in tree.tensor_leaves(state))
-        if self._mesh is not None:  # synchronous: DCP's collectives must not race the next step's
-            views = sharding.checkpoint_tree(state, self._mesh)
-            _specs(views)  # tensors only, or a TypeError naming the leaf
-            items = {DCP_ITEM: DcpSave(dcp_names(views))}
+        if self._mesh is not None:  # synchronous: every rank writes its own file, then orbax's barrier
+            _specs(sharding.checkpoint_tree(state, self._mesh))  # tensors only, or a TypeError naming the leaf
+            items = {SHARDS_ITEM: ShardsSave(shard_files.local_pieces(state, self._mesh),
+                                             self._mesh.get_local_rank(sharding.SHARD), self._mesh.size(1))}
         else:
             tensors = tree.map_tensors(host_copy, state) if self.config.async_save else state
             named = leaves_by_name(tensors)
@@ -496,19 +497,17 @@ class Checkpoints:
     def specs(self, step: int) -> dict[str, TensorSpec]:
         """Every stored tensor of checkpoint ``step`` by dotted name, with its shape and dtype (no array is read)."""
         if self.is_sharded(step):
-            return {name.replace(DCP_SEPARATOR, "."): _spec_of(m) for name, m in self._dcp_metadata(step).items()}
+            return {name.replace(shard_files.SEPARATOR, "."): _spec_of(pieces[0])
+                    for name, pieces in self._shard_index(step).items()}
         return {name: TensorSpec(tuple(m.shape), np.dtype(m.dtype))
                 for name, m in leaves_by_name(self.layout(step)).items()}
 
-    def _dcp_metadata(self, step: int) -> dict[str, Any]:
-        """DCP's record of every tensor of a sharded checkpoint (global shape, dtype), by DCP name."""
-        path = self._require(step) / DCP_ITEM
+    def _shard_index(self, step: int) -> dict[str, list[shard_files.Piece]]:
+        """Every stored slice of sharded checkpoint ``step`` by tensor name (read from the files' JSON headers)."""
         try:
-            stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        except Exception as error:
-            raise CheckpointError(f"checkpoint file {str(path / '.metadata')!r} is corrupt or truncated "
-                                  f"({type(error).__name__}: {error})") from None
-        return {name: m for name, m in stored.items() if isinstance(m, dcp.TensorStorageMetadata)}
+            return shard_files.index(self.path(step) / SHARDS_ITEM)
+        except shard_files.CorruptShard as error:
+            raise CheckpointError(str(error)) from None
 
     def layout(self, step: int) -> Any:
         """The stored tree of checkpoint ``step``: nested dicts and lists (NamedTuples become dicts by field name,
@@ -517,12 +516,12 @@ class Checkpoints:
         path = self._require(step)
         if self.is_sharded(step):
             nested: dict = {}
-            for name, m in self._dcp_metadata(step).items():
-                *parents, leaf = name.split(DCP_SEPARATOR)
+            for name, pieces in self._shard_index(step).items():
+                *parents, leaf = name.split(shard_files.SEPARATOR)
                 node = nested
                 for key in parents:
                     node = node.setdefault(key, {})
-                node[leaf] = _spec_of(m)
+                node[leaf] = _spec_of(pieces[0])
             return nested
         try:
             return self._manager.item_metadata(step)["state"].tree
@@ -537,34 +536,36 @@ class Checkpoints:
         if self._mesh is not None:
             return self._restore_sharded(step, target, where)
         if self.is_sharded(step):  # saved by N processes, restored whole in this one
-            fresh = tree.map_tensors(torch.zeros_like, target)
-            check_fits(self.specs(step), _specs(fresh), where)
-            self._load(step, dcp_names(fresh), no_dist=True)
-            return fresh
+            check_fits(self.specs(step), _specs(target), where)
+            return self._read_shards(step, target, None)
         check_fits(self.specs(step), _specs(target), where)
         restored = self._read(step, target, partial=False)
         return tree.map_tensors(lambda r, t: torch.empty_like(t).copy_(r), restored, target)
 
     def _restore_sharded(self, step: int, target: Any, where: str) -> Any:
-        """Checkpoint ``step`` as this rank's local shards, ``target`` giving the structure: DCP loads the slices of
-        a sharded checkpoint in place (zero padding kept); a single-process one is read whole and sliced."""
+        """Checkpoint ``step`` as this rank's local shards, ``target`` giving the structure: the slices of a sharded
+        checkpoint that overlap this rank's (zero padding kept); a single-process one is read whole and sliced."""
         mesh = self._mesh
         if self.is_sharded(step):
-            fresh = tree.map_tensors(torch.zeros_like, target)
-            views = sharding.checkpoint_tree(fresh, mesh)
-            check_fits(self.specs(step), _specs(views), where)
-            self._load(step, dcp_names(views), no_dist=False)
-            return fresh
+            check_fits(self.specs(step), _specs(sharding.checkpoint_tree(target, mesh)), where)
+            return self._read_shards(step, target, mesh)
         check_fits(self.specs(step), _specs(sharding.checkpoint_tree(target, mesh)), where)
         full = self._read(step, _plain(target, mesh), partial=False)
         return sharding.local_slices(full, target, mesh)
 
-    def _load(self, step: int, flat: dict[str, torch.Tensor], *, no_dist: bool) -> None:
-        """DCP-load the tensors of ``flat`` (DCP names) in place from checkpoint ``step``."""
+    def _read_shards(self, step: int, target: Any, mesh: Any) -> Any:
+        """Sharded checkpoint ``step`` read into ``target``'s structure (this rank's slices on ``mesh``). On a mesh
+        the ranks agree: if any rank's slices fail their checks, every rank raises that rank's error."""
+        state, message = None, None
         try:
-            self._manager.restore(step, args=ocp.args.Composite(**{DCP_ITEM: DcpRestore(flat, no_dist)}))
-        except Exception as error:
-            raise _unreadable(self.path(step) / DCP_ITEM, error) from None
+            state = shard_files.read_into(self._shard_index(step), target, mesh)
+        except (shard_files.CorruptShard, CheckpointError) as error:
+            message = str(error)
+        if mesh is not None:
+            message = sharding.first_error(message)
+        if message is not None:
+            raise CheckpointError(message)
+        return state
 
     def read(self, step: int, path: tuple[str, ...]) -> Any:
         """The subtree at ``path`` (e.g. ``("roles", "student", "params")``) of checkpoint ``step``, as CPU tensors,
@@ -592,13 +593,16 @@ class Checkpoints:
     def _read_sharded(self, step: int, path: tuple[str, ...]) -> dict:
         """The subtree at ``path`` of sharded checkpoint ``step``, whole in this process (nested dicts of CPU
         tensors)."""
-        prefix = DCP_SEPARATOR.join(path) + DCP_SEPARATOR
-        flat = {name: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-                for name, m in self._dcp_metadata(step).items() if name.startswith(prefix)}
-        self._load(step, flat, no_dist=True)
+        prefix = shard_files.SEPARATOR.join(path) + shard_files.SEPARATOR
         nested: dict = {}
-        for name, tensor in flat.items():
-            *parents, leaf = name[len(prefix):].split(DCP_SEPARATOR)
+        for name, pieces in self._shard_index(step).items():
+            if not name.startswith(prefix):
+                continue
+            try:
+                tensor = shard_files.read_region(pieces, name)
+            except shard_files.CorruptShard as error:
+                raise CheckpointError(str(error)) from None
+            *parents, leaf = name[len(prefix):].split(shard_files.SEPARATOR)
             node = nested
             for key in parents:
                 node = node.setdefault(key, {})
@@ -655,9 +659,9 @@ def _primary() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _spec_of(stored: Any) -> TensorSpec:
-    """The :class:`TensorSpec` of DCP's ``TensorStorageMetadata``."""
-    return TensorSpec(tuple(stored.size), as_numpy(torch.empty(0, dtype=stored.properties.dtype)).dtype)
+def _spec_of(piece: shard_files.Piece) -> TensorSpec:
+    """The :class:`TensorSpec` of a stored slice's tensor."""
+    return TensorSpec(piece.shape, as_numpy(torch.empty(0, dtype=shard_files.DTYPES[piece.dtype])).dtype)
 
 
 def _plain(target: Any, mesh: Any) -> Any:

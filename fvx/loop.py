@@ -30,6 +30,7 @@ import os
 import pathlib
 import shlex
 import signal
+import sys
 import time
 from typing import Annotated, Any, Callable, Literal, NamedTuple, Sequence
 
@@ -322,7 +323,7 @@ def find_checkpoint(run_dir: pathlib.Path, resume: str) -> tuple[pathlib.Path, i
         path = pathlib.Path(resume)
         if not path.exists():
             raise checkpoint.CheckpointError(f"--resume {resume!r}: no such checkpoint, step number or folder")
-        if path.name.isdigit() and ((path / "state").is_dir() or (path / checkpoint.DCP_ITEM).is_dir()):
+        if path.name.isdigit() and ((path / "state").is_dir() or (path / checkpoint.SHARDS_ITEM).is_dir()):
             folder, step = path.parent, int(path.name)
         elif (path / CHECKPOINTS).is_dir():
             folder, step = path / CHECKPOINTS, None
@@ -346,6 +347,12 @@ def find_checkpoint(run_dir: pathlib.Path, resume: str) -> tuple[pathlib.Path, i
             f"step {step} here would mix two histories. Resume into a new folder (--out NEW --resume "
             f"{own / str(step)}) or delete the later checkpoints first")
     return folder, step
+
+
+def has_checkpoints(out: pathlib.Path) -> bool:
+    """Whether the run folder ``out`` holds a committed checkpoint."""
+    with checkpoint.Checkpoints(out / CHECKPOINTS) as checkpoints:
+        return bool(checkpoints.steps())
 
 
 def _check_no_checkpoints(folder: pathlib.Path) -> None:
@@ -501,7 +508,7 @@ def _train(config: Experiment, prepared: Prepared, out: pathlib.Path, meta: dict
         earlier = [entry for entry in launches(out) if entry.get("start_step", 0) < start]  # those it continues
         _write_json(out / RUN_FILE, {"launches": earlier + [{**meta, "start_step": start, "config": record}]})
         if (out / TENSORBOARD).is_dir():
-            tracking.truncate_events(out / TENSORBOARD, start)
+            tracking.truncate_events(out / TENSORBOARD, start, report=lambda line: print(line, file=sys.stderr))
             tracking.wait_for_a_new_second(out / TENSORBOARD)
     saves = config.run.checkpoint
     checkpoints = (open_checkpoints(out / CHECKPOINTS, prepared.setup, saves)  # every rank: sharded saves
@@ -527,6 +534,7 @@ def _train(config: Experiment, prepared: Prepared, out: pathlib.Path, meta: dict
             fcallbacks.call(hooks, "on_train_start", context(state, {}))
             state = run_steps(config, prepared.setup, state, prepared.frozen, range(start, config.run.steps), tracker,
                               save=None if checkpoints is None else save,
+                              check_saves=None if checkpoints is None else checkpoints.poll,
                               after_step=lambda state, metrics: fcallbacks.call(hooks, "on_step_end",
                                                                                 context(state, metrics)),
                               nonfinite_skips=prepared.nonfinite_skips, rank=rank, world=world,
@@ -577,12 +585,13 @@ def log_run_summary(tracker: tracking.Tracker, state: TrainState, stats: Compile
 def run_steps(config: Experiment, built: Setup, state: TrainState, frozen: dict[str, Any], steps: range,
               tracker: tracking.Tracker, *,
               save: Callable[[TrainState, int], None] | None = None,
+              check_saves: Callable[[], None] | None = None,
               after_step: Callable[[TrainState, dict[str, float]], None] | None = None, nonfinite_skips: int = 0,
               rank: int = 0, world: int = 1, experiment: str | None = None) -> TrainState:
     """Take ``steps`` with ``built.program.step_`` (the frozen roles' params ``frozen``) on prefetched batches,
     logging every ``config.run.log_every`` (and every non-finite step), calling ``save(state, skips)`` after each
     step a checkpoint is due (by step count or ``every_seconds``), then ``after_step(state, metrics)`` (the callbacks'
-    ``on_step_end``). SIGTERM or SIGINT: the step in flight finishes, is saved, and :class:`Interrupted` stops the run
+    ``on_step_end``); ``check_saves()`` after every step raises a failed background save. SIGTERM or SIGINT: the step in flight finishes, is saved, and :class:`Interrupted` stops the run
     (every rank alike); more than ``run.max_consecutive_skips`` skipped steps in a row halt it."""
     global_batch, run = config.data.batch_size, config.run
     progress = _progress_bar(config, steps, rank)
@@ -608,6 +617,8 @@ def run_steps(config: Experiment, built: Setup, state: TrainState, frozen: dict[
                     tracker.flush()
                     raise _halt(config, step, values, applied=not flagged, rank=rank, consecutive=consecutive,
                                 experiment=experiment)
+                if check_saves is not None:
+                    check_saves()
                 timed = run.checkpoint.every_seconds is not None and \
                     time.monotonic() - last_save >= run.checkpoint.every_seconds
                 stop = signals.received is not None

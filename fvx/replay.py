@@ -3,8 +3,10 @@
 Replay restores the newest checkpoint at or before ``step`` (or builds the initial state, a pure function of the config
 and seed, when none precedes it), takes the steps from there up to ``step`` on the same batches and keys, then takes
 ``step`` once more and returns its metrics. :func:`compare` sets them beside what the run logged, as float32 (the
-precision TensorBoard stores); a NaN matches a NaN. Replay is bitwise in the mode (eager or compiled) and on the device
-type the run used.
+precision TensorBoard stores); a NaN matches a NaN. Replay is bitwise in the mode (eager or compiled), on the device
+type and with the number of processes the run used; replaying a step of an N-process run in one process changes the
+order of the ranks' reductions (means, norms), so then the metrics are compared within :data:`ACROSS_WORLDS`
+(relative), and the report says which comparison it made.
 """
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ from fvx import checkpoint, loop, tracking
 from fvx.state import NONFINITE
 
 
+ACROSS_WORLDS = 1e-5  # relative tolerance when the run had another number of processes (measured: 1e-7)
+
+
 class Replay(NamedTuple):
     """A replayed step: its metrics, the checkpoint it started from (None: the initial state), and where the config's
     classes came from (``fvx.loop.load_run_sources``)."""
@@ -28,6 +33,7 @@ class Replay(NamedTuple):
     metrics: dict[str, float]
     from_checkpoint: int | None
     sources: tuple[str, ...] = ()
+    run_world: int = 1  # the processes of the launch that ran the step (this replay runs in one)
 
 
 class Row(NamedTuple):
@@ -36,10 +42,15 @@ class Row(NamedTuple):
     name: str
     replayed: float
     logged: float | None
+    tolerance: float | None = None  # relative; None: the same float32
 
     @property
     def same(self) -> bool:
-        return self.logged is None or same_float32(self.replayed, self.logged)
+        if self.logged is None or self.tolerance is None:
+            return self.logged is None or same_float32(self.replayed, self.logged)
+        if math.isnan(self.replayed) or math.isnan(self.logged):
+            return math.isnan(self.replayed) and math.isnan(self.logged)
+        return math.isclose(self.replayed, self.logged, rel_tol=self.tolerance, abs_tol=1e-12)
 
 
 def replay_step(run_dir: str | os.PathLike, step: int) -> dict[str, float]:
@@ -72,7 +83,8 @@ def replay(run_dir: str | os.PathLike, step: int, *, progress: bool = False, exp
     _, metrics = built.program.step_(state, frozen, batch_at(step))
     bar.update(1)
     bar.close()
-    return Replay(step, {name: float(value) for name, value in metrics.items()}, base, loaded.sources)
+    run_world = int(loop.launch_at(run_dir, step).get("world_size") or 1)
+    return Replay(step, {name: float(value) for name, value in metrics.items()}, base, loaded.sources, run_world)
 
 
 def logged_metrics(run_dir: str | os.PathLike, step: int) -> dict[str, float]:
@@ -83,9 +95,16 @@ def logged_metrics(run_dir: str | os.PathLike, step: int) -> dict[str, float]:
     return {tag: value for tag, events in tracking.read_scalars(logdir).items() for s, value in events if s == step}
 
 
-def compare(replayed: dict[str, float], logged: dict[str, float]) -> list[Row]:
-    """Each replayed metric (but the ``nonfinite`` flag, which the loop does not log) beside its logged value."""
-    return [Row(name, value, logged.get(name)) for name, value in sorted(replayed.items()) if name != NONFINITE]
+def compare(replayed: dict[str, float], logged: dict[str, float], tolerance: float | None = None) -> list[Row]:
+    """Each replayed metric (but the ``nonfinite`` flag, which the loop does not log) beside its logged value,
+    compared bitwise as float32 or, with ``tolerance``, within it (relative)."""
+    return [Row(name, value, logged.get(name), tolerance) for name, value in sorted(replayed.items())
+            if name != NONFINITE]
+
+
+def tolerance_for(result: Replay) -> float | None:
+    """None (bitwise) when the replay runs with the run's number of processes, else :data:`ACROSS_WORLDS`."""
+    return None if result.run_world == 1 else ACROSS_WORLDS
 
 
 def same_float32(a: float, b: float) -> bool:
@@ -113,8 +132,13 @@ def report(result: Replay, rows: list[Row], run_dir: str | os.PathLike) -> str:
     different = [row.name for row in compared if not row.same]
     if different:
         lines.append(f"replay DIFFERS from the logged step {result.step}: {', '.join(different)}")
+    elif compared and compared[0].tolerance is None:
+        lines.append(f"replay matches the logged step {result.step} ({len(compared)} metrics, bitwise as float32)")
     elif compared:
-        lines.append(f"replay matches the logged step {result.step} ({len(compared)} metrics, as float32)")
+        lines.append(f"replay matches the logged step {result.step} ({len(compared)} metrics within "
+                     f"{compared[0].tolerance:g} relative: the run used {result.run_world} processes, this replay 1, "
+                     "so reductions over ranks add in another order)")
     else:
-        lines.append(f"step {result.step} was not logged (run.log_every?): nothing to compare")
+        lines.append(f"step {result.step} was not logged (run.log_every?, or the event files lost it): nothing to "
+                     "compare")
     return "\n".join(lines)

@@ -6,7 +6,7 @@ and replica groups (HSDP) hold the same slices. Even means identical local shape
 compiles the same graphs: ``d`` is the first dimension the shard size divides, and a param none of whose dimensions
 it divides is zero-padded on dim 0 up to the next multiple (:class:`ShardSpec` records the padding; :func:`unshard`
 and :func:`checkpoint_view` strip it). The layout travels in the pytree node itself, so grads, AdamW moments and EMA
-mapped from a ``Shards`` carry it; DTensors appear only where ``torch.distributed.checkpoint`` needs them.
+mapped from a ``Shards`` carry it; DTensors appear only where the global view is needed (a checkpoint's full shapes).
 
 In use, a unit (the root, or one transformer block) gathers its params just before it runs, through an
 ``autograd.Function`` over the functional collectives addressed by process-group *name* (compiled graphs hold no
@@ -216,12 +216,19 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def local_rows(spec: ShardSpec, index: int, shard_size: int) -> tuple[int, int]:
+    """``(start, count)`` of the real (unpadded) rows along ``spec.dim`` that shard ``index`` of ``shard_size``
+    holds; the rest of its even shard is padding."""
+    chunk = spec.padded // shard_size
+    start = min(index * chunk, spec.shape[spec.dim])
+    return start, max(0, min(chunk, spec.shape[spec.dim] - start))
+
+
 def local_slice(full: torch.Tensor, spec: ShardSpec, index: int, shard_size: int) -> torch.Tensor:
     """Shard ``index`` of ``shard_size`` of the zero-padded ``full`` tensor, of the even local shape: a view of
     ``full`` where no padding falls in it, else a new tensor ending in zeros."""
     chunk = spec.padded // shard_size
-    start = min(index * chunk, spec.shape[spec.dim])
-    real = max(0, min(chunk, spec.shape[spec.dim] - start))
+    start, real = local_rows(spec, index, shard_size)
     part = full.narrow(spec.dim, start, real)
     if real == chunk:
         return part
@@ -320,9 +327,9 @@ def _dtensors(shards: Shards, mesh: DeviceMesh) -> dict[str, DTensor | None]:
 
 
 def checkpoint_view(shards: Shards, mesh: DeviceMesh) -> dict[str, DTensor | None]:
-    """DTensors of the *unpadded* full shapes whose local tensors are views of the padded shards (no copy): what
-    ``torch.distributed.checkpoint`` saves and loads in place, so a checkpoint holds no padding and reshards to any
-    world size. Padded params become torch.chunk-style uneven shards (the last ranks hold fewer rows, maybe none)."""
+    """DTensors of the *unpadded* full shapes whose local tensors are views of the padded shards (no copy): the global
+    view of sharded state (its full shapes, as a checkpoint records them; ``torch.distributed.checkpoint`` also loads
+    into it). Padded params become torch.chunk-style uneven shards (the last ranks hold fewer rows, maybe none)."""
     out = {}
     for name, dt in _dtensors(shards, mesh).items():
         spec = shards.layout[name]
@@ -341,9 +348,9 @@ def _is_shards(node: Any) -> bool:
 
 
 def checkpoint_tree(state: Any, mesh: DeviceMesh) -> Any:
-    """``state`` with every :class:`Shards` node as its :func:`checkpoint_view` (a plain dict of DTensors): what
-    ``torch.distributed.checkpoint`` saves, and loads in place into the padded shards, whatever the world size it
-    was saved with. Other leaves (a step, a key, counts, replicated tensors) stay plain."""
+    """``state`` with every :class:`Shards` node as its :func:`checkpoint_view` (a plain dict of DTensors of the full
+    shapes): what a checkpoint's shapes are checked against. Other leaves (a step, a key, counts, replicated
+    tensors) stay plain."""
     return tree_map(lambda node: checkpoint_view(node, mesh) if _is_shards(node) else node, state,
                     is_leaf=_is_shards, none_is_leaf=True)
 
@@ -516,6 +523,25 @@ def any_rank(flag: bool) -> bool:
     value = torch.tensor([int(flag)], device=device)
     torch.distributed.all_reduce(value, torch.distributed.ReduceOp.MAX)
     return bool(value.item())
+
+
+def first_error(message: str | None, limit: int = 2048) -> str | None:
+    """The error message of the lowest rank that has one (None when no rank has), on every process of the default
+    process group: ranks that read different files agree on failing, and each can say why (one all-gather of
+    ``limit`` bytes per rank)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return message
+    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+    data = (message or "").encode()[:limit]
+    local = torch.zeros(limit + 1, dtype=torch.uint8, device=device)
+    local[0] = int(message is not None)
+    local[1:1 + len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    gathered = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(gathered, local)
+    for row in gathered:
+        if int(row[0]):
+            return bytes(row[1:].cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+    return None
 
 
 def dp_max(value: int, group: Group) -> int:

@@ -16,6 +16,7 @@ import json
 import math
 import numbers
 import os
+import struct
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -24,13 +25,12 @@ import numpy as np
 import torch
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import DEFAULT_SIZE_GUIDANCE, EventAccumulator
-from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
 from tensorboard.compat.proto import event_pb2
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.plugins.hparams import plugin_data_pb2
 from tensorboard.plugins.hparams.metadata import SESSION_START_INFO_TAG
 from tensorboard.plugins.hparams.summary_v2 import hparams_pb
-from tensorboard.summary.writer.record_writer import RecordWriter
+from tensorboard.summary.writer.record_writer import RecordWriter, masked_crc32c
 from torch.utils.tensorboard import SummaryWriter
 
 Metric = float | torch.Tensor
@@ -389,14 +389,19 @@ def read_hparams(logdir: str | Path) -> dict[str, bool | float | str]:
 # ---------------------------------------------------------------------------------------------------------- resume
 
 
-def truncate_events(logdir: Path, from_step: int) -> int:
+def truncate_events(logdir: Path, from_step: int, report: Callable[[str], None] = lambda line: None) -> int:
     """Drop the summaries of steps ``>= from_step`` from every TensorBoard event file in ``logdir`` (each file
-    rewritten beside itself, then renamed over it); return how many events were dropped."""
+    rewritten beside itself, then renamed over it); return how many events were dropped. A damaged record (its
+    length or bytes fail their CRC, or a torn tail) is dropped too and reported (``report``, one line naming the file
+    and byte offset); the intact records before and after it are kept, so no history hides behind it."""
     dropped = 0
     for path in sorted(logdir.glob("events.out.tfevents.*")):
-        records = list(RawEventFileLoader(str(path)).Load())
+        records, damaged = read_records(path)
+        for offset in damaged:
+            report(f"note: {path} has a damaged TensorBoard record at byte {offset}; it is dropped and the records "
+                   "around it are kept")
         kept = [r for r in records if _before(r, from_step)]
-        if len(kept) == len(records):
+        if len(kept) == len(records) and not damaged:
             continue
         partial = path.with_name(f".{os.getpid()}.truncating")
         with open(partial, "wb") as f:
@@ -406,6 +411,41 @@ def truncate_events(logdir: Path, from_step: int) -> int:
         os.replace(partial, path)
         dropped += len(records) - len(kept)
     return dropped
+
+
+def read_records(path: Path) -> tuple[list[bytes], list[int]]:
+    """The intact records of a TFRecord event file, and the byte offsets where damaged spans begin (reading resumes at
+    the next intact record, found by scanning)."""
+    data = path.read_bytes()
+    records, damaged, pos = [], [], 0
+    while pos < len(data):
+        record = _record_at(data, pos)
+        if record is None:
+            damaged.append(pos)
+            pos += 1
+            while pos < len(data) and _record_at(data, pos) is None:
+                pos += 1
+            continue
+        records.append(record[0])
+        pos = record[1]
+    return records, damaged
+
+
+def _record_at(data: bytes, pos: int) -> tuple[bytes, int] | None:
+    """(the record's bytes, the offset after it) of an intact TFRecord at ``pos``: uint64 length, masked CRC-32C of
+    the length, the bytes, their masked CRC-32C; None if anything fails."""
+    if pos + 12 > len(data):
+        return None
+    header = data[pos:pos + 8]
+    if struct.unpack("<I", data[pos + 8:pos + 12])[0] != masked_crc32c(header):
+        return None
+    end = pos + 12 + struct.unpack("<Q", header)[0]
+    if end + 4 > len(data):
+        return None
+    body = data[pos + 12:end]
+    if struct.unpack("<I", data[end:end + 4])[0] != masked_crc32c(body):
+        return None
+    return body, end + 4
 
 
 def wait_for_a_new_second(logdir: Path) -> None:

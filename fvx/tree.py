@@ -49,12 +49,21 @@ def leaves(tree: Tree, *, is_leaf: Callable | None = None) -> list:
     return optree.tree_leaves(tree, is_leaf=is_leaf, namespace=NAMESPACE)
 
 
-def named_leaves(tree: Tree) -> list[tuple[tuple[str, ...], Any]]:
+def named_leaves(tree: Tree, *, is_leaf: Callable | None = None) -> list[tuple[tuple[str, ...], Any]]:
     """``(path, leaf)`` for every leaf, the path the names of the keys on the way: dict keys, NamedTuple field names,
     sequence indices (as text). ``None`` is an empty subtree."""
-    accessors, values, _ = optree.tree_flatten_with_accessor(tree, namespace=NAMESPACE)
-    return [(tuple(str(getattr(entry, "field", None) or entry.entry) for entry in accessor), value)
-            for accessor, value in zip(accessors, values)]
+    accessors, values, _ = optree.tree_flatten_with_accessor(tree, is_leaf=is_leaf, namespace=NAMESPACE)
+    return [(_path(accessor), value) for accessor, value in zip(accessors, values)]
+
+
+def map_with_path(fn: Callable[[tuple[str, ...], Any], Any], tree: Tree, *, is_leaf: Callable | None = None) -> Tree:
+    """``tree`` with each leaf replaced by ``fn(path, leaf)`` (paths as :func:`named_leaves` names them)."""
+    accessors, values, treedef = optree.tree_flatten_with_accessor(tree, is_leaf=is_leaf, namespace=NAMESPACE)
+    return optree.tree_unflatten(treedef, [fn(_path(a), v) for a, v in zip(accessors, values)])
+
+
+def _path(accessor: Any) -> tuple[str, ...]:
+    return tuple(str(getattr(entry, "field", None) or entry.entry) for entry in accessor)
 
 
 def map_tensors(fn: Callable[..., Any], tree: Tree, *rest: Tree) -> Tree:

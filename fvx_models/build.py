@@ -214,12 +214,15 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
         return placed(init_params(plain, key, family.init_rules, family.name))
 
     def load(folder: str) -> Params:
-        return placed(dfolder.read_params(folder, plain, family.components, f"{family.name} load"))
+        return placed(dfolder.read_params(folder, plain, family.components, f"{family.name} load",
+                                          lazy=mesh is not None))
 
     def whole(key: torch.Tensor) -> Params:
-        """The architecture's fp32 params: read from ``config.path``, else drawn from ``key``."""
+        """The architecture's fp32 params: read from ``config.path`` (on a mesh as handles each rank reads its
+        slices of), else drawn from ``key``."""
         if config.path is not None:
-            return dfolder.read_params(config.path, plain, family.components, f"{family.name} load")
+            return dfolder.read_params(config.path, plain, family.components, f"{family.name} load",
+                                       lazy=mesh is not None)
         return init_params(plain, key, family.init_rules, family.name)
 
     def initial_params(key: torch.Tensor) -> Params:

@@ -141,12 +141,35 @@ def _ignored_on_load(module: nn.Module, name: str) -> bool:
     return any(re.search(pattern, name) for pattern in patterns)
 
 
+class StoredTensor:
+    """A param of a safetensors file, read on demand: :meth:`narrow` reads only the rows asked for (as fp32), so
+    ``fvx.sharding.shard`` of :class:`StoredTensor` params never holds a full param: a rank reads its slices only."""
+
+    dtype = torch.float32
+
+    def __init__(self, path: pathlib.Path, name: str, shape: tuple[int, ...], what: str):
+        self.path, self.name, self.shape, self.what = path, name, torch.Size(shape), what
+
+    def detach(self) -> StoredTensor:
+        return self
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        rows = tuple(slice(start, start + length) if d == dim else slice(None) for d in range(len(self.shape)))
+        with open_safetensors(self.path, self.what) as f:
+            try:
+                return f.get_slice(self.name)[rows].to(torch.float32)
+            except (SafetensorError, OSError) as error:
+                raise ValueError(f"{self.what}: cannot read tensor {self.name!r} of {str(self.path)!r} (truncated?): "
+                                 f"{error}") from None
+
+
 def read_params(folder: str | os.PathLike, module: nn.Module, components: Mapping[str, str],
-                what: str) -> dict[str, torch.Tensor]:
+                what: str, *, lazy: bool = False) -> dict[str, torch.Tensor]:
     """fp32 params of ``module`` from a local folder: a pipeline root holding each component's folder, or (for a
     model of one component) that component's folder itself. Each component's config.json must describe the
     skeleton's architecture and its weights hold exactly the skeleton's params with their shapes; otherwise one
-    ValueError lists every difference. Never touches a hub."""
+    ValueError lists every difference. ``lazy``: :class:`StoredTensor` handles instead of tensors (for a sharded
+    load, each rank reading its own slices). Never touches a hub."""
     folder = pathlib.Path(folder)
     if not folder.is_dir():
         raise ValueError(f"{what}: {str(folder)!r} is not a folder")
@@ -171,7 +194,8 @@ def read_params(folder: str | os.PathLike, module: nn.Module, components: Mappin
             with open_safetensors(path, what) as f:
                 for name in f.keys():
                     if name in shapes:
-                        loaded[name] = read_tensor(f, name, path, what).to(torch.float32)
+                        loaded[name] = (StoredTensor(path, name, shapes[name], what) if lazy
+                                        else read_tensor(f, name, path, what).to(torch.float32))
         params.update({prefix + name: loaded[name] for name in param_shapes(part)})
     return {name: params[name] for name in param_shapes(module)}
 

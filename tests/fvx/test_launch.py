@@ -28,8 +28,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch2(out: pathlib.Path, *overrides: str, experiment: str = EXPERIMENT) -> None:
-    """``fvx.run`` on 2 gloo processes, as torchrun would start them."""
+def launch2(out: pathlib.Path, *overrides: str, experiment: str = EXPERIMENT, expect: int = 0) -> list[str]:
+    """``fvx.run`` on 2 gloo processes, as torchrun would start them; each rank's output (its exit code is
+    ``expect``)."""
     port, procs = _free_port(), []
     for rank in range(2):
         env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
@@ -39,9 +40,11 @@ def launch2(out: pathlib.Path, *overrides: str, experiment: str = EXPERIMENT) ->
                                       stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate()[0] for p in procs]
     for rank, (p, text) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"rank {rank}:\n{text}"
-    assert "done: 3 steps" in outputs[0] and "(2 processes)" in outputs[0]
-    assert "done:" not in outputs[1]  # only rank 0 reports
+        assert p.returncode == expect, f"rank {rank}:\n{text}"
+    if expect == 0:
+        assert "done: 3 steps" in outputs[0] and "(2 processes)" in outputs[0]
+        assert "done:" not in outputs[1]  # only rank 0 reports
+    return outputs
 
 
 def launch1(out: pathlib.Path, *overrides: str, experiment: str = EXPERIMENT) -> None:
@@ -109,9 +112,8 @@ def _relative_distance(got: dict, want: dict) -> float:
 
 
 @pytest.mark.slow  # the 2-process run is the fixture's
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load in this (single) process
 def test_a_two_process_checkpoint_resumes_on_one_process_and_continues_to_match(runs, tmp_path):
-    """The 2-process run saved sharded checkpoints (DCP inside orbax); one process resumes from step 2, and its last
+    """The 2-process run saved sharded checkpoints (per-rank shard files); one process resumes from step 2, and its last
     step and final state match both uninterrupted runs (fp32: reduction order only)."""
     two, one = runs["eager"]
     resumed = tmp_path / "resumed"
@@ -129,6 +131,45 @@ def test_a_two_process_checkpoint_resumes_on_one_process_and_continues_to_match(
     assert _relative_distance(saved_two, saved_one) < 1e-6  # measured 1.7e-7
     assert _relative_distance(final, saved_one) < 1e-6
     assert _relative_distance(final, saved_two) < 1e-6
+
+
+@pytest.mark.slow  # the 2-process run is the fixture's
+def test_replaying_a_two_process_step_in_one_process_passes_within_the_stated_tolerance(runs, capsys):
+    two, _ = runs["eager"]
+    assert run.main(["replay", str(two), "--step", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "within 1e-05 relative: the run used 2 processes, this replay 1" in out and "DIFFERENT" not in out
+
+
+def _flip_a_byte(shard: pathlib.Path, name: str) -> None:
+    """Flip one bit inside tensor ``name``'s bytes of the safetensors file ``shard``."""
+    import json as _json
+    import struct
+
+    raw = bytearray(shard.read_bytes())
+    header = int(struct.unpack("<Q", raw[:8])[0])
+    begin, _ = _json.loads(raw[8:8 + header])[name]["data_offsets"]
+    raw[8 + header + begin + 3] ^= 0x10
+    shard.write_bytes(bytes(raw))
+
+
+@pytest.mark.slow  # one more 2-process launch
+def test_a_flipped_byte_in_a_shard_is_refused_by_name_on_one_and_two_processes(runs, tmp_path, capsys):
+    import shutil
+
+    two, _ = runs["eager"]
+    damaged = tmp_path / "damaged"
+    shutil.copytree(two, damaged)
+    (damaged / ".fvx-lock").unlink(missing_ok=True)
+    shard = damaged / "checkpoints" / "3" / "shards" / "rank-00001-of-00002.safetensors"
+    name = "roles/student/params/proj_out.weight"
+    _flip_a_byte(shard, name)
+    message = f"shard file '{shard}': tensor '{name}' fails its checksum"
+    assert run.main(["export", str(damaged), "--out", str(tmp_path / "exported")]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "exported").exists()
+    assert run.main([EXPERIMENT, "--out", str(damaged), "--resume", "3", *QUICK[2:]]) == 2
+    assert message in capsys.readouterr().err
+    assert message in launch2(damaged, "--resume", "3", expect=2)[0]
 
 
 # ----------------------------------------------------------------------------------------------------------- dry run

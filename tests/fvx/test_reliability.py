@@ -202,3 +202,48 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_saved_step(tmp_p
     logged, expected = tracking.read_scalars(out / "tb"), tracking.read_scalars(reference / "tb")
     for (_, got), (_, want) in zip(logged["loss"], expected["loss"]):
         assert abs(got - want) <= 1e-5 * abs(want)  # 2 processes differ from one in reduction order only
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_a_signalled_or_dead_torchrun_launcher_stops_its_workers_at_one_saved_step(tmp_path, reference, signum):
+    """SIGTERM to torchrun reaches both workers (JAX's preemption notifier does not swallow it); a SIGKILLed
+    launcher leaves orphans, which notice and stop the same way: both save one step and exit."""
+    out, flag = tmp_path / "run", tmp_path / "paused"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "FVX_TEST_PAUSE_AT_STEP": "4",
+           "FVX_TEST_SIGNAL": str(flag)}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                 "--master-port", str(port), "-m", "fvx.run", EXPERIMENT, "--out", str(out)], env=env,
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    wait_for(flag, launcher)
+    launcher.send_signal(signum)
+    launcher.communicate(timeout=300)
+    deadline = time.monotonic() + 120  # workers of a killed launcher stop on their own
+    while _workers_of(out) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _workers_of(out)
+    with checkpoint.Checkpoints(out / loop.CHECKPOINTS) as checkpoints:
+        assert checkpoints.steps()[-1] == 5  # the step in flight, saved by both
+    assert run.main([EXPERIMENT, "--out", str(out), "--resume"]) == 0  # 2 processes saved it, 1 resumes it
+    logged, expected = tracking.read_scalars(out / "tb"), tracking.read_scalars(reference / "tb")
+    assert [s for s, _ in logged["loss"]] == list(range(8))
+    for (_, got), (_, want) in zip(logged["loss"], expected["loss"]):
+        assert abs(got - want) <= 1e-5 * abs(want)  # 2 processes differ from one in reduction order only
+
+
+def _workers_of(out: pathlib.Path) -> list[int]:
+    """Pids of fvx.run processes writing ``out``."""
+    found = []
+    for proc in pathlib.Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"fvx.run" in cmdline and str(out).encode() in cmdline:
+                found.append(int(proc.name))
+    return found

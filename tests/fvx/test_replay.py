@@ -41,6 +41,15 @@ def test_replay_command_prints_both_columns(run_dir, capsys):
     assert out.count("  same") == 3 and "replay matches the logged step 5" in out
 
 
+def test_replay_of_a_step_that_was_never_logged_exits_non_zero(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run.main([EXPERIMENT, "--out", str(out), "--steps", "4", "run.log_every=2"]) == 0
+    assert run.main(["replay", str(out), "--step", "1"]) == 1
+    assert "step 1 was not logged" in capsys.readouterr().out
+    assert run.main(["replay", str(out), "--step", "2"]) == 0
+    assert "bitwise as float32" in capsys.readouterr().out
+
+
 def test_replay_fails_loudly_on_a_tampered_checkpoint(run_dir, tmp_path, capsys):
     tampered = tmp_path / "run"
     shutil.copytree(run_dir, tampered)

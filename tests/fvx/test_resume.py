@@ -51,6 +51,16 @@ def reference(tmp_path_factory) -> pathlib.Path:
     return out
 
 
+def test_resume_auto_starts_an_empty_folder_and_continues_one_with_checkpoints(tmp_path, reference, capsys):
+    """One command for a requeued job: the first launch starts, the second (after a kill, say) resumes, bitwise."""
+    out = tmp_path / "run"
+    assert train(out, "--steps", "4", "--resume", "auto") == 0
+    assert "resuming from" not in capsys.readouterr().out
+    assert train(out, "--steps", "8", "--resume", "auto") == 0
+    assert f"resuming from {out / 'checkpoints' / '4'} (step 4)" in capsys.readouterr().out
+    assert_same_run(out, reference)
+
+
 def test_n_steps_resumed_to_2n_is_the_2n_step_run(tmp_path, reference, capsys):
     out = tmp_path / "run"
     assert train(out, "--steps", "4") == 0
@@ -143,6 +153,25 @@ def test_truncate_events_drops_the_steps_a_resumed_run_takes_again(tmp_path):
             tracker.scalars(step, {"loss": 10.0 + step})
     assert tracking.read_scalars(tmp_path)["loss"] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
     assert tracking.read_hparams(tmp_path) == {"lr": 0.1}
+
+
+def test_a_damaged_event_record_is_reported_and_the_history_around_it_kept(tmp_path):
+    with tracking.open_tracker(tmp_path) as tracker:
+        for step in range(6):
+            tracker.scalars(step, {"loss": float(step)})
+    (path,) = tmp_path.glob("events.out.tfevents.*")
+    records, damaged = tracking.read_records(path)
+    assert damaged == []
+    raw = bytearray(path.read_bytes())
+    offset = sum(12 + len(r) + 4 for r in records[:3])  # the record of step 2 (after the file-version record)
+    raw[offset + 14] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    assert [s for s, _ in tracking.read_scalars(tmp_path)["loss"]] == [0, 1]  # TensorBoard stops at the damage
+    lines = []
+    assert tracking.truncate_events(tmp_path, 5, report=lines.append) == 1  # step 5; the damaged record aside
+    assert lines == [f"note: {path} has a damaged TensorBoard record at byte {offset}; it is dropped and the records "
+                     "around it are kept"]
+    assert [s for s, _ in tracking.read_scalars(tmp_path)["loss"]] == [0, 1, 3, 4]
 
 
 def copy_run(reference: pathlib.Path, out: pathlib.Path) -> pathlib.Path:

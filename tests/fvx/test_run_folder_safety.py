@@ -29,10 +29,48 @@ def test_a_run_json_pointing_at_code_never_runs_it(tmp_path):
     assert not marker.exists()
 
 
+def test_payloads_planted_in_a_run_folder_and_the_working_directory_never_run(tmp_path, monkeypatch):
+    """A pickled payload as an old-style ``dcp/.metadata``, a config.json naming a module of the working directory
+    and a run.json naming none: replay, export and resume read data only."""
+    import pickle  # noqa: F401  (the test writes a payload; fvx never unpickles)
+
+    out = tmp_path / "run"
+    quick = ["--steps", "2", "run.progress=false", "validation.every=0", "data.batch_size=2",
+             "run.checkpoint.async_save=false"]
+    assert run.main([EXPERIMENT, "--out", str(out), *quick]) == 0
+    marker = tmp_path / "pwned"
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "evilmod.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n")
+    monkeypatch.chdir(work)
+    monkeypatch.syspath_prepend(str(work))
+
+    class Payload:
+        def __reduce__(self):
+            return (exec, (f"import pathlib; pathlib.Path({str(marker)!r}).write_text('ran')",))
+
+    legacy = out / "checkpoints" / "2" / "dcp"
+    legacy.mkdir()
+    (legacy / ".metadata").write_bytes(pickle.dumps(Payload()))
+    record = json.loads((out / "run.json").read_text())
+    for launch in record["launches"]:
+        launch["experiment"] = None
+    (out / "run.json").write_text(json.dumps(record))
+    config = json.loads((out / "config.json").read_text())
+    config["config_type"] = "evilmod:FinetuneWan"
+    (out / "config.json").write_text(json.dumps(config))
+    for argv in (["replay", str(out), "--step", "1"], ["export", str(out), "--out", str(tmp_path / "exported")],
+                 [EXPERIMENT, "--out", str(out), "--steps", "3", "--resume", *quick[2:]]):
+        run.main(argv)  # refused or not: nothing runs
+        assert not marker.exists(), argv
+
+
 UNPICKLING = [
     (re.compile(r"torch\.load\((?![^)]*weights_only\s*=\s*True)"), "torch.load without weights_only=True"),
     (re.compile(r"\bpickle\.loads?\(|\bimport pickle\b|\bfrom pickle\b|\bimport dill\b"), "pickle"),
     (re.compile(r"allow_pickle\s*=\s*True"), "np.load(allow_pickle=True)"),
+    (re.compile(r"torch\.distributed\.checkpoint|FileSystemReader|\bdcp\.load\b"),
+     "torch.distributed.checkpoint (its .metadata is pickled)"),
 ]
 
 
