@@ -134,6 +134,8 @@ def baseline_step(case: str, module, optimizer, batch, draws) -> torch.Tensor:
 def run_case(case: str, repeats: int) -> dict:
     model, config, program, state, module, optimizer, batch = build(case)
     compiled = build(case, compile="blocks")[2]
+    peer = torch.compile(baseline_module(case, state.roles["student"].params))
+    peer_optimizer = torch.optim.AdamW(peer.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
     holder = {"fvx": state, "fvx_blocks": compiled.init(random.key(0))}
     first_fvx = program.step_(holder["fvx"], {}, batch)
     holder["fvx"] = first_fvx[0]
@@ -146,12 +148,15 @@ def run_case(case: str, repeats: int) -> dict:
             metrics["loss"].item()
         return step
 
-    def base_step():
-        draws = baseline_draws(config, batch, holder["fvx"], int(holder["fvx"].step))
-        baseline_step(case, module, optimizer, batch, draws)
+    def base_step(net, opt):
+        def step():
+            draws = baseline_draws(config, batch, holder["fvx"], int(holder["fvx"].step))
+            baseline_step(case, net, opt, batch, draws)
+        return step
 
     times = alternate({"fvx": fvx_step("fvx", program), "fvx_blocks": fvx_step("fvx_blocks", compiled),
-                       "baseline": base_step}, repeats=repeats, warmup=2)
+                       "baseline": base_step(module, optimizer), "compiled": base_step(peer, peer_optimizer)},
+                      repeats=repeats, warmup=2)
     tokens = batch["latents"][0, 0].numel() // 4  # every case patches 1 x 2 x 2
     return {"case": case, "tokens": tokens, "batch": len(batch["sample_index"]), "loss_diff_step0": agree, **times}
 
@@ -209,8 +214,45 @@ def measure_process(case: str, repeats: int, batch_size: int) -> dict:
         _, _, program, state, batch = build_fvx(case, compile, mesh, batch_size)
         out[name] = measure_steps(program, state, rank_slice(batch, d.rank, d.world), repeats)
     if d.world > 1:
+        out["fsdp2"] = measure_fsdp2(case, repeats, batch_size, d)
         torch.distributed.destroy_process_group()
     return out
+
+
+def measure_fsdp2(case: str, repeats: int, batch_size: int, d) -> dict:
+    """The peer of the sharded fvx step: the diffusers module with FSDP2 ``fully_shard`` on every unit and the root
+    (one 1-D mesh of all ranks), ``loss.backward()``, ``clip_grad_norm_``, AdamW foreach; the same initial params and
+    draws as fvx's step on this rank's slice of the batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fvx_models import build as fbuild
+
+    _, config, _, state, batch = build_fvx(case, "none", None, batch_size)
+    module = baseline_module(case, state.roles["student"].params)
+    model_config_ = model_config(case)
+    mesh = init_device_mesh("cpu", (d.world,))
+    for units in fbuild.unit_groups(model_config_.family, module).values():
+        for prefix in units:
+            fully_shard(module.get_submodule(prefix[:-1]), mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
+    local = rank_slice(batch, d.rank, d.world)
+    holder = {"step": 0}
+
+    def step():
+        loss = baseline_step(case, module, optimizer, local, baseline_draws(config, local, state, holder["step"]))
+        holder["step"] += 1
+        return float(loss)
+
+    loss0 = step()
+    step()
+    gc.collect()
+    reset_peak_rss()
+    seconds = statistics.median(timed(step) for _ in range(repeats))
+    return {"loss0": loss0, "step_s": seconds, "peak_mb": peak_rss_bytes() / 2**20,
+            "state_mb": sum(p.to_local().numel() * 12 for p in module.parameters()) / 2**20}
+
 
 
 def _free_port() -> int:
@@ -256,13 +298,19 @@ def print_processes(repeats: int, threads: int | None) -> None:
         batch_size = -(-case_batch // WORLD) * WORLD
         (single,) = run_processes(case, repeats, batch_size, 1, threads)
         multi = run_processes(case, repeats, batch_size, WORLD, 1)
-        for name in VARIANTS:
-            one, per_rank = single[name], [m[name] for m in multi]
+        for name in (*VARIANTS, "fsdp2"):
+            if name == "fsdp2":  # the peer runs sharded only: its 1-process column repeats fvx's
+                one = single["fvx"]
+            else:
+                one = single[name]
+            per_rank = [m[name] for m in multi]
             print(f"{case:10} {name:10} {batch_size:2d} {one['step_s'] * 1e3:7.1f} "
                   + " ".join(f"{r['step_s'] * 1e3:7.1f}" for r in per_rank)
                   + f" {one['peak_mb']:7.1f} " + " ".join(f"{r['peak_mb']:7.1f}" for r in per_rank)
                   + f" {one['state_mb']:8.2f} " + " ".join(f"{r['state_mb']:8.2f}" for r in per_rank)
-                  + f" {abs(per_rank[0]['loss0'] - one['loss0']):9.2e}")
+                  + f" {abs(per_rank[0]['loss0'] - one['loss0']):9.2e}"
+                  + ("" if name == "fsdp2" else
+                     f"   vs fsdp2 {per_rank[0]['step_s'] / multi[0]['fsdp2']['step_s']:.2f}x"))
 
 
 def main() -> None:
@@ -284,7 +332,7 @@ def main() -> None:
         return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats} alternating steps")
     print(f"{'case':10} {'tokens':>6} {'B':>2} {'base ms':>8} {'fvx ms':>8} {'ratio':>6} {'blocks ms':>9} {'ratio':>6} "
-          f"{'base MB':>8} {'fvx MB':>8} {'ratio':>6} {'|dloss| step 0':>14}")
+          f"{'compile ms':>10} {'blocks/compile':>14} {'base MB':>8} {'fvx MB':>8} {'ratio':>6} {'|dloss| step 0':>14}")
     for case in CASES:
         row = run_case(case, args.repeats)
         mem = {}
@@ -296,7 +344,7 @@ def main() -> None:
         base = row["baseline"]
         print(f"{case:10} {row['tokens']:6d} {row['batch']:2d} {base * 1e3:8.1f} {row['fvx'] * 1e3:8.1f} "
               f"{row['fvx'] / base:6.2f} {row['fvx_blocks'] * 1e3:9.1f} {row['fvx_blocks'] / base:6.2f} "
-              f"{mem['baseline']:8.1f} {mem['fvx']:8.1f} {mem['fvx'] / mem['baseline']:6.2f} "
+              f"{row['compiled'] * 1e3:10.1f} {row['fvx_blocks'] / row['compiled']:14.2f} {mem['baseline']:8.1f} {mem['fvx']:8.1f} {mem['fvx'] / mem['baseline']:6.2f} "
               f"{row['loss_diff_step0']:14.2e}")
     if not args.skip_dist:
         print_processes(args.repeats, args.threads)

@@ -441,10 +441,86 @@ def gather(local: torch.Tensor, spec: ShardSpec, group: Group, compute_dtype: to
                          group.replicate_name, group.replicate_size, compute_dtype)
 
 
+class _Bucket(NamedTuple):
+    """The static plan of one bucketed gather: each param's spec and local dtype, the group, the compute dtype."""
+
+    specs: tuple[ShardSpec, ...]
+    local_dtypes: tuple[torch.dtype, ...]
+    group: tuple  # (shard name, shard size, replicate name, replicate size)
+
+
+class _GatherBucket(torch.autograd.Function):
+    """Forward: one all-gather of a flat buffer of the bucket's local shards (already in one compute dtype), cut back
+    into the full params. Backward: one fp32 reduce-scatter (+ replica all-reduce) of the flat buffer of their
+    gradients, averaged over data-parallel ranks: the same sums, element by element, as one collective per param."""
+
+    @staticmethod
+    def forward(ctx, bucket: _Bucket, *xs):
+        ctx.bucket, ctx.device = bucket, xs[0].device
+        shard_name, shard_size, _, _ = bucket.group
+        flat = torch.cat([_rows_first(x, spec).reshape(-1) for x, spec in zip(xs, bucket.specs)])
+        full = _wait(torch.ops._c10d_functional.all_gather_into_tensor(flat, shard_size, shard_name))
+        full = full.view(shard_size, -1)
+        out, offset = [], 0
+        for x, spec in zip(xs, bucket.specs):
+            moved = _rows_first(x, spec)
+            part = full[:, offset:offset + x.numel()].reshape(shard_size * moved.shape[0], *moved.shape[1:])
+            part = part.movedim(0, spec.dim) if spec.dim else part
+            out.append(part if part.shape[spec.dim] == spec.shape[spec.dim] else
+                       part.narrow(spec.dim, 0, spec.shape[spec.dim]))
+            offset += x.numel()
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        bucket = ctx.bucket
+        shard_name, shard_size, replicate_name, replicate_size = bucket.group
+        rows = []
+        for g, spec in zip(grads, bucket.specs):
+            g = torch.zeros(spec.shape, device=ctx.device) if g is None else g.to(torch.float32)
+            g = g / (shard_size * replicate_size)
+            if g.shape[spec.dim] < spec.padded:
+                pad = list(g.shape)
+                pad[spec.dim] = spec.padded - g.shape[spec.dim]
+                g = torch.cat([g, g.new_zeros(pad)], dim=spec.dim)
+            rows.append(_rows_first(g, spec).reshape(shard_size, -1))
+        flat = torch.cat(rows, dim=1).reshape(-1)
+        if shard_size > 1:
+            flat = _wait(torch.ops._c10d_functional.reduce_scatter_tensor(flat, "sum", shard_size, shard_name))
+        if replicate_size > 1:
+            flat = _wait(torch.ops._c10d_functional.all_reduce(flat, "sum", replicate_name))
+        out, offset = [], 0
+        for spec, dtype in zip(bucket.specs, bucket.local_dtypes):
+            local = spec.local_shape(shard_size)
+            moved_shape = (local[spec.dim], *local[:spec.dim], *local[spec.dim + 1:])
+            n = math.prod(local)
+            part = flat[offset:offset + n].reshape(moved_shape)
+            out.append((part.movedim(0, spec.dim) if spec.dim else part).contiguous().to(dtype))
+            offset += n
+        return (None, *out)
+
+
+def _rows_first(x: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """``x`` with its sharded dim first, contiguous (the layout collectives concatenate along)."""
+    return x.movedim(spec.dim, 0).contiguous() if spec.dim else x.contiguous()
+
+
 def gather_params(local: Mapping[str, torch.Tensor], layout: Layout, group: Group,
                   compute_dtypes: DtypeSpec = None) -> Params:
-    """:func:`gather` of every param of ``local`` (names as in ``layout`` and ``compute_dtypes``)."""
-    return {name: gather(t, layout[name], group, _dtype_for(compute_dtypes, name)) for name, t in local.items()}
+    """:func:`gather` of every param of ``local`` (names as in ``layout`` and ``compute_dtypes``), bucketed: one
+    all-gather forward and one reduce-scatter backward per compute dtype, not one per param."""
+    if group.dp_size == 1:
+        return {name: gather(t, layout[name], group, _dtype_for(compute_dtypes, name)) for name, t in local.items()}
+    buckets: dict[torch.dtype, list[str]] = {}
+    for name, t in local.items():
+        buckets.setdefault(_dtype_for(compute_dtypes, name) or t.dtype, []).append(name)
+    out: Params = {}
+    for dtype, names in buckets.items():
+        plan = _Bucket(tuple(layout[n] for n in names), tuple(local[n].dtype for n in names),
+                       (group.shard_name, group.shard_size, group.replicate_name, group.replicate_size))
+        fulls = _GatherBucket.apply(plan, *(local[n].to(dtype) for n in names))
+        out.update(zip(names, fulls))
+    return {name: out[name] for name in local}
 
 
 def _unit_of(name: str, units: Sequence[str]) -> str | None:
@@ -455,8 +531,9 @@ def gather_root(local: Mapping[str, torch.Tensor], layout: Layout, units: Sequen
                 compute_dtypes: DtypeSpec = None) -> Params:
     """The params to bind for a call of the whole module: the root's own params (those under no unit prefix)
     gathered, the units' params passed through as local shards (each unit gathers its own when it runs)."""
-    return {name: t if _unit_of(name, units) else gather(t, layout[name], group, _dtype_for(compute_dtypes, name))
-            for name, t in local.items()}
+    root = gather_params({name: t for name, t in local.items() if not _unit_of(name, units)}, layout, group,
+                         compute_dtypes)
+    return {name: root.get(name, t) for name, t in local.items()}
 
 
 def unit_gather(layout: Layout, units: Sequence[str], group: Group,

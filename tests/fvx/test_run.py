@@ -113,8 +113,8 @@ def test_a_folder_of_another_family_is_refused_naming_its_class(tmp_path, capsys
 @pytest.mark.parametrize("experiment", sorted(p.name for p in EXPERIMENTS.glob("*.py")))
 def test_every_experiment_trains_two_steps_and_validates(tmp_path, experiment, world_teacher):
     out = tmp_path / "run"
-    teacher = ([f"models.student.path={world_teacher}", f"models.teacher.path={world_teacher}"]
-               if experiment == "dmd2.py" else [])
+    teacher = {"dmd2.py": [f"models.student.path={world_teacher}", f"models.teacher.path={world_teacher}"],
+               "finetune_wan_lora.py": [f"models.student.path={world_teacher}"]}.get(experiment, [])
     assert run.main([str(EXPERIMENTS / experiment), "--out", str(out), "--steps", "2", *QUICK, "validation.every=2",
                      "validation.num_prompts=1", "validation.num_steps=2", *teacher]) == 0
     assert (out / "validation" / "step_2").is_dir() and (out / "checkpoints" / "2").is_dir()
