@@ -120,6 +120,17 @@ def grads_of(module, local, b, layout, group, mesh):
     return sharding.dp_mean(loss, group), sharding.unshard(g, mesh), g
 
 
+def count_collectives(module, local, b, layout, group) -> int:
+    """Collectives one forward and backward issue (each is waited on once, in ``fvx.sharding._wait``)."""
+    waits, wait = [], sharding._wait
+    sharding._wait = lambda t: (waits.append(1), wait(t))[1]
+    try:
+        grad.value_and_grad(lambda p: mse(sharded_forward(module, p, b, layout, group), b["target"]))(local)
+    finally:
+        sharding._wait = wait
+    return len(waits)
+
+
 def core(out_dir: str, d) -> dict:
     """Gathers, gradients, AdamW and EMA on shards, a frozen bf16 teacher and a padded param, against one process."""
     params, batch = problem()
@@ -138,6 +149,7 @@ def core(out_dir: str, d) -> dict:
         results[f"loss_remat{remat}"], results[f"grads_remat{remat}"], _ = grads_of(module, local, b, layout, group,
                                                                                     mesh)
         results[f"unit_gathers_remat{remat}"] = len(calls)
+        results[f"collectives_remat{remat}"] = count_collectives(module, local, b, layout, group)
     module, stats = sharded_module(True, "blocks", layout, group)
     for _ in range(2):
         results["loss_compiled"], results["grads_compiled"], local_grads = grads_of(module, local, b, layout, group,

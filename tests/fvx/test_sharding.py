@@ -201,6 +201,8 @@ def test_two_process_shards_are_even_halves_and_compile_one_block_graph(run2, re
     assert results["compiled_graphs"] == 1  # both blocks, two steps, forward and recompute: one graph
     assert results["unit_gathers_rematFalse"] == 2  # each block gathers once and keeps its full params for backward
     assert results["unit_gathers_rematTrue"] == 4  # under remat the backward gathers again: reshard after forward
+    # bucketed: the root and each block gather once and reduce-scatter once (remat: the blocks gather again)
+    assert (results["collectives_rematFalse"], results["collectives_rematTrue"]) == (6, 8), results
     assert results["dist"][:2] == (0, 2) and results["dist"][4] == "gloo"
 
 
