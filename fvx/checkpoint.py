@@ -15,8 +15,8 @@ folders when it opens (before any save, so that step can be saved again). A step
 written and flushed, so a committed checkpoint survives power loss (orbax itself flushes nothing). Retention (keep the
 newest K, and every M-th for good) is fvx's, applied only after a newer checkpoint is committed. A save that fails
 (no space left, any I/O error) raises a :class:`CheckpointWriteError` naming the folder and the bytes it needed;
-the uncommitted folder it leaves is never listed and is cleared by the next writer. Loading reads JSON and raw array bytes
-only; nothing is unpickled. Restoring checks the stored tree against a target state (names, shapes, dtypes; every
+the uncommitted folder it leaves is never listed and is cleared by the next writer. Loading reads JSON and raw array
+bytes only; nothing is unpickled. Restoring checks the stored tree against a target state (names, shapes, dtypes; every
 difference listed) and every tensor against its checksum (OCDBT checksums its b-tree, not the array bytes: a flipped
 byte in a tensor would otherwise restore silently).
 

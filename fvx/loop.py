@@ -591,8 +591,9 @@ def run_steps(config: Experiment, built: Setup, state: TrainState, frozen: dict[
     """Take ``steps`` with ``built.program.step_`` (the frozen roles' params ``frozen``) on prefetched batches,
     logging every ``config.run.log_every`` (and every non-finite step), calling ``save(state, skips)`` after each
     step a checkpoint is due (by step count or ``every_seconds``), then ``after_step(state, metrics)`` (the callbacks'
-    ``on_step_end``); ``check_saves()`` after every step raises a failed background save. SIGTERM or SIGINT: the step in flight finishes, is saved, and :class:`Interrupted` stops the run
-    (every rank alike); more than ``run.max_consecutive_skips`` skipped steps in a row halt it."""
+    ``on_step_end``); ``check_saves()`` after every step raises a failed background save. SIGTERM or SIGINT: the
+    step in flight finishes, is saved, and :class:`Interrupted` stops the run (every rank alike); more than
+    ``run.max_consecutive_skips`` skipped steps in a row halt it."""
     global_batch, run = config.data.batch_size, config.run
     progress = _progress_bar(config, steps, rank)
     consecutive, last_save = 0, time.monotonic()

@@ -3,7 +3,7 @@
     python -m fvx.run EXPERIMENT.py [a.b=value ...] [--out DIR] [--steps N] [--resume [latest|auto|STEP|PATH]]
     python -m fvx.run EXPERIMENT.py [a.b=value ...] --dry-run [--world N] [--replicate R] [--video FxHxW]
     torchrun --nproc_per_node N -m fvx.run EXPERIMENT.py [a.b=value ...] [--replicate R]
-    python -m fvx.run replay RUN_DIR --step N
+    python -m fvx.run replay RUN_DIR --step N [--experiment FILE]
     python -m fvx.run export RUN_DIR --out FOLDER [--step N] [--role ROLE] [--ema] [--lora --format F]
 
 ``--help`` after an experiment lists its config fields with their current values. ``--resume`` continues the run in
@@ -40,10 +40,10 @@ from fvx import config as fconfig
 from fvx import checkpoint, data, dry_run, export, loop, replay, sharding, tracking
 from fvx.interrupts import Interrupted
 
-USAGE = ("python -m fvx.run EXPERIMENT.py [a.b.c=value ...] [--out DIR] [--steps N] [--resume [latest|auto|STEP|PATH]] "
-         "[--replicate R] [--help]\n"
+USAGE = ("python -m fvx.run EXPERIMENT.py [a.b.c=value ...] [--out DIR] [--steps N] "
+         "[--resume [latest|auto|STEP|PATH]] [--replicate R] [--help]\n"
          "       python -m fvx.run EXPERIMENT.py [a.b.c=value ...] --dry-run [--world N] [--replicate R] [--video FxHxW]\n"
-         "       python -m fvx.run replay RUN_DIR --step N\n"
+         "       python -m fvx.run replay RUN_DIR --step N [--experiment FILE]\n"
          "       python -m fvx.run export RUN_DIR --out FOLDER [--step N] [--role ROLE] [--ema] [--lora --format F]")
 BAD_INPUT = (fconfig.ConfigError, ValueError, FileNotFoundError)
 AUTO = "auto"  # --resume auto
@@ -253,7 +253,8 @@ def export_main(argv: Sequence[str]) -> int:
     parser.add_argument("--lora", action="store_true", help="export a LoRA role's adapters (without it, a LoRA role "
                                                             "exports with its adapters merged into the weights)")
     parser.add_argument("--format", choices=export.LORA_FORMATS, help=(
-        "with --lora: peft, the default (pytorch_lora_weights.safetensors for diffusers' load_lora_weights), comfyui (ComfyUI's "
+        "with --lora: peft, the default (pytorch_lora_weights.safetensors for diffusers' load_lora_weights), "
+        "comfyui (ComfyUI's "
         "key layout with .alpha) or merged (a diffusers folder of W + (alpha/r) B A)"))
     args = parser.parse_args(argv)
     if args.format is not None and not args.lora:

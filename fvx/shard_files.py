@@ -187,7 +187,8 @@ def read_into(stored: Mapping[str, list[Piece]], target: Any, mesh: Any = None) 
                 start, real = sharding.local_rows(spec, index, count)
                 fresh = torch.zeros_like(local)
                 if real:
-                    fresh.narrow(spec.dim, 0, real).copy_(read_region(stored[name], name, spec.dim, start, start + real))
+                    rows = read_region(stored[name], name, spec.dim, start, start + real)
+                    fresh.narrow(spec.dim, 0, real).copy_(rows)
                 out[param] = fresh
             return sharding.Shards(out, node.layout)
         if isinstance(node, torch.Tensor):
