@@ -196,3 +196,21 @@ def test_remat_and_compiled_units_give_the_adapters_the_same_gradients(tiny):
         got = grads_of(WanConfig(preset="tiny", frozen_dtype="fp32", lora=LORA, **knobs).build())
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7)
+
+
+def test_two_experts_export_one_peft_file_per_component(tmp_path):
+    """Wan 2.2 A14B: adapters on both experts; each expert's file holds its own, keyed as diffusers' transformer."""
+    from safetensors import safe_open
+
+    from fvx_models.wan_moe import Wan22MoEConfig
+
+    model = Wan22MoEConfig(preset="tiny", lora=lora.LoRAConfig(rank=2, target_modules=("to_q",))).build()
+    adapters = model.initial_params(random.key(0))
+    files = model.export_adapters(adapters, str(tmp_path), "peft")
+    assert [p.name for p in files] == [lora_files.PEFT_FILE, "pytorch_lora_weights_transformer_2.safetensors"]
+    for path, expert in zip(files, ("transformer.", "transformer_2.")):
+        with safe_open(str(path), "pt") as f:
+            keys = sorted(f.keys())
+            assert keys and all(k.startswith("transformer.blocks.") for k in keys)
+            for key in keys:
+                assert torch.equal(f.get_tensor(key), adapters[expert + key[len("transformer."):]])
