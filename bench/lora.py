@@ -188,7 +188,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--peak", choices=VARIANTS, help=argparse.SUPPRESS)  # one variant in this process
     args = parser.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
     if args.peak:
         print(json.dumps({"peak_mb": peak(args.peak)}))
         return

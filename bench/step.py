@@ -186,22 +186,27 @@ def rank_slice(batch: dict, rank: int, world: int) -> dict:
             for name, value in batch.items()}
 
 
+def timed_steps(step, repeats: int) -> dict:
+    """Step-0 loss of ``step()`` (which returns its loss), median seconds after 2 warm-up steps, and peak resident MB
+    over the timed steps (reset after the warm-up)."""
+    loss0 = step()
+    step()
+    gc.collect()
+    reset_peak_rss()
+    seconds = statistics.median(timed(step) for _ in range(repeats))
+    return {"loss0": loss0, "step_s": seconds, "peak_mb": peak_rss_bytes() / 2**20}
+
+
 def measure_steps(program, state, batch: dict, repeats: int) -> dict:
-    """Step-0 loss, median step seconds after 2 warm-up steps, peak resident MB over the timed steps (reset after the
-    warm-up) and MB of params + AdamW state held, of ``program`` from ``state`` on ``batch``."""
+    """:func:`timed_steps` of ``program`` from ``state`` on ``batch``, and MB of params + AdamW state held."""
     holder = {"state": state}
 
     def step():
         holder["state"], metrics = program.step_(holder["state"], {}, batch)
         return metrics["loss"].item()
 
-    loss0 = step()
-    step()
-    gc.collect()
-    reset_peak_rss()
-    seconds = statistics.median(timed(step) for _ in range(repeats))
-    return {"loss0": loss0, "step_s": seconds, "peak_mb": peak_rss_bytes() / 2**20,
-            "state_mb": sharding.local_bytes(holder["state"].roles) / 2**20}
+    measured = timed_steps(step, repeats)
+    return {**measured, "state_mb": sharding.local_bytes(holder["state"].roles) / 2**20}
 
 
 def measure_process(case: str, repeats: int, batch_size: int) -> dict:
@@ -230,9 +235,8 @@ def measure_fsdp2(case: str, repeats: int, batch_size: int, d) -> dict:
 
     _, config, _, state, batch = build_fvx(case, "none", None, batch_size)
     module = baseline_module(case, state.roles["student"].params)
-    model_config_ = model_config(case)
     mesh = init_device_mesh("cpu", (d.world,))
-    for units in fbuild.unit_groups(model_config_.family, module).values():
+    for units in fbuild.unit_groups(model_config(case).family, module).values():
         for prefix in units:
             fully_shard(module.get_submodule(prefix[:-1]), mesh=mesh)
     fully_shard(module, mesh=mesh)
@@ -245,14 +249,8 @@ def measure_fsdp2(case: str, repeats: int, batch_size: int, d) -> dict:
         holder["step"] += 1
         return float(loss)
 
-    loss0 = step()
-    step()
-    gc.collect()
-    reset_peak_rss()
-    seconds = statistics.median(timed(step) for _ in range(repeats))
-    return {"loss0": loss0, "step_s": seconds, "peak_mb": peak_rss_bytes() / 2**20,
-            "state_mb": sum(p.to_local().numel() * 12 for p in module.parameters()) / 2**20}
-
+    measured = timed_steps(step, repeats)
+    return {**measured, "state_mb": sum(p.to_local().numel() * 12 for p in module.parameters()) / 2**20}
 
 
 def _free_port() -> int:

@@ -389,56 +389,12 @@ def _wait(tensor: torch.Tensor) -> torch.Tensor:
     return torch.ops._c10d_functional.wait_tensor(tensor)
 
 
-def _all_gather(x: torch.Tensor, dim: int, size: int, shard_name: str, shard_size: int) -> torch.Tensor:
-    """Concatenate the shard group's ``x`` along ``dim`` and drop the padding beyond ``size``."""
-    moved = x.movedim(dim, 0).contiguous() if dim else x.contiguous()
-    full = _wait(torch.ops._c10d_functional.all_gather_into_tensor(moved, shard_size, shard_name))
-    full = full.movedim(0, dim) if dim else full
-    return full if full.shape[dim] == size else full.narrow(dim, 0, size)
-
-
-def _reduce_scatter(grad: torch.Tensor, dim: int, padded: int, group: tuple) -> torch.Tensor:
-    """The fp32 mean over data-parallel ranks of a full gradient, scattered back to this rank's shard of ``dim``."""
-    shard_name, shard_size, replicate_name, replicate_size = group
-    g = grad.to(torch.float32) / (shard_size * replicate_size)
-    if g.shape[dim] < padded:
-        pad = list(g.shape)
-        pad[dim] = padded - g.shape[dim]
-        g = torch.cat([g, g.new_zeros(pad)], dim=dim)
-    g = g.movedim(dim, 0).contiguous() if dim else g.contiguous()
-    if shard_size > 1:
-        g = _wait(torch.ops._c10d_functional.reduce_scatter_tensor(g, "sum", shard_size, shard_name))
-    if replicate_size > 1:
-        g = _wait(torch.ops._c10d_functional.all_reduce(g, "sum", replicate_name))
-    return g.movedim(0, dim).contiguous() if dim else g
-
-
-class _Gather(torch.autograd.Function):
-    """Forward: all-gather a local shard (cast to the compute dtype first). Backward: fp32 reduce-scatter (+ replica
-    all-reduce) of the full gradient, averaged over data-parallel ranks, in the local shard's dtype."""
-
-    @staticmethod
-    def forward(ctx, local, dim, size, padded, shard_name, shard_size, replicate_name, replicate_size, compute_dtype):
-        ctx.dim, ctx.padded, ctx.local_dtype = dim, padded, local.dtype
-        ctx.group = (shard_name, shard_size, replicate_name, replicate_size)
-        x = local if compute_dtype is None else local.to(compute_dtype)
-        if shard_size == 1:
-            return x.view_as(x)
-        return _all_gather(x, dim, size, shard_name, shard_size)
-
-    @staticmethod
-    def backward(ctx, grad):
-        local = _reduce_scatter(grad, ctx.dim, ctx.padded, ctx.group).to(ctx.local_dtype)
-        return local, None, None, None, None, None, None, None, None
-
-
 def gather(local: torch.Tensor, spec: ShardSpec, group: Group, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The full (unpadded) param of ``local``'s shard, in ``compute_dtype``; differentiable (see :class:`_Gather`).
-    In a single process (``Group()``) it is only the cast."""
+    """The full (unpadded) param of ``local``'s shard, in ``compute_dtype``; differentiable (a bucket of one, see
+    :func:`gather_params`). In a single process (``Group()``) it is only the cast."""
     if group.dp_size == 1:
         return local if compute_dtype is None else local.to(compute_dtype)
-    return _Gather.apply(local, spec.dim, spec.shape[spec.dim], spec.padded, group.shard_name, group.shard_size,
-                         group.replicate_name, group.replicate_size, compute_dtype)
+    return gather_params({"param": local}, {"param": spec}, group, compute_dtype)["param"]
 
 
 class _Bucket(NamedTuple):
@@ -459,8 +415,9 @@ class _GatherBucket(torch.autograd.Function):
         ctx.bucket, ctx.device = bucket, xs[0].device
         shard_name, shard_size, _, _ = bucket.group
         flat = torch.cat([_rows_first(x, spec).reshape(-1) for x, spec in zip(xs, bucket.specs)])
-        full = _wait(torch.ops._c10d_functional.all_gather_into_tensor(flat, shard_size, shard_name))
-        full = full.view(shard_size, -1)
+        if shard_size > 1:  # (replicas only, shard size 1: every rank holds the whole params already)
+            flat = _wait(torch.ops._c10d_functional.all_gather_into_tensor(flat, shard_size, shard_name))
+        full = flat.view(shard_size, -1)
         out, offset = [], 0
         for x, spec in zip(xs, bucket.specs):
             moved = _rows_first(x, spec)

@@ -2,22 +2,29 @@
 unpickles."""
 import json
 import pathlib
+import pickle  # the tests write payloads; fvx never unpickles
 import re
 
 from fvx import run
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXPERIMENT = str(ROOT / "experiments" / "finetune_wan.py")
+QUICK = ["--steps", "2", "run.progress=false", "validation.every=0", "data.batch_size=2",
+         "run.checkpoint.async_save=false"]
+
+
+def a_run_and_a_payload(tmp_path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path, str]:
+    """(a 2-step run folder, the file a payload would create, Python code that creates it)."""
+    out = tmp_path / "run"
+    assert run.main([EXPERIMENT, "--out", str(out), *QUICK]) == 0
+    marker = tmp_path / "pwned"
+    return out, marker, f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
 
 
 def test_a_run_json_pointing_at_code_never_runs_it(tmp_path):
-    out = tmp_path / "run"
-    quick = ["--steps", "2", "run.progress=false", "validation.every=0", "data.batch_size=2",
-             "run.checkpoint.async_save=false"]
-    assert run.main([EXPERIMENT, "--out", str(out), *quick]) == 0
-    marker = tmp_path / "pwned"
+    out, marker, code = a_run_and_a_payload(tmp_path)
     evil = tmp_path / "evil.py"
-    evil.write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n")
+    evil.write_text(code)
     record = json.loads((out / "run.json").read_text())
     for launch in record["launches"]:
         launch["experiment"] = str(evil)
@@ -25,29 +32,23 @@ def test_a_run_json_pointing_at_code_never_runs_it(tmp_path):
     (out / "run.json").write_text(json.dumps(record))
     assert run.main(["replay", str(out), "--step", "1"]) == 0
     assert run.main(["export", str(out), "--out", str(tmp_path / "exported")]) == 0
-    assert run.main([EXPERIMENT, "--out", str(out), "--steps", "3", "--resume", *quick[2:]]) == 0
+    assert run.main([EXPERIMENT, "--out", str(out), "--steps", "3", "--resume", *QUICK[2:]]) == 0
     assert not marker.exists()
 
 
 def test_payloads_planted_in_a_run_folder_and_the_working_directory_never_run(tmp_path, monkeypatch):
     """A pickled payload as an old-style ``dcp/.metadata``, a config.json naming a module of the working directory
     and a run.json naming none: replay, export and resume read data only."""
-    import pickle  # noqa: F401  (the test writes a payload; fvx never unpickles)
-
-    out = tmp_path / "run"
-    quick = ["--steps", "2", "run.progress=false", "validation.every=0", "data.batch_size=2",
-             "run.checkpoint.async_save=false"]
-    assert run.main([EXPERIMENT, "--out", str(out), *quick]) == 0
-    marker = tmp_path / "pwned"
+    out, marker, code = a_run_and_a_payload(tmp_path)
     work = tmp_path / "work"
     work.mkdir()
-    (work / "evilmod.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n")
+    (work / "evilmod.py").write_text(code)
     monkeypatch.chdir(work)
     monkeypatch.syspath_prepend(str(work))
 
     class Payload:
         def __reduce__(self):
-            return (exec, (f"import pathlib; pathlib.Path({str(marker)!r}).write_text('ran')",))
+            return (exec, (code,))
 
     legacy = out / "checkpoints" / "2" / "dcp"
     legacy.mkdir()
@@ -60,7 +61,7 @@ def test_payloads_planted_in_a_run_folder_and_the_working_directory_never_run(tm
     config["config_type"] = "evilmod:FinetuneWan"
     (out / "config.json").write_text(json.dumps(config))
     for argv in (["replay", str(out), "--step", "1"], ["export", str(out), "--out", str(tmp_path / "exported")],
-                 [EXPERIMENT, "--out", str(out), "--steps", "3", "--resume", *quick[2:]]):
+                 [EXPERIMENT, "--out", str(out), "--steps", "3", "--resume", *QUICK[2:]]):
         run.main(argv)  # refused or not: nothing runs
         assert not marker.exists(), argv
 

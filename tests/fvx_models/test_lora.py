@@ -105,7 +105,18 @@ def test_lora_fine_tuning_lowers_a_fixed_key_eval_loss(name):
 # ------------------------------------------------------------------------------------------------------- export
 
 
-def wan_pipeline(plain, base):
+def assert_loaded_lora_matches(pipe, case: str, folder, weight_name: str, adapted, base, adapters) -> None:
+    """``pipe.load_lora_weights`` of the file, then its transformer (called as its pipeline calls it) equals fvx's
+    LoRA model to 1e-5."""
+    pipe.load_lora_weights(str(folder), weight_name=weight_name)
+    x, t, cond = inputs(adapted, random.key(2))
+    with torch.no_grad():
+        loaded = CASES[case].native({"transformer": pipe.transformer}, x, t, cond)
+    torch.testing.assert_close(loaded.float(), adapted.apply(role.with_trained(base, adapters), x, t, cond),
+                               rtol=1e-5, atol=1e-5)
+
+
+def wan_pipeline(base):
     (transformer,) = native_modules(CASES["wan"], base).values()
     return WanPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=transformer,
                        scheduler=FlowMatchEulerDiscreteScheduler())
@@ -117,13 +128,7 @@ def test_exported_adapters_load_with_diffusers_load_lora_weights(tiny, tmp_path,
     plain, adapted, base, adapters = tiny
     files = adapted.export_adapters(adapters, str(tmp_path), form)
     assert [p.name for p in files] == [lora_files.PEFT_FILE if form == "peft" else lora_files.COMFYUI_FILE]
-    pipe = wan_pipeline(plain, base)
-    pipe.load_lora_weights(str(tmp_path), weight_name=files[0].name)
-    x, t, cond = inputs(adapted, random.key(2))
-    with torch.no_grad():
-        loaded = CASES["wan"].native({"transformer": pipe.transformer}, x, t, cond)
-    torch.testing.assert_close(loaded.float(), adapted.apply(role.with_trained(base, adapters), x, t, cond),
-                               rtol=1e-5, atol=1e-5)
+    assert_loaded_lora_matches(wan_pipeline(base), "wan", tmp_path, files[0].name, adapted, base, adapters)
 
 
 def test_the_merged_export_loads_with_from_pretrained_and_equals_base_plus_scaled_ba(tiny, tmp_path):
@@ -149,12 +154,7 @@ def test_hunyuan_peft_export_loads_with_its_pipeline(tmp_path):
     files = adapted.export_adapters(adapters, str(tmp_path), "peft")
     pipe = HunyuanVideoPipeline(text_encoder=None, tokenizer=None, transformer=transformer, vae=None,
                                 scheduler=FlowMatchEulerDiscreteScheduler(), text_encoder_2=None, tokenizer_2=None)
-    pipe.load_lora_weights(str(tmp_path), weight_name=files[0].name)
-    x, t, cond = inputs(adapted, random.key(2))
-    with torch.no_grad():
-        loaded = CASES["hunyuan_video"].native({"transformer": pipe.transformer}, x, t, cond)
-    torch.testing.assert_close(loaded.float(), adapted.apply(role.with_trained(base, adapters), x, t, cond),
-                               rtol=1e-5, atol=1e-5)
+    assert_loaded_lora_matches(pipe, "hunyuan_video", tmp_path, files[0].name, adapted, base, adapters)
 
 
 # ---------------------------------------------------------------------------------------------------- bad input
