@@ -14,8 +14,10 @@ gloo processes (params, grads and AdamW state sharded, each rank on its half of 
 process over the timed steps (reset after setup and two warm-up steps, so compilation's transient peak does not
 count; the allocator keeps what the warm-up steps touched, so this is the rank's steady-state footprint, torch's
 own ~300 MB included), and the params + optimizer state a rank holds. A case whose batch does not split over 2 ranks runs there on a global batch
-rounded up to a multiple of 2 (its B column says which). ``--skip-dist`` leaves it out.
-    python bench/step.py [--repeats 10] [--threads N] [--skip-dist]
+rounded up to a multiple of 2 (its B column says which). ``--skip-dist`` leaves it out. ``--sp 2`` adds rows of the
+same step under sequence parallelism in the same processes (``fvx_sp2``, ``fvx_blocks_sp2``: both ranks on the whole
+global batch, each on half of every sample's tokens, params still sharded over both), beside the data-parallel ones.
+    python bench/step.py [--repeats 10] [--threads N] [--skip-dist | --dist-only] [--sp 2] [--cases tiny,cpu-4x256]
 """
 from __future__ import annotations
 
@@ -209,15 +211,20 @@ def measure_steps(program, state, batch: dict, repeats: int) -> dict:
     return {**measured, "state_mb": sharding.local_bytes(holder["state"].roles) / 2**20}
 
 
-def measure_process(case: str, repeats: int, batch_size: int) -> dict:
+def measure_process(case: str, repeats: int, batch_size: int, sp: int = 1) -> dict:
     """:func:`measure_steps` of each fvx variant in this process, on its part of the global batch of ``batch_size``.
-    Under torchrun's environment (WORLD_SIZE, ...) the params are sharded over all processes."""
+    Under torchrun's environment (WORLD_SIZE, ...) the params are sharded over all processes; with ``sp`` > 1 also
+    under sequence parallelism over groups of ``sp`` ranks (variants ``<name>_sp<sp>``)."""
     d = sharding.init_distributed()
-    mesh = sharding.make_mesh() if d.world > 1 else None
+    meshes = {"": sharding.make_mesh() if d.world > 1 else None}
+    if sp > 1 and d.world > 1:
+        meshes[f"_sp{sp}"] = sharding.make_mesh(sp=sp)
     out = {}
-    for name, compile in VARIANTS.items():
-        _, _, program, state, batch = build_fvx(case, compile, mesh, batch_size)
-        out[name] = measure_steps(program, state, rank_slice(batch, d.rank, d.world), repeats)
+    for suffix, mesh in meshes.items():
+        rank, world = sharding.data_rank(mesh, d.rank, d.world)
+        for name, compile in VARIANTS.items():
+            _, _, program, state, batch = build_fvx(case, compile, mesh, batch_size)
+            out[name + suffix] = measure_steps(program, state, rank_slice(batch, rank, world), repeats)
     if d.world > 1:
         out["fsdp2"] = measure_fsdp2(case, repeats, batch_size, d)
         torch.distributed.destroy_process_group()
@@ -259,9 +266,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_processes(case: str, repeats: int, batch_size: int, world: int, threads: int | None) -> list[dict]:
+def run_processes(case: str, repeats: int, batch_size: int, world: int, threads: int | None, sp: int = 1
+                  ) -> list[dict]:
     """:func:`measure_process` in ``world`` fresh processes (gloo when more than one), each rank's result."""
-    cmd = [sys.executable, __file__, "--process", case, "--repeats", str(repeats), "--batch", str(batch_size)]
+    cmd = [sys.executable, __file__, "--process", case, "--repeats", str(repeats), "--batch", str(batch_size),
+           "--sp", str(sp)]
     if threads:
         cmd += ["--threads", str(threads)]
     env = {key: value for key, value in os.environ.items() if key not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
@@ -281,28 +290,29 @@ def run_processes(case: str, repeats: int, batch_size: int, world: int, threads:
     return results
 
 
-def print_processes(repeats: int, threads: int | None) -> None:
+def print_processes(repeats: int, threads: int | None, sp: int = 1, cases: tuple[str, ...] = DIST_CASES) -> None:
     """The 1-process vs WORLD-process table of every case, on its global batch rounded up to a multiple of WORLD."""
     print(f"\nfvx step on the same global batch: 1 process ({threads or torch.get_num_threads()} threads) vs "
           f"{WORLD} gloo processes (1 thread each, sharded); median of {repeats} steps; MB: peak RSS over the steps "
           "(after 2 warm-up steps), and params + AdamW state held")
     ranks = range(WORLD)
-    print(f"{'case':10} {'variant':10} {'B':>2} {'1p ms':>7} " + " ".join(f"{f'r{r} ms':>7}" for r in ranks)
+    print(f"{'case':10} {'variant':14} {'B':>2} {'1p ms':>7} " + " ".join(f"{f'r{r} ms':>7}" for r in ranks)
           + f" {'1p MB':>7} " + " ".join(f"{f'r{r} MB':>7}" for r in ranks)
           + f" {'1p state':>8} " + " ".join(f"{f'r{r} state':>8}" for r in ranks) + f" {'|dloss| 0':>9}")
     for case, (_, _, case_batch) in CASES.items():
-        if case not in DIST_CASES:
+        if case not in cases:
             continue
         batch_size = -(-case_batch // WORLD) * WORLD
         (single,) = run_processes(case, repeats, batch_size, 1, threads)
-        multi = run_processes(case, repeats, batch_size, WORLD, 1)
-        for name in (*VARIANTS, "fsdp2"):
+        multi = run_processes(case, repeats, batch_size, WORLD, 1, sp)
+        with_sp = (*VARIANTS, *(f"{name}_sp{sp}" for name in VARIANTS)) if sp > 1 else tuple(VARIANTS)
+        for name in (*with_sp, "fsdp2"):
             if name == "fsdp2":  # the peer runs sharded only: its 1-process column repeats fvx's
                 one = single["fvx"]
-            else:
-                one = single[name]
+            else:  # an SP variant's 1-process column repeats its variant's (one process has no SP)
+                one = single[name.split("_sp")[0]]
             per_rank = [m[name] for m in multi]
-            print(f"{case:10} {name:10} {batch_size:2d} {one['step_s'] * 1e3:7.1f} "
+            print(f"{case:10} {name:14} {batch_size:2d} {one['step_s'] * 1e3:7.1f} "
                   + " ".join(f"{r['step_s'] * 1e3:7.1f}" for r in per_rank)
                   + f" {one['peak_mb']:7.1f} " + " ".join(f"{r['peak_mb']:7.1f}" for r in per_rank)
                   + f" {one['state_mb']:8.2f} " + " ".join(f"{r['state_mb']:8.2f}" for r in per_rank)
@@ -316,6 +326,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--skip-dist", action="store_true", help="leave out the 1- vs 2-process table")
+    parser.add_argument("--sp", type=int, default=1, help="also time the 2-process step under sequence parallelism")
+    parser.add_argument("--cases", default=None, help="comma-separated cases to run (default: all)")
+    parser.add_argument("--dist-only", action="store_true", help="only the 1- vs 2-process table")
     parser.add_argument("--memory", nargs=2, metavar=("CASE", "VARIANT"), help=argparse.SUPPRESS)
     parser.add_argument("--process", metavar="CASE", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=None, help=argparse.SUPPRESS)
@@ -326,12 +339,18 @@ def main() -> None:
         print(json.dumps(peak_memory(*args.memory, steps=3)))
         return
     if args.process:
-        print(json.dumps(measure_process(args.process, args.repeats, args.batch)))
+        print(json.dumps(measure_process(args.process, args.repeats, args.batch, args.sp)))
         return
+    cases = tuple(CASES) if args.cases is None else tuple(args.cases.split(","))
+    unknown = [case for case in cases if case not in CASES]
+    if unknown:
+        parser.error(f"unknown cases {unknown}; valid: {', '.join(CASES)}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats} alternating steps")
-    print(f"{'case':10} {'tokens':>6} {'B':>2} {'base ms':>8} {'fvx ms':>8} {'ratio':>6} {'blocks ms':>9} {'ratio':>6} "
-          f"{'compile ms':>10} {'blocks/compile':>14} {'base MB':>8} {'fvx MB':>8} {'ratio':>6} {'|dloss| step 0':>14}")
-    for case in CASES:
+    if not args.dist_only:
+        print(f"{'case':10} {'tokens':>6} {'B':>2} {'base ms':>8} {'fvx ms':>8} {'ratio':>6} {'blocks ms':>9} "
+              f"{'ratio':>6} {'compile ms':>10} {'blocks/compile':>14} {'base MB':>8} {'fvx MB':>8} {'ratio':>6} "
+              f"{'|dloss| step 0':>14}")
+    for case in () if args.dist_only else cases:
         row = run_case(case, args.repeats)
         mem = {}
         for variant in ("fvx", "baseline"):
@@ -345,7 +364,7 @@ def main() -> None:
               f"{row['compiled'] * 1e3:10.1f} {row['fvx_blocks'] / row['compiled']:14.2f} {mem['baseline']:8.1f} {mem['fvx']:8.1f} {mem['fvx'] / mem['baseline']:6.2f} "
               f"{row['loss_diff_step0']:14.2e}")
     if not args.skip_dist:
-        print_processes(args.repeats, args.threads)
+        print_processes(args.repeats, args.threads, args.sp, tuple(c for c in cases if c in DIST_CASES))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,9 @@ so a checkpoint saved on N processes restores on M: into local shards on a mesh,
 (resume, replay, export), and every slice read is checked. A single-process checkpoint also restores on a mesh (each
 rank reads it whole and keeps its slice). All processes call every method of a sharded :class:`Checkpoints` in the
 same order (orbax barriers through ``jax.distributed``, which must be initialised:
-``fvx.sharding.init_jax_distributed``). Sharded saves are synchronous.
+``fvx.sharding.init_jax_distributed``). An async sharded save takes each rank's host slices, then writes, flushes
+and commits them on a thread whose barriers use a process group of their own (never the one the training step's
+collectives use), so ranks agree without the training loop waiting.
 """
 from __future__ import annotations
 
@@ -296,6 +298,8 @@ class Checkpoints:
         self._manager = None
         self._failed = False  # a save failed (reported once)
         self._pending: _Pending | None = None  # an async save, committed by its own thread once written
+        # the commit's barriers: a group of their own, as an async save's thread runs them beside the step's collectives
+        self._barriers = dist.new_group(backend="gloo") if config is not None and mesh is not None else None
         _quiet_late_reads()
         if config is None and not self.directory.is_dir():
             return  # nothing to read: steps() is empty
@@ -353,10 +357,12 @@ class Checkpoints:
         if pending is not None and not pending.thread.is_alive() and pending.error is not None:
             self.wait()
 
-    def _commit_when_written(self, pending: _Pending) -> None:
+    def _commit_when_written(self, pending: _Pending, sharded_args: Any = None) -> None:
         """The commit thread of an async save: commit as soon as orbax has written the step (so a run killed before
-        its next save keeps it)."""
+        its next save keeps it); a sharded save (``sharded_args``) is written by this thread too."""
         try:
+            if sharded_args is not None:
+                self._manager.save(pending.step, args=sharded_args, force=True)
             self._manager.wait_until_finished()
             self._commit(pending.step)
         except BaseException as error:  # reported by wait()
@@ -376,7 +382,7 @@ class Checkpoints:
         if sharded or _primary():  # each rank flushes what it wrote (its host's view of a shared folder)
             _fsync_tree(folder)
         if sharded:
-            dist.barrier()
+            dist.barrier(group=self._barriers)
         if _primary():
             marker = folder / COMMIT_FILE
             with open(marker, "w") as f:
@@ -386,7 +392,7 @@ class Checkpoints:
             _fsync_dir(folder)
             _fsync_dir(self.directory)
         if sharded:
-            dist.barrier()
+            dist.barrier(group=self._barriers)
 
     def _apply_retention(self) -> None:
         """Delete the committed checkpoints the config does not keep: all but the newest ``keep_latest``, except
@@ -454,7 +460,7 @@ class Checkpoints:
         if step in self.steps():
             return False
         size = sum(t.numel() * t.element_size() for t in tree.tensor_leaves(state))
-        if self._mesh is not None:  # synchronous: every rank writes its own file, then orbax's barrier
+        if self._mesh is not None:  # every rank writes its own file (host slices), then orbax's barrier
             _specs(sharding.checkpoint_tree(state, self._mesh))  # tensors only, or a TypeError naming the leaf
             items = {SHARDS_ITEM: ShardsSave(shard_files.local_pieces(state, self._mesh),
                                              self._mesh.get_local_rank(sharding.SHARD), self._mesh.size(1))}
@@ -465,15 +471,17 @@ class Checkpoints:
             items = {"state": ocp.args.PyTreeSave(tensors), "checksums": ChecksumSave(named)}
         args = ocp.args.Composite(**items, config=ocp.args.JsonSave(dict(config)),
                                   meta=ocp.args.JsonSave({**meta, "step": step}))
-        try:
-            saved = bool(self._manager.save(step, args=args, force=True))
-        except Exception as error:
-            raise self._write_error(step, size, error) from None
-        if not saved:
-            return False
-        if self.config.async_save and self._mesh is None:
+        sharded_async = self.config.async_save and self._mesh is not None
+        if not sharded_async:
+            try:
+                if not self._manager.save(step, args=args, force=True):
+                    return False
+            except Exception as error:
+                raise self._write_error(step, size, error) from None
+        if self.config.async_save:
             self._pending = _Pending(step, size)
-            self._pending.thread = threading.Thread(target=self._commit_when_written, args=(self._pending,),
+            self._pending.thread = threading.Thread(target=self._commit_when_written,
+                                                    args=(self._pending, args if sharded_async else None),
                                                     name=f"fvx-commit-{step}", daemon=True)
             self._pending.thread.start()
         else:

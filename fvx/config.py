@@ -15,7 +15,7 @@ import importlib.util
 import pathlib
 import re
 import sys
-from typing import Any, Sequence, TypeVar
+from typing import Any, Sequence, TypeVar, Union
 
 import msgspec
 import msgspec.inspect as mi
@@ -511,12 +511,15 @@ def _resolve(node: Any, values: Any, where: str, path: pathlib.Path, classes: An
         raise ConfigError(f"{str(path)!r}: malformed types entry at {where}")
     if "dict" in node:
         kinds = {(child or {}).get("class") for child in node["dict"].values()}
-        entries = [_resolve(child, values.get(key), f"{where}.{key}", path, classes, sources)
-                   for key, child in node["dict"].items() if child is not None]
-        if len(kinds) != 1 or None in kinds:
+        entries = list({id(cls): cls for cls in (_resolve(child, values.get(key), f"{where}.{key}", path, classes,
+                                                          sources)
+                                                 for key, child in node["dict"].items() if child is not None)}.values())
+        if None in kinds or not entries:
+            raise ConfigError(f"{str(path)!r}: malformed types entry at {where}")
+        if len(entries) > 1 and not all(_tag_field(cls) for cls in entries):
             raise ConfigError(f"{str(path)!r}: {where} holds entries of several config classes ({sorted(map(str, kinds))}"
-                              "); a dict field needs one")
-        return dict[str, entries[0]]
+                              ") without tags; a dict of several classes needs tagged ones")
+        return dict[str, entries[0] if len(entries) == 1 else Union[tuple(entries)]]
     spec = node["class"]
     module_name, _, qualname = spec.partition(":")
     if module_name.split(".")[0] in TRUSTED or (module_name in sys.modules and not module_name.startswith(PRIVATE)):

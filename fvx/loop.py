@@ -45,7 +45,8 @@ from fvx import data, random, run_lock, tracking, tree, validation
 from fvx import role as fvx_role
 from fvx.config import Config
 from fvx.interrupts import Interrupted, Signals
-from fvx.sharding import any_rank
+from fvx import sequence_parallel
+from fvx.sharding import any_rank, data_rank, sequence_group
 from fvx.state import NONFINITE, Program, TrainState
 from fvx.wandb_mirror import WandbConfig, WandbMirror, check_available
 
@@ -162,28 +163,53 @@ def build_models(config: Experiment, *, mesh: Any = None) -> dict[str, Any]:
 
 def setup(config: Experiment, *, mesh: Any = None, callbacks: tuple[fcallbacks.Callback, ...] = ()) -> Setup:
     """Build the models, the method's program (its ``before_update`` running the callbacks'
-    ``on_before_optimizer_step``) and the dataset; keys are split off ``key(config.run.seed)``. On a device mesh (a
-    multi-process run) the models and the method are built on it."""
-    method_key, data_key = random.split(random.key(config.run.seed))
+    ``on_before_optimizer_step``) and the dataset (the experiment's, as the program's ``dataset`` makes it the data
+    its steps read); keys are :func:`run_keys`. On a device mesh (a multi-process run) the models and the method are
+    built on it."""
+    method_key, data_key = run_keys(config.run.seed)
     models = build_models(config, mesh=mesh)
     extra = {} if mesh is None else {"mesh": mesh}
     hook = fcallbacks.before_update(callbacks)
     if hook is not None:
         extra["before_update"] = hook
     program = config.method.build(models, total_steps=config.run.steps, **extra)
-    dataset = data.open_dataset(config.data, data_key)
+    dataset = program.dataset(data.open_dataset(config.data, data_key))
     return Setup(models=models, program=program, dataset=dataset, data_key=data_key, method_key=method_key,
                  mesh=mesh)
 
 
+def run_keys(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(method_key, data_key) = split(key(seed))``: the method's keys (its state, frozen roles and steps) and the
+    data's (sample order, synthetic samples, CFG dropout), for the loop and for tools that rebuild a run's draws."""
+    method_key, data_key = random.split(random.key(seed))
+    return method_key, data_key
+
+
 def batch_fn(config: Experiment, built: Setup, *, rank: int = 0, world: int = 1) -> Callable[[int], Any]:
     """``step -> this rank's batch`` as methods see it (the data model's ``cond`` made from the data): a pure function
-    of the config's seed."""
+    of the config's seed. Under sequence parallelism the slice is the data-parallel rank's (``rank // sp`` of
+    ``world // sp``): the ranks of an SP group read the same samples."""
+    rank, world = data_rank(built.mesh, rank, world)
+
     def at(step: int):
         raw = data.batch_at(built.dataset, built.data_key, step, batch_size=config.data.batch_size, rank=rank,
                             world=world)
         return built.program.model.batch(raw)
     return at
+
+
+def check_sequence_parallel(built: Setup, batch: Any) -> None:
+    """Under sequence parallelism, a ValueError saying what to change unless the batch's latents ``[B, C, T, H, W]``
+    make a token count (after the model's patching) that the SP group splits evenly."""
+    sequence, latents = sequence_group(built.mesh), batch.get("latents") if isinstance(batch, dict) else None
+    if sequence is None or not isinstance(latents, torch.Tensor) or latents.dim() != 5:
+        return
+    patch = built.program.model.patch_size
+    tokens = math.prod(size // p for size, p in zip(latents.shape[2:], patch))
+    try:
+        sequence_parallel.local_tokens(tokens, sequence)
+    except ValueError as error:
+        raise ValueError(f"latents {tuple(latents.shape)} (patch {tuple(patch)}): {error}") from None
 
 
 def initial_state(built: Setup) -> TrainState:
@@ -202,8 +228,9 @@ def role_params(config: Experiment, role: str, model: Any, trained: Any) -> Any:
     holds frozen (a LoRA base, an expert left frozen), made as the run made it."""
     if model.base_id() is None:
         return trained
-    built = setup(config)
-    return fvx_role.with_trained(built.program.frozen(built.method_key)[role], trained)
+    method_key, _ = run_keys(config.run.seed)
+    program = config.method.build(build_models(config), total_steps=config.run.steps)  # no data needed
+    return fvx_role.with_trained(program.frozen(method_key)[role], trained)
 
 
 def prepare(config: Experiment, *, resume: str | int | None = None, rank: int = 0, world: int = 1,
@@ -218,7 +245,9 @@ def prepare(config: Experiment, *, resume: str | int | None = None, rank: int = 
         check_available()
     callbacks = fcallbacks.check(config.callbacks())
     built = setup(config, mesh=mesh, callbacks=callbacks)
-    built.program.check(batch_fn(config, built, rank=rank, world=world)(0))
+    first = batch_fn(config, built, rank=rank, world=world)(0)
+    built.program.check(first)
+    check_sequence_parallel(built, first)
     validator = make_validator(config, built, out)
     state = initial_state(built)
     if resume is None:

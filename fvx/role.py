@@ -7,6 +7,8 @@ A method computes its losses and gradients, then for each trainable role:
     if not all_finite(loss, measured.norm): return skipped(...)
     role_state = role.update_(opt, role_state, measured, step)   # clip by that norm, AdamW, EMA
 
+and a method of one trainable role (fine-tuning, DFSFT, KD) is its loss under :func:`step_one_`.
+
 The learning rate is the schedule at the optimizer state's update count (``fvx.optim.get_count``, big_vision's
 ``get_count``), so the logged lr is the applied one also after a skipped step. The clip scales the gradients by
 ``min(1, max_grad_norm / (norm + 1e-6))`` (``torch.nn.utils.clip_grad_norm_``'s formula) with the norm the metrics
@@ -21,8 +23,8 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
-from fvx import ema, grad, optim, sharding, tree
-from fvx.state import Metrics, RoleState
+from fvx import ema, grad, optim, random, sharding, tree
+from fvx.state import Metrics, RoleState, TrainState, all_finite, skipped
 
 Params = Any
 BeforeUpdate = Callable[[str, Params, Params], None]  # (role, grads, params): a callback's look before the step
@@ -75,7 +77,7 @@ class Measured(NamedTuple):
 def measure(opt: RoleOptimizer, state: RoleState, grads: Params) -> Measured:
     """The global norm of ``grads`` (one all-reduce when sharded) and the lr of this update, read from the
     optimizer state's count."""
-    norm = (tree.global_norm(grads) if opt.group.dp_size == 1 else sharding.global_norm_sharded(grads, opt.group))
+    norm = (tree.global_norm(grads) if opt.group.ranks == 1 else sharding.global_norm_sharded(grads, opt.group))
     lr = torch.as_tensor(opt.lr(optim.get_count(state.opt_state)), dtype=torch.float32)
     return Measured(grads, norm, lr)
 
@@ -161,3 +163,24 @@ def grads(loss: Callable[..., Any], base: Params | None, trained: Params, batch:
         return loss(with_trained(base, trained), micro, *rest, **kw)
 
     return accumulate(grad.value_and_grad(of_trained, has_aux=True), trained, batch, n, *args, **kwargs)
+
+
+def step_one_(state: TrainState, batch: Mapping[str, Any], loss: Callable[..., Any], *, opt: RoleOptimizer, name: str,
+              grad_accum: int = 1, base: Params | None = None, before: BeforeUpdate | None = None,
+              logged: Callable[[torch.Tensor, dict], Metrics] = lambda loss, aux: {"loss": loss},
+              **loss_kwargs: Any) -> tuple[TrainState, Metrics]:
+    """One optimizer step of the one trainable role ``name``, donating ``state``: ``loss(params, micro_batch,
+    step_key, **loss_kwargs) -> (loss, aux)`` over ``grad_accum`` micro-batches with the step key
+    ``fold_in(state.key, state.step)``, then :func:`measure` and :func:`update_`. Metrics: ``logged(loss, aux)``
+    (its first entry the loss checked for finiteness; each averaged over data-parallel ranks), ``grad_norm`` and
+    ``lr``; a non-finite loss or gradient applies nothing (``fvx.state.skipped``)."""
+    key = random.fold_in(state.key, state.step)
+    trained = state.roles[name]
+    (value, aux), grads_ = grads(loss, base, trained.params, batch, grad_accum, key, **loss_kwargs)
+    measured = measure(opt, trained, grads_)
+    values = {metric: sharding.dp_mean(v, opt.group) for metric, v in logged(value, aux).items()}
+    out = {**values, **metrics(measured)}
+    if not all_finite(next(iter(values.values())), measured.norm):
+        return skipped(state, out)
+    trained = update_(opt, trained, measured, int(state.step), before, name)
+    return state._replace(step=state.step + 1, roles={**state.roles, name: trained}), out

@@ -2,7 +2,7 @@
 
     python -m fvx.run EXPERIMENT.py [a.b=value ...] [--out DIR] [--steps N] [--resume [latest|auto|STEP|PATH]]
     python -m fvx.run EXPERIMENT.py [a.b=value ...] --dry-run [--world N] [--replicate R] [--video FxHxW]
-    torchrun --nproc_per_node N -m fvx.run EXPERIMENT.py [a.b=value ...] [--replicate R]
+    torchrun --nproc_per_node N -m fvx.run EXPERIMENT.py [a.b=value ...] [--replicate R] [--sp P]
     python -m fvx.run replay RUN_DIR --step N [--experiment FILE]
     python -m fvx.run export RUN_DIR --out FOLDER [--step N] [--role ROLE] [--ema] [--lora --format F]
 
@@ -15,7 +15,10 @@ logged ones (fvx.replay). ``export`` writes a trained role as a diffusers folder
 differentiated forward and the gathered params, for ``--world`` ranks (default: this launch's) at a ``--video`` of
 FRAMESxHEIGHTxWIDTH pixels (fvx.dry_run); it allocates no weight. Under torchrun every process joins one process group
 (gloo on CPUs, NCCL on GPUs), params are sharded over ``WORLD_SIZE / --replicate`` ranks (HSDP with ``--replicate`` >
-1), each rank reads its own slice of the global batch, and only rank 0 logs and writes the run folder.
+1), each rank reads its own slice of the global batch, and only rank 0 logs and writes the run folder. ``--sp P``
+(sequence parallelism, fvx.sequence_parallel): groups of P consecutive ranks hold the same samples, each 1/P of
+their video tokens (the params still shard over all ranks); the batch is split over the WORLD_SIZE / P data-parallel
+groups.
 
 Exit status: 0 done; 1 a run halted on a non-finite loss or gradient, or a replay differs from the log; 2 bad input
 (an unknown field, a wrong type, a missing file, data that does not fit the model, a missing, corrupt or mismatched
@@ -37,11 +40,11 @@ import torch.distributed
 
 from fvx import callbacks as fcallbacks
 from fvx import config as fconfig
-from fvx import checkpoint, data, dry_run, export, loop, replay, sharding, tracking
+from fvx import checkpoint, data, dry_run, export, loop, replay, sequence_parallel, sharding, tracking
 from fvx.interrupts import Interrupted
 
 USAGE = ("python -m fvx.run EXPERIMENT.py [a.b.c=value ...] [--out DIR] [--steps N] "
-         "[--resume [latest|auto|STEP|PATH]] [--replicate R] [--help]\n"
+         "[--resume [latest|auto|STEP|PATH]] [--replicate R] [--sp P] [--help]\n"
          "       python -m fvx.run EXPERIMENT.py [a.b.c=value ...] --dry-run [--world N] [--replicate R] [--video FxHxW]\n"
          "       python -m fvx.run replay RUN_DIR --step N [--experiment FILE]\n"
          "       python -m fvx.run export RUN_DIR --out FOLDER [--step N] [--role ROLE] [--ema] [--lora --format F]")
@@ -65,6 +68,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--video", default="81x480x832", help="--dry-run: FRAMESxHEIGHTxWIDTH in pixels")
     parser.add_argument("--device-memory", type=float, help="--dry-run: GiB per device (default: an H200's)")
     parser.add_argument("--replicate", type=int, default=1, help="HSDP replica groups (params shard over the rest)")
+    parser.add_argument("--sp", type=int, default=1,
+                        help="sequence parallelism: groups of SP ranks share samples and split their tokens")
     parser.add_argument("-h", "--help", action="store_true", help="list the experiment's config fields and exit")
     args = parser.parse_intermixed_args(argv)
     if args.resume is not None and "=" in args.resume and not os.path.exists(args.resume):
@@ -146,7 +151,11 @@ def _train(args: argparse.Namespace, config: fconfig.Config, d: sharding.Dist) -
     """Train on this process's part of the launch (``d``): rank 0 prints and writes."""
     say = print if d.rank == 0 else (lambda *a, **k: None)
     try:
-        mesh = sharding.make_mesh(args.replicate) if d.world > 1 else None
+        if args.sp != 1 and (args.sp < 1 or d.world % args.sp):
+            raise ValueError(f"--sp {args.sp} must divide the number of processes, {d.world} here (launch with "
+                             f"torchrun --nproc_per_node a multiple of {args.sp}, or choose --sp among "
+                             f"{', '.join(map(str, sequence_parallel.divisors(d.world)))})")
+        mesh = sharding.make_mesh(args.replicate, sp=args.sp) if d.world > 1 else None
         if args.resume == AUTO:  # a requeue: continue when there is a checkpoint, else start
             args.resume = "latest" if loop.has_checkpoints(pathlib.Path(config.run.output_dir)) else None
         if args.resume is not None:  # the run's own config, with what this launch overrides on top
@@ -159,7 +168,7 @@ def _train(args: argparse.Namespace, config: fconfig.Config, d: sharding.Dist) -
     if args.replicate != 1 and d.world == 1:
         say(f"note: --replicate {args.replicate} has no effect in a single process (it groups the ranks of a "
             "torchrun launch)", file=sys.stderr)
-    say(banner(args.experiment, config, prepared, d.world))
+    say(banner(args.experiment, config, prepared, d.world, args.sp))
     if prepared.resumed_from is not None:
         say(f"resuming from {prepared.resumed_from} (step {int(prepared.state.step)}) with the config saved there"
             + ("" if prepared.config_changes else ", unchanged"))
@@ -206,7 +215,7 @@ def _skips(config: fconfig.Config) -> int:
     return int(logged[-1][1]) if logged else 0
 
 
-def banner(experiment: str, config: fconfig.Config, prepared: loop.Prepared, world: int) -> str:
+def banner(experiment: str, config: fconfig.Config, prepared: loop.Prepared, world: int, sp: int = 1) -> str:
     """What this launch is about to do, in a line or two: experiment, run folder, ranks, models and steps."""
     state, models = prepared.state, prepared.setup.models
     sizes = {}
@@ -216,7 +225,8 @@ def banner(experiment: str, config: fconfig.Config, prepared: loop.Prepared, wor
     trained = sum(p.numel() for role_state in state.roles.values() for p in role_state.params.values())
     start = int(state.step)
     steps = (f"steps {start}..{config.run.steps}" if start else f"{config.run.steps} steps")
-    return (f"fvx: {experiment} -> {config.run.output_dir} ({world} process{'es' if world > 1 else ''}); "
+    ranks = f"{world} process{'es' if world > 1 else ''}" + (f", sequence parallel over {sp}" if sp > 1 else "")
+    return (f"fvx: {experiment} -> {config.run.output_dir} ({ranks}); "
             f"models: {described}; {trained / 1e6:.2f}M trained params on this rank; {steps}, batch "
             f"{config.data.batch_size}")
 

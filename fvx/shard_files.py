@@ -50,7 +50,7 @@ def file_name(index: int, count: int) -> str:
 def local_pieces(state: Any, mesh: Any) -> dict[str, tuple[torch.Tensor, dict]]:
     """This rank's pieces of ``state``: name -> (the contiguous host slice, its metadata record); empty on ranks
     outside the first replica group."""
-    from fvx.checkpoint import checksum, host_copy  # the CRC and host copy single-process checkpoints use
+    from fvx.checkpoint import host_copy  # the host copy single-process checkpoints use
 
     index, count = mesh.get_local_rank(sharding.SHARD), mesh.size(1)
     if mesh.ndim > 1 and mesh.get_local_rank(sharding.REPLICATE) != 0:
@@ -59,8 +59,7 @@ def local_pieces(state: Any, mesh: Any) -> dict[str, tuple[torch.Tensor, dict]]:
 
     def record(name: str, part: torch.Tensor, shape, dim, start, stop) -> None:
         part = host_copy(part)
-        out[name] = (part, {"shape": list(shape), "dtype": str(part.dtype), "dim": dim, "start": start, "stop": stop,
-                            "crc32": checksum(part)})
+        out[name] = (part, {"shape": list(shape), "dtype": str(part.dtype), "dim": dim, "start": start, "stop": stop})
 
     for path, node in tree.named_leaves(state, is_leaf=lambda n: isinstance(n, sharding.Shards)):
         prefix = SEPARATOR.join(path)
@@ -79,11 +78,14 @@ def local_pieces(state: Any, mesh: Any) -> dict[str, tuple[torch.Tensor, dict]]:
 
 
 def write(folder: pathlib.Path, pieces: Mapping[str, tuple[torch.Tensor, dict]], index: int, count: int) -> None:
-    """This rank's file of ``pieces`` in ``folder`` (nothing when it holds none)."""
+    """This rank's file of ``pieces`` in ``folder``, each slice's record with its CRC-32 (nothing when it holds
+    none)."""
     if not pieces:
         return
+    from fvx.checkpoint import checksum  # the CRC single-process checkpoints use
+
     tensors = {name: part for name, (part, _) in pieces.items()}
-    records = {name: meta for name, (_, meta) in pieces.items()}
+    records = {name: {**meta, "crc32": checksum(part)} for name, (part, meta) in pieces.items()}
     save_file(tensors, str(folder / file_name(index, count)), metadata={META_KEY: json.dumps(records)})
 
 

@@ -13,8 +13,11 @@ In use, a unit (the root, or one transformer block) gathers its params just befo
 ``DeviceMesh``): forward ``all_gather_into_tensor`` in the compute dtype (bf16 halves the traffic), backward
 ``reduce_scatter_tensor`` in fp32 (then an ``all_reduce`` over the replicas under HSDP). Gradients come back averaged
 over the data-parallel ranks, so each rank's loss is the plain mean over its own (equal-sized) slice of the global
-batch, exactly as in one process. A gather that runs inside a pure checkpoint (``fvx.grad.remat``) runs again in the
-backward: the full params live only while their unit computes (FSDP's reshard-after-forward).
+batch, exactly as in one process. Under sequence parallelism (``make_mesh(sp=)``, ``fvx.sequence_parallel``) the
+ranks of an SP group hold the same samples and each contributes its tokens' part of their gradient: the sums still
+run over every rank, the divisor is the number of data-parallel groups (``Group.dp_size``). A gather that runs
+inside a pure checkpoint (``fvx.grad.remat``) runs again in the backward: the full params live only while their unit
+computes (FSDP's reshard-after-forward).
 
 Optimizer, EMA and gradient norm run on the local shards as they are; the zero padding stays zero under AdamW and
 EMA, and the global norm is one ``all_reduce`` of the local sum of squares.
@@ -32,6 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.func import functional_call
 
 from fvx import compile as fvx_compile
+from fvx import sequence_parallel as fsp
 from fvx.tree import map_tensors, register_node, tensor_leaves, tree_map
 
 Params = dict[str, torch.Tensor]
@@ -110,9 +114,13 @@ def init_jax_distributed(d: Dist, env: Mapping[str, str] | None = None, *, port_
     return True
 
 
-def make_mesh(replicate: int = 1, shard: int | None = None, *, device_type: str | None = None) -> DeviceMesh:
+def make_mesh(replicate: int = 1, shard: int | None = None, *, sp: int = 1,
+              device_type: str | None = None) -> DeviceMesh:
     """A ``(replicate, shard)`` device mesh over all processes (HSDP; ``replicate=1`` is plain FSDP). ``shard``
-    defaults to world / replicate; ``device_type`` to cuda where available, else cpu."""
+    defaults to world / replicate; ``device_type`` to cuda where available, else cpu. ``sp`` > 1 also makes the
+    sequence-parallel groups of ``sp`` consecutive ranks (``fvx.sequence_parallel``; the ranks of one hold the same
+    samples) and records them on the mesh, where :func:`group_of` and :func:`sequence_group` read them; the params
+    still shard over the whole mesh as without SP."""
     if not dist.is_initialized():
         raise ValueError("make_mesh: torch.distributed is not initialised (call init_distributed under torchrun)")
     world = dist.get_world_size()
@@ -121,30 +129,59 @@ def make_mesh(replicate: int = 1, shard: int | None = None, *, device_type: str 
     shard = world // replicate if shard is None else shard
     if replicate * shard != world:
         raise ValueError(f"make_mesh: replicate={replicate} x shard={shard} != world size {world}")
+    sequence = fsp.make_group(sp)  # checks sp before the mesh's groups exist
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=(REPLICATE, SHARD))
+    mesh = init_device_mesh(device_type, (replicate, shard), mesh_dim_names=(REPLICATE, SHARD))
+    setattr(mesh, _SEQUENCE, sequence)
+    return mesh
+
+
+_SEQUENCE = "_fvx_sequence_group"  # the mesh attribute holding its fvx.sequence_parallel.SPGroup
+
+
+def sequence_group(mesh: DeviceMesh | None) -> fsp.SPGroup | None:
+    """The sequence-parallel group of ``mesh`` (:func:`make_mesh`'s ``sp``), or None when it has none."""
+    group = None if mesh is None else getattr(mesh, _SEQUENCE, None)
+    return group if group is not None and group.size > 1 else None
 
 
 class Group(NamedTuple):
     """What a gather needs to address its collectives: process-group names and sizes (plain data, so compiled graphs
-    hold no mesh). ``Group()`` is a single process: gathers only cast."""
+    hold no mesh). ``Group()`` is a single process: gathers only cast. ``sp_size`` > 1: groups of that many ranks
+    hold the same samples (sequence parallelism); ``sp_name`` names this rank's."""
 
     shard_name: str = ""
     shard_size: int = 1
     replicate_name: str = ""
     replicate_size: int = 1
+    sp_name: str = ""
+    sp_size: int = 1
+
+    @property
+    def ranks(self) -> int:
+        """Every rank of the mesh: the params shard over ``shard_size`` of them, replica groups hold the same."""
+        return self.shard_size * self.replicate_size
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: every rank of the mesh reads its own slice of the batch."""
-        return self.shard_size * self.replicate_size
+        """Data-parallel ranks: groups of ranks that read their own slice of the batch (each rank, without SP)."""
+        return self.ranks // self.sp_size
 
 
 def group_of(mesh: DeviceMesh) -> Group:
     """The :class:`Group` of a mesh made by :func:`make_mesh`."""
     if tuple(mesh.mesh_dim_names or ()) != (REPLICATE, SHARD):
         raise ValueError(f"expected a mesh with dims {(REPLICATE, SHARD)} (make_mesh), got {mesh.mesh_dim_names}")
-    return Group(mesh.get_group(SHARD).group_name, mesh.size(1), mesh.get_group(REPLICATE).group_name, mesh.size(0))
+    sequence = sequence_group(mesh) or fsp.SPGroup()
+    return Group(mesh.get_group(SHARD).group_name, mesh.size(1), mesh.get_group(REPLICATE).group_name, mesh.size(0),
+                 sequence.name, sequence.size)
+
+
+def data_rank(mesh: DeviceMesh | None, rank: int, world: int) -> tuple[int, int]:
+    """``(rank, world)`` of this process among the data-parallel ranks: the same without SP, ``rank // sp`` of
+    ``world // sp`` with it (the ranks of an SP group read the same samples)."""
+    sequence = sequence_group(mesh)
+    return (rank, world) if sequence is None else (rank // sequence.size, world // sequence.size)
 
 
 def _mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -392,7 +429,7 @@ def _wait(tensor: torch.Tensor) -> torch.Tensor:
 def gather(local: torch.Tensor, spec: ShardSpec, group: Group, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The full (unpadded) param of ``local``'s shard, in ``compute_dtype``; differentiable (a bucket of one, see
     :func:`gather_params`). In a single process (``Group()``) it is only the cast."""
-    if group.dp_size == 1:
+    if group.ranks == 1:
         return local if compute_dtype is None else local.to(compute_dtype)
     return gather_params({"param": local}, {"param": spec}, group, compute_dtype)["param"]
 
@@ -402,18 +439,20 @@ class _Bucket(NamedTuple):
 
     specs: tuple[ShardSpec, ...]
     local_dtypes: tuple[torch.dtype, ...]
-    group: tuple  # (shard name, shard size, replicate name, replicate size)
+    group: tuple  # (shard name, shard size, replicate name, replicate size, data-parallel size)
 
 
 class _GatherBucket(torch.autograd.Function):
     """Forward: one all-gather of a flat buffer of the bucket's local shards (already in one compute dtype), cut back
     into the full params. Backward: one fp32 reduce-scatter (+ replica all-reduce) of the flat buffer of their
-    gradients, averaged over data-parallel ranks: the same sums, element by element, as one collective per param."""
+    gradients, averaged over data-parallel ranks: the same sums, element by element, as one collective per param.
+    The sums run over every rank; the ranks of a sequence-parallel group contribute their tokens' parts of one
+    sample's gradient, so the divisor is the data-parallel size, not the number of ranks."""
 
     @staticmethod
     def forward(ctx, bucket: _Bucket, *xs):
         ctx.bucket, ctx.device = bucket, xs[0].device
-        shard_name, shard_size, _, _ = bucket.group
+        shard_name, shard_size, *_ = bucket.group
         flat = torch.cat([_rows_first(x, spec).reshape(-1) for x, spec in zip(xs, bucket.specs)])
         if shard_size > 1:  # (replicas only, shard size 1: every rank holds the whole params already)
             flat = _wait(torch.ops._c10d_functional.all_gather_into_tensor(flat, shard_size, shard_name))
@@ -431,11 +470,11 @@ class _GatherBucket(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         bucket = ctx.bucket
-        shard_name, shard_size, replicate_name, replicate_size = bucket.group
+        shard_name, shard_size, replicate_name, replicate_size, dp_size = bucket.group
         rows = []
         for g, spec in zip(grads, bucket.specs):
             g = torch.zeros(spec.shape, device=ctx.device) if g is None else g.to(torch.float32)
-            g = g / (shard_size * replicate_size)
+            g = g / dp_size
             if g.shape[spec.dim] < spec.padded:
                 pad = list(g.shape)
                 pad[spec.dim] = spec.padded - g.shape[spec.dim]
@@ -466,7 +505,7 @@ def gather_params(local: Mapping[str, torch.Tensor], layout: Layout, group: Grou
                   compute_dtypes: DtypeSpec = None) -> Params:
     """:func:`gather` of every param of ``local`` (names as in ``layout`` and ``compute_dtypes``), bucketed: one
     all-gather forward and one reduce-scatter backward per compute dtype, not one per param."""
-    if group.dp_size == 1:
+    if group.ranks == 1:
         return {name: gather(t, layout[name], group, _dtype_for(compute_dtypes, name)) for name, t in local.items()}
     buckets: dict[torch.dtype, list[str]] = {}
     for name, t in local.items():
@@ -474,7 +513,8 @@ def gather_params(local: Mapping[str, torch.Tensor], layout: Layout, group: Grou
     out: Params = {}
     for dtype, names in buckets.items():
         plan = _Bucket(tuple(layout[n] for n in names), tuple(local[n].dtype for n in names),
-                       (group.shard_name, group.shard_size, group.replicate_name, group.replicate_size))
+                       (group.shard_name, group.shard_size, group.replicate_name, group.replicate_size,
+                        group.dp_size))
         fulls = _GatherBucket.apply(plan, *(local[n].to(dtype) for n in names))
         out.update(zip(names, fulls))
     return {name: out[name] for name in local}
@@ -579,7 +619,8 @@ def first_error(message: str | None, limit: int = 2048) -> str | None:
 
 
 def dp_max(value: int, group: Group) -> int:
-    """The largest of a per-rank integer over the data-parallel ranks (one all-reduce; every rank gets it)."""
+    """The largest of a per-rank integer over the data-parallel ranks (one all-reduce; every rank gets it). The
+    ranks of a sequence-parallel group hold the same value, so one data-parallel group needs no collective."""
     if group.dp_size == 1:
         return int(value)
     total = torch.tensor(int(value), dtype=torch.int64)
@@ -591,10 +632,11 @@ def dp_max(value: int, group: Group) -> int:
 
 def dp_mean(value: torch.Tensor, group: Group) -> torch.Tensor:
     """The mean of a per-rank metric (a local loss) over the data-parallel ranks: what one process would log for the
-    global batch when every rank holds an equal slice. One fp32 all-reduce."""
+    global batch when every rank holds an equal slice. One fp32 all-reduce over every rank: the ranks of a
+    sequence-parallel group hold the same value (the same samples), so the mean over all ranks is the same."""
     if group.dp_size == 1:
         return value
-    total = value.detach().to(torch.float32) / group.dp_size
+    total = value.detach().to(torch.float32) / group.ranks
     if group.shard_size > 1:
         total = _wait(torch.ops._c10d_functional.all_reduce(total, "sum", group.shard_name))
     if group.replicate_size > 1:

@@ -56,6 +56,10 @@ class Program(NamedTuple):
     check(batch)                            raises a clear error when a batch does not fit (called once before the
                                             first step)
     validate(state, frozen, config)         the models to sample at a validation (``fvx.validation.Sampler`` list)
+    dataset(dataset) -> dataset             the data the steps read, made from the experiment's dataset when the
+                                            loop opens it (default: that dataset itself; a method that trains on
+                                            data it made beforehand, such as a cache of a teacher's samples, reads
+                                            that instead); a ValueError refuses the run before anything is written
     """
 
     model: Any
@@ -64,6 +68,7 @@ class Program(NamedTuple):
     frozen: Callable[[torch.Tensor], dict[str, Any]] = lambda run_key: {}
     check: Callable[[Batch], None] = lambda batch: None
     validate: Callable[[TrainState, Frozen, Any], Sequence[Any]] = lambda state, frozen, config: ()
+    dataset: Callable[[Any], Any] = lambda dataset: dataset
 
 
 def copy(state: Any) -> Any:

@@ -205,15 +205,19 @@ def sample_videos(
     sampler: str = "ode",
     denormalize: Callable[[torch.Tensor], torch.Tensor] | None = None,
     decode: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    draw: Callable[..., torch.Tensor] | None = None,
+    guidance: tuple[Callable[[Any], Any], float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(latents ``[N, C, T, H, W]`` in the model's scale, video ``[N, 3, T', H', W']`` in [0, 1] or None).
 
     Samples ``noise`` along ``sigmas`` with ``flow.sample`` (``sampler`` "ode" or "sde"; ``key`` ``[2]`` or, to make
     each prompt independent of the others, ``prompt_keys(key, N)``) under ``torch.no_grad``, using ``params`` as they
-    are. With ``decode``, the latents go through ``denormalize`` (when given) and then ``decode``.
+    are, or with ``draw(params, noise, cond, key, guidance=guidance)`` when given. With ``decode``, the latents go
+    through ``denormalize`` (when given) and then ``decode``.
     """
     with torch.no_grad():
-        latents = flow.sample(apply_fn, params, noise, sigmas, key, cond=cond, sampler=sampler)
+        latents = (flow.sample(apply_fn, params, noise, sigmas, key, cond=cond, sampler=sampler) if draw is None
+                   else draw(params, noise, cond, key, guidance=guidance))
         if decode is None:
             return latents, None
         video = decode(denormalize(latents) if denormalize is not None else latents)
@@ -290,7 +294,9 @@ def log_validation(
 class Sampler(NamedTuple):
     """One model a method asks to validate: ``tag`` (e.g. "student"), its ``apply(params, x_t, t, cond)`` and
     ``params`` (used as they are, no copy), the sigma schedule, the sampler kind (``"ode"`` or ``"sde"``), and
-    whether to sample it with the validation's classifier-free guidance (``guided``)."""
+    whether to sample it with the validation's classifier-free guidance (``guided``). ``draw(params, noise, cond,
+    key, guidance=None) -> latents`` replaces ``flow.sample`` when set (a streaming model sampled block by block; it
+    owns its schedule; ``guidance`` is ``(uncond, scale)`` for a guided one)."""
 
     tag: str
     apply: flow.ApplyFn
@@ -298,6 +304,7 @@ class Sampler(NamedTuple):
     sigmas: Sequence[float] | torch.Tensor
     sampler: str = "ode"
     guided: bool = False
+    draw: Callable[..., torch.Tensor] | None = None
 
 
 class Validator(NamedTuple):
@@ -352,12 +359,14 @@ def make_validator(config: ValidationConfig, dataset: Any, model: Any, *,
 def validate(validator: Validator, tracker: Tracker, step: int, samplers: Sequence[Sampler]) -> None:
     """Sample every ``samplers`` entry from the fixed noise and prompts, decode when a decoder is set, and log it."""
     for entry in samplers:
-        apply_fn = entry.apply
+        apply_fn, guidance = entry.apply, None
         if entry.guided and validator.uncond is not None:
             apply_fn = guided(entry.apply, validator.uncond, validator.config.guidance_scale)
+            guidance = (validator.uncond, validator.config.guidance_scale)
         latents, video = sample_videos(apply_fn, entry.params, validator.noise, entry.sigmas,
                                        validator.prompts.cond, key=validator.keys, sampler=entry.sampler,
-                                       denormalize=validator.denormalize, decode=validator.decode)
+                                       denormalize=validator.denormalize, decode=validator.decode, draw=entry.draw,
+                                       guidance=guidance)
         if validator.quality is not None and video is not None:
             tracker.scalars(step, {f"validation/{entry.tag}/{name}": value
                                    for name, value in validator.quality(video).items()})

@@ -27,7 +27,7 @@ import torch
 from fvx import ema, flow, random, role, sharding, validation
 from fvx.config import Config
 from fvx.optim_config import AdamWConfig
-from fvx.state import Batch, Metrics, Program, TrainState, all_finite, skipped
+from fvx.state import Batch, Metrics, Program, TrainState
 from fvx_models.model import Model, Params
 
 STUDENT = "student"
@@ -72,16 +72,8 @@ def step_(state: TrainState, batch: Batch, *, model: Model, config: Finetune, op
     A non-finite loss or gradient applies nothing and adds ``nonfinite = 1`` (see fvx.state.skipped); every rank
     decides alike, from the rank-mean loss and the global norm.
     """
-    key = random.fold_in(state.key, state.step)
-    student = state.roles[STUDENT]
-    (loss, _), grads = role.grads(loss_fn, base, student.params, batch, config.grad_accum, key, model=model,
-                                  config=config)
-    measured = role.measure(opt, student, grads)
-    metrics = {"loss": sharding.dp_mean(loss, opt.group), **role.metrics(measured)}
-    if not all_finite(metrics["loss"], measured.norm):
-        return skipped(state, metrics)
-    student = role.update_(opt, student, measured, int(state.step), before, STUDENT)
-    return state._replace(step=state.step + 1, roles={**state.roles, STUDENT: student}), metrics
+    return role.step_one_(state, batch, loss_fn, opt=opt, name=STUDENT, grad_accum=config.grad_accum, base=base,
+                          before=before, model=model, config=config)
 
 
 # -------------------------------------------------------------------------------------------------------- the build

@@ -4,12 +4,14 @@
 compute dtype, how a frozen role is stored, and how units run (eagerly, or ``compile="blocks"``: one compiled
 function per unit group). A family's config subclasses it (adding its own knobs) and names its spec in the class
 variable ``family``. :func:`build` applies, in order and the same way to every family: the meta skeleton, remat
-(``fvx.grad.remat`` through diffusers' gradient checkpointing), the unit groups, sharding over a device mesh (per-unit
-gathers in the compute dtype), and compilation (``fvx.compile``), as torchtitan applies ``apply_ac``,
+(``fvx.grad.remat`` through diffusers' gradient checkpointing), sequence parallelism when the mesh has SP groups (the
+family's ``sequence_parallel``), the unit groups, sharding over a device mesh (per-unit gathers in the compute
+dtype), and compilation (``fvx.compile``), as torchtitan applies ``apply_ac``,
 ``apply_compile`` and ``apply_fsdp`` to any model.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from typing import Any, ClassVar, Hashable, Literal, Mapping
@@ -86,6 +88,17 @@ def skeleton(config: ModelConfig) -> nn.Module:
     return module
 
 
+def sequence_parallel(config: ModelConfig, module: nn.Module, group: Any) -> None:
+    """Install the family's sequence parallelism for ``group`` (an ``fvx.sequence_parallel.SPGroup``) on the
+    skeleton, before its units are routed (so a compiled template carries it); a ValueError when the family has none
+    or the preset does not split (its heads over the group)."""
+    family = config.family
+    if family.sequence_parallel is None:
+        raise ValueError(f"{family.name}:{config.preset}: the {family.name} family has no sequence parallelism "
+                         f"(--sp {group.size}); run it with --sp 1 (Wan and the block-causal Wan have it)")
+    family.sequence_parallel(config, module, group)
+
+
 def unit_groups(family: Family, module: nn.Module) -> dict[str, tuple[str, ...]]:
     """Group name -> the unit prefixes of its ModuleLists (``"blocks.0."``, ...)."""
     groups = {}
@@ -135,10 +148,12 @@ def _check_inputs(who: str, config: ModelConfig, spec: fcond.Spec, x_t: Any, t: 
         got = tuple(x_t.shape) if isinstance(x_t, torch.Tensor) else type(x_t).__name__
         raise ValueError(f"{who} apply: x_t must be [B, {channels}, T, H, W] with T, H, W divisible by {patch}, "
                          f"got {got}")
-    batch = x_t.shape[0]
-    if not (isinstance(t, torch.Tensor) and tuple(t.shape) == (batch,)):
+    batch, frames = x_t.shape[0], x_t.shape[2] // patch[0]
+    shapes = [(batch,), (batch, frames)] if config.family.per_frame_timesteps else [(batch,)]
+    if not (isinstance(t, torch.Tensor) and tuple(t.shape) in shapes):
         got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"{who} apply: t must be a tensor of shape [{batch}] (one timestep per sample), got {got}")
+        what = "one timestep per sample" + (f", or [{batch}, {frames}]: one per latent frame" if len(shapes) > 1 else "")
+        raise ValueError(f"{who} apply: t must be a tensor of shape [{batch}] ({what}), got {got}")
     fcond.check(cond, spec, who, batch=batch)
 
 
@@ -155,24 +170,26 @@ def _patch(config: ModelConfig) -> tuple[int, int, int]:
 
 def apply(config: ModelConfig, module: nn.Module, spec: fcond.Spec, params: Params, x_t: torch.Tensor,
           t: torch.Tensor, cond: Mapping[str, torch.Tensor], *, compute_dtypes: Mapping[str, torch.dtype] | None,
-          layout: sharding.Layout | None, group: sharding.Group | None) -> torch.Tensor:
+          layout: sharding.Layout | None, group: sharding.Group | None, call: Any = None) -> torch.Tensor:
     """Flow velocity fp32 ``[B, C, T, H, W]`` of latents ``x_t [B, C, T, H, W]`` at ``t [B]`` (0..1000) under
     ``cond``. Under a compute dtype, params (but the fp32-kept) and the float inputs are cast inside the call;
     gradients reach the caller's params in their own dtype; ``t`` stays fp32 (bf16 cannot hold 999). Params may be
     stored lower than they compute in (a bf16 teacher under fp32 compute computes from its bf16-rounded weights).
-    Sharded (``layout``): ``params`` are this rank's shards and each unit gathers its own in the compute dtype."""
+    Sharded (``layout``): ``params`` are this rank's shards and each unit gathers its own in the compute dtype.
+    ``call`` is bound to the skeleton for this forward by the family's ``bind`` (a causal family's KV cache)."""
     family = config.family
     _check_inputs(family.name, config, spec, x_t, t, cond)
     dtype = DTYPES[config.compute_dtype]
     x_t, cond = x_t.to(dtype), fcond.to(cond, dtype=dtype)
     kwargs = family.inputs(config, x_t, t.to(torch.float32), cond, layout is not None)
     buffers = {name: b.to(x_t.device) for name, b in module.named_buffers()}
-    if layout is not None:
-        out = sharding.sharded_call(module, params, buffers, (), kwargs, layout=layout, group=group,
-                                    compute_dtypes=compute_dtypes)
-    else:  # a cast to a param's own dtype is free (the same tensor)
-        params = {name: p.to(compute_dtypes[name]) for name, p in params.items()}
-        out = functional_call(module, (params, buffers), (), kwargs, strict=True)
+    with contextlib.nullcontext() if family.bind is None else family.bind(module, call):
+        if layout is not None:
+            out = sharding.sharded_call(module, params, buffers, (), kwargs, layout=layout, group=group,
+                                        compute_dtypes=compute_dtypes)
+        else:  # a cast to a param's own dtype is free (the same tensor)
+            params = {name: p.to(compute_dtypes[name]) for name, p in params.items()}
+            out = functional_call(module, (params, buffers), (), kwargs, strict=True)
     return family.output(out).float()
 
 
@@ -189,6 +206,9 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
     if config.lora is not None:
         plain = copy.deepcopy(module)
         adapted = flora.install(module, config.lora, who)
+    sequence = sharding.sequence_group(mesh)
+    if sequence is not None:
+        sequence_parallel(config, module, sequence)
     groups = unit_groups(family, module)
     shapes = dfolder.param_shapes(module)
     architecture = tuple(dfolder.param_shapes(plain))
@@ -268,6 +288,8 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
                                 architecture=frozenset(architecture), base_id=base_id(),
                                 whole_id=base_id(whole_model=True))
 
+    bound_apply = functools.partial(apply, config, module, spec, compute_dtypes=compute_dtypes, layout=layout,
+                                    group=group)
     return Model(
         name=who,
         latents=preset.latents,
@@ -278,8 +300,7 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
         initial_params=initial_params,
         base_params=base_params,
         base_id=base_id,
-        apply=functools.partial(apply, config, module, spec, compute_dtypes=compute_dtypes, layout=layout,
-                                group=group),
+        apply=bound_apply,
         batch=functools.partial(_model_batch, config, spec),
         uncond=functools.partial(fcond.uncond, zero=family.zero_cond),
         load_cond=lambda path: fcond.load(path, spec, family.name, defaults=family.cond_defaults),
@@ -290,6 +311,7 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
             lora_files.write, flora.Adapters(config.lora, adapted, family)),
         layout=layout,
         compile_stats=None if config.compile == "none" else stats,
+        causal=None if family.causal is None else family.causal(config, bound_apply, module),
     )
 
 

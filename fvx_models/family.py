@@ -65,6 +65,17 @@ class Family:
                                          exported components
     comfyui_name(module) -> name         a module's name in the original checkpoint layout ComfyUI loads LoRAs in
                                          (None: it has none); None: the family has no ComfyUI layout in fvx
+    per_frame_timesteps                  ``apply`` also takes one timestep per latent frame, ``t [B, T]``
+    bind(module, call) -> context        binds what one forward is asked to do (``call``, or None for a plain
+                                         forward) to the skeleton for the duration of that forward (a causal
+                                         family's KV cache and teacher-forcing layout)
+    causal(config, apply, module) -> Causal   a block-causal family's streaming functions
+                                         (``fvx_models.model.Causal``) over ``apply(..., call=)``
+    sequence_parallel(config, module, group)   installs Ulysses sequence parallelism on the skeleton for the
+                                         ``fvx.sequence_parallel.SPGroup`` ``group``: where the token sequence is
+                                         split and gathered, what per-token inputs (RoPE tables, timesteps) are
+                                         sliced, how self-attention runs over all tokens of the rank's heads
+                                         (None: the family refuses SP)
     """
 
     name: str
@@ -85,6 +96,10 @@ class Family:
     text_groups: frozenset[str] = frozenset()
     pipeline_files: Callable[[Any, Any], None] | None = None
     comfyui_name: Callable[[str], str | None] | None = None
+    per_frame_timesteps: bool = False
+    bind: Callable[[nn.Module, Any], Any] | None = None
+    causal: Callable[[Any, Callable, nn.Module], Any] | None = None
+    sequence_parallel: Callable[[Any, nn.Module, Any], None] | None = None
 
     def preset(self, name: str) -> Preset:
         if name not in self.presets:

@@ -59,6 +59,32 @@ class LatentSpace(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
+class Causal:
+    """What a block-causal model adds to :class:`Model`: latent frames form blocks of ``frames_per_block``; a token
+    attends to the tokens of its own block and of earlier blocks (those at most ``window`` frames back from its
+    block's end, -1: all, plus the first ``sink`` frames), never to later ones. The KV cache is an explicit value
+    (``fvx_models.block_causal.KVCache``), never state held by the model.
+
+    empty_cache(batch) -> cache        a cache holding no frames
+    apply_cached(params, x_t, t, cond, cache) -> (v, cache)   the velocity of the next whole blocks ``x_t
+                                       [B, C, f, H, W]`` (``t [B]`` or ``[B, f]``) attending to the cached frames, and
+                                       the cache with these blocks' keys and values appended (trimmed to the window):
+                                       keep it after a pass over the clean (context) frames, drop it after a
+                                       denoising pass
+    apply_teacher_forced(params, x_t, t, cond, clean) -> v    teacher forcing: noisy block ``b`` of ``x_t``
+                                       attends to itself and the *clean* blocks ``< b`` of ``clean`` (same shape),
+                                       in one forward over the ``[clean | noisy]`` sequence
+    """
+
+    frames_per_block: int
+    window: int
+    sink: int
+    empty_cache: Callable[[int], Any]
+    apply_cached: Callable[..., tuple[torch.Tensor, Any]]
+    apply_teacher_forced: Callable[..., torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
 class Model:
     """One architecture of a model family, as pure functions (see the module docstring for layouts).
 
@@ -93,6 +119,8 @@ class Model:
                                     diffusers pipeline folder: the family's component folders (``transformer/``,
                                     ...) and pipeline files that ``from_pretrained`` loads
     trained_names                   the params ``initial_params`` returns
+    causal                          a block-causal (streaming) model's extra functions (:class:`Causal`), else None;
+                                    its ``apply`` then also takes one timestep per latent frame, ``t [B, T]``
     export_adapters(params, folder, form) -> paths   a LoRA model's adapters as files other tools load (``"peft"``
                                     for diffusers' ``load_lora_weights``, ``"comfyui"``; fvx_models.lora_files);
                                     None for a model without adapters
@@ -120,6 +148,7 @@ class Model:
     export_adapters: Callable[..., list] | None = None
     layout: Mapping[str, Any] | None = None
     compile_stats: Any = None
+    causal: Causal | None = None
 
     @property
     def latent_channels(self) -> int:

@@ -6,7 +6,9 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FAMILY_MODULES = {p.stem for p in (ROOT / "fvx_models").glob("*.py")} - {"__init__", "model"}
+# what methods may import of fvx_models: the model interface and what works through it for any (causal) model
+MODEL_INTERFACE = {"__init__", "model", "streaming", "block_causal"}
+FAMILY_MODULES = {p.stem for p in (ROOT / "fvx_models").glob("*.py")} - MODEL_INTERFACE
 FAMILY_WORDS = ("wan", "hunyuan", "skyreels", "cosmos", "ltx", "kandinsky")
 COND_KEYS = {"text", "text_mask", "pooled"}  # the families' cond tensors
 
@@ -50,3 +52,9 @@ def test_methods_name_no_family_and_no_cond_key(path):
     identifiers |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
     assert not [i for i in identifiers if i.lower().startswith(FAMILY_WORDS)], path.name
     assert not COND_KEYS & set(code_strings(tree)), f"{path.name} names {COND_KEYS & set(code_strings(tree))}"
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_INTERFACE - {"__init__"}))
+def test_the_model_interface_imports_no_family(name):
+    imports = imported_modules(ast.parse((ROOT / "fvx_models" / f"{name}.py").read_text()))
+    assert not [m for m in imports if m.startswith("fvx_models") and m.split(".")[-1] in FAMILY_MODULES], name

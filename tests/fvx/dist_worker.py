@@ -21,7 +21,7 @@ from fvx import ema, grad, optim, random, role, sharding, tree
 from fvx.optim_config import AdamWConfig
 from fvx.state import RoleState, TrainState
 from fvx_methods import dmd2, finetune
-from fvx_models import build, wan
+from fvx_models import build, wan, wan_causal
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 from family_cases import CASES, FAMILIES, raw_batch  # noqa: E402
@@ -211,9 +211,12 @@ def sharded_checkpoints(out_dir: str, mesh) -> dict:
     state = as_shards(whole, mesh)
     state = state._replace(step=torch.tensor(7), roles={**state.roles, "student": state.roles["student"]._replace(
         ema=tree.map_tensors(torch.neg, state.roles["student"].params))})
-    config = checkpoint.CheckpointConfig(every=1, async_save=True)  # a sharded save is synchronous regardless
+    config = checkpoint.CheckpointConfig(every=1, async_save=True)
+    donated = tree.map_tensors(torch.clone, state)  # (shards may be views of `whole`)
     with checkpoint.Checkpoints(f"{out_dir}/ck2", config, mesh=mesh) as saving:
-        saving.save(state, config={"config": {}}, meta={"world_size": 2})
+        saving.save(donated, config={"config": {}}, meta={"world_size": 2})
+        for leaf in tree.tensor_leaves(donated):  # a donating step goes on while the save is written
+            leaf.add_(1)
     with checkpoint.Checkpoints(f"{out_dir}/ck2", mesh=mesh) as reading:
         back = reading.restore(7, tree.map_tensors(torch.zeros_like, state))
     same = [torch.equal(a, b) for a, b in zip(tree.tensor_leaves(back), tree.tensor_leaves(state))]
@@ -272,6 +275,32 @@ def moe_run(mesh=None, rank: int = 0, world: int = 1) -> tuple[float, dict]:
     return float(loss), grads
 
 
+def causal_run(mesh=None, rank: int = 0, world: int = 1) -> tuple[float, dict]:
+    """Loss and full gradients of the tiny block-causal Wan (blocks of 1 frame, compiled units) on this rank's slice of
+    a global batch of 4: the per-frame-timestep forward, the teacher-forced one and a KV-cached chunk."""
+    model = wan_causal.WanCausalConfig(preset="tiny", num_frames_per_block=1, compile="blocks",
+                                       compile_backend="aot_eager").build(**({} if mesh is None else {"mesh": mesh}))
+    params = model.init(random.key(0))
+    raw = raw_batch(model, random.key(40), batch=4)
+    t = torch.tensor([[900.0, 10.0], [500.0, 600.0], [0.0, 999.0], [250.0, 250.0]])
+    local = {k: v.chunk(world)[rank] for k, v in {**raw, "t": t}.items()}
+    cond = model.batch({k: local[k] for k in raw})["cond"]
+    x, clean = local["latents"], local["latents"].flip(-1)
+
+    def loss_fn(p):
+        full = model.apply(p, x, local["t"], cond)
+        forced = model.causal.apply_teacher_forced(p, x, local["t"], cond, clean)
+        _, cache = model.causal.apply_cached(p, clean[:, :, :1], local["t"][:, 0] * 0, cond,
+                                             model.causal.empty_cache(x.shape[0]))
+        cached, _ = model.causal.apply_cached(p, x[:, :, 1:], local["t"][:, 1], cond, cache)
+        return full.square().mean() + forced.square().mean() + cached.square().mean()
+
+    loss, grads = grad.value_and_grad(loss_fn)(params)
+    if mesh is not None:
+        return float(sharding.dp_mean(loss, sharding.group_of(mesh))), sharding.unshard(grads, mesh)
+    return float(loss), grads
+
+
 DMD2_STEPS = 3  # critic only, then student and critic (interval 2), then critic only
 
 
@@ -323,6 +352,7 @@ def run(out_dir: str) -> None:
     results["dmd2_metrics"], results["dmd2_roles"] = dmd2_run(mesh, d.rank, d.world, grad_accum=2)
     results["families"] = {name: family_run(name, mesh, d.rank, d.world) for name in FAMILIES}
     results["moe"] = moe_run(mesh, d.rank, d.world)
+    results["causal"] = causal_run(mesh, d.rank, d.world)
     if d.rank == 0:
         torch.save(results, f"{out_dir}/results.pt")
     torch.distributed.barrier()

@@ -113,8 +113,13 @@ def test_a_folder_of_another_family_is_refused_naming_its_class(tmp_path, capsys
 @pytest.mark.parametrize("experiment", sorted(p.name for p in EXPERIMENTS.glob("*.py")))
 def test_every_experiment_trains_two_steps_and_validates(tmp_path, experiment, world_teacher):
     out = tmp_path / "run"
-    teacher = {"dmd2.py": [f"models.student.path={world_teacher}", f"models.teacher.path={world_teacher}"],
-               "finetune_wan_lora.py": [f"models.student.path={world_teacher}"]}.get(experiment, [])
+    both = [f"models.student.path={world_teacher}", f"models.teacher.path={world_teacher}"]
+    teacher = {"dmd2.py": both, "finetune_wan_lora.py": [f"models.student.path={world_teacher}"]}.get(experiment, [])
+    if experiment.startswith("kd_"):  # KD trains on its teacher's trajectory cache: build a tiny one first
+        from fvx_methods import trajectory_cache
+
+        teacher = [*both, f"method.cache={tmp_path / 'cache'}", "data.world.num_samples=4", "method.teacher_steps=2"]
+        trajectory_cache.build(trajectory_cache.resolve(str(EXPERIMENTS / experiment), teacher), batch=4)
     assert run.main([str(EXPERIMENTS / experiment), "--out", str(out), "--steps", "2", *QUICK, "validation.every=2",
                      "validation.num_prompts=1", "validation.num_steps=2", *teacher]) == 0
     assert (out / "validation" / "step_2").is_dir() and (out / "checkpoints" / "2").is_dir()

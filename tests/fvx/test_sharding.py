@@ -328,3 +328,13 @@ def test_two_process_experts_run_on_every_rank_even_without_samples_of_their_sid
     assert math.isclose(loss, want_loss, rel_tol=REL)
     assert_close_rel(grads, want_grads)
     assert grads["transformer.proj_out.weight"].abs().sum() > 0 and grads["transformer_2.proj_out.weight"].abs().sum() > 0
+
+
+@pytest.mark.slow
+def test_two_process_block_causal_wan_equals_one_process(run2):
+    """The block-causal Wan's per-frame, teacher-forced and KV-cached forwards on sharded, compiled units."""
+    results, _ = run2
+    loss, grads = results["causal"]
+    want_loss, want_grads = worker.causal_run()
+    assert math.isclose(loss, want_loss, rel_tol=REL)
+    assert_close_rel(grads, want_grads)

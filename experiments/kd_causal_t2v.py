@@ -1,0 +1,84 @@
+"""Distil a few-step block-causal Wan student from a bidirectional teacher's ODE trajectories (FastVideo's
+`knowledge_distillation/wan/causal_t2v.yaml`, as an fvx experiment: the ODE initialisation of Self-Forcing).
+
+As `experiments/kd_t2v.py`, two commands: the first caches the teacher's trajectories (resumable), the second trains
+the causal student on them, every block of latent frames at its own t_list time (`fvx_methods.kd`, `kd_causal`).
+The default starts the toy world's causal Wan (`world` preset, blocks of 2 latent frames: 2 blocks per clip) from
+the weights of the bidirectional teacher that `experiments/finetune_wan.py` trains (exported to `runs/teacher`, as
+in the README), on a 2-core CPU in a minute or two:
+    python -m fvx_methods.trajectory_cache experiments/kd_causal_t2v.py
+    python -m fvx.run experiments/kd_causal_t2v.py
+Validation samples the student as it runs, block by block on its KV cache, on t_list [999, 937, 833, 624, 0]
+(4 steps per block): made causal, the teacher's weights sample poorly at first, and `validation/student/nearest_mse`,
+`hit_rate` and `prompt_match` show the student learning to make and continue the teacher's clips block by block.
+The teacher is the bidirectional Wan (`WanConfig`), the student its block-causal form (`WanCausalConfig`, the same
+weights). FastVideo's recipe is the recipe
+`wan21_t2v_1p3b` (a causal Wan 2.1 T2V 1.3B student in blocks of 3 latent frames from the bidirectional 1.3B
+weights, a 14B teacher, 2 ranks of batch 1); point its paths at local folders, the same in both commands:
+    python -m fvx_methods.trajectory_cache experiments/kd_causal_t2v.py:wan21_t2v_1p3b \
+        models.teacher.path=/models/Wan2.1-T2V-14B-Diffusers data.path=/data/Wan-Syn_77x448x832_600k
+    torchrun --nproc-per-node 2 -m fvx.run experiments/kd_causal_t2v.py:wan21_t2v_1p3b \
+        models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers models.teacher.path=/models/Wan2.1-T2V-14B-Diffusers \
+        data.path=/data/Wan-Syn_77x448x832_600k
+"""
+import msgspec
+
+from fvx.checkpoint import CheckpointConfig
+from fvx.config import recipe
+from fvx.data import DataConfig
+from fvx.loop import Experiment, RunConfig
+from fvx.optim_config import AdamWConfig
+from fvx.validation import ValidationConfig
+from fvx.world import SpaceToDepth, WorldConfig
+from fvx_methods.kd import KDCausal
+from fvx_models.wan import WanConfig
+from fvx_models.wan_causal import WanCausalConfig
+from fvx_models.wan_vae import WanVAEConfig
+
+T_LIST = (999, 937, 833, 624, 0)  # FastVideo's
+
+
+class KDWanCausal(Experiment):
+    models: dict[str, WanCausalConfig | WanConfig] = msgspec.field(
+        default_factory=lambda: {"student": WanCausalConfig(), "teacher": WanConfig()})
+    vae: WanVAEConfig | SpaceToDepth | None = None  # decodes validation samples; None logs latent previews
+    method: KDCausal = KDCausal(t_list=T_LIST, cache="runs/kd_causal_t2v_cache")
+
+
+TEACHER = "runs/teacher"  # experiments/finetune_wan.py's run, exported (module docstring)
+
+config = KDWanCausal(
+    run=RunConfig(seed=0, steps=300, output_dir="runs/kd_causal_t2v", log_every=1),
+    data=DataConfig(batch_size=8, text_len=4, world=WorldConfig()),
+    models={"student": WanCausalConfig(preset="world", path=TEACHER, num_frames_per_block=2),
+            "teacher": WanConfig(preset="world", path=TEACHER)},
+    vae=SpaceToDepth(),
+    validation=ValidationConfig(every=100, num_prompts=8, display_scale=4),
+    method=KDCausal(t_list=T_LIST, cache="runs/kd_causal_t2v_cache", num_frames_per_block=2, teacher_steps=48,
+                    flow_shift=3.0, optim=AdamWConfig(lr=1e-4, max_grad_norm=1.0)),
+)
+
+
+@recipe
+def wan21_t2v_1p3b() -> KDWanCausal:
+    """FastVideo's knowledge_distillation/wan/causal_t2v.yaml: a causal Wan 2.1 T2V 1.3B student (blocks of 3 latent
+    frames, global attention, no sink) from the bidirectional 1.3B weights, distilled from the Wan 2.1 T2V 14B
+    teacher's 48-step ODE trajectories (frozen, bf16; only the cache command loads it), t_list [999, 937, 833, 624,
+    0], one index per block; teacher guidance 1 (FastVideo parses its teacher_guidance_scale but never applies it);
+    AdamW lr 7e-5, betas (0.9, 0.999), weight decay 0.01, constant, clip 1; global batch 2 (2 ranks of 1), 21 latent
+    frames (7 blocks) of 448x832; checkpoints every 100 steps, the newest 3 kept; validation every 100 steps. The
+    flow shift is not in the spec of the recipe: Wan T2V's 3."""
+    return KDWanCausal(
+        run=RunConfig(seed=1000, steps=3000, output_dir="outputs/wan_kd_causal_t2v",
+                      checkpoint=CheckpointConfig(every=100, keep_latest=3)),
+        data=DataConfig(path="data/Wan-Syn_77x448x832_600k", batch_size=2, text_len=512, num_latent_t=21),
+        models={"student": WanCausalConfig(preset="wan2.1-t2v-1.3b", path="models/Wan2.1-T2V-1.3B-Diffusers",
+                                           num_frames_per_block=3, compute_dtype="bf16", remat=True),
+                "teacher": WanConfig(preset="wan2.1-t2v-14b", path="models/Wan2.1-T2V-14B-Diffusers",
+                                     compute_dtype="bf16")},
+        validation=ValidationConfig(every=100, num_prompts=4),
+        method=KDCausal(t_list=T_LIST, cache="outputs/wan_kd_causal_t2v_cache", num_frames_per_block=3,
+                        teacher_steps=48, flow_shift=3.0, teacher_guidance_scale=1.0,
+                        optim=AdamWConfig(lr=7e-5, betas=(0.9, 0.999), weight_decay=0.01, max_grad_norm=1.0,
+                                          schedule="constant")),
+    )

@@ -1,0 +1,82 @@
+"""Distil a few-step Wan student from its teacher's ODE trajectories (FastVideo's
+`knowledge_distillation/wan/t2v.yaml`, as an fvx experiment).
+
+Two commands: the first caches the teacher's trajectories (for every sample of the data, its 48-step ODE from noise,
+the states at the t_list times and the end; resumable, one safetensors file per sample), the second trains on them.
+The default distils the teacher that `experiments/finetune_wan.py` trains on fvx's toy video world (exported to
+`runs/teacher`) into a *one-step* student (t_list [999, 0]), on a 2-core CPU in a minute or two:
+    python -m fvx.run experiments/finetune_wan.py && python -m fvx.run export runs/finetune_wan --out runs/teacher
+    python -m fvx_methods.trajectory_cache experiments/kd_t2v.py
+    python -m fvx.run experiments/kd_t2v.py
+The student starts as a copy of the teacher, whose one-step samples are a blur (no sample is a true clip:
+`validation/student/hit_rate` 0); trained to jump from the teacher's noise to where its 48-step ODE ends, its
+one-step samples become sharp bars (`hit_rate` 0.5, as the teacher's own many-step samples) and `nearest_mse` falls.
+On this toy the teacher's own 4-step samples are already as good as its ODE's, so a 4-step student has nothing to
+show; `method.t_list=[999,937,833,624,0]` (with a cache built for it) is FastVideo's. Its recipe is the recipe
+`wan21_t2v_1p3b` (a Wan 2.1 T2V 1.3B student, a 14B teacher, 2 ranks of batch 1); point its paths at local folders,
+the same in both commands (the run checks that the cache is its teacher's, on its data):
+    python -m fvx_methods.trajectory_cache experiments/kd_t2v.py:wan21_t2v_1p3b \
+        models.teacher.path=/models/Wan2.1-T2V-14B-Diffusers data.path=/data/Wan-Syn_77x448x832_600k
+    torchrun --nproc-per-node 2 -m fvx.run experiments/kd_t2v.py:wan21_t2v_1p3b \
+        models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers models.teacher.path=/models/Wan2.1-T2V-14B-Diffusers \
+        data.path=/data/Wan-Syn_77x448x832_600k
+The cache command also runs under torchrun, each rank building its share of the samples.
+"""
+import msgspec
+
+from fvx.checkpoint import CheckpointConfig
+from fvx.config import recipe
+from fvx.data import DataConfig
+from fvx.loop import Experiment, RunConfig
+from fvx.optim_config import AdamWConfig
+from fvx.validation import ValidationConfig
+from fvx.world import SpaceToDepth, WorldConfig
+from fvx_methods.kd import KD
+from fvx_models.wan import WanConfig
+from fvx_models.wan_vae import WanVAEConfig
+
+T_LIST = (999, 937, 833, 624, 0)  # FastVideo's
+
+
+class KDWan(Experiment):
+    models: dict[str, WanConfig] = msgspec.field(
+        default_factory=lambda: {"student": WanConfig(), "teacher": WanConfig(preset="tiny-deep")})
+    vae: WanVAEConfig | SpaceToDepth | None = None  # decodes validation samples; None logs latent previews
+    method: KD = KD(t_list=T_LIST, cache="runs/kd_t2v_cache")
+
+
+TEACHER = "runs/teacher"  # experiments/finetune_wan.py's run, exported (module docstring)
+
+config = KDWan(
+    run=RunConfig(seed=0, steps=300, output_dir="runs/kd_t2v", log_every=1),
+    data=DataConfig(batch_size=8, text_len=4, world=WorldConfig()),
+    models={"student": WanConfig(preset="world", path=TEACHER), "teacher": WanConfig(preset="world", path=TEACHER)},
+    vae=SpaceToDepth(),
+    validation=ValidationConfig(every=100, num_prompts=8, display_scale=4),
+    method=KD(t_list=(999, 0), cache="runs/kd_t2v_cache", teacher_steps=48, flow_shift=3.0,
+              optim=AdamWConfig(lr=1e-4, max_grad_norm=1.0)),
+)
+
+
+@recipe
+def wan21_t2v_1p3b() -> KDWan:
+    """FastVideo's knowledge_distillation/wan/t2v.yaml: a Wan 2.1 T2V 1.3B student distilled from the Wan 2.1 T2V
+    14B teacher's 48-step ODE trajectories (frozen, bf16; only the cache command loads it), t_list [999, 937, 833,
+    624, 0], teacher guidance 1 (FastVideo parses its teacher_guidance_scale but never applies it); AdamW lr 7e-5,
+    betas (0.9, 0.999), weight decay 0.01, constant, clip 1; global batch 2 (2 ranks of 1), 20 latent frames of
+    448x832; checkpoints every 100 steps, the newest 3 kept; validation every 100 steps. The flow shift is not in the
+    spec of the recipe: Wan T2V's 3."""
+    return KDWan(
+        run=RunConfig(seed=1000, steps=3000, output_dir="outputs/wan_kd_t2v",
+                      checkpoint=CheckpointConfig(every=100, keep_latest=3)),
+        data=DataConfig(path="data/Wan-Syn_77x448x832_600k", batch_size=2, text_len=512, num_latent_t=20),
+        models={"student": WanConfig(preset="wan2.1-t2v-1.3b", path="models/Wan2.1-T2V-1.3B-Diffusers",
+                                     compute_dtype="bf16", remat=True, compile="blocks"),
+                "teacher": WanConfig(preset="wan2.1-t2v-14b", path="models/Wan2.1-T2V-14B-Diffusers",
+                                     compute_dtype="bf16", compile="blocks")},
+        validation=ValidationConfig(every=100, num_prompts=4),
+        method=KD(t_list=T_LIST, cache="outputs/wan_kd_t2v_cache", teacher_steps=48, flow_shift=3.0,
+                  teacher_guidance_scale=1.0,
+                  optim=AdamWConfig(lr=7e-5, betas=(0.9, 0.999), weight_decay=0.01, max_grad_norm=1.0,
+                                    schedule="constant")),
+    )

@@ -1,0 +1,282 @@
+"""Block-causal, KV-cached Wan (FastVideo's WanCausalModel, spec §3.2) by wrapping diffusers' ``WanTransformer3DModel``.
+
+The DiT is diffusers' own, with its own params (an ordinary Wan 2.1 folder loads, and exports back, unchanged); three
+pieces are swapped in, none of which touches the DiT's code: the RoPE module becomes :class:`FrameRope`, which
+offsets positions by the first frame of the chunk and returns a :class:`Plan` (the blocks' ``rotary_emb`` argument,
+so remat recomputes from the same explicit input); a forward pre-hook on each block hands its self-attention that
+layer's view of the plan (:class:`LayerPlan`: the layer's cached keys and values); and self-attention runs
+:class:`BlockCausalAttention` (``fvx_models.block_causal``; cross-attention is unchanged). What one forward is asked
+to do (a :class:`Call`: the KV cache, the teacher-forcing layout) is bound to the RoPE module for that forward only
+(``bind``), by the functions of ``Model.causal``, which take the cache as an argument and return the next one.
+
+Timesteps: ``t [B]``, or one per latent frame ``t [B, T]`` given to the DiT per token (its Wan 2.2 TI2V path). Teacher
+forcing feeds ``[clean | noisy]`` frames, clean ones at ``t = 0``, sharing positions frame for frame.
+
+Sequence parallelism (:func:`sequence_parallel`): Wan's token split and gather; the plan's RoPE tables are sliced to
+the rank's tokens, while its query blocks and mask index the whole sequence, which self-attention sees after the
+all-to-all to the rank's heads, so the attention itself is unchanged. A KV cache then holds the rank's heads.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Annotated, Any, Literal, Mapping
+
+import msgspec
+import torch
+from diffusers import WanTransformer3DModel
+from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed, _get_qkv_projections
+from torch import nn
+
+from fvx import sequence_parallel as fsp
+from fvx_models import block_causal as bc
+from fvx_models import wan
+from fvx_models.build import ModelConfig
+from fvx_models.family import skeleton_of
+from fvx_models.model import Causal
+
+PRESETS = {name: wan.PRESETS[name] for name in ("tiny", "tiny-deep", "world", "wan2.1-t2v-1.3b", "wan2.1-t2v-14b")}
+# every block saves its per-token modulation when timesteps come per frame (the DFSFT/TFSFT/KD forward)
+ACTIVATIONS = {"blocks": wan.PER_TOKEN_T_ACTIVATIONS["blocks"]}
+REMAINDER = ("FastVideo's Self-Forcing puts a remainder in the first block, frames [0, F + rem); fvx needs whole "
+             "blocks: choose num_latent_t (or world frames) divisible by F")
+
+
+@dataclasses.dataclass
+class Call:
+    """What one forward is asked to do: attend to ``cache`` (None: the chunk starts at frame 0), or run the
+    teacher-forcing layout. The forward leaves its :class:`Plan` in ``plan`` (the chunk's keys and values)."""
+
+    cache: bc.KVCache | None = None
+    teacher_forcing: bool = False
+    plan: Plan | None = None
+
+
+@dataclasses.dataclass
+class Plan:
+    """A forward's attention plan, shared by every block: RoPE tables ``[1, L, 1, head_dim]`` (fp64, as diffusers'),
+    the query blocks, the mask (``attention="mask"``) and the cache; ``layers`` collects each layer's view."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    blocks: tuple[bc.QueryBlock, ...]
+    mask: torch.Tensor | None
+    cache: bc.KVCache
+    layers: dict[int, LayerPlan] = dataclasses.field(default_factory=dict)
+
+    def layer(self, index: int) -> LayerPlan:
+        cached = (self.cache.keys[index], self.cache.values[index]) if self.cache.keys else None
+        view = LayerPlan(self.cos, self.sin, self.blocks, self.mask, cached)
+        self.layers[index] = view
+        return view
+
+
+@dataclasses.dataclass
+class LayerPlan:
+    """What one block's self-attention reads (the plan and its layer's cached ``(keys, values)`` or None) and leaves
+    (``kv``: the chunk's keys and values ``[B, L, heads, head_dim]``). Holds no layer index, so every block's
+    compiled graph is the same."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    blocks: tuple[bc.QueryBlock, ...]
+    mask: torch.Tensor | None
+    cached: tuple[torch.Tensor, torch.Tensor] | None
+    kv: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class FrameRope(WanRotaryPosEmbed):
+    """Wan's RoPE from the chunk's first frame on, returning the forward's :class:`Plan` (module docstring)."""
+
+    def __init__(self, attention_head_dim: int, patch_size: tuple[int, int, int], max_seq_len: int, *,
+                 frames_per_block: int, window: int, sink: int, attention: str) -> None:
+        super().__init__(attention_head_dim, patch_size, max_seq_len)
+        self.frames_per_block, self.window, self.sink, self.attention = frames_per_block, window, sink, attention
+        self.call: Call | None = None
+        self.sequence = fsp.SPGroup()  # sequence parallelism (sequence_parallel installs it)
+
+    def forward(self, hidden_states: torch.Tensor) -> Plan:
+        call = self.call or Call()
+        cache = call.cache or bc.KVCache()
+        _, _, frames, height, width = hidden_states.shape
+        p_t, p_h, p_w = self.patch_size
+        ppf, pph, ppw = frames // p_t // (2 if call.teacher_forcing else 1), height // p_h, width // p_w
+        if ppf % self.frames_per_block:
+            raise ValueError(f"wan_causal: {ppf} latent frames are not whole blocks of num_frames_per_block="
+                             f"{self.frames_per_block} ({REMAINDER})")
+        start = cache.next_frame
+        if start + ppf > self.max_seq_len:
+            raise ValueError(f"wan_causal: frames {start}..{start + ppf - 1} exceed the RoPE table of "
+                             f"rope_max_seq_len={self.max_seq_len} frames")
+        cos, sin = (self._table(table, start, ppf, pph, ppw) for table in (self.freqs_cos, self.freqs_sin))
+        if call.teacher_forcing:
+            cos, sin = torch.cat([cos, cos], dim=1), torch.cat([sin, sin], dim=1)
+        blocks = bc.plan_blocks(cache.frames, start, ppf, pph * ppw, frames_per_block=self.frames_per_block,
+                                window=self.window, sink=self.sink, teacher_forcing=call.teacher_forcing)
+        queries = cos.shape[1]
+        mask = (bc.mask_of(blocks, queries, len(cache.frames) * pph * ppw + queries, hidden_states.device)
+                if self.attention == "mask" else None)
+        call.plan = Plan(cos, sin, blocks, mask, cache)
+        return call.plan
+
+    def _table(self, table: torch.Tensor, start: int, ppf: int, pph: int, ppw: int) -> torch.Tensor:
+        """``[1, ppf pph ppw, 1, head_dim]`` of frames ``start..start+ppf-1`` (diffusers' layout)."""
+        t_part, h_part, w_part = table.split([self.t_dim, self.h_dim, self.w_dim], dim=1)
+        parts = (t_part[start:start + ppf].view(ppf, 1, 1, -1).expand(ppf, pph, ppw, -1),
+                 h_part[:pph].view(1, pph, 1, -1).expand(ppf, pph, ppw, -1),
+                 w_part[:ppw].view(1, 1, ppw, -1).expand(ppf, pph, ppw, -1))
+        return torch.cat(parts, dim=-1).reshape(1, ppf * pph * ppw, 1, -1)
+
+
+class BlockCausalAttention:
+    """Self-attention of a Wan block under a :class:`LayerPlan` (stateless; one instance serves every block). Under
+    sequence parallelism (``sequence``) it attends over all tokens of the rank's heads, between two all-to-alls."""
+
+    def __init__(self, sequence: fsp.SPGroup = fsp.SPGroup()) -> None:
+        self.sequence = sequence
+
+    def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: Any = None,
+                 attention_mask: Any = None, rotary_emb: LayerPlan | None = None) -> torch.Tensor:
+        plan = rotary_emb
+        query, key, value = _get_qkv_projections(attn, hidden_states, None)
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        query, key, value = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, value))
+        query, key = wan.rotate(query, plan.cos, plan.sin), wan.rotate(key, plan.cos, plan.sin)
+        if self.sequence.size > 1:
+            query, key, value = fsp.to_heads(torch.stack([query, key, value], dim=2), self.sequence).unbind(2)
+        plan.kv = (key, value)
+        if plan.cached is not None:
+            key, value = torch.cat([plan.cached[0], key], dim=1), torch.cat([plan.cached[1], value], dim=1)
+        out = fsp.to_tokens(bc.attend(query, key, value, plan.blocks, plan.mask), self.sequence)
+        out = out.flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def _layer_view(index: int, block: nn.Module, args: tuple) -> tuple | None:
+    """A block's forward pre-hook: its self-attention gets this layer's view of the forward's plan."""
+    hidden_states, encoder_hidden_states, temb, plan = args
+    if not isinstance(plan, Plan):
+        return None
+    return hidden_states, encoder_hidden_states, temb, plan.layer(index)
+
+
+def skeleton(config: WanCausalConfig) -> nn.Module:
+    """diffusers' Wan on meta with the RoPE, the blocks' pre-hooks and the self-attention processor swapped in."""
+    kwargs = config.spec.kwargs
+
+    def rebuild(module: nn.Module) -> None:
+        module.rope = FrameRope(kwargs["attention_head_dim"], kwargs["patch_size"], kwargs["rope_max_seq_len"],
+                                frames_per_block=config.num_frames_per_block, window=config.local_attn_size,
+                                sink=config.sink_size, attention=config.attention)
+
+    module = skeleton_of(WanTransformer3DModel, kwargs, rebuild)
+    processor = BlockCausalAttention()
+    for index, block in enumerate(module.blocks):
+        block.attn1.set_processor(processor)
+        block.register_forward_pre_hook(functools.partial(_layer_view, index))
+    return module
+
+
+@contextlib.contextmanager
+def bind(module: nn.Module, call: Call | None):
+    """``call`` bound to the RoPE module for one forward (None: a plain block-causal forward from frame 0)."""
+    module.rope.call = call
+    try:
+        yield
+    finally:
+        module.rope.call = None
+
+
+def _split_plan(group: fsp.SPGroup, module: nn.Module, args: tuple, plan: Plan) -> Plan:
+    """The RoPE module's forward hook: the plan's tables of this rank's tokens (its blocks and mask stay whole)."""
+    plan.cos, plan.sin = (fsp.split_tokens(table, group).contiguous() for table in (plan.cos, plan.sin))
+    return plan
+
+
+def sequence_parallel(config: WanCausalConfig, module: nn.Module, group: fsp.SPGroup) -> None:
+    """Ulysses sequence parallelism on the block-causal skeleton (module docstring)."""
+    wan.split_token_sequence(config, module, group)
+    module.rope.register_forward_hook(functools.partial(_split_plan, group))
+    module.rope.sequence = group
+    processor = BlockCausalAttention(group)
+    for block in module.blocks:
+        block.attn1.set_processor(processor)
+
+
+def inputs(config: WanCausalConfig, x_t: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor],
+           sharded: bool) -> dict[str, Any]:
+    """Wan's inputs; per-frame ``t [B, T]`` becomes one timestep per token ``[B, T h w]``."""
+    if t.dim() == 2:
+        _, p_h, p_w = config.spec.kwargs["patch_size"]
+        t = t.repeat_interleave((x_t.shape[3] // p_h) * (x_t.shape[4] // p_w), dim=1)
+    return {"hidden_states": x_t, "timestep": t, "encoder_hidden_states": wan.masked_text(cond), "return_dict": False}
+
+
+# -------------------------------------------------------------------------------------------- the streaming functions
+
+
+def causal(config: WanCausalConfig, apply: Any, module: nn.Module) -> Causal:
+    """``Model.causal`` over the generic ``apply(..., call=)``."""
+    kwargs = config.spec.kwargs
+    _, p_h, p_w = kwargs["patch_size"]
+    layers, head_dim = kwargs["num_layers"], kwargs["attention_head_dim"]
+    heads = kwargs["num_attention_heads"] // module.rope.sequence.size  # a KV cache holds the rank's heads under SP
+    layout = dict(frames_per_block=config.num_frames_per_block, window=config.local_attn_size, sink=config.sink_size)
+    who = f"wan_causal:{config.preset}"
+
+    def apply_cached(params, x_t, t, cond, cache):
+        tokens = (x_t.shape[3] // p_h) * (x_t.shape[4] // p_w)
+        bc.check_cache(cache, batch=x_t.shape[0], layers=layers, tokens_per_frame=tokens, heads=heads,
+                       head_dim=head_dim, who=who)
+        call = Call(cache=cache)
+        v = apply(params, x_t, t, cond, call=call)
+        kv = [call.plan.layers[i].kv for i in range(layers)]
+        after = bc.append(cache, [k for k, _ in kv], [v_ for _, v_ in kv], x_t.shape[2], tokens, **layout)
+        return v, after
+
+    def apply_teacher_forced(params, x_t, t, cond, clean):
+        if config.local_attn_size != -1:
+            raise ValueError(f"{who}: teacher forcing needs global attention (local_attn_size -1, as FastVideo "
+                             f"requires), got local_attn_size={config.local_attn_size}")
+        if tuple(clean.shape) != tuple(x_t.shape):
+            raise ValueError(f"{who}: teacher forcing needs clean frames of the noisy frames' shape "
+                             f"{tuple(x_t.shape)}, got {tuple(clean.shape)}")
+        frames = x_t.shape[2]
+        per_frame = t[:, None].expand(x_t.shape[0], frames) if t.dim() == 1 else t
+        both = torch.cat([clean.to(x_t.dtype), x_t], dim=2)
+        t_both = torch.cat([torch.zeros_like(per_frame), per_frame], dim=1)
+        return apply(params, both, t_both, cond, call=Call(teacher_forcing=True))[:, :, frames:]
+
+    return Causal(frames_per_block=config.num_frames_per_block, window=config.local_attn_size,
+                  sink=config.sink_size, empty_cache=lambda batch: bc.KVCache(), apply_cached=apply_cached,
+                  apply_teacher_forced=apply_teacher_forced)
+
+
+WAN_CAUSAL = dataclasses.replace(
+    wan.WAN, name="wan_causal", presets=PRESETS, skeleton=skeleton, activations=ACTIVATIONS, inputs=inputs,
+    per_frame_timesteps=True, bind=bind, causal=causal, sequence_parallel=sequence_parallel)
+
+
+class WanCausalConfig(ModelConfig, tag="wan_causal"):
+    """A block-causal Wan 2.1 DiT (presets: tiny, tiny-deep, world, wan2.1-t2v-1.3b, wan2.1-t2v-14b; ordinary Wan
+    weights): latent frames in blocks of ``num_frames_per_block``, each attending to itself and earlier blocks
+    within ``local_attn_size`` frames (-1: all) plus the first ``sink_size`` frames; ``attention`` "prefix" (one
+    SDPA per block over its keys) or "mask" (one masked SDPA)."""
+
+    family = WAN_CAUSAL
+
+    num_frames_per_block: Annotated[int, msgspec.Meta(ge=1)] = 3
+    local_attn_size: int = -1
+    sink_size: Annotated[int, msgspec.Meta(ge=0)] = 0
+    attention: Literal["prefix", "mask"] = "prefix"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        window = self.local_attn_size
+        if window != -1 and window < self.num_frames_per_block:
+            raise ValueError(f"local_attn_size must be -1 (global) or at least num_frames_per_block="
+                             f"{self.num_frames_per_block} frames, got {window}")
+        if window != -1 and self.sink_size >= window:
+            raise ValueError(f"sink_size {self.sink_size} must be below local_attn_size {window}")
+
