@@ -39,6 +39,7 @@ last three: install them (as wheels) before the run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import gc
@@ -218,17 +219,20 @@ def eager_step(ctx: Ctx, case: Case, batch: dict, args) -> Callable[[], torch.Te
     module.enable_gradient_checkpointing()
     optimizer = torch_adamw(module.parameters())
 
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
-            v = module(batch["x"], batch["t"], batch["cond"]["text"], return_dict=False)[0]
-        loss = mse(v, batch["target"])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(module.parameters(), MAX_NORM, foreach=True)
-        optimizer.step()
-        return loss.detach()
+    return functools.partial(torch_step, module, optimizer, batch, autocast=ctx.device.type)
 
-    return step
+
+def torch_step(module, optimizer, batch: dict, autocast: str | None = None) -> torch.Tensor:
+    """One step of the PyTorch baselines: forward (under bf16 autocast on ``autocast``'s device type when given),
+    ``loss.backward()``, ``clip_grad_norm_(foreach=True)``, the optimizer's step; the detached loss."""
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast(autocast, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+        v = module(batch["x"], batch["t"], batch["cond"]["text"], return_dict=False)[0]
+    loss = mse(v, batch["target"])
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(module.parameters(), MAX_NORM, foreach=True)
+    optimizer.step()
+    return loss.detach()
 
 
 def fsdp2_step(ctx: Ctx, case: Case, batch: dict, args) -> Callable[[], torch.Tensor]:
@@ -246,16 +250,7 @@ def fsdp2_step(ctx: Ctx, case: Case, batch: dict, args) -> Callable[[], torch.Te
     fully_shard(module, mesh=mesh, mp_policy=policy)
     optimizer = torch_adamw(module.parameters())
 
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        v = module(batch["x"], batch["t"], batch["cond"]["text"], return_dict=False)[0]
-        loss = mse(v, batch["target"])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(module.parameters(), MAX_NORM, foreach=True)
-        optimizer.step()
-        return loss.detach()
-
-    return step
+    return functools.partial(torch_step, module, optimizer, batch)
 
 
 def fvx_step(ctx: Ctx, case: Case, batch: dict, args, compile: str = "none") -> Callable[[], torch.Tensor]:

@@ -7,7 +7,7 @@ from typing import Callable, NamedTuple
 import torch
 from diffusers import HunyuanVideoTransformer3DModel, SkyReelsV2Transformer3DModel, WanTransformer3DModel
 
-from fvx import random
+from fvx import grad, random, sharding
 from fvx_models.build import ModelConfig
 from fvx_models.hunyuan_video import HunyuanVideoConfig
 from fvx_models.skyreels_v2 import SkyReelsV2Config
@@ -116,3 +116,29 @@ def raw_batch(model, key: torch.Tensor, *, batch: int = 2, frames: int = 2, size
     else:
         text, mask = cond["text"], cond["text_mask"]
     return {"latents": x, "text": text, "text_mask": mask, "sample_index": torch.arange(first, first + batch)}
+
+
+def causal_loss_and_grads(config: ModelConfig, mesh=None, rows: Callable[[dict], dict] = lambda batch: batch):
+    """Loss and full gradients of a tiny block-causal Wan (``config``: blocks of 1 frame) on a global batch of 4, of
+    which this rank takes ``rows``: its per-frame-timestep forward, the teacher-forced one and a KV-cached chunk after
+    a cached clean frame (on ``mesh``: the rank-mean loss and the unsharded gradients)."""
+    model = config.build(**({} if mesh is None else {"mesh": mesh}))
+    params = model.init(random.key(0))
+    raw = raw_batch(model, random.key(40), batch=4)
+    t = torch.tensor([[900.0, 10.0], [500.0, 600.0], [0.0, 999.0], [250.0, 250.0]])
+    local = rows({**raw, "t": t})
+    cond = model.batch({k: local[k] for k in raw})["cond"]
+    x, clean = local["latents"], local["latents"].flip(-1)
+
+    def loss_fn(p):
+        full = model.apply(p, x, local["t"], cond)
+        forced = model.causal.apply_teacher_forced(p, x, local["t"], cond, clean)
+        _, cache = model.causal.apply_cached(p, clean[:, :, :1], local["t"][:, 0] * 0, cond,
+                                             model.causal.empty_cache(x.shape[0]))
+        cached, _ = model.causal.apply_cached(p, x[:, :, 1:], local["t"][:, 1], cond, cache)
+        return full.square().mean() + forced.square().mean() + cached.square().mean()
+
+    loss, grads = grad.value_and_grad(loss_fn)(params)
+    if mesh is None:
+        return float(loss), grads
+    return float(sharding.dp_mean(loss, sharding.group_of(mesh))), sharding.unshard(grads, mesh)

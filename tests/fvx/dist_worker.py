@@ -24,7 +24,7 @@ from fvx_methods import dmd2, finetune
 from fvx_models import build, wan, wan_causal
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
-from family_cases import CASES, FAMILIES, raw_batch  # noqa: E402
+from family_cases import CASES, FAMILIES, causal_loss_and_grads, raw_batch  # noqa: E402
 
 UNITS = ("blocks.0.", "blocks.1.")
 BATCH = 2  # global
@@ -276,29 +276,11 @@ def moe_run(mesh=None, rank: int = 0, world: int = 1) -> tuple[float, dict]:
 
 
 def causal_run(mesh=None, rank: int = 0, world: int = 1) -> tuple[float, dict]:
-    """Loss and full gradients of the tiny block-causal Wan (blocks of 1 frame, compiled units) on this rank's slice of
-    a global batch of 4: the per-frame-timestep forward, the teacher-forced one and a KV-cached chunk."""
-    model = wan_causal.WanCausalConfig(preset="tiny", num_frames_per_block=1, compile="blocks",
-                                       compile_backend="aot_eager").build(**({} if mesh is None else {"mesh": mesh}))
-    params = model.init(random.key(0))
-    raw = raw_batch(model, random.key(40), batch=4)
-    t = torch.tensor([[900.0, 10.0], [500.0, 600.0], [0.0, 999.0], [250.0, 250.0]])
-    local = {k: v.chunk(world)[rank] for k, v in {**raw, "t": t}.items()}
-    cond = model.batch({k: local[k] for k in raw})["cond"]
-    x, clean = local["latents"], local["latents"].flip(-1)
-
-    def loss_fn(p):
-        full = model.apply(p, x, local["t"], cond)
-        forced = model.causal.apply_teacher_forced(p, x, local["t"], cond, clean)
-        _, cache = model.causal.apply_cached(p, clean[:, :, :1], local["t"][:, 0] * 0, cond,
-                                             model.causal.empty_cache(x.shape[0]))
-        cached, _ = model.causal.apply_cached(p, x[:, :, 1:], local["t"][:, 1], cond, cache)
-        return full.square().mean() + forced.square().mean() + cached.square().mean()
-
-    loss, grads = grad.value_and_grad(loss_fn)(params)
-    if mesh is not None:
-        return float(sharding.dp_mean(loss, sharding.group_of(mesh))), sharding.unshard(grads, mesh)
-    return float(loss), grads
+    """The tiny block-causal Wan's loss and gradients (``family_cases.causal_loss_and_grads``) with compiled units,
+    on this rank's slice of the batch."""
+    config = wan_causal.WanCausalConfig(preset="tiny", num_frames_per_block=1, compile="blocks",
+                                        compile_backend="aot_eager")
+    return causal_loss_and_grads(config, mesh, lambda batch: {k: v.chunk(world)[rank] for k, v in batch.items()})
 
 
 DMD2_STEPS = 3  # critic only, then student and critic (interval 2), then critic only

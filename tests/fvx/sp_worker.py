@@ -18,7 +18,7 @@ from fvx_methods import finetune
 from fvx_models import wan, wan_causal
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
-from family_cases import raw_batch  # noqa: E402
+from family_cases import causal_loss_and_grads, raw_batch  # noqa: E402
 
 BATCH = 4  # global
 STEPS = 2
@@ -63,31 +63,11 @@ def finetune_run(config, mesh=None, rank: int = 0, world: int = 1) -> dict:
 
 
 def causal_run(attention: str, remat: bool, mesh=None, rank: int = 0, world: int = 1) -> tuple[float, dict]:
-    """Loss and full gradients of the tiny block-causal Wan (blocks of 1 frame) on a global batch of 4: its
-    per-frame-timestep forward, the teacher-forced one and a KV-cached chunk after a cached clean frame (eager: its
-    compiled blocks make a graph per sequence and cache length, slow to build on a CPU; compiled SP units are
-    checked on the plain Wan)."""
+    """The tiny block-causal Wan's loss and gradients (``family_cases.causal_loss_and_grads``), eager (its compiled
+    blocks make a graph per sequence and cache length, slow to build on a CPU; compiled SP units are checked on the
+    plain Wan), on this data-parallel rank's rows (and tokens, under SP)."""
     config = wan_causal.WanCausalConfig(preset="tiny", num_frames_per_block=1, attention=attention, remat=remat)
-    model = config.build(**({} if mesh is None else {"mesh": mesh}))
-    params = model.init(random.key(0))
-    raw = raw_batch(model, random.key(40), batch=BATCH)
-    t = torch.tensor([[900.0, 10.0], [500.0, 600.0], [0.0, 999.0], [250.0, 250.0]])
-    local = local_rows({**raw, "t": t}, mesh, rank, world)
-    cond = model.batch({k: local[k] for k in raw})["cond"]
-    x, clean = local["latents"], local["latents"].flip(-1)
-
-    def loss_fn(p):
-        full = model.apply(p, x, local["t"], cond)
-        forced = model.causal.apply_teacher_forced(p, x, local["t"], cond, clean)
-        _, cache = model.causal.apply_cached(p, clean[:, :, :1], local["t"][:, 0] * 0, cond,
-                                             model.causal.empty_cache(x.shape[0]))
-        cached, _ = model.causal.apply_cached(p, x[:, :, 1:], local["t"][:, 1], cond, cache)
-        return full.square().mean() + forced.square().mean() + cached.square().mean()
-
-    loss, grads = grad.value_and_grad(loss_fn)(params)
-    if mesh is None:
-        return float(loss), grads
-    return float(sharding.dp_mean(loss, sharding.group_of(mesh))), sharding.unshard(grads, mesh)
+    return causal_loss_and_grads(config, mesh, lambda batch: local_rows(batch, mesh, rank, world))
 
 
 def tokens_per_rank(mesh) -> int:
