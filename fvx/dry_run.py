@@ -30,31 +30,40 @@ def parse_video(text: str) -> tuple[int, int, int]:
 
 
 def estimate(plan: Plan, *, world: int, replicate: int, video: Sequence[int], global_batch: int,
-             capacity: int = memory.H200_BYTES) -> tuple[memory.Estimate, str]:
+             capacity: int = memory.H200_BYTES, sp: int = 1) -> tuple[memory.Estimate, str]:
     """(the estimate, its title) of ``plan``'s roles sharded over ``world // replicate`` ranks, each rank
-    differentiating ``global_batch // world // micro_batches`` samples of ``video`` at a time."""
+    differentiating ``global_batch // (world // sp) // micro_batches`` samples of ``video`` at a time, of whose
+    tokens it holds ``1 / sp`` under sequence parallelism (the all-to-all buffers are not counted)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"--world must be a positive int, got {world!r}")
     if replicate < 1 or world % replicate:
         raise ValueError(f"replicate={replicate} must be a positive divisor of --world {world}")
-    if global_batch % world:
-        raise ValueError(f"data.batch_size {global_batch} is not divisible by --world {world}")
-    per_rank = global_batch // world
+    if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1 or world % sp:
+        raise ValueError(f"--sp {sp!r} must be a positive divisor of --world {world}")
+    groups = world // sp  # data-parallel groups: each reads its own samples
+    if global_batch % groups:
+        raise ValueError(f"data.batch_size {global_batch} is not divisible by the {groups} data-parallel groups "
+                         f"(--world {world} / --sp {sp})")
+    per_rank = global_batch // groups
     if per_rank % plan.micro_batches:
         raise ValueError(f"a rank's batch of {per_rank} is not divisible into {plan.micro_batches} micro-batches")
     spec = plan.roles[0].model
     grid = memory.latent_grid(*video, vae_stride=spec.vae_stride, patch=spec.patch)
+    if grid.tokens % sp:
+        raise ValueError(f"--video {'x'.join(map(str, video))}: {grid.tokens} tokens per sample do not split over "
+                         f"--sp {sp} ranks")
     micro = per_rank // plan.micro_batches
-    est = memory.estimate(plan.roles, shard_size=world // replicate, tokens=grid.tokens, batch_per_rank=micro,
+    est = memory.estimate(plan.roles, shard_size=world // replicate, tokens=grid.tokens // sp, batch_per_rank=micro,
                           capacity=capacity)
     title = (f"{world} ranks ({replicate} replica group(s) x {world // replicate} shards), video "
-             f"{'x'.join(map(str, video))} -> latent {grid.frames}x{grid.height}x{grid.width} = {grid.tokens} tokens, "
-             f"{micro} sample(s) per rank per forward, compute {8 * spec.compute_bytes}-bit, "
+             f"{'x'.join(map(str, video))} -> latent {grid.frames}x{grid.height}x{grid.width} = {grid.tokens} tokens"
+             + (f" ({grid.tokens // sp} per rank: sequence parallel over {sp})" if sp > 1 else "")
+             + f", {micro} sample(s) per rank per forward, compute {8 * spec.compute_bytes}-bit, "
              f"remat {'on' if spec.remat else 'off'}")
     return est, title
 
 
-def report(config: Any, *, world: int, video: Sequence[int], replicate: int = 1,
+def report(config: Any, *, world: int, video: Sequence[int], replicate: int = 1, sp: int = 1,
            device_memory_gib: float | None = None) -> str:
     """The dry-run table of an experiment config against a device of ``device_memory_gib`` GiB (default: an H200's
     usable memory): builds each role's model skeleton only (meta params)."""
@@ -68,7 +77,7 @@ def report(config: Any, *, world: int, video: Sequence[int], replicate: int = 1,
     models = loop.build_models(config)
     plan = plan_of({role: model.memory_spec() for role, model in models.items()})
     est, title = estimate(plan, world=world, replicate=replicate, video=video, global_batch=config.data.batch_size,
-                          capacity=capacity)
+                          capacity=capacity, sp=sp)
     names = ", ".join(dict.fromkeys(model.name for model in models.values()))
     device = ("an H200 (141 GB, as CUDA reports it; --device-memory GiB for another)" if device_memory_gib is None
               else f"a device of {device_memory_gib:g} GiB")

@@ -130,7 +130,7 @@ def train_main(argv: Sequence[str]) -> int:
         if args.dry_run:
             world = args.world if args.world is not None else int(os.environ.get("WORLD_SIZE", "1"))
             print(dry_run.report(config, world=world, video=dry_run.parse_video(args.video), replicate=args.replicate,
-                                 device_memory_gib=args.device_memory))
+                                 sp=args.sp, device_memory_gib=args.device_memory))
             return 0
         d = sharding.init_distributed()
         jax_started = sharding.init_jax_distributed(d)  # orbax's primary process for sharded checkpoints

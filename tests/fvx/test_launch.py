@@ -195,8 +195,16 @@ def test_dry_run_estimate_counts_micro_batches_and_rejects_bad_input():
     halves, _ = dry_run.estimate(dry_run.Plan((role,), micro_batches=2), world=2, replicate=1,
                                  video=(17, 64, 64), global_batch=8)
     assert whole.roles == halves.roles and whole.activations == 2 * halves.activations
-    with pytest.raises(ValueError, match="not divisible by --world 3"):
+    # SP 2 on 4 ranks: 2 data-parallel groups of 4 samples each, half the tokens of each on a rank
+    sp, title = dry_run.estimate(dry_run.Plan((role,)), world=4, replicate=1, video=(17, 64, 64), global_batch=8,
+                                 sp=2)
+    assert "sequence parallel over 2" in title and "4 sample(s) per rank" in title
+    assert sp.activations == memory.estimate((role,), shard_size=4, tokens=5 * 8 * 8 // 2, batch_per_rank=4,
+                                             capacity=memory.H200_BYTES).activations
+    with pytest.raises(ValueError, match="not divisible by the 3 data-parallel groups"):
         dry_run.estimate(dry_run.Plan((role,)), world=3, replicate=1, video=(17, 64, 64), global_batch=8)
+    with pytest.raises(ValueError, match="--sp 3 must be a positive divisor of --world 4"):
+        dry_run.estimate(dry_run.Plan((role,)), world=4, replicate=1, video=(17, 64, 64), global_batch=8, sp=3)
     with pytest.raises(ValueError, match="FRAMESxHEIGHTxWIDTH"):
         dry_run.parse_video("17x64")
 
