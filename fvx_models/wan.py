@@ -189,6 +189,22 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out.type_as(x)
 
 
+def self_attention_heads(attn: nn.Module, hidden_states: torch.Tensor,
+                         rotary: tuple[torch.Tensor, torch.Tensor] | None,
+                         group: fsp.SPGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Wan block's self-attention q, k, v ``[B, L, heads, head_dim]``: projections, their norms, RoPE (``rotary
+    = (cos, sin)`` tables, or None) per token; under sequence parallelism one all-to-all to all tokens of the rank's
+    heads (``fvx.sequence_parallel.to_heads``, the identity without it)."""
+    query, key, value = _get_qkv_projections(attn, hidden_states, None)
+    query, key = attn.norm_q(query), attn.norm_k(key)
+    query, key, value = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, value))
+    if rotary is not None:
+        query, key = rotate(query, *rotary), rotate(key, *rotary)
+    if group.size == 1:
+        return query, key, value
+    return fsp.to_heads(torch.stack([query, key, value], dim=2), group).unbind(2)
+
+
 class UlyssesAttention:
     """A Wan block's self-attention on this rank's tokens (diffusers' ``WanAttnProcessor`` for self-attention, which
     has no image branch): q, k, v with their norms and RoPE per token, then one all-to-all to all tokens of the
@@ -199,12 +215,7 @@ class UlyssesAttention:
 
     def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: Any = None,
                  attention_mask: torch.Tensor | None = None, rotary_emb: Any = None) -> torch.Tensor:
-        query, key, value = _get_qkv_projections(attn, hidden_states, None)
-        query, key = attn.norm_q(query), attn.norm_k(key)
-        query, key, value = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, value))
-        if rotary_emb is not None:
-            query, key = rotate(query, *rotary_emb), rotate(key, *rotary_emb)
-        query, key, value = fsp.to_heads(torch.stack([query, key, value], dim=2), self.group).unbind(2)
+        query, key, value = self_attention_heads(attn, hidden_states, rotary_emb, self.group)
         out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False)
         out = fsp.to_tokens(out, self.group).flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))

@@ -1,4 +1,5 @@
-"""Block-causal, KV-cached Wan (FastVideo's WanCausalModel, spec §3.2) by wrapping diffusers' ``WanTransformer3DModel``.
+"""Block-causal, KV-cached Wan (FastVideo's WanCausalModel, spec §3.2) by wrapping diffusers'
+``WanTransformer3DModel``.
 
 The DiT is diffusers' own, with its own params (an ordinary Wan 2.1 folder loads, and exports back, unchanged); three
 pieces are swapped in, none of which touches the DiT's code: the RoPE module becomes :class:`FrameRope`, which
@@ -26,7 +27,7 @@ from typing import Annotated, Any, Literal, Mapping
 import msgspec
 import torch
 from diffusers import WanTransformer3DModel
-from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed, _get_qkv_projections
+from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 from torch import nn
 
 from fvx import sequence_parallel as fsp
@@ -139,12 +140,7 @@ class BlockCausalAttention:
     def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: Any = None,
                  attention_mask: Any = None, rotary_emb: LayerPlan | None = None) -> torch.Tensor:
         plan = rotary_emb
-        query, key, value = _get_qkv_projections(attn, hidden_states, None)
-        query, key = attn.norm_q(query), attn.norm_k(key)
-        query, key, value = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, value))
-        query, key = wan.rotate(query, plan.cos, plan.sin), wan.rotate(key, plan.cos, plan.sin)
-        if self.sequence.size > 1:
-            query, key, value = fsp.to_heads(torch.stack([query, key, value], dim=2), self.sequence).unbind(2)
+        query, key, value = wan.self_attention_heads(attn, hidden_states, (plan.cos, plan.sin), self.sequence)
         plan.kv = (key, value)
         if plan.cached is not None:
             key, value = torch.cat([plan.cached[0], key], dim=1), torch.cat([plan.cached[1], value], dim=1)

@@ -4,7 +4,6 @@ alone; compiled blocks are counted in the logs."""
 import math
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -14,6 +13,9 @@ import torch
 from fvx import checkpoint, dry_run, loop, memory, run, tracking
 from fvx_models import wan
 
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from gloo import free_port  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXPERIMENT = str(ROOT / "experiments" / "finetune_wan.py")
 QUICK = ["--steps", "3", "run.progress=false", "data.batch_size=4", "data.prefetch=1", "method.optim.warmup_steps=1",
@@ -22,16 +24,10 @@ COMPARED = ("loss", "grad_norm", "lr")
 REL = 1e-6  # fp32: 2 processes differ from one only in reduction order
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch2(out: pathlib.Path, *overrides: str, experiment: str = EXPERIMENT, expect: int = 0) -> list[str]:
     """``fvx.run`` on 2 gloo processes, as torchrun would start them; each rank's output (its exit code is
     ``expect``)."""
-    port, procs = _free_port(), []
+    port, procs = free_port(), []
     for rank in range(2):
         env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}

@@ -7,10 +7,7 @@ under remat, under remat with compiled blocks, with per-token timesteps; the blo
     python -m pytest -q tests/fvx/test_sequence_parallel.py -m "not slow"   # the single-process ones only
 """
 import math
-import os
 import pathlib
-import socket
-import subprocess
 import sys
 import types
 
@@ -25,9 +22,9 @@ from fvx_models.hunyuan_video import HunyuanVideoConfig
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import sp_worker as worker  # noqa: E402
+from gloo import launch_workers  # noqa: E402
 from test_launch import COMPARED, EXPERIMENT, launch1, launch2  # noqa: E402
 
-ROOT = pathlib.Path(__file__).parents[2]
 REL = 1e-6  # fp32: SP ranks differ from one process only in reduction order (token sums split over ranks)
 # After AdamW steps: Adam divides by sqrt(nu), so gradient elements near zero amplify reduction-order rounding
 # element by element (measured on 4 ranks: 1.5e-5 of the largest element, 2.7e-6 in norm for a text-embedder
@@ -100,25 +97,9 @@ def test_an_sp_that_does_not_divide_the_processes_is_one_line(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------------ more processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(out: pathlib.Path, world: int) -> dict:
     """``world`` gloo ranks of sp_worker.py, one thread each; what rank 0 saved."""
-    port, procs = _free_port(), []
-    for rank in range(world):
-        env = {**os.environ, "WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": str(ROOT),
-               "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-        procs.append(subprocess.Popen([sys.executable, str(pathlib.Path(worker.__file__)), str(out)], env=env,
-                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    for rank, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"rank {rank} of {world} failed:\n{log[-4000:]}"
-    return torch.load(out / "results.pt", weights_only=False)
+    return launch_workers(worker.__file__, out, world)
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,7 @@
 """fvx.sharding: layout and padding (pure), single-process behaviour, and one 2-process gloo run (tests/fvx/dist_worker.py)
 whose gradients, optimizer step, EMA, frozen bf16 teacher and checkpoint views must equal a single process's."""
 import math
-import os
 import pathlib
-import socket
-import subprocess
 import sys
 
 import numpy as np
@@ -18,8 +15,8 @@ from fvx_models import build, wan
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import dist_worker as worker  # noqa: E402
+from gloo import launch_workers  # noqa: E402
 
-ROOT = pathlib.Path(__file__).parents[2]
 REL = 1e-6  # fp32: the 2-process sums differ from one process's only in reduction order
 ADAM_REL = 1e-5  # after AdamW steps (see test_two_process_adamw_step_and_ema_on_local_shards_equal_one_process)
 
@@ -125,30 +122,13 @@ def test_shards_carry_their_layout_through_tree_maps_and_gradients():
 # The two-process tests share one launch of 2 processes (imports and compiling: about 15 s on 2 idle cores): slow.
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def run2(tmp_path_factory):
     """Launch 2 gloo ranks of dist_worker.py once; what rank 0 saved."""
     out = tmp_path_factory.mktemp("dist")
     with checkpoint.Checkpoints(out / "ck1", checkpoint.CheckpointConfig(async_save=False)) as saving:
         saving.save(worker.single_process_state(), config={"config": {}}, meta={"world_size": 1})
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": str(ROOT),
-               "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-        procs.append(subprocess.Popen([sys.executable, str(pathlib.Path(worker.__file__)), str(out)], env=env,
-                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    for rank, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{log[-4000:]}"
-    return torch.load(out / "results.pt", weights_only=False), out
+    return launch_workers(worker.__file__, out, 2), out
 
 
 @pytest.fixture(scope="module")
