@@ -41,7 +41,7 @@ import fvx
 from fvx import callbacks as fcallbacks
 from fvx import checkpoint
 from fvx import config as fconfig
-from fvx import data, random, run_lock, tracking, tree, validation
+from fvx import data, files, random, run_lock, tracking, tree, validation
 from fvx import role as fvx_role
 from fvx.config import Config
 from fvx.interrupts import Interrupted, Signals
@@ -501,8 +501,9 @@ def _read_json(path: pathlib.Path) -> dict[str, Any]:
 
 
 def _write_json(path: pathlib.Path, record: Any) -> None:
+    """``record`` as JSON at ``path``, atomically (a run killed while writing keeps the previous file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    files.write_atomic(path, (json.dumps(record, indent=2) + "\n").encode())
 
 
 # ---------------------------------------------------------------------------------------------------------- training

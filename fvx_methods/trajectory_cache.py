@@ -50,6 +50,7 @@ from tqdm import tqdm
 
 from fvx import config as fconfig
 from fvx import data, flow, loop, random, role, validation
+from fvx.files import write_atomic
 from fvx_models.model import Model, Params, check_shared_data
 
 FORMAT = 1
@@ -139,22 +140,6 @@ def sample_noise(key: torch.Tensor, indices: torch.Tensor, shape: Sequence[int],
 
 def sample_path(folder: pathlib.Path, index: int) -> pathlib.Path:
     return folder / SAMPLES / f"{index:08d}.safetensors"
-
-
-def write_atomic(path: pathlib.Path, payload: bytes) -> None:
-    """``payload`` at ``path`` or nothing there: a temporary file beside it (named by this process), fsync, rename,
-    fsync of the folder."""
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temp, "wb") as handle:
-        handle.write(payload)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temp, path)
-    folder = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(folder)
-    finally:
-        os.close(folder)
 
 
 def encode_sample(states: torch.Tensor, times: Sequence[int], x0: torch.Tensor, cond: Mapping[str, torch.Tensor],
