@@ -4,17 +4,22 @@ model of every family and a larger Wan (``cpu-4x256``).
 Baseline: the family's diffusers ``nn.Module`` forward (with the arguments its pipeline passes), ``loss.backward()``,
 ``clip_grad_norm_(foreach=True)`` and ``torch.optim.AdamW(foreach=True)``. fvx: ``Finetune(...).build(models).step_``
 (functional_call forward, ``fvx.grad.value_and_grad``, foreach clip + AdamW in place), eager and with
-``compile=blocks`` (one inductor graph per unit group). Same architecture, initial params, batch, noise and
-timesteps: both steps draw the noise and timesteps with the same fvx keys inside their timing. Timings alternate
-fvx / baseline; peak memory is measured per variant in a fresh subprocess.
+``compile=blocks`` (one inductor graph per unit group) and ``compile=model`` (the whole forward as one graph), against
+the baseline and the same module under ``torch.compile`` (``compile ms``). Same architecture, initial params, batch,
+noise and timesteps: both steps draw the noise and timesteps with the same fvx keys inside their timing. Timings
+alternate fvx / baseline; peak memory is measured per variant in a fresh subprocess.
 
 A second table runs the same fvx step (eager and ``compile=blocks``) on the same global batch in 1 process and in 2
 gloo processes (params, grads and AdamW state sharded, each rank on its half of the batch, one thread each; the
-1-process run gets ``--threads``), each in fresh processes: per-rank median step time, peak resident memory of the
+1-process run gets ``--threads``), each in fresh processes: per-rank median step time (the variants timed in turn
+in the same processes, so drift hits all alike), peak resident memory of the
 process over the timed steps (reset after setup and two warm-up steps, so compilation's transient peak does not
 count; the allocator keeps what the warm-up steps touched, so this is the rank's steady-state footprint, torch's
-own ~300 MB included), and the params + optimizer state a rank holds. A case whose batch does not split over 2 ranks runs there on a global batch
-rounded up to a multiple of 2 (its B column says which). ``--skip-dist`` leaves it out. ``--sp 2`` adds rows of the
+own ~300 MB included), and the params + optimizer state a rank holds. A case whose batch does not split over 2 ranks
+runs there on a global batch rounded up to a multiple of 2 (its B column says which). The sharded rows: fvx's units
+prefetch the next unit's gather and drop their full params after the forward (``reshard_after_forward``, the default)
+against FSDP2 doing the same (``fsdp2``), and with the full params kept to the backward (``fvx_blocks_keep``, FSDP2
+``reshard_after_forward=False``: ``fsdp2_keep``). ``--skip-dist`` leaves it out. ``--sp 2`` adds rows of the
 same step under sequence parallelism in the same processes (``fvx_sp2``, ``fvx_blocks_sp2``: both ranks on the whole
 global batch, each on half of every sample's tokens, params still sharded over both), beside the data-parallel ones.
     python bench/step.py [--repeats 10] [--threads N] [--skip-dist | --dist-only] [--sp 2] [--cases tiny,cpu-4x256]
@@ -64,11 +69,14 @@ TEXT_LEN = 16
 WORLD = 2  # processes of the multi-process table
 DIST_CASES = ("tiny", "cpu-4x256")
 VARIANTS = {"fvx": "none", "fvx_blocks": "blocks"}  # name -> ModelConfig.compile
+# sharded only: units keep their gathered params from forward to backward, beside FSDP2 doing the same
+KEEP_VARIANTS = {"fvx_blocks_keep": "blocks"}
 
 
-def model_config(case: str, compile: str = "none"):
+def model_config(case: str, compile: str = "none", reshard_after_forward: bool = True):
     config = CASES[case][0]
-    return type(config)(**{**{f: getattr(config, f) for f in config.__struct_fields__}, "compile": compile})
+    return type(config)(**{**{f: getattr(config, f) for f in config.__struct_fields__}, "compile": compile,
+                           "reshard_after_forward": reshard_after_forward})
 
 
 def make_batch(model, latent_shape, batch_size: int) -> dict:
@@ -81,11 +89,12 @@ def make_batch(model, latent_shape, batch_size: int) -> dict:
             "sample_index": torch.arange(batch_size)}
 
 
-def build_fvx(case: str, compile: str = "none", mesh=None, batch_size: int | None = None):
+def build_fvx(case: str, compile: str = "none", mesh=None, batch_size: int | None = None,
+              reshard_after_forward: bool = True):
     """The fvx model, config, program and initial state of ``case`` (sharded on ``mesh``), and its global batch
     (``batch_size`` samples, default the case's)."""
     _, latent_shape, case_batch = CASES[case]
-    model = model_config(case, compile).build(mesh=mesh)
+    model = model_config(case, compile, reshard_after_forward).build(mesh=mesh)
     config = finetune.Finetune(optim=AdamWConfig(lr=1e-4, weight_decay=0.01, max_grad_norm=1.0))
     program = config.build({"student": model}, total_steps=1000, **({} if mesh is None else {"mesh": mesh}))
     state = program.init(random.key(0))
@@ -136,6 +145,7 @@ def baseline_step(case: str, module, optimizer, batch, draws) -> torch.Tensor:
 def run_case(case: str, repeats: int) -> dict:
     model, config, program, state, module, optimizer, batch = build(case)
     compiled = build(case, compile="blocks")[2]
+    whole = None if model_config(case).family.whole_graph_refusal else build(case, compile="model")[2]
     peer = torch.compile(baseline_module(case, state.roles["student"].params))
     peer_optimizer = torch.optim.AdamW(peer.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
     holder = {"fvx": state, "fvx_blocks": compiled.init(random.key(0))}
@@ -156,9 +166,12 @@ def run_case(case: str, repeats: int) -> dict:
             baseline_step(case, net, opt, batch, draws)
         return step
 
-    times = alternate({"fvx": fvx_step("fvx", program), "fvx_blocks": fvx_step("fvx_blocks", compiled),
-                       "baseline": base_step(module, optimizer), "compiled": base_step(peer, peer_optimizer)},
-                      repeats=repeats, warmup=2)
+    steps = {"fvx": fvx_step("fvx", program), "fvx_blocks": fvx_step("fvx_blocks", compiled),
+             "baseline": base_step(module, optimizer), "compiled": base_step(peer, peer_optimizer)}
+    if whole is not None:  # (a family whose forward is not one graph refuses compile=model)
+        holder["fvx_model"] = whole.init(random.key(0))
+        steps["fvx_model"] = fvx_step("fvx_model", whole)
+    times = {"fvx_model": float("nan"), **alternate(steps, repeats=repeats, warmup=2)}
     tokens = batch["latents"][0, 0].numel() // 4  # every case patches 1 x 2 x 2
     return {"case": case, "tokens": tokens, "batch": len(batch["sample_index"]), "loss_diff_step0": agree, **times}
 
@@ -199,42 +212,22 @@ def timed_steps(step, repeats: int) -> dict:
     return {"loss0": loss0, "step_s": seconds, "peak_mb": peak_rss_bytes() / 2**20}
 
 
-def measure_steps(program, state, batch: dict, repeats: int) -> dict:
-    """:func:`timed_steps` of ``program`` from ``state`` on ``batch``, and MB of params + AdamW state held."""
+def fvx_stepper(program, state, batch: dict):
+    """``(step, state_mb)``: one step of ``program`` from ``state`` on ``batch`` (returns its loss), and MB of params
+    + AdamW state held."""
     holder = {"state": state}
 
     def step():
         holder["state"], metrics = program.step_(holder["state"], {}, batch)
         return metrics["loss"].item()
 
-    measured = timed_steps(step, repeats)
-    return {**measured, "state_mb": sharding.local_bytes(holder["state"].roles) / 2**20}
+    return step, lambda: sharding.local_bytes(holder["state"].roles) / 2**20
 
 
-def measure_process(case: str, repeats: int, batch_size: int, sp: int = 1) -> dict:
-    """:func:`measure_steps` of each fvx variant in this process, on its part of the global batch of ``batch_size``.
-    Under torchrun's environment (WORLD_SIZE, ...) the params are sharded over all processes; with ``sp`` > 1 also
-    under sequence parallelism over groups of ``sp`` ranks (variants ``<name>_sp<sp>``)."""
-    d = sharding.init_distributed()
-    meshes = {"": sharding.make_mesh() if d.world > 1 else None}
-    if sp > 1 and d.world > 1:
-        meshes[f"_sp{sp}"] = sharding.make_mesh(sp=sp)
-    out = {}
-    for suffix, mesh in meshes.items():
-        rank, world = sharding.data_rank(mesh, d.rank, d.world)
-        for name, compile in VARIANTS.items():
-            _, _, program, state, batch = build_fvx(case, compile, mesh, batch_size)
-            out[name + suffix] = measure_steps(program, state, rank_slice(batch, rank, world), repeats)
-    if d.world > 1:
-        out["fsdp2"] = measure_fsdp2(case, repeats, batch_size, d)
-        torch.distributed.destroy_process_group()
-    return out
-
-
-def measure_fsdp2(case: str, repeats: int, batch_size: int, d) -> dict:
-    """The peer of the sharded fvx step: the diffusers module with FSDP2 ``fully_shard`` on every unit and the root
-    (one 1-D mesh of all ranks), ``loss.backward()``, ``clip_grad_norm_``, AdamW foreach; the same initial params and
-    draws as fvx's step on this rank's slice of the batch."""
+def fsdp2_stepper(case: str, batch_size: int, d, reshard_after_forward: bool = True):
+    """The peer of the sharded fvx step, as :func:`fvx_stepper`: the diffusers module with FSDP2 ``fully_shard`` on
+    every unit and the root (one 1-D mesh of all ranks; ``reshard_after_forward`` as given), ``loss.backward()``,
+    ``clip_grad_norm_``, AdamW foreach; the same initial params and draws as fvx's step on this rank's slice."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -245,7 +238,7 @@ def measure_fsdp2(case: str, repeats: int, batch_size: int, d) -> dict:
     mesh = init_device_mesh("cpu", (d.world,))
     for units in fbuild.unit_groups(model_config(case).family, module).values():
         for prefix in units:
-            fully_shard(module.get_submodule(prefix[:-1]), mesh=mesh)
+            fully_shard(module.get_submodule(prefix[:-1]), mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(module, mesh=mesh)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
     local = rank_slice(batch, d.rank, d.world)
@@ -256,8 +249,49 @@ def measure_fsdp2(case: str, repeats: int, batch_size: int, d) -> dict:
         holder["step"] += 1
         return float(loss)
 
-    measured = timed_steps(step, repeats)
-    return {**measured, "state_mb": sum(p.to_local().numel() * 12 for p in module.parameters()) / 2**20}
+    return step, lambda: sum(p.to_local().numel() * 12 for p in module.parameters()) / 2**20
+
+
+def process_steppers(case: str, batch_size: int, sp: int, d) -> dict:
+    """name -> a zero-argument builder of that variant's :func:`fvx_stepper` (or FSDP2's) in this process."""
+    meshes = {"": sharding.make_mesh() if d.world > 1 else None}
+    if sp > 1 and d.world > 1:
+        meshes[f"_sp{sp}"] = sharding.make_mesh(sp=sp)
+    builders = {}
+    for suffix, mesh in meshes.items():
+        rank, world = sharding.data_rank(mesh, d.rank, d.world)
+        variants = {**VARIANTS, **(KEEP_VARIANTS if d.world > 1 and not suffix else {})}
+        for name, compile in variants.items():
+            def make(compile=compile, mesh=mesh, rank=rank, world=world, keep=name in KEEP_VARIANTS):
+                _, _, program, state, batch = build_fvx(case, compile, mesh, batch_size, reshard_after_forward=not keep)
+                return fvx_stepper(program, state, rank_slice(batch, rank, world))
+            builders[name + suffix] = make
+    if d.world > 1:
+        builders["fsdp2"] = lambda: fsdp2_stepper(case, batch_size, d)
+        builders["fsdp2_keep"] = lambda: fsdp2_stepper(case, batch_size, d, reshard_after_forward=False)
+    return builders
+
+
+def measure_process(case: str, repeats: int, batch_size: int, sp: int = 1) -> dict:
+    """Each variant in this process, on its part of the global batch of ``batch_size``: built alone for its step-0
+    loss, peak memory (:func:`timed_steps`) and state, then all built together and timed in turn (a, b, c, a, ...) so
+    drift on a shared machine hits all alike. Under torchrun's environment (WORLD_SIZE, ...) the params are sharded
+    over all processes; with ``sp`` > 1 also under sequence parallelism over groups of ``sp`` ranks (variants
+    ``<name>_sp<sp>``)."""
+    d = sharding.init_distributed()
+    builders = process_steppers(case, batch_size, sp, d)
+    out = {}
+    for name, make in builders.items():
+        step, state_mb = make()
+        out[name] = {**timed_steps(step, repeats), "state_mb": state_mb()}
+        del step, state_mb
+        gc.collect()
+    steps = {name: make()[0] for name, make in builders.items()}
+    for name, seconds in alternate(steps, repeats=repeats, warmup=2).items():
+        out[name]["step_s"] = seconds
+    if d.world > 1:
+        torch.distributed.destroy_process_group()
+    return out
 
 
 def _free_port() -> int:
@@ -306,19 +340,20 @@ def print_processes(repeats: int, threads: int | None, sp: int = 1, cases: tuple
         (single,) = run_processes(case, repeats, batch_size, 1, threads)
         multi = run_processes(case, repeats, batch_size, WORLD, 1, sp)
         with_sp = (*VARIANTS, *(f"{name}_sp{sp}" for name in VARIANTS)) if sp > 1 else tuple(VARIANTS)
-        for name in (*with_sp, "fsdp2"):
-            if name == "fsdp2":  # the peer runs sharded only: its 1-process column repeats fvx's
+        for name in (*with_sp, "fsdp2", *KEEP_VARIANTS, "fsdp2_keep"):
+            if name.startswith("fsdp2"):  # the peer runs sharded only: its 1-process column repeats fvx's
                 one = single["fvx"]
-            else:  # an SP variant's 1-process column repeats its variant's (one process has no SP)
-                one = single[name.split("_sp")[0]]
+            else:  # an SP or keep variant's 1-process column repeats its variant's (one process has neither)
+                one = single[name.split("_sp")[0].removesuffix("_keep")]
+            peer = "fsdp2_keep" if name in KEEP_VARIANTS else "fsdp2"
             per_rank = [m[name] for m in multi]
             print(f"{case:10} {name:14} {batch_size:2d} {one['step_s'] * 1e3:7.1f} "
                   + " ".join(f"{r['step_s'] * 1e3:7.1f}" for r in per_rank)
                   + f" {one['peak_mb']:7.1f} " + " ".join(f"{r['peak_mb']:7.1f}" for r in per_rank)
                   + f" {one['state_mb']:8.2f} " + " ".join(f"{r['state_mb']:8.2f}" for r in per_rank)
                   + f" {abs(per_rank[0]['loss0'] - one['loss0']):9.2e}"
-                  + ("" if name == "fsdp2" else
-                     f"   vs fsdp2 {per_rank[0]['step_s'] / multi[0]['fsdp2']['step_s']:.2f}x"))
+                  + ("" if name.startswith("fsdp2") else
+                     f"   vs {peer} {per_rank[0]['step_s'] / multi[0][peer]['step_s']:.2f}x"))
 
 
 def main() -> None:
@@ -348,7 +383,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats} alternating steps")
     if not args.dist_only:
         print(f"{'case':10} {'tokens':>6} {'B':>2} {'base ms':>8} {'fvx ms':>8} {'ratio':>6} {'blocks ms':>9} "
-              f"{'ratio':>6} {'compile ms':>10} {'blocks/compile':>14} {'base MB':>8} {'fvx MB':>8} {'ratio':>6} "
+              f"{'ratio':>6} {'model ms':>8} {'ratio':>6} {'compile ms':>10} {'blocks/compile':>14} "
+              f"{'model/compile':>13} {'base MB':>8} {'fvx MB':>8} {'ratio':>6} "
               f"{'|dloss| step 0':>14}")
     for case in () if args.dist_only else cases:
         row = run_case(case, args.repeats)
@@ -361,7 +397,9 @@ def main() -> None:
         base = row["baseline"]
         print(f"{case:10} {row['tokens']:6d} {row['batch']:2d} {base * 1e3:8.1f} {row['fvx'] * 1e3:8.1f} "
               f"{row['fvx'] / base:6.2f} {row['fvx_blocks'] * 1e3:9.1f} {row['fvx_blocks'] / base:6.2f} "
-              f"{row['compiled'] * 1e3:10.1f} {row['fvx_blocks'] / row['compiled']:14.2f} {mem['baseline']:8.1f} {mem['fvx']:8.1f} {mem['fvx'] / mem['baseline']:6.2f} "
+              f"{row['fvx_model'] * 1e3:8.1f} {row['fvx_model'] / base:6.2f} "
+              f"{row['compiled'] * 1e3:10.1f} {row['fvx_blocks'] / row['compiled']:14.2f} "
+              f"{row['fvx_model'] / row['compiled']:13.2f} {mem['baseline']:8.1f} {mem['fvx']:8.1f} {mem['fvx'] / mem['baseline']:6.2f} "
               f"{row['loss_diff_step0']:14.2e}")
     if not args.skip_dist:
         print_processes(args.repeats, args.threads, args.sp, tuple(c for c in cases if c in DIST_CASES))

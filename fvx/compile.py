@@ -5,11 +5,13 @@ all its units through ``functional_call``, so one compiled graph serves every bl
 
 ``install_units(module, {"blocks": ["blocks.0.", "blocks.1.", ...]}, mode=...)`` routes each unit's ``forward`` to
 ``fn(unit_params, unit_buffers, *args)``, the params being whatever the unit holds at call time (under an enclosing
-``functional_call``, the caller's tensors). ``fn`` optionally gathers sharded params first (``gathers[group]``, from
-``fvx.sharding.unit_gather``) and then calls the template. With ``mode="blocks"`` ``fn`` is
-``torch.compile(fullgraph=True, dynamic=False)``'d: shapes are static by construction and every rank compiles the
-same graph; the root and the activation checkpoint (``fvx.grad.remat``, which wraps the routed unit) stay eager.
-Compiled code sees plain local tensors only.
+``functional_call``, the caller's tensors). With sharded params, ``gather(prefix, unit_params, compute)``
+(``fvx.gather_schedule.UnitGathers``) runs first, eagerly: it gathers the unit's shards and calls ``fn`` on the full
+params through ``compute``, so its collectives can be issued ahead of the unit that uses them. With
+``mode="blocks"`` ``fn`` is ``torch.compile(fullgraph=True, dynamic=False)``'d: shapes are static by construction and
+every rank compiles the same graph; the root, the gathers and the activation checkpoint (``fvx.grad.remat``, which
+wraps the routed unit) stay eager. Compiled code sees plain tensors only. ``mode="model"`` instead compiles the whole
+forward as one graph (:func:`whole_function`; one process).
 
 Each compiled graph is counted per group in a :class:`CompileStats` (by a wrapper around the backend) and logged on
 the ``fvx.compile`` logger, so a test or a run can hold the count at one graph per group and input signature.
@@ -26,8 +28,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-Mode = Literal["none", "blocks"]
-MODES: tuple[str, ...] = ("none", "blocks")
+Mode = Literal["none", "blocks", "model"]
+MODES: tuple[str, ...] = ("none", "blocks", "model")
 UnitFn = Callable[..., Any]  # fn(params, buffers, *args, **kwargs), params/buffers keyed relative to the unit
 
 _ROUTED = "fvx_units"  # the attribute holding the unit prefixes routed in a module
@@ -88,18 +90,31 @@ def template(module: nn.Module, prefix: str) -> nn.Module:
     return copy.deepcopy(unit)
 
 
-def unit_function(unit_template: nn.Module, gather: Callable[[Mapping[str, torch.Tensor]], dict] | None = None
-                  ) -> UnitFn:
-    """``fn(params, buffers, *args, **kwargs)``: the template applied with ``gather(params)`` (or ``params``) and
-    ``buffers``. A new code object per call, so each installed model keeps its own torch.compile cache (dynamo
-    caches per code object and stops compiling past ``torch._dynamo.config.recompile_limit`` entries)."""
+def unit_function(unit_template: nn.Module) -> UnitFn:
+    """``fn(params, buffers, *args, **kwargs)``: the template applied with ``params`` and ``buffers``. A new code
+    object per call, so each installed model keeps its own torch.compile cache (dynamo caches per code object and
+    stops compiling past ``torch._dynamo.config.recompile_limit`` entries)."""
 
     def run_unit(params, buffers, *args, **kwargs):
-        full = params if gather is None else gather(params)
-        return functional_call(unit_template, (full, buffers), args, kwargs, strict=True)
+        return functional_call(unit_template, (params, buffers), args, kwargs, strict=True)
 
     return types.FunctionType(run_unit.__code__.replace(), run_unit.__globals__, run_unit.__name__, None,
                               run_unit.__closure__)
+
+
+def whole_function(module: nn.Module, stats: CompileStats, backend: str | Callable = "inductor") -> UnitFn:
+    """``fn(params, buffers, kwargs)``: ``module(**kwargs)`` with ``params`` and ``buffers``, the whole forward as one
+    ``torch.compile(fullgraph=True, dynamic=False)``'d graph per input signature, counted in ``stats`` under
+    "model" (``mode="model"``). For one process: on a mesh whole-model compile with remat gave wrong patch-embedding
+    gradients under inductor (design §3)."""
+
+    def run_model(params, buffers, kwargs):
+        return functional_call(module, (params, buffers), (), kwargs, strict=True)
+
+    fresh = types.FunctionType(run_model.__code__.replace(), run_model.__globals__, run_model.__name__, None,
+                               run_model.__closure__)
+    return torch.compile(fresh, backend=counting_backend(backend, stats, group="model"), fullgraph=True,
+                         dynamic=False)
 
 
 def _unit(module: nn.Module, prefix: str) -> nn.Module:
@@ -116,22 +131,30 @@ def _structure(unit: nn.Module) -> tuple:
             tuple((n, tuple(b.shape), b.dtype) for n, b in unit.named_buffers()))
 
 
-def _routed_forward(unit: nn.Module, fn: UnitFn, contiguous: bool, *args: Any, **kwargs: Any) -> Any:
+Gather = Callable[[str, Mapping[str, torch.Tensor], Callable[[Mapping[str, torch.Tensor]], Any]], Any]
+
+
+def _routed_forward(unit: nn.Module, prefix: str, fn: UnitFn, gather: Gather | None, contiguous: bool, *args: Any,
+                    **kwargs: Any) -> Any:
     params = dict(unit.named_parameters(remove_duplicate=False))
     buffers = dict(unit.named_buffers(remove_duplicate=False))
     if contiguous:
         args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
-    return fn(params, buffers, *args, **kwargs)
+    if gather is None:
+        return fn(params, buffers, *args, **kwargs)
+    return gather(prefix, params, lambda full: fn(full, buffers, *args, **kwargs))
 
 
-def route_units(module: nn.Module, units: Sequence[str], fn: UnitFn, *, contiguous: bool = False) -> None:
-    """Make every unit's ``forward`` call ``fn(its params, its buffers, *args, **kwargs)`` (mutates ``module``; the
-    units are recorded for :func:`routed_units`). With ``contiguous`` tensor arguments are made contiguous first, so
-    that a compiled ``fn`` sees the same strides from every unit (HunyuanVideo's single-stream blocks hand the next
-    one a slice of their output)."""
+def route_units(module: nn.Module, units: Sequence[str], fn: UnitFn, *, gather: Gather | None = None,
+                contiguous: bool = False) -> None:
+    """Make every unit's ``forward`` call ``fn(its params, its buffers, *args, **kwargs)``, through
+    ``gather(prefix, params, compute)`` when given (mutates ``module``; the units are recorded for
+    :func:`routed_units`). With ``contiguous`` tensor arguments are made contiguous first, so that a compiled ``fn``
+    sees the same strides from every unit (HunyuanVideo's single-stream blocks hand the next one a slice of their
+    output)."""
     for prefix in units:
         unit = _unit(module, prefix)
-        unit.forward = functools.partial(_routed_forward, unit, fn, contiguous)
+        unit.forward = functools.partial(_routed_forward, unit, prefix, fn, gather, contiguous)
     object.__setattr__(module, _ROUTED, routed_units(module) + tuple(units))
 
 
@@ -156,26 +179,27 @@ def install_units(
     groups: Mapping[str, Sequence[str]],
     *,
     mode: Mode = "none",
-    gathers: Mapping[str, Callable[[Mapping[str, torch.Tensor]], dict]] | None = None,
+    gather: Gather | None = None,
     backend: str | Callable = "inductor",
     templates: Mapping[str, nn.Module] | None = None,
 ) -> CompileStats:
     """Route each group's units of ``module`` through one function over a template unit of the group: eager
     (``mode="none"``) or one ``torch.compile``'d function per group (``mode="blocks"``, with ``backend``).
-    ``gathers[group]`` turns a unit's local params into full ones (sharding, compute-dtype casts). ``templates[group]``
+    ``gather`` runs each unit on gathered params (sharding, compute-dtype casts; module docstring). ``templates[group]``
     may be shared between models of one architecture; by default it is a copy of the group's first unit. Returns
     the compile counters (empty for "none"). A ValueError names a bad mode, a unit that does not exist, or one unlike
     its group's first."""
-    if mode not in MODES:
-        raise ValueError(f"compile mode must be one of {MODES}, got {mode!r}")
+    if mode not in ("none", "blocks"):
+        raise ValueError(f"install_units compiles units: mode must be 'none' or 'blocks', got {mode!r} (a whole "
+                         "model compiles through whole_function)")
     if not groups:
         raise ValueError("install_units needs at least one unit group")
     if routed_units(module):
         raise ValueError(f"install_units: {type(module).__name__} already has routed units")
-    gathers, templates = dict(gathers or {}), dict(templates or {})
-    unknown = sorted((set(gathers) | set(templates)) - set(groups))
+    templates = dict(templates or {})
+    unknown = sorted(set(templates) - set(groups))
     if unknown:
-        raise ValueError(f"install_units: gathers or templates for unknown unit groups {unknown}")
+        raise ValueError(f"install_units: templates for unknown unit groups {unknown}")
     stats = CompileStats()
     fns = {}
     for name, units in groups.items():
@@ -184,11 +208,11 @@ def install_units(
         unit_template = templates.get(name) or template(module, units[0])
         if _structure(unit_template)[:2] != _structure(_unit(module, units[0]))[:2]:
             raise ValueError(f"install_units: the template of group {name!r} is not of its units' class and shapes")
-        fn = unit_function(unit_template, gathers.get(name))
+        fn = unit_function(unit_template)
         if mode == "blocks":
             fn = torch.compile(fn, backend=counting_backend(backend, stats, group=name), fullgraph=True,
                                dynamic=False)
         fns[name] = (units, fn)
     for units, fn in fns.values():
-        route_units(module, units, fn, contiguous=mode == "blocks")
+        route_units(module, units, fn, gather=gather, contiguous=mode == "blocks")
     return stats

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 import torch.utils.checkpoint
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.func import functional_call
 
 from fvx import tree as tree_util
@@ -44,6 +45,12 @@ def _split_output(out: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
     return loss, aux
 
 
+def _settled(g: torch.Tensor) -> torch.Tensor:
+    """``g`` as a plain tensor: a gradient still being reduced by a collective (``AsyncCollectiveTensor``, e.g. the
+    reduce-scatter of a sharded param's gradient) waited on."""
+    return g.wait() if isinstance(g, AsyncCollectiveTensor) else g
+
+
 def value_and_grad(f: Callable[..., Any], has_aux: bool = False) -> Callable[..., Any]:
     """Turn ``f(params, *args) -> loss`` (or ``(loss, aux)``) into ``(params, *args) -> ((loss, aux)|loss, grads)``.
 
@@ -57,7 +64,7 @@ def value_and_grad(f: Callable[..., Any], has_aux: bool = False) -> Callable[...
         with torch.enable_grad():
             loss, aux = _split_output(f(tree_util.unflatten(treedef, leaves), *args, **kwargs), has_aux)
         grads = torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True) if leaves else ()
-        grads = tree_util.unflatten(treedef, list(grads))
+        grads = tree_util.unflatten(treedef, [_settled(g) for g in grads])
         loss = loss.detach()
         if has_aux:
             return (loss, tree_util.map_tensors(torch.Tensor.detach, aux)), grads

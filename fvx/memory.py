@@ -21,9 +21,11 @@ O(S) statistics):
                                                     recomputed with as much again for its gradients and temporaries
     eager   = batch * (sum_g n_g block_g + max_g block_g + root)
 
-Gathered params (transient): sharded, the root's full params in the compute dtype live through the step and one
-unit's full params, their compute-dtype grads and the fp32 copy reduce-scattered live during its backward:
-``root * (c + 4) + unit * (2 c + 4)``; unsharded, the compute-dtype copy of every param is held for the backward:
+Gathered params (transient): sharded, the root's full params in the compute dtype live through the step (and their
+fp32 gradients), two units' full params at a time (the one computing and the next one, prefetched; every unit's when
+units keep them from forward to backward, ``reshard_after_forward=False`` without remat), and one unit's
+compute-dtype grads and the fp32 copy reduce-scattered during its backward:
+``root * (c + 4) + (unit_1 + unit_2) * c + unit * (c + 4)``; unsharded, the compute-dtype copy of every param is held for the backward:
 ``numel * c`` (nothing when the compute dtype is the storage's). A frozen role gathers no grads. The largest role's
 figure counts, since roles run one at a time.
 """
@@ -63,8 +65,8 @@ class UnitGroup(NamedTuple):
 class ModelSpec(NamedTuple):
     """What a model family tells the dry run (``Model.memory_spec()``): param shapes read off the meta skeleton, the
     unit prefixes (what gathers as one), the unit groups, the root's width, the text length it attends to, the VAE's
-    compression (time, height, width), the patch, the compute dtype's bytes, whether units recompute (remat), and
-    the bytes of a param stored frozen (2 for a bf16 teacher or LoRA base); which params a trained role trains
+    compression (time, height, width), the patch, the compute dtype's bytes, whether units recompute (remat) and
+    drop their gathered params after the forward (reshard), the bytes of a param stored frozen (2 for a bf16 teacher or LoRA base); which params a trained role trains
     (``trained``, None: all) out of all ``shapes`` (a LoRA model's include its adapters), which belong to the
     architecture (``architecture``, None: all; what a frozen role holds), and the identities of what a trained role
     holds frozen (``base_id``) and of the whole frozen architecture (``whole_id``): equal ids are one copy in memory."""
@@ -78,6 +80,7 @@ class ModelSpec(NamedTuple):
     patch: tuple[int, int, int]
     compute_bytes: int
     remat: bool
+    reshard: bool = True
     frozen_bytes: int = 2
     trained: frozenset[str] | None = None
     architecture: frozenset[str] | None = None
@@ -220,13 +223,15 @@ def gathered_bytes(role: Role, shard_size: int, compute_bytes: int | None = None
                   for name in numel}
         return sum(n * c for name, n in numel.items() if stored[name] != c)
 
-    def held(names, grad_bytes: int) -> int:
-        return sum(numel[name] * (c + (grad_bytes if name in trained else 0)) for name in names)
+    def grads(names, grad_bytes: int) -> int:
+        return sum(numel[name] * grad_bytes for name in names if name in trained)
 
     by_unit = sharding.names_by_unit(numel, spec.units)
-    root = held(by_unit.pop(None), 4)
-    unit = max((held(names, c + 4) for names in by_unit.values()), default=0)
-    return root + unit
+    root = by_unit.pop(None, [])
+    fulls = sorted((sum(numel[name] for name in names) * c for names in by_unit.values()), reverse=True)
+    kept = sum(fulls[:2]) if spec.reshard or spec.remat else sum(fulls)
+    unit_grads = max((grads(names, c + 4) for names in by_unit.values()), default=0)
+    return sum(numel[name] for name in root) * c + grads(root, 4) + kept + unit_grads
 
 
 # -------------------------------------------------------------------------------------------------------- estimate

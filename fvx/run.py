@@ -205,7 +205,7 @@ def _train(args: argparse.Namespace, config: fconfig.Config, d: sharding.Dist) -
         + (f"; {skipped} non-finite step(s) skipped in all" if skipped else ""))
     stats = loop.compile_stats(prepared.setup)
     if stats is not None:
-        say(f"compiled blocks: {stats.graphs} graph(s), {stats.recompiles} recompile(s)")
+        say(f"compiled: {stats.graphs} graph(s), {stats.recompiles} recompile(s)")
     return 0
 
 

@@ -15,9 +15,9 @@ In use, a unit (the root, or one transformer block) gathers its params just befo
 over the data-parallel ranks, so each rank's loss is the plain mean over its own (equal-sized) slice of the global
 batch, exactly as in one process. Under sequence parallelism (``make_mesh(sp=)``, ``fvx.sequence_parallel``) the
 ranks of an SP group hold the same samples and each contributes its tokens' part of their gradient: the sums still
-run over every rank, the divisor is the number of data-parallel groups (``Group.dp_size``). A gather that runs
-inside a pure checkpoint (``fvx.grad.remat``) runs again in the backward: the full params live only while their unit
-computes (FSDP's reshard-after-forward).
+run over every rank, the divisor is the number of data-parallel groups (``Group.dp_size``). A gather may be issued
+ahead of its use (:func:`issue_gather`) and waited on where used; when each unit gathers, prefetches the next and
+drops its full params after the forward is ``fvx.gather_schedule``.
 
 Optimizer, EMA and gradient norm run on the local shards as they are; the zero padding stays zero under AdamW and
 EMA, and the global norm is one ``all_reduce`` of the local sum of squares.
@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.func import functional_call
@@ -435,37 +436,55 @@ def gather(local: torch.Tensor, spec: ShardSpec, group: Group, compute_dtype: to
 
 
 class _Bucket(NamedTuple):
-    """The static plan of one bucketed gather: each param's spec and local dtype, the group, the compute dtype."""
+    """The static plan of one bucketed gather: each param's spec and local dtype, the compute dtype, the group."""
 
     specs: tuple[ShardSpec, ...]
     local_dtypes: tuple[torch.dtype, ...]
+    dtype: torch.dtype
     group: tuple  # (shard name, shard size, replicate name, replicate size, data-parallel size)
 
 
+def _issue(bucket: _Bucket, xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The all-gather of the flat buffer of ``xs`` (each in the compute dtype, sharded dim first), issued and not
+    waited on: ``[shard size * local numel]``, readable after ``_wait``."""
+    shard_name, shard_size, *_ = bucket.group
+    flat = torch.cat([_rows_first(x.to(bucket.dtype), spec).reshape(-1) for x, spec in zip(xs, bucket.specs)])
+    return torch.ops._c10d_functional.all_gather_into_tensor(flat, shard_size, shard_name)
+
+
+def _cut(bucket: _Bucket, gathered: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The full (unpadded) params of a waited all-gathered flat buffer, each its own contiguous tensor."""
+    shard_size = bucket.group[1]
+    full = gathered.view(shard_size, -1)
+    out, offset = [], 0
+    for spec in bucket.specs:
+        local = spec.local_shape(shard_size)
+        moved = (local[spec.dim], *local[:spec.dim], *local[spec.dim + 1:])
+        n = math.prod(local)
+        part = full[:, offset:offset + n].reshape(shard_size * moved[0], *moved[1:])
+        part = part.movedim(0, spec.dim) if spec.dim else part
+        out.append(part if part.shape[spec.dim] == spec.shape[spec.dim] else
+                   part.narrow(spec.dim, 0, spec.shape[spec.dim]))
+        offset += n
+    return tuple(out)
+
+
 class _GatherBucket(torch.autograd.Function):
-    """Forward: one all-gather of a flat buffer of the bucket's local shards (already in one compute dtype), cut back
-    into the full params. Backward: one fp32 reduce-scatter (+ replica all-reduce) of the flat buffer of their
-    gradients, averaged over data-parallel ranks: the same sums, element by element, as one collective per param.
-    The sums run over every rank; the ranks of a sequence-parallel group contribute their tokens' parts of one
-    sample's gradient, so the divisor is the data-parallel size, not the number of ranks."""
+    """Forward: one all-gather of a flat buffer of the bucket's local shards (cast to the compute dtype), cut back
+    into the full params; ``issued`` is that all-gather issued earlier (a prefetch) or None to issue it now.
+    Backward: one fp32 reduce-scatter (+ replica all-reduce) of the flat buffer of their gradients, averaged over
+    data-parallel ranks: the same sums, element by element, as one collective per param; the gradients come back as
+    views of the reduce-scatter's ``AsyncCollectiveTensor``, which waits when first read (``fvx.grad`` settles
+    them), so the reduction overlaps the rest of the backward. The sums run over every
+    rank; the ranks of a sequence-parallel group contribute their tokens' parts of one sample's gradient, so the
+    divisor is the data-parallel size, not the number of ranks."""
 
     @staticmethod
-    def forward(ctx, bucket: _Bucket, *xs):
+    def forward(ctx, bucket: _Bucket, issued: torch.Tensor | None, *xs):
         ctx.bucket, ctx.device = bucket, xs[0].device
-        shard_name, shard_size, *_ = bucket.group
-        flat = torch.cat([_rows_first(x, spec).reshape(-1) for x, spec in zip(xs, bucket.specs)])
-        if shard_size > 1:  # (replicas only, shard size 1: every rank holds the whole params already)
-            flat = _wait(torch.ops._c10d_functional.all_gather_into_tensor(flat, shard_size, shard_name))
-        full = flat.view(shard_size, -1)
-        out, offset = [], 0
-        for x, spec in zip(xs, bucket.specs):
-            moved = _rows_first(x, spec)
-            part = full[:, offset:offset + x.numel()].reshape(shard_size * moved.shape[0], *moved.shape[1:])
-            part = part.movedim(0, spec.dim) if spec.dim else part
-            out.append(part if part.shape[spec.dim] == spec.shape[spec.dim] else
-                       part.narrow(spec.dim, 0, spec.shape[spec.dim]))
-            offset += x.numel()
-        return tuple(out)
+        if bucket.group[1] == 1:  # replicas only: every rank holds the whole params already
+            return tuple(x.to(bucket.dtype) for x in xs)
+        return _cut(bucket, _wait(_issue(bucket, xs) if issued is None else issued))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -481,8 +500,9 @@ class _GatherBucket(torch.autograd.Function):
                 g = torch.cat([g, g.new_zeros(pad)], dim=spec.dim)
             rows.append(_rows_first(g, spec).reshape(shard_size, -1))
         flat = torch.cat(rows, dim=1).reshape(-1)
-        if shard_size > 1:
-            flat = _wait(torch.ops._c10d_functional.reduce_scatter_tensor(flat, "sum", shard_size, shard_name))
+        if shard_size > 1:  # waited on where the gradient is first read: it overlaps the next unit's backward
+            flat = AsyncCollectiveTensor(
+                torch.ops._c10d_functional.reduce_scatter_tensor(flat, "sum", shard_size, shard_name))
         if replicate_size > 1:
             flat = _wait(torch.ops._c10d_functional.all_reduce(flat, "sum", replicate_name))
         out, offset = [], 0
@@ -493,7 +513,7 @@ class _GatherBucket(torch.autograd.Function):
             part = flat[offset:offset + n].reshape(moved_shape)
             out.append((part.movedim(0, spec.dim) if spec.dim else part).contiguous().to(dtype))
             offset += n
-        return (None, *out)
+        return (None, None, *out)
 
 
 def _rows_first(x: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
@@ -501,22 +521,55 @@ def _rows_first(x: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     return x.movedim(spec.dim, 0).contiguous() if spec.dim else x.contiguous()
 
 
+class Issued(NamedTuple):
+    """Gathers issued ahead of use (:func:`issue_gather`): per compute dtype the bucket plan, its param names and
+    the all-gathered flat buffer, not yet waited on."""
+
+    buckets: tuple[tuple[_Bucket, tuple[str, ...], torch.Tensor | None], ...]
+
+
+def _buckets(local: Mapping[str, torch.Tensor], layout: Layout, group: Group,
+             compute_dtypes: DtypeSpec) -> list[tuple[_Bucket, tuple[str, ...]]]:
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name, t in local.items():
+        by_dtype.setdefault(_dtype_for(compute_dtypes, name) or t.dtype, []).append(name)
+    dims = (group.shard_name, group.shard_size, group.replicate_name, group.replicate_size, group.dp_size)
+    return [(_Bucket(tuple(layout[n] for n in names), tuple(local[n].dtype for n in names), dtype, dims), tuple(names))
+            for dtype, names in by_dtype.items()]
+
+
+def issue_gather(local: Mapping[str, torch.Tensor], layout: Layout, group: Group,
+                 compute_dtypes: DtypeSpec = None) -> Issued:
+    """The bucketed all-gathers of ``local`` issued now and waited on where used (:func:`gather_params` with
+    ``issued=``, or :func:`regather`), so their traffic overlaps whatever runs in between. Not differentiable: it
+    reads the shards' values; the gradient path is the :func:`gather_params` call that takes them."""
+    with torch.no_grad():
+        return Issued(tuple((plan, names, _issue(plan, [local[n] for n in names]) if plan.group[1] > 1 else None)
+                            for plan, names in _buckets(local, layout, group, compute_dtypes)))
+
+
+def regather(issued: Issued) -> Params:
+    """The full params of gathers issued by :func:`issue_gather`, outside autograd (what a backward that dropped
+    them after the forward reads)."""
+    out: Params = {}
+    with torch.no_grad():
+        for plan, names, flat in issued.buckets:
+            out.update(zip(names, _cut(plan, _wait(flat))))
+    return out
+
+
 def gather_params(local: Mapping[str, torch.Tensor], layout: Layout, group: Group,
-                  compute_dtypes: DtypeSpec = None) -> Params:
+                  compute_dtypes: DtypeSpec = None, issued: Issued | None = None) -> Params:
     """:func:`gather` of every param of ``local`` (names as in ``layout`` and ``compute_dtypes``), bucketed: one
-    all-gather forward and one reduce-scatter backward per compute dtype, not one per param."""
+    all-gather forward and one reduce-scatter backward per compute dtype, not one per param. ``issued``: the same
+    gathers issued ahead by :func:`issue_gather` on these shards (waited on here instead of issued)."""
     if group.ranks == 1:
         return {name: gather(t, layout[name], group, _dtype_for(compute_dtypes, name)) for name, t in local.items()}
-    buckets: dict[torch.dtype, list[str]] = {}
-    for name, t in local.items():
-        buckets.setdefault(_dtype_for(compute_dtypes, name) or t.dtype, []).append(name)
+    buckets = (issued.buckets if issued is not None else
+               tuple((plan, names, None) for plan, names in _buckets(local, layout, group, compute_dtypes)))
     out: Params = {}
-    for dtype, names in buckets.items():
-        plan = _Bucket(tuple(layout[n] for n in names), tuple(local[n].dtype for n in names),
-                       (group.shard_name, group.shard_size, group.replicate_name, group.replicate_size,
-                        group.dp_size))
-        fulls = _GatherBucket.apply(plan, *(local[n].to(dtype) for n in names))
-        out.update(zip(names, fulls))
+    for plan, names, flat in buckets:
+        out.update(zip(names, _GatherBucket.apply(plan, flat, *(local[n] for n in names))))
     return {name: out[name] for name in local}
 
 
@@ -533,43 +586,18 @@ def gather_root(local: Mapping[str, torch.Tensor], layout: Layout, units: Sequen
     return {name: root.get(name, t) for name, t in local.items()}
 
 
-def unit_gather(layout: Layout, units: Sequence[str], group: Group,
-                compute_dtypes: DtypeSpec = None) -> Callable[[Mapping[str, torch.Tensor]], Params]:
-    """One gather for every unit, over param names relative to the unit's prefix (what
-    ``fvx.compile.install_units`` passes); a ValueError names a unit whose layout or dtypes differ from the first's."""
-    if not units:
-        raise ValueError("unit_gather needs at least one unit prefix")
-
-    def relative(prefix: str) -> tuple[Layout, dict[str, torch.dtype | None]]:
-        names = [name for name in layout if name.startswith(prefix)]
-        if not names:
-            raise ValueError(f"unit {prefix!r} has no params in the layout")
-        return ({name[len(prefix):]: layout[name] for name in names},
-                {name[len(prefix):]: _dtype_for(compute_dtypes, name) for name in names})
-
-    unit_layout, unit_dtypes = relative(units[0])
-    for prefix in units[1:]:
-        if relative(prefix) != (unit_layout, unit_dtypes):
-            raise ValueError(f"unit {prefix!r} is laid out unlike unit {units[0]!r}: units must share one structure")
-
-    def gather_unit(local: Mapping[str, torch.Tensor]) -> Params:
-        return gather_params(local, unit_layout, group, unit_dtypes)
-
-    return gather_unit
-
-
 def sharded_call(module: torch.nn.Module, local: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
-                 args: tuple = (), kwargs: Mapping[str, Any] | None = None, *, layout: Layout, group: Group,
-                 compute_dtypes: DtypeSpec = None) -> Any:
+                 args: tuple = (), kwargs: Mapping[str, Any] | None = None, *, gathers: Any) -> Any:
     """``module(*args, **kwargs)`` with sharded params: ``functional_call`` with the root's params gathered and each
-    unit's local shards, which the unit gathers itself. The units must have been routed with a gathering function
-    (``fvx.compile.install_units(module, units, gather=unit_gather(...))``)."""
+    unit's local shards, which the unit gathers itself when it runs, in one prefetch window of ``gathers`` (a
+    ``fvx.gather_schedule.UnitGathers`` whose units have been routed: ``fvx.compile.install_units(..., gather=)``)."""
     units = fvx_compile.routed_units(module)
     if not units:
         raise ValueError("sharded_call: no units are routed in this module; call fvx.compile.install_units with "
-                         "gather=fvx.sharding.unit_gather(...) first")
-    bound = gather_root(local, layout, units, group, compute_dtypes)
-    return functional_call(module, (bound, dict(buffers)), args, dict(kwargs or {}), strict=True)
+                         "gather=fvx.gather_schedule.UnitGathers(...) first")
+    with gathers.window(local):
+        bound = gather_root(local, gathers.layout, units, gathers.group, gathers.compute_dtypes)
+        return functional_call(module, (bound, dict(buffers)), args, dict(kwargs or {}), strict=True)
 
 
 # ------------------------------------------------------------------------------------------- norms and the optimizer

@@ -14,13 +14,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from typing import Any, ClassVar, Hashable, Literal, Mapping
+from typing import Any, Callable, ClassVar, Hashable, Literal, Mapping
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
 from fvx import compile as fvx_compile
+from fvx import gather_schedule
 from fvx import grad as fvx_grad
 from fvx import memory, sharding, tree
 from fvx.config import Config
@@ -40,9 +41,12 @@ class ModelConfig(Config):
     activations in the backward), ``compute_dtype`` (params and activations are cast inside the call; masters stay
     fp32), ``frozen_dtype`` (how a role that never trains stores this model: bf16 halves a teacher, except the
     modules diffusers keeps in fp32), ``compile``: ``"none"`` runs units eagerly, ``"blocks"`` through one
-    ``torch.compile``'d function per unit group (``compile_backend`` "inductor", or "aot_eager" to check numerics
-    without codegen), and ``lora``: train low-rank adapters on a frozen base (``fvx_models.lora``; the base is
-    stored in ``frozen_dtype``) instead of the params."""
+    ``torch.compile``'d function per unit group, ``"model"`` the whole forward as one graph (one process only; longer
+    to compile) (``compile_backend`` "inductor", or "aot_eager" to check numerics without codegen), ``reshard_after_forward`` (on a mesh: drop each unit's gathered params after its forward and
+    gather them again in its backward, as FSDP2 does by default; False keeps every unit's full params from its forward
+    to its backward, one all-gather per unit and step fewer; under remat the backward gathers again either way), and
+    ``lora``: train low-rank adapters on a frozen base (``fvx_models.lora``; the base is stored in ``frozen_dtype``)
+    instead of the params."""
 
     family: ClassVar[Family]
 
@@ -53,6 +57,7 @@ class ModelConfig(Config):
     frozen_dtype: Literal["fp32", "bf16"] = "bf16"
     compile: fvx_compile.Mode = "none"
     compile_backend: str = "inductor"
+    reshard_after_forward: bool = True
     lora: flora.LoRAConfig | None = None
 
     def __post_init__(self) -> None:
@@ -170,27 +175,40 @@ def _patch(config: ModelConfig) -> tuple[int, int, int]:
 
 def apply(config: ModelConfig, module: nn.Module, spec: fcond.Spec, params: Params, x_t: torch.Tensor,
           t: torch.Tensor, cond: Mapping[str, torch.Tensor], *, compute_dtypes: Mapping[str, torch.dtype] | None,
-          layout: sharding.Layout | None, group: sharding.Group | None, call: Any = None) -> torch.Tensor:
+          gathers: gather_schedule.UnitGathers | None, forward: Callable | None = None,
+          call: Any = None) -> torch.Tensor:
     """Flow velocity fp32 ``[B, C, T, H, W]`` of latents ``x_t [B, C, T, H, W]`` at ``t [B]`` (0..1000) under
     ``cond``. Under a compute dtype, params (but the fp32-kept) and the float inputs are cast inside the call;
     gradients reach the caller's params in their own dtype; ``t`` stays fp32 (bf16 cannot hold 999). Params may be
     stored lower than they compute in (a bf16 teacher under fp32 compute computes from its bf16-rounded weights).
-    Sharded (``layout``): ``params`` are this rank's shards and each unit gathers its own in the compute dtype.
+    Sharded (``gathers``): ``params`` are this rank's shards and each unit gathers its own in the compute dtype.
+    ``forward(params, buffers, kwargs)``: the compiled whole forward (``compile="model"``).
     ``call`` is bound to the skeleton for this forward by the family's ``bind`` (a causal family's KV cache)."""
     family = config.family
     _check_inputs(family.name, config, spec, x_t, t, cond)
     dtype = DTYPES[config.compute_dtype]
     x_t, cond = x_t.to(dtype), fcond.to(cond, dtype=dtype)
-    kwargs = family.inputs(config, x_t, t.to(torch.float32), cond, layout is not None)
+    kwargs = family.inputs(config, x_t, t.to(torch.float32), cond, gathers is not None)
     buffers = {name: b.to(x_t.device) for name, b in module.named_buffers()}
     with contextlib.nullcontext() if family.bind is None else family.bind(module, call):
-        if layout is not None:
-            out = sharding.sharded_call(module, params, buffers, (), kwargs, layout=layout, group=group,
-                                        compute_dtypes=compute_dtypes)
+        if gathers is not None:
+            out = sharding.sharded_call(module, params, buffers, (), kwargs, gathers=gathers)
         else:  # a cast to a param's own dtype is free (the same tensor)
             params = {name: p.to(compute_dtypes[name]) for name, p in params.items()}
-            out = functional_call(module, (params, buffers), (), kwargs, strict=True)
+            out = (forward(params, buffers, kwargs) if forward is not None else
+                   functional_call(module, (params, buffers), (), kwargs, strict=True))
     return family.output(out).float()
+
+
+def _check_whole_compile(config: ModelConfig, mesh: Any) -> None:
+    """A ValueError unless ``compile="model"`` can run: one process, a family whose forward is one graph."""
+    who = f"{config.family.name}:{config.preset}"
+    if mesh is not None:
+        raise ValueError(f"{who}: compile=model compiles the whole forward in one process only (sharded, with remat, "
+                         "inductor gave wrong patch-embedding gradients on torch 2.13); use compile=blocks on a mesh")
+    if config.family.whole_graph_refusal is not None:
+        raise ValueError(f"{who}: compile=model cannot compile the {config.family.name} family's forward as one graph "
+                         f"({config.family.whole_graph_refusal}); use compile=blocks")
 
 
 # ----------------------------------------------------------------------------------------------------------- build
@@ -201,6 +219,8 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
     ``config.lora`` the skeleton carries the adapters, and a copy without them reads and writes diffusers folders."""
     family, preset = config.family, config.spec
     who = f"{family.name}:{config.preset}"
+    if config.compile == "model":
+        _check_whole_compile(config, mesh)
     module = skeleton(config)
     plain, adapted = module, ()
     if config.lora is not None:
@@ -217,15 +237,18 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
     held = tuple(name for name in architecture if name not in trained)  # what a trained role holds frozen
     dtype = DTYPES[config.compute_dtype]
     compute_dtypes = dtypes_for(module, dtype)
-    layout = group = None
+    layout = gathers = None
     if mesh is not None:
         group = sharding.group_of(mesh)
         layout = sharding.plan(shapes, group.shard_size)
-    stats = None
-    if config.compile != "none" or layout is not None:
-        gathers = None if layout is None else {
-            name: sharding.unit_gather(layout, units, group, compute_dtypes) for name, units in groups.items()}
-        stats = fvx_compile.install_units(module, groups, mode=config.compile, gathers=gathers,
+        gathers = gather_schedule.UnitGathers(groups, layout, group, compute_dtypes,
+                                              reshard_after_forward=config.reshard_after_forward, remat=config.remat)
+    stats = whole_forward = None
+    if config.compile == "model":
+        stats = fvx_compile.CompileStats()
+        whole_forward = fvx_compile.whole_function(module, stats, config.compile_backend)
+    elif config.compile != "none" or layout is not None:
+        stats = fvx_compile.install_units(module, groups, mode=config.compile, gather=gathers,
                                           backend=config.compile_backend)
     spec = dict(family.cond_spec(config))
     placed = functools.partial(place, mesh=mesh, layout=layout)
@@ -284,12 +307,13 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
                                 groups=unit_specs, dim=root_dim, text_len=preset.text_len,
                                 vae_stride=preset.latents.vae_stride, patch=_patch(config),
                                 compute_bytes=dtype.itemsize, remat=config.remat,
+                                reshard=config.reshard_after_forward,
                                 frozen_bytes=DTYPES[config.frozen_dtype].itemsize, trained=trained,
                                 architecture=frozenset(architecture), base_id=base_id(),
                                 whole_id=base_id(whole_model=True))
 
-    bound_apply = functools.partial(apply, config, module, spec, compute_dtypes=compute_dtypes, layout=layout,
-                                    group=group)
+    bound_apply = functools.partial(apply, config, module, spec, compute_dtypes=compute_dtypes, gathers=gathers,
+                                    forward=whole_forward)
     return Model(
         name=who,
         latents=preset.latents,

@@ -76,6 +76,8 @@ class Family:
                                          split and gathered, what per-token inputs (RoPE tables, timesteps) are
                                          sliced, how self-attention runs over all tokens of the rank's heads
                                          (None: the family refuses SP)
+    whole_graph_refusal                  why the family's forward cannot compile as one graph (``compile=model``),
+                                         e.g. data-dependent control flow; None: it can
     """
 
     name: str
@@ -100,6 +102,7 @@ class Family:
     bind: Callable[[nn.Module, Any], Any] | None = None
     causal: Callable[[Any, Callable, nn.Module], Any] | None = None
     sequence_parallel: Callable[[Any, nn.Module, Any], None] | None = None
+    whole_graph_refusal: str | None = None
 
     def preset(self, name: str) -> Preset:
         if name not in self.presets:

@@ -251,7 +251,8 @@ def causal(config: WanCausalConfig, apply: Any, module: nn.Module) -> Causal:
 
 WAN_CAUSAL = dataclasses.replace(
     wan.WAN, name="wan_causal", presets=PRESETS, skeleton=skeleton, activations=ACTIVATIONS, inputs=inputs,
-    per_frame_timesteps=True, bind=bind, causal=causal, sequence_parallel=sequence_parallel)
+    per_frame_timesteps=True, bind=bind, causal=causal, sequence_parallel=sequence_parallel,
+    whole_graph_refusal="its forward binds per-call state (a KV cache, the teacher-forcing layout)")
 
 
 class WanCausalConfig(ModelConfig, tag="wan_causal"):

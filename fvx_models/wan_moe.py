@@ -100,6 +100,7 @@ WAN_MOE = Family(
     init_rules=wan.WAN.init_rules,
     pipeline_files=pipeline_files,
     comfyui_name=wan.comfyui_name,
+    whole_graph_refusal="its router splits the batch between the experts by timestep (data-dependent shapes)",
 )
 
 

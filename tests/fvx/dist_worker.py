@@ -6,10 +6,13 @@ functions (tiny models, global batches, losses).
 """
 from __future__ import annotations
 
+import gc
 import math
 import pathlib
 import sys
 import traceback
+import weakref
+from typing import NamedTuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -17,7 +20,7 @@ from torch.func import functional_call
 
 from fvx import checkpoint
 from fvx import compile as fvx_compile
-from fvx import ema, grad, optim, random, role, sharding, tree
+from fvx import ema, gather_schedule, grad, optim, random, role, sharding, tree
 from fvx.optim_config import AdamWConfig
 from fvx.state import RoleState, TrainState
 from fvx_methods import dmd2, finetune
@@ -90,45 +93,63 @@ def forward(module, params, b, dtype=None):
     return functional_call(module, (params, dict(module.named_buffers())), (), inputs)[0]
 
 
-def sharded_forward(module, local, b, layout, group, compute_dtypes=None, dtype=None):
+def sharded_forward(net, local, b, dtype=None):
     x, text = (b["x"], b["text"]) if dtype is None else (b["x"].to(dtype), b["text"].to(dtype))
     inputs = {"hidden_states": x, "timestep": b["t"], "encoder_hidden_states": text, "return_dict": False}
-    (out,) = sharding.sharded_call(module, local, dict(module.named_buffers()), (), inputs, layout=layout, group=group,
-                                   compute_dtypes=compute_dtypes)
+    (out,) = sharding.sharded_call(net.module, local, dict(net.module.named_buffers()), (), inputs,
+                                   gathers=net.gathers)
     return out
 
 
-def sharded_module(remat: bool, mode: str, layout, group, compute_dtypes=None, calls: list | None = None):
-    """A tiny Wan skeleton whose blocks gather their shards; each gather of a unit appends to ``calls`` (eager)."""
+class Sharded(NamedTuple):
+    """A tiny Wan skeleton whose blocks gather their shards through ``gathers``; ``calls`` records each unit's
+    gather (grad mode), ``full`` weak references to the full params each unit computed with."""
+
+    module: torch.nn.Module
+    gathers: gather_schedule.UnitGathers
+    stats: fvx_compile.CompileStats
+    calls: list
+    full: list
+
+
+def sharded_module(remat: bool, mode: str, layout, group, compute_dtypes=None, reshard: bool = True) -> Sharded:
     module = build.skeleton(wan.WanConfig(preset="tiny", remat=remat))
-    gather = sharding.unit_gather(layout, UNITS, group, compute_dtypes)
-    if calls is not None:
-        def counted(local, gather=gather):
-            calls.append(torch.is_grad_enabled())
-            return gather(local)
-    stats = fvx_compile.install_units(module, {"blocks": UNITS}, mode=mode, backend="aot_eager",
-                                      gathers={"blocks": gather if calls is None else counted})
-    return module, stats
+    gathers = gather_schedule.UnitGathers({"blocks": UNITS}, layout, group, compute_dtypes,
+                                          reshard_after_forward=reshard, remat=remat)
+    calls, full = [], []
+
+    def counted(prefix, local, compute):
+        calls.append(torch.is_grad_enabled())
+        return gathers(prefix, local, lambda params: (full.extend(map(weakref.ref, params.values())),
+                                                      compute(params))[1])
+
+    stats = fvx_compile.install_units(module, {"blocks": UNITS}, mode=mode, backend="aot_eager", gather=counted)
+    return Sharded(module, gathers, stats, calls, full)
 
 
-def grads_of(module, local, b, layout, group, mesh):
+def grads_of(net, local, b, mesh):
     """(dp-mean loss, full grads, local grads) of the MSE on this rank's batch slice."""
-    def loss_fn(p):
-        return mse(sharded_forward(module, p, b, layout, group), b["target"])
-
-    loss, g = grad.value_and_grad(loss_fn)(local)
-    return sharding.dp_mean(loss, group), sharding.unshard(g, mesh), g
+    loss, g = grad.value_and_grad(lambda p: mse(sharded_forward(net, p, b), b["target"]))(local)
+    return sharding.dp_mean(loss, net.gathers.group), sharding.unshard(g, mesh), g
 
 
-def count_collectives(module, local, b, layout, group) -> int:
-    """Collectives one forward and backward issue (each is waited on once, in ``fvx.sharding._wait``)."""
-    waits, wait = [], sharding._wait
-    sharding._wait = lambda t: (waits.append(1), wait(t))[1]
-    try:
-        grad.value_and_grad(lambda p: mse(sharded_forward(module, p, b, layout, group), b["target"]))(local)
-    finally:
-        sharding._wait = wait
-    return len(waits)
+def alive_after_forward(net, local, b) -> tuple[int, int]:
+    """How many of the full params the units computed with are still alive between the forward and the backward, of
+    how many."""
+    net.full.clear()
+    loss = mse(sharded_forward(net, {n: t.detach().requires_grad_() for n, t in local.items()}, b), b["target"])
+    gc.collect()
+    alive = sum(ref() is not None for ref in net.full)
+    loss.backward()
+    return alive, len(net.full)
+
+
+def count_collectives(net, local, b) -> int:
+    """Collectives one forward and backward issue (gathers and reduce-scatters, as the profiler sees them)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        grad.value_and_grad(lambda p: mse(sharded_forward(net, p, b), b["target"]))(local)
+    names = ("_c10d_functional::all_gather_into_tensor", "_c10d_functional::reduce_scatter_tensor")
+    return sum(event.count for event in prof.key_averages() if event.key in names)
 
 
 def core(out_dir: str, d) -> dict:
@@ -143,18 +164,21 @@ def core(out_dir: str, d) -> dict:
     results["layout"] = layout
     results["local_bytes"] = sharding.local_bytes(local)
     results["local_shapes_equal"] = all(tuple(v.shape) == layout[n].local_shape(2) for n, v in local.items())
-    for remat in (False, True):
-        calls = []  # a unit gathers once per forward, and once more in the backward under remat
-        module, _ = sharded_module(remat, "none", layout, group, calls=calls)
-        results[f"loss_remat{remat}"], results[f"grads_remat{remat}"], _ = grads_of(module, local, b, layout, group,
-                                                                                    mesh)
-        results[f"unit_gathers_remat{remat}"] = len(calls)
-        results[f"collectives_remat{remat}"] = count_collectives(module, local, b, layout, group)
-    module, stats = sharded_module(True, "blocks", layout, group)
+    for remat, mode, reshard in ((False, "none", True), (False, "none", False), (True, "none", True),
+                                 (False, "blocks", True), (False, "blocks", False)):
+        key = f"remat{remat}_{mode}_reshard{reshard}"
+        net = sharded_module(remat, mode, layout, group, reshard=reshard)
+        steps = 2 if mode == "blocks" else 1  # (compiled: the second step runs the graphs the first compiled)
+        for _ in range(steps):
+            results[f"loss_{key}"], results[f"grads_{key}"], _ = grads_of(net, local, b, mesh)
+        results[f"unit_gathers_{key}"] = len(net.calls) // steps
+        results[f"ahead_{key}"] = {k: v // steps for k, v in net.gathers.counts.items()}
+        results[f"collectives_{key}"] = count_collectives(net, local, b)
+        results[f"alive_{key}"] = alive_after_forward(net, local, b)
+    net = sharded_module(True, "blocks", layout, group)
     for _ in range(2):
-        results["loss_compiled"], results["grads_compiled"], local_grads = grads_of(module, local, b, layout, group,
-                                                                                   mesh)
-    results["compiled_graphs"] = stats.graphs
+        results["loss_compiled"], results["grads_compiled"], local_grads = grads_of(net, local, b, mesh)
+    results["compiled_graphs"] = net.stats.graphs
     assert isinstance(local_grads, sharding.Shards) and local_grads.layout == layout  # grads carry the layout
 
     # One AdamW step (with a global-norm clip that bites) on the local shards, then an EMA update.
@@ -173,17 +197,16 @@ def core(out_dir: str, d) -> dict:
     ddp_mesh = sharding.make_mesh(2, 1)
     ddp_group = sharding.group_of(ddp_mesh)
     ddp_local = sharding.shard(params, ddp_mesh)
-    module, _ = sharded_module(True, "none", ddp_local.layout, ddp_group)
-    results["loss_replicated"], results["grads_replicated"], _ = grads_of(module, ddp_local, b, ddp_local.layout,
-                                                                          ddp_group, ddp_mesh)
+    net = sharded_module(True, "none", ddp_local.layout, ddp_group)
+    results["loss_replicated"], results["grads_replicated"], _ = grads_of(net, ddp_local, b, ddp_mesh)
 
     # A frozen teacher: bf16 shards (fp32 where diffusers keeps fp32), bf16 compute, no grad, no optimizer state.
     dtypes = teacher_dtypes(params)
     teacher = sharding.shard(params, mesh, dtype=dtypes)
     results["teacher_local_bytes"] = sharding.local_bytes(teacher)
-    module, _ = sharded_module(False, "none", layout, group, dtypes)
+    net = sharded_module(False, "none", layout, group, dtypes)
     with torch.no_grad():
-        out = sharded_forward(module, teacher, b, layout, group, dtypes, dtype=torch.bfloat16).float()
+        out = sharded_forward(net, teacher, b, dtype=torch.bfloat16).float()
     everyone = [torch.empty_like(out) for _ in range(d.world)]
     torch.distributed.all_gather(everyone, out)
     results["teacher_out"] = torch.cat(everyone)

@@ -100,7 +100,7 @@ def test_bad_install_is_refused_with_the_culprit_named():
     with pytest.raises(ValueError, match="'condition_embedder.' differs from unit 'blocks.0.' of group 'blocks'"):
         fvx_compile.install_units(module, {"blocks": ["blocks.0.", "condition_embedder."]})
     with pytest.raises(ValueError, match="unknown unit groups"):
-        fvx_compile.install_units(module, GROUPS, gathers={"other": lambda p: p})
+        fvx_compile.install_units(module, GROUPS, templates={"other": torch.nn.Linear(2, 2)})
     fvx_compile.install_units(module, GROUPS)
     with pytest.raises(ValueError, match="already has routed units"):
         fvx_compile.install_units(module, GROUPS)

@@ -89,13 +89,18 @@ def test_activations_sum_over_unit_groups_and_text_groups_count_text_tokens():
 
 
 def test_gathered_bytes_by_hand():
-    shapes = {"root.w": (4, 4), "blocks.0.w": (4, 8), "blocks.1.w": (4, 6)}
-    spec = HAND_SPEC._replace(shapes=shapes, units=("blocks.0.", "blocks.1."))
+    shapes = {"root.w": (4, 4), "blocks.0.w": (4, 8), "blocks.1.w": (4, 6), "blocks.2.w": (4, 2)}
+    spec = HAND_SPEC._replace(shapes=shapes, units=("blocks.0.", "blocks.1.", "blocks.2."))
     trainable = memory.Role("student", spec, trainable=True)
-    assert memory.gathered_bytes(trainable, 2, compute_bytes=2) == 16 * (2 + 4) + 32 * (2 + 2 + 4)
+    # root full + its fp32 grads, the two largest units' full params (computing, prefetched), one unit's grads
+    assert memory.gathered_bytes(trainable, 2, compute_bytes=2) == 16 * (2 + 4) + (32 + 24) * 2 + 32 * (2 + 4)
+    kept = memory.Role("student", spec._replace(reshard=False, remat=False), trainable=True)  # every unit's kept
+    assert memory.gathered_bytes(kept, 2, compute_bytes=2) == 16 * (2 + 4) + (32 + 24 + 8) * 2 + 32 * (2 + 4)
+    remat = memory.Role("student", spec._replace(reshard=False, remat=True), trainable=True)  # recomputes: regathers
+    assert memory.gathered_bytes(remat, 2, compute_bytes=2) == memory.gathered_bytes(trainable, 2, compute_bytes=2)
     frozen = memory.Role("teacher", spec, trainable=False, param_bytes=2)
-    assert memory.gathered_bytes(frozen, 2, compute_bytes=2) == 16 * 2 + 32 * 2
-    assert memory.gathered_bytes(trainable, 1, compute_bytes=2) == (16 + 32 + 24) * 2
+    assert memory.gathered_bytes(frozen, 2, compute_bytes=2) == 16 * 2 + (32 + 24) * 2
+    assert memory.gathered_bytes(trainable, 1, compute_bytes=2) == (16 + 32 + 24 + 8) * 2
     assert memory.gathered_bytes(trainable, 1, compute_bytes=4) == 0
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from fvx import checkpoint, ema, grad, optim, sharding, tree
+from fvx import checkpoint, ema, gather_schedule, grad, optim, sharding, tree
 from fvx.tree import global_norm
 from fvx_models import build, wan
 
@@ -93,14 +93,15 @@ def test_single_process_norm_equals_the_unsharded_one():
     assert sharding.dp_max(3, sharding.Group()) == 3
 
 
-def test_unit_gather_needs_units_of_one_structure_and_sharded_call_needs_routed_units():
+def test_unit_gathers_need_units_of_one_structure_and_sharded_call_needs_routed_units():
     layout = sharding.plan({"blocks.0.w": (4, 2), "blocks.1.w": (2, 4)}, 2)
     with pytest.raises(ValueError, match="'blocks.1.' is laid out unlike"):
-        sharding.unit_gather(layout, ["blocks.0.", "blocks.1."], sharding.Group())
+        gather_schedule.UnitGathers({"blocks": ["blocks.0.", "blocks.1."]}, layout, sharding.Group())
     with pytest.raises(ValueError, match="'blocks.2.' has no params"):
-        sharding.unit_gather(layout, ["blocks.0.", "blocks.2."], sharding.Group())
+        gather_schedule.UnitGathers({"blocks": ["blocks.0.", "blocks.2."]}, layout, sharding.Group())
+    gathers = gather_schedule.UnitGathers({"blocks": ["blocks.0."]}, layout, sharding.Group())
     with pytest.raises(ValueError, match="install_units"):
-        sharding.sharded_call(build.skeleton(wan.WanConfig()), {}, {}, layout=layout, group=sharding.Group())
+        sharding.sharded_call(build.skeleton(wan.WanConfig()), {}, {}, gathers=gathers)
 
 
 def test_shards_carry_their_layout_through_tree_maps_and_gradients():
@@ -164,7 +165,9 @@ def assert_close_rel(got: dict, want: dict, rel: float = REL):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("key", ["grads_rematFalse", "grads_rematTrue", "grads_compiled", "grads_replicated"])
+@pytest.mark.parametrize("key", ["grads_rematFalse_none_reshardTrue", "grads_rematFalse_none_reshardFalse",
+                                 "grads_rematTrue_none_reshardTrue", "grads_rematFalse_blocks_reshardTrue",
+                                 "grads_rematFalse_blocks_reshardFalse", "grads_compiled", "grads_replicated"])
 def test_two_process_grads_equal_one_process(run2, reference, key):
     results, _ = run2
     assert_close_rel(results[key], reference["grads"])
@@ -179,10 +182,20 @@ def test_two_process_shards_are_even_halves_and_compile_one_block_graph(run2, re
     assert results["local_shapes_equal"]
     assert results["local_bytes"] == full_bytes // 2
     assert results["compiled_graphs"] == 1  # both blocks, two steps, forward and recompute: one graph
-    assert results["unit_gathers_rematFalse"] == 2  # each block gathers once and keeps its full params for backward
-    assert results["unit_gathers_rematTrue"] == 4  # under remat the backward gathers again: reshard after forward
-    # bucketed: the root and each block gather once and reduce-scatter once (remat: the blocks gather again)
-    assert (results["collectives_rematFalse"], results["collectives_rematTrue"]) == (6, 8), results
+    # Bucketed: the root and each block gather once and reduce-scatter once; the blocks gather again in the backward
+    # unless their full params were kept (reshard_after_forward=False). Under remat the again is the recompute's.
+    # Prefetched: every forward gather is issued ahead (the first beside the root's); in the backward only the first
+    # unit to run (the last block) gathers on demand, and issues the one before it.
+    for key, units, collectives, ahead in (("rematFalse_none_reshardTrue", 2, 8, (3, 1)),
+                                           ("rematFalse_none_reshardFalse", 2, 6, (2, 0)),
+                                           ("rematTrue_none_reshardTrue", 4, 8, (3, 1)),
+                                           ("rematFalse_blocks_reshardTrue", 2, 8, (3, 1)),
+                                           ("rematFalse_blocks_reshardFalse", 2, 6, (2, 0))):
+        assert (results[f"unit_gathers_{key}"], results[f"collectives_{key}"]) == (units, collectives), key
+        assert tuple(results[f"ahead_{key}"].values()) == ahead, (key, results[f"ahead_{key}"])
+        alive, full = results[f"alive_{key}"]  # the units' full params alive between the forward and the backward
+        assert full == units * len([n for n in reference["params"] if n.startswith("blocks.0.")]), key
+        assert alive == 0 if key.endswith("reshardTrue") else alive > 0, (key, alive, full)  # kept: the weights
     assert results["dist"][:2] == (0, 2) and results["dist"][4] == "gloo"
 
 

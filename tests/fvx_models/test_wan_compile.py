@@ -1,5 +1,5 @@
-"""WanConfig(compile="blocks"): a fine-tuning step with compiled blocks matches the eager step, and all blocks share one
-compiled graph over several steps; the dry-run description of a Wan preset."""
+"""WanConfig(compile="blocks" | "model"): a fine-tuning step with compiled blocks (or the whole forward compiled)
+matches the eager step, in one compiled graph over several steps; the dry-run description of a Wan preset."""
 import math
 
 import pytest
@@ -9,7 +9,7 @@ from fvx import random
 from fvx import state as fstate
 from fvx.optim_config import AdamWConfig
 from fvx_methods import finetune
-from fvx_models import wan
+from fvx_models import wan, wan_causal, wan_moe
 
 STEPS = 3
 
@@ -20,9 +20,9 @@ def batch(step: int) -> dict:
             "cond": {"text": random.normal(k[1], (2, 8, 32)), "text_mask": torch.ones(2, 8)}}
 
 
-def train(compile: str, remat: bool) -> tuple[list, fstate.TrainState, object]:
+def train(compile: str, remat: bool, backend: str = "aot_eager") -> tuple[list, fstate.TrainState, object]:
     """(per-step metrics, final state, the model) of STEPS fine-tuning steps of the tiny Wan."""
-    model = wan.WanConfig(preset="tiny", remat=remat, compile=compile, compile_backend="aot_eager").build()
+    model = wan.WanConfig(preset="tiny", remat=remat, compile=compile, compile_backend=backend).build()
     program = finetune.Finetune(optim=AdamWConfig(lr=1e-3, weight_decay=0.01)).build({"student": model},
                                                                                     total_steps=STEPS)
     state, metrics = program.init(random.key(0)), []
@@ -32,18 +32,44 @@ def train(compile: str, remat: bool) -> tuple[list, fstate.TrainState, object]:
     return metrics, state, model
 
 
-@pytest.mark.parametrize("remat", [False, True])
-def test_compiled_blocks_step_matches_eager_with_one_graph_for_all_blocks(remat):
-    eager_metrics, eager_state, eager_model = train("none", remat)
-    metrics, state, model = train("blocks", remat)
-    assert eager_model.compile_stats is None
-    assert (model.compile_stats.graphs, model.compile_stats.recompiles) == (1, 0)  # 2 blocks, 3 steps: one graph
-    for got, want in zip(metrics, eager_metrics):
+def assert_same_training(got, want, rel: float = 1e-5):
+    (metrics, state, _), (eager_metrics, eager_state, _) = got, want
+    for m, e in zip(metrics, eager_metrics):
         for name in ("loss", "grad_norm"):
-            assert math.isclose(got[name].item(), want[name].item(), rel_tol=1e-5), name
-    params, want = state.roles["student"].params, eager_state.roles["student"].params
-    for name in want:
-        torch.testing.assert_close(params[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            assert math.isclose(m[name].item(), e[name].item(), rel_tol=rel), name
+    params, ref = state.roles["student"].params, eager_state.roles["student"].params
+    for name in ref:
+        torch.testing.assert_close(params[name], ref[name], rtol=rel, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("compile", ["blocks", "model"])
+def test_compiled_step_matches_eager_in_one_graph(compile, remat):
+    eager = train("none", remat)
+    compiled = train(compile, remat)
+    assert eager[2].compile_stats is None
+    stats = compiled[2].compile_stats
+    assert (stats.graphs, stats.recompiles) == (1, 0)  # 2 blocks (or the whole forward), 3 steps: one graph
+    assert_same_training(compiled, eager)
+
+
+@pytest.mark.slow
+def test_whole_model_compiled_by_inductor_with_remat_matches_eager():
+    """Inductor's code, not only its graph: one process with remat gives the eager gradients (on a mesh it did not,
+    so compile=model is refused there)."""
+    compiled = train("model", True, backend="inductor")
+    assert compiled[2].compile_stats.recompiles == 0
+    assert_same_training(compiled, train("none", True), rel=1e-4)
+
+
+def test_whole_model_compile_is_refused_on_a_mesh_and_where_the_forward_is_not_one_graph():
+    with pytest.raises(ValueError, match="wan:tiny: compile=model compiles the whole forward in one process only"):
+        wan.WanConfig(preset="tiny", compile="model").build(mesh=object())
+    with pytest.raises(ValueError, match="cannot compile the wan_causal family's forward as one graph .its forward "
+                                         "binds per-call state"):
+        wan_causal.WanCausalConfig(preset="tiny", compile="model").build()
+    with pytest.raises(ValueError, match="wan_moe family's forward as one graph .its router splits the batch"):
+        wan_moe.Wan22MoEConfig(preset="tiny", compile="model").build()
 
 
 def test_bad_compile_mode_names_the_field():
