@@ -91,8 +91,9 @@ def test_one_more_graph_per_distinct_signature_and_no_recompiles(params, compile
 
 def test_bad_install_is_refused_with_the_culprit_named():
     module = skeleton()
-    with pytest.raises(ValueError, match="compile mode"):
-        fvx_compile.install_units(module, GROUPS, mode="step")
+    for mode in ("step", "model"):  # (a whole model compiles through whole_function)
+        with pytest.raises(ValueError, match=f"mode must be 'none' or 'blocks', got '{mode}'"):
+            fvx_compile.install_units(module, GROUPS, mode=mode)
     with pytest.raises(ValueError, match="'blocks.7.' names no submodule"):
         fvx_compile.install_units(module, {"blocks": ["blocks.0.", "blocks.7."]})
     with pytest.raises(ValueError, match="end with '.'"):
