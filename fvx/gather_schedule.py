@@ -28,7 +28,7 @@ def _relative(layout: sharding.Layout, compute_dtypes: sharding.DtypeSpec, prefi
     if not names:
         raise ValueError(f"unit {prefix!r} has no params in the layout")
     return ({name[len(prefix):]: layout[name] for name in names},
-            {name[len(prefix):]: sharding._dtype_for(compute_dtypes, name) for name in names})
+            {name[len(prefix):]: sharding.dtype_for(compute_dtypes, name) for name in names})
 
 
 def _storage(t: torch.Tensor) -> int | None:

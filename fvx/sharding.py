@@ -236,7 +236,8 @@ def plan(shapes: Mapping[str, Sequence[int]], shard_size: int) -> Layout:
     return layout
 
 
-def _dtype_for(spec: DtypeSpec, name: str) -> torch.dtype | None:
+def dtype_for(spec: DtypeSpec, name: str) -> torch.dtype | None:
+    """The compute dtype ``spec`` gives param ``name`` (None: keep its own)."""
     if spec is None or isinstance(spec, torch.dtype):
         return spec
     return spec.get(name)
@@ -330,7 +331,7 @@ def shard(params: Mapping[str, torch.Tensor], mesh: DeviceMesh, *, layout: Layou
         if tuple(full.shape) != spec.shape:
             raise ValueError(f"shard: param {name!r} has shape {tuple(full.shape)}, its layout says {spec.shape}")
         part = local_slice(full.detach(), spec, index, group.shard_size)
-        out[name] = torch.empty(part.shape, dtype=_dtype_for(dtype, name) or full.dtype, device=device).copy_(part)
+        out[name] = torch.empty(part.shape, dtype=dtype_for(dtype, name) or full.dtype, device=device).copy_(part)
     return Shards(out, layout)
 
 
@@ -532,7 +533,7 @@ def _buckets(local: Mapping[str, torch.Tensor], layout: Layout, group: Group,
              compute_dtypes: DtypeSpec) -> list[tuple[_Bucket, tuple[str, ...]]]:
     by_dtype: dict[torch.dtype, list[str]] = {}
     for name, t in local.items():
-        by_dtype.setdefault(_dtype_for(compute_dtypes, name) or t.dtype, []).append(name)
+        by_dtype.setdefault(dtype_for(compute_dtypes, name) or t.dtype, []).append(name)
     dims = (group.shard_name, group.shard_size, group.replicate_name, group.replicate_size, group.dp_size)
     return [(_Bucket(tuple(layout[n] for n in names), tuple(local[n].dtype for n in names), dtype, dims), tuple(names))
             for dtype, names in by_dtype.items()]
@@ -564,7 +565,7 @@ def gather_params(local: Mapping[str, torch.Tensor], layout: Layout, group: Grou
     all-gather forward and one reduce-scatter backward per compute dtype, not one per param. ``issued``: the same
     gathers issued ahead by :func:`issue_gather` on these shards (waited on here instead of issued)."""
     if group.ranks == 1:
-        return {name: gather(t, layout[name], group, _dtype_for(compute_dtypes, name)) for name, t in local.items()}
+        return {name: gather(t, layout[name], group, dtype_for(compute_dtypes, name)) for name, t in local.items()}
     buckets = (issued.buckets if issued is not None else
                tuple((plan, names, None) for plan, names in _buckets(local, layout, group, compute_dtypes)))
     out: Params = {}
