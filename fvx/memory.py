@@ -25,8 +25,8 @@ Gathered params (transient): sharded, the root's full params in the compute dtyp
 fp32 gradients), two units' full params at a time (the one computing and the next one, prefetched; every unit's when
 units keep them from forward to backward, ``reshard_after_forward=False`` without remat), and one unit's
 compute-dtype grads and the fp32 copy reduce-scattered during its backward:
-``root * (c + 4) + (unit_1 + unit_2) * c + unit * (c + 4)``; unsharded, the compute-dtype copy of every param is held for the backward:
-``numel * c`` (nothing when the compute dtype is the storage's). A frozen role gathers no grads. The largest role's
+``root * (c + 4) + (unit_1 + unit_2) * c + unit * (c + 4)``; unsharded, the compute-dtype copy of every param is
+held for the backward: ``numel * c`` (nothing when the compute dtype is the storage's). A frozen role gathers no grads. The largest role's
 figure counts, since roles run one at a time.
 """
 from __future__ import annotations
@@ -66,10 +66,11 @@ class ModelSpec(NamedTuple):
     """What a model family tells the dry run (``Model.memory_spec()``): param shapes read off the meta skeleton, the
     unit prefixes (what gathers as one), the unit groups, the root's width, the text length it attends to, the VAE's
     compression (time, height, width), the patch, the compute dtype's bytes, whether units recompute (remat) and
-    drop their gathered params after the forward (reshard), the bytes of a param stored frozen (2 for a bf16 teacher or LoRA base); which params a trained role trains
-    (``trained``, None: all) out of all ``shapes`` (a LoRA model's include its adapters), which belong to the
-    architecture (``architecture``, None: all; what a frozen role holds), and the identities of what a trained role
-    holds frozen (``base_id``) and of the whole frozen architecture (``whole_id``): equal ids are one copy in memory."""
+    drop their gathered params after the forward (reshard), the bytes of a param stored frozen (2 for a bf16 teacher
+    or LoRA base); which params a trained role trains (``trained``, None: all) out of all ``shapes`` (a LoRA model's
+    include its adapters), which belong to the architecture (``architecture``, None: all; what a frozen role holds),
+    and the identities of what a trained role holds frozen (``base_id``) and of the whole frozen architecture
+    (``whole_id``): equal ids are one copy in memory."""
 
     shapes: Mapping[str, tuple[int, ...]]
     units: tuple[str, ...]

@@ -42,10 +42,10 @@ class ModelConfig(Config):
     fp32), ``frozen_dtype`` (how a role that never trains stores this model: bf16 halves a teacher, except the
     modules diffusers keeps in fp32), ``compile``: ``"none"`` runs units eagerly, ``"blocks"`` through one
     ``torch.compile``'d function per unit group, ``"model"`` the whole forward as one graph (one process only; longer
-    to compile) (``compile_backend`` "inductor", or "aot_eager" to check numerics without codegen), ``reshard_after_forward`` (on a mesh: drop each unit's gathered params after its forward and
-    gather them again in its backward, as FSDP2 does by default; False keeps every unit's full params from its forward
-    to its backward, one all-gather per unit and step fewer; under remat the backward gathers again either way), and
-    ``lora``: train low-rank adapters on a frozen base (``fvx_models.lora``; the base is stored in ``frozen_dtype``)
+    to compile) (``compile_backend`` "inductor", or "aot_eager" to check numerics without codegen),
+    ``reshard_after_forward`` (on a mesh: drop each unit's gathered params after its forward and gather them again in
+    its backward, as FSDP2 does by default; False keeps every unit's full params from its forward to its backward,
+    one all-gather per unit and step fewer; under remat the backward gathers again either way), and ``lora``: train low-rank adapters on a frozen base (``fvx_models.lora``; the base is stored in ``frozen_dtype``)
     instead of the params."""
 
     family: ClassVar[Family]
