@@ -32,6 +32,8 @@ Variants:
               under torchrun on fvx.sharding.make_mesh(sp=...): params, grads and AdamW sharded over every rank,
               bucketed per-block gathers, Ulysses groups of --sp ranks sharing one sample
   fvx-blocks  the same with compile="blocks": every block through one inductor-compiled function
+  compiled    one process: the eager row with the diffusers module under torch.compile
+  fvx-model   one process: fvx with compile="model", the whole forward as one inductor graph
 
 Needs torch (CUDA) and the repository's Python packages (diffusers, msgspec, optree); a bare GPU machine may lack the
 last three: install them (as wheels) before the run.
@@ -68,8 +70,9 @@ from fvx_models.family import Preset  # noqa: E402
 VIDEOS = ((81, 480, 832), (49, 480, 832), (33, 480, 832), (17, 480, 832))
 CHECK_VIDEO, CHECK_TEXT_LEN = (5, 32, 32), 8
 SESSION = (("wan2.1-t2v-1.3b", None), ("wan2.1-t2v-14b", 4))  # (preset, layers) of the default mode
-SINGLE_VARIANTS = ("eager", "fsdp2", "fvx", "fvx-blocks")
+SINGLE_VARIANTS = ("eager", "fsdp2", "fvx", "fvx-blocks", "compiled", "fvx-model")  # (the budget drops the last first)
 SHARDED_VARIANTS = ("fsdp2", "fvx", "fvx-blocks")
+COMPILED = ("fvx-blocks", "compiled", "fvx-model")  # rows that compile in their first warm-up step
 LR, WEIGHT_DECAY, MAX_NORM = 1e-5, 0.01, 1.0
 FIT_FRACTION = 0.85  # of the GPU's memory a video's dry-run estimate may take
 RESULTS = pathlib.Path(__file__).with_name("RESULTS.md")
@@ -222,6 +225,15 @@ def eager_step(ctx: Ctx, case: Case, batch: dict, args) -> Callable[[], torch.Te
     return functools.partial(torch_step, module, optimizer, batch, autocast=ctx.device.type)
 
 
+def compiled_step(ctx: Ctx, case: Case, batch: dict, args) -> Callable[[], torch.Tensor]:
+    """The eager row with its module under ``torch.compile`` (what a user would try first for speed)."""
+    module = initial_module(case.preset, ctx.device)
+    module.enable_gradient_checkpointing()
+    optimizer = torch_adamw(module.parameters())
+    compiled = torch.compile(module, backend=args.backend)
+    return functools.partial(torch_step, compiled, optimizer, batch, autocast=ctx.device.type)
+
+
 def torch_step(module, optimizer, batch: dict, autocast: str | None = None) -> torch.Tensor:
     """One step of the PyTorch baselines: forward (under bf16 autocast on ``autocast``'s device type when given),
     ``loss.backward()``, ``clip_grad_norm_(foreach=True)``, the optimizer's step; the detached loss."""
@@ -279,7 +291,8 @@ def fvx_step(ctx: Ctx, case: Case, batch: dict, args, compile: str = "none") -> 
 
 
 VARIANTS = {"eager": eager_step, "fsdp2": fsdp2_step, "fvx": fvx_step,
-            "fvx-blocks": functools.partial(fvx_step, compile="blocks")}
+            "fvx-blocks": functools.partial(fvx_step, compile="blocks"), "compiled": compiled_step,
+            "fvx-model": functools.partial(fvx_step, compile="model")}
 
 
 def samples_of(ctx: Ctx, variant: str) -> int:
@@ -315,7 +328,7 @@ def peak_bytes(ctx: Ctx) -> float:
 
 def warmup_of(variant: str, args) -> int:
     """Warm-up steps: ``--warmup``, one more for a compiled row (its graphs compile in the first)."""
-    return args.warmup + (variant == "fvx-blocks")
+    return args.warmup + (variant in COMPILED)
 
 
 def measure(ctx: Ctx, step: Callable[[], torch.Tensor], warmup: int, args) -> dict:
@@ -361,7 +374,7 @@ def estimated_peak(preset: str, tokens: int, text_len: int, shard: int) -> int:
 
 def row_estimate(ctx: Ctx, preset: str, video: tuple[int, int, int], variant: str, args) -> int:
     """:func:`estimated_peak` for ``variant``'s sharding and tokens per rank in this run."""
-    shard = 1 if variant == "eager" or (variant.startswith("fvx") and ctx.mesh is None) else ctx.world
+    shard = 1 if variant in ("eager", "compiled") or (variant.startswith("fvx") and ctx.mesh is None) else ctx.world
     return estimated_peak(preset, grid_of(preset, video).tokens // sp_of(ctx, variant), args.text_len, shard)
 
 
@@ -372,11 +385,12 @@ def step_flops(case: Case, args) -> int:
 
 def predicted_s(ctx: Ctx, case: Case, variant: str, args, known_s: float | None) -> float:
     """How long a row will take: its steps at the case's last measured step time (else at 30 % MFU with remat's
-    extra forward), a few seconds of set-up, and for a compiled row on a GPU the compile time (--compile-s until a
-    compiled row has measured one)."""
+    extra forward), a few seconds of set-up, and for a compiled row on a GPU the compile time (--compile-s until the
+    fvx-blocks row has measured one)."""
     if known_s is None:
         known_s = step_flops(case, args) * 4 / 3 * samples_of(ctx, variant) / ctx.world / (0.3 * args.peak)
-    compile_s = args.compile_s if variant == "fvx-blocks" and ctx.cuda else 0.0
+    # a whole model compiles for longer than a block: 3-15x on the CPU (design §3), so 3x the blocks' time at least
+    compile_s = (args.compile_s * (1 if variant == "fvx-blocks" else 3)) if variant in COMPILED and ctx.cuda else 0.0
     return (warmup_of(variant, args) + args.steps) * known_s * 1.1 + 5.0 + compile_s
 
 
@@ -418,7 +432,7 @@ def run_case(ctx: Ctx, case: Case, args) -> list[dict]:
             rows.append(row)
             continue
         known_s = row["s"]
-        if variant == "fvx-blocks":  # what compiling took, for the next compiled row's prediction
+        if variant == "fvx-blocks":  # what compiling took, for the next compiled rows' prediction
             args.compile_s = max(0.0, row["warmup_s"] - warmup_of(variant, args) * row["s"])
         log(ctx, f"{case.title}: {row['variant']}: {row['s']:.3f} s/step (warm-up {row['warmup_s']:.1f} s), "
                  f"peak {gib(row['peak'])} GiB, first loss {row['loss0']:.5f}")
@@ -485,24 +499,25 @@ def ratio(row: dict, ref: dict | None) -> str:
 
 def table(ctx: Ctx, rows: list[dict], args) -> list[str]:
     """The markdown table of every row, and its notes."""
-    lines = ["| model, video | tokens/rank | variant | step s | tokens/s | vs eager | vs fsdp2 | MFU % | ms/block "
-             "| peak GiB | est. GiB | warm-up s | first loss |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model, video | tokens/rank | variant | step s | tokens/s | vs eager | vs fsdp2 | vs compiled | MFU % "
+             "| ms/block | peak GiB | est. GiB | warm-up s | first loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         case: Case = row["case"]
         tokens = grid_of(case.preset, case.video).tokens
         head = f"| {case.title} | {tokens // sp_of(ctx, row['kind'])} | {row['variant']} |"
         if "skipped" in row:
-            lines.append(f"{head} {row['skipped']} |{' |' * 6} {row['estimate'] / 2**30:.1f} | | |")
+            lines.append(f"{head} {row['skipped']} |{' |' * 7} {row['estimate'] / 2**30:.1f} | | |")
             continue
         same = [r for r in rows if r["case"] == case and "s" in r]
-        refs = {kind: next((r for r in same if r["kind"] == kind), None) for kind in ("eager", "fsdp2")}
+        refs = {kind: next((r for r in same if r["kind"] == kind), None) for kind in ("eager", "fsdp2", "compiled")}
         total_flops = step_flops(case, args) * row["samples"]
         mfu = 100 * flops.mfu(total_flops / ctx.world, row["s"], args.peak)
         lines.append(
             f"{head} {row['s']:.3f} | {row['samples'] * tokens / row['s']:,.0f} | {ratio(row, refs['eager'])} "
-            f"| {ratio(row, refs['fsdp2'])} | {mfu:.1f} | {1e3 * row['s'] / case.layers:.0f} | {gib(row['peak'])} "
-            f"| {row['estimate'] / 2**30:.1f} | {row['warmup_s']:.1f} | {row['loss0']:.5f} |")
+            f"| {ratio(row, refs['fsdp2'])} | {ratio(row, refs['compiled'])} | {mfu:.1f} "
+            f"| {1e3 * row['s'] / case.layers:.0f} | {gib(row['peak'])} | {row['estimate'] / 2**30:.1f} "
+            f"| {row['warmup_s']:.1f} | {row['loss0']:.5f} |")
     return lines + [""] + notes(ctx, rows, args)
 
 
@@ -513,8 +528,8 @@ def notes(ctx: Ctx, rows: list[dict], args) -> list[str]:
            f"rank, text {args.text_len} tokens, bf16, remat, AdamW + clip. MFU: analytic FLOPs (bench/flops.py, 3x "
            f"forward, remat not counted) of the blocks run and the root, per GPU, over {args.peak / 1e12:.0f} "
            "TFLOP/s. est.: fvx.memory's dry-run estimate of fvx's peak per rank for that row's sharding. vs eager / "
-           "vs fsdp2: time per sample against that row of the same case. ms/block: step time over the blocks run "
-           "(the root included)."]
+           "vs fsdp2 / vs compiled: time per sample against that row of the same case. ms/block: step time over the "
+           "blocks run (the root included)."]
     for case in dict.fromkeys(row["case"] for row in rows if row["case"].layers != row["case"].total_layers):
         whole = estimated_peak(case.base, grid_of(case.base, case.video).tokens // ctx.sp, args.text_len, ctx.world)
         out.append(f"{case.base} runs its first {case.layers} of its {case.total_layers} blocks at full width "
