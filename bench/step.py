@@ -32,13 +32,12 @@ import json
 import os
 import pathlib
 import socket
-import statistics
 import subprocess
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 sys.path.insert(1, str(pathlib.Path(__file__).resolve().parents[1]))  # the repository root: fvx, fvx_models, ...
-from common import alternate, current_rss_bytes, peak_rss_bytes, reset_peak_rss, timed  # noqa: E402
+from common import alternate, current_rss_bytes, peak_rss_bytes, reset_peak_rss  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -201,15 +200,16 @@ def rank_slice(batch: dict, rank: int, world: int) -> dict:
             for name, value in batch.items()}
 
 
-def timed_steps(step, repeats: int) -> dict:
-    """Step-0 loss of ``step()`` (which returns its loss), median seconds after 2 warm-up steps, and peak resident MB
-    over the timed steps (reset after the warm-up)."""
+def peak_steps(step, repeats: int) -> dict:
+    """Step-0 loss of ``step()`` (which returns its loss) and peak resident MB over ``repeats`` steps after 2 warm-up
+    steps (the peak reset after the warm-up)."""
     loss0 = step()
     step()
     gc.collect()
     reset_peak_rss()
-    seconds = statistics.median(timed(step) for _ in range(repeats))
-    return {"loss0": loss0, "step_s": seconds, "peak_mb": peak_rss_bytes() / 2**20}
+    for _ in range(repeats):
+        step()
+    return {"loss0": loss0, "peak_mb": peak_rss_bytes() / 2**20}
 
 
 def fvx_stepper(program, state, batch: dict):
@@ -274,7 +274,7 @@ def process_steppers(case: str, batch_size: int, sp: int, d) -> dict:
 
 def measure_process(case: str, repeats: int, batch_size: int, sp: int = 1) -> dict:
     """Each variant in this process, on its part of the global batch of ``batch_size``: built alone for its step-0
-    loss, peak memory (:func:`timed_steps`) and state, then all built together and timed in turn (a, b, c, a, ...) so
+    loss, peak memory (:func:`peak_steps`) and state, then all built together and timed in turn (a, b, c, a, ...) so
     drift on a shared machine hits all alike. Under torchrun's environment (WORLD_SIZE, ...) the params are sharded
     over all processes; with ``sp`` > 1 also under sequence parallelism over groups of ``sp`` ranks (variants
     ``<name>_sp<sp>``)."""
@@ -283,7 +283,7 @@ def measure_process(case: str, repeats: int, batch_size: int, sp: int = 1) -> di
     out = {}
     for name, make in builders.items():
         step, state_mb = make()
-        out[name] = {**timed_steps(step, repeats), "state_mb": state_mb()}
+        out[name] = {**peak_steps(step, repeats), "state_mb": state_mb()}
         del step, state_mb
         gc.collect()
     steps = {name: make()[0] for name, make in builders.items()}

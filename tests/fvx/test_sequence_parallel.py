@@ -24,6 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import sp_worker as worker  # noqa: E402
 from gloo import launch_workers  # noqa: E402
 from test_launch import COMPARED, EXPERIMENT, launch1, launch2  # noqa: E402
+from test_sharding import assert_close_rel  # noqa: E402
 
 REL = 1e-6  # fp32: SP ranks differ from one process only in reduction order (token sums split over ranks)
 # After AdamW steps: Adam divides by sqrt(nu), so gradient elements near zero amplify reduction-order rounding
@@ -122,17 +123,6 @@ def single(one_process: dict, name: str) -> dict:
     if name not in one_process:
         one_process[name] = worker.finetune_run(worker.VARIANTS[name])
     return one_process[name]
-
-
-def assert_close_rel(got: dict, want: dict, rel: float = REL):
-    """Every element within ``rel`` of the largest magnitude in ``want``, every tensor within ``10 rel`` in norm (as
-    tests/fvx/test_sharding.py: gradients that are zero up to rounding have no relative error of their own)."""
-    assert list(got) == list(want)
-    scale = max(w.abs().max() for w in want.values())
-    for name in want:
-        err = (got[name] - want[name]).abs().max() / scale
-        norm_err = (got[name] - want[name]).norm() / want[name].norm().clamp_min(1e-30)
-        assert err <= rel and norm_err <= 10 * rel, f"{name}: error {err:.2e} of the largest, {norm_err:.2e} in norm"
 
 
 def assert_fine_tuning_equal(got: dict, want: dict):

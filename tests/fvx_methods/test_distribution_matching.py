@@ -7,17 +7,11 @@ import torch
 
 from fvx import flow, random
 from fvx_methods import distribution_matching as dm
-from fvx_models.wan import WanConfig
 
 SHIFT = 3.0
 SHAPE = (16, 1, 4, 4)
 SCORE = dm.Score(flow_shift=SHIFT, timestep_shift=8.0, min_timestep_ratio=0.02, max_timestep_ratio=0.98,
                  guidance_scale=4.5, cfg_uncond="zero")
-
-
-@pytest.fixture(scope="module")
-def model():
-    return WanConfig(preset="tiny").build()
 
 
 @pytest.fixture(scope="module")

@@ -22,11 +22,6 @@ SHAPE = (16, 1, 4, 4)
 
 
 @pytest.fixture(scope="module")
-def model():
-    return WanConfig(preset="tiny").build()
-
-
-@pytest.fixture(scope="module")
 def models(model):
     """Every role on the tiny Wan."""
     return {"student": model, "critic": model, "teacher": model}

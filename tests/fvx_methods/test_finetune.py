@@ -7,19 +7,8 @@ import torch
 from fvx import random, role, state as fstate
 from fvx.optim_config import AdamWConfig
 from fvx_methods import finetune
-from fvx_models.wan import WanConfig
 
 SHIFT = 3.0
-
-
-@pytest.fixture(scope="module")
-def model():
-    return WanConfig(preset="tiny").build()
-
-
-@pytest.fixture(scope="module")
-def params(model):
-    return model.init(random.key(7))
 
 
 def make_batch(seed: int = 0, size: int = 2):

@@ -13,21 +13,10 @@ from fvx.optim_config import AdamWConfig
 from fvx_methods import kd
 from fvx_methods import trajectory_cache as tc
 from fvx_models.model import Causal
-from fvx_models.wan import WanConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXPERIMENT = str(ROOT / "experiments" / "kd_t2v.py")
 T_LIST = (999, 937, 624, 0)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return WanConfig(preset="tiny").build()
-
-
-@pytest.fixture(scope="module")
-def params(model):
-    return model.init(random.key(7))
 
 
 def make_batch(seed=0, size=3, k=len(T_LIST) - 1, frames=1):
