@@ -19,7 +19,9 @@ own ~300 MB included), and the params + optimizer state a rank holds. A case who
 runs there on a global batch rounded up to a multiple of 2 (its B column says which). The sharded rows: fvx's units
 prefetch the next unit's gather and drop their full params after the forward (``reshard_after_forward``, the default)
 against FSDP2 doing the same (``fsdp2``), and with the full params kept to the backward (``fvx_blocks_keep``, FSDP2
-``reshard_after_forward=False``: ``fsdp2_keep``). ``--skip-dist`` leaves it out. ``--sp 2`` adds rows of the
+``reshard_after_forward=False``: ``fsdp2_keep``). Two bounds beside them: ``fvx_blocks_local``, the compiled step
+with full params and no communication (the compute floor of every rank busy at once), and ``collectives``, the sharded
+step's traffic alone without compute. ``--skip-dist`` leaves it out. ``--sp 2`` adds rows of the
 same step under sequence parallelism in the same processes (``fvx_sp2``, ``fvx_blocks_sp2``: both ranks on the whole
 global batch, each on half of every sample's tokens, params still sharded over both), beside the data-parallel ones.
     python bench/step.py [--repeats 10] [--threads N] [--skip-dist | --dist-only] [--sp 2] [--cases tiny,cpu-4x256]
@@ -70,6 +72,7 @@ DIST_CASES = ("tiny", "cpu-4x256")
 VARIANTS = {"fvx": "none", "fvx_blocks": "blocks"}  # name -> ModelConfig.compile
 # sharded only: units keep their gathered params from forward to backward, beside FSDP2 doing the same
 KEEP_VARIANTS = {"fvx_blocks_keep": "blocks"}
+FLOORS = ("fvx_blocks_local", "collectives")  # sharded runs only: no communication; communication alone
 
 
 def model_config(case: str, compile: str = "none", reshard_after_forward: bool = True):
@@ -269,7 +272,32 @@ def process_steppers(case: str, batch_size: int, sp: int, d) -> dict:
     if d.world > 1:
         builders["fsdp2"] = lambda: fsdp2_stepper(case, batch_size, d)
         builders["fsdp2_keep"] = lambda: fsdp2_stepper(case, batch_size, d, reshard_after_forward=False)
+        builders.update(floor_steppers(case, batch_size, d))
     return builders
+
+
+def floor_steppers(case: str, batch_size: int, d) -> dict:
+    """The two bounds of a sharded step: ``fvx_blocks_local``, the same compiled step on this rank's slice with the
+    full params and no communication (the compute floor with every rank busy), and ``collectives``, the sharded
+    step's traffic alone (its 2 all-gathers and 1 reduce-scatter of every param: forward, backward regather,
+    gradients), as one flat buffer each, no compute."""
+    def local():
+        _, _, program, state, batch = build_fvx(case, "blocks", None, batch_size)
+        return fvx_stepper(program, state, rank_slice(batch, d.rank, d.world))
+
+    def collectives():
+        state = build_fvx(case, "none", sharding.make_mesh(), batch_size)[3]
+        shard = torch.ones(sharding.local_bytes(state.roles["student"].params) // 4)
+        full, grads = torch.empty(shard.numel() * d.world), torch.ones(shard.numel() * d.world)
+
+        def step():
+            for _ in range(2):
+                torch.distributed.all_gather_into_tensor(full, shard)
+            torch.distributed.reduce_scatter_tensor(shard, grads)
+            return 0.0
+        return step, lambda: 0.0  # holds no training state
+
+    return dict(zip(FLOORS, (local, collectives)))
 
 
 def measure_process(case: str, repeats: int, batch_size: int, sp: int = 1) -> dict:
@@ -340,19 +368,19 @@ def print_processes(repeats: int, threads: int | None, sp: int = 1, cases: tuple
         (single,) = run_processes(case, repeats, batch_size, 1, threads)
         multi = run_processes(case, repeats, batch_size, WORLD, 1, sp)
         with_sp = (*VARIANTS, *(f"{name}_sp{sp}" for name in VARIANTS)) if sp > 1 else tuple(VARIANTS)
-        for name in (*with_sp, "fsdp2", *KEEP_VARIANTS, "fsdp2_keep"):
-            if name.startswith("fsdp2"):  # the peer runs sharded only: its 1-process column repeats fvx's
+        for name in (*with_sp, "fsdp2", *KEEP_VARIANTS, "fsdp2_keep", *FLOORS):
+            if name.startswith("fsdp2") or name == "collectives":  # runs sharded only: 1-process column repeats fvx's
                 one = single["fvx"]
-            else:  # an SP or keep variant's 1-process column repeats its variant's (one process has neither)
-                one = single[name.split("_sp")[0].removesuffix("_keep")]
+            else:  # an SP, keep or local variant's 1-process column repeats its variant's (one process has none)
+                one = single[name.split("_sp")[0].removesuffix("_keep").removesuffix("_local")]
             peer = "fsdp2_keep" if name in KEEP_VARIANTS else "fsdp2"
             per_rank = [m[name] for m in multi]
             print(f"{case:10} {name:14} {batch_size:2d} {one['step_s'] * 1e3:7.1f} "
                   + " ".join(f"{r['step_s'] * 1e3:7.1f}" for r in per_rank)
                   + f" {one['peak_mb']:7.1f} " + " ".join(f"{r['peak_mb']:7.1f}" for r in per_rank)
                   + f" {one['state_mb']:8.2f} " + " ".join(f"{r['state_mb']:8.2f}" for r in per_rank)
-                  + f" {abs(per_rank[0]['loss0'] - one['loss0']):9.2e}"
-                  + ("" if name.startswith("fsdp2") else
+                  + (f" {'-':>9}" if name in FLOORS else f" {abs(per_rank[0]['loss0'] - one['loss0']):9.2e}")
+                  + ("" if name.startswith("fsdp2") or name == "collectives" else
                      f"   vs {peer} {per_rank[0]['step_s'] / multi[0][peer]['step_s']:.2f}x"))
 
 
