@@ -9,9 +9,9 @@ and :func:`checkpoint_view` strip it). The layout travels in the pytree node its
 mapped from a ``Shards`` carry it; DTensors appear only where the global view is needed (a checkpoint's full shapes).
 
 In use, a unit (the root, or one transformer block) gathers its params just before it runs, through an
-``autograd.Function`` over the functional collectives addressed by process-group *name* (compiled graphs hold no
-``DeviceMesh``): forward ``all_gather_into_tensor`` in the compute dtype (bf16 halves the traffic), backward
-``reduce_scatter_tensor`` in fp32 (then an ``all_reduce`` over the replicas under HSDP). Gradients come back averaged
+``autograd.Function`` over collectives addressed by process-group *name* (plain data, no ``DeviceMesh``): forward
+``all_gather_into_tensor`` in the compute dtype (bf16 halves the traffic), backward ``reduce_scatter_tensor`` in
+fp32 (then an ``all_reduce`` over the replicas under HSDP). Gradients come back averaged
 over the data-parallel ranks, so each rank's loss is the plain mean over its own (equal-sized) slice of the global
 batch, exactly as in one process. Under sequence parallelism (``make_mesh(sp=)``, ``fvx.sequence_parallel``) the
 ranks of an SP group hold the same samples and each contributes its tokens' part of their gradient: the sums still
@@ -445,12 +445,29 @@ class _Bucket(NamedTuple):
     group: tuple  # (shard name, shard size, replicate name, replicate size, data-parallel size)
 
 
-def _issue(bucket: _Bucket, xs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The all-gather of the flat buffer of ``xs`` (each in the compute dtype, sharded dim first), issued and not
-    waited on: ``[shard size * local numel]``, readable after ``_wait``."""
+class _InFlight(NamedTuple):
+    """An all-gather issued and not yet waited on: its output buffer and the collective's work handle."""
+
+    buffer: torch.Tensor
+    work: dist.Work
+
+
+def _issue(bucket: _Bucket, xs: Sequence[torch.Tensor]) -> _InFlight:
+    """The all-gather of the flat buffer of ``xs`` (each in the compute dtype, sharded dim first) into a
+    ``[shard size * local numel]`` buffer, issued and not waited on (:func:`_landed`). Through ``all_gather_single``,
+    not the functional ``all_gather_into_tensor``, whose gloo path corrupts the heap with several in flight (design
+    §3)."""
     shard_name, shard_size, *_ = bucket.group
     flat = torch.cat([_rows_first(x.to(bucket.dtype), spec).reshape(-1) for x, spec in zip(xs, bucket.specs)])
-    return torch.ops._c10d_functional.all_gather_into_tensor(flat, shard_size, shard_name)
+    buffer = flat.new_empty(shard_size * flat.numel())
+    group = dist.distributed_c10d._resolve_process_group(shard_name)
+    return _InFlight(buffer, dist.all_gather_single(buffer, flat, group=group, async_op=True))
+
+
+def _landed(gather: _InFlight) -> torch.Tensor:
+    """The output buffer of an issued all-gather, once it has arrived."""
+    gather.work.wait()
+    return gather.buffer
 
 
 def _cut(bucket: _Bucket, gathered: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -481,11 +498,11 @@ class _GatherBucket(torch.autograd.Function):
     divisor is the data-parallel size, not the number of ranks."""
 
     @staticmethod
-    def forward(ctx, bucket: _Bucket, issued: torch.Tensor | None, *xs):
+    def forward(ctx, bucket: _Bucket, issued: _InFlight | None, *xs):
         ctx.bucket, ctx.device = bucket, xs[0].device
         if bucket.group[1] == 1:  # replicas only: every rank holds the whole params already
             return tuple(x.to(bucket.dtype) for x in xs)
-        return _cut(bucket, _wait(_issue(bucket, xs) if issued is None else issued))
+        return _cut(bucket, _landed(_issue(bucket, xs) if issued is None else issued))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -524,9 +541,9 @@ def _rows_first(x: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
 
 class Issued(NamedTuple):
     """Gathers issued ahead of use (:func:`issue_gather`): per compute dtype the bucket plan, its param names and
-    the all-gathered flat buffer, not yet waited on."""
+    its all-gather in flight (None where the shard group is one rank)."""
 
-    buckets: tuple[tuple[_Bucket, tuple[str, ...], torch.Tensor | None], ...]
+    buckets: tuple[tuple[_Bucket, tuple[str, ...], _InFlight | None], ...]
 
 
 def _buckets(local: Mapping[str, torch.Tensor], layout: Layout, group: Group,
@@ -554,8 +571,8 @@ def regather(issued: Issued) -> Params:
     them after the forward reads)."""
     out: Params = {}
     with torch.no_grad():
-        for plan, names, flat in issued.buckets:
-            out.update(zip(names, _cut(plan, _wait(flat))))
+        for plan, names, gather in issued.buckets:
+            out.update(zip(names, _cut(plan, _landed(gather))))
     return out
 
 
@@ -569,8 +586,8 @@ def gather_params(local: Mapping[str, torch.Tensor], layout: Layout, group: Grou
     buckets = (issued.buckets if issued is not None else
                tuple((plan, names, None) for plan, names in _buckets(local, layout, group, compute_dtypes)))
     out: Params = {}
-    for plan, names, flat in buckets:
-        out.update(zip(names, _GatherBucket.apply(plan, flat, *(local[n] for n in names))))
+    for plan, names, gather in buckets:
+        out.update(zip(names, _GatherBucket.apply(plan, gather, *(local[n] for n in names))))
     return {name: out[name] for name in local}
 
 

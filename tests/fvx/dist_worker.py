@@ -148,8 +148,34 @@ def count_collectives(net, local, b) -> int:
     """Collectives one forward and backward issue (gathers and reduce-scatters, as the profiler sees them)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         grad.value_and_grad(lambda p: mse(sharded_forward(net, p, b), b["target"]))(local)
-    names = ("_c10d_functional::all_gather_into_tensor", "_c10d_functional::reduce_scatter_tensor")
+    names = ("c10d::_allgather_base_", "_c10d_functional::reduce_scatter_tensor")
     return sum(event.count for event in prof.key_averages() if event.key in names)
+
+
+IN_FLIGHT, GATHER_ROUNDS = 3, 20
+
+
+def many_in_flight(mesh) -> bool:
+    """Whether gathers of params of many sizes (up to 600k elements), issued IN_FLIGHT at a time with compute in
+    between, in fp32 and bf16, for GATHER_ROUNDS rounds of 32 each give back the full param."""
+    sizes = torch.randint(1, 300_000, (32,), generator=torch.Generator().manual_seed(3)).tolist()
+    full = {f"p{i}": torch.arange(2 * n, dtype=torch.float32).reshape(2, n) / n for i, n in enumerate(sizes)}
+    local, group = sharding.shard(full, mesh), sharding.group_of(mesh)
+
+    def landed(name, dtype, issued) -> bool:
+        return torch.equal(sharding.regather(issued)[name], full[name] if dtype is None else full[name].to(dtype))
+
+    ok = True
+    for _ in range(GATHER_ROUNDS):
+        pending = []
+        for i, name in enumerate(full):
+            dtype = torch.bfloat16 if i % 3 == 0 else None
+            pending.append((name, dtype, sharding.issue_gather({name: local[name]}, local.layout, group, dtype)))
+            torch.randn(128, 128) @ torch.randn(128, 128)
+            if len(pending) > IN_FLIGHT:
+                ok &= landed(*pending.pop(0))
+        ok &= all([landed(*p) for p in pending])
+    return ok
 
 
 def core(out_dir: str, d) -> dict:
@@ -164,6 +190,7 @@ def core(out_dir: str, d) -> dict:
     results["layout"] = layout
     results["local_bytes"] = sharding.local_bytes(local)
     results["local_shapes_equal"] = all(tuple(v.shape) == layout[n].local_shape(2) for n, v in local.items())
+    results["many_in_flight"] = many_in_flight(mesh)
     for remat, mode, reshard in ((False, "none", True), (False, "none", False), (True, "none", True),
                                  (False, "blocks", True), (False, "blocks", False)):
         key = f"remat{remat}_{mode}_reshard{reshard}"

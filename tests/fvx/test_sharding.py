@@ -176,6 +176,12 @@ def test_two_process_grads_equal_one_process(run2, reference, key):
 
 
 @pytest.mark.slow
+def test_two_process_many_gathers_in_flight_give_the_full_params(run2):
+    results, _ = run2
+    assert results["many_in_flight"]
+
+
+@pytest.mark.slow
 def test_two_process_shards_are_even_halves_and_compile_one_block_graph(run2, reference):
     results, _ = run2
     full_bytes = sum(p.numel() * p.element_size() for p in reference["params"].values())
