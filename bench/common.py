@@ -1,7 +1,9 @@
-"""Measurement helpers shared by the benchmarks: peak memory of a step, medians of alternating timings."""
+"""Measurement helpers shared by the benchmarks: peak memory of a step, medians of alternating timings, a free
+port for the ranks a benchmark launches."""
 from __future__ import annotations
 
 import resource
+import socket
 import statistics
 import time
 from typing import Callable
@@ -50,3 +52,10 @@ def alternate(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 
         for name, fn in fns.items():
             times[name].append(timed(fn, sync))
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that no one listens on now (MASTER_PORT for launched ranks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

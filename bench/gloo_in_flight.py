@@ -12,13 +12,15 @@ import argparse
 import datetime
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import free_port  # noqa: E402
 
 OPS_PER_ROUND = 64
 
@@ -43,12 +45,13 @@ def rank_main(api: str, rounds: int, in_flight: int) -> None:
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     sizes = torch.randint(1, 300_000, (OPS_PER_ROUND,), generator=torch.Generator().manual_seed(0)).tolist()
+    operand = torch.linspace(-1, 1, 200 * 200).reshape(200, 200)  # the compute between issues
     for done in range(rounds):
         pending = []
         for i, n in enumerate(sizes):
             x = torch.full((n,), float(rank + i), dtype=torch.bfloat16 if i % 3 == 0 else torch.float32)
             pending.append((i, issue(api, x, world)))
-            torch.randn(200, 200) @ torch.randn(200, 200)
+            operand @ operand
             while len(pending) > in_flight or (i == len(sizes) - 1 and pending):
                 j, p = pending.pop(0)
                 out = wait(api, p).view(world, -1)
@@ -60,9 +63,7 @@ def rank_main(api: str, rounds: int, in_flight: int) -> None:
 
 def launch(api: str, rounds: int, in_flight: int) -> tuple[str, int, float]:
     """(outcome, rounds rank 0 finished, seconds) of 2 ranks of this script."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     start, procs = time.perf_counter(), []
     for rank in range(2):
         env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "MASTER_ADDR": "127.0.0.1",

@@ -48,7 +48,6 @@ import gc
 import importlib.util
 import os
 import pathlib
-import socket
 import statistics
 import sys
 import time
@@ -63,6 +62,7 @@ import torch.distributed as dist  # noqa: E402
 from diffusers import WanTransformer3DModel  # noqa: E402
 
 from bench import flops  # noqa: E402
+from bench.common import free_port  # noqa: E402
 from fvx import grad, memory, optim, role, sharding  # noqa: E402
 from fvx_models import wan  # noqa: E402
 from fvx_models.family import Preset  # noqa: E402
@@ -126,12 +126,6 @@ class Case(NamedTuple):
 def log(ctx: Ctx, message: str) -> None:
     if ctx.rank == 0:
         print(f"[{time.perf_counter() - ctx.start:6.1f} s] {message}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_processes(args, start: float) -> Ctx:

@@ -33,13 +33,12 @@ import gc
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 sys.path.insert(1, str(pathlib.Path(__file__).resolve().parents[1]))  # the repository root: fvx, fvx_models, ...
-from common import alternate, current_rss_bytes, peak_rss_bytes, reset_peak_rss  # noqa: E402
+from common import alternate, current_rss_bytes, free_port, peak_rss_bytes, reset_peak_rss  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -322,12 +321,6 @@ def measure_process(case: str, repeats: int, batch_size: int, sp: int = 1) -> di
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_processes(case: str, repeats: int, batch_size: int, world: int, threads: int | None, sp: int = 1
                   ) -> list[dict]:
     """:func:`measure_process` in ``world`` fresh processes (gloo when more than one), each rank's result."""
@@ -336,7 +329,7 @@ def run_processes(case: str, repeats: int, batch_size: int, world: int, threads:
     if threads:
         cmd += ["--threads", str(threads)]
     env = {key: value for key, value in os.environ.items() if key not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         rank_env = env if world == 1 else {**env, "WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank),

@@ -156,11 +156,13 @@ IN_FLIGHT, GATHER_ROUNDS = 3, 20
 
 
 def many_in_flight(mesh) -> bool:
-    """Whether gathers of params of many sizes (up to 600k elements), issued IN_FLIGHT at a time with compute in
-    between, in fp32 and bf16, for GATHER_ROUNDS rounds of 32 each give back the full param."""
+    """Whether gathers of params of many sizes (up to 600k elements), in fp32 and bf16, with compute between issues
+    and the oldest waited on once more than IN_FLIGHT are pending, for GATHER_ROUNDS rounds of 32, each give back the
+    full param."""
     sizes = torch.randint(1, 300_000, (32,), generator=torch.Generator().manual_seed(3)).tolist()
     full = {f"p{i}": torch.arange(2 * n, dtype=torch.float32).reshape(2, n) / n for i, n in enumerate(sizes)}
     local, group = sharding.shard(full, mesh), sharding.group_of(mesh)
+    operand = torch.linspace(-1, 1, 128 * 128).reshape(128, 128)  # the compute between issues
 
     def landed(name, dtype, issued) -> bool:
         return torch.equal(sharding.regather(issued)[name], full[name] if dtype is None else full[name].to(dtype))
@@ -171,7 +173,7 @@ def many_in_flight(mesh) -> bool:
         for i, name in enumerate(full):
             dtype = torch.bfloat16 if i % 3 == 0 else None
             pending.append((name, dtype, sharding.issue_gather({name: local[name]}, local.layout, group, dtype)))
-            torch.randn(128, 128) @ torch.randn(128, 128)
+            operand @ operand
             if len(pending) > IN_FLIGHT:
                 ok &= landed(*pending.pop(0))
         ok &= all([landed(*p) for p in pending])
