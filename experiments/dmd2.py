@@ -75,7 +75,9 @@ def wan21_t2v_1p3b() -> DMD2Wan:
     [1000, 750, 500, 250], the student updated every 5th step, teacher guidance 4.5 (fvx's ``uncond + g (cond -
     uncond)``; the legacy ``w`` would say 3.5), score timesteps shifted by 8; AdamW lr 2e-6 (student) and 8e-6
     (critic), betas (0, 0.999), weight decay 0.01, constant, clip 1; EMA 0.98 from the start; global batch 4 (4 ranks
-    of 1), 20 latent frames of 448x832; checkpoints every 20 steps, the newest 3 kept; validation every 50 steps."""
+    of 1), 20 latent frames of 448x832; checkpoints every 20 steps, the newest 3 kept; validation every 50 steps, the
+    student's 4 steps converting with the shift-8 grid's levels as FastVideo's DMD validation stage (``sampling_shift``;
+    its rollout trains on the models' shift-3 grid)."""
     wan = WanConfig(preset="wan2.1-t2v-1.3b", path="models/Wan2.1-T2V-1.3B-Diffusers", compute_dtype="bf16",
                     remat=True, compile="blocks")
     adamw = AdamWConfig(lr=2e-6, betas=(0.0, 0.999), weight_decay=0.01, max_grad_norm=1.0, schedule="constant")
@@ -89,5 +91,6 @@ def wan21_t2v_1p3b() -> DMD2Wan:
         method=DMD2(rollout_mode="simulate", denoising_steps=(1000, 750, 500, 250), generator_update_interval=5,
                     guidance_scale=4.5, timestep_shift=8.0, flow_shift=3.0, cfg_uncond="negative_prompt",
                     negative_prompt_path="data/wan21_negative_prompt.safetensors", optim=adamw,
-                    critic_optim=msgspec.structs.replace(adamw, lr=8e-6), ema_decay=0.98, ema_start_step=0),
+                    critic_optim=msgspec.structs.replace(adamw, lr=8e-6), ema_decay=0.98, ema_start_step=0,
+                    sampling_shift=8.0),
     )

@@ -8,9 +8,10 @@ first prompt's bars green, and `validation/model/nearest_mse` (distance to the n
     python -m fvx.run experiments/finetune_wan_lora.py
     python -m fvx.run export runs/finetune_wan_lora --lora --format peft --out runs/lora     # diffusers/PEFT file
     python -m fvx.run export runs/finetune_wan_lora --lora --format comfyui --out runs/lora_comfyui
-FastVideo's recipe is `wan21_t2v_1p3b` (Wan 2.1 T2V 1.3B); point its paths at local folders:
-    torchrun --nproc-per-node 8 -m fvx.run experiments/finetune_wan_lora.py:wan21_t2v_1p3b \
-        models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers data.path=/data/my_dataset/combined_parquet_dataset
+FastVideo's recipe is `wan21_t2v_1p3b` (Wan 2.1 T2V 1.3B, one GPU); point its paths at local folders:
+    python -m fvx.run experiments/finetune_wan_lora.py:wan21_t2v_1p3b \
+        models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers \
+        data.path=/data/crush-smol_processed_t2v/combined_parquet_dataset
 """
 import msgspec
 
@@ -49,16 +50,23 @@ config = FinetuneWanLoRA(
 
 @recipe
 def wan21_t2v_1p3b() -> FinetuneWanLoRA:
-    """FastVideo's t2v_lora.yaml on Wan 2.1 T2V 1.3B: LoRA r 16, alpha 32 on to_q, to_k, to_v, to_out, the base in
-    bf16; otherwise fine_tuning/wan/t2v.yaml (global batch 8, 20 latent frames, clip 1, validation every 100 steps
-    at guidance 5), with AdamW lr 1e-4 and no weight decay on the adapters."""
+    """FastVideo's fine_tuning/wan/t2v_lora.yaml (its debug run on crush-smol): Wan 2.1 T2V 1.3B with LoRA r 16,
+    alpha 32 on to_q, to_k, to_v, to_out (the base frozen in bf16), full remat, flow shift 3; AdamW on the adapters,
+    lr 1e-5, betas (0.9, 0.999), weight decay 0.01, constant, no warmup, clip 1; one rank of train_batch_size 1 with
+    5 gradient-accumulation steps: global batch 5 per optimizer step (``data.batch_size`` 5, ``method.grad_accum``
+    5: micro-batches of one sample), seed 42, 20 latent frames of 480x832, no CFG dropout; 10 steps, checkpoints
+    every 5 (the newest 2 kept); validation off (the YAML's every_steps 0; 5 steps at guidance 5 when turned on with
+    ``validation.every``). FastVideo also logs to W&B project fastvideo (``run.wandb.project=fastvideo
+    run.wandb.name=wan_t2v_lora_debug``, needs wandb); its 2 data workers have no fvx knob."""
     return FinetuneWanLoRA(
-        run=RunConfig(seed=1000, steps=4000, output_dir="outputs/wan_lora",
-                      checkpoint=CheckpointConfig(every=100, keep_latest=3)),
-        data=DataConfig(path="data/preprocessed", batch_size=8, text_len=512, cfg_rate=0.0, num_latent_t=20),
+        run=RunConfig(seed=42, steps=10, output_dir="outputs/wan_t2v_lora_debug",
+                      checkpoint=CheckpointConfig(every=5, keep_latest=2)),
+        data=DataConfig(path="data/crush-smol_processed_t2v/combined_parquet_dataset", batch_size=5, text_len=512,
+                        cfg_rate=0.0, num_latent_t=20),
         models={"student": WanConfig(preset="wan2.1-t2v-1.3b", path="models/Wan2.1-T2V-1.3B-Diffusers",
                                      compute_dtype="bf16", remat=True, lora=T2V_LORA)},
-        validation=ValidationConfig(every=100, num_prompts=4, num_steps=50, flow_shift=3.0, guidance_scale=5.0),
-        method=Finetune(optim=AdamWConfig(lr=1e-4, weight_decay=0.0, max_grad_norm=1.0, schedule="constant"),
-                        flow_shift=3.0),
+        validation=ValidationConfig(every=0, num_steps=5, flow_shift=3.0, guidance_scale=5.0),
+        method=Finetune(optim=AdamWConfig(lr=1e-5, betas=(0.9, 0.999), weight_decay=0.01, max_grad_norm=1.0,
+                                          schedule="constant", warmup_steps=0),
+                        flow_shift=3.0, grad_accum=5),
     )

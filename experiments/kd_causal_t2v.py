@@ -13,12 +13,12 @@ Validation samples the student as it runs, block by block on its KV cache, on t_
 `hit_rate` and `prompt_match` show the student learning to make and continue the teacher's clips block by block.
 The teacher is the bidirectional Wan (`WanConfig`), the student its block-causal form (`WanCausalConfig`, the same
 weights). FastVideo's recipe is the recipe
-`wan21_t2v_1p3b` (a causal Wan 2.1 T2V 1.3B student in blocks of 3 latent frames from the bidirectional 1.3B
-weights, a 14B teacher, 2 ranks of batch 1); point its paths at local folders, the same in both commands:
+`wan21_t2v_1p3b` (a causal Wan 2.1 T2V 1.3B student in blocks of 3 latent frames from Self-Forcing's causal 1.3B
+weights, a 14B teacher, 8 ranks of batch 2); point its paths at local folders, the same in both commands:
     python -m fvx_methods.trajectory_cache experiments/kd_causal_t2v.py:wan21_t2v_1p3b \
         models.teacher.path=/models/Wan2.1-T2V-14B-Diffusers data.path=/data/Wan-Syn_77x448x832_600k
-    torchrun --nproc-per-node 2 -m fvx.run experiments/kd_causal_t2v.py:wan21_t2v_1p3b \
-        models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers models.teacher.path=/models/Wan2.1-T2V-14B-Diffusers \
+    torchrun --nproc-per-node 8 -m fvx.run experiments/kd_causal_t2v.py:wan21_t2v_1p3b \
+        models.student.path=/models/SFWan2.1-T2V-1.3B-Diffusers models.teacher.path=/models/Wan2.1-T2V-14B-Diffusers \
         data.path=/data/Wan-Syn_77x448x832_600k
 """
 import msgspec
@@ -62,23 +62,29 @@ config = KDWanCausal(
 @recipe
 def wan21_t2v_1p3b() -> KDWanCausal:
     """FastVideo's knowledge_distillation/wan/causal_t2v.yaml: a causal Wan 2.1 T2V 1.3B student (blocks of 3 latent
-    frames, global attention, no sink) from the bidirectional 1.3B weights, distilled from the Wan 2.1 T2V 14B
-    teacher's 48-step ODE trajectories (frozen, bf16; only the cache command loads it), t_list [999, 937, 833, 624,
-    0], one index per block; teacher guidance 1 (FastVideo parses its teacher_guidance_scale but never applies it);
-    AdamW lr 7e-5, betas (0.9, 0.999), weight decay 0.01, constant, clip 1; global batch 2 (2 ranks of 1), 21 latent
-    frames (7 blocks) of 448x832; checkpoints every 100 steps, the newest 3 kept; validation every 100 steps. The
-    flow shift is not in the spec of the recipe: Wan T2V's 3."""
+    frames, global attention, no sink, full remat) starting from Self-Forcing's causal weights
+    (wlsaidhi/SFWan2.1-T2V-1.3B-Diffusers), distilled from the Wan 2.1 T2V 14B teacher's 48-step ODE trajectories
+    (frozen, bf16; only the cache command loads it) on the grid shifted by pipeline.flow_shift 5, t_list [999, 937,
+    833, 624, 0], one index per block; AdamW lr 7e-5, betas (0.9, 0.999), weight decay 0.0, constant, no warmup,
+    clip 1; global batch 16 (train_batch_size 2 on each of 8 ranks, no accumulation), seed 1000, 448x832, no CFG
+    dropout; 10000 steps, checkpoints every 1000 (the newest 3 kept); no validation (the YAML has none). Teacher
+    guidance 1: the YAML's 3.5 is parsed but never applied by FastVideo. One departure: FastVideo's 20 latent
+    frames are 6 blocks of 3 and a short last block of 2, which fvx refuses (docs/design.md, block-causal Wan), so
+    the recipe trains on the first 18 (6 whole blocks); its cache is therefore its own (FastVideo shares the t2v
+    recipe's 20-frame cache). FastVideo also logs to W&B project kd-wan (``run.wandb.project=kd-wan
+    run.wandb.name=wan2.1_causal_kd_ode_init``, needs wandb); its 4 data workers have no fvx knob."""
     return KDWanCausal(
-        run=RunConfig(seed=1000, steps=3000, output_dir="outputs/wan_kd_causal_t2v",
-                      checkpoint=CheckpointConfig(every=100, keep_latest=3)),
-        data=DataConfig(path="data/Wan-Syn_77x448x832_600k", batch_size=2, text_len=512, num_latent_t=21),
-        models={"student": WanCausalConfig(preset="wan2.1-t2v-1.3b", path="models/Wan2.1-T2V-1.3B-Diffusers",
+        run=RunConfig(seed=1000, steps=10000, output_dir="outputs/wan2.1_causal_kd_ode_init",
+                      checkpoint=CheckpointConfig(every=1000, keep_latest=3)),
+        data=DataConfig(path="data/Wan-Syn_77x448x832_600k", batch_size=16, text_len=512, cfg_rate=0.0,
+                        num_latent_t=18),
+        models={"student": WanCausalConfig(preset="wan2.1-t2v-1.3b", path="models/SFWan2.1-T2V-1.3B-Diffusers",
                                            num_frames_per_block=3, compute_dtype="bf16", remat=True),
                 "teacher": WanConfig(preset="wan2.1-t2v-14b", path="models/Wan2.1-T2V-14B-Diffusers",
                                      compute_dtype="bf16")},
-        validation=ValidationConfig(every=100, num_prompts=4),
-        method=KDCausal(t_list=T_LIST, cache="outputs/wan_kd_causal_t2v_cache", num_frames_per_block=3,
-                        teacher_steps=48, flow_shift=3.0, teacher_guidance_scale=1.0,
-                        optim=AdamWConfig(lr=7e-5, betas=(0.9, 0.999), weight_decay=0.01, max_grad_norm=1.0,
-                                          schedule="constant")),
+        validation=ValidationConfig(every=0),
+        method=KDCausal(t_list=T_LIST, cache="data/kd_cache/wan14b_4step_18frames", num_frames_per_block=3,
+                        teacher_steps=48, flow_shift=5.0, teacher_guidance_scale=1.0,
+                        optim=AdamWConfig(lr=7e-5, betas=(0.9, 0.999), weight_decay=0.0, max_grad_norm=1.0,
+                                          schedule="constant", warmup_steps=0)),
     )

@@ -13,11 +13,11 @@ The student starts as a copy of the teacher, whose one-step samples are a blur (
 one-step samples become sharp bars (`hit_rate` 0.5, as the teacher's own many-step samples) and `nearest_mse` falls.
 On this toy the teacher's own 4-step samples are already as good as its ODE's, so a 4-step student has nothing to
 show; `method.t_list=[999,937,833,624,0]` (with a cache built for it) is FastVideo's. Its recipe is the recipe
-`wan21_t2v_1p3b` (a Wan 2.1 T2V 1.3B student, a 14B teacher, 2 ranks of batch 1); point its paths at local folders,
+`wan21_t2v_1p3b` (a Wan 2.1 T2V 1.3B student, a 14B teacher, 8 ranks of batch 2); point its paths at local folders,
 the same in both commands (the run checks that the cache is its teacher's, on its data):
     python -m fvx_methods.trajectory_cache experiments/kd_t2v.py:wan21_t2v_1p3b \
         models.teacher.path=/models/Wan2.1-T2V-14B-Diffusers data.path=/data/Wan-Syn_77x448x832_600k
-    torchrun --nproc-per-node 2 -m fvx.run experiments/kd_t2v.py:wan21_t2v_1p3b \
+    torchrun --nproc-per-node 8 -m fvx.run experiments/kd_t2v.py:wan21_t2v_1p3b \
         models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers models.teacher.path=/models/Wan2.1-T2V-14B-Diffusers \
         data.path=/data/Wan-Syn_77x448x832_600k
 The cache command also runs under torchrun, each rank building its share of the samples.
@@ -60,23 +60,28 @@ config = KDWan(
 
 @recipe
 def wan21_t2v_1p3b() -> KDWan:
-    """FastVideo's knowledge_distillation/wan/t2v.yaml: a Wan 2.1 T2V 1.3B student distilled from the Wan 2.1 T2V
-    14B teacher's 48-step ODE trajectories (frozen, bf16; only the cache command loads it), t_list [999, 937, 833,
-    624, 0], teacher guidance 1 (FastVideo parses its teacher_guidance_scale but never applies it); AdamW lr 7e-5,
-    betas (0.9, 0.999), weight decay 0.01, constant, clip 1; global batch 2 (2 ranks of 1), 20 latent frames of
-    448x832; checkpoints every 100 steps, the newest 3 kept; validation every 100 steps. The flow shift is not in the
-    spec of the recipe: Wan T2V's 3."""
+    """FastVideo's knowledge_distillation/wan/t2v.yaml: a Wan 2.1 T2V 1.3B student (full remat) distilled from the
+    Wan 2.1 T2V 14B teacher's 48-step ODE trajectories (frozen, bf16; only the cache command loads it) on the grid
+    shifted by pipeline.flow_shift 5, t_list [999, 937, 833, 624, 0]; AdamW lr 7e-5, betas (0.9, 0.999), weight
+    decay 0.0, constant, no warmup, clip 1; global batch 16 (train_batch_size 2 on each of 8 ranks, no
+    accumulation), seed 1000, 20 latent frames of 448x832, no CFG dropout; 10000 steps, checkpoints every 1000 (the
+    newest 3 kept); no validation (the YAML has no validation callback). Teacher guidance 1: the YAML's
+    teacher_guidance_scale 3.5 is parsed but never applied by FastVideo (its rollout calls the teacher
+    conditionally only), and fvx applies the knob, so 1 reproduces FastVideo's cache. FastVideo also logs to W&B
+    project kd-wan (``run.wandb.project=kd-wan run.wandb.name=wan2.1_kd_ode_init``, needs wandb); its 4 data
+    workers have no fvx knob (``data.prefetch`` reads ahead in a thread)."""
     return KDWan(
-        run=RunConfig(seed=1000, steps=3000, output_dir="outputs/wan_kd_t2v",
-                      checkpoint=CheckpointConfig(every=100, keep_latest=3)),
-        data=DataConfig(path="data/Wan-Syn_77x448x832_600k", batch_size=2, text_len=512, num_latent_t=20),
+        run=RunConfig(seed=1000, steps=10000, output_dir="outputs/wan2.1_kd_ode_init",
+                      checkpoint=CheckpointConfig(every=1000, keep_latest=3)),
+        data=DataConfig(path="data/Wan-Syn_77x448x832_600k", batch_size=16, text_len=512, cfg_rate=0.0,
+                        num_latent_t=20),
         models={"student": WanConfig(preset="wan2.1-t2v-1.3b", path="models/Wan2.1-T2V-1.3B-Diffusers",
                                      compute_dtype="bf16", remat=True, compile="blocks"),
                 "teacher": WanConfig(preset="wan2.1-t2v-14b", path="models/Wan2.1-T2V-14B-Diffusers",
                                      compute_dtype="bf16", compile="blocks")},
-        validation=ValidationConfig(every=100, num_prompts=4),
-        method=KD(t_list=T_LIST, cache="outputs/wan_kd_t2v_cache", teacher_steps=48, flow_shift=3.0,
+        validation=ValidationConfig(every=0),
+        method=KD(t_list=T_LIST, cache="data/kd_cache/wan14b_4step", teacher_steps=48, flow_shift=5.0,
                   teacher_guidance_scale=1.0,
-                  optim=AdamWConfig(lr=7e-5, betas=(0.9, 0.999), weight_decay=0.01, max_grad_norm=1.0,
-                                    schedule="constant")),
+                  optim=AdamWConfig(lr=7e-5, betas=(0.9, 0.999), weight_decay=0.0, max_grad_norm=1.0,
+                                    schedule="constant", warmup_steps=0)),
     )

@@ -97,9 +97,9 @@ class SyntheticConfig(Config):
 class DataConfig(Config):
     """Where the data comes from and how it is batched.
 
-    ``path``: a parquet file, or a folder searched recursively for ``*.parquet`` (sorted by path); None = the toy video
-    world ``world`` when set (``fvx.world``: shapes moving as the prompt says, latents a codec decodes exactly), else
-    ``synthetic`` (Gaussian noise latents).
+    ``path``: a parquet file, or a folder searched recursively for ``*.parquet`` (in FastVideo's order: sorted by
+    real-path string); None = the toy video world ``world`` when set (``fvx.world``: shapes moving as the prompt
+    says, latents a codec decodes exactly), else ``synthetic`` (Gaussian noise latents).
     ``batch_size`` is global (summed over ranks). ``text_len`` is the length text embeddings are padded or cropped to.
     ``cfg_rate``: the fraction of samples whose text embedding is zeroed (fixed per dataset index, as FastVideo).
     ``num_latent_t``: keep the first ``num_latent_t`` latent frames of every sample (FastVideo's
@@ -234,13 +234,21 @@ class ParquetDataset:
 
 
 def find_parquet_files(path: str | os.PathLike) -> list[pathlib.Path]:
-    """``path`` itself if it is a file, else every ``*.parquet`` below the folder, sorted by path."""
+    """``path`` itself if it is a file, else every ``*.parquet`` below the folder in FastVideo's order.
+
+    FastVideo (``get_parquet_files_and_length`` in ``fastvideo/dataset/parquet_dataset_map_style.py``) walks the
+    folder with ``os.walk`` (symlinked folders not followed), takes every name ending in ``.parquet``, and sorts the
+    files by their ``os.path.realpath`` *strings*, not folder by folder: ``a-b/x.parquet < a.parquet < a/y.parquet``
+    ('-' < '.' < '/'). Sample indices count rows in that order, so fvx sorts by the same key.
+    """
     root = pathlib.Path(path)
     if root.is_file():
         return [root]
     if not root.exists():
         raise ValueError(f"data path {str(root)!r} does not exist")
-    files = sorted(p for p in root.rglob("*.parquet") if p.is_file())
+    found = [pathlib.Path(folder, name) for folder, _, names in os.walk(root) for name in names
+             if name.endswith(".parquet")]
+    files = sorted(found, key=lambda file: os.path.realpath(file))
     if not files:
         raise ValueError(f"data path {str(root)!r} holds no *.parquet files")
     return files

@@ -224,18 +224,28 @@ def euler_sample(apply_fn: ApplyFn, params: Any, noise: torch.Tensor, sigmas: Se
 
 
 def sde_sample(apply_fn: ApplyFn, params: Any, noise: torch.Tensor, sigmas: Sequence[float] | torch.Tensor,
-               key: torch.Tensor, *, cond: Any = None) -> torch.Tensor:
+               key: torch.Tensor, *, cond: Any = None,
+               timesteps: Sequence[float] | torch.Tensor | None = None) -> torch.Tensor:
     """Few-step sampling by re-noising: at each level predict ``x0 = x - sigma v``, then draw fresh noise
     ``eps_i`` and move to the next level, ``x <- (1 - sigma_next) x0 + sigma_next eps_i``; returns the last ``x0``.
 
     ``eps_i`` is ``normal(fold_in(key, i))``; ``key`` is ``[2]`` for the batch or ``[B, 2]`` one per sample.
-    ``apply_fn``, ``cond``, ``sigmas`` and dtypes as in ``euler_sample``.
+    ``apply_fn``, ``cond``, ``sigmas`` and dtypes as in ``euler_sample``. ``timesteps`` (one per entry of
+    ``sigmas``): the model's timestep at each level instead of ``1000 sigma``, for schedules that call the model at a
+    timestep and convert with the grid level nearest it (FastVideo's few-step DMD sampler; ``nearest_grid_sigma``).
     """
     levels = _schedule(sigmas, noise.device)
     x = noise.to(_compute_dtype(noise.dtype))
     n = levels.shape[0] - 1
+    model_t = None
+    if timesteps is not None:
+        model_t = torch.as_tensor(timesteps, dtype=torch.float32).detach().to(noise.device)
+        if model_t.ndim != 1 or model_t.shape[0] != len(sigmas):
+            raise ValueError(f"timesteps must give one timestep per level of sigmas ({len(sigmas)}), got shape "
+                             f"{tuple(model_t.shape)}")
     for i in range(n):
-        v = apply_fn(params, x, _timesteps(levels[i], x), cond)
+        t = _timesteps(levels[i], x) if model_t is None else model_t[i].expand(x.shape[0])
+        v = apply_fn(params, x, t, cond)
         x0 = x - levels[i] * v.to(x.dtype)
         if i == n - 1:
             x = x0

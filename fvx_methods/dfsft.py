@@ -218,8 +218,9 @@ def check_batch(batch: Batch, model: Model, config: DFSFT) -> None:
         chunk, rest = config.chunk_size, frames % config.chunk_size
         fix = f"data.num_latent_t = {frames - rest}" if frames > chunk else f"clips of {chunk} latent frames or more"
         raise ValueError(f"batch latents have {frames} latent frames, not a whole number of method.chunk_size = "
-                         f"{chunk} frames: FastVideo would make block 0 the frames [0, {min(chunk + rest, frames)}) "
-                         f"with the remainder, fvx requires frames % chunk_size == 0 (e.g. {fix})")
+                         f"{chunk} frames: FastVideo's training mask would end on a short block, frames "
+                         f"[{frames - rest}, {frames}) (its Self-Forcing rollout puts the remainder first, its causal "
+                         f"sampler refuses it), fvx requires frames % chunk_size == 0 (e.g. {fix})")
     if len(batch["sample_index"]) % config.grad_accum:
         raise ValueError(f"method.grad_accum = {config.grad_accum} does not divide a rank's batch of "
                          f"{len(batch['sample_index'])} samples")

@@ -166,6 +166,9 @@ class DMD2(Config, tag="dmd2"):
     optim / critic_optim: each trainable role's AdamW and schedule; grad_accum: micro-batches per step.
     latent_shape: ``(C, T, H, W)`` of the samples when the batch has no latents.
     ema_decay / ema_start_step: the student's EMA (None or 0: none); validate_teacher: also sample the teacher.
+    sampling_shift: the shift of the grid whose levels the student's few-step sampling (validation, the export's
+        record) converts with; None: ``flow_shift``, the grid the rollout trains on. FastVideo's DMD validation and
+        inference stage uses 8 whatever its shifts (:func:`student_schedule`).
     """
 
     roles: DMD2Roles = DMD2Roles()
@@ -187,6 +190,7 @@ class DMD2(Config, tag="dmd2"):
     ema_decay: float | None = None
     ema_start_step: Annotated[int, msgspec.Meta(ge=0)] = 0
     validate_teacher: bool = False
+    sampling_shift: Positive | None = None
 
     def __post_init__(self) -> None:
         steps = self.denoising_steps
@@ -210,9 +214,12 @@ class DMD2(Config, tag="dmd2"):
                         self.guidance_scale, self.cfg_uncond)
 
     def sampling(self, role: str) -> dict | None:
-        """How a role is sampled as trained (recorded on export): the student with its few-step SDE, unguided."""
-        steps = dm.denoising_timesteps(self.denoising_steps, self.warp_denoising_step, self.flow_shift)
-        return {"timesteps": steps.tolist(), "sampler": "sde (x0, re-noised)"} if role == STUDENT else None
+        """How a role is sampled as trained (recorded on export): the student with its few-step SDE, unguided, as
+        validation samples it (:func:`student_schedule`: the model at each timestep, the grid sigma nearest it)."""
+        if role != STUDENT:
+            return None
+        steps, sigmas = student_schedule(self)
+        return {"timesteps": steps.tolist(), "sigmas": sigmas.tolist(), "sampler": "sde (x0, re-noised)"}
 
     def build(self, models: Mapping[str, Model], *, total_steps: int, mesh: Any = None,
               before_update: role.BeforeUpdate | None = None) -> Program:
@@ -287,14 +294,33 @@ def check_batch(batch: Batch, model: Model, config: DMD2, negative: Cond | None 
         model.uncond(batch["cond"], config.cfg_uncond, negative)  # a negative prompt is there when needed
 
 
+def student_schedule(config: DMD2) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(timesteps [K], sigmas [K])`` of the student's few-step sampling: the model is called at each denoising
+    timestep ``s_k`` and converts with the level nearest it of the grid at ``sampling_shift`` (default
+    ``flow_shift``), ``nearest_grid_sigma(training_sigmas(shift), s_k)``: with the default, as the rollout trains
+    it; with 8, as FastVideo's ``DmdDenoisingStage`` samples (its scheduler at a fixed shift 8)."""
+    steps = dm.denoising_timesteps(config.denoising_steps, config.warp_denoising_step, config.flow_shift)
+    shift = config.flow_shift if config.sampling_shift is None else config.sampling_shift
+    return steps, flow.nearest_grid_sigma(flow.training_sigmas(shift), steps)
+
+
+def few_step_draw(apply_fn: Any, steps: torch.Tensor, sigmas: torch.Tensor) -> Any:
+    """``draw(params, noise, cond, key, guidance=None)`` for ``validation.Sampler``: ``flow.sde_sample`` on
+    ``sigmas`` with the model at ``steps`` (unguided: ``guidance`` is unused)."""
+    def draw(params: Any, noise: torch.Tensor, cond: Any, key: torch.Tensor, guidance: Any = None) -> torch.Tensor:
+        return flow.sde_sample(apply_fn, params, noise, sigmas, key, cond=cond, timesteps=steps)
+    return draw
+
+
 def validate(state: TrainState, validation_config: Any, *, roles: Roles, config: DMD2, frozen: Mapping[str, Params],
              negative: Cond | None = None) -> list[validation.Sampler]:
-    """The student (its EMA when kept), few-step SDE, unguided; ``validate_teacher``: the guided many-step teacher."""
+    """The student (its EMA when kept), few-step SDE on :func:`student_schedule`, unguided; ``validate_teacher``:
+    the guided many-step teacher."""
     student, teacher = state.roles[STUDENT], frozen[TEACHER]
-    steps = dm.denoising_timesteps(config.denoising_steps, config.warp_denoising_step, config.flow_shift)
+    steps, sigmas = student_schedule(config)
     params = role.with_trained(frozen.get(STUDENT), student.params if student.ema is None else student.ema)
     samplers = [validation.Sampler("student" if student.ema is None else "student_ema", roles.student.apply,
-                                   params, steps / flow.NUM_TRAIN_TIMESTEPS, "sde")]
+                                   params, sigmas, "sde", draw=few_step_draw(roles.student.apply, steps, sigmas))]
     if config.validate_teacher:
         guided = validation.guided(roles.teacher.apply,
                                    lambda cond: roles.teacher.uncond(cond, config.cfg_uncond, negative),

@@ -6,14 +6,22 @@ The data is the teacher's trajectory cache (``fvx_methods.trajectory_cache``, bu
 the run reads it instead of the experiment's data): per sample the states ``x_{t_k}`` at ``t_list[k]``, ``k < K``
 (``K = len(t_list) - 1``), and the end ``x0*``, in the model's latent scale, with the sample's cond. Per sample ``b``
 of the global batch, ``k ~ randint[0, K)`` from ``fold_in(step_key, global_sample_index)``, ``t = t_list[k]``,
-``sigma = t / 1000``, ``v = student(x_{t_k}, t)``, ``x0_hat = x_{t_k} - sigma v``, and
+``sigma = t / 1000`` (FastVideo: its dense grid's level nearest ``t``, up to 2.5e-4 lower at shift 5; not yet
+matched, docs/design.md), ``v = student(x_{t_k}, t)``, ``x0_hat = x_{t_k} - sigma v``, and
 
     loss = 0.5 mean((x0_hat - x0*)^2)
 
+FastVideo draws one ``k`` per rank's batch (``KDMethod.single_train_step``,
+``fastvideo/train/methods/knowledge_distillation/kd.py:655-660``: ``randint(0, K, (1,))``, every sample at that
+level); fvx keeps one per sample: each sample's ``k`` is uniform on ``[0, K)`` either way (the same expected loss and
+gradient), a batch that mixes levels gives a lower-variance gradient, and the draws do not depend on how many ranks or
+micro-batches share the global batch (docs/design.md, KD).
+
 Causal (``kd_causal``): the latent frames form blocks of ``num_frames_per_block`` (the student's own blocks) and every
-block draws its own ``k`` (``randint_each`` of shape ``[blocks]``, repeated over the block's frames to ``[B, T]``);
-frame ``f`` of the input is frame ``f`` of the state at ``t_list[k[b, f]]``, the student takes one timestep per frame
-``t [B, T]``, and ``sigma`` is per frame; the loss is the same mean.
+block draws its own ``k`` (``randint_each`` of shape ``[blocks]``, repeated over the block's frames to ``[B, T]``), per
+sample and block as FastVideo does (``kd.py:900-909``); frame ``f`` of the input is frame ``f`` of the state at
+``t_list[k[b, f]]``, the student takes one timestep per frame ``t [B, T]``, and ``sigma`` is per frame; the loss is the
+same mean. The frames must be whole blocks (FastVideo's would end on a short block; ``fvx_models.wan_causal``).
 
 Validation samples the student few-step on the ``t_list`` schedule (``sampler``: ``sde`` re-noises its x0 at each
 level, ``ode`` takes Euler steps), a causal student block by block on its KV cache. The update is ``fvx.role``'s, as

@@ -11,6 +11,9 @@ The DiT predicts the flow velocity (its pipeline steps ``FlowMatchEulerDiscreteS
 guidance-distilled: it embeds a guidance scale, which its pipeline passes as ``guidance_scale * 1000``
 (``HunyuanVideoConfig.embedded_guidance``, default the pipeline's 6.0). Latents are the HunyuanVideo VAE's scaled by
 its ``scaling_factor`` 0.476986, as FastVideo's plugin normalises them; FastVideo trains it with flow shift 7.
+Two departures from FastVideo's trainer (docs/design.md): padded text tokens are masked, as diffusers' pipeline
+(which samples what fvx exports) masks them, and the guidance goes in as fp32 ``g * 1000`` (6000), where FastVideo's
+DiT uses the literal 6016.0, bf16's rounding of it (``embedded_guidance=6.016`` reproduces that).
 """
 from __future__ import annotations
 

@@ -40,8 +40,9 @@ from fvx_models.model import Causal
 PRESETS = {name: wan.PRESETS[name] for name in ("tiny", "tiny-deep", "world", "wan2.1-t2v-1.3b", "wan2.1-t2v-14b")}
 # every block saves its per-token modulation when timesteps come per frame (the DFSFT/TFSFT/KD forward)
 ACTIVATIONS = {"blocks": wan.PER_TOKEN_T_ACTIVATIONS["blocks"]}
-REMAINDER = ("FastVideo's Self-Forcing puts a remainder in the first block, frames [0, F + rem); fvx needs whole "
-             "blocks: choose num_latent_t (or world frames) divisible by F")
+REMAINDER = ("FastVideo's Self-Forcing puts a remainder in the first block, frames [0, F + rem), its training mask in "
+             "a short last block, and its causal sampler refuses one; fvx needs whole blocks: choose num_latent_t (or "
+             "world frames) divisible by F")
 
 
 @dataclasses.dataclass

@@ -155,6 +155,23 @@ def test_text_only_kind_reads_text_only_and_t2v_files(tmp_path, t2v_folder):
     assert "latents" not in batch and torch.equal(batch["text"][1], expected_text(text_samples[2]["text"], 6)[0])
 
 
+def test_files_are_in_fastvideos_order_sorted_by_path_string(tmp_path):
+    """FastVideo sorts the files' real-path strings ('-' 0x2d < '.' 0x2e < '/' 0x2f), not folder by folder: pathlib's
+    per-component sort gives a/y, a-b/x, a, and every index after the first file would read another row."""
+    root = tmp_path / "dataset"
+    names = ["a-b/x.parquet", "a.parquet", "a/y.parquet"]
+    parts = {name: make_samples(seed, count) for seed, (name, count) in enumerate(zip(names, (2, 3, 4)), start=1)}
+    for name in reversed(names):
+        data.write_parquet(root / name, parts[name], rows_per_group=2)
+    assert [f.relative_to(root).as_posix() for f in data.find_parquet_files(root)] == names
+    assert [p.relative_to(root).as_posix() for p in sorted(root / n for n in names)] == [names[i] for i in (2, 0, 1)]
+    dataset, samples = open_parquet(root, text_len=7), [s for name in names for s in parts[name]]
+    batch = dataset.read(list(range(len(samples))))
+    assert batch["caption"] == [s["caption"] for s in samples]
+    for i, sample in enumerate(samples):
+        assert torch.equal(batch["latents"][i], sample["latents"])
+
+
 def test_pickled_file_lists_are_ignored(t2v_folder):
     root, _ = t2v_folder
     (root / "map_style_cache").mkdir()

@@ -208,8 +208,10 @@ def test_check_refuses_latents_that_are_not_whole_chunks(model):
     check = dfsft.DFSFT(chunk_size=CHUNK).build({"student": model}, total_steps=1).check
     check(make_batch(frames=4))
     with pytest.raises(ValueError, match=r"batch latents have 5 latent frames, not a whole number of "
-                                         r"method.chunk_size = 2 frames: FastVideo would make block 0 the frames "
-                                         r"\[0, 3\) with the remainder, fvx requires frames % chunk_size == 0 "
+                                         r"method.chunk_size = 2 frames: FastVideo's training mask would end on a "
+                                         r"short block, frames \[4, 5\) \(its Self-Forcing rollout puts the "
+                                         r"remainder first, its causal sampler refuses it\), fvx requires "
+                                         r"frames % chunk_size == 0 "
                                          r"\(e.g. data.num_latent_t = 4\)") as error:
         check(make_batch(frames=5))
     assert "\n" not in str(error.value)
