@@ -1,8 +1,8 @@
-"""What one unit of each group of a model family saves for its backward, per token, measured with saved-tensor hooks
-in bf16 (eager), and the ``fvx.memory.BlockActivations`` coefficients that fit it: ``a`` fp32 vectors of width dim,
-``b`` bf16 vectors of width dim and ``f`` bf16 vectors of width ffn_dim per token. Two widths of FFN separate ``b``
-from ``f``. A family file states the fitted numbers; tests/fvx_models/test_families.py checks its estimate against
-this measurement.
+"""What one unit of each group of a model family saves for its backward, per token, measured with saved-tensor hooks in
+bf16 (eager), and the ``fvx.distributed.memory.BlockActivations`` coefficients that fit it: ``a`` fp32 vectors of width
+dim, ``b`` bf16 vectors of width dim and ``f`` bf16 vectors of width ffn_dim per token. Two widths of FFN separate ``b``
+from ``f``. A family file states the fitted numbers; tests/fvx_models/test_families.py checks its estimate against this
+measurement.
 
     python bench/activations.py [--family wan|hunyuan_video]
 """
@@ -17,7 +17,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.func import functional_call  # noqa: E402
 
-from fvx import random  # noqa: E402
+from fvx.core import random  # noqa: E402
 from fvx_models import build  # noqa: E402
 
 

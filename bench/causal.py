@@ -1,6 +1,6 @@
 """The block-causal Wan (``fvx_models.wan_causal``) against bidirectional Wan on the same params, latents and text.
 
-Table 1, training forward + backward (``fvx.grad.value_and_grad`` of the mean squared velocity): bidirectional Wan
+Table 1, training forward + backward (``fvx.core.grad.value_and_grad`` of the mean squared velocity): bidirectional Wan
 (``WanConfig``, ``t [B]``) against the block-causal model in both attention forms (``"prefix"``: one SDPA per query
 block over the keys it reads; ``"mask"``: one SDPA with a boolean mask), each with per-frame timesteps ``t [B, T]``
 (what DFSFT / teacher forcing train with; diffusers' per-token path, ``timestep_proj [B, L, 6, D]``) and with
@@ -40,7 +40,7 @@ from common import current_rss_bytes, peak_rss_bytes, reset_peak_rss, timed  # n
 
 import torch  # noqa: E402
 
-from fvx import grad, random  # noqa: E402
+from fvx.core import grad, random  # noqa: E402
 from fvx_models import wan, wan_causal  # noqa: E402
 from fvx_models.family import Preset  # noqa: E402
 
@@ -181,7 +181,7 @@ def stream_step(name: str, args, inputs: dict):
 
 def peak_in_process(kind: str, name: str, args) -> float:
     """Peak resident MB above the set-up process over two runs of one variant (run in a fresh process, on the
-    inputs the parent saved to ``args.inputs``: drawing the params again would compile fvx.random's kernel)."""
+    inputs the parent saved to ``args.inputs``: drawing the params again would compile fvx.core.random's kernel)."""
     inputs = torch.load(args.inputs)
     fn = train_step(name, args, inputs)[0] if kind == "train" else stream_step(name, args, inputs)
     gc.collect()

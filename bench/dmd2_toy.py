@@ -29,11 +29,11 @@ import time
 import torch
 
 sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])  # the repository root, not bench/
-from fvx import flow, random  # noqa: E402
-from fvx.optim_config import AdamWConfig  # noqa: E402
-from fvx_methods import distribution_matching as dm  # noqa: E402
+from fvx.core import flow, random  # noqa: E402
+from fvx.core.optim_config import AdamWConfig  # noqa: E402
 from fvx_methods.dmd2 import DMD2  # noqa: E402
 from fvx_methods.finetune import Finetune  # noqa: E402
+from fvx_methods.library import distribution_matching as dm  # noqa: E402
 from fvx_models.wan import WanConfig  # noqa: E402
 
 SHAPE = (16, 1, 2, 2)
@@ -123,7 +123,8 @@ def evaluate(name: str, model, params, toy: Toy, n: int, key: torch.Tensor, sigm
 
 
 def batch_normalised_dmd_loss(x0_gen, x0_fake, x0_real):
-    """``dm.dmd_loss`` with one normaliser for the whole (single-process) batch: the ablation of ``--batch-normaliser``."""
+    """``dm.dmd_loss`` with one normaliser for the whole (single-process) batch: the ablation of
+    ``--batch-normaliser``."""
     x0_gen = x0_gen.float()
     with torch.no_grad():
         normalizer = (x0_gen - x0_real.float()).abs().mean()

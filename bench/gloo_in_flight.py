@@ -1,7 +1,7 @@
 """Whether gloo survives several all-gathers in flight at once, through the functional ``all_gather_into_tensor``
-(``torch.ops._c10d_functional``) and through ``torch.distributed.all_gather_single(async_op=True)``: 2 gloo ranks
-issue rounds of 64 all-gathers of 1 to 300k elements (fp32 and bf16), each with a small matmul after it, waiting on
-the oldest once more than ``--in-flight`` are pending. The reason ``fvx.sharding`` issues its gathers through the
+(``torch.ops._c10d_functional``) and through ``torch.distributed.all_gather_single(async_op=True)``: 2 gloo ranks issue
+rounds of 64 all-gathers of 1 to 300k elements (fp32 and bf16), each with a small matmul after it, waiting on the oldest
+once more than ``--in-flight`` are pending. The reason ``fvx.distributed.sharding`` issues its gathers through the
 second (design §3); rerun it on a new torch before going back.
 
     python bench/gloo_in_flight.py [--rounds 400] [--in-flight 2] [--api functional,async_op]

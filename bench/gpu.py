@@ -1,8 +1,8 @@
 """Wan 2.1 T2V fine-tuning steps on GPUs (random init), fvx against the usual PyTorch ways in one run: per row the
-median step time, tokens/s, MFU (the analytic FLOPs of bench/flops.py of the blocks actually run, over 989 TFLOP/s
-dense bf16), peak memory (``torch.cuda.max_memory_allocated``, the highest rank) beside fvx.memory's dry-run estimate,
-and the ratios of time per sample to the baselines of the same case. bf16 compute, fp32 master params, remat, AdamW
-(weight decay 0.01), global-norm clip 1.0, one sample per data-parallel rank, 512 text tokens; the same initial
+median step time, tokens/s, MFU (the analytic FLOPs of bench/flops.py of the blocks actually run, over 989 TFLOP/s dense
+bf16), peak memory (``torch.cuda.max_memory_allocated``, the highest rank) beside fvx.distributed.memory's dry-run
+estimate, and the ratios of time per sample to the baselines of the same case. bf16 compute, fp32 master params, remat,
+AdamW (weight decay 0.01), global-norm clip 1.0, one sample per data-parallel rank, 512 text tokens; the same initial
 params (seed 0) and batch for every variant, so their first losses agree to bf16 noise.
 
     python bench/gpu.py --write-results      # THE first GPU session: one H200, about 5 min; appends bench/RESULTS.md
@@ -28,9 +28,9 @@ Variants:
               reduce_dtype=fp32) (bf16 params in compute, no autocast), diffusers' gradient checkpointing,
               clip_grad_norm_, AdamW(fused); in one process on a 1-rank group; under --sp still data-parallel over
               every rank (one sample each: compare tokens/s)
-  fvx         WanConfig(remat, bf16).build(mesh).apply, fvx.grad.value_and_grad, fvx.role's clip + AdamW in place;
-              under torchrun on fvx.sharding.make_mesh(sp=...): params, grads and AdamW sharded over every rank,
-              bucketed per-block gathers, Ulysses groups of --sp ranks sharing one sample
+  fvx         WanConfig(remat, bf16).build(mesh).apply, fvx.core.grad.value_and_grad, fvx.core.role's clip + AdamW in
+              place; under torchrun on fvx.distributed.processes.make_mesh(sp=...): params, grads and AdamW sharded
+              over every rank, bucketed per-block gathers, Ulysses groups of --sp ranks sharing one sample
   fvx-blocks  the same with compile="blocks": every block through one inductor-compiled function
   compiled    one process: the eager row with the diffusers module under torch.compile
   fvx-model   one process: fvx with compile="model", the whole forward as one inductor graph
@@ -63,7 +63,8 @@ from diffusers import WanTransformer3DModel  # noqa: E402
 
 from bench import flops  # noqa: E402
 from bench.common import free_port  # noqa: E402
-from fvx import grad, memory, optim, role, sharding  # noqa: E402
+from fvx.core import grad, optim, role  # noqa: E402
+from fvx.distributed import memory, processes, sharding  # noqa: E402
 from fvx_models import wan  # noqa: E402
 from fvx_models.family import Preset  # noqa: E402
 
@@ -135,15 +136,15 @@ def start_processes(args, start: float) -> Ctx:
     env = os.environ if torchrun else {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0",
                                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     try:
-        d = sharding.init_distributed(env)
+        d = processes.init_distributed(env)
     except Exception as error:  # one process: the other rows need no group (the fsdp2 rows then fail, and say so)
         if torchrun:
             raise
         print(f"no 1-rank process group ({type(error).__name__}: {str(error)[:160]})", flush=True)
-        d = sharding.init_distributed({})
+        d = processes.init_distributed({})
     if d.device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // d.world))
-    mesh = sharding.make_mesh(sp=args.sp) if torchrun else None
+    mesh = processes.make_mesh(sp=args.sp) if torchrun else None
     return Ctx(d.rank, d.world, args.sp, d.device, mesh, torchrun, start)
 
 
@@ -260,15 +261,15 @@ def fsdp2_step(ctx: Ctx, case: Case, batch: dict, args) -> Callable[[], torch.Te
 
 
 def fvx_step(ctx: Ctx, case: Case, batch: dict, args, compile: str = "none") -> Callable[[], torch.Tensor]:
-    """fvx's step: the functional model (sharded on the run's mesh under torchrun), ``fvx.grad.value_and_grad``,
+    """fvx's step: the functional model (sharded on the run's mesh under torchrun), ``fvx.core.grad.value_and_grad``,
     the role update (global norm over every rank's shards, clip, AdamW in place)."""
     model = wan.WanConfig(preset=case.preset, remat=True, compute_dtype="bf16", compile=compile,
                           compile_backend=args.backend).build(mesh=ctx.mesh)
     full = {name: p.detach() for name, p in initial_module(case.preset, ctx.device).named_parameters()}
     params = full if ctx.mesh is None else sharding.shard(full, ctx.mesh)
     del full
-    group = sharding.Group() if ctx.mesh is None else sharding.group_of(ctx.mesh)
-    opt = role.RoleOptimizer(optim.adamw(LR, weight_decay=WEIGHT_DECAY), lambda count: LR, MAX_NORM, group)
+    group = processes.Group() if ctx.mesh is None else processes.group_of(ctx.mesh)
+    opt = role.RoleOptimizer(optim.adamw(LR, weight_decay=WEIGHT_DECAY), MAX_NORM, group)
     holder = {"state": role.init(opt, params)}
 
     def loss_fn(p):
@@ -360,8 +361,8 @@ def model_spec(preset: str, text_len: int) -> memory.ModelSpec:
 
 
 def estimated_peak(preset: str, tokens: int, text_len: int, shard: int) -> int:
-    """fvx.memory's estimate per rank: the model trained with AdamW, sharded over ``shard`` ranks, one sample of
-    ``tokens`` tokens per rank (this rank's share under SP), remat, bf16."""
+    """fvx.distributed.memory's estimate per rank: the model trained with AdamW, sharded over ``shard`` ranks, one
+    sample of ``tokens`` tokens per rank (this rank's share under SP), remat, bf16."""
     role_ = memory.Role("student", model_spec(preset, text_len), trainable=True)
     return memory.estimate([role_], shard_size=shard, tokens=tokens, batch_per_rank=1, capacity=1 << 62).total
 
@@ -441,7 +442,7 @@ def run_case(ctx: Ctx, case: Case, args) -> list[dict]:
 
 
 def capacity(ctx: Ctx) -> int:
-    """Bytes of one device: the GPU's, or an H200's (fvx.memory's default) on a CPU."""
+    """Bytes of one device: the GPU's, or an H200's (fvx.distributed.memory's default) on a CPU."""
     return torch.cuda.get_device_properties(ctx.device).total_memory if ctx.cuda else memory.H200_BYTES
 
 
@@ -521,7 +522,8 @@ def notes(ctx: Ctx, rows: list[dict], args) -> list[str]:
            f"after {args.warmup} warm-up step(s) ({args.warmup + 1} for compiled rows); batch 1 per data-parallel "
            f"rank, text {args.text_len} tokens, bf16, remat, AdamW + clip. MFU: analytic FLOPs (bench/flops.py, 3x "
            f"forward, remat not counted) of the blocks run and the root, per GPU, over {args.peak / 1e12:.0f} "
-           "TFLOP/s. est.: fvx.memory's dry-run estimate of fvx's peak per rank for that row's sharding. vs eager / "
+           "TFLOP/s. est.: fvx.distributed.memory's dry-run estimate of fvx's peak per rank for that row's sharding. "
+           "vs eager / "
            "vs fsdp2 / vs compiled: time per sample against that row of the same case. ms/block: step time over the "
            "blocks run (the root included)."]
     for case in dict.fromkeys(row["case"] for row in rows if row["case"].layers != row["case"].total_layers):
@@ -620,8 +622,8 @@ def parse() -> argparse.Namespace:
 def refusal(args) -> str | None:
     """Why the flags cannot run here (one line), or None."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.sp > 1 and importlib.util.find_spec("fvx.sequence_parallel") is None:
-        return f"--sp {args.sp}: fvx has no sequence parallelism yet (fvx/sequence_parallel.py is missing)"
+    if args.sp > 1 and importlib.util.find_spec("fvx.distributed.sequence_parallel") is None:
+        return f"--sp {args.sp}: fvx has no sequence parallelism yet (fvx/distributed/sequence_parallel.py is missing)"
     if args.sp < 1 or (args.fsdp or 1) < 1:
         return f"--fsdp {args.fsdp} and --sp {args.sp} must be >= 1"
     if world > 1 and world % args.sp:

@@ -1,4 +1,5 @@
-"""Peak memory and time of fvx.grad.value_and_grad (plain and with remat) against loss.backward() and torch.func.grad.
+"""Peak memory and time of fvx.core.grad.value_and_grad (plain and with remat) against loss.backward() and
+torch.func.grad.
 
 One 8-layer tiny Wan at a few thousand tokens. Each variant runs in a fresh subprocess so that its peak resident memory
 (CPU) or peak allocated memory (CUDA) is its own; ratios are to loss.backward() measured in the same run.
@@ -26,7 +27,7 @@ def run_variant(name: str, frames: int, side: int, repeats: int, device: str) ->
     from diffusers import WanTransformer3DModel
     from torch.func import functional_call
 
-    from fvx import grad as fgrad
+    from fvx.core import grad as fgrad
 
     torch.manual_seed(0)
     model = WanTransformer3DModel(**WAN).to(device)

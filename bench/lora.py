@@ -24,8 +24,9 @@ from common import alternate, current_rss_bytes, peak_rss_bytes, reset_peak_rss 
 
 import torch  # noqa: E402
 
-from fvx import flow, random, role, sharding  # noqa: E402
-from fvx.optim_config import AdamWConfig  # noqa: E402
+from fvx.core import flow, random, role  # noqa: E402
+from fvx.core.optim_config import AdamWConfig  # noqa: E402
+from fvx.distributed import sharding  # noqa: E402
 from fvx_methods import dmd2, finetune  # noqa: E402
 from fvx_models import lora, wan  # noqa: E402
 from fvx_models.family import Preset  # noqa: E402
@@ -43,7 +44,7 @@ def config(**knobs) -> wan.WanConfig:
 
 
 def raw_batch() -> dict:
-    """One sample as fvx.data gives it: latents, the text embedding and its mask."""
+    """One sample as fvx.data.datasets gives it: latents, the text embedding and its mask."""
     g = torch.Generator().manual_seed(0)
     return {"latents": torch.randn(1, *LATENT, generator=g), "sample_index": torch.arange(1),
             "text": torch.randn(1, TEXT_LEN, 64, generator=g), "text_mask": torch.ones(1, TEXT_LEN)}
@@ -81,7 +82,7 @@ def peer_loss(module, method, batch, state, step: int) -> torch.Tensor:
     """The fine-tuning loss through the peft-adapted module, with the draws of fvx's step ``step``."""
     key = random.fold_in(state.key, step)
     x0 = batch["latents"]
-    noise, t_keys = finetune.per_sample_noise(key, batch["sample_index"], tuple(x0.shape[1:]), x0.device)
+    noise, t_keys = flow.per_sample_noise(key, batch["sample_index"], tuple(x0.shape[1:]), x0.device)
     sigma, t = flow.sample_training_sigmas(t_keys, flow.training_sigmas(method.flow_shift), method.weighting_scheme)
     x_t = flow.add_noise(x0, noise, sigma)
     cond = batch["cond"]

@@ -1,4 +1,4 @@
-"""Benchmark: fvx.random.normal against torch.randn, eager and inside a compiled function.
+"""Benchmark: fvx.core.random.normal against torch.randn, eager and inside a compiled function.
 
     python bench/random.py [--device cpu|cuda] [--repeats 20] [--threads N]
 
@@ -18,7 +18,7 @@ import torch
 
 # Replace this script's folder (whose random.py would shadow the standard library's) with the repository root.
 sys.path[0] = str(pathlib.Path(__file__).resolve().parents[1])
-from fvx import random  # noqa: E402
+from fvx.core import random  # noqa: E402
 
 
 def median_seconds(fns, device: torch.device, repeats: int) -> list[float]:

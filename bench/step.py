@@ -3,7 +3,7 @@ model of every family and a larger Wan (``cpu-4x256``).
 
 Baseline: the family's diffusers ``nn.Module`` forward (with the arguments its pipeline passes), ``loss.backward()``,
 ``clip_grad_norm_(foreach=True)`` and ``torch.optim.AdamW(foreach=True)``. fvx: ``Finetune(...).build(models).step_``
-(functional_call forward, ``fvx.grad.value_and_grad``, foreach clip + AdamW in place), eager and with
+(functional_call forward, ``fvx.core.grad.value_and_grad``, foreach clip + AdamW in place), eager and with
 ``compile=blocks`` (one inductor graph per unit group) and ``compile=model`` (the whole forward as one graph), against
 the baseline and the same module under ``torch.compile`` (``compile ms``). Same architecture, initial params, batch,
 noise and timesteps: both steps draw the noise and timesteps with the same fvx keys inside their timing. Timings
@@ -42,8 +42,9 @@ from common import alternate, current_rss_bytes, free_port, peak_rss_bytes, rese
 
 import torch  # noqa: E402
 
-from fvx import flow, random, sharding  # noqa: E402
-from fvx.optim_config import AdamWConfig  # noqa: E402
+from fvx.core import flow, random  # noqa: E402
+from fvx.core.optim_config import AdamWConfig  # noqa: E402
+from fvx.distributed import processes, sharding  # noqa: E402
 from fvx_methods import finetune  # noqa: E402
 from fvx_models import wan  # noqa: E402
 from fvx_models.family import Preset  # noqa: E402
@@ -97,7 +98,8 @@ def build_fvx(case: str, compile: str = "none", mesh=None, batch_size: int | Non
     _, latent_shape, case_batch = CASES[case]
     model = model_config(case, compile, reshard_after_forward).build(mesh=mesh)
     config = finetune.Finetune(optim=AdamWConfig(lr=1e-4, weight_decay=0.01, max_grad_norm=1.0))
-    program = config.build({"student": model}, total_steps=1000, **({} if mesh is None else {"mesh": mesh}))
+    program = config.build({"student": model}, total_steps=1000,
+                           **({} if mesh is None else {"ranks": processes.group_of(mesh)}))
     state = program.init(random.key(0))
     return model, config, program, state, make_batch(model, latent_shape, batch_size or case_batch)
 
@@ -122,7 +124,7 @@ def baseline_draws(config, batch, state, step: int):
     """The noise, sigma and t that fvx's step ``step`` draws, for the baseline to use."""
     key = random.fold_in(state.key, step)
     x0 = batch["latents"]  # only its shape and device are used
-    noise, t_keys = finetune.per_sample_noise(key, batch["sample_index"], tuple(x0.shape[1:]), x0.device)
+    noise, t_keys = flow.per_sample_noise(key, batch["sample_index"], tuple(x0.shape[1:]), x0.device)
     grid = flow.training_sigmas(config.flow_shift)
     sigma, t = flow.sample_training_sigmas(t_keys, grid, config.weighting_scheme)
     return noise, sigma, t
@@ -195,7 +197,7 @@ def peak_memory(case: str, variant: str, steps: int) -> float:
 
 
 def rank_slice(batch: dict, rank: int, world: int) -> dict:
-    """Rank ``rank``'s contiguous rows of the global batch (as fvx.data.batch_at splits it)."""
+    """Rank ``rank``'s contiguous rows of the global batch (as fvx.data.datasets.batch_at splits it)."""
     local = len(batch["sample_index"]) // world
     rows = slice(rank * local, (rank + 1) * local)
     return {name: {k: v[rows] for k, v in value.items()} if isinstance(value, dict) else value[rows]
@@ -256,12 +258,12 @@ def fsdp2_stepper(case: str, batch_size: int, d, reshard_after_forward: bool = T
 
 def process_steppers(case: str, batch_size: int, sp: int, d) -> dict:
     """name -> a zero-argument builder of that variant's :func:`fvx_stepper` (or FSDP2's) in this process."""
-    meshes = {"": sharding.make_mesh() if d.world > 1 else None}
+    meshes = {"": processes.make_mesh() if d.world > 1 else None}
     if sp > 1 and d.world > 1:
-        meshes[f"_sp{sp}"] = sharding.make_mesh(sp=sp)
+        meshes[f"_sp{sp}"] = processes.make_mesh(sp=sp)
     builders = {}
     for suffix, mesh in meshes.items():
-        rank, world = sharding.data_rank(mesh, d.rank, d.world)
+        rank, world = processes.data_rank(mesh, d.rank, d.world)
         variants = {**VARIANTS, **(KEEP_VARIANTS if d.world > 1 and not suffix else {})}
         for name, compile in variants.items():
             def make(compile=compile, mesh=mesh, rank=rank, world=world, keep=name in KEEP_VARIANTS):
@@ -285,7 +287,7 @@ def floor_steppers(case: str, batch_size: int, d) -> dict:
         return fvx_stepper(program, state, rank_slice(batch, d.rank, d.world))
 
     def collectives():
-        state = build_fvx(case, "none", sharding.make_mesh(), batch_size)[3]
+        state = build_fvx(case, "none", processes.make_mesh(), batch_size)[3]
         shard = torch.ones(sharding.local_bytes(state.roles["student"].params) // 4)
         full, grads = torch.empty(shard.numel() * d.world), torch.ones(shard.numel() * d.world)
 
@@ -305,7 +307,7 @@ def measure_process(case: str, repeats: int, batch_size: int, sp: int = 1) -> di
     drift on a shared machine hits all alike. Under torchrun's environment (WORLD_SIZE, ...) the params are sharded
     over all processes; with ``sp`` > 1 also under sequence parallelism over groups of ``sp`` ranks (variants
     ``<name>_sp<sp>``)."""
-    d = sharding.init_distributed()
+    d = processes.init_distributed()
     builders = process_steppers(case, batch_size, sp, d)
     out = {}
     for name, make in builders.items():

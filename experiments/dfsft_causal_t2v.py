@@ -17,13 +17,13 @@ Teacher forcing (the clean history as context) is `experiments/tfsft_causal_t2v.
 """
 import msgspec
 
-from fvx.checkpoint import CheckpointConfig
 from fvx.config import recipe
-from fvx.data import DataConfig
-from fvx.loop import Experiment, RunConfig
-from fvx.optim_config import AdamWConfig
-from fvx.validation import ValidationConfig
-from fvx.world import SpaceToDepth, WorldConfig
+from fvx.core.optim_config import AdamWConfig
+from fvx.data.datasets import DataConfig
+from fvx.data.toy_world import SpaceToDepth, WorldConfig
+from fvx.storage.checkpoint_config import CheckpointConfig
+from fvx.training.experiment import Experiment, RunConfig
+from fvx.training.validation import ValidationConfig
 from fvx_methods.dfsft import DFSFT
 from fvx_models.wan_causal import WanCausalConfig
 from fvx_models.wan_vae import WanVAEConfig

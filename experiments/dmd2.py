@@ -18,13 +18,13 @@ The negative prompt is the UMT5 embedding of Wan's default negative prompt, stor
 """
 import msgspec
 
-from fvx.checkpoint import CheckpointConfig
 from fvx.config import recipe
-from fvx.data import DataConfig
-from fvx.loop import Experiment, RunConfig
-from fvx.optim_config import AdamWConfig
-from fvx.validation import ValidationConfig
-from fvx.world import SpaceToDepth, WorldConfig
+from fvx.core.optim_config import AdamWConfig
+from fvx.data.datasets import DataConfig
+from fvx.data.toy_world import SpaceToDepth, WorldConfig
+from fvx.storage.checkpoint_config import CheckpointConfig
+from fvx.training.experiment import Experiment, RunConfig
+from fvx.training.validation import ValidationConfig
 from fvx_methods.dmd2 import DMD2
 from fvx_models.lora import LoRAConfig
 from fvx_models.wan import WanConfig

@@ -14,10 +14,10 @@ DiT is told the guidance scale it was distilled at, ``models.student.embedded_gu
 """
 import msgspec
 
-from fvx.data import DataConfig, SyntheticConfig
-from fvx.loop import Experiment, RunConfig
-from fvx.optim_config import AdamWConfig
-from fvx.validation import ValidationConfig
+from fvx.core.optim_config import AdamWConfig
+from fvx.data.datasets import DataConfig, SyntheticConfig
+from fvx.training.experiment import Experiment, RunConfig
+from fvx.training.validation import ValidationConfig
 from fvx_methods.finetune import Finetune
 from fvx_models.hunyuan_video import HunyuanVideoConfig
 

@@ -12,10 +12,10 @@ The real model is the same file with overrides, e.g. SkyReels-V2 T2V 14B (540P) 
 """
 import msgspec
 
-from fvx.data import DataConfig, SyntheticConfig
-from fvx.loop import Experiment, RunConfig
-from fvx.optim_config import AdamWConfig
-from fvx.validation import ValidationConfig
+from fvx.core.optim_config import AdamWConfig
+from fvx.data.datasets import DataConfig, SyntheticConfig
+from fvx.training.experiment import Experiment, RunConfig
+from fvx.training.validation import ValidationConfig
 from fvx_methods.finetune import Finetune
 from fvx_models.skyreels_v2 import SkyReelsV2Config
 from fvx_models.wan_vae import WanVAEConfig

@@ -1,7 +1,7 @@
 """Fine-tune Wan with flow matching (FastVideo's `fine_tuning/wan/t2v.yaml`, as an fvx experiment).
 
-The default trains the tiny `world` preset on fvx's toy video world (`fvx.world`: coloured bars drifting the way the
-prompt says, latents a space-to-depth codec decodes exactly) on a 2-core CPU in about a minute. Its validation
+The default trains the tiny `world` preset on fvx's toy video world (`fvx.data.toy_world`: coloured bars drifting the
+way the prompt says, latents a space-to-depth codec decodes exactly) on a 2-core CPU in about a minute. Its validation
 videos go from noise to the prompted bars, and `validation/model/nearest_mse` (the distance of the samples to the
 nearest true clip of their prompt) and `prompt_match` say so in numbers:
     python -m fvx.run experiments/finetune_wan.py
@@ -13,13 +13,13 @@ Wan 2.2 TI2V-5B is the same family (`models.student.preset=wan2.2-ti2v-5b`, 48-c
 """
 import msgspec
 
-from fvx.checkpoint import CheckpointConfig
 from fvx.config import recipe
-from fvx.data import DataConfig
-from fvx.loop import Experiment, RunConfig
-from fvx.optim_config import AdamWConfig
-from fvx.validation import ValidationConfig
-from fvx.world import SpaceToDepth, WorldConfig
+from fvx.core.optim_config import AdamWConfig
+from fvx.data.datasets import DataConfig
+from fvx.data.toy_world import SpaceToDepth, WorldConfig
+from fvx.storage.checkpoint_config import CheckpointConfig
+from fvx.training.experiment import Experiment, RunConfig
+from fvx.training.validation import ValidationConfig
 from fvx_methods.finetune import Finetune
 from fvx_models.wan import WanConfig
 from fvx_models.wan_vae import WanVAEConfig

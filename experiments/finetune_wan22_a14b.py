@@ -15,10 +15,10 @@ and under torchrun (``torchrun --nproc_per_node 8 -m fvx.run ...``) both experts
 """
 import msgspec
 
-from fvx.data import DataConfig, SyntheticConfig
-from fvx.loop import Experiment, RunConfig
-from fvx.optim_config import AdamWConfig
-from fvx.validation import ValidationConfig
+from fvx.core.optim_config import AdamWConfig
+from fvx.data.datasets import DataConfig, SyntheticConfig
+from fvx.training.experiment import Experiment, RunConfig
+from fvx.training.validation import ValidationConfig
 from fvx_methods.finetune import Finetune
 from fvx_models.wan_moe import Wan22MoEConfig
 from fvx_models.wan_vae import WanVAEConfig

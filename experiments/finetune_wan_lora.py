@@ -15,13 +15,13 @@ FastVideo's recipe is `wan21_t2v_1p3b` (Wan 2.1 T2V 1.3B, one GPU); point its pa
 """
 import msgspec
 
-from fvx.checkpoint import CheckpointConfig
 from fvx.config import recipe
-from fvx.data import DataConfig
-from fvx.loop import Experiment, RunConfig
-from fvx.optim_config import AdamWConfig
-from fvx.validation import ValidationConfig
-from fvx.world import SpaceToDepth, WorldConfig
+from fvx.core.optim_config import AdamWConfig
+from fvx.data.datasets import DataConfig
+from fvx.data.toy_world import SpaceToDepth, WorldConfig
+from fvx.storage.checkpoint_config import CheckpointConfig
+from fvx.training.experiment import Experiment, RunConfig
+from fvx.training.validation import ValidationConfig
 from fvx_methods.finetune import Finetune
 from fvx_models.lora import LoRAConfig
 from fvx_models.wan import WanConfig

@@ -23,13 +23,13 @@ weights, a 14B teacher, 8 ranks of batch 2); point its paths at local folders, t
 """
 import msgspec
 
-from fvx.checkpoint import CheckpointConfig
 from fvx.config import recipe
-from fvx.data import DataConfig
-from fvx.loop import Experiment, RunConfig
-from fvx.optim_config import AdamWConfig
-from fvx.validation import ValidationConfig
-from fvx.world import SpaceToDepth, WorldConfig
+from fvx.core.optim_config import AdamWConfig
+from fvx.data.datasets import DataConfig
+from fvx.data.toy_world import SpaceToDepth, WorldConfig
+from fvx.storage.checkpoint_config import CheckpointConfig
+from fvx.training.experiment import Experiment, RunConfig
+from fvx.training.validation import ValidationConfig
 from fvx_methods.kd import KDCausal
 from fvx_models.wan import WanConfig
 from fvx_models.wan_causal import WanCausalConfig

@@ -1,3 +1,3 @@
 """fvx: functional training of video diffusion transformers on PyTorch."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -382,11 +382,46 @@ def type_name(t: mi.Type) -> str:
     return f"{name} ({', '.join(bounds)})" if bounds else name
 
 
+# ---------------------------------------------------------------------------------------------------- comparing
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "(missing)"
+
+
+MISSING = _Missing()
+"""What :func:`differences` reports for a field one of two trees lacks."""
+
+
+def differences(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """``(dotted path, old value, new value)`` for each leaf where two builtins trees (nested dicts, as config.json
+    and JSON records hold configs) differ, in sorted key order; a side that lacks the leaf gives :data:`MISSING`."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [row for key in sorted(set(old) | set(new), key=str)
+                for row in differences(old.get(key, MISSING), new.get(key, MISSING), f"{prefix}{key}.")]
+    return [] if old == new else [(prefix.removesuffix("."), old, new)]
+
+
 # ---------------------------------------------------------------------------------------------------- dump / load
 
 
 TRUSTED = ("fvx", "fvx_models", "fvx_methods")
 """The packages whose config classes ``config.json`` may name: :func:`load` imports nothing else."""
+
+MOVED = {
+    "fvx.loop:RunConfig": "fvx.training.experiment:RunConfig",
+    "fvx.loop:Experiment": "fvx.training.experiment:Experiment",
+    "fvx.checkpoint:CheckpointConfig": "fvx.storage.checkpoint_config:CheckpointConfig",
+    "fvx.data:DataConfig": "fvx.data.datasets:DataConfig",
+    "fvx.data:SyntheticConfig": "fvx.data.datasets:SyntheticConfig",
+    "fvx.world:WorldConfig": "fvx.data.toy_world:WorldConfig",
+    "fvx.world:SpaceToDepth": "fvx.data.toy_world:SpaceToDepth",
+    "fvx.optim_config:AdamWConfig": "fvx.core.optim_config:AdamWConfig",
+    "fvx.validation:ValidationConfig": "fvx.training.validation:ValidationConfig",
+    "fvx.wandb_mirror:WandbConfig": "fvx.training.wandb_mirror:WandbConfig",
+}
+"""Where the config classes that run folders of fvx 0.1 name live now (``config.json`` records ``module:QualName``)."""
 
 
 def record(config: msgspec.Struct) -> dict[str, Any]:
@@ -547,6 +582,7 @@ def _import_type(spec: Any, path: pathlib.Path) -> type:
     """The class named ``"module:QualName"``."""
     if not isinstance(spec, str) or ":" not in spec:
         raise ConfigError(f"{str(path)!r} records no config_type; pass type= to load")
+    spec = MOVED.get(spec, spec)
     module_name, _, qualname = spec.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)

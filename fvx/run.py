@@ -9,16 +9,16 @@
 ``--help`` after an experiment lists its config fields with their current values. ``--resume`` continues the run in
 ``--out`` from its newest checkpoint, from checkpoint STEP there, or from a checkpoint at PATH (a checkpoint folder,
 or a checkpoints or run folder: its newest). ``replay`` recomputes step N of a run and compares its metrics with the
-logged ones (fvx.replay). ``export`` writes a trained role as a diffusers folder (fvx.export).
+logged ones (fvx.training.replay). ``export`` writes a trained role as a diffusers folder (fvx.training.export).
 
 ``--dry-run`` prints, per rank, each role's params, gradients, AdamW state and EMA bytes, the activations of one
 differentiated forward and the gathered params, for ``--world`` ranks (default: this launch's) at a ``--video`` of
-FRAMESxHEIGHTxWIDTH pixels (fvx.dry_run); it allocates no weight. Under torchrun every process joins one process group
-(gloo on CPUs, NCCL on GPUs), params are sharded over ``WORLD_SIZE / --replicate`` ranks (HSDP with ``--replicate`` >
-1), each rank reads its own slice of the global batch, and only rank 0 logs and writes the run folder. ``--sp P``
-(sequence parallelism, fvx.sequence_parallel): groups of P consecutive ranks hold the same samples, each 1/P of
-their video tokens (the params still shard over all ranks); the batch is split over the WORLD_SIZE / P data-parallel
-groups.
+FRAMESxHEIGHTxWIDTH pixels (fvx.training.dry_run); it allocates no weight. Under torchrun every process joins one
+process group (gloo on CPUs, NCCL on GPUs), params are sharded over ``WORLD_SIZE / --replicate`` ranks (HSDP with
+``--replicate`` > 1), each rank reads its own slice of the global batch, and only rank 0 logs and writes the run folder.
+``--sp P`` (sequence parallelism, fvx.distributed.sequence_parallel): groups of P consecutive ranks hold the same
+samples, each 1/P of their video tokens (the params still shard over all ranks); the batch is split over the WORLD_SIZE
+/ P data-parallel groups.
 
 Exit status: 0 done; 1 a run halted on a non-finite loss or gradient, or a replay differs from the log; 2 bad input
 (an unknown field, a wrong type, a missing file, data that does not fit the model, a missing, corrupt or mismatched
@@ -38,10 +38,13 @@ from typing import Sequence
 
 import torch.distributed
 
-from fvx import callbacks as fcallbacks
 from fvx import config as fconfig
-from fvx import checkpoint, data, dry_run, export, loop, replay, sequence_parallel, sharding, tracking
-from fvx.interrupts import Interrupted
+from fvx.data import datasets
+from fvx.distributed import processes, sequence_parallel
+from fvx.storage import checkpoint
+from fvx.training import callbacks as fcallbacks, dry_run, experiment, export, loop, replay, resume, run_folder
+from fvx.training import tracking
+from fvx.training.interrupts import Interrupted
 
 USAGE = ("python -m fvx.run EXPERIMENT.py [a.b.c=value ...] [--out DIR] [--steps N] "
          "[--resume [latest|auto|STEP|PATH]] [--replicate R] [--sp P] [--help]\n"
@@ -96,18 +99,18 @@ def resolve_config(args: argparse.Namespace) -> fconfig.Config:
     """The experiment's config with the overrides, then ``--out`` and ``--steps``, applied and validated."""
     overrides = overrides_of(args)
     config = fconfig.load_experiment(args.experiment)
-    if not isinstance(config, loop.Experiment):
+    if not isinstance(config, experiment.Experiment):
         raise fconfig.ConfigError(
             f"experiment file {args.experiment!r}: `config` is a {type(config).__qualname__}, "
-            "expected a subclass of fvx.loop.Experiment"
+            "expected a subclass of fvx.training.experiment.Experiment"
         )
     return fconfig.apply_overrides(config, overrides)
 
 
-def print_fields(config: fconfig.Config, experiment: str) -> None:
+def print_fields(config: fconfig.Config, experiment_file: str) -> None:
     rows = fconfig.describe(config)
     width = max(len(path) for path, _, _ in rows)
-    print(f"usage: {USAGE}\n\nfields of {experiment} (override any with field=value):")
+    print(f"usage: {USAGE}\n\nfields of {experiment_file} (override any with field=value):")
     for path, type_name, value in rows:
         print(f"  {path:<{width}}  {value!r}  ({type_name})")
 
@@ -132,12 +135,12 @@ def train_main(argv: Sequence[str]) -> int:
             print(dry_run.report(config, world=world, video=dry_run.parse_video(args.video), replicate=args.replicate,
                                  sp=args.sp, device_memory_gib=args.device_memory))
             return 0
-        d = sharding.init_distributed()
-        jax_started = sharding.init_jax_distributed(d)  # orbax's primary process for sharded checkpoints
+        d = processes.init_distributed()
+        jax_started = processes.init_jax_distributed(d)  # orbax's primary process for sharded checkpoints
     except BAD_INPUT as error:
         return _error(error)
     try:
-        return _train(args, config, d)
+        return train_here(args, config, d)
     finally:
         if jax_started:
             import jax
@@ -147,7 +150,7 @@ def train_main(argv: Sequence[str]) -> int:
             torch.distributed.destroy_process_group()
 
 
-def _train(args: argparse.Namespace, config: fconfig.Config, d: sharding.Dist) -> int:
+def train_here(args: argparse.Namespace, config: fconfig.Config, d: processes.Dist) -> int:
     """Train on this process's part of the launch (``d``): rank 0 prints and writes."""
     say = print if d.rank == 0 else (lambda *a, **k: None)
     try:
@@ -155,13 +158,13 @@ def _train(args: argparse.Namespace, config: fconfig.Config, d: sharding.Dist) -
             raise ValueError(f"--sp {args.sp} must divide the number of processes, {d.world} here (launch with "
                              f"torchrun --nproc_per_node a multiple of {args.sp}, or choose --sp among "
                              f"{', '.join(map(str, sequence_parallel.divisors(d.world)))})")
-        mesh = sharding.make_mesh(args.replicate, sp=args.sp) if d.world > 1 else None
+        mesh = processes.make_mesh(args.replicate, sp=args.sp) if d.world > 1 else None
         if args.resume == AUTO:  # a requeue: continue when there is a checkpoint, else start
-            args.resume = "latest" if loop.has_checkpoints(pathlib.Path(config.run.output_dir)) else None
+            args.resume = "latest" if resume.has_checkpoints(pathlib.Path(config.run.output_dir)) else None
         if args.resume is not None:  # the run's own config, with what this launch overrides on top
-            config, _ = loop.resumed_config(config, overrides_of(args), args.resume)
-        prepared = loop.prepare(config, resume=args.resume, rank=d.rank, world=d.world, mesh=mesh)
-        launch = loop.Launch(experiment=str(pathlib.Path(args.experiment).absolute()),
+            config, _ = resume.resumed_config(config, overrides_of(args), args.resume)
+        prepared = experiment.prepare(config, resume_from=args.resume, rank=d.rank, world=d.world, mesh=mesh)
+        launch = run_folder.Launch(experiment=str(pathlib.Path(args.experiment).absolute()),
                              overrides=tuple(overrides_of(args)))
     except BAD_INPUT as error:
         return _error(error) if d.rank == 0 else 2
@@ -176,7 +179,7 @@ def _train(args: argparse.Namespace, config: fconfig.Config, d: sharding.Dist) -
             say(f"note: this launch changes {change}", file=sys.stderr)
     start, first = time.perf_counter(), int(prepared.state.step)
     try:
-        loop.train(config, prepared=prepared, launch=launch, rank=d.rank, world=d.world)
+        loop.train(config, prepared, launch=launch, rank=d.rank, world=d.world)
     except loop.NonFiniteError as error:
         say(f"fvx.run: {error}", file=sys.stderr)
         return 1
@@ -190,7 +193,7 @@ def _train(args: argparse.Namespace, config: fconfig.Config, d: sharding.Dist) -
         again = f"python -m fvx.run {shlex.quote(args.experiment)} --out {shlex.quote(config.run.output_dir)} --resume"
         say(f"fvx.run: the run stopped: {error}; free space, then resume with: {again}", file=sys.stderr)
         return 1
-    except data.DataError as error:  # a bad sample met mid-run: the data, not the program
+    except datasets.DataError as error:  # a bad sample met mid-run: the data, not the program
         say(f"fvx.run: the run stopped: {error} (checkpoints saved before are intact; fix or drop the sample and "
             "continue with --resume)", file=sys.stderr)
         return 1
@@ -211,11 +214,13 @@ def _train(args: argparse.Namespace, config: fconfig.Config, d: sharding.Dist) -
 
 def _skips(config: fconfig.Config) -> int:
     """The run's non-finite steps skipped so far (its last logged ``nonfinite_skips``)."""
-    logged = tracking.read_scalars(pathlib.Path(config.run.output_dir) / loop.TENSORBOARD).get("nonfinite_skips")
+    logged = tracking.read_scalars(pathlib.Path(config.run.output_dir) / run_folder.TENSORBOARD).get(
+        "nonfinite_skips")
     return int(logged[-1][1]) if logged else 0
 
 
-def banner(experiment: str, config: fconfig.Config, prepared: loop.Prepared, world: int, sp: int = 1) -> str:
+def banner(experiment_file: str, config: fconfig.Config, prepared: experiment.Prepared, world: int,
+           sp: int = 1) -> str:
     """What this launch is about to do, in a line or two: experiment, run folder, ranks, models and steps."""
     state, models = prepared.state, prepared.setup.models
     sizes = {}
@@ -226,7 +231,7 @@ def banner(experiment: str, config: fconfig.Config, prepared: loop.Prepared, wor
     start = int(state.step)
     steps = (f"steps {start}..{config.run.steps}" if start else f"{config.run.steps} steps")
     ranks = f"{world} process{'es' if world > 1 else ''}" + (f", sequence parallel over {sp}" if sp > 1 else "")
-    return (f"fvx: {experiment} -> {config.run.output_dir} ({ranks}); "
+    return (f"fvx: {experiment_file} -> {config.run.output_dir} ({ranks}); "
             f"models: {described}; {trained / 1e6:.2f}M trained params on this rank; {steps}, batch "
             f"{config.data.batch_size}")
 

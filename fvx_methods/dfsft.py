@@ -1,12 +1,12 @@
 """Diffusion-forcing and teacher-forcing SFT of a block-causal model (FastVideo's DiffusionForcingSFTMethod and
 TeacherForcingSFTMethod, spec §2.2 and §2.3) as pure functions.
 
-Fine-tuning by flow matching, but every chunk of ``chunk_size`` latent frames (the student's block) draws its own
-noise level. Per sample b of the global batch: ``x0`` the normalised latents ``[C, T, H, W]``, ``noise ~ N(0, I)``,
-one training-grid index per chunk, ``idx[b, k]`` uniform in ``[lo, hi]`` (index 0 is the noisiest), repeated over the
-chunk's frames to ``idx [B, T]``; ``sigma = grid[idx]`` (``grid = fvx.flow.training_sigmas(flow_shift)``, the model's
-shift-3 grid in FastVideo's recipes, spec §0.4), ``x_t = (1 - sigma) x0 + sigma noise`` frame by frame,
-``v = model(x_t, 1000 sigma)`` with one timestep per frame, and
+Fine-tuning by flow matching, but every chunk of ``chunk_size`` latent frames (the student's block) draws its own noise
+level. Per sample b of the global batch: ``x0`` the normalised latents ``[C, T, H, W]``, ``noise ~ N(0, I)``, one
+training-grid index per chunk, ``idx[b, k]`` uniform in ``[lo, hi]`` (index 0 is the noisiest), repeated over the
+chunk's frames to ``idx [B, T]``; ``sigma = grid[idx]`` (``grid = fvx.core.flow.training_sigmas(flow_shift)``, the
+model's shift-3 grid in FastVideo's recipes, spec §0.4), ``x_t = (1 - sigma) x0 + sigma noise`` frame by frame, ``v =
+model(x_t, 1000 sigma)`` with one timestep per frame, and
 
     l[b, f] = mean_{C,H,W}((v - (noise - x0))^2)            (default)
     l[b, f] = mean_{C,H,W}((x_t - sigma v - x0)^2)          (precondition_outputs)
@@ -18,25 +18,25 @@ teacher forcing (TFSFT, ``teacher_forcing``) shows each noisy block the *clean* 
 (``model.causal.apply_teacher_forced``), which needs a model attending to all earlier blocks (window -1).
 
 Noise and chunk indices come from ``fold_in(step_key, global_sample_index)``, so a sample draws the same numbers
-whatever the number of ranks or micro-batches. The update is ``fvx.role``'s, as in fine-tuning
+whatever the number of ranks or micro-batches. The update is ``fvx.core.role``'s, as in fine-tuning
 (``fvx_methods.finetune``); validation samples the student as it runs, block by block on its KV cache.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Mapping
+import functools
+from typing import Annotated, Mapping
 
 import msgspec
 import torch
 
-from fvx import ema, flow, random, role, sharding, validation
 from fvx.config import Config
-from fvx.optim_config import AdamWConfig
-from fvx.state import Batch, Metrics, Program, TrainState
-from fvx_methods import finetune
+from fvx.core import flow, random, role
+from fvx.core.state import Batch, Program
+from fvx_methods.library import one_role
 from fvx_models import streaming
 from fvx_models.model import Model, Params
 
-STUDENT = "student"
+STUDENT = one_role.STUDENT
 Ratio = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 
 
@@ -81,7 +81,7 @@ def loss_fn(params: Params, batch: Batch, key: torch.Tensor, *, model: Model,
     """The DFSFT (or TFSFT) loss of ``batch`` (latents ``[B, C, T, H, W]`` with ``T`` a multiple of
     ``chunk_size``, the model's cond, sample_index ``[B]``) under the step key; aux holds the mean drawn ``sigma``."""
     x0 = model.normalize(batch["latents"].float())
-    noise, t_keys = finetune.per_sample_noise(key, batch["sample_index"], tuple(x0.shape[1:]), x0.device)
+    noise, t_keys = flow.per_sample_noise(key, batch["sample_index"], tuple(x0.shape[1:]), x0.device)
     lo, hi = index_range(config.min_timestep_ratio, config.max_timestep_ratio)
     idx = chunk_indices(t_keys, x0.shape[2], config.chunk_size, lo, hi).to(x0.device)
     sigma = flow.training_sigmas(config.flow_shift, device=x0.device)[idx]  # [B, T]
@@ -98,20 +98,6 @@ def loss_fn(params: Params, batch: Batch, key: torch.Tensor, *, model: Model,
     return loss, {"sigma": sigma.mean()}
 
 
-# ---------------------------------------------------------------------------------------------------------- the step
-
-
-def step_(state: TrainState, batch: Batch, *, model: Model, config: DFSFT, opt: role.RoleOptimizer,
-          base: Params | None = None, before: role.BeforeUpdate | None = None) -> tuple[TrainState, Metrics]:
-    """One optimizer step over ``config.grad_accum`` micro-batches, donating ``state`` (see fvx.state.Program).
-
-    Metrics: ``loss`` (mean over micro-batches and ranks), ``grad_norm`` (before clipping), ``lr`` (the one applied);
-    a non-finite loss or gradient applies nothing and adds ``nonfinite = 1`` (fvx.state.skipped).
-    """
-    return role.step_one_(state, batch, loss_fn, opt=opt, name=STUDENT, grad_accum=config.grad_accum, base=base,
-                          before=before, model=model, config=config)
-
-
 # -------------------------------------------------------------------------------------------------------- the build
 
 
@@ -121,7 +107,7 @@ class DFSFTRoles(Config):
     student: str = "student"
 
 
-class DFSFT(Config, tag="dfsft"):
+class DFSFT(one_role.OneRoleConfig, tag="dfsft"):
     """Knobs of diffusion-forcing SFT (spec §2.2); ``teacher_forcing`` makes it teacher-forcing SFT (§2.3).
 
     chunk_size: latent frames sharing one noise level; must be the student's block (``frames_per_block``), and the
@@ -129,20 +115,17 @@ class DFSFT(Config, tag="dfsft"):
     min_timestep_ratio / max_timestep_ratio: the grid-index window ``[int(1000 min), int(1000 max)]`` (index 0 is the
         noisiest level) the chunks draw from (:func:`index_range`).
     flow_shift: the training grid's shift (the model's, 3 for Wan; not the validation pipeline's).
-    precondition_outputs, optim, grad_accum, ema_decay / ema_start_step: as in fine-tuning (``Finetune``).
+    precondition_outputs: as in fine-tuning (``Finetune``); and the one-role knobs (optimizer, gradient accumulation,
+    EMA: ``fvx_methods.library.one_role.OneRoleConfig``).
     """
 
     roles: DFSFTRoles = DFSFTRoles()
-    optim: AdamWConfig = AdamWConfig()
     chunk_size: Annotated[int, msgspec.Meta(ge=1)] = 3
     min_timestep_ratio: Ratio = 0.0
     max_timestep_ratio: Ratio = 1.0
     teacher_forcing: bool = False
     precondition_outputs: bool = False
     flow_shift: Annotated[float, msgspec.Meta(gt=0)] = 3.0
-    grad_accum: Annotated[int, msgspec.Meta(ge=1)] = 1
-    ema_decay: float | None = None
-    ema_start_step: Annotated[int, msgspec.Meta(ge=0)] = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
@@ -153,45 +136,29 @@ class DFSFT(Config, tag="dfsft"):
         if self.max_timestep_ratio < self.min_timestep_ratio:
             raise ValueError(f"method.max_timestep_ratio = {self.max_timestep_ratio} is below "
                              f"method.min_timestep_ratio = {self.min_timestep_ratio}")
-        if self.ema_decay:
-            ema.check_decay(self.ema_decay)
-        if self.optim.lr <= 0:
-            raise ValueError(f"{self.name} needs optim.lr > 0, got {self.optim.lr}")
+        super().__post_init__()
 
     @property
     def name(self) -> str:
         return "TFSFT (teacher_forcing)" if self.teacher_forcing else "DFSFT"
 
-    def build(self, models: Mapping[str, Model], *, total_steps: int, mesh: Any = None,
+    def build(self, models: Mapping[str, Model], *, total_steps: int, ranks: role.Ranks = role.ONE_PROCESS,
               before_update: role.BeforeUpdate | None = None) -> Program:
         """The loop's program for the student's model (``models["student"]``, block-causal, blocks of
-        ``chunk_size`` frames: checked now, before any weight loads) and the run length."""
+        ``chunk_size`` frames: checked now, before any weight loads) and the run length. Validation samples the
+        student as it runs: block by block from noise on the many-step ODE, each block attending to the KV cache
+        of the clean blocks before it, at the validation's classifier-free guidance."""
         model = models[STUDENT]
         check_student(model, self)
-        group = sharding.Group() if mesh is None else sharding.group_of(mesh)
-        opt = self.optim.role(total_steps, group, ema_decay=self.ema_decay, ema_start_step=self.ema_start_step)
-        return Program(
-            model=model,
-            init=lambda run_key: finetune.init(run_key, model, opt),
-            frozen=lambda run_key: role.frozen_params(random.split(run_key)[0], {STUDENT: (model, False)}),
-            step_=lambda state, frozen, batch: step_(state, batch, model=model, config=self, opt=opt,
-                                                     base=frozen.get(STUDENT), before=before_update),
-            check=lambda batch: check_batch(batch, model, self),
-            validate=lambda state, frozen, validation_config: validate(state, validation_config, model=model,
-                                                                       base=frozen.get(STUDENT)),
-        )
+        streamed = functools.partial(streaming.draw, model.causal, sampler="ode")
+        return one_role.program(self, model, total_steps=total_steps, ranks=ranks, before_update=before_update,
+                                loss=functools.partial(loss_fn, model=model, config=self),
+                                check=lambda batch: check_batch(batch, model, self),
+                                samplers=one_role.many_step_samplers(model, draw=streamed))
 
     def sampling(self, role_name: str) -> dict | None:
         """How the student is sampled as trained (recorded on export): block-causally, block by block."""
         return {"sampler": "ode, block by block on a KV cache", "frames_per_block": self.chunk_size}
-
-    def memory_plan(self, specs: Mapping[str, Any]) -> Any:
-        """For ``--dry-run``: one trainable fp32 role with AdamW, as fine-tuning (teacher forcing's forward runs
-        over twice the tokens, which the activation estimate does not count)."""
-        from fvx import dry_run, memory  # the dry run only
-
-        return dry_run.Plan(roles=(memory.Role(STUDENT, specs[STUDENT], trainable=True, ema=bool(self.ema_decay)),),
-                            micro_batches=self.grad_accum)
 
 
 def check_student(model: Model, config: DFSFT) -> None:
@@ -212,7 +179,7 @@ def check_student(model: Model, config: DFSFT) -> None:
 def check_batch(batch: Batch, model: Model, config: DFSFT) -> None:
     """A one-line ValueError when the batch's latents do not fit the model or are not a whole number of chunks, or
     ``grad_accum`` does not divide it (once, before the first step)."""
-    finetune.check_batch(batch, model)
+    one_role.check_latents(batch, model)
     frames = batch["latents"].shape[2]
     if frames % config.chunk_size:
         chunk, rest = config.chunk_size, frames % config.chunk_size
@@ -221,18 +188,4 @@ def check_batch(batch: Batch, model: Model, config: DFSFT) -> None:
                          f"{chunk} frames: FastVideo's training mask would end on a short block, frames "
                          f"[{frames - rest}, {frames}) (its Self-Forcing rollout puts the remainder first, its causal "
                          f"sampler refuses it), fvx requires frames % chunk_size == 0 (e.g. {fix})")
-    if len(batch["sample_index"]) % config.grad_accum:
-        raise ValueError(f"method.grad_accum = {config.grad_accum} does not divide a rank's batch of "
-                         f"{len(batch['sample_index'])} samples")
-
-
-def validate(state: TrainState, config: validation.ValidationConfig, *, model: Model,
-             base: Params | None = None) -> list[validation.Sampler]:
-    """The student to sample at a validation (its EMA when kept), as it runs: block by block from noise on the
-    many-step ODE (``validation.num_steps``, ``validation.flow_shift``), each block attending to the KV cache of the
-    clean blocks before it, at the validation's classifier-free guidance (``validation.guidance_scale``)."""
-    student = state.roles[STUDENT]
-    sigmas = validation.many_step_sigmas(config.num_steps, config.flow_shift)
-    params = role.with_trained(base, student.params if student.ema is None else student.ema)
-    return [validation.Sampler("model" if student.ema is None else "model_ema", model.apply, params, sigmas,
-                               guided=True, draw=streaming.draw(model.causal, sigmas, sampler="ode"))]
+    one_role.check_grad_accum(batch, config.grad_accum)

@@ -1,15 +1,15 @@
 """DMD2 distribution-matching distillation (FastVideo's DMD2Method, spec §2.4): the student's rollout, the cadence and
-the build over the distribution-matching core (``fvx_methods.distribution_matching``: the losses and formulas).
+the build over the distribution-matching core (``fvx_methods.library.distribution_matching``: the losses and formulas).
 
 Roles (``roles`` names the experiment's model of each): the **student** (trainable, few-step), the **critic**
 (trainable, the fake score) and the **teacher** (frozen, the real score: made once by the loop in its config's
 ``frozen_dtype``, never saved, called under ``torch.no_grad``). A LoRA student or critic trains adapters on a frozen
-base; roles of one base (the teacher's architecture and weights) hold one copy of it (``fvx.role.frozen_params``).
+base; roles of one base (the teacher's architecture and weights) hold one copy of it (``fvx.core.role.frozen_params``).
 
 Rollout, per sample with ``k ~ randint[0, K)`` over the student's steps ``s_0 > ... > s_{K-1}``: ``simulate`` makes
-``k`` no-grad hops ``x <- add_noise(x0(x, s_j), eps_{j+1}, s_{j+1})`` from ``eps_0`` (hop ``j`` runs on the samples
-with ``k > j``, for as many hops as the largest ``k`` of any rank); ``data_latent`` noises the data latents to ``s_k``; then one
-graded call ``x0_gen = x0(x, s_k)``. Draws come from the global sample index (world-size invariant).
+``k`` no-grad hops ``x <- add_noise(x0(x, s_j), eps_{j+1}, s_{j+1})`` from ``eps_0`` (hop ``j`` runs on the samples with
+``k > j``, for as many hops as the largest ``k`` of any rank); ``data_latent`` noises the data latents to ``s_k``; then
+one graded call ``x0_gen = x0(x, s_k)``. Draws come from the global sample index (world-size invariant).
 
 Cadence (iteration ``i = step + 1``): the critic updates every step, the student iff ``i % generator_update_interval
 == 0`` (always when ``<= 0``), both from the params before the step; the student's EMA steps every step. Deviations
@@ -23,12 +23,13 @@ from typing import Annotated, Any, Literal, Mapping, NamedTuple
 import msgspec
 import torch
 
-from fvx import ema, flow, random, role, sharding, validation
 from fvx.config import Config
-from fvx.optim_config import AdamWConfig
-from fvx.state import Batch, Metrics, Program, TrainState, all_finite, skipped
-from fvx_methods import distribution_matching as dm
-from fvx_models.model import Cond, Model, Params, check_shared_data
+from fvx.core import ema, flow, random, role
+from fvx.core.optim_config import AdamWConfig
+from fvx.core.state import all_finite, Batch, HeldRole, Metrics, Program, skipped, TrainState
+from fvx.training import validation
+from fvx_methods.library import distribution_matching as dm
+from fvx_models.model import check_shared_data, Cond, Model, Params
 
 STUDENT, CRITIC, TEACHER = "student", "critic", "teacher"
 
@@ -40,7 +41,7 @@ Positive = Annotated[float, msgspec.Meta(gt=0)]
 
 
 def rollout(params: Params, batch: Batch, key: torch.Tensor, with_grad: bool, *, model: Model, config: DMD2,
-            group: sharding.Group = sharding.Group()) -> tuple[torch.Tensor, torch.Tensor]:
+            ranks: role.Ranks = role.ONE_PROCESS) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x0_gen [B, C, T, H, W] fp32, the graded timesteps [B])`` (module docstring). ``split(key)``: the exit
     indices ``k`` (per sample) and the noise (draw ``j`` of a sample by ``dm.per_sample_normal``). Only the last
     call records a graph, and only when ``with_grad``."""
@@ -57,7 +58,7 @@ def rollout(params: Params, batch: Batch, key: torch.Tensor, with_grad: bool, *,
         shape = sample_shape(batch, config)
         x = dm.per_sample_normal(noise_key, index, 0, shape, device)
         with torch.no_grad():
-            for j in range(sharding.dp_max(int(k.max()), group)):
+            for j in range(ranks.max(int(k.max()))):
                 hopping = torch.nonzero(j < k).squeeze(1)  # the samples not yet at their k
                 rows = hopping if len(hopping) else hopping.new_zeros(1)  # a rank with none still calls (gathers)
                 cond = {name: c[rows] for name, c in batch["cond"].items()}
@@ -102,14 +103,14 @@ def step_(state: TrainState, batch: Batch, *, roles: Roles, config: DMD2, frozen
     ``grad_norm/critic``, ``lr/critic``, ``update_student``; on student steps ``generator_loss``, ``dmd_normalizer``
     (the per-sample normalisers' mean), ``grad_norm/student``, ``lr/student``. Non-finite: nothing applied.
     ``frozen``: the teacher's params and the student's and critic's bases (when they have one)."""
-    s, group = int(state.step), roles.critic_opt.group
+    s, ranks = int(state.step), roles.critic_opt.ranks
     generator_key, critic_key = random.split(random.fold_in(state.key, state.step))
     student, critic = state.roles[STUDENT], state.roles[CRITIC]
     student_base, critic_base, teacher = frozen.get(STUDENT), frozen.get(CRITIC), frozen[TEACHER]
     score, n = config.score(), config.grad_accum
 
     def rollout_(params: Params, micro: Batch, key: torch.Tensor, with_grad: bool):
-        return rollout(params, micro, key, with_grad, model=roles.student, config=config, group=group)
+        return rollout(params, micro, key, with_grad, model=roles.student, config=config, ranks=ranks)
 
     updates = update_student(s, config.generator_update_interval)
     metrics: Metrics = {"update_student": torch.tensor(float(updates))}
@@ -120,15 +121,14 @@ def step_(state: TrainState, batch: Batch, *, roles: Roles, config: DMD2, frozen
                                         rollout=rollout_, critic=roles.critic, teacher=roles.teacher, score=score,
                                         negative=negative)
         student_measured = role.measure(roles.student_opt, student, grads)
-        metrics.update(generator_loss=sharding.dp_mean(loss, group),
-                       dmd_normalizer=sharding.dp_mean(aux["dmd_normalizer"], group),
+        metrics.update(generator_loss=ranks.mean(loss), dmd_normalizer=ranks.mean(aux["dmd_normalizer"]),
                        **role.metrics(student_measured, STUDENT))
         checked += [metrics["generator_loss"], student_measured.norm]
     (loss, _), grads = role.grads(dm.critic_loss, critic_base, critic.params, batch, n,
                                   role.with_trained(student_base, student.params), critic_key, rollout=rollout_,
                                   critic=roles.critic, score=score)
     critic_measured = role.measure(roles.critic_opt, critic, grads)
-    metrics.update(critic_loss=sharding.dp_mean(loss, group), **role.metrics(critic_measured, CRITIC))
+    metrics.update(critic_loss=ranks.mean(loss), **role.metrics(critic_measured, CRITIC))
     if not all_finite(*checked, metrics["critic_loss"], critic_measured.norm):
         return skipped(state, metrics)
     if updates:
@@ -221,19 +221,18 @@ class DMD2(Config, tag="dmd2"):
         steps, sigmas = student_schedule(self)
         return {"timesteps": steps.tolist(), "sigmas": sigmas.tolist(), "sampler": "sde (x0, re-noised)"}
 
-    def build(self, models: Mapping[str, Model], *, total_steps: int, mesh: Any = None,
+    def build(self, models: Mapping[str, Model], *, total_steps: int, ranks: role.Ranks = role.ONE_PROCESS,
               before_update: role.BeforeUpdate | None = None) -> Program:
         """The loop's Program for the role -> model mapping and a ``total_steps`` run. Latent spaces, cond and the
         negative-prompt file are checked now, so bad input fails before any weights load. On a mesh every role's
         params are local shards (the teacher's without optimizer state) and norms are global per role."""
         check_shared_data(models, data_role=STUDENT)
-        group = sharding.Group() if mesh is None else sharding.group_of(mesh)
         negative = (None if self.negative_prompt_path is None
                     else models[STUDENT].load_negative(self.negative_prompt_path, "method.negative_prompt_path"))
         roles = Roles(models[STUDENT], models[CRITIC], models[TEACHER],
-                      self.optim.role(total_steps, group, ema_decay=self.ema_decay,
+                      self.optim.role(total_steps, ranks, ema_decay=self.ema_decay,
                                       ema_start_step=self.ema_start_step),
-                      self.critic_optim.role(total_steps, group))
+                      self.critic_optim.role(total_steps, ranks))
         return Program(
             model=roles.student,
             init=lambda run_key: init(run_key, roles),
@@ -245,15 +244,11 @@ class DMD2(Config, tag="dmd2"):
                                                          negative=negative),
         )
 
-    def memory_plan(self, specs: Mapping[str, Any]) -> Any:
-        """For ``--dry-run``: trainable student (and EMA) and critic, a frozen teacher at its frozen dtype's bytes."""
-        from fvx import dry_run, memory  # the dry run only
-
-        return dry_run.Plan(roles=(memory.Role(STUDENT, specs[STUDENT], trainable=True, ema=bool(self.ema_decay)),
-                                   memory.Role(CRITIC, specs[CRITIC], trainable=True),
-                                   memory.Role(TEACHER, specs[TEACHER], trainable=False,
-                                               param_bytes=specs[TEACHER].frozen_bytes)),
-                            micro_batches=self.grad_accum)
+    def held_roles(self) -> tuple[HeldRole, ...]:
+        """What the run holds while it trains (the dry run's rows): the student (and its EMA) and the critic
+        trainable, the teacher frozen."""
+        return (HeldRole(STUDENT, trainable=True, ema=bool(self.ema_decay)), HeldRole(CRITIC, trainable=True),
+                HeldRole(TEACHER, trainable=False))
 
 
 def role_keys(run_key: torch.Tensor) -> tuple[torch.Tensor, ...]:

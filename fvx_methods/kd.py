@@ -23,28 +23,30 @@ sample and block as FastVideo does (``kd.py:900-909``); frame ``f`` of the input
 ``t_list[k[b, f]]``, the student takes one timestep per frame ``t [B, T]``, and ``sigma`` is per frame; the loss is the
 same mean. The frames must be whole blocks (FastVideo's would end on a short block; ``fvx_models.wan_causal``).
 
-Validation samples the student few-step on the ``t_list`` schedule (``sampler``: ``sde`` re-noises its x0 at each
-level, ``ode`` takes Euler steps), a causal student block by block on its KV cache. The update is ``fvx.role``'s, as
+Validation samples the student few-step on the ``t_list`` schedule (``sampler``: ``sde`` re-noises its x0 at each level,
+``ode`` takes Euler steps), a causal student block by block on its KV cache. The update is ``fvx.core.role``'s, as
 fine-tuning's; the teacher is never loaded for training (only the cache command loads it).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Annotated, Any, ClassVar, Literal, Mapping
 
 import msgspec
 import torch
 
-from fvx import ema, flow, random, role, sharding, validation
 from fvx.config import Config
-from fvx.optim_config import AdamWConfig
-from fvx.state import Batch, Metrics, Program, TrainState
+from fvx.core import flow, random, role
+from fvx.core.state import Batch, Program
+from fvx.training import validation
 from fvx_methods import trajectory_cache as cache
+from fvx_methods.library import one_role
 from fvx_models import streaming
-from fvx_models.model import Model, Params, check_shared_data
+from fvx_models.model import check_shared_data, Model, Params
 
-STUDENT, TEACHER = "student", "teacher"
+STUDENT, TEACHER = one_role.STUDENT, "teacher"
 SAMPLERS = {"sde": "sde (x0, re-noised)", "ode": "ode (Euler)"}
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
@@ -87,22 +89,6 @@ def loss_fn(params: Params, batch: Batch, key: torch.Tensor, *, model: Model, t_
     return loss, {"step_idx": drawn.float().mean()}
 
 
-# ---------------------------------------------------------------------------------------------------------- the step
-
-
-def step_(state: TrainState, batch: Batch, *, model: Model, config: KD, opt: role.RoleOptimizer,
-          base: Params | None = None, before: role.BeforeUpdate | None = None) -> tuple[TrainState, Metrics]:
-    """One optimizer step over ``config.grad_accum`` micro-batches, donating ``state`` (see fvx.state.Program).
-
-    Metrics: ``kd_loss`` (mean over micro-batches and ranks), ``kd_step_idx`` (``kd_mean_step_idx`` causal: the mean
-    t_list index drawn), ``grad_norm``, ``lr``. Non-finite: nothing applied (fvx.state.skipped).
-    """
-    return role.step_one_(state, batch, loss_fn, opt=opt, name=STUDENT, grad_accum=config.grad_accum, base=base,
-                          before=before, logged=lambda loss, aux: {"kd_loss": loss,
-                                                                   config.index_metric: aux["step_idx"]},
-                          model=model, t_list=config.t_list, frames_per_block=config.frames_per_block())
-
-
 # -------------------------------------------------------------------------------------------------------- the build
 
 
@@ -113,7 +99,7 @@ class KDRoles(Config):
     teacher: str = "teacher"
 
 
-class KD(Config, tag="kd"):
+class KD(one_role.OneRoleConfig, tag="kd"):
     """Every knob of FastVideo's KD (spec §2.9), with fvx's names.
 
     t_list: the student's timesteps, descending ints in [0, 1000] ending in 0 (e.g. ``(999, 937, 833, 624, 0)``);
@@ -125,7 +111,7 @@ class KD(Config, tag="kd"):
     teacher_guidance_scale: the teacher's CFG ``g`` (``uncond + g (cond - uncond)``; applied, unlike FastVideo's);
         ``cfg_uncond`` its unconditional cond, ``negative_prompt_path`` the cond file of ``negative_prompt``.
     sampler: how validation samples the student on ``t_list`` (``sde``: x0 re-noised; ``ode``: Euler).
-    optim, grad_accum, ema_decay / ema_start_step: as fine-tuning's.
+    and the one-role knobs (optimizer, gradient accumulation, EMA: ``fvx_methods.library.one_role.OneRoleConfig``).
     """
 
     roles: KDRoles = KDRoles()
@@ -137,10 +123,6 @@ class KD(Config, tag="kd"):
     cfg_uncond: Literal["negative_prompt", "zero", "keep"] = "negative_prompt"
     negative_prompt_path: str | None = None
     sampler: Literal["sde", "ode"] = "sde"
-    optim: AdamWConfig = AdamWConfig()
-    grad_accum: Annotated[int, msgspec.Meta(ge=1)] = 1
-    ema_decay: float | None = None
-    ema_start_step: Annotated[int, msgspec.Meta(ge=0)] = 0
 
     def __post_init__(self) -> None:
         steps = self.t_list
@@ -154,10 +136,7 @@ class KD(Config, tag="kd"):
                 and self.negative_prompt_path is None):
             raise ValueError("method.teacher_guidance_scale != 1 with cfg_uncond='negative_prompt' needs "
                              "method.negative_prompt_path (a cond file); or use cfg_uncond='zero'")
-        if self.optim.lr <= 0:
-            raise ValueError(f"KD needs method.optim.lr > 0, got {self.optim.lr}")
-        if self.ema_decay:
-            ema.check_decay(self.ema_decay)
+        super().__post_init__()
 
     index_metric: ClassVar[str] = "kd_step_idx"  # the logged mean t_list index
 
@@ -182,7 +161,7 @@ class KD(Config, tag="kd"):
         return how if block is None else {**how, "sampler": how["sampler"] + ", block by block on a KV cache",
                                           "frames_per_block": block}
 
-    def build(self, models: Mapping[str, Model], *, total_steps: int, mesh: Any = None,
+    def build(self, models: Mapping[str, Model], *, total_steps: int, ranks: role.Ranks = role.ONE_PROCESS,
               before_update: role.BeforeUpdate | None = None) -> Program:
         """The loop's program: the student trains on the cache (``Program.dataset``, checked against the teacher,
         the data and ``t_list`` when the loop opens it) read through ``Program.model`` (the student, its ``batch``
@@ -191,26 +170,15 @@ class KD(Config, tag="kd"):
         check_shared_data(models, data_role=STUDENT)
         student, teacher = models[STUDENT], models[TEACHER]
         self.check_student(student)
-        group = sharding.Group() if mesh is None else sharding.group_of(mesh)
-        opt = self.optim.role(total_steps, group, ema_decay=self.ema_decay, ema_start_step=self.ema_start_step)
         trajectory = self.trajectory()
-        return Program(
-            model=dataclasses.replace(student, batch=cached_batch),
-            init=lambda run_key: init(run_key, student, opt),
-            frozen=lambda run_key: role.frozen_params(random.split(run_key, 4)[0], {STUDENT: (student, False)}),
-            step_=lambda state, frozen, batch: step_(state, batch, model=student, config=self, opt=opt,
-                                                     base=frozen.get(STUDENT), before=before_update),
-            check=lambda batch: check_batch(batch, student, self),
-            validate=lambda state, frozen, cfg: validate(state, student, self, base=frozen.get(STUDENT)),
-            dataset=lambda source: open_cache(trajectory, teacher, source),
-        )
-
-    def memory_plan(self, specs: Mapping[str, Any]) -> Any:
-        """For ``--dry-run``: the student, trainable with AdamW (and its EMA); the teacher is not held in training."""
-        from fvx import dry_run, memory  # the dry run only
-
-        return dry_run.Plan(roles=(memory.Role(STUDENT, specs[STUDENT], trainable=True, ema=bool(self.ema_decay)),),
-                            micro_batches=self.grad_accum)
+        loss = functools.partial(loss_fn, model=student, t_list=self.t_list, frames_per_block=self.frames_per_block())
+        return one_role.program(self, student, total_steps=total_steps, ranks=ranks, before_update=before_update,
+                                loss=loss, logged=lambda loss, aux: {"kd_loss": loss,
+                                                                     self.index_metric: aux["step_idx"]},
+                                check=lambda batch: check_batch(batch, student, self),
+                                samplers=lambda params, is_ema, _: samplers(params, is_ema, student, self),
+                                data_model=dataclasses.replace(student, batch=cached_batch),
+                                dataset=lambda source: open_cache(trajectory, teacher, source))
 
 
 class KDCausal(KD, tag="kd_causal"):
@@ -239,14 +207,6 @@ def cached_batch(raw: Mapping[str, Any]) -> dict[str, Any]:
     return dict(raw)
 
 
-def init(run_key: torch.Tensor, model: Model, opt: role.RoleOptimizer) -> TrainState:
-    """Step 0: the student's params (and its frozen base) from ``split(run_key, 4)[0]``, the steps' key
-    ``split(run_key, 4)[1]`` (the cache's keys are the other two: ``trajectory_cache.cache_keys``)."""
-    params_key, steps_key = random.split(run_key, 4)[:2]
-    return TrainState(step=torch.zeros((), dtype=torch.int64), key=steps_key,
-                      roles={STUDENT: role.init(opt, model.initial_params(params_key))})
-
-
 def open_cache(trajectory: cache.Trajectory, teacher: Model, source: Any) -> cache.CacheDataset:
     """The run's data: the complete cache of this teacher, data and ODE holding the states at ``t_list[:-1]``."""
     expected = cache.for_training(cache.metadata(trajectory, cache.teacher_identity(teacher),
@@ -261,24 +221,19 @@ def check_batch(batch: Batch, model: Model, config: KD) -> None:
     if tuple(batch["trajectory"].shape) != (shape[0], k, *shape[1:]):
         raise ValueError(f"the cache's trajectories are {tuple(batch['trajectory'].shape)}, expected "
                          f"{(shape[0], k, *shape[1:])} (K = {k} states of t_list)")
-    if len(batch["sample_index"]) % config.grad_accum:
-        raise ValueError(f"method.grad_accum = {config.grad_accum} does not divide a rank's batch of "
-                         f"{len(batch['sample_index'])} samples")
+    one_role.check_grad_accum(batch, config.grad_accum)
     block = config.frames_per_block()
     if block is not None and shape[2] % block:
         raise ValueError(f"latents of {shape[2]} frames do not split into blocks of method.num_frames_per_block = "
                          f"{block}")
 
 
-def validate(state: TrainState, model: Model, config: KD, *, base: Params | None = None) -> list[validation.Sampler]:
-    """The student (its EMA when kept) sampled on the t_list schedule with ``config.sampler``, unguided; a causal
-    student block by block (``fvx_models.streaming.draw``)."""
-    student = state.roles[STUDENT]
-    params = role.with_trained(base, student.params if student.ema is None else student.ema)
+def samplers(params: Params, is_ema: bool, model: Model, config: KD) -> list[validation.Sampler]:
+    """The student (``params``: its EMA when kept) sampled on the t_list schedule with ``config.sampler``, unguided;
+    a causal student block by block (``fvx_models.streaming.draw``)."""
     sigmas = torch.tensor(config.t_list, dtype=torch.float32) / flow.NUM_TRAIN_TIMESTEPS
-    tag = "student" if student.ema is None else "student_ema"
-    return [validation.Sampler(tag, model.apply, params, sigmas, config.sampler, draw=streaming_draw(model, sigmas,
-                                                                                                   config.sampler))]
+    return [validation.Sampler("student_ema" if is_ema else "student", model.apply, params, sigmas, config.sampler,
+                               draw=streaming_draw(model, sigmas, config.sampler))]
 
 
 def streaming_draw(model: Model, sigmas: torch.Tensor, sampler: str) -> Any:

@@ -49,9 +49,12 @@ from safetensors.torch import save
 from tqdm import tqdm
 
 from fvx import config as fconfig
-from fvx import data, flow, loop, random, role, validation
-from fvx.files import write_atomic
-from fvx_models.model import Model, Params, check_shared_data
+from fvx.core import flow, random, role
+from fvx.data import datasets
+from fvx.storage import files
+from fvx.training import validation
+from fvx.training.experiment import build_models, Experiment, run_keys
+from fvx_models.model import check_shared_data, Model, Params
 
 FORMAT = 1
 METADATA, COMPLETE, SAMPLES = "metadata.json", "COMPLETE", "samples"
@@ -157,7 +160,7 @@ def read_sample(path: pathlib.Path) -> tuple[dict[str, torch.Tensor], str | None
         with safe_open(str(path), framework="pt") as handle:
             return {name: handle.get_tensor(name) for name in handle.keys()}, (handle.metadata() or {}).get("caption")
     except (SafetensorError, OSError) as error:
-        raise data.DataError(f"trajectory cache sample {str(path)!r} cannot be read: {error}") from None
+        raise datasets.DataError(f"trajectory cache sample {str(path)!r} cannot be read: {error}") from None
 
 
 def stale_temporaries(folder: pathlib.Path, indices: Sequence[int]) -> list[pathlib.Path]:
@@ -190,7 +193,7 @@ def teacher_identity(teacher: Model, params: Params | None = None) -> dict[str, 
     return identity
 
 
-def data_identity(dataset: data.Dataset, source: Any = None) -> dict[str, Any]:
+def data_identity(dataset: datasets.Dataset, source: Any = None) -> dict[str, Any]:
     """``samples`` (the count), ``rows_sha256`` (the tensors of the first rows, as the dataset reads them) and,
     given the data config, ``source`` (where the data comes from)."""
     digest = hashlib.sha256()
@@ -216,20 +219,17 @@ def metadata(trajectory: Trajectory, teacher: dict[str, Any], dataset: dict[str,
               "teacher_steps": trajectory.teacher_steps, "shift": trajectory.shift,
               "guidance": {"scale": trajectory.guidance_scale, "uncond": trajectory.cfg_uncond if guided else None,
                            "negative_prompt": trajectory.negative_prompt_path if guided else None}}
-    return json.loads(encode_json({**record, **build}))  # as the file holds it
+    return json.loads(files.json_bytes({**record, **build}))  # as the file holds it
 
 
-def first_difference(expected: Mapping[str, Any], found: Mapping[str, Any], prefix: str = "") -> str | None:
+def first_difference(expected: Mapping[str, Any], found: Mapping[str, Any]) -> str | None:
     """``"field: the cache has X, this run Y"`` for the first entry of ``expected`` that ``found`` lacks or holds
-    otherwise (nested dicts by dotted path), else None. Entries ``found`` has beyond ``expected`` are not checked."""
-    for name, value in expected.items():
-        path, there = prefix + name, found.get(name, "(missing)")
-        if isinstance(value, Mapping) and isinstance(there, Mapping):
-            inner = first_difference(value, there, path + ".")
-            if inner is not None:
-                return inner
-        elif there != value:
-            return f"{path}: the cache has {json.dumps(there)}, this run {json.dumps(value)}"
+    otherwise (nested dicts by dotted path, ``fvx.config.differences``), else None. Entries ``found`` has beyond
+    ``expected`` are not checked."""
+    for path, there, value in fconfig.differences(found, expected):
+        if value is not fconfig.MISSING:
+            shown = "(missing)" if there is fconfig.MISSING else json.dumps(there)
+            return f"{path}: the cache has {shown}, this run {json.dumps(value)}"
     return None
 
 
@@ -251,16 +251,12 @@ def read_metadata(folder: pathlib.Path) -> dict[str, Any] | None:
         raise CacheError(f"trajectory cache metadata {str(path)!r} is not valid JSON: {error}") from None
 
 
-def encode_json(record: Mapping[str, Any]) -> bytes:
-    return (json.dumps(record, indent=2) + "\n").encode()
-
-
 # ----------------------------------------------------------------------------------------------------- reading it
 
 
 class CacheDataset:
-    """A complete cache as a dataset (``fvx.data``'s protocol). ``read(indices)`` gives the batch as a method sees
-    it: ``latents [B, C, T, H, W]`` (the targets ``x0``, in the model's scale), ``trajectory [B, K, C, T, H, W]``
+    """A complete cache as a dataset (``fvx.data.datasets``'s protocol). ``read(indices)`` gives the batch as a method
+    sees it: ``latents [B, C, T, H, W]`` (the targets ``x0``, in the model's scale), ``trajectory [B, K, C, T, H, W]``
     (the states at the ``times`` asked for, in that order), ``cond`` (the cached cond tensors), ``index [B]``, and
     ``cfg_dropped`` and ``caption`` when cached. Sample ``i`` is dataset sample ``i`` of ``source``, whose
     ``sample_quality`` (the toy world's) it forwards."""
@@ -350,7 +346,7 @@ def start(folder: pathlib.Path, record: Mapping[str, Any]) -> None:
             raise CacheError(f"method.cache {str(folder)!r} is a non-empty folder without {METADATA}: not a "
                              "trajectory cache; choose another folder")
         folder.mkdir(parents=True, exist_ok=True)
-        write_atomic(folder / METADATA, encode_json(record))  # first: before the samples folder, before any sample
+        files.write_json(folder / METADATA, record)  # first: before the samples folder, before any sample
         found = record
     difference = first_difference(record, found)
     if difference is not None:
@@ -359,7 +355,7 @@ def start(folder: pathlib.Path, record: Mapping[str, Any]) -> None:
     (folder / SAMPLES).mkdir(parents=True, exist_ok=True)
 
 
-def teacher_batch(teacher: Model, dataset: data.Dataset, indices: Sequence[int]) -> dict[str, Any]:
+def teacher_batch(teacher: Model, dataset: datasets.Dataset, indices: Sequence[int]) -> dict[str, Any]:
     """Dataset rows ``indices`` as the teacher sees them (``sample_index`` = the dataset index), checked: latents
     that fit it (only their shape is used) and its cond."""
     batch = teacher.batch({**dataset.read(list(indices)), "sample_index": torch.tensor(list(indices))})
@@ -370,7 +366,7 @@ def teacher_batch(teacher: Model, dataset: data.Dataset, indices: Sequence[int])
     return batch
 
 
-def compute_group(teacher: Model, velocity: flow.ApplyFn, params: Params, dataset: data.Dataset,
+def compute_group(teacher: Model, velocity: flow.ApplyFn, params: Params, dataset: datasets.Dataset,
                   indices: Sequence[int], noise_key: torch.Tensor, trajectory: Trajectory) -> list[bytes]:
     """The files of the samples ``indices`` (one teacher batch), in order."""
     batch = teacher_batch(teacher, dataset, indices)
@@ -400,12 +396,12 @@ def build(config: Any, *, batch: int | None = None, rank: int = 0, world: int = 
         batch = (read_metadata(folder) or {}).get("batch", DEFAULT_BATCH)
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise CacheError(f"--batch must be a positive int, got {batch!r}")
-    models = loop.build_models(config)
+    models = build_models(config)
     check_shared_data(models, data_role=trajectory.teacher)
     teacher = models[trajectory.teacher]
-    method_key, data_key = loop.run_keys(config.run.seed)
+    method_key, data_key = run_keys(config.run.seed)
     teacher_key, noise_key = cache_keys(method_key)
-    dataset = data.open_dataset(config.data, data_key)
+    dataset = datasets.open_dataset(config.data, data_key)
     negative = (teacher.load_negative(trajectory.negative_prompt_path, "method.negative_prompt_path")
                 if trajectory.guidance_scale != 1.0 and trajectory.cfg_uncond == "negative_prompt" else None)
     velocity = teacher_velocity(teacher, trajectory, negative)
@@ -428,13 +424,13 @@ def build(config: Any, *, batch: int | None = None, rank: int = 0, world: int = 
                                                        trajectory)):
             if sample_path(folder, index).is_file():
                 continue
-            write_atomic(sample_path(folder, index), payload)
+            files.write_atomic(sample_path(folder, index), payload)
             written += 1
             if after_write is not None:
                 after_write(index)
     complete = all(sample_path(folder, i).is_file() for i in range(len(dataset)))
     if complete and not (folder / COMPLETE).is_file():
-        write_atomic(folder / COMPLETE, encode_json({"format": FORMAT, "samples": len(dataset)}))
+        files.write_json(folder / COMPLETE, {"format": FORMAT, "samples": len(dataset)})
     return Build(written, found, len(dataset), complete)
 
 
@@ -465,9 +461,9 @@ def resolve(experiment: str, overrides: Sequence[str]) -> Any:
         if "=" not in item:
             raise fconfig.ConfigError(f"argument {item!r} is not an override of the form dotted.field=value")
     config = fconfig.load_experiment(experiment)
-    if not isinstance(config, loop.Experiment):
+    if not isinstance(config, Experiment):
         raise fconfig.ConfigError(f"experiment file {experiment!r}: `config` is a {type(config).__qualname__}, "
-                                  "expected a subclass of fvx.loop.Experiment")
+                                  "expected a subclass of fvx.training.experiment.Experiment")
     return fconfig.apply_overrides(config, overrides)
 
 

@@ -1,13 +1,13 @@
 """The generic builder: any family's spec (``fvx_models.family.Family``) and config -> the :class:`Model` methods see.
 
 ``ModelConfig`` holds the knobs every family shares: the preset, a local diffusers folder to start from, remat, the
-compute dtype, how a frozen role is stored, and how units run (eagerly, or ``compile="blocks"``: one compiled
-function per unit group). A family's config subclasses it (adding its own knobs) and names its spec in the class
-variable ``family``. :func:`build` applies, in order and the same way to every family: the meta skeleton, remat
-(``fvx.grad.remat`` through diffusers' gradient checkpointing), sequence parallelism when the mesh has SP groups (the
-family's ``sequence_parallel``), the unit groups, sharding over a device mesh (per-unit gathers in the compute
-dtype), and compilation (``fvx.compile``), as torchtitan applies ``apply_ac``,
-``apply_compile`` and ``apply_fsdp`` to any model.
+compute dtype, how a frozen role is stored, and how units run (eagerly, or ``compile="blocks"``: one compiled function
+per unit group). A family's config subclasses it (adding its own knobs) and names its spec in the class variable
+``family``. :func:`build` applies, in order and the same way to every family: the meta skeleton, remat
+(``fvx.core.grad.remat`` through diffusers' gradient checkpointing), sequence parallelism when the mesh has SP groups
+(the family's ``sequence_parallel``), the unit groups, sharding over a device mesh (per-unit gathers in the compute
+dtype), and compilation (``fvx.distributed.compile``), as torchtitan applies ``apply_ac``, ``apply_compile`` and
+``apply_fsdp`` to any model.
 """
 from __future__ import annotations
 
@@ -20,33 +20,29 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from fvx import compile as fvx_compile
-from fvx import gather_schedule
-from fvx import grad as fvx_grad
-from fvx import memory, sharding, tree
 from fvx.config import Config
-from fvx_models import cond as fcond
-from fvx_models import diffusers_folder as dfolder
-from fvx_models import lora as flora
-from fvx_models import lora_files
-from fvx_models.family import Family, Preset, init_params
+from fvx.core import grad as fvx_grad, tree
+from fvx.distributed import compile as fvx_compile, gather_schedule, memory, processes, sharding
+from fvx.distributed.gathers import sharded_call
+from fvx_models import cond as fcond, diffusers_folder as dfolder, lora as flora, lora_files
+from fvx_models.family import Family, init_params, Preset
 from fvx_models.model import Model, Params
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class ModelConfig(Config):
-    """A model of some family: ``preset`` (an architecture of the family), ``path`` (a local diffusers pipeline root
-    or component folder to start from; None: random init from the run's keys), ``remat`` (recompute each unit's
-    activations in the backward), ``compute_dtype`` (params and activations are cast inside the call; masters stay
-    fp32), ``frozen_dtype`` (how a role that never trains stores this model: bf16 halves a teacher, except the
-    modules diffusers keeps in fp32), ``compile``: ``"none"`` runs units eagerly, ``"blocks"`` through one
-    ``torch.compile``'d function per unit group, ``"model"`` the whole forward as one graph (one process only; longer
-    to compile) (``compile_backend`` "inductor", or "aot_eager" to check numerics without codegen),
-    ``reshard_after_forward`` (on a mesh: drop each unit's gathered params after its forward and gather them again in
-    its backward, as FSDP2 does by default; False keeps every unit's full params from its forward to its backward,
-    one all-gather per unit and step fewer; under remat the backward gathers again either way), and ``lora``: train low-rank adapters on a frozen base (``fvx_models.lora``; the base is stored in ``frozen_dtype``)
-    instead of the params."""
+    """A model of some family: ``preset`` (an architecture of the family), ``path`` (a local diffusers pipeline root or
+    component folder to start from; None: random init from the run's keys), ``remat`` (recompute each unit's activations
+    in the backward), ``compute_dtype`` (params and activations are cast inside the call; masters stay fp32),
+    ``frozen_dtype`` (how a role that never trains stores this model: bf16 halves a teacher, except the modules
+    diffusers keeps in fp32), ``compile``: ``"none"`` runs units eagerly, ``"blocks"`` through one ``torch.compile``'d
+    function per unit group, ``"model"`` the whole forward as one graph (one process only; longer to compile)
+    (``compile_backend`` "inductor", or "aot_eager" to check numerics without codegen), ``reshard_after_forward`` (on a
+    mesh: drop each unit's gathered params after its forward and gather them again in its backward, as FSDP2 does by
+    default; False keeps every unit's full params from its forward to its backward, one all-gather per unit and step
+    fewer; under remat the backward gathers again either way), and ``lora``: train low-rank adapters on a frozen base
+    (``fvx_models.lora``; the base is stored in ``frozen_dtype``) instead of the params."""
 
     family: ClassVar[Family]
 
@@ -94,7 +90,7 @@ def skeleton(config: ModelConfig) -> nn.Module:
 
 
 def sequence_parallel(config: ModelConfig, module: nn.Module, group: Any) -> None:
-    """Install the family's sequence parallelism for ``group`` (an ``fvx.sequence_parallel.SPGroup``) on the
+    """Install the family's sequence parallelism for ``group`` (an ``fvx.distributed.sequence_parallel.SPGroup``) on the
     skeleton, before its units are routed (so a compiled template carries it); a ValueError when the family has none
     or the preset does not split (its heads over the group)."""
     family = config.family
@@ -192,7 +188,7 @@ def apply(config: ModelConfig, module: nn.Module, spec: fcond.Spec, params: Para
     buffers = {name: b.to(x_t.device) for name, b in module.named_buffers()}
     with contextlib.nullcontext() if family.bind is None else family.bind(module, call):
         if gathers is not None:
-            out = sharding.sharded_call(module, params, buffers, (), kwargs, gathers=gathers)
+            out = sharded_call(module, params, buffers, (), kwargs, gathers=gathers)
         else:  # a cast to a param's own dtype is free (the same tensor)
             params = {name: p.to(compute_dtypes[name]) for name, p in params.items()}
             out = (forward(params, buffers, kwargs) if forward is not None else
@@ -226,7 +222,7 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
     if config.lora is not None:
         plain = copy.deepcopy(module)
         adapted = flora.install(module, config.lora, who)
-    sequence = sharding.sequence_group(mesh)
+    sequence = processes.sequence_group(mesh)
     if sequence is not None:
         sequence_parallel(config, module, sequence)
     groups = unit_groups(family, module)
@@ -239,7 +235,7 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
     compute_dtypes = dtypes_for(module, dtype)
     layout = gathers = None
     if mesh is not None:
-        group = sharding.group_of(mesh)
+        group = processes.group_of(mesh)
         layout = sharding.plan(shapes, group.shard_size)
         gathers = gather_schedule.UnitGathers(groups, layout, group, compute_dtypes,
                                               reshard_after_forward=config.reshard_after_forward, remat=config.remat)

@@ -143,7 +143,8 @@ def _ignored_on_load(module: nn.Module, name: str) -> bool:
 
 class StoredTensor:
     """A param of a safetensors file, read on demand: :meth:`narrow` reads only the rows asked for (as fp32), so
-    ``fvx.sharding.shard`` of :class:`StoredTensor` params never holds a full param: a rank reads its slices only."""
+    ``fvx.distributed.sharding.shard`` of :class:`StoredTensor` params never holds a full param: a rank reads its slices
+    only."""
 
     dtype = torch.float32
 

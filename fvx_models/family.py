@@ -22,7 +22,8 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from fvx import memory, random
+from fvx.core import random
+from fvx.distributed import memory
 from fvx_models import cond as fcond
 from fvx_models.model import LatentSpace
 
@@ -50,12 +51,13 @@ class Family:
     components                           diffusers pipeline component -> the prefix of its params ("" for a model of
                                          one component, "transformer." and "transformer_2." for two experts)
     unit_groups                          group name -> ModuleList paths whose children are that group's units
-    activations                          group name -> what one unit saves per token (measured; fvx.memory)
+    activations                          group name -> what one unit saves per token (measured; fvx.distributed.memory)
     widths(config) -> (dim, {group: (dim, ffn_dim)})   the root's and each group's widths, for the dry run
     text_groups                          groups that run over the text tokens (a token refiner)
     cond_spec(config) -> spec            the cond tensors and their shapes (fvx_models.cond)
     cond_from_batch(config, batch)       a data batch's ``cond`` (a ValueError names a missing tensor)
-    data_keys                            the data batch's entries ``cond_from_batch`` reads (``fvx.data``'s names)
+    data_keys                            the data batch's entries ``cond_from_batch`` reads (named as
+                                         ``fvx.data.datasets`` names them)
     inputs(config, x_t, t, cond, sharded) -> kwargs   the DiT's forward arguments, inputs in the compute dtype
     output(out) -> tensor                the DiT's output as the flow velocity ``noise - x0`` (default ``out[0]``)
     zero_cond(cond) -> cond              the "zero" unconditional (default: every tensor zeroed)
@@ -72,10 +74,10 @@ class Family:
     causal(config, apply, module) -> Causal   a block-causal family's streaming functions
                                          (``fvx_models.model.Causal``) over ``apply(..., call=)``
     sequence_parallel(config, module, group)   installs Ulysses sequence parallelism on the skeleton for the
-                                         ``fvx.sequence_parallel.SPGroup`` ``group``: where the token sequence is
-                                         split and gathered, what per-token inputs (RoPE tables, timesteps) are
-                                         sliced, how self-attention runs over all tokens of the rank's heads
-                                         (None: the family refuses SP)
+                                         ``fvx.distributed.sequence_parallel.SPGroup`` ``group``: where the token
+                                         sequence is split and gathered, what per-token inputs (RoPE tables, timesteps)
+                                         are sliced, how self-attention runs over all tokens of the rank's heads (None:
+                                         the family refuses SP)
     whole_graph_refusal                  why the family's forward cannot compile as one graph (``compile=model``),
                                          e.g. data-dependent control flow; None: it can
     """

@@ -25,7 +25,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideoTransformer3DModel
 from typing_extensions import Annotated
 
-from fvx import memory
+from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder
 from fvx_models.build import ModelConfig
 from fvx_models.family import Family, Preset, require, skeleton_of

@@ -6,10 +6,11 @@ adapter params, ``<name>.lora_A.weight [r, in]`` and ``<name>.lora_B.weight [out
     y = base(x) + ((alpha / r) x A^T) B^T
 
 as an *adapter*: the low-rank path is added to the base layer's output (a forward hook, :func:`add_low_rank`), so
-autograd never forms a full weight gradient and no merged weight is kept for the backward. The adapters are ordinary params of the skeleton,
-so remat, unit groups, sharding, compute dtype and compilation apply to them as to any other; a role trains only
-them while the base is a frozen argument. Init: A as ``nn.Linear``'s default (kaiming-uniform, a = sqrt(5): U(+-1 /
-sqrt(in))), or ``gaussian`` N(0, 1/r) as PEFT's; B zeros, so an untrained adapter leaves the base's output unchanged.
+autograd never forms a full weight gradient and no merged weight is kept for the backward. The adapters are ordinary
+params of the skeleton, so remat, unit groups, sharding, compute dtype and compilation apply to them as to any other; a
+role trains only them while the base is a frozen argument. Init: A as ``nn.Linear``'s default (kaiming-uniform, a =
+sqrt(5): U(+-1 / sqrt(in))), or ``gaussian`` N(0, 1/r) as PEFT's; B zeros, so an untrained adapter leaves the base's
+output unchanged.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ import msgspec
 import torch
 from torch import nn
 
-from fvx import random
 from fvx.config import Config
+from fvx.core import random
 
 A, B = "lora_A.weight", "lora_B.weight"
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "to_q", "to_k", "to_v", "to_out", "to_qkv",

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
-Params = dict[str, torch.Tensor]  # a flat dict keyed like the diffusers state_dict, or its fvx.sharding.Shards
+Params = dict[str, torch.Tensor]  # keyed like the diffusers state_dict, or its fvx.distributed.sharding.Shards
 Cond = Mapping[str, torch.Tensor]  # the family's conditioning tensors, each with a leading batch dim
 
 
@@ -88,9 +88,9 @@ class Causal:
 class Model:
     """One architecture of a model family, as pure functions (see the module docstring for layouts).
 
-    Params are *placed*: what ``init``, ``load``, ``initial_params`` and ``base_params`` return is what ``apply``
-    takes, this rank's local shards (an ``fvx.sharding.Shards``) when the model is built on a device mesh, else whole
-    tensors. No method places or casts params itself.
+    Params are *placed*: what ``init``, ``load``, ``initial_params`` and ``base_params`` return is what ``apply`` takes,
+    this rank's local shards (an ``fvx.distributed.sharding.Shards``) when the model is built on a device mesh, else
+    whole tensors. No method places or casts params itself.
 
     init(key) -> params             the architecture's random fp32 params from an fvx key (no adapters; tests)
     load(folder) -> params          the architecture's params from a local diffusers folder (a pipeline root or the
@@ -103,9 +103,9 @@ class Model:
                                     the modules diffusers keeps in fp32), detached; ``whole_model=True``: every
                                     param of the architecture, as a frozen role (a teacher) holds it
     base_id(whole_model=)           what ``base_params`` holds, hashable (None when nothing): equal ids give equal
-                                    tensors from the same key, so roles share one copy (``fvx.role.frozen_params``)
+                                    tensors from the same key, so roles share one copy (``fvx.core.role.frozen_params``)
     apply(params, x_t, t, cond)     velocity ``[B, C, T, H, W]`` fp32, ``params`` the base and the trained params
-                                    together (``fvx.role.with_trained(base, params)``); remat, compute dtype and
+                                    together (``fvx.core.role.with_trained(base, params)``); remat, compute dtype and
                                     compilation are the config's
     batch(raw) -> batch             a data batch as methods see it: ``latents``, ``sample_index``, ... and ``cond``,
                                     the family's conditioning made from the data entries it reads (a ValueError
@@ -125,8 +125,8 @@ class Model:
                                     for diffusers' ``load_lora_weights``, ``"comfyui"``; fvx_models.lora_files);
                                     None for a model without adapters
     layout                          the shard layout on a mesh, else None
-    compile_stats                   the ``fvx.compile.CompileStats`` of the compiled units, or None
-    memory_spec()                   an ``fvx.memory.ModelSpec`` from the meta skeleton (``--dry-run``)
+    compile_stats                   the ``fvx.distributed.compile.CompileStats`` of the compiled units, or None
+    memory_spec()                   an ``fvx.distributed.memory.ModelSpec`` from the meta skeleton (``--dry-run``)
     """
 
     name: str

@@ -8,6 +8,7 @@ pipeline passes it; ``SkyReelsV2Config.fps`` chooses it.
 """
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from typing import Any, Literal, Mapping
 
@@ -16,10 +17,9 @@ from diffusers import SkyReelsV2Transformer3DModel, UniPCMultistepScheduler
 from diffusers.models.transformers.transformer_skyreels_v2 import SkyReelsV2RotaryPosEmbed
 from torch import nn
 
-from fvx_models import diffusers_folder as dfolder
-from fvx_models import wan
+from fvx_models import diffusers_folder as dfolder, wan
 from fvx_models.build import ModelConfig
-from fvx_models.family import Family, Preset, skeleton_of
+from fvx_models.family import Preset, skeleton_of
 
 _SKYREELS = {**wan._WAN, "inject_sample_info": False, "num_frame_per_block": 1}
 
@@ -65,22 +65,16 @@ def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
          "text_encoder": ("transformers", "UMT5EncoderModel"), "tokenizer": ("transformers", "AutoTokenizer")})
 
 
-SKYREELS_V2 = Family(
+SKYREELS_V2 = dataclasses.replace(
+    wan.WAN,
     name="skyreels_v2",
     presets=PRESETS,
     skeleton=lambda config: skeleton_of(SkyReelsV2Transformer3DModel, config.spec.kwargs, rebuild_rope),
-    components={"transformer": ""},
-    unit_groups={"blocks": ("blocks",)},
-    activations={"blocks": wan.BLOCK_ACTIVATIONS},
-    widths=wan.widths,
-    cond_spec=wan.text_cond_spec,
-    cond_from_batch=wan.text_cond_from_batch,
     inputs=inputs,
-    cond_defaults=wan.WAN.cond_defaults,
-    init_rules=wan.WAN.init_rules,
     pipeline_files=pipeline_files,
-    comfyui_name=wan.comfyui_name,
+    sequence_parallel=None,
 )
+"""Wan's spec with SkyReels-V2's presets, skeleton, frame-rate input and pipeline; no sequence parallelism."""
 
 
 class SkyReelsV2Config(ModelConfig, tag="skyreels_v2"):

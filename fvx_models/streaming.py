@@ -1,7 +1,7 @@
 """Autoregressive streaming sampling of a block-causal model (``Model.causal``), block by block with its KV cache.
 
 Block ``b`` starts from its slice of the noise and is denoised along the schedule (Euler ODE or re-noising SDE, as
-``fvx.flow``), every call attending to the cached context of blocks ``< b``; the clean result is then run once more
+``fvx.core.flow``), every call attending to the cached context of blocks ``< b``; the clean result is then run once more
 at ``t = context_noise`` (re-noised to that level when above 0, FastVideo's ``context_noise``) and that pass's keys
 and values become the context of the next block. Classifier-free guidance keeps a second cache for the
 unconditional branch (each branch's context is its own, as two streams of one model). Randomness: block ``b`` uses
@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fvx import flow, random
+from fvx.core import flow, random
 from fvx_models.model import Causal, Cond, Params
 
 Guidance = tuple[Callable[[Cond], Cond], float]  # (uncond(cond) -> the unconditional cond, the CFG scale)
@@ -54,7 +54,8 @@ def sample(causal: Causal, params: Params, noise: torch.Tensor, sigmas: Sequence
 
 def draw(causal: Causal, sigmas: Sequence[float] | torch.Tensor, *, sampler: str = "ode",
          context_noise: float = 0.0) -> Callable[..., torch.Tensor]:
-    """``draw(params, noise, cond, key, guidance=None) -> latents`` for ``fvx.validation.Sampler(draw=...)``."""
+    """``draw(params, noise, cond, key, guidance=None) -> latents`` for
+    ``fvx.training.validation.Sampler(draw=...)``."""
     def run(params: Params, noise: torch.Tensor, cond: Cond, key: torch.Tensor,
             guidance: Guidance | None = None) -> torch.Tensor:
         return sample(causal, params, noise, sigmas, cond, key, sampler=sampler, context_noise=context_noise,

@@ -10,25 +10,22 @@ trained on embeddings zero-padded to 512 (as diffusers' WanPipeline and FastVide
 the padded positions. Wan 2.2 TI2V-5B denoises the 48-channel latents of the Wan 2.2 VAE (16x spatial compression) and
 takes one timestep per token, as its pipeline's ``expand_timesteps``; for text-to-video every token gets the sample's.
 
-Sequence parallelism (``fvx.sequence_parallel``, :func:`sequence_parallel`): the token sequence starts after the patch
-embedding (``T H W`` flattened) and ends at ``proj_out``; the RoPE tables and per-token timesteps are sliced to the
-rank's tokens, and self-attention (:class:`UlyssesAttention`) attends over all tokens of the rank's heads.
+Sequence parallelism is ``fvx_models.wan_sequence_parallel``'s.
 """
 from __future__ import annotations
 
-import functools
 import pathlib
 from typing import Any, Mapping
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
-from diffusers.models.attention_dispatch import dispatch_attention_fn
-from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed, _get_qkv_projections
+from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 from torch import nn
 
-from fvx import memory, random
-from fvx import sequence_parallel as fsp
+from fvx.core import random
+from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder
+from fvx_models import wan_sequence_parallel
 from fvx_models.build import ModelConfig
 from fvx_models.family import Family, Preset, require, skeleton_of
 from fvx_models.model import LatentSpace
@@ -52,7 +49,7 @@ WAN22_LATENTS_STD = (0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5
                      0.5709, 0.6065, 0.6415, 0.4944, 0.5726, 1.2042, 0.5458, 1.6887,
                      0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744)
 
-WORLD_CODEC = LatentSpace(192, vae_stride=(1, 8, 8), vae="space-to-depth 8 (fvx.world)")  # exact, unnormalised
+WORLD_CODEC = LatentSpace(192, vae_stride=(1, 8, 8), vae="space-to-depth 8 (fvx.data.toy_world)")  # exact, unnormalised
 WAN21_VAE = LatentSpace(16, WAN21_LATENTS_MEAN, WAN21_LATENTS_STD, vae_stride=(4, 8, 8), vae="Wan 2.1")
 WAN22_VAE = LatentSpace(48, WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, vae_stride=(4, 16, 16), vae="Wan 2.2")
 TINY_VAE = LatentSpace(16, (0.0,) * 16, (1.0,) * 16, vae_stride=(4, 4, 4), vae="tiny Wan")  # the tiny Wan VAE's
@@ -83,7 +80,7 @@ PRESETS: dict[str, Preset] = {
                         {"flow_shift": 3.0}),
     # the tiny model in Wan 2.2 TI2V's layout: 48 channels with the 2.2 VAE's statistics, per-token timesteps
     "tiny-ti2v": Preset({**TINY, "in_channels": 48, "out_channels": 48}, WAN22_VAE, 8, TI2V),
-    # the toy video world's model (fvx.world: 48-channel space-to-depth latents of 32x32 clips, 4 text tokens)
+    # the toy video world's model (fvx.data.toy_world: 48-channel space-to-depth latents of 32x32 clips, 4 text tokens)
     "world": Preset({**TINY, "in_channels": 192, "out_channels": 192, "patch_size": (1, 1, 1),
                      "num_attention_heads": 4, "attention_head_dim": 64, "ffn_dim": 512, "num_layers": 3}, WORLD_CODEC, 4, {"flow_shift": 3.0}),
     "wan2.1-t2v-1.3b": Preset(WAN21_1_3B, WAN21_VAE, 512, {"flow_shift": 3.0}),
@@ -176,95 +173,6 @@ def comfyui_name(module: str) -> str | None:
     return None
 
 
-# ------------------------------------------------------------------------------------------- sequence parallelism
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Wan's rotary embedding of ``x [B, L, heads, head_dim]`` (diffusers' formula, in the tables' fp64)."""
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    c, s = cos[..., 0::2], sin[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * c - x2 * s
-    out[..., 1::2] = x1 * s + x2 * c
-    return out.type_as(x)
-
-
-def self_attention_heads(attn: nn.Module, hidden_states: torch.Tensor,
-                         rotary: tuple[torch.Tensor, torch.Tensor] | None,
-                         group: fsp.SPGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Wan block's self-attention q, k, v ``[B, L, heads, head_dim]``: projections, their norms, RoPE (``rotary
-    = (cos, sin)`` tables, or None) per token; under sequence parallelism one all-to-all to all tokens of the rank's
-    heads (``fvx.sequence_parallel.to_heads``, the identity without it)."""
-    query, key, value = _get_qkv_projections(attn, hidden_states, None)
-    query, key = attn.norm_q(query), attn.norm_k(key)
-    query, key, value = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, value))
-    if rotary is not None:
-        query, key = rotate(query, *rotary), rotate(key, *rotary)
-    if group.size == 1:
-        return query, key, value
-    return fsp.to_heads(torch.stack([query, key, value], dim=2), group).unbind(2)
-
-
-class UlyssesAttention:
-    """A Wan block's self-attention on this rank's tokens (diffusers' ``WanAttnProcessor`` for self-attention, which
-    has no image branch): q, k, v with their norms and RoPE per token, then one all-to-all to all tokens of the
-    rank's heads (``fvx.sequence_parallel.to_heads``), diffusers' attention as in one process, and one back."""
-
-    def __init__(self, group: fsp.SPGroup) -> None:
-        self.group = group
-
-    def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: Any = None,
-                 attention_mask: torch.Tensor | None = None, rotary_emb: Any = None) -> torch.Tensor:
-        query, key, value = self_attention_heads(attn, hidden_states, rotary_emb, self.group)
-        out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False)
-        out = fsp.to_tokens(out, self.group).flatten(2, 3).type_as(query)
-        return attn.to_out[1](attn.to_out[0](out))
-
-
-def _split_timesteps(group: fsp.SPGroup, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
-    """The DiT's forward pre-hook: per-token timesteps ``[B, L]`` become this rank's ``[B, L/P]`` (the condition
-    embedder then makes the rank's per-token modulation)."""
-    t = kwargs.get("timestep")
-    if not (isinstance(t, torch.Tensor) and t.dim() == 2):
-        return None
-    return args, {**kwargs, "timestep": fsp.split_tokens(t, group)}
-
-
-def _split_patches(group: fsp.SPGroup, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-    """The patch embedding's forward hook: ``[B, dim, T, H, W]`` -> this rank's tokens as ``[B, dim, L/P, 1, 1]``,
-    which the DiT flattens into its sequence ``[B, L/P, dim]`` as it does the whole one."""
-    return fsp.split_tokens(out.flatten(2), group, dim=2)[..., None, None]
-
-
-def _gather_output(group: fsp.SPGroup, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-    """``proj_out``'s forward hook: every rank's tokens ``[B, L, C p]``, which the DiT unpatchifies."""
-    return fsp.gather_tokens(out, group)
-
-
-def _split_rope(group: fsp.SPGroup, module: nn.Module, args: tuple, out: tuple) -> tuple:
-    """The RoPE module's forward hook: the tables ``[1, L, 1, head_dim]`` of this rank's tokens."""
-    return tuple(fsp.split_tokens(table, group).contiguous() for table in out)
-
-
-def split_token_sequence(config: ModelConfig, module: nn.Module, group: fsp.SPGroup) -> None:
-    """The hooks every Wan-layout DiT takes under sequence parallelism: the heads checked, the token sequence split
-    after the patch embedding and gathered after ``proj_out``, per-token timesteps sliced."""
-    fsp.check_heads(config.spec.kwargs["num_attention_heads"], group, f"{config.family.name}:{config.preset}")
-    module.register_forward_pre_hook(functools.partial(_split_timesteps, group), with_kwargs=True)
-    module.patch_embedding.register_forward_hook(functools.partial(_split_patches, group))
-    module.proj_out.register_forward_hook(functools.partial(_gather_output, group))
-
-
-def sequence_parallel(config: ModelConfig, module: nn.Module, group: fsp.SPGroup) -> None:
-    """Ulysses sequence parallelism on a Wan skeleton: :func:`split_token_sequence`, the RoPE tables sliced to the
-    rank's tokens, every block's self-attention :class:`UlyssesAttention`."""
-    split_token_sequence(config, module, group)
-    module.rope.register_forward_hook(functools.partial(_split_rope, group))
-    processor = UlyssesAttention(group)
-    for block in module.blocks:
-        block.attn1.set_processor(processor)
-
-
 WAN = Family(
     name="wan",
     presets=PRESETS,
@@ -280,7 +188,7 @@ WAN = Family(
     init_rules={"scale_shift_table": scale_shift_init},
     pipeline_files=pipeline_files,
     comfyui_name=comfyui_name,
-    sequence_parallel=sequence_parallel,
+    sequence_parallel=wan_sequence_parallel.sequence_parallel,
 )
 
 

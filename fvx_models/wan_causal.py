@@ -30,9 +30,8 @@ from diffusers import WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 from torch import nn
 
-from fvx import sequence_parallel as fsp
-from fvx_models import block_causal as bc
-from fvx_models import wan
+from fvx.distributed import sequence_parallel as fsp
+from fvx_models import block_causal as bc, wan, wan_sequence_parallel
 from fvx_models.build import ModelConfig
 from fvx_models.family import skeleton_of
 from fvx_models.model import Causal
@@ -141,7 +140,8 @@ class BlockCausalAttention:
     def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: Any = None,
                  attention_mask: Any = None, rotary_emb: LayerPlan | None = None) -> torch.Tensor:
         plan = rotary_emb
-        query, key, value = wan.self_attention_heads(attn, hidden_states, (plan.cos, plan.sin), self.sequence)
+        query, key, value = wan_sequence_parallel.self_attention_heads(attn, hidden_states, (plan.cos, plan.sin),
+                                                                       self.sequence)
         plan.kv = (key, value)
         if plan.cached is not None:
             key, value = torch.cat([plan.cached[0], key], dim=1), torch.cat([plan.cached[1], value], dim=1)
@@ -193,7 +193,7 @@ def _split_plan(group: fsp.SPGroup, module: nn.Module, args: tuple, plan: Plan) 
 
 def sequence_parallel(config: WanCausalConfig, module: nn.Module, group: fsp.SPGroup) -> None:
     """Ulysses sequence parallelism on the block-causal skeleton (module docstring)."""
-    wan.split_token_sequence(config, module, group)
+    wan_sequence_parallel.split_token_sequence(config, module, group)
     module.rope.register_forward_hook(functools.partial(_split_plan, group))
     module.rope.sequence = group
     processor = BlockCausalAttention(group)

@@ -13,6 +13,7 @@ exactly zero).
 """
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from typing import Any, Literal, Mapping
 
@@ -22,10 +23,9 @@ from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
 from torch import nn
 from typing_extensions import Annotated
 
-from fvx_models import diffusers_folder as dfolder
-from fvx_models import wan
+from fvx_models import diffusers_folder as dfolder, wan
 from fvx_models.build import ModelConfig
-from fvx_models.family import Family, Preset, skeleton_of
+from fvx_models.family import Preset, skeleton_of
 
 EXPERTS = ("transformer", "transformer_2")  # high noise, low noise: the pipeline's component names
 
@@ -85,23 +85,20 @@ def pipeline_files(config: Wan22MoEConfig, folder: pathlib.Path) -> None:
         boundary_ratio=config.boundary_ratio, expand_timesteps=False)
 
 
-WAN_MOE = Family(
+WAN_MOE = dataclasses.replace(
+    wan.WAN,
     name="wan_moe",
     presets=PRESETS,
     skeleton=skeleton,
     components={expert: f"{expert}." for expert in EXPERTS},
     unit_groups={"blocks": tuple(f"{expert}.blocks" for expert in EXPERTS)},
-    activations={"blocks": wan.BLOCK_ACTIVATIONS},
-    widths=wan.widths,
-    cond_spec=wan.text_cond_spec,
-    cond_from_batch=wan.text_cond_from_batch,
     inputs=inputs,
-    cond_defaults=wan.WAN.cond_defaults,
-    init_rules=wan.WAN.init_rules,
     pipeline_files=pipeline_files,
-    comfyui_name=wan.comfyui_name,
+    sequence_parallel=None,
     whole_graph_refusal="its router splits the batch between the experts by timestep (data-dependent shapes)",
 )
+"""Wan's spec with two experts: their components, one unit group of both experts' blocks, the router's inputs and
+the two-expert pipeline; no sequence parallelism."""
 
 
 class Wan22MoEConfig(ModelConfig, tag="wan_moe"):

@@ -28,8 +28,8 @@ import torch
 from diffusers import AutoencoderKLWan
 from torch import nn
 
-from fvx import random
 from fvx.config import Config
+from fvx.core import random
 from fvx_models import diffusers_folder as dfolder
 from fvx_models.wan import WAN21_LATENTS_MEAN, WAN21_LATENTS_STD
 

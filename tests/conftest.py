@@ -1,6 +1,12 @@
-"""Shared fixtures: explicit keys, and skipping of CUDA-only tests on machines without a GPU."""
+"""Shared fixtures: explicit keys, and skipping of CUDA-only tests on machines without a GPU; the test helpers
+(``tests/helpers``: worker scripts, test experiments, the family cases) importable by name."""
+import pathlib
+import sys
+
 import pytest
 import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent / "helpers"))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -25,7 +31,7 @@ def one_thread():
 @pytest.fixture
 def key():
     """A fresh fvx key per test (seed 0): tests derive every draw from it."""
-    from fvx import random
+    from fvx.core import random
 
     return random.key(0)
 
@@ -34,7 +40,7 @@ def key():
 def world_teacher(tmp_path_factory):
     """A random model of the toy world's preset, exported as a diffusers folder: the default DMD2 experiment's
     teacher (and student initialisation) in tests, instead of the trained ``runs/teacher``."""
-    from fvx import random
+    from fvx.core import random
     from fvx_models.wan import WanConfig
 
     model = WanConfig(preset="world").build()

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from fvx import config as fconfig
-from fvx import dry_run
+from fvx.training import dry_run
 
 EXPERIMENTS = sorted((pathlib.Path(__file__).resolve().parents[1] / "experiments").glob("*.py"))
 RECIPES = [f"{path}:{name}" for path in EXPERIMENTS for name in fconfig.recipes(fconfig.run_experiment(path))]

@@ -9,7 +9,7 @@ import pytest
 from msgspec import Meta
 
 from fvx import config as fconfig
-from fvx.config import ConfigError, Config, apply_overrides, describe, dump, load, load_experiment, validate
+from fvx.config import apply_overrides, Config, ConfigError, describe, dump, load, load_experiment, validate
 
 
 class Optim(Config):

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from fvx import run, tracking
+from fvx import run
+from fvx.training import tracking
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXPERIMENT = str(ROOT / "experiments" / "finetune_wan.py")
@@ -99,7 +100,7 @@ def test_bad_roles_models_and_cond_are_one_clear_error_and_write_nothing(tmp_pat
 
 
 def test_a_folder_of_another_family_is_refused_naming_its_class(tmp_path, capsys):
-    from fvx import random
+    from fvx.core import random
     from fvx_models.hunyuan_video import HunyuanVideoConfig
 
     hunyuan = HunyuanVideoConfig().build()
@@ -128,7 +129,7 @@ def test_every_experiment_trains_two_steps_and_validates(tmp_path, experiment, w
 def test_late_failures_are_found_before_anything_is_written(tmp_path, capsys):
     """Each of these used to fail after the run folder (or a step-0 validation) was written: now exit 2, one line
     naming the culprit, nothing written."""
-    from fvx import random
+    from fvx.core import random
     from fvx_models.wan import WanConfig
 
     model = WanConfig(preset="world").build()
@@ -157,8 +158,10 @@ def test_a_corrupt_sample_met_mid_run_stops_with_one_line_and_keeps_the_checkpoi
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from fvx import checkpoint, data, loop
-    from fvx.world import WorldConfig
+    from fvx.storage import checkpoint
+    from fvx.data import datasets as data
+    from fvx.training import experiment, run_folder
+    from fvx.data.toy_world import WorldConfig
 
     world = data.open_dataset(data.DataConfig(text_len=4, world=WorldConfig(num_samples=8)), random_key())
     samples = [{"latents": world.read([i])["latents"][0], "text": world.read([i])["text"][0], "caption": f"clip {i}"}
@@ -169,8 +172,8 @@ def test_a_corrupt_sample_met_mid_run_stops_with_one_line_and_keeps_the_checkpoi
     args = [EXPERIMENT, "--out", str(out), "--steps", "8", *QUICK, f"data.path={path}", "data.world=null",
             "run.checkpoint.every=1", "run.checkpoint.async_save=false", "validation.every=0"]
     config = run.resolve_config(run.parse_args(args))
-    built = loop.setup(config)
-    first = set(loop.batch_fn(config, built)(0)["index"].tolist())
+    built = experiment.setup(config)
+    first = set(experiment.batch_fn(config, built)(0)["index"].tolist())
     bad = next(i for i in range(8) if i not in first)  # met after the first step, not in the check before it
     table = pq.read_table(path)
     shapes = table.column("vae_latent_shape").to_pylist()
@@ -182,12 +185,12 @@ def test_a_corrupt_sample_met_mid_run_stops_with_one_line_and_keeps_the_checkpoi
     err = capsys.readouterr().err
     assert f"'{path}' row {bad}: vae_latent_bytes holds" in err and "checkpoints saved before are intact" in err
     assert len(err.strip().splitlines()) == 1
-    with checkpoint.Checkpoints(out / loop.CHECKPOINTS) as saved:
+    with checkpoint.Checkpoints(out / run_folder.CHECKPOINTS) as saved:
         assert saved.steps() and max(saved.steps()) < 8
 
 
 def random_key():
-    from fvx import random
+    from fvx.core import random
 
     return random.key(0)
 

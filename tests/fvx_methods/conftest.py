@@ -1,7 +1,7 @@
 """Fixtures the method tests share: the tiny Wan and its params (a test file may define its own)."""
 import pytest
 
-from fvx import random
+from fvx.core import random
 from fvx_models.wan import WanConfig
 
 

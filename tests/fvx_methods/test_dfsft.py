@@ -7,8 +7,11 @@ import pathlib
 import pytest
 import torch
 
-from fvx import checkpoint, loop, random, role, run, tracking, validation
-from fvx.optim_config import AdamWConfig
+from fvx import run
+from fvx.core import random, role
+from fvx.core.optim_config import AdamWConfig
+from fvx.storage import checkpoint
+from fvx.training import experiment, run_folder, tracking, validation
 from fvx_methods import dfsft
 from fvx_models import streaming
 from fvx_models.model import Causal
@@ -285,17 +288,17 @@ def experiment_config(name, *overrides):
 def test_each_experiment_lowers_a_fixed_key_eval_loss(name):
     """The experiment's own model, method and data: 30 steps lower the loss of a later batch at a fixed key."""
     _, config = experiment_config(name, "--steps", "30")
-    built = loop.setup(config)
+    built = experiment.setup(config)
     model, program = built.program.model, built.program
-    held_out = loop.batch_fn(config, built)(1000)
+    held_out = experiment.batch_fn(config, built)(1000)
 
     def eval_loss(state):
         params = state.roles["student"].params
         return dfsft.loss_fn(params, held_out, random.key(123), model=model, config=config.method)[0].item()
 
-    state = loop.initial_state(built)
+    state = experiment.initial_state(built)
     start = eval_loss(state)
-    batches = loop.batch_fn(config, built)
+    batches = experiment.batch_fn(config, built)
     for step in range(30):
         state, _ = program.step_(state, {}, batches(step))
     assert eval_loss(state) <= 0.7 * start  # measured: 0.55 of it
@@ -310,7 +313,7 @@ def test_each_experiment_resumes_bit_for_bit(tmp_path, name):
         assert run.main([path, "--out", str(out), "--steps", str(steps), *QUICK, *extra]) == 0
 
     def final_state(out):
-        with checkpoint.Checkpoints(out / loop.CHECKPOINTS) as saved:
+        with checkpoint.Checkpoints(out / run_folder.CHECKPOINTS) as saved:
             return checkpoint.leaves_by_name(saved.read(saved.latest(), ()))
 
     train(tmp_path / "whole", 4)

@@ -10,11 +10,12 @@ import torch
 from safetensors.torch import save_file
 
 from fvx import config as fconfig
-from fvx import flow, grad, optim, random, role, tree, validation
-from fvx.optim_config import AdamWConfig
-from fvx.state import copy
-from fvx_methods import distribution_matching as dm
+from fvx.core import flow, grad, optim, random, role, tree
+from fvx.core.optim_config import AdamWConfig
+from fvx.core.state import copy
+from fvx.training import dry_run, validation
 from fvx_methods import dmd2
+from fvx_methods.library import distribution_matching as dm
 from fvx_models.wan import WanConfig
 
 SHIFT = 3.0  # the models' training-grid shift (DMD2.flow_shift default)
@@ -212,8 +213,8 @@ def setup(models, roles, total_steps=10, **knobs):
 
 
 def test_the_step_equals_the_hand_written_sequence_bitwise(model, models, roles):
-    """Both losses from the params before the step, then per role: global norm, clip, ``optim.step_`` of
-    ``chain(clip_by_global_norm, adamw)``, and the student's EMA."""
+    """Both losses from the params before the step, then per role: global norm, clip
+    (``torch.nn.utils.clip_grad_norm_``'s scaling), ``optim.step_`` of AdamW, and the student's EMA."""
     config, program, state, frozen = setup(models, roles, ema_decay=0.5,
                                            optim=AdamWConfig(lr=1e-3, max_grad_norm=0.01, weight_decay=0.01),
                                            critic_optim=AdamWConfig(lr=2e-3, max_grad_norm=0.01))
@@ -234,10 +235,11 @@ def test_the_step_equals_the_hand_written_sequence_bitwise(model, models, roles)
     assert torch.equal(metrics["grad_norm/student"], tree.global_norm(g_grads))
     for name, params, grads, adamw in (("student", student, g_grads, config.optim),
                                        ("critic", critic, c_grads, config.critic_optim)):
-        tx = optim.chain(optim.clip_by_global_norm(0.01), adamw.build(10))
+        tx = adamw.build(10)
+        grads = role.clip_(grads, tree.global_norm(grads), 0.01)
         params, opt_state = optim.step_(tx, params, grads, tx.init(params))
         assert all(torch.equal(state.roles[name].params[n], params[n]) for n in params), name
-        assert all(torch.equal(state.roles[name].opt_state.nu[n], opt_state[1].nu[n]) for n in params), name
+        assert all(torch.equal(state.roles[name].opt_state[0].nu[n], opt_state[0].nu[n]) for n in params), name
     assert all(torch.equal(state.roles["student"].ema[n], p) for n, p in state.roles["student"].params.items())
 
 
@@ -311,13 +313,48 @@ def test_validation_samples_the_few_step_student_and_optionally_the_guided_teach
     student, teacher = program.validate(state, frozen, vconfig)
     assert (student.tag, student.sampler, student.guided) == ("student_ema", "sde", False)
     assert student.params is state.roles["student"].ema
-    torch.testing.assert_close(student.sigmas, torch.tensor([1.0, 0.75, 0.5, 0.25]))
+    torch.testing.assert_close(student.sigmas, torch.tensor([1.0, 0.75, 0.5, 0.25]))  # the shift-3 grid's levels
     assert (teacher.tag, teacher.sampler, len(teacher.sigmas), teacher.guided) == ("teacher", "ode", 3, False)
     batch = make_batch(size=1)
     x, t, cond = torch.randn(1, *SHAPE, generator=torch.Generator().manual_seed(3)), torch.tensor([500.0]), batch["cond"]
     uncond = {name: torch.zeros_like(c) for name, c in cond.items()}
     expected = flow.cfg(model.apply(roles["teacher"], x, t, cond), model.apply(roles["teacher"], x, t, uncond), 2.0)
     torch.testing.assert_close(teacher.apply(roles["teacher"], x, t, cond), expected)
+
+
+def test_validation_calls_the_student_at_its_steps_and_converts_with_the_nearest_grid_sigma(model, models, roles):
+    """The model at t = 1000, 750, 500, 250; x0 = x - sigma v and the re-noising with the level nearest t of the grid
+    at ``sampling_shift``: by default the rollout's (flow_shift 3: exactly t / 1000 for these t), with 8 FastVideo's
+    DmdDenoisingStage's (up to 2.8e-4 from t / 1000). The export's record says the same."""
+    steps = (1000, 750, 500, 250)
+    _, program, state, frozen = setup(models, roles)
+    (trained,) = program.validate(state, frozen, validation.ValidationConfig())
+    torch.testing.assert_close(trained.sigmas, torch.tensor([1.0, 0.75, 0.5, 0.25]), rtol=0, atol=0)
+    _, program, state, frozen = setup(models, roles, sampling_shift=8.0)
+    (student,) = program.validate(state, frozen, validation.ValidationConfig())
+    shift8 = [8 * u / (1 + 7 * u) for u in (1.0, 0.273, 0.111, 0.04)]  # nearest of 1000 shift8(i / 1000) to t
+    torch.testing.assert_close(student.sigmas, torch.tensor(shift8), rtol=0, atol=1e-7)
+    torch.testing.assert_close(student.sigmas, torch.stack([hand_sigma(t, 8.0) for t in steps]), rtol=0, atol=0)
+    assert 2.7e-4 < (student.sigmas - torch.tensor([1.0, 0.75, 0.5, 0.25])).abs().max() <= 2.9e-4
+    config = dmd2.DMD2(cfg_uncond="zero", sampling_shift=8.0)
+    assert config.sampling("student") == {"timesteps": [1000.0, 750.0, 500.0, 250.0],
+                                          "sigmas": student.sigmas.tolist(), "sampler": "sde (x0, re-noised)"}
+    ts, batch, key = [], make_batch(size=1), random.key(11)
+
+    def recording(params, x, t, cond):
+        ts.append(t.tolist())
+        return model.apply(params, x, t, cond)
+
+    noise = torch.randn(1, *SHAPE, generator=torch.Generator().manual_seed(5))
+    params = state.roles["student"].params
+    out = dmd2.few_step_draw(recording, *dmd2.student_schedule(config))(params, noise, batch["cond"], key)
+    assert ts == [[1000.0], [750.0], [500.0], [250.0]]
+    x, sigmas = noise, student.sigmas
+    for i, t in enumerate(steps):
+        x0 = x - sigmas[i] * model.apply(params, x, torch.tensor([float(t)]), batch["cond"])
+        if i < 3:
+            x = (1 - sigmas[i + 1]) * x0 + sigmas[i + 1] * random.normal(random.fold_in(key, i), (1, *SHAPE))
+    torch.testing.assert_close(out, x0, rtol=0, atol=1e-5)
 
 
 def test_same_seed_bit_identical_runs(models):
@@ -408,13 +445,13 @@ def test_bf16_teacher_is_bf16_but_the_fp32_kept_modules_and_guides_like_the_fp32
 
 
 def test_the_dry_run_counts_the_teacher_at_its_frozen_dtype(model):
-    from fvx import memory
+    from fvx.distributed import memory
 
     half = model.memory_spec()
     full = WanConfig(frozen_dtype="fp32").build().memory_spec()
-    bf16 = {r.name: memory.role_bytes(r, 2) for r in dmd2.DMD2().memory_plan(
+    bf16 = {r.name: memory.role_bytes(r, 2) for r in dry_run.plan_of(dmd2.DMD2().held_roles(),
         {"student": half, "critic": half, "teacher": half}).roles}
-    fp32 = {r.name: memory.role_bytes(r, 2) for r in dmd2.DMD2().memory_plan(
+    fp32 = {r.name: memory.role_bytes(r, 2) for r in dry_run.plan_of(dmd2.DMD2().held_roles(),
         {"student": half, "critic": half, "teacher": full}).roles}
     assert 2 * bf16["teacher"].params == fp32["teacher"].params == fp32["critic"].params > 0
     assert bf16["teacher"].total == bf16["teacher"].params
@@ -424,7 +461,7 @@ def test_the_dry_run_counts_the_teacher_at_its_frozen_dtype(model):
 def test_a_lora_student_and_critic_share_one_frozen_base_with_the_teacher():
     """Three roles, one base: the student's and the critic's frozen params are the teacher's tensors (same
     storage); the state holds the adapters only, the base never changes, and the dry run counts it once."""
-    from fvx import memory
+    from fvx.distributed import memory
     from fvx_models.lora import LoRAConfig
 
     student = WanConfig(preset="tiny", lora=LoRAConfig(rank=2, target_modules=("to_q", "to_v"))).build()
@@ -446,7 +483,7 @@ def test_a_lora_student_and_critic_share_one_frozen_base_with_the_teacher():
     assert all(torch.equal(frozen["teacher"][n], kept[n]) for n in kept)
 
     spec, teacher_spec = student.memory_spec(), teacher.memory_spec()
-    plan = config.memory_plan({"student": spec, "critic": spec, "teacher": teacher_spec})
+    plan = dry_run.plan_of(config.held_roles(), {"student": spec, "critic": spec, "teacher": teacher_spec})
     est = memory.estimate(plan.roles, shard_size=1, tokens=16, batch_per_rank=1)
     rows = dict(est.roles)
     assert rows["  base of student+critic = teacher"].total == 0
@@ -548,7 +585,9 @@ def test_nonfinite_step_applies_nothing(models, roles, interval):
 def test_resume_is_the_uninterrupted_run_bit_for_bit(tmp_path, world_teacher, recipe):
     """6 DMD2 steps (student on every 2nd, EMA) equal 3 steps resumed to 6: logged metrics and final state; also
     with a LoRA student and critic on the teacher's base."""
-    from fvx import checkpoint, loop, run, tracking
+    from fvx import run
+    from fvx.storage import checkpoint
+    from fvx.training import run_folder, tracking
 
     experiment = str(pathlib.Path(__file__).resolve().parents[2] / "experiments" / "dmd2.py") + recipe
     quick = ["run.progress=false", "data.batch_size=2", "validation.every=0", "method.generator_update_interval=2",
@@ -556,7 +595,7 @@ def test_resume_is_the_uninterrupted_run_bit_for_bit(tmp_path, world_teacher, re
              f"models.teacher.path={world_teacher}"]
 
     def final_state(out):
-        with checkpoint.Checkpoints(out / loop.CHECKPOINTS) as checkpoints:
+        with checkpoint.Checkpoints(out / run_folder.CHECKPOINTS) as checkpoints:
             return checkpoint.leaves_by_name(checkpoints.read(checkpoints.latest(), ()))
 
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"

@@ -4,8 +4,9 @@ import math
 import pytest
 import torch
 
-from fvx import random, role, state as fstate
-from fvx.optim_config import AdamWConfig
+from fvx.core import random, role, state as fstate
+from fvx.core.optim_config import AdamWConfig
+from fvx.training.validation import ValidationConfig
 from fvx_methods import finetune
 
 SHIFT = 3.0
@@ -151,7 +152,7 @@ def test_ema_follows_its_formula_from_its_start_step(model):
         if expected is not None:
             for k in expected:
                 torch.testing.assert_close(state.roles["student"].ema[k], expected[k], rtol=1e-6, atol=1e-7)
-    samplers = program.validate(state, {}, finetune.validation.ValidationConfig(num_steps=3))
+    samplers = program.validate(state, {}, ValidationConfig(num_steps=3))
     assert [s.tag for s in samplers] == ["model_ema"] and samplers[0].params is state.roles["student"].ema
 
 
@@ -175,7 +176,7 @@ def test_a_frozen_expert_is_a_frozen_argument_never_trained_or_saved():
     role = state.roles["student"]
     assert all(torch.equal(base[n], kept[n]) for n in kept)
     assert any(not torch.equal(role.params[n], before[n]) for n in before)
-    assert sorted(role.params) == sorted(role.opt_state.mu) == sorted(role.ema) == sorted(before)
-    (sampler,) = program.validate(state, frozen, finetune.validation.ValidationConfig(num_steps=2))
+    assert sorted(role.params) == sorted(role.opt_state[0].mu) == sorted(role.ema) == sorted(before)
+    (sampler,) = program.validate(state, frozen, ValidationConfig(num_steps=2))
     assert sorted(sampler.params) == sorted([*kept, *before])
     assert sampler.params["transformer.proj_out.weight"] is base["transformer.proj_out.weight"]

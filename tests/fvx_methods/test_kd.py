@@ -8,10 +8,12 @@ import types
 import pytest
 import torch
 
-from fvx import checkpoint, loop, random, role, run, tracking
-from fvx.optim_config import AdamWConfig
-from fvx_methods import kd
-from fvx_methods import trajectory_cache as tc
+from fvx import run
+from fvx.core import random, role
+from fvx.core.optim_config import AdamWConfig
+from fvx.storage import checkpoint
+from fvx.training import experiment, run_folder, tracking
+from fvx_methods import kd, trajectory_cache as tc
 from fvx_models.model import Causal
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -191,7 +193,7 @@ def test_the_experiment_lowers_a_fixed_key_eval_loss_and_validates(tmp_path, wor
     args = [EXPERIMENT, *tiny(world_teacher, cache), "--out", str(out), "--steps", "30", "method.optim.lr=1e-3",
             "validation.every=30", "validation.num_prompts=2", "run.checkpoint.async_save=false"]
     config = run.resolve_config(run.parse_args(args))
-    built = loop.setup(config)
+    built = experiment.setup(config)
     student = built.models["student"]
     batch = built.program.model.batch({**built.dataset.read(list(range(8))), "sample_index": torch.arange(8)})
 
@@ -199,10 +201,10 @@ def test_the_experiment_lowers_a_fixed_key_eval_loss_and_validates(tmp_path, wor
         with torch.no_grad():
             return kd.loss_fn(params, batch, random.key(123), model=student, t_list=config.method.t_list)[0].item()
 
-    start = eval_loss(loop.initial_state(built).roles["student"].params)
+    start = eval_loss(experiment.initial_state(built).roles["student"].params)
     assert run.main(args) == 0
-    with checkpoint.Checkpoints(out / loop.CHECKPOINTS) as saved:
-        final = saved.restore(saved.latest(), loop.initial_state(built))
+    with checkpoint.Checkpoints(out / run_folder.CHECKPOINTS) as saved:
+        final = saved.restore(saved.latest(), experiment.initial_state(built))
     assert eval_loss(final.roles["student"].params) < 0.7 * start
     scalars = tracking.read_scalars(out / "tb")
     assert {"kd_loss", "kd_step_idx", "grad_norm", "lr"} <= set(scalars)
@@ -214,7 +216,7 @@ def test_a_resumed_run_is_the_uninterrupted_one_bit_for_bit(tmp_path, world_teac
              "run.checkpoint.async_save=false"]
 
     def final_state(out):
-        with checkpoint.Checkpoints(out / loop.CHECKPOINTS) as saved:
+        with checkpoint.Checkpoints(out / run_folder.CHECKPOINTS) as saved:
             return checkpoint.leaves_by_name(saved.read(saved.latest(), ()))
 
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"

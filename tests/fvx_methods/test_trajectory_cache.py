@@ -14,7 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load
 
-from fvx import data, flow, loop, random, role
+from fvx.core import flow, random, role
+from fvx.data import datasets as data
+from fvx.training import experiment
 from fvx_methods import trajectory_cache as tc
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -58,9 +60,9 @@ def hand_levels(steps, shift, times):
 
 
 def teacher_of(config):
-    models = loop.build_models(config)
+    models = experiment.build_models(config)
     model = models["teacher"]
-    params = role.frozen_params(tc.cache_keys(loop.run_keys(config.run.seed)[0])[0], {"t": (model, True)})["t"]
+    params = role.frozen_params(tc.cache_keys(experiment.run_keys(config.run.seed)[0])[0], {"t": (model, True)})["t"]
     return model, params
 
 
@@ -70,10 +72,11 @@ def test_the_states_sit_exactly_at_the_t_list_times_of_the_teachers_euler_ode(tm
     torch.testing.assert_close(levels, torch.tensor(hand_levels(3, SHIFT, [999, 624])), rtol=1e-6, atol=0)
     assert [levels[p].item() for p in positions] == (torch.tensor([999, 624]) / torch.tensor(1000.0)).tolist()
     model, params = teacher_of(config)
-    dataset = data.open_dataset(config.data, loop.run_keys(config.run.seed)[1])
+    dataset = data.open_dataset(config.data, experiment.run_keys(config.run.seed)[1])
     index = 5
     batch = model.batch({**dataset.read([index]), "sample_index": torch.tensor([index])})
-    x = random.normal(random.fold_in(tc.cache_keys(loop.run_keys(config.run.seed)[0])[1], index), (192, 4, 2, 2))[None]
+    noise_key = tc.cache_keys(experiment.run_keys(config.run.seed)[0])[1]
+    x = random.normal(random.fold_in(noise_key, index), (192, 4, 2, 2))[None]
     recorded = {}
     for level, next_level in zip(levels.tolist(), levels.tolist()[1:]):
         recorded[level] = x
@@ -98,7 +101,7 @@ def test_guidance_is_applied_with_the_unconditional_cond(tmp_path, world_teacher
     build(folder, world_teacher, *extra)
     config = tc.resolve(EXPERIMENT, tiny(world_teacher, f"method.cache={folder}", *extra))
     model, params = teacher_of(config)
-    batch = model.batch({**data.open_dataset(config.data, loop.run_keys(0)[1]).read([1]),
+    batch = model.batch({**data.open_dataset(config.data, experiment.run_keys(0)[1]).read([1]),
                          "sample_index": torch.tensor([1])})
     zero = {name: torch.zeros_like(t) for name, t in batch["cond"].items()}
 
@@ -109,7 +112,7 @@ def test_guidance_is_applied_with_the_unconditional_cond(tmp_path, world_teacher
         return uncond + 3.0 * (cond - uncond)
 
     level = torch.tensor(999, dtype=torch.float32) / 1000
-    x = random.normal(random.fold_in(tc.cache_keys(loop.run_keys(0)[0])[1], 1), (192, 4, 2, 2))[None]
+    x = random.normal(random.fold_in(tc.cache_keys(experiment.run_keys(0)[0])[1], 1), (192, 4, 2, 2))[None]
     x = x + (level - 1.0) * guided(x, 1.0)
     state = x
     x0 = x + (0.0 - level) * guided(x, level.item())

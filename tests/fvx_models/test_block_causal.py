@@ -3,7 +3,7 @@ attention forms against a dense masked reference, and the cache's append/trim an
 import pytest
 import torch
 
-from fvx import random
+from fvx.core import random
 from fvx_models import block_causal as bc
 
 

@@ -8,12 +8,12 @@ import sys
 import pytest
 import torch
 
-from fvx import grad, memory, random
-from fvx.optim_config import AdamWConfig
+from fvx.core import grad, random
+from fvx.core.optim_config import AdamWConfig
+from fvx.distributed import memory
 from fvx_methods import finetune
 from fvx_models import build
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1]))
 from family_cases import CASES, FAMILIES, inputs, native_modules, raw_batch  # noqa: E402
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[2] / "bench"))

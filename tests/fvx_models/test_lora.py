@@ -2,22 +2,19 @@
 changes, fine-tuning learns on every family, the exported files load in diffusers (PEFT and ComfyUI layouts) and
 the merged folder with from_pretrained, and bad input is one clear error."""
 import math
-import sys
 
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline, WanPipeline
 from torch.func import grad
 
-from fvx import grad as fvx_grad
-from fvx import random, role
-from fvx.optim_config import AdamWConfig
+from fvx.core import grad as fvx_grad, random, role
+from fvx.core.optim_config import AdamWConfig
 from fvx_methods import finetune
 from fvx_models import lora, lora_files
 from fvx_models.hunyuan_video import HunyuanVideoConfig
 from fvx_models.wan import WanConfig
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1]))
 from family_cases import CASES, inputs, native_modules, raw_batch  # noqa: E402
 
 LORA = lora.LoRAConfig(rank=4, alpha=8.0, target_modules=("to_q", "to_k", "to_v", "to_out"))
@@ -187,7 +184,7 @@ def test_remat_and_compiled_units_give_the_adapters_the_same_gradients(tiny):
     x, t, cond = inputs(adapted, random.key(2))
     target = random.normal(random.key(3), tuple(x.shape))
 
-    def grads_of(model):  # fvx.grad: autograd outside the compiled regions (torch.func cannot remat)
+    def grads_of(model):  # fvx.core.grad: autograd outside the compiled regions (torch.func cannot remat)
         loss = lambda a: ((model.apply(role.with_trained(base, a), x, t, cond) - target) ** 2).mean()  # noqa: E731
         return fvx_grad.value_and_grad(loss)(adapters)[1]
 

@@ -10,11 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fvx import random, sharding
-from fvx_models import diffusers_folder as dfolder
-from fvx_models import wan
+from fvx.core import random
+from fvx.distributed import sharding
+from fvx_models import diffusers_folder as dfolder, wan
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import load_worker  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -11,10 +11,8 @@ import torch
 from diffusers import AutoencoderKLWan, WanTransformer3DModel
 from safetensors.torch import load_file, save_file
 
-from fvx import grad as fgrad
-from fvx import random
-from fvx_models import build, wan
-from fvx_models import diffusers_folder as dfolder
+from fvx.core import grad as fgrad, random
+from fvx_models import build, diffusers_folder as dfolder, wan
 
 TINY = wan.PRESETS["tiny"].kwargs
 

@@ -5,9 +5,8 @@ import pytest
 import torch
 from diffusers import SkyReelsV2Transformer3DModel, WanTransformer3DModel
 
-from fvx import grad, random
-from fvx_models import block_causal as bc
-from fvx_models import skyreels_v2, streaming
+from fvx.core import grad, random
+from fvx_models import block_causal as bc, skyreels_v2, streaming
 from fvx_models.wan import WanConfig
 from fvx_models.wan_causal import WanCausalConfig
 

@@ -5,9 +5,8 @@ import math
 import pytest
 import torch
 
-from fvx import random
-from fvx import state as fstate
-from fvx.optim_config import AdamWConfig
+from fvx.core import random, state as fstate
+from fvx.core.optim_config import AdamWConfig
 from fvx_methods import finetune
 from fvx_models import wan, wan_causal, wan_moe
 

@@ -7,7 +7,7 @@ import torch
 from diffusers import AutoencoderKLWan
 from safetensors.torch import load_file, save_file
 
-from fvx import random
+from fvx.core import random
 from fvx_models import wan_vae
 from fvx_models.wan_vae import WanVAEConfig
 

@@ -1,0 +1,223 @@
+"""A synthetic video world that a tiny model learns on a CPU in minutes, with a codec that decodes its latents exactly.
+
+Prompt ``p`` of ``colours x directions`` is "<colour> bars moving <direction>": bars of that colour on black,
+``width`` pixels wide and apart, across the direction of motion, drift ``speed`` pixels per frame over ``frames``
+frames of ``size x size`` pixels (``shape="square"``: one ``width``-pixel square instead); sample ``i`` has prompt
+``i mod P`` and a phase (a start position) drawn from ``fold_in(key, i)`` on a ``grid``-pixel grid. A prompt's text
+embedding is a fixed random ``[text_len, text_dim]`` matrix (``fold_in(key(seed), p)``), so the prompts
+of a run's data and of its validation agree. Videos are ``[3, T, H, W]`` in ``[-1, 1]``; latents are their
+space-to-depth rearrangement ``[3 f^2, T, H / f, W / f]`` (:class:`SpaceToDepth`, ``f = factor``): the codec is
+exact, so a decoded sample shows exactly what the model made. Because every true video of a prompt is known,
+:meth:`WorldDataset.sample_quality` scores decoded samples: the pixel MSE to the nearest true video of the prompt
+(0 for a perfect sample; pure noise scores about 0.39), and the fraction of samples that close to one that they are the
+prompted clip (sharp, moving the right way), and the fraction whose nearest true video, among all prompts', is of the
+prompt asked for.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Callable, Literal, Sequence
+
+import msgspec
+import numpy as np
+import torch
+
+from fvx.config import Config
+from fvx.core import random
+
+PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
+
+COLOURS = {"red": (1.0, -1.0, -1.0), "green": (-1.0, 1.0, -1.0), "blue": (-1.0, -1.0, 1.0), "white": (1.0, 1.0, 1.0)}
+DIRECTIONS = {"right": (0, 1), "left": (0, -1), "down": (1, 0), "up": (-1, 0)}  # (rows, columns) per frame
+HIT = 0.03  # a sample this close (pixel MSE) to a true clip of its prompt counts as a hit: blur and wrong motion miss
+
+
+class WorldConfig(Config):
+    """The world's size (see the module docstring); ``colours`` and ``directions`` name the prompts. A square needs
+    the model to agree, over all its tokens, on one place for it, which the tiny presets do not learn in a CPU
+    run's few hundred steps (docs/design.md); bars, whose phase each token can read off its neighbours, they do."""
+
+    num_samples: PositiveInt = 512
+    frames: PositiveInt = 4
+    size: PositiveInt = 16
+    width: PositiveInt = 4
+    speed: Annotated[int, msgspec.Meta(ge=0)] = 2
+    factor: PositiveInt = 8
+    grid: PositiveInt = 2
+    shape: Literal["bars", "square"] = "bars"
+    colours: tuple[str, ...] = ("red", "blue")
+    directions: tuple[str, ...] = ("right", "left", "down", "up")
+    text_len: PositiveInt = 4
+    text_dim: PositiveInt = 32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in self.colours:
+            if name not in COLOURS:
+                raise ValueError(f"data.world.colours: unknown colour {name!r}; known: {', '.join(COLOURS)}")
+        for name in self.directions:
+            if name not in DIRECTIONS:
+                raise ValueError(f"data.world.directions: unknown direction {name!r}; known: {', '.join(DIRECTIONS)}")
+        if not self.colours or not self.directions:
+            raise ValueError("data.world needs at least one colour and one direction")
+        if self.size % self.factor:
+            raise ValueError(f"data.world.size {self.size} must be a multiple of data.world.factor {self.factor}")
+        if self.shape == "square" and self.width + self.speed * (self.frames - 1) > self.size:
+            raise ValueError(f"data.world: a square of {self.width} px moving {self.speed} px per frame for "
+                             f"{self.frames} frames leaves a {self.size} px frame; make it smaller or slower")
+
+    @property
+    def prompts(self) -> list[tuple[str, str]]:
+        return [(c, d) for c in self.colours for d in self.directions]
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int, int]:
+        side = self.size // self.factor
+        return 3 * self.factor ** 2, self.frames, side, side
+
+
+def caption(config: WorldConfig, colour: str, direction: str) -> str:
+    return f"a {colour} square moving {direction}" if config.shape == "square" else f"{colour} bars moving {direction}"
+
+
+def starts(config: WorldConfig, direction: str) -> list[tuple[int, int]]:
+    """Every start on the grid: for bars each phase (an offset across them), for a square each (row, column) of its
+    top-left corner that keeps it in frame for the whole clip."""
+    dr, dc = DIRECTIONS[direction]
+    if config.shape == "bars":
+        phases = range(0, 2 * config.width, config.grid)
+        return [(p, 0) for p in phases] if dr else [(0, p) for p in phases]
+    travel = config.speed * (config.frames - 1)
+    span = config.size - config.width
+
+    def axis(step: int) -> range:
+        return range(-step * travel if step < 0 else 0, span - max(step, 0) * travel + 1, config.grid)
+
+    return [(r, c) for r in axis(dr) for c in axis(dc)]
+
+
+def render(config: WorldConfig, colour: str, direction: str, start: tuple[int, int]) -> np.ndarray:
+    """The clip ``[3, T, size, size]`` float32 in [-1, 1]: black, with the bars (or the square) from ``start``
+    moving."""
+    video = -np.ones((3, config.frames, config.size, config.size), dtype=np.float32)
+    dr, dc = DIRECTIONS[direction]
+    colour_value = np.asarray(COLOURS[colour], dtype=np.float32)[:, None]
+    if config.shape == "bars":  # across the motion, ``width`` px wide and apart, drifting
+        period, axis = 2 * config.width, np.arange(config.size)
+        for t in range(config.frames):
+            offset = (start[0] + dr * config.speed * t) if dr else (start[1] + dc * config.speed * t)
+            on = ((axis - offset) % period) < config.width
+            if dr:
+                video[:, t, on, :] = colour_value[..., None]
+            else:
+                video[:, t, :, on] = colour_value
+        return video
+    for t in range(config.frames):
+        r, c = start[0] + dr * config.speed * t, start[1] + dc * config.speed * t
+        video[:, t, r:r + config.width, c:c + config.width] = colour_value[..., None]
+    return video
+
+
+def space_to_depth(video: np.ndarray | torch.Tensor, factor: int) -> Any:
+    """``[..., 3, T, H, W] -> [..., 3 f^2, T, H / f, W / f]``: channel ``(c, i, j)`` holds pixel ``(f y + i, f x + j)``
+    of colour ``c``."""
+    *lead, ch, t, h, w = video.shape
+    x = video.reshape(*lead, ch, t, h // factor, factor, w // factor, factor)
+    n = len(lead)
+    order = (*range(n), n, n + 3, n + 5, n + 1, n + 2, n + 4)
+    x = x.transpose(order) if isinstance(x, np.ndarray) else x.permute(order)
+    return x.reshape(*lead, ch * factor * factor, t, h // factor, w // factor)
+
+
+def depth_to_space(latents: torch.Tensor, factor: int) -> torch.Tensor:
+    """The inverse of :func:`space_to_depth`: ``[B, 3 f^2, T, h, w] -> [B, 3, T, f h, f w]``."""
+    b, ch, t, h, w = latents.shape
+    x = latents.reshape(b, ch // factor ** 2, factor, factor, t, h, w).permute(0, 1, 4, 5, 2, 6, 3)
+    return x.reshape(b, ch // factor ** 2, t, h * factor, w * factor)
+
+
+class SpaceToDepth(Config, tag="space_to_depth"):
+    """The world's codec as a validation decoder (an experiment's ``vae``): ``build(key).decode(latents)``."""
+
+    factor: PositiveInt = 8
+
+    def build(self, key: torch.Tensor | None = None) -> "Codec":
+        return Codec(self.factor)
+
+
+class Codec:
+    """Exact space-to-depth: ``decode`` maps latents ``[B, 3 f^2, T, h, w]`` to videos ``[B, 3, T, f h, f w]`` in
+    [0, 1] (as a VAE decoder: ``(x / 2 + 0.5).clamp(0, 1)``)."""
+
+    def __init__(self, factor: int):
+        self.factor = factor
+
+    def encode(self, video: torch.Tensor) -> torch.Tensor:
+        return space_to_depth(video, self.factor)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return (depth_to_space(latents.float(), self.factor) / 2 + 0.5).clamp(0, 1)
+
+
+class WorldDataset:
+    """The world as a dataset (``fvx.data.datasets``'s protocol: ``len``, ``read(indices)``), plus
+    :meth:`sample_quality`."""
+
+    def __init__(self, config: WorldConfig, key: torch.Tensor, *, kind: str, collate: Callable[..., dict]):
+        self.config, self.key, self.kind, self._collate = config, key, kind, collate
+        self.prompts = config.prompts
+        text_key = random.key(config.seed)
+        self.texts = [random.normal(random.fold_in(text_key, p), (config.text_len, config.text_dim)).numpy()
+                      for p in range(len(self.prompts))]
+        self.starts = {d: starts(config, d) for d in config.directions}
+        self._references: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.config.num_samples
+
+    def sample(self, index: int) -> dict[str, Any]:
+        prompt = index % len(self.prompts)
+        colour, direction = self.prompts[prompt]
+        sample = {"text": self.texts[prompt], "caption": caption(self.config, colour, direction), "where": f"world sample {index}"}
+        if self.kind == "t2v":
+            options = self.starts[direction]
+            start = options[int(random.randint(random.fold_in(self.key, index), (), 0, len(options)))]
+            sample["latents"] = space_to_depth(render(self.config, colour, direction, start), self.config.factor)
+        return sample
+
+    def read(self, indices: Sequence[int]) -> dict[str, Any]:
+        indices = [int(i) for i in indices]
+        for i in indices:
+            if not 0 <= i < len(self):
+                raise IndexError(f"world sample {i} out of range [0, {len(self)})")
+        return self._collate([self.sample(i) for i in indices], indices)
+
+    def references(self) -> torch.Tensor:
+        """Every true clip, ``[P, S, 3, T, H, W]`` in [0, 1] (``S``: the most starts of any direction, padded by
+        repeating the first)."""
+        if self._references is None:
+            most = max(len(s) for s in self.starts.values())
+            clips = []
+            for colour, direction in self.prompts:
+                options = self.starts[direction]
+                options = options + [options[0]] * (most - len(options))
+                clips.append(np.stack([render(self.config, colour, direction, s) for s in options]))
+            self._references = torch.from_numpy(np.stack(clips)) / 2 + 0.5
+        return self._references
+
+    def sample_quality(self, videos: torch.Tensor, indices: Sequence[int]) -> dict[str, float]:
+        """For decoded samples ``[N, 3, T, H, W]`` in [0, 1] of the prompts of dataset samples ``indices``:
+        ``nearest_mse`` (mean over samples of the pixel MSE to the nearest true clip of its prompt), ``hit_rate`` (the
+        fraction of samples within :data:`HIT` of one: the prompted bars, sharp, moving the right way) and
+        ``prompt_match`` (the fraction whose nearest true clip of any prompt is of its prompt)."""
+        refs = self.references()  # [P, S, 3, T, H, W]
+        if tuple(videos.shape[1:]) != tuple(refs.shape[2:]):
+            raise ValueError(f"sample_quality: videos of shape {tuple(videos.shape[1:])} are not the world's clips "
+                             f"{tuple(refs.shape[2:])}")
+        prompts = torch.tensor([int(i) % len(self.prompts) for i in indices])
+        flat, table = videos.float().flatten(1), refs.flatten(2)  # [N, D], [P, S, D]
+        mse = ((flat ** 2).sum(-1)[:, None, None] + (table ** 2).sum(-1)[None]
+               - 2 * torch.einsum("nd,psd->nps", flat, table)) / flat.shape[1]  # [N, P, S]
+        own = mse[torch.arange(len(prompts)), prompts].min(-1).values
+        nearest_prompt = mse.min(-1).values.argmin(-1)
+        return {"nearest_mse": float(own.mean()), "hit_rate": float((own < HIT).float().mean()),
+                "prompt_match": float((nearest_prompt == prompts).float().mean())}

@@ -1,0 +1,97 @@
+"""``python -m fvx.run EXPERIMENT.py --dry-run``: will the run fit? Per-role bytes per rank and an activation estimate
+(fvx.distributed.memory) from shapes alone, before any weight is allocated.
+
+Two hooks supply what fvx cannot know: each role's model family describes its architecture (``Model.memory_spec() ->``
+``fvx.distributed.memory.ModelSpec``, param shapes read off a meta skeleton), and the method says what it holds of each
+role (``config.method.held_roles() ->`` ``fvx.core.state.HeldRole``s: which roles train, keep an EMA, or are frozen in
+their frozen dtype) and in how many micro-batches a rank's batch is differentiated (``config.method.grad_accum``).
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+from fvx.core.state import HeldRole
+from fvx.distributed import memory
+from fvx.training.experiment import build_models
+
+
+class Plan(NamedTuple):
+    """What a method tells the dry run: its roles (the first is the one the data feeds, whose latent grid the video
+    maps to), and how many micro-batches a rank's batch is differentiated in (gradient accumulation: activations are
+    those of one micro-batch)."""
+
+    roles: tuple[memory.Role, ...]
+    micro_batches: int = 1
+
+
+def plan_of(held: Sequence[HeldRole], specs: dict[str, memory.ModelSpec], micro_batches: int = 1) -> Plan:
+    """The dry run's plan of a method's held roles: a trained role at fp32 with grads and AdamW state, a frozen one
+    at its model's frozen dtype."""
+    roles = tuple(memory.Role(role.name, specs[role.name], trainable=role.trainable, ema=role.ema,
+                              **({} if role.trainable else {"param_bytes": specs[role.name].frozen_bytes}))
+                  for role in held)
+    return Plan(roles=roles, micro_batches=micro_batches)
+
+
+def parse_video(text: str) -> tuple[int, int, int]:
+    """``"81x480x832"`` -> (frames, height, width); a ValueError names a malformed value."""
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--video {text!r}: expected FRAMESxHEIGHTxWIDTH of positive integers, e.g. 81x480x832")
+    return int(parts[0]), int(parts[1]), int(parts[2])
+
+
+def estimate(plan: Plan, *, world: int, replicate: int, video: Sequence[int], global_batch: int,
+             capacity: int = memory.H200_BYTES, sp: int = 1) -> tuple[memory.Estimate, str]:
+    """(the estimate, its title) of ``plan``'s roles sharded over ``world // replicate`` ranks, each rank
+    differentiating ``global_batch // (world // sp) // micro_batches`` samples of ``video`` at a time, of whose
+    tokens it holds ``1 / sp`` under sequence parallelism (the all-to-all buffers are not counted)."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"--world must be a positive int, got {world!r}")
+    if replicate < 1 or world % replicate:
+        raise ValueError(f"replicate={replicate} must be a positive divisor of --world {world}")
+    if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1 or world % sp:
+        raise ValueError(f"--sp {sp!r} must be a positive divisor of --world {world}")
+    groups = world // sp  # data-parallel groups: each reads its own samples
+    if global_batch % groups:
+        raise ValueError(f"data.batch_size {global_batch} is not divisible by the {groups} data-parallel groups "
+                         f"(--world {world} / --sp {sp})")
+    per_rank = global_batch // groups
+    if per_rank % plan.micro_batches:
+        raise ValueError(f"a rank's batch of {per_rank} is not divisible into {plan.micro_batches} micro-batches")
+    spec = plan.roles[0].model
+    grid = memory.latent_grid(*video, vae_stride=spec.vae_stride, patch=spec.patch)
+    if grid.tokens % sp:
+        raise ValueError(f"--video {'x'.join(map(str, video))}: {grid.tokens} tokens per sample do not split over "
+                         f"--sp {sp} ranks")
+    micro = per_rank // plan.micro_batches
+    est = memory.estimate(plan.roles, shard_size=world // replicate, tokens=grid.tokens // sp, batch_per_rank=micro,
+                          capacity=capacity)
+    title = (f"{world} ranks ({replicate} replica group(s) x {world // replicate} shards), video "
+             f"{'x'.join(map(str, video))} -> latent {grid.frames}x{grid.height}x{grid.width} = {grid.tokens} tokens"
+             + (f" ({grid.tokens // sp} per rank: sequence parallel over {sp})" if sp > 1 else "")
+             + f", {micro} sample(s) per rank per forward, compute {8 * spec.compute_bytes}-bit, "
+             f"remat {'on' if spec.remat else 'off'}")
+    return est, title
+
+
+def report(config: Any, *, world: int, video: Sequence[int], replicate: int = 1, sp: int = 1,
+           device_memory_gib: float | None = None) -> str:
+    """The dry-run table of an experiment config against a device of ``device_memory_gib`` GiB (default: an H200's
+    usable memory): builds each role's model skeleton only (meta params)."""
+    if device_memory_gib is not None and not 0 < device_memory_gib < float("inf"):
+        raise ValueError(f"--device-memory must be a positive number of GiB, got {device_memory_gib}")
+    capacity = memory.H200_BYTES if device_memory_gib is None else int(device_memory_gib * memory.GIB)
+    held = getattr(config.method, "held_roles", None)
+    if held is None:
+        raise ValueError(f"--dry-run: method {type(config.method).__name__} defines no held_roles() (which roles it "
+                         "trains, keeps an EMA of, or holds frozen)")
+    models = build_models(config)
+    plan = plan_of(held(), {role: model.memory_spec() for role, model in models.items()},
+                   getattr(config.method, "grad_accum", 1))
+    est, title = estimate(plan, world=world, replicate=replicate, video=video, global_batch=config.data.batch_size,
+                          capacity=capacity, sp=sp)
+    names = ", ".join(dict.fromkeys(model.name for model in models.values()))
+    device = ("an H200 (141 GB, as CUDA reports it; --device-memory GiB for another)" if device_memory_gib is None
+              else f"a device of {device_memory_gib:g} GiB")
+    return memory.format_table(est, f"{names}: {title}") + f"\ncapacity assumed: {device}"
