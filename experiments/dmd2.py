@@ -1,10 +1,11 @@
-"""Distil a 4-step Wan student with DMD2 (FastVideo's `distribution_matching/wan/dmd2_t2v.yaml`, as an fvx experiment).
+"""Distil a few-step Wan student with DMD2 (FastVideo's `distribution_matching/wan/dmd2_t2v.yaml`, as an fvx
+experiment; its recipe's student samples in 4 steps).
 
 The default distils the teacher that `experiments/finetune_wan.py` trains on fvx's toy video world (exported to
-`runs/teacher`) into a 4-step student, on a 2-core CPU in about two minutes:
+`runs/teacher`) into a one-step student (`method.denoising_steps=[1000]`), on a 2-core CPU in about a minute:
     python -m fvx.run experiments/finetune_wan.py && python -m fvx.run export runs/finetune_wan --out runs/teacher
     python -m fvx.run experiments/dmd2.py
-The student starts as a copy of the teacher, whose own 4-step samples are blurred bars; its validation videos sharpen
+The student starts as a copy of the teacher, whose own one-step samples are blurred bars; its validation videos sharpen
 into the prompted bars and motion, and `validation/student_ema/nearest_mse` falls (the teacher's many-step samples
 are logged once, at step 0, as the target). Roles are models: `method.roles` names the model of `models` that plays
 each role (student and critic `student`, teacher `teacher`). FastVideo's recipe is the recipe `wan21_t2v_1p3b`

@@ -8,6 +8,7 @@ first prompt's bars green, and `validation/model/nearest_mse` (distance to the n
     python -m fvx.run experiments/finetune_wan_lora.py
     python -m fvx.run export runs/finetune_wan_lora --lora --format peft --out runs/lora     # diffusers/PEFT file
     python -m fvx.run export runs/finetune_wan_lora --lora --format comfyui --out runs/lora_comfyui
+    python -m fvx.run export runs/finetune_wan_lora --lora --format musubi --out runs/lora_musubi
 FastVideo's recipe is `wan21_t2v_1p3b` (Wan 2.1 T2V 1.3B, one GPU); point its paths at local folders:
     python -m fvx.run experiments/finetune_wan_lora.py:wan21_t2v_1p3b \
         models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers \

@@ -173,7 +173,8 @@ def _defines_structs(module: Any) -> bool:
 
 
 def apply_overrides(config: S, overrides: Sequence[str]) -> S:
-    """``config`` with each ``"dotted.field=value"`` applied in order, then validated as a whole.
+    """``config`` with each ``"dotted.field=value"`` applied in order (a field set twice takes the last:
+    :func:`repeated` says which), then validated as a whole.
 
     A value is parsed as JSON when it parses (``1e-5``, ``true``, ``[1, 2]``, ``null``, ``"x"``) and kept as text
     otherwise; a field that takes text but no number or bool keeps the text as written (``name=123`` gives ``"123"``).
@@ -191,6 +192,16 @@ def apply_overrides(config: S, overrides: Sequence[str]) -> S:
         return msgspec.convert(tree, type(config))
     except msgspec.ValidationError as error:
         raise ConfigError(f"{_culprit(str(error), paths, type(config))}: {error}") from None
+
+
+def repeated(overrides: Sequence[str]) -> list[str]:
+    """A line for each field that more than one override sets, saying which wins: the last, as
+    :func:`apply_overrides` applies them in order (for a command line to print, so that no choice is silent)."""
+    given: dict[str, list[str]] = {}
+    for override in overrides:
+        given.setdefault(override.partition("=")[0].strip(), []).append(override)
+    return [f"{field} is set {len(items)} times; the last, {items[-1]}, wins over {', '.join(items[:-1])}"
+            for field, items in given.items() if len(items) > 1]
 
 
 def _apply_one(tree: dict, root: mi.StructType, override: str) -> tuple[str, ...]:

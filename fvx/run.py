@@ -4,7 +4,7 @@
     python -m fvx.run EXPERIMENT.py [a.b=value ...] --dry-run [--world N] [--replicate R] [--video FxHxW]
     torchrun --nproc_per_node N -m fvx.run EXPERIMENT.py [a.b=value ...] [--replicate R] [--sp P]
     python -m fvx.run replay RUN_DIR --step N [--experiment FILE]
-    python -m fvx.run export RUN_DIR --out FOLDER [--step N] [--role ROLE] [--ema] [--lora --format F]
+    python -m fvx.run export RUN_DIR --out FOLDER [--step N] [--role ROLE] [--ema] [--lora] [--format F] [--dtype D]
 
 ``--help`` after an experiment lists its config fields with their current values. ``--resume`` continues the run in
 ``--out`` from its newest checkpoint, from checkpoint STEP there, or from a checkpoint at PATH (a checkpoint folder,
@@ -20,9 +20,12 @@ process group (gloo on CPUs, NCCL on GPUs), params are sharded over ``WORLD_SIZE
 samples, each 1/P of their video tokens (the params still shard over all ranks); the batch is split over the WORLD_SIZE
 / P data-parallel groups.
 
-Exit status: 0 done; 1 a run halted on a non-finite loss or gradient, or a replay differs from the log; 2 bad input
-(an unknown field, a wrong type, a missing file, data that does not fit the model, a missing, corrupt or mismatched
-checkpoint, a step the run does not have), reported in one line on stderr with nothing written.
+Exit status: 0 done; 1 a run stopped (a non-finite loss or gradient, a full disk, a bad sample met mid-run, a
+callback that raised), or a replay differs from the log; 2 bad input (an unknown field, a wrong type, a missing file,
+data that does not fit the model, a missing, corrupt or mismatched checkpoint, a step the run does not have),
+reported in one line on stderr with nothing written. Under torchrun every worker exits with its status and rank 0
+prints the line; torchrun then prints its own ``ChildFailedError`` traceback and a failure summary whose root cause is
+that line (each rank's error file holds it), and exits 1 itself.
 """
 from __future__ import annotations
 
@@ -43,14 +46,15 @@ from fvx.data import datasets
 from fvx.distributed import processes, sequence_parallel
 from fvx.storage import checkpoint
 from fvx.training import callbacks as fcallbacks, dry_run, experiment, export, loop, replay, resume, run_folder
-from fvx.training import tracking
+from fvx.training import run_lock, tracking
 from fvx.training.interrupts import Interrupted
 
 USAGE = ("python -m fvx.run EXPERIMENT.py [a.b.c=value ...] [--out DIR] [--steps N] "
          "[--resume [latest|auto|STEP|PATH]] [--replicate R] [--sp P] [--help]\n"
          "       python -m fvx.run EXPERIMENT.py [a.b.c=value ...] --dry-run [--world N] [--replicate R] [--video FxHxW]\n"
          "       python -m fvx.run replay RUN_DIR --step N [--experiment FILE]\n"
-         "       python -m fvx.run export RUN_DIR --out FOLDER [--step N] [--role ROLE] [--ema] [--lora --format F]")
+         "       python -m fvx.run export RUN_DIR --out FOLDER [--step N] [--role ROLE] [--ema] [--lora] [--format F]\n"
+         "                                [--dtype D]")
 BAD_INPUT = (fconfig.ConfigError, ValueError, FileNotFoundError)
 AUTO = "auto"  # --resume auto
 
@@ -68,7 +72,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                              "requeued job)")
     parser.add_argument("--dry-run", action="store_true", help="print the memory estimate per rank and exit")
     parser.add_argument("--world", type=int, help="--dry-run: the number of ranks (default: this launch's)")
-    parser.add_argument("--video", default="81x480x832", help="--dry-run: FRAMESxHEIGHTxWIDTH in pixels")
+    parser.add_argument("--video", help="--dry-run: FRAMESxHEIGHTxWIDTH in pixels (default: the experiment's data)")
     parser.add_argument("--device-memory", type=float, help="--dry-run: GiB per device (default: an H200's)")
     parser.add_argument("--replicate", type=int, default=1, help="HSDP replica groups (params shard over the rest)")
     parser.add_argument("--sp", type=int, default=1,
@@ -88,10 +92,13 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
     for item in overrides:
         if "=" not in item:
             raise fconfig.ConfigError(f"argument {item!r} is not an override of the form dotted.field=value")
-    if args.out is not None:
-        overrides.append(f"run.output_dir={args.out}")
-    if args.steps is not None:
-        overrides.append(f"run.steps={args.steps}")
+    for flag, value, field in (("--out", args.out, "run.output_dir"), ("--steps", args.steps, "run.steps")):
+        if value is None:
+            continue
+        given = [item for item in overrides if item.partition("=")[0].strip() == field]
+        if given:
+            raise fconfig.ConfigError(f"{flag} {value} and {given[0]} both set {field}: give one")
+        overrides.append(f"{field}={value}")
     return overrides
 
 
@@ -115,8 +122,15 @@ def print_fields(config: fconfig.Config, experiment_file: str) -> None:
         print(f"  {path:<{width}}  {value!r}  ({type_name})")
 
 
-def _error(error: BaseException) -> int:
-    print(f"fvx.run: error: {error}", file=sys.stderr)
+def _error(error: BaseException, rank: int = 0) -> int:
+    """Bad input: one line on stderr (rank 0's), exit status 2. Under torchrun each rank also leaves the line in its
+    error file, which torchrun's failure summary shows as the root cause instead of a traceback hint."""
+    line = f"fvx.run: error: {error}"
+    if rank == 0:
+        print(line, file=sys.stderr)
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        record = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}
+        pathlib.Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps({"message": record}))
     return 2
 
 
@@ -130,9 +144,16 @@ def train_main(argv: Sequence[str]) -> int:
         if args.help:
             print_fields(config, args.experiment)
             return 0
+        if int(os.environ.get("RANK", "0")) == 0:
+            for line in fconfig.repeated(overrides_of(args)):
+                print(f"note: {line}", file=sys.stderr)
         if args.dry_run:
+            if args.resume is not None:
+                raise ValueError("--dry-run estimates a run before it starts from its config; it takes no --resume "
+                                 "(drop --resume: the config and the memory are the same)")
             world = args.world if args.world is not None else int(os.environ.get("WORLD_SIZE", "1"))
-            print(dry_run.report(config, world=world, video=dry_run.parse_video(args.video), replicate=args.replicate,
+            video = None if args.video is None else dry_run.parse_video(args.video)
+            print(dry_run.report(config, world=world, video=video, replicate=args.replicate,
                                  sp=args.sp, device_memory_gib=args.device_memory))
             return 0
         d = processes.init_distributed()
@@ -167,7 +188,7 @@ def train_here(args: argparse.Namespace, config: fconfig.Config, d: processes.Di
         launch = run_folder.Launch(experiment=str(pathlib.Path(args.experiment).absolute()),
                              overrides=tuple(overrides_of(args)))
     except BAD_INPUT as error:
-        return _error(error) if d.rank == 0 else 2
+        return _error(error, d.rank)
     if args.replicate != 1 and d.world == 1:
         say(f"note: --replicate {args.replicate} has no effect in a single process (it groups the ranks of a "
             "torchrun launch)", file=sys.stderr)
@@ -197,6 +218,8 @@ def train_here(args: argparse.Namespace, config: fconfig.Config, d: processes.Di
         say(f"fvx.run: the run stopped: {error} (checkpoints saved before are intact; fix or drop the sample and "
             "continue with --resume)", file=sys.stderr)
         return 1
+    except run_lock.RunLockError as error:  # another run took the folder since this one checked it
+        return _error(error, d.rank)
     except fcallbacks.CallbackError as error:
         say(f"fvx.run: the run stopped: {error} (checkpoints saved before it are intact; continue with --resume)",
             file=sys.stderr)
@@ -257,7 +280,8 @@ def replay_main(argv: Sequence[str]) -> int:
 
 def export_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m fvx.run export", description=(
-        "Write a trained role of a run as a diffusers folder (transformer/ loadable by from_pretrained)."))
+        "Write a trained role of a run as a diffusers folder (transformer/ loadable by from_pretrained), in the "
+        "original layout ComfyUI loads, or a LoRA role's adapters as PEFT, ComfyUI or musubi-tuner files."))
     parser.add_argument("run_dir", help="the run folder")
     parser.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
     parser.add_argument("--step", type=int, help="the checkpoint to export (default: the newest)")
@@ -267,40 +291,46 @@ def export_main(argv: Sequence[str]) -> int:
                                        "text encoder, tokenizer) are linked in, so the folder loads as a pipeline")
     parser.add_argument("--lora", action="store_true", help="export a LoRA role's adapters (without it, a LoRA role "
                                                             "exports with its adapters merged into the weights)")
-    parser.add_argument("--format", choices=export.LORA_FORMATS, help=(
-        "with --lora: peft, the default (pytorch_lora_weights.safetensors for diffusers' load_lora_weights), "
-        "comfyui (ComfyUI's "
-        "key layout with .alpha) or merged (a diffusers folder of W + (alpha/r) B A)"))
+    parser.add_argument("--format", help=(
+        "whole weights: diffusers (the default; a pipeline folder) or comfyui (one file in the model's original "
+        "layout, for ComfyUI's Load Diffusion Model; Wan families); with --lora: peft (the default; "
+        "pytorch_lora_weights.safetensors for diffusers' load_lora_weights), comfyui (lora_down/lora_up/alpha under "
+        "the original module names) or musubi (musubi-tuner's lora_unet_ keys)"))
+    parser.add_argument("--dtype", help="whole weights: write every param in fp32 or bf16 (default: the trained "
+                                        "params as trained, fp32; a LoRA's merged base as the base folder stores it)")
     args = parser.parse_args(argv)
-    if args.format is not None and not args.lora:
-        return _error(ValueError(f"export --format {args.format} is for adapters: add --lora"))
-    args.format = args.format or "peft"
     try:
         done = export.export(args.run_dir, args.out, step=args.step, role=args.role, ema=args.ema, base=args.base,
-                             lora=args.format if args.lora else None)
+                             adapters=args.lora, form=args.format, dtype=args.dtype)
     except BAD_INPUT as error:
         return _error(error)
-    if args.lora and args.format != "merged":
-        what = "EMA adapters" if done.ema else "adapters"
-        print(f"exported the {what} of role {done.role!r} at step {done.step} to {done.folder} as {args.format}: "
-              f"{', '.join(done.components)}")
-        if args.format == "peft":
-            print(f"load them with pipe.load_lora_weights({str(done.folder)!r}) on the base pipeline")
-        return 0
-    what = "EMA params" if done.ema else "params"
-    print(f"exported the {what} of role {done.role!r} at step {done.step} to {done.folder} "
-          f"({', '.join(done.components)}, model_index.json, scheduler/)")
-    missing = export.missing_components(done.folder)
-    if args.base is not None:
-        print(f"linked from {args.base}: the other components; DiffusionPipeline.from_pretrained({str(done.folder)!r}) "
-              "loads the whole pipeline")
-    elif missing:
-        print(f"note: fvx trains transformers only: {', '.join(missing)} are not in it; load it with "
-              f"from_pretrained({str(done.folder)!r}, " + ", ".join(f"{m}=None" for m in missing)
-              + ") or pass them, or export again with --base /path/to/the/base/pipeline")
+    what = ("EMA " if done.ema else "") + ("adapters" if args.lora else "params")
+    what += " (its adapters merged into the base)" if done.merged else ""
+    names = ", ".join(path.name for path in done.files.values())
+    stored = "" if args.lora else f" in {' and '.join(done.dtypes)}"
+    if args.lora or args.format == "comfyui":
+        print(f"exported the {what} of role {done.role!r} at step {done.step} to {done.folder}{stored}: {names}")
+        for line in done.how_to_load:
+            print(f"load: {line}")
+    else:
+        print(f"exported the {what} of role {done.role!r} at step {done.step} to {done.folder}{stored} "
+              f"({names}, model_index.json, scheduler/)")
+        _print_pipeline_note(done.folder, args.base)
     if done.sampling is not None:
         print(f"sample it as trained: {json.dumps(done.sampling)} (recorded in {export.MANIFEST})")
     return 0
+
+
+def _print_pipeline_note(folder: pathlib.Path, base: str | None) -> None:
+    """How the exported diffusers folder loads as a pipeline: linked to ``base``, or with the components it lacks."""
+    missing = export.missing_components(folder)
+    if base is not None:
+        print(f"linked from {base}: the other components; DiffusionPipeline.from_pretrained({str(folder)!r}) loads the "
+              "whole pipeline")
+    elif missing:
+        print(f"note: fvx trains transformers only: {', '.join(missing)} are not in it; load it with "
+              f"from_pretrained({str(folder)!r}, " + ", ".join(f"{m}=None" for m in missing)
+              + ") or pass them, or export again with --base /path/to/the/base/pipeline")
 
 
 COMMANDS = {"replay": replay_main, "export": export_main}

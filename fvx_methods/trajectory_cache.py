@@ -114,15 +114,18 @@ def ode_levels(trajectory: Trajectory) -> tuple[torch.Tensor, list[int]]:
 
 
 def integrate(velocity: flow.ApplyFn, params: Params, noise: torch.Tensor, cond: Any, levels: torch.Tensor,
-              positions: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+              positions: Sequence[int],
+              on_step: Callable[[float], None] = lambda fraction: None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(states [B, S, C, T, H, W], x0 [B, C, T, H, W])`` fp32: Euler from ``noise`` (at ``levels[0]``) down the
-    ``levels``, the state before the step from ``levels[positions[s]]`` recorded as ``states[:, s]``, and the end."""
+    ``levels``, the state before the step from ``levels[positions[s]]`` recorded as ``states[:, s]``, and the end;
+    ``on_step(fraction)`` after each step (the fraction of the ODE it took)."""
     x, states = noise.float(), {}
     for i in range(len(levels) - 1):
         if i in positions:
             states[i] = x
         v = velocity(params, x, flow.to_timestep(levels[i]).expand(x.shape[0]).to(x.device), cond)
         x = x + (levels[i + 1] - levels[i]).to(x.device) * v.float()
+        on_step(1 / (len(levels) - 1))
     return torch.stack([states[i] for i in positions], dim=1), x
 
 
@@ -285,6 +288,9 @@ class CacheDataset:
             batch["caption"] = [caption for _, caption in samples]
         return batch
 
+    def where(self, index: int) -> str:
+        return f"{str(sample_path(self.folder, index))!r}"
+
 
 def open_cache(folder: str | os.PathLike, expected: Mapping[str, Any], times: Sequence[int],
                source: Any = None) -> CacheDataset:
@@ -367,15 +373,16 @@ def teacher_batch(teacher: Model, dataset: datasets.Dataset, indices: Sequence[i
 
 
 def compute_group(teacher: Model, velocity: flow.ApplyFn, params: Params, dataset: datasets.Dataset,
-                  indices: Sequence[int], noise_key: torch.Tensor, trajectory: Trajectory) -> list[bytes]:
-    """The files of the samples ``indices`` (one teacher batch), in order."""
+                  indices: Sequence[int], noise_key: torch.Tensor, trajectory: Trajectory,
+                  on_step: Callable[[float], None] = lambda fraction: None) -> list[bytes]:
+    """The files of the samples ``indices`` (one teacher batch), in order; ``on_step`` as :func:`integrate`'s."""
     batch = teacher_batch(teacher, dataset, indices)
     device = next(iter(params.values())).device
     levels, positions = ode_levels(trajectory)
     noise = sample_noise(noise_key, batch["sample_index"], batch["latents"].shape[1:], device)
     cond = {name: t.to(device) for name, t in batch["cond"].items()}
     with torch.no_grad():
-        states, x0 = integrate(velocity, params, noise, cond, levels, positions)
+        states, x0 = integrate(velocity, params, noise, cond, levels, positions, on_step)
     captions = batch.get("caption") or [None] * len(indices)
     dropped = batch.get("cfg_dropped")
     return [encode_sample(states[row], trajectory.times, x0[row], {n: t[row] for n, t in cond.items()},
@@ -419,19 +426,32 @@ def build(config: Any, *, batch: int | None = None, rank: int = 0, world: int = 
     found = sum(sample_path(folder, i).is_file() for i in mine)
     written = 0
     todo = [g for g in groups if not all(sample_path(folder, i).is_file() for i in g)]
-    for group in tqdm(todo, desc="teacher ODE", unit="group", disable=not progress):
-        for index, payload in zip(group, compute_group(teacher, velocity, params, dataset, group, noise_key,
-                                                       trajectory)):
-            if sample_path(folder, index).is_file():
-                continue
-            files.write_atomic(sample_path(folder, index), payload)
-            written += 1
-            if after_write is not None:
-                after_write(index)
+    with _progress(sum(map(len, todo)), progress) as bar:
+        for group in todo:
+            payloads = compute_group(teacher, velocity, params, dataset, group, noise_key, trajectory,
+                                     on_step=lambda fraction, n=len(group): bar.update(n * fraction))
+            for index, payload in zip(group, payloads):
+                if sample_path(folder, index).is_file():
+                    continue
+                files.write_atomic(sample_path(folder, index), payload)
+                written += 1
+                if after_write is not None:
+                    after_write(index)
     complete = all(sample_path(folder, i).is_file() for i in range(len(dataset)))
     if complete and not (folder / COMPLETE).is_file():
         files.write_json(folder / COMPLETE, {"format": FORMAT, "samples": len(dataset)})
     return Build(written, found, len(dataset), complete)
+
+
+def _progress(samples: int, show: bool) -> tqdm:
+    """The build's progress in samples (moving with every ODE step), their rate and what is left, when ``show``: a bar
+    on a terminal, a line about every 30 s in a log."""
+    shown = dict(total=samples, desc="teacher ODE", unit="sample",
+                 bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total} samples [{elapsed}<{remaining}, "
+                            "{rate_fmt}]")  # whole samples done, though the bar moves with each ODE step
+    if not show or sys.stderr.isatty():
+        return tqdm(**shown, dynamic_ncols=True, disable=not show)
+    return tqdm(**shown, mininterval=30, ncols=100, ascii=True, file=sys.stdout)
 
 
 # ------------------------------------------------------------------------------------------------- the command line
@@ -474,7 +494,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     began = time.perf_counter()
     try:
         config = resolve(args.experiment, args.overrides)
-        done = build(config, batch=args.batch, rank=rank, world=world, progress=sys.stderr.isatty())
+        for line in fconfig.repeated(args.overrides) if rank == 0 else ():
+            print(f"note: {line}", file=sys.stderr)
+        done = build(config, batch=args.batch, rank=rank, world=world, progress=True)
     except BAD_INPUT as error:
         print(f"{COMMAND}: error: {error}", file=sys.stderr)
         return 2

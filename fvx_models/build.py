@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import pathlib
 from typing import Any, Callable, ClassVar, Hashable, Literal, Mapping
 
 import torch
@@ -24,9 +25,9 @@ from fvx.config import Config
 from fvx.core import grad as fvx_grad, tree
 from fvx.distributed import compile as fvx_compile, gather_schedule, memory, processes, sharding
 from fvx.distributed.gathers import sharded_call
-from fvx_models import cond as fcond, diffusers_folder as dfolder, lora as flora, lora_files
+from fvx_models import cond as fcond, diffusers_folder as dfolder, lora as flora, lora_files, original_layout
 from fvx_models.family import Family, init_params, Preset
-from fvx_models.model import Model, Params
+from fvx_models.model import Model, Params, Written
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -129,6 +130,19 @@ def dtypes_for(module: nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
     """Per param, the dtype it is stored or computed in under ``dtype``: fp32 for the params diffusers keeps in fp32."""
     kept = fp32_kept(module)
     return {name: torch.float32 if name in kept else dtype for name, _ in module.named_parameters()}
+
+
+def export_dtypes(config: ModelConfig, module: nn.Module, trained: frozenset[str],
+                  dtype: str | None) -> Callable[[str], torch.dtype | None]:
+    """How an export stores each param: in ``dtype`` when given (but the params diffusers keeps in fp32); else the
+    ``trained`` params as trained (fp32 masters) and the others (a LoRA's merged base, a frozen expert) in the dtype
+    the base folder ``config.path`` stores them in (fp32 for a base the run drew)."""
+    if dtype is not None:
+        kept = fp32_kept(module)
+        return lambda name: torch.float32 if name in kept else DTYPES[dtype]
+    stored = ({} if config.path is None else
+              dfolder.stored_dtypes(config.path, module, config.family.components, f"{config.family.name} export"))
+    return lambda name: None if name in trained else stored.get(name)
 
 
 def place(params: Params, *, mesh: Any, layout: sharding.Layout | None,
@@ -285,14 +299,20 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
         part = "all" if len(names) == len(architecture) else frozenset(names)
         return (family.name, config.preset, config.path, config.frozen_dtype, mesh is None, part)
 
-    def export(params: Params, folder: str, dtype: torch.dtype | None = None) -> None:
+    def export(params: Params, folder: str, *, form: str = "diffusers",
+               dtype: str | None = None) -> dict[str, pathlib.Path]:
         if adapted:
             params = flora.merged({name: params[name] for name in architecture}, params, adapted, config.lora.scale)
-        kept = fp32_kept(plain)
+        dtype_of = export_dtypes(config, plain, trained, dtype)
+        what = f"{family.name} export"
+        stored = tuple(sorted({str(dtype_of(name) or p.dtype).removeprefix("torch.") for name, p in params.items()}))
+        if form == "comfyui":
+            return original_layout.write(params, folder, family, what, dtype_of=dtype_of)._replace(dtypes=stored)
         pipeline = None if family.pipeline_files is None else functools.partial(family.pipeline_files, config)
-        dfolder.write_folder(params, folder, plain, family.components, f"{family.name} export",
-                             dtype_of=lambda name: None if dtype is None else (torch.float32 if name in kept else dtype),
+        dfolder.write_folder(params, folder, plain, family.components, what, dtype_of=dtype_of,
                              pipeline_files=pipeline)
+        return Written({component: pathlib.Path(folder) / component for component in family.components},
+                       dtypes=stored)
 
     def memory_spec() -> memory.ModelSpec:
         root_dim, widths = family.widths(config)
@@ -329,6 +349,8 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
         trained_names=trained,
         export_adapters=None if config.lora is None else functools.partial(
             lora_files.write, flora.Adapters(config.lora, adapted, family)),
+        export_formats=("diffusers",) if family.original_name is None else ("diffusers", "comfyui"),
+        adapter_formats=() if config.lora is None else lora_files.formats(family),
         layout=layout,
         compile_stats=None if config.compile == "none" else stats,
         causal=None if family.causal is None else family.causal(config, bound_apply, module),

@@ -9,6 +9,7 @@ with ``what`` (e.g. ``"wan load"``) and names the file and the differences.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -16,7 +17,7 @@ import pathlib
 import re
 import shutil
 import tempfile
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -28,6 +29,7 @@ WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 LIST_LIMIT = 10  # names shown per category in an error message
 MAX_SHARD_BYTES = 10 * 10**9  # diffusers' default max_shard_size "10GB"
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def listed(items: list[str]) -> str:
@@ -171,19 +173,8 @@ def read_params(folder: str | os.PathLike, module: nn.Module, components: Mappin
     skeleton's architecture and its weights hold exactly the skeleton's params with their shapes; otherwise one
     ValueError lists every difference. ``lazy``: :class:`StoredTensor` handles instead of tensors (for a sharded
     load, each rank reading its own slices). Never touches a hub."""
-    folder = pathlib.Path(folder)
-    if not folder.is_dir():
-        raise ValueError(f"{what}: {str(folder)!r} is not a folder")
     params: dict[str, torch.Tensor] = {}
-    for component, prefix in components.items():
-        part = submodule(module, prefix)
-        if len(components) == 1:
-            where = component_folder(folder, component, what, f"{type(part).__name__} {component}")
-        else:
-            where = folder / component
-            if not (where / CONFIG_NAME).is_file():
-                raise ValueError(f"{what}: no {CONFIG_NAME} in {str(where)!r}; expected a diffusers pipeline root "
-                                 f"with the components {', '.join(f'{c}/' for c in components)}")
+    for prefix, part, where in component_folders(folder, module, components, what):
         check_config(where, part, what)
         files = weight_files(where, what)
         shapes = {name: shape for name, shape in stored_shapes(files, what).items() if not _ignored_on_load(part, name)}
@@ -199,6 +190,42 @@ def read_params(folder: str | os.PathLike, module: nn.Module, components: Mappin
                                         else read_tensor(f, name, path, what).to(torch.float32))
         params.update({prefix + name: loaded[name] for name in param_shapes(part)})
     return {name: params[name] for name in param_shapes(module)}
+
+
+def component_folders(folder: str | os.PathLike, module: nn.Module, components: Mapping[str, str],
+                      what: str) -> list[tuple[str, nn.Module, pathlib.Path]]:
+    """(prefix, submodule, folder) of each component of ``module`` in a pipeline root ``folder`` (or, for a model
+    of one component, in that component's folder itself); a ValueError names a folder that is not there."""
+    folder = pathlib.Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"{what}: {str(folder)!r} is not a folder")
+    found = []
+    for component, prefix in components.items():
+        part = submodule(module, prefix)
+        if len(components) == 1:
+            where = component_folder(folder, component, what, f"{type(part).__name__} {component}")
+        else:
+            where = folder / component
+            if not (where / CONFIG_NAME).is_file():
+                raise ValueError(f"{what}: no {CONFIG_NAME} in {str(where)!r}; expected a diffusers pipeline root "
+                                 f"with the components {', '.join(f'{c}/' for c in components)}")
+        found.append((prefix, part, where))
+    return found
+
+
+def stored_dtypes(folder: str | os.PathLike, module: nn.Module, components: Mapping[str, str],
+                  what: str) -> dict[str, torch.dtype]:
+    """Each floating-point param's dtype as ``folder``'s safetensors files store it (read from their headers): the
+    precision the model was saved in."""
+    dtypes = {}
+    for prefix, _, where in component_folders(folder, module, components, what):
+        for path in weight_files(where, what):
+            with open_safetensors(path, what) as f:
+                for name in f.keys():
+                    dtype = SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
+                    if dtype is not None:
+                        dtypes[prefix + name] = dtype
+    return dtypes
 
 
 def open_safetensors(path: pathlib.Path, what: str):
@@ -235,24 +262,31 @@ def write_folder(params: Mapping[str, torch.Tensor], folder: str | os.PathLike, 
     """Write ``params`` (whole tensors) as a diffusers pipeline folder: one folder per component (config.json +
     safetensors, sharded with an index json above ``max_shard_bytes``) that the component class's
     ``from_pretrained`` loads, and ``pipeline_files`` (model_index.json, scheduler/). ``dtype_of(name)`` casts a
-    floating-point param (None: keep). Written beside ``folder`` and renamed into place, so an error leaves nothing
-    half-written; an existing non-empty ``folder`` is an error."""
-    folder = pathlib.Path(folder)
-    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
-        raise ValueError(f"{what}: {str(folder)!r} already exists and is not an empty folder")
+    floating-point param (None: keep). Written as :func:`staged` writes."""
     if max_shard_bytes <= 0:
         raise ValueError(f"{what}: max_shard_bytes must be positive, got {max_shard_bytes}")
     check_params(module, params, what)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
-    try:
+    with staged(folder, what) as staging:
         for component, prefix in components.items():
             part = submodule(module, prefix)
-            tensors = {name: _exported(params[prefix + name], dtype_of(prefix + name)) for name in param_shapes(part)}
+            tensors = {name: exported(params[prefix + name], dtype_of(prefix + name)) for name in param_shapes(part)}
             part.save_config(staging / component)
             write_weights(tensors, staging / component, max_shard_bytes)
         if pipeline_files is not None:
             pipeline_files(staging)
+
+
+@contextlib.contextmanager
+def staged(folder: str | os.PathLike, what: str) -> Iterator[pathlib.Path]:
+    """A folder to write into that becomes ``folder`` when the block ends (renamed into place, files world-readable),
+    so an error leaves nothing half-written; an existing non-empty ``folder`` is an error."""
+    folder = pathlib.Path(folder)
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise ValueError(f"{what}: {str(folder)!r} already exists and is not an empty folder")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{folder.name}.partial-", dir=folder.parent))
+    try:
+        yield staging
         for path in [staging, *staging.rglob("*")]:
             path.chmod(0o755 if path.is_dir() else 0o644)
         os.replace(staging, folder)
@@ -261,7 +295,8 @@ def write_folder(params: Mapping[str, torch.Tensor], folder: str | os.PathLike, 
         raise
 
 
-def _exported(param: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+def exported(param: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``param`` as a file holds it: on the CPU, contiguous, a floating-point one in ``dtype`` (None: its own)."""
     param = param.detach().to("cpu")
     if dtype is not None and param.is_floating_point():
         param = param.to(dtype)

@@ -65,8 +65,10 @@ class Family:
     init_rules                           param local name -> :data:`InitRule`, beside the default rules
     pipeline_files(config, folder)       writes the pipeline's ``model_index.json`` and ``scheduler/`` beside the
                                          exported components
-    comfyui_name(module) -> name         a module's name in the original checkpoint layout ComfyUI loads LoRAs in
-                                         (None: it has none); None: the family has no ComfyUI layout in fvx
+    original_name(name) -> name          a param's or module's name in the family's original checkpoint layout
+                                         (what ComfyUI and musubi-tuner load; None: it has none there); None: the
+                                         family has no original layout in fvx
+    component_notes                      component -> what it is, for a person choosing files (Wan 2.2's experts)
     per_frame_timesteps                  ``apply`` also takes one timestep per latent frame, ``t [B, T]``
     bind(module, call) -> context        binds what one forward is asked to do (``call``, or None for a plain
                                          forward) to the skeleton for the duration of that forward (a causal
@@ -99,7 +101,8 @@ class Family:
     init_rules: Mapping[str, InitRule] = dataclasses.field(default_factory=dict)
     text_groups: frozenset[str] = frozenset()
     pipeline_files: Callable[[Any, Any], None] | None = None
-    comfyui_name: Callable[[str], str | None] | None = None
+    original_name: Callable[[str], str | None] | None = None
+    component_notes: Mapping[str, str] = dataclasses.field(default_factory=dict)
     per_frame_timesteps: bool = False
     bind: Callable[[nn.Module, Any], Any] | None = None
     causal: Callable[[Any, Callable, nn.Module], Any] | None = None

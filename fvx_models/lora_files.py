@@ -1,12 +1,14 @@
-"""LoRA adapter files that other tools load: PEFT/diffusers safetensors and ComfyUI's layout.
+"""LoRA adapter files that other tools load: PEFT/diffusers safetensors, ComfyUI's layout and musubi-tuner's.
 
 ``peft``: ``pytorch_lora_weights.safetensors`` with the keys diffusers' ``save_lora_weights`` writes
 (``transformer.<module>.lora_A.weight`` ``[r, in]``, ``lora_B.weight`` ``[out, r]``) and the adapter's PEFT
 ``LoraConfig`` (r, lora_alpha, target_modules, ...) in the ``lora_adapter_metadata`` entry of the file's metadata, as
-diffusers writes it, so ``pipe.load_lora_weights(folder)`` scales by alpha / r as fvx does. ``comfyui``:
-``diffusion_model.<original module>.lora_down.weight`` (A), ``lora_up.weight`` (B) and ``.alpha``, under the
-family's original (non-diffusers) module names (``Family.comfyui_name``). A model of two components (Wan 2.2's
-experts) gets one file per component; the first is named as above, the others ``<stem>_<component>.safetensors``.
+diffusers writes it, so ``pipe.load_lora_weights(folder)`` scales by alpha / r as fvx does. ``comfyui``
+(``lora_comfyui.safetensors``): ``diffusion_model.<original module>.lora_down.weight`` (A), ``lora_up.weight`` (B)
+and ``.alpha``, under the family's original module names (``Family.original_name``). ``musubi``
+(``lora_musubi.safetensors``): kohya's keys, which musubi-tuner applies (and ComfyUI reads too):
+``lora_unet_<original module, dots as underscores>.lora_down.weight``, ``lora_up.weight``, ``.alpha``. A model of two
+components (Wan 2.2's experts) gets one file per component (``original_layout.file_name``).
 """
 from __future__ import annotations
 
@@ -17,11 +19,17 @@ from typing import Mapping
 import torch
 from safetensors.torch import save_file
 
-from fvx_models import lora as flora
+from fvx_models import diffusers_folder as dfolder, lora as flora, original_layout
+from fvx_models.model import Written
 
-FORMATS = ("peft", "comfyui")
+FORMATS = ("peft", "comfyui", "musubi")
 PEFT_FILE = "pytorch_lora_weights.safetensors"
 COMFYUI_FILE = "lora_comfyui.safetensors"
+MUSUBI_FILE = "lora_musubi.safetensors"
+FILES = {"peft": PEFT_FILE, "comfyui": COMFYUI_FILE, "musubi": MUSUBI_FILE}
+ORIGINAL_KEYS = {"comfyui": lambda original: f"diffusion_model.{original}",
+                 "musubi": lambda original: "lora_unet_" + original.replace(".", "_")}
+"""A LoRA module's key stem in each layout, from its original module name (``blocks.0.self_attn.q``)."""
 METADATA_KEY = "lora_adapter_metadata"  # where diffusers reads a LoRA's config
 
 
@@ -59,42 +67,69 @@ def peft_file(config: flora.LoRAConfig, pairs: Mapping[str, tuple[torch.Tensor, 
     return tensors, {"format": "pt", METADATA_KEY: json.dumps(packed, indent=2, sort_keys=True)}
 
 
-def comfyui_file(config: flora.LoRAConfig, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]], family
-                 ) -> dict[str, torch.Tensor]:
-    """One component's LoRA in ComfyUI's layout; a ValueError names a module without an original name."""
-    if family.comfyui_name is None:
-        raise ValueError(f"export --format comfyui: family {family.name} has no ComfyUI layout in fvx; use --format "
-                         "peft (diffusers' load_lora_weights) or merged")
+def original_file(form: str, config: flora.LoRAConfig, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+                  family) -> dict[str, torch.Tensor]:
+    """One component's LoRA in ComfyUI's or musubi-tuner's layout (module docstring); a ValueError names a module the
+    family's original layout has no name for."""
+    if family.original_name is None:
+        raise ValueError(f"export --format {form}: family {family.name} has no original layout in fvx; use --format "
+                         "peft (diffusers' load_lora_weights) or export the merged weights without --lora")
     alpha = torch.tensor(float(config.rank if config.alpha is None else config.alpha))
     tensors = {}
     for name, (a, b) in pairs.items():
-        original = family.comfyui_name(name)
+        original = family.original_name(name)
         if original is None:
-            raise ValueError(f"export --format comfyui: module {name!r} has no ComfyUI name in family "
-                             f"{family.name}; adapt only the blocks' attention and feed-forward layers, or use --format "
-                             "peft")
-        tensors[f"diffusion_model.{original}.lora_down.weight"] = a
-        tensors[f"diffusion_model.{original}.lora_up.weight"] = b
-        tensors[f"diffusion_model.{original}.alpha"] = alpha.clone()
+            raise ValueError(f"export --format {form}: module {name!r} has no name in the original {family.name} "
+                             "layout; use --format peft")
+        key = ORIGINAL_KEYS[form](original)
+        tensors[f"{key}.lora_down.weight"] = a
+        tensors[f"{key}.lora_up.weight"] = b
+        tensors[f"{key}.alpha"] = alpha.clone()
     return tensors
 
 
+def formats(family) -> tuple[str, ...]:
+    """The formats a LoRA of ``family`` exports in (the original layouts when the family has one)."""
+    return FORMATS if family.original_name is not None else ("peft",)
+
+
 def write(adapters: flora.Adapters, params: Mapping[str, torch.Tensor], folder: str | pathlib.Path,
-          form: str) -> list[pathlib.Path]:
-    """Write the adapters ``params`` (the role's trained params) in format ``form`` into ``folder``; returns the
-    files."""
+          form: str) -> Written:
+    """Write the adapters ``params`` (the role's trained params) in format ``form`` into ``folder`` (written as
+    ``diffusers_folder.staged`` writes)."""
     if form not in FORMATS:
-        raise ValueError(f"export --format must be one of {', '.join(FORMATS)} or merged, got {form!r}")
-    folder = pathlib.Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    stem = PEFT_FILE if form == "peft" else COMFYUI_FILE
-    written = []
-    for i, (component, pairs) in enumerate(by_component(adapters, params).items()):
-        path = folder / (stem if i == 0 else stem.replace(".safetensors", f"_{component}.safetensors"))
+        raise ValueError(f"export --lora --format must be one of {', '.join(FORMATS)}, got {form!r}")
+    components = adapters.family.components
+    written = {}
+    with dfolder.staged(folder, f"export --lora --format {form}") as staging:
+        for component, pairs in by_component(adapters, params).items():
+            name = original_layout.file_name(FILES[form], components, component)
+            if form == "peft":
+                tensors, metadata = peft_file(adapters.config, pairs)
+                save_file(tensors, str(staging / name), metadata=metadata)
+            else:
+                save_file(original_file(form, adapters.config, pairs, adapters.family), str(staging / name),
+                          metadata={"format": "pt"})
+            written[component] = pathlib.Path(folder) / name
+    return Written(written, tuple(how_to_load(form, written, adapters.family)))
+
+
+def how_to_load(form: str, written: Mapping[str, pathlib.Path], family) -> list[str]:
+    """What a person runs to load the files :func:`write` wrote (component -> file), one line per file."""
+    first = next(iter(family.components))
+    lines = []
+    for component, path in written.items():
+        note = family.component_notes.get(component)
+        which = f" ({component}: {note})" if note else ""
         if form == "peft":
-            tensors, metadata = peft_file(adapters.config, pairs)
-            save_file(tensors, str(path), metadata=metadata)
+            args = [repr(str(path.parent)), *([f"weight_name={path.name!r}"] if path.name != PEFT_FILE else []),
+                    *([f"load_into_{component}=True"] if component != first else [])]
+            lines.append(f"pipe.load_lora_weights({', '.join(args)})" + (f"  # {component}: {note}" if note else ""))
+        elif form == "comfyui":
+            lines.append(f"ComfyUI: put {path.name} in models/loras/ and apply it with a LoraLoaderModelOnly node"
+                         f"{which}")
         else:
-            save_file(comfyui_file(adapters.config, pairs, adapters.family), str(path), metadata={"format": "pt"})
-        written.append(path)
-    return written
+            lines.append(f"musubi-tuner: wan_generate_video.py --lora_weight {path}{which}" if not note else
+                         f"musubi-tuner: {path}{which}: --lora_weight for the low-noise expert's file, "
+                         "--lora_weight_high_noise for the high-noise expert's")
+    return lines

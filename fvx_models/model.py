@@ -10,6 +10,7 @@ the latents' layout, whatever the family predicts natively.
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
@@ -84,6 +85,15 @@ class Causal:
     apply_teacher_forced: Callable[..., torch.Tensor]
 
 
+class Written(NamedTuple):
+    """What an export wrote: pipeline component -> its folder or file, what a person runs to load them, and the
+    dtypes its tensors are stored in."""
+
+    files: dict[str, pathlib.Path]
+    how_to_load: tuple[str, ...] = ()
+    dtypes: tuple[str, ...] = ("float32",)
+
+
 @dataclasses.dataclass(frozen=True)
 class Model:
     """One architecture of a model family, as pure functions (see the module docstring for layouts).
@@ -115,15 +125,21 @@ class Model:
     load_cond(path) -> (cond, captions)   a cond file (safetensors of the family's cond tensors, captions in its
                                     metadata or None): negative prompts, validation prompts
     load_negative(path, where)      a cond file of one row (a negative prompt)
-    export(params, folder)          whole params (base and trained; adapters merged into their weights) -> a
-                                    diffusers pipeline folder: the family's component folders (``transformer/``,
-                                    ...) and pipeline files that ``from_pretrained`` loads
+    export(params, folder, form=, dtype=) -> Written   whole params (base and trained; adapters merged
+                                    into their weights, in fp32) -> ``form="diffusers"``: a diffusers pipeline
+                                    folder, the family's component folders (``transformer/``, ...) and pipeline
+                                    files that ``from_pretrained`` loads; ``"comfyui"``: one file per component in
+                                    the family's original layout (fvx_models.original_layout). Each param is written
+                                    in ``dtype`` ("fp32", "bf16"), or by default as trained (fp32) or, for what the
+                                    role held frozen, as the base folder stores it (``build.export_dtypes``)
     trained_names                   the params ``initial_params`` returns
     causal                          a block-causal (streaming) model's extra functions (:class:`Causal`), else None;
                                     its ``apply`` then also takes one timestep per latent frame, ``t [B, T]``
-    export_adapters(params, folder, form) -> paths   a LoRA model's adapters as files other tools load (``"peft"``
-                                    for diffusers' ``load_lora_weights``, ``"comfyui"``; fvx_models.lora_files);
-                                    None for a model without adapters
+    export_adapters(params, folder, form) -> Written   a LoRA model's adapters as files other tools
+                                    load (``"peft"`` for diffusers' ``load_lora_weights``, ``"comfyui"``,
+                                    ``"musubi"``; fvx_models.lora_files); None for a model without adapters
+    export_formats, adapter_formats the forms ``export`` and ``export_adapters`` write (the original layouts when the
+                                    family has one)
     layout                          the shard layout on a mesh, else None
     compile_stats                   the ``fvx.distributed.compile.CompileStats`` of the compiled units, or None
     memory_spec()                   an ``fvx.distributed.memory.ModelSpec`` from the meta skeleton (``--dry-run``)
@@ -142,10 +158,12 @@ class Model:
     batch: Callable[[Mapping[str, Any]], dict[str, Any]]
     uncond: Callable[..., dict[str, torch.Tensor]]
     load_cond: Callable[[str], tuple[dict[str, torch.Tensor], tuple[str, ...] | None]]
-    export: Callable[[Params, str], None]
+    export: Callable[..., Written]
     memory_spec: Callable[[], Any]
     trained_names: frozenset[str]
-    export_adapters: Callable[..., list] | None = None
+    export_adapters: Callable[..., Written] | None = None
+    export_formats: tuple[str, ...] = ("diffusers",)
+    adapter_formats: tuple[str, ...] = ()
     layout: Mapping[str, Any] | None = None
     compile_stats: Any = None
     causal: Causal | None = None

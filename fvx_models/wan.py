@@ -24,8 +24,7 @@ from torch import nn
 
 from fvx.core import random
 from fvx.distributed import memory
-from fvx_models import diffusers_folder as dfolder
-from fvx_models import wan_sequence_parallel
+from fvx_models import diffusers_folder as dfolder, wan_sequence_parallel
 from fvx_models.build import ModelConfig
 from fvx_models.family import Family, Preset, require, skeleton_of
 from fvx_models.model import LatentSpace
@@ -152,24 +151,33 @@ def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
         boundary_ratio=None, expand_timesteps=bool(options.get("expand_timesteps", False)))
 
 
-ORIGINAL_ATTENTION = {"attn1": "self_attn", "attn2": "cross_attn"}
-ORIGINAL_PROJECTIONS = {"to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "o", "add_k_proj": "k_img",
-                        "add_v_proj": "v_img"}
-ORIGINAL_FFN = {"ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2"}
+ORIGINAL_ROOT = {"patch_embedding": "patch_embedding", "condition_embedder.text_embedder.linear_1": "text_embedding.0",
+                 "condition_embedder.text_embedder.linear_2": "text_embedding.2",
+                 "condition_embedder.time_embedder.linear_1": "time_embedding.0",
+                 "condition_embedder.time_embedder.linear_2": "time_embedding.2",
+                 "condition_embedder.time_proj": "time_projection.1", "proj_out": "head.head",
+                 "scale_shift_table": "head.modulation"}
+ORIGINAL_BLOCK = {"scale_shift_table": "modulation", "norm2": "norm3", "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2",
+                  **{f"{attention}.{projection}": f"{original}.{short}"
+                     for attention, original in (("attn1", "self_attn"), ("attn2", "cross_attn"))
+                     for projection, short in (("to_q", "q"), ("to_k", "k"), ("to_v", "v"), ("to_out.0", "o"),
+                                               ("add_k_proj", "k_img"), ("add_v_proj", "v_img"), ("norm_q", "norm_q"),
+                                               ("norm_k", "norm_k"), ("norm_added_k", "norm_k_img"))}}
+"""diffusers' Wan names -> the original checkpoints' (Wan-AI's repository; what ComfyUI and musubi-tuner load), the
+inverse of diffusers' ``convert_wan_transformer_to_diffusers``: the root's modules, and a block's (``norm2``, the
+cross-attention norm, is the original ``norm3``)."""
 
 
-def comfyui_name(module: str) -> str | None:
-    """A block module's name in Wan's original checkpoints (``blocks.3.attn1.to_q`` -> ``blocks.3.self_attn.q``), the
-    layout ComfyUI loads Wan LoRAs in; None outside the blocks' attention and feed-forward layers."""
-    parts = module.split(".", 2)
-    if len(parts) != 3 or parts[0] != "blocks" or not parts[1].isdigit():
-        return None
-    block, rest = f"blocks.{parts[1]}", parts[2]
-    if rest in ORIGINAL_FFN:
-        return f"{block}.{ORIGINAL_FFN[rest]}"
-    attention, _, projection = rest.partition(".")
-    if attention in ORIGINAL_ATTENTION and projection in ORIGINAL_PROJECTIONS:
-        return f"{block}.{ORIGINAL_ATTENTION[attention]}.{ORIGINAL_PROJECTIONS[projection]}"
+def original_name(name: str) -> str | None:
+    """A param's or module's name in Wan's original checkpoints (``blocks.3.attn1.to_q.weight`` ->
+    ``blocks.3.self_attn.q.weight``); None for a name the original layout does not have."""
+    prefix, table = "", ORIGINAL_ROOT
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blocks" and parts[1].isdigit():
+        prefix, table, name = f"blocks.{parts[1]}.", ORIGINAL_BLOCK, parts[2]
+    for module, original in table.items():
+        if name == module or name.startswith(module + "."):
+            return prefix + original + name[len(module):]
     return None
 
 
@@ -187,7 +195,7 @@ WAN = Family(
     cond_defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
     init_rules={"scale_shift_table": scale_shift_init},
     pipeline_files=pipeline_files,
-    comfyui_name=comfyui_name,
+    original_name=original_name,
     sequence_parallel=wan_sequence_parallel.sequence_parallel,
 )
 

@@ -94,6 +94,7 @@ WAN_MOE = dataclasses.replace(
     unit_groups={"blocks": tuple(f"{expert}.blocks" for expert in EXPERTS)},
     inputs=inputs,
     pipeline_files=pipeline_files,
+    component_notes={"transformer": "the high-noise expert", "transformer_2": "the low-noise expert"},
     sequence_parallel=None,
     whole_graph_refusal="its router splits the batch between the experts by timestep (data-dependent shapes)",
 )

@@ -30,7 +30,7 @@ import pathlib
 import queue
 import tempfile
 import threading
-from typing import Annotated, Any, Callable, Iterable, Iterator, Literal, Protocol, Sequence
+from typing import Annotated, Any, Callable, Iterable, Iterator, Literal, Mapping, Protocol, Sequence
 
 import msgspec
 import numpy as np
@@ -39,7 +39,7 @@ import pyarrow.parquet as pq
 import torch
 
 from fvx.config import Config, validate
-from fvx.core import random
+from fvx.core import random, tree
 from fvx.data.toy_world import WorldConfig, WorldDataset
 
 Kind = Literal["t2v", "text_only"]
@@ -121,11 +121,14 @@ class DataConfig(Config):
 
 
 class Dataset(Protocol):
-    """``len(dataset)`` samples; ``read(indices)`` returns their collated batch (see the module docstring)."""
+    """``len(dataset)`` samples; ``read(indices)`` returns their collated batch (see the module docstring);
+    ``where(index)`` names sample ``index`` for a person (a parquet file and row)."""
 
     def __len__(self) -> int: ...
 
     def read(self, indices: Sequence[int]) -> dict[str, Any]: ...
+
+    def where(self, index: int) -> str: ...
 
 
 def open_dataset(config: DataConfig, key: torch.Tensor) -> Dataset:
@@ -159,7 +162,7 @@ class SyntheticDataset:
         """Sample ``index`` uncollated: latents [C, T, H, W] (t2v only) and text [text_len, text_dim], float32."""
         latents_key, text_key = random.split(random.fold_in(self.key, index), 2)
         sample = {"text": random.normal(text_key, (self.config.text_len, self.config.text_dim)).numpy(),
-                  "caption": f"synthetic sample {index}", "where": f"synthetic sample {index}"}
+                  "caption": f"synthetic sample {index}", "where": self.where(index)}
         if self.kind == "t2v":
             sample["latents"] = random.normal(latents_key, self.config.latent_shape).numpy()
         return sample
@@ -167,6 +170,9 @@ class SyntheticDataset:
     def read(self, indices: Sequence[int]) -> dict[str, Any]:
         indices = _check_indices(indices, len(self))
         return self._collate([self.sample(i) for i in indices], indices)
+
+    def where(self, index: int) -> str:
+        return f"synthetic sample {index}"
 
 
 class ParquetDataset:
@@ -205,12 +211,21 @@ class ParquetDataset:
         with self._lock:
             return self._collate([self._sample(i) for i in indices], indices)
 
-    def _sample(self, index: int) -> dict[str, Any]:
+    def where(self, index: int) -> str:
+        file_number, _, _, row_in_file = self._locate(index)
+        return f"{str(self.files[file_number])!r} row {row_in_file}"
+
+    def _locate(self, index: int) -> tuple[int, int, int, int]:
+        """Sample ``index``'s (file number, row group, row within the group, row within the file)."""
         group_number = bisect.bisect_right(self._group_starts, index) - 1
         file_number, group, first_row = self._groups[group_number]
-        table = self._row_group(file_number, group)
         row = index - self._group_starts[group_number]
-        where = f"{str(self.files[file_number])!r} row {first_row + row}"
+        return file_number, group, row, first_row + row
+
+    def _sample(self, index: int) -> dict[str, Any]:
+        file_number, group, row, _ = self._locate(index)
+        table = self._row_group(file_number, group)
+        where = self.where(index)
         sample = {key: _decode(table, name, row, where) for name, key in _TENSORS[self.kind]}
         if self.has_captions:
             sample["caption"] = table.column("caption")[row].as_py() or ""
@@ -358,6 +373,22 @@ def _check_same(samples: list[dict], key: str, part: Callable[[np.ndarray], tupl
         if part(sample[key]) != part(first[key]):
             raise DataError(f"samples in one batch differ in {key} {what}: {first['where']} has "
                              f"{list(first[key].shape)}, {sample['where']} has {list(sample[key].shape)}")
+
+
+def suspects(batch: Mapping[str, Any], dataset: Any) -> tuple[list[str], bool]:
+    """The samples of ``batch`` (its dataset ``index``) named by ``dataset.where``: those whose tensors hold a NaN or
+    Inf, and True; or every one of them, and False, when the batch's data is finite."""
+    index = batch.get("index")
+    if not isinstance(index, torch.Tensor) or index.dim() != 1:
+        return [], False
+    rows = len(index)
+    bad = torch.zeros(rows, dtype=torch.bool)
+    for leaf in tree.tensor_leaves(dict(batch)):
+        if leaf.is_floating_point() and leaf.dim() >= 1 and leaf.shape[0] == rows:
+            bad |= ~torch.isfinite(leaf.detach().reshape(rows, -1).float()).all(dim=1)
+    where = getattr(dataset, "where", lambda i: f"dataset sample {i}")
+    chosen = bad if bool(bad.any()) else torch.ones(rows, dtype=torch.bool)
+    return [where(int(i)) for i in index[chosen]], bool(bad.any())
 
 
 def cfg_dropped(dropout_key: torch.Tensor, indices: Sequence[int], cfg_rate: float) -> list[bool]:

@@ -159,7 +159,7 @@ class Codec:
 
 
 class WorldDataset:
-    """The world as a dataset (``fvx.data.datasets``'s protocol: ``len``, ``read(indices)``), plus
+    """The world as a dataset (``fvx.data.datasets``'s protocol: ``len``, ``read(indices)``, ``where(index)``), plus
     :meth:`sample_quality`."""
 
     def __init__(self, config: WorldConfig, key: torch.Tensor, *, kind: str, collate: Callable[..., dict]):
@@ -177,7 +177,8 @@ class WorldDataset:
     def sample(self, index: int) -> dict[str, Any]:
         prompt = index % len(self.prompts)
         colour, direction = self.prompts[prompt]
-        sample = {"text": self.texts[prompt], "caption": caption(self.config, colour, direction), "where": f"world sample {index}"}
+        sample = {"text": self.texts[prompt], "caption": caption(self.config, colour, direction),
+                  "where": self.where(index)}
         if self.kind == "t2v":
             options = self.starts[direction]
             start = options[int(random.randint(random.fold_in(self.key, index), (), 0, len(options)))]
@@ -190,6 +191,9 @@ class WorldDataset:
             if not 0 <= i < len(self):
                 raise IndexError(f"world sample {i} out of range [0, {len(self)})")
         return self._collate([self.sample(i) for i in indices], indices)
+
+    def where(self, index: int) -> str:
+        return f"world sample {index}"
 
     def references(self) -> torch.Tensor:
         """Every true clip, ``[P, S, 3, T, H, W]`` in [0, 1] (``S``: the most starts of any direction, padded by

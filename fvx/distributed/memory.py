@@ -114,11 +114,16 @@ def latent_grid(frames: int, height: int, width: int, *, vae_stride: Sequence[in
     if (frames - 1) % st or height % sh or width % sw:
         raise ValueError(f"video {frames}x{height}x{width} does not fit the VAE stride {tuple(vae_stride)}: "
                          f"frames must be 1 + a multiple of {st}, height of {sh}, width of {sw}")
-    grid = ((frames - 1) // st + 1, height // sh, width // sw)
-    bad = [name for name, size, p in zip(("frames", "height", "width"), grid, patch) if size % p]
+    return tokens_of(((frames - 1) // st + 1, height // sh, width // sw), patch)
+
+
+def tokens_of(latents: Sequence[int], patch: Sequence[int]) -> LatentGrid:
+    """The tokens of a latent ``(T, H, W)`` grid after patching."""
+    bad = [name for name, size, p in zip(("frames", "height", "width"), latents, patch) if size % p]
     if bad:
-        raise ValueError(f"latent grid {grid} is not divisible by the patch {tuple(patch)} in {', '.join(bad)}")
-    return LatentGrid(*grid, math.prod(size // p for size, p in zip(grid, patch)))
+        raise ValueError(f"latent grid {tuple(latents)} is not divisible by the patch {tuple(patch)} in "
+                         f"{', '.join(bad)}")
+    return LatentGrid(*latents, math.prod(size // p for size, p in zip(latents, patch)))
 
 
 # -------------------------------------------------------------------------------------------------------- per role

@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from fvx.core import tree
 from fvx.distributed import processes, sharding
-from fvx.storage import legacy_checkpoint as legacy, shard_files
+from fvx.storage import files, legacy_checkpoint as legacy, shard_files
 from fvx.storage.checkpoint_config import CheckpointConfig
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -335,6 +335,8 @@ class Checkpoints:
             _check_json(path / legacy.STATE_ITEM / "_METADATA")
         else:
             self._shard_index(step)
+        for item in _JSON_ITEMS:  # their CRCs, saved in the state's header
+            self._record(step, item)
         return path
 
     # ---------------------------------------------------------------------------------------------------- saving
@@ -371,12 +373,27 @@ class Checkpoints:
     # -------------------------------------------------------------------------------------------------- reading
 
     def read_json(self, step: int, item: str) -> dict[str, Any]:
-        """The ``config`` or ``meta`` record of checkpoint ``step`` (only that item is checked)."""
+        """The ``config`` or ``meta`` record of checkpoint ``step``, checked against the CRC saved with the state
+        (only that item and the state's headers are read)."""
         if step not in self.steps():
             self._require(step)  # the error listing the checkpoints there are
+        return self._record(step, item)
+
+    def _record(self, step: int, item: str) -> dict[str, Any]:
+        """A JSON record of checkpoint ``step``, or a CheckpointError naming its file when it does not parse or fails
+        its CRC (checkpoints of fvx 0.1 recorded none)."""
         path = self.path(step) / item / "metadata"
         _check_json(path)
-        return json.loads(path.read_text())
+        record = json.loads(path.read_text())
+        if not self._legacy(step):
+            try:
+                expected = shard_files.record_checksums(self.path(step) / SHARDS_ITEM).get(item)
+            except shard_files.CorruptShard as error:
+                raise self._corrupt(step, error) from None
+            if expected is not None and files.json_checksum(record) != expected:
+                raise CheckpointError(f"checkpoint file {str(path)!r} is corrupt: it fails the checksum saved with "
+                                      "the state")
+        return record
 
     def _stored(self, step: int) -> dict[str, TensorSpec]:
         """Every stored tensor of checkpoint ``step`` by stored name (path joined with ``/``): shape and dtype."""
@@ -520,8 +537,8 @@ def _fsync_dir(folder: pathlib.Path) -> None:
 
 def _fsync_tree(folder: pathlib.Path) -> None:
     """``fsync`` every file below ``folder``, then every folder (their entries), deepest first."""
-    for root, dirs, files in os.walk(folder, topdown=False):
-        for name in files:
+    for root, _, names in os.walk(folder, topdown=False):
+        for name in names:
             fd = os.open(os.path.join(root, name), os.O_RDONLY)
             try:
                 os.fsync(fd)

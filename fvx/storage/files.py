@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import zlib
 from typing import Any
 
 
@@ -21,6 +22,12 @@ def write_atomic(path: pathlib.Path, payload: bytes) -> None:
         os.fsync(folder)
     finally:
         os.close(folder)
+
+
+def json_checksum(record: Any) -> int:
+    """CRC-32 of a JSON record in its canonical form (sorted keys, no spaces): the same for the record as written and
+    as read back, whatever whitespace the writer used."""
+    return zlib.crc32(json.dumps(record, sort_keys=True, separators=(",", ":")).encode())
 
 
 def json_bytes(record: Any) -> bytes:

@@ -20,7 +20,7 @@ import torch
 from orbax.checkpoint import type_handlers
 
 from fvx.core import tree
-from fvx.storage import legacy_checkpoint as legacy, shard_files
+from fvx.storage import files, legacy_checkpoint as legacy, shard_files
 
 SHARDS_ITEM = "shards"  # the item holding the state
 
@@ -33,7 +33,7 @@ class ShardsHandler(ocp.AsyncCheckpointHandler):
         await asyncio.to_thread(self.save, directory, args)
 
     def save(self, directory, args: ShardsSave) -> None:
-        shard_files.write(pathlib.Path(directory), args.pieces, args.index, args.count)
+        shard_files.write(pathlib.Path(directory), args.pieces, args.index, args.count, args.records)
 
     def restore(self, directory, args: Any = None) -> None:
         raise NotImplementedError("the state is read with fvx.storage.shard_files")
@@ -54,6 +54,7 @@ class ShardsSave(ocp.args.CheckpointArgs):
     pieces: Mapping[str, Any]  # name -> (host slice, its record)
     index: int
     count: int
+    records: Mapping[str, int]  # the CRC of each JSON record saved beside the state
 
 
 @ocp.args.register_with_handler(ShardsHandler, for_restore=True)
@@ -100,9 +101,11 @@ def manager(directory: pathlib.Path, *, read_only: bool) -> ocp.CheckpointManage
 
 def save_args(pieces: Mapping[str, Any], index: int, count: int, config: Mapping[str, Any],
               meta: Mapping[str, Any]) -> ocp.args.Composite:
-    """What a save writes: this rank's ``pieces`` of the state (rank ``index`` of ``count``), the config, the meta."""
-    return ocp.args.Composite(**{SHARDS_ITEM: ShardsSave(pieces, index, count)}, config=ocp.args.JsonSave(dict(config)),
-                              meta=ocp.args.JsonSave(dict(meta)))
+    """What a save writes: this rank's ``pieces`` of the state (rank ``index`` of ``count``), the config and the meta,
+    their CRCs in the state's header (``fvx.storage.files.json_checksum``)."""
+    records = {"config": files.json_checksum(config), "meta": files.json_checksum(meta)}
+    return ocp.args.Composite(**{SHARDS_ITEM: ShardsSave(pieces, index, count, records)},
+                              config=ocp.args.JsonSave(dict(config)), meta=ocp.args.JsonSave(dict(meta)))
 
 
 def legacy_layout(manager_: ocp.CheckpointManager, step: int) -> Any:

@@ -6,8 +6,11 @@ Each rank of the first replica group writes ``rank-<i>-of-<N>.safetensors``: its
 single process is the one-rank case: one file ``rank-00000-of-00001.safetensors`` holding every tensor whole. Tensors
 are named by their state path joined with ``/`` (param names hold dots). The file's metadata entry ``fvx`` is JSON: per
 tensor its full shape, dtype, sharded dim (None: whole), the slice ``[start, stop)`` along it and the CRC-32 of the
-slice's bytes. :func:`read_region` assembles a region (a range along one dim, or the whole tensor) from the pieces that
-overlap it, and checks every piece it reads against its CRC: a flipped byte is refused by file and tensor name.
+slice's bytes; on rank 0 the entry ``fvx_records`` holds the CRC-32 of the JSON records saved beside the state (the
+checkpoint's config and meta, ``fvx.storage.files.json_checksum``), and ``fvx_crc32`` the CRC-32 of both entries, so a
+flipped byte in a header is refused as such (files of fvx 0.1 have neither). :func:`read_region` assembles a region (a
+range along one dim, or the whole tensor) from the pieces that overlap it, and checks every piece it reads against its
+CRC: a flipped byte is refused by file and tensor name.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from fvx.core import tree
 from fvx.distributed import processes, sharding
 
 SEPARATOR = "/"
-META_KEY = "fvx"
+META_KEY, RECORDS_KEY, HEADER_CRC_KEY = "fvx", "fvx_records", "fvx_crc32"
 DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
                                torch.uint8, torch.bool)}
 
@@ -115,14 +118,44 @@ def local_pieces(state: Any, mesh: Any = None, *, copy: bool = True) -> dict[str
     return out
 
 
-def write(folder: pathlib.Path, pieces: Mapping[str, tuple[torch.Tensor, dict]], index: int, count: int) -> None:
-    """This rank's file of ``pieces`` in ``folder``, each slice's record with its CRC-32 (nothing when it holds
-    none)."""
+def write(folder: pathlib.Path, pieces: Mapping[str, tuple[torch.Tensor, dict]], index: int, count: int,
+          records: Mapping[str, int] | None = None) -> None:
+    """This rank's file of ``pieces`` in ``folder``, each slice's record with its CRC-32, and ``records`` (name ->
+    ``fvx.storage.files.json_checksum`` of the JSON records saved beside it; rank 0's); nothing when it holds no
+    piece."""
     if not pieces:
         return
     tensors = {name: part for name, (part, _) in pieces.items()}
-    records = {name: {**meta, "crc32": checksum(part)} for name, (part, meta) in pieces.items()}
-    save_file(tensors, str(folder / file_name(index, count)), metadata={META_KEY: json.dumps(records)})
+    header = {META_KEY: json.dumps({name: {**meta, "crc32": checksum(part)} for name, (part, meta) in pieces.items()}),
+              RECORDS_KEY: json.dumps(dict(records or {}))}
+    header[HEADER_CRC_KEY] = str(_header_crc(header))
+    save_file(tensors, str(folder / file_name(index, count)), metadata=header)
+
+
+def _header_crc(header: Mapping[str, str]) -> int:
+    return zlib.crc32((header[META_KEY] + "\n" + header[RECORDS_KEY]).encode())
+
+
+def _header(path: pathlib.Path) -> dict[str, str]:
+    """A shard file's fvx metadata, its CRC checked (files of fvx 0.1 have none); a CorruptShard names the file."""
+    try:
+        with safe_open(str(path), "pt") as handle:
+            header = handle.metadata() or {}
+        json.loads(header[META_KEY])
+    except Exception as error:
+        raise CorruptShard(f"shard file {str(path)!r}: unreadable header ({type(error).__name__}: "
+                           f"{str(error).splitlines()[0] if str(error) else ''})") from None
+    if HEADER_CRC_KEY in header and (RECORDS_KEY not in header or str(_header_crc(header)) != header[HEADER_CRC_KEY]):
+        raise CorruptShard(f"shard file {str(path)!r}: its header fails its checksum")
+    return header
+
+
+def record_checksums(folder: pathlib.Path) -> dict[str, int]:
+    """The ``fvx.storage.files.json_checksum`` of each JSON record saved beside the state in ``folder`` (rank 0's file;
+    empty
+    for a checkpoint of fvx 0.1, which recorded none)."""
+    header = _header(folder / file_name(0, _count(sorted(folder.glob("rank-*-of-*.safetensors")), folder)))
+    return json.loads(header.get(RECORDS_KEY, "{}"))
 
 
 # ------------------------------------------------------------------------------------------------------------ reading
@@ -131,26 +164,27 @@ def write(folder: pathlib.Path, pieces: Mapping[str, tuple[torch.Tensor, dict]],
 def index(folder: pathlib.Path) -> dict[str, list[Piece]]:
     """Every stored piece by tensor name, from the files' JSON headers (no tensor is read)."""
     files = sorted(folder.glob("rank-*-of-*.safetensors"))
-    if not files:
-        raise CorruptShard(f"{str(folder)!r} holds no shard files")
-    counts = {f.name.rsplit("-of-", 1)[1].split(".")[0] for f in files}
-    expected = int(next(iter(counts)))
-    if len(counts) != 1 or len(files) > expected:
-        raise CorruptShard(f"{str(folder)!r} mixes shard files of different world sizes")
+    _count(files, folder)
     out: dict[str, list[Piece]] = {}
     for f in files:
-        try:
-            with safe_open(str(f), "pt") as handle:
-                records = json.loads((handle.metadata() or {})[META_KEY])
-        except Exception as error:
-            raise CorruptShard(f"shard file {str(f)!r}: unreadable header ({type(error).__name__}: "
-                               f"{str(error).splitlines()[0] if str(error) else ''})") from None
+        records = json.loads(_header(f)[META_KEY])
         for name, r in records.items():
             out.setdefault(name, []).append(Piece(f, name, tuple(r["shape"]), r["dtype"], r["dim"], r["start"],
                                                   r["stop"], r["crc32"]))
     for name, pieces in out.items():
         _check_complete(name, pieces, folder)
     return out
+
+
+def _count(files: list[pathlib.Path], folder: pathlib.Path) -> int:
+    """The world size that wrote ``files``, the shard files of one checkpoint (a CorruptShard when there are none or
+    they disagree)."""
+    if not files:
+        raise CorruptShard(f"{str(folder)!r} holds no shard files")
+    counts = {f.name.rsplit("-of-", 1)[1].split(".")[0] for f in files}
+    if len(counts) != 1 or len(files) > int(next(iter(counts))):
+        raise CorruptShard(f"{str(folder)!r} mixes shard files of different world sizes")
+    return int(next(iter(counts)))
 
 
 def _check_complete(name: str, pieces: list[Piece], folder: pathlib.Path) -> None:

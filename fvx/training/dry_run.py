@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Sequence
 
 from fvx.core.state import HeldRole
+from fvx.data import datasets
 from fvx.distributed import memory
-from fvx.training.experiment import build_models
+from fvx.training.experiment import build_models, run_keys
 
 
 class Plan(NamedTuple):
@@ -41,11 +42,16 @@ def parse_video(text: str) -> tuple[int, int, int]:
     return int(parts[0]), int(parts[1]), int(parts[2])
 
 
-def estimate(plan: Plan, *, world: int, replicate: int, video: Sequence[int], global_batch: int,
-             capacity: int = memory.H200_BYTES, sp: int = 1) -> tuple[memory.Estimate, str]:
+DEFAULT_VIDEO = (81, 480, 832)  # what the dry run assumes when neither --video nor the experiment's data says
+
+
+def estimate(plan: Plan, *, world: int, replicate: int, video: Sequence[int] | None = None, global_batch: int,
+             capacity: int = memory.H200_BYTES, sp: int = 1,
+             latents: Sequence[int] | None = None) -> tuple[memory.Estimate, str]:
     """(the estimate, its title) of ``plan``'s roles sharded over ``world // replicate`` ranks, each rank
-    differentiating ``global_batch // (world // sp) // micro_batches`` samples of ``video`` at a time, of whose
-    tokens it holds ``1 / sp`` under sequence parallelism (the all-to-all buffers are not counted)."""
+    differentiating ``global_batch // (world // sp) // micro_batches`` samples at a time of ``video`` (pixels
+    ``(frames, height, width)``) or of ``latents`` (latent ``(T, H, W)``), of whose tokens it holds ``1 / sp`` under
+    sequence parallelism (the all-to-all buffers are not counted)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"--world must be a positive int, got {world!r}")
     if replicate < 1 or world % replicate:
@@ -60,25 +66,44 @@ def estimate(plan: Plan, *, world: int, replicate: int, video: Sequence[int], gl
     if per_rank % plan.micro_batches:
         raise ValueError(f"a rank's batch of {per_rank} is not divisible into {plan.micro_batches} micro-batches")
     spec = plan.roles[0].model
-    grid = memory.latent_grid(*video, vae_stride=spec.vae_stride, patch=spec.patch)
+    if latents is not None:
+        grid, shown = memory.tokens_of(latents, spec.patch), "the experiment's data, latent"
+    else:
+        grid = memory.latent_grid(*video, vae_stride=spec.vae_stride, patch=spec.patch)
+        shown = f"video {'x'.join(map(str, video))} -> latent"
     if grid.tokens % sp:
-        raise ValueError(f"--video {'x'.join(map(str, video))}: {grid.tokens} tokens per sample do not split over "
-                         f"--sp {sp} ranks")
+        raise ValueError(f"{shown} {grid.frames}x{grid.height}x{grid.width}: {grid.tokens} tokens per sample do not "
+                         f"split over --sp {sp} ranks")
     micro = per_rank // plan.micro_batches
     est = memory.estimate(plan.roles, shard_size=world // replicate, tokens=grid.tokens // sp, batch_per_rank=micro,
                           capacity=capacity)
-    title = (f"{world} ranks ({replicate} replica group(s) x {world // replicate} shards), video "
-             f"{'x'.join(map(str, video))} -> latent {grid.frames}x{grid.height}x{grid.width} = {grid.tokens} tokens"
+    title = (f"{world} ranks ({replicate} replica group(s) x {world // replicate} shards), {shown} "
+             f"{grid.frames}x{grid.height}x{grid.width} = {grid.tokens} tokens"
              + (f" ({grid.tokens // sp} per rank: sequence parallel over {sp})" if sp > 1 else "")
              + f", {micro} sample(s) per rank per forward, compute {8 * spec.compute_bytes}-bit, "
              f"remat {'on' if spec.remat else 'off'}")
     return est, title
 
 
-def report(config: Any, *, world: int, video: Sequence[int], replicate: int = 1, sp: int = 1,
+def data_latents(config: Any) -> tuple[int, int, int] | None:
+    """Latent ``(T, H, W)`` of the experiment's samples, as its data gives them (one sample read, no weight loaded;
+    the method's ``latent_shape`` for data without latents); None when the data cannot be read here (a recipe's
+    paths on another machine)."""
+    try:
+        sample = datasets.open_dataset(config.data, run_keys(config.run.seed)[1]).read([0])
+    except (ValueError, OSError):
+        sample = {}
+    if "latents" in sample:
+        return tuple(int(s) for s in sample["latents"].shape[-3:])
+    shape = getattr(config.method, "latent_shape", None)
+    return None if shape is None else tuple(shape[-3:])
+
+
+def report(config: Any, *, world: int, video: Sequence[int] | None = None, replicate: int = 1, sp: int = 1,
            device_memory_gib: float | None = None) -> str:
     """The dry-run table of an experiment config against a device of ``device_memory_gib`` GiB (default: an H200's
-    usable memory): builds each role's model skeleton only (meta params)."""
+    usable memory): builds each role's model skeleton only (meta params). The samples are ``video`` when given, else
+    the experiment's own (:func:`data_latents`), else :data:`DEFAULT_VIDEO` (said in the title)."""
     if device_memory_gib is not None and not 0 < device_memory_gib < float("inf"):
         raise ValueError(f"--device-memory must be a positive number of GiB, got {device_memory_gib}")
     capacity = memory.H200_BYTES if device_memory_gib is None else int(device_memory_gib * memory.GIB)
@@ -89,8 +114,12 @@ def report(config: Any, *, world: int, video: Sequence[int], replicate: int = 1,
     models = build_models(config)
     plan = plan_of(held(), {role: model.memory_spec() for role, model in models.items()},
                    getattr(config.method, "grad_accum", 1))
-    est, title = estimate(plan, world=world, replicate=replicate, video=video, global_batch=config.data.batch_size,
-                          capacity=capacity, sp=sp)
+    latents = data_latents(config) if video is None else None
+    est, title = estimate(plan, world=world, replicate=replicate, global_batch=config.data.batch_size,
+                          capacity=capacity, sp=sp, latents=latents,
+                          video=video if video is not None or latents is not None else DEFAULT_VIDEO)
+    if video is None and latents is None:
+        title += " (its data cannot be read here: --video FRAMESxHEIGHTxWIDTH to choose)"
     names = ", ".join(dict.fromkeys(model.name for model in models.values()))
     device = ("an H200 (141 GB, as CUDA reports it; --device-memory GiB for another)" if device_memory_gib is None
               else f"a device of {device_memory_gib:g} GiB")

@@ -38,7 +38,7 @@ class RunConfig(Config):
     whether Weights & Biases mirrors the TensorBoard logs (``wandb``; None: TensorBoard only)."""
 
     seed: int = 0
-    steps: Annotated[int, msgspec.Meta(ge=0)] = 100
+    steps: Annotated[int, msgspec.Meta(ge=1)] = 100
     output_dir: str = "runs/default"
     log_every: Annotated[int, msgspec.Meta(ge=1)] = 1
     progress: bool = True
@@ -142,8 +142,11 @@ def batch_fn(config: Experiment, built: Setup, *, rank: int = 0, world: int = 1)
     rank, world = processes.data_rank(built.mesh, rank, world)
 
     def at(step: int):
-        raw = datasets.batch_at(built.dataset, built.data_key, step, batch_size=config.data.batch_size, rank=rank,
-                            world=world)
+        try:
+            raw = datasets.batch_at(built.dataset, built.data_key, step, batch_size=config.data.batch_size, rank=rank,
+                                    world=world)
+        except datasets.DataError as error:
+            raise datasets.DataError(f"step {step}: {error}") from None
         return built.program.model.batch(raw)
     return at
 
@@ -191,6 +194,7 @@ def prepare(config: Experiment, *, resume_from: str | int | None = None, rank: i
     out = pathlib.Path(config.run.output_dir)
     run_folder.check_writable(out)
     run_lock.check(out)
+    run_folder.launches(out)  # a damaged run.json is refused now, not after the run folder is written
     if config.run.wandb is not None and rank == 0:
         check_available()
     callbacks = fcallbacks.check(config.callbacks())

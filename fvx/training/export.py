@@ -1,14 +1,16 @@
-"""Export a trained role of a run as a diffusers folder: ``export(run_dir, out, step=None, role=None, ema=False,
-base=None)``.
+"""Export a trained role of a run: ``export(run_dir, out, step=None, role=None, ema=False, base=None, adapters=False,
+form=None, dtype=None)``.
 
-The folder gets what the role's model family writes (``Model.export``): its pipeline components (``transformer/``;
-``transformer/`` and ``transformer_2/`` for two experts: config.json + safetensors, loadable by the component class's
-``from_pretrained``) and pipeline files (``model_index.json``, ``scheduler/``), plus ``fvx_export.json`` (run folder,
-step, role, EMA or not, and how the method samples the role, e.g. a distilled student's few-step timesteps). fvx
-trains transformers only: with ``base`` (a diffusers pipeline folder of the same model) the other components (VAE,
-text encoders, tokenizers) are linked from it, so ``DiffusionPipeline.from_pretrained(out)`` loads a whole pipeline;
-without, the folder loads with those components passed as ``None``. The family's folder is written beside ``out``
-and renamed into place, so an error leaves nothing half-written.
+Whole weights (a LoRA role's adapters merged into its base in fp32, an expert left frozen as loaded): ``diffusers``,
+what the role's model family writes (``Model.export``): its pipeline components (``transformer/``; ``transformer/``
+and ``transformer_2/`` for two experts: config.json + safetensors, loadable by the component class's
+``from_pretrained``) and pipeline files (``model_index.json``, ``scheduler/``); or ``comfyui``, one file per component
+in the family's original layout. With ``adapters``, a LoRA role's adapters alone (``peft``, ``comfyui``, ``musubi``).
+Beside them ``fvx_export.json``: run folder, step, role, EMA or not, format, dtype, and how the method samples the
+role (e.g. a distilled student's few-step timesteps). fvx trains transformers only: with ``base`` (a diffusers pipeline
+folder of the same model) the other components (VAE, text encoders, tokenizers) are linked from it, so
+``DiffusionPipeline.from_pretrained(out)`` loads a whole pipeline; without, the folder loads with those components
+passed as ``None``. Files are written beside ``out`` and renamed into place, so an error leaves nothing half-written.
 """
 from __future__ import annotations
 
@@ -17,13 +19,15 @@ import os
 import pathlib
 from typing import Any, NamedTuple
 
+import msgspec
+
 from fvx.core import role as fvx_role
 from fvx.storage import checkpoint
 from fvx.training import run_folder
 from fvx.training.experiment import build_models, role_configs, run_keys
 
 MANIFEST = "fvx_export.json"
-LORA_FORMATS = ("peft", "comfyui", "merged")  # adapters for diffusers/PEFT, for ComfyUI, or merged into the weights
+DTYPES = ("fp32", "bf16")
 
 
 class Exported(NamedTuple):
@@ -33,23 +37,27 @@ class Exported(NamedTuple):
     step: int
     role: str
     ema: bool
-    components: tuple[str, ...]  # the pipeline component folders written (transformer/, ...)
+    files: dict[str, pathlib.Path]  # pipeline component -> what was written for it (a folder, or a file)
+    how_to_load: tuple[str, ...]  # what a person runs to load the files (adapters, the original layout)
+    dtypes: tuple[str, ...]  # the dtypes the tensors are stored in
+    merged: bool  # a LoRA role's adapters merged into its base
     sampling: dict | None = None  # how the method samples the role (``method.sampling(role)``), when it says
 
 
 def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None, role: str | None = None,
-           ema: bool = False, base: str | os.PathLike | None = None, lora: str | None = None) -> Exported:
+           ema: bool = False, base: str | os.PathLike | None = None, adapters: bool = False, form: str | None = None,
+           dtype: str | None = None) -> Exported:
     """Write role ``role``'s params (its EMA params with ``ema``) of checkpoint ``step`` (default: the newest) of the
-    run in ``run_dir`` to the diffusers folder ``out``, with the other components of the pipeline folder ``base``
-    linked beside them. ``role`` defaults to the run's only trained role, or to ``student`` (a distillation's). A
-    LoRA role exports merged (``W + (alpha / r) B A``); ``lora="peft"`` or ``"comfyui"`` writes its adapters alone
-    (``Model.export_adapters``), ``"merged"`` the merged folder."""
+    run in ``run_dir`` to ``out``: whole weights as a diffusers folder (``form="diffusers"``, with the other
+    components of the pipeline folder ``base`` linked beside them) or in the family's original layout
+    (``"comfyui"``), a LoRA role's adapters merged into its base at full precision (``W + (alpha / r) B A`` in fp32),
+    each param in ``dtype`` or by default as ``Model.export`` says; or with ``adapters`` a LoRA role's adapters alone
+    (``form`` ``"peft"``, ``"comfyui"`` or ``"musubi"``; ``Model.export_adapters``). ``role`` defaults to the run's
+    only trained role, or to ``student`` (a distillation's). Bad input is a ValueError before anything is written."""
     run_dir, out = pathlib.Path(run_dir), pathlib.Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"export: {str(out)!r} already exists and is not an empty folder")
-    if lora is not None and lora not in LORA_FORMATS:
-        raise ValueError(f"export --format must be one of {', '.join(LORA_FORMATS)}; got {lora!r}")
-    base_index = None if base is None else _pipeline_index(pathlib.Path(base))
+    form = form or ("peft" if adapters else "diffusers")
     config = run_folder.load_run(run_dir)
     with checkpoint.Checkpoints(run_dir / run_folder.CHECKPOINTS) as checkpoints:
         steps = checkpoints.steps()
@@ -58,37 +66,65 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | No
         step = steps[-1] if step is None else step
         layout = checkpoints.layout(step)  # a CheckpointError lists the steps when there is no such one
         role = _choose_role(layout, role, run_dir)
+        model = role_configs(config)[role].build()
+        _check_request(model, role, adapters, form, dtype, base)
+        base_index = None if base is None else _pipeline_index(pathlib.Path(base))
         if ema and _has_no_tensors(layout["roles"][role].get("ema")):
             raise ValueError(f"export --ema: role {role!r} of the run in {str(run_dir)!r} keeps no EMA params")
         trained = checkpoints.read(step, ("roles", role, "ema" if ema else "params"))
-    model = role_configs(config)[role].build()
-    if lora is not None and model.export_adapters is None:
-        raise ValueError(f"export --lora: role {role!r} of the run in {str(run_dir)!r} trains no adapters (its model "
-                         "config has no lora); export it without --lora")
     sampling_of = getattr(config.method, "sampling", None)
     sampling = None if sampling_of is None else sampling_of(role)
+    if adapters:
+        written = model.export_adapters(trained, str(out), form)
+    else:
+        written = model.export(role_params(config, role, model, trained), str(out), form=form, dtype=dtype)
     manifest = {"run": str(run_dir.absolute()), "step": step, "role": role, "ema": ema, "sampling": sampling,
-                "base": None if base is None else str(pathlib.Path(base).absolute())}
-    if lora != "merged" and lora is not None:
-        files = model.export_adapters(trained, str(out), lora)
-        (out / MANIFEST).write_text(json.dumps({**manifest, "lora": lora}, indent=2) + "\n")
-        return Exported(out, step, role, ema, tuple(path.name for path in files), sampling)
-    model.export(role_params(config, role, model, trained), str(out))
+                "base": None if base is None else str(pathlib.Path(base).absolute()), "adapters": adapters,
+                "format": form, "dtype": dtype}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    components = tuple(sorted(p.name for p in out.iterdir() if (p / "config.json").is_file()))
     if base_index is not None:
         _link_base(pathlib.Path(base), base_index, out)
-    return Exported(out, step, role, ema, components, sampling)
+    merged = model.export_adapters is not None and not adapters
+    return Exported(out, step, role, ema, written.files, written.how_to_load, written.dtypes, merged, sampling)
+
+
+def _check_request(model: Any, role: str, adapters: bool, form: str, dtype: str | None, base: Any) -> None:
+    """A ValueError for an export ``model`` cannot make as asked, before anything is written."""
+    if adapters and model.export_adapters is None:
+        raise ValueError(f"export --lora: role {role!r} trains no adapters (its model config has no lora); export it "
+                         "without --lora")
+    formats = model.adapter_formats if adapters else model.export_formats
+    if form not in formats:
+        other = model.export_formats if adapters else model.adapter_formats
+        if form in other:
+            raise ValueError(f"export --format {form} is for " + ("whole weights: export without --lora" if adapters
+                                                                  else "adapters: add --lora"))
+        raise ValueError(f"export --format {form}: the {'adapters' if adapters else 'weights'} of role {role!r} export "
+                         f"as {', '.join(formats[:-1])}{' or ' if len(formats) > 1 else ''}{formats[-1]}")
+    if dtype is not None and (adapters or dtype not in DTYPES):
+        raise ValueError("export --dtype is for whole weights (adapters are written in fp32)" if adapters
+                         else f"export --dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    if base is not None and (adapters or form != "diffusers"):
+        raise ValueError("export --base links a pipeline's other components beside a diffusers folder; it does not "
+                         f"apply to {'--lora' if adapters else '--format ' + form}")
 
 
 def role_params(config: Any, role: str, model: Any, trained: Any) -> Any:
     """Role ``role``'s whole params for ``model``: ``trained`` (its params or EMA from a checkpoint) with the base it
-    holds frozen (a LoRA base, an expert left frozen), made as the run made it."""
+    holds frozen (a LoRA base, an expert left frozen), made as the run made it but at full precision (fp32, however
+    the run stored it: ``frozen_dtype``)."""
     if model.base_id() is None:
         return trained
+    config = full_precision(config)
     method_key, _ = run_keys(config.run.seed)
     program = config.method.build(build_models(config), total_steps=config.run.steps)  # no data needed
     return fvx_role.with_trained(program.frozen(method_key)[role], trained)
+
+
+def full_precision(config: Any) -> Any:
+    """``config`` with every model's frozen copy kept in fp32."""
+    models = {name: msgspec.structs.replace(model, frozen_dtype="fp32") for name, model in config.models.items()}
+    return msgspec.structs.replace(config, models=models)
 
 
 def missing_components(folder: pathlib.Path) -> list[str]:

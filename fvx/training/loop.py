@@ -137,12 +137,12 @@ def run_steps(config: Experiment, built: Setup, state: TrainState, frozen: dict[
             skips = skips.after(skipped)
             if nonfinite or step % run.log_every == 0 or step == steps.stop - 1:
                 counted = {"nonfinite_skips": skips.total} if run.on_nonfinite == "skip" else {}
-                tracker.scalars(step, {**values, "step_time_s": elapsed,
+                tracker.scalars(step, {**values, tracking.STEP_RECORD: elapsed,
                                        "samples_per_s": config.data.batch_size / elapsed, **counted})
             if (nonfinite and not skipped) or skips.in_a_row > run.max_consecutive_skips:
                 tracker.flush()
                 raise _halt(config, step, values, applied=not flagged, rank=rank, skips=skips,
-                            experiment=(meta or {}).get("experiment"))
+                            experiment=(meta or {}).get("experiment"), samples=datasets.suspects(batch, built.dataset))
             if checkpoints is not None:
                 checkpoints.poll()
             timed = run.checkpoint.every_seconds is not None and \
@@ -166,8 +166,9 @@ def run_steps(config: Experiment, built: Setup, state: TrainState, frozen: dict[
 
 
 def _halt(config: Experiment, step: int, values: dict[str, float], *, applied: bool, rank: int, skips: Skips,
-          experiment: str | None = None) -> NonFiniteError:
-    """Record the non-finite step in the run folder and make the error that stops the run."""
+          experiment: str | None = None, samples: tuple[list[str], bool] = ([], False)) -> NonFiniteError:
+    """Record the non-finite step in the run folder and make the error that stops the run; ``samples`` are the
+    step's suspects (``datasets.suspects``: its samples with non-finite data, else all it read)."""
     out = config.run.output_dir
     command = f"python -m fvx.run replay {shlex.quote(out)} --step {step}"
     if fconfig.foreign_classes(config) and experiment is not None:  # their code (not only their values) decides
@@ -181,11 +182,19 @@ def _halt(config: Experiment, step: int, values: dict[str, float], *, applied: b
                "the state is spoiled and the step cannot be skipped")
     else:
         why = f"run.on_nonfinite={config.run.on_nonfinite}"
+    names, bad_data = samples
+    read = ("" if not names else f"; non-finite data in {_listed(names)}" if bad_data
+            else f"; its data is finite (samples {_listed(names)})")
     if rank == 0:
         run_folder.record_nonfinite(pathlib.Path(out), {"step": step, "metrics": values, "update_applied": applied,
+                                                         "samples": names, "nonfinite_data": bad_data,
                                                          "replay": command})
-    return NonFiniteError(f"step {step}: non-finite loss or gradient ({shown}); the run halted ({why}). "
+    return NonFiniteError(f"step {step}: non-finite loss or gradient ({shown}){read}; the run halted ({why}). "
                           f"Replay the step with: {command}", step, command)
+
+
+def _listed(names: list[str], most: int = 4) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 @contextlib.contextmanager

@@ -66,10 +66,11 @@ def replay(run_dir: str | os.PathLike, step: int, *, progress: bool = False, exp
     ValueError names a step the run does not have."""
     run_dir = pathlib.Path(run_dir)
     loaded = run_folder.load_run_sources(run_dir, step, experiment)
-    config = loaded.config
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < config.run.steps:
-        raise ValueError(f"replay: step {step!r} is beyond the run in {str(run_dir)!r}, which has steps 0 to "
-                         f"{config.run.steps - 1}")
+    config, taken = loaded.config, steps_taken(run_dir)
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < taken:
+        took = f"took steps 0 to {taken - 1}" if taken else "took no step yet"
+        raise ValueError(f"replay: step {step!r} is not a step of the run in {str(run_dir)!r}: it {took} (of "
+                         f"run.steps = {config.run.steps})")
     built = setup(config)
     state = initial_state(built)
     frozen = frozen_params(built)
@@ -87,6 +88,16 @@ def replay(run_dir: str | os.PathLike, step: int, *, progress: bool = False, exp
     bar.close()
     run_world = int(run_folder.launch_at(run_dir, step).get("world_size") or 1)
     return Replay(step, {name: float(value) for name, value in metrics.items()}, base, loaded.sources, run_world)
+
+
+def steps_taken(run_dir: pathlib.Path) -> int:
+    """How many steps the run in ``run_dir`` has taken: as many as its newest checkpoint or its last logged step
+    says, whichever is further."""
+    with checkpoint.Checkpoints(run_dir / run_folder.CHECKPOINTS) as checkpoints:
+        newest = checkpoints.latest() or 0
+    logdir = run_dir / run_folder.TENSORBOARD
+    logged = tracking.read_scalars(logdir).get(tracking.STEP_RECORD, []) if logdir.is_dir() else []
+    return max(newest, max((s for s, _ in logged), default=-1) + 1)
 
 
 def logged_metrics(run_dir: str | os.PathLike, step: int) -> dict[str, float]:

@@ -9,6 +9,7 @@ holds checkpoints, is refused (the checkpoints would mix two histories).
 from __future__ import annotations
 
 import pathlib
+import re
 from typing import Any, NamedTuple, Sequence
 
 import msgspec
@@ -20,6 +21,7 @@ from fvx.training import run_folder
 
 LAST_GOOD = "last-good"  # --resume last-good: from the newest intact checkpoint, the damaged newer ones moved aside
 IGNORED_CHANGES = ("run.output_dir", "run.progress")  # fields a resumed launch may change without a note
+MODEL_FIELDS = re.compile(r"models\.[^.]+\.(preset|lora)(\.|$)")  # what makes a model another: a resume keeps them
 
 
 class Restored(NamedTuple):
@@ -105,14 +107,16 @@ def resumed_config(config: Any, overrides: Sequence[str], resume: str) -> tuple[
     is."""
     folder, step = _named(pathlib.Path(config.run.output_dir), str(resume))
     with checkpoint.Checkpoints(folder) as checkpoints:
-        candidates = [s for s in checkpoints.steps() if s <= step][::-1] if resume == LAST_GOOD else [step]
-        for candidate in candidates:  # last-good: the newest whose config record reads
-            try:
-                saved = checkpoints.read_json(candidate, "config").get("config")
-                break
-            except checkpoint.CheckpointError:
-                if candidate == candidates[-1]:
-                    raise
+        try:
+            saved = checkpoints.read_json(step, "config").get("config")
+        except checkpoint.CheckpointMismatch:
+            raise
+        except checkpoint.CheckpointError as damage:  # the newest whose config record is intact
+            older = [s for s in checkpoints.steps() if s < step][::-1]
+            intact = next((s for s in older if _config_reads(checkpoints, s)), None)
+            if resume != LAST_GOOD or intact is None:
+                raise _damaged(damage, intact) from None
+            saved = checkpoints.read_json(intact, "config").get("config")
     if not isinstance(saved, dict):
         return config, ()  # a checkpoint without its config: the experiment file's, as given
     try:
@@ -121,14 +125,43 @@ def resumed_config(config: Any, overrides: Sequence[str], resume: str) -> tuple[
         raise fconfig.ConfigError(f"the config saved with checkpoint {folder / str(step)} does not fit the experiment "
                                   f"file's config any more: {error}") from None
     resumed = fconfig.apply_overrides(base, overrides)
+    for path, old, new in fconfig.differences(saved, _as_json(resumed)):
+        if MODEL_FIELDS.match(path):
+            raise fconfig.ConfigError(f"this launch changes {path}: {old!r} -> {new!r}, but the checkpoint it resumes "
+                                      f"from ({folder / str(step)}) holds the state of the run's models; a resumed "
+                                      "run keeps them (train another model in a new run folder)")
+    if resumed.run.steps < step:
+        raise fconfig.ConfigError(f"run.steps = {resumed.run.steps} is below step {step} of the checkpoint it resumes "
+                                  f"from ({folder / str(step)}): a resumed run goes on from there, so ask for "
+                                  f"run.steps >= {step} (--steps {step} or more)")
     return resumed, _changes(saved, resumed)
+
+
+def _as_json(config: Any) -> Any:
+    """``config`` as JSON holds it (tuples are lists), to compare with a saved record."""
+    return msgspec.json.decode(msgspec.json.encode(config))
 
 
 def _changes(saved: Any, config: Any) -> tuple[str, ...]:
     """``"field: saved -> now"`` for every field ``config`` changes of the ``saved`` record."""
-    current = msgspec.json.decode(msgspec.json.encode(config))  # as JSON holds it: tuples are lists
-    return tuple(f"{path}: {old!r} -> {new!r}" for path, old, new in fconfig.differences(saved, current)
+    return tuple(f"{path}: {old!r} -> {new!r}" for path, old, new in fconfig.differences(saved, _as_json(config))
                  if path not in IGNORED_CHANGES)
+
+
+def _config_reads(checkpoints: checkpoint.Checkpoints, step: int) -> bool:
+    try:
+        checkpoints.read_json(step, "config")
+    except checkpoint.CheckpointError:
+        return False
+    return True
+
+
+def _damaged(damage: checkpoint.CheckpointError, intact: int | None) -> checkpoint.CheckpointError:
+    """The error of a damaged checkpoint: what is damaged, and the newest intact one (to resume with last-good)."""
+    if intact is None:
+        return checkpoint.CheckpointError(f"{damage}; no older checkpoint is intact either")
+    return checkpoint.CheckpointError(f"{damage}; the newest intact checkpoint is {intact}: resume from it with "
+                                      f"--resume {LAST_GOOD} (the damaged ones are moved aside, not deleted)")
 
 
 def restore_intact(checkpoints: checkpoint.Checkpoints, step: int, target: TrainState, *,
@@ -148,13 +181,11 @@ def restore_intact(checkpoints: checkpoint.Checkpoints, step: int, target: Train
             except checkpoint.CheckpointError:
                 continue
             if not move_damaged:
-                raise checkpoint.CheckpointError(
-                    f"{damage}; the newest intact checkpoint is {candidate}: resume from it with --resume "
-                    f"{LAST_GOOD} (the damaged ones are moved aside, not deleted)") from None
+                raise _damaged(damage, candidate) from None
             for bad in [s for s in checkpoints.steps() if s > candidate]:
                 checkpoints.path(bad).rename(checkpoints.path(bad).with_name(f"{bad}.damaged"))
             return candidate, state
-        raise checkpoint.CheckpointError(f"{damage}; no older checkpoint is intact either") from None
+        raise _damaged(damage, None) from None
 
 
 def restore(config: Any, target: TrainState, resume: str | int, *, mesh: Any = None,

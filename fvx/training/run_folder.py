@@ -22,6 +22,7 @@ import json
 import os
 import pathlib
 import sys
+import tempfile
 from typing import Any, Callable
 
 import msgspec
@@ -48,12 +49,19 @@ class Launch(msgspec.Struct, frozen=True):
 
 
 def check_writable(out: pathlib.Path) -> None:
-    """A ValueError naming ``out`` when the run folder cannot be made or written (checked before anything is)."""
+    """A ValueError naming ``out`` when the run folder cannot be made or written, checked before anything is: the
+    nearest existing folder must be one a folder can be made in (tried with an empty one, removed at once: file
+    systems such as /proc refuse what the permission bits allow)."""
     existing = next(p for p in (out, *out.parents) if p.exists())
     if not existing.is_dir():
         raise ValueError(f"run.output_dir {str(out)!r}: {str(existing)!r} is a file, not a folder")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"run.output_dir {str(out)!r}: {str(existing)!r} is not writable")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".fvx-probe-", dir=existing))
+    except OSError as error:
+        raise ValueError(f"run.output_dir {str(out)!r}: no folder can be made in {str(existing)!r} "
+                         f"({error.strerror or type(error).__name__})") from None
 
 
 def metadata(launch: Launch, world: int) -> dict[str, Any]:
@@ -81,8 +89,9 @@ def begin(out: pathlib.Path, config: Any, meta: dict[str, Any], record: dict[str
     continues, then this one), and the TensorBoard events of the steps it takes again dropped (damaged records
     reported)."""
     fconfig.dump(config, out)
-    earlier = [entry for entry in launches(out) if entry.get("start_step", 0) < start]  # those it continues
-    files.write_json(out / RUN_FILE, {"launches": earlier + [{**meta, "start_step": start, "config": record}]})
+    history = [entry for entry in launches(out) if entry.get("start_step", 0) < start]  # those it continues
+    history.append({**meta, "start_step": start, "config": record})
+    files.write_json(out / RUN_FILE, {"launches": history, "crc32": files.json_checksum(history)})
     if (out / TENSORBOARD).is_dir():
         tracking.truncate_events(out / TENSORBOARD, start, report=lambda line: print(line, file=sys.stderr))
         tracking.wait_for_a_new_second(out / TENSORBOARD)
@@ -93,20 +102,28 @@ def record_nonfinite(out: pathlib.Path, record: dict[str, Any]) -> None:
     files.write_json(out / NONFINITE_FILE, record)
 
 
-def _read_json(path: pathlib.Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except json.JSONDecodeError as error:
-        raise fconfig.ConfigError(f"{str(path)!r} is not valid JSON: {error}") from None
-
-
 def launches(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """The launches of a run folder, oldest first (run.json's ``launches``: each launch's record, its ``start_step``
-    and the ``config`` it ran with)."""
-    meta = _read_json(pathlib.Path(run_dir) / RUN_FILE)
-    return list(meta.get("launches", [meta] if meta else []))
+    and the ``config`` it ran with); none without run.json. A damaged run.json (not JSON, or failing the CRC-32 it
+    was written with; run folders of fvx 0.1 have none) is a one-line ConfigError naming it and what to do."""
+    path = pathlib.Path(run_dir) / RUN_FILE
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        return []
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise _damaged(path, f"not valid JSON: {error}") from None
+    if not isinstance(meta, dict):
+        raise _damaged(path, "not a record of launches")
+    history = list(meta.get("launches", [meta]))
+    if "crc32" in meta and files.json_checksum(history) != meta["crc32"]:
+        raise _damaged(path, "it fails the checksum it was written with")
+    return history
+
+
+def _damaged(path: pathlib.Path, why: str) -> fconfig.ConfigError:
+    return fconfig.ConfigError(f"{str(path)!r} is damaged ({why}); it holds the run's history of launches: restore it "
+                               "from a copy, or move it aside to go on without that history")
 
 
 def launch_at(run_dir: str | os.PathLike, step: int | None = None) -> dict[str, Any]:

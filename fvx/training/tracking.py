@@ -17,6 +17,7 @@ import json
 import math
 import numbers
 import os
+import re
 import struct
 import time
 from pathlib import Path
@@ -284,12 +285,12 @@ class Tracker:
         self._emit(_image_summary(tag, _png_bytes(hwc), hwc.shape), step)
 
     def video(self, step: int, tag: str, frames: torch.Tensor | np.ndarray, *, fps: float = 16,
-              folder: str | Path | None = None) -> list[Path]:
+              folder: str | Path | None = None, label: str | None = None) -> list[Path]:
         """Logs ``frames`` ([T,C,H,W] or [T,H,W,C], uint8 or float in [0, 1], clamped) as an animated GIF image summary.
 
-        With ``folder``, also writes ``<folder>/<tag, / -> _>_<step>.gif``, ``.png`` (first frame) and, only when
-        imageio-ffmpeg is installed, ``.mp4`` (skipped silently otherwise); returns the paths written (none on
-        inactive ranks)."""
+        With ``folder``, also writes ``<folder>/<tag, / -> _>[_<label>]_<step>.gif``, ``.png`` (first frame) and,
+        only when imageio-ffmpeg is installed, ``.mp4`` (skipped silently otherwise); ``label`` (a caption) is
+        written into the name as a slug (:func:`slug`). Returns the paths written (none on inactive ranks)."""
         step, tag, fps = _check_step(step), _check_tag(tag), _check_fps(fps)
         frames, channels_first = _check_frames(frames)
         if self._open_writer() is None:
@@ -301,7 +302,8 @@ class Tracker:
             mirror.video(step, tag, thwc, fps)
         if folder is None:
             return []
-        stem = Path(folder) / f"{tag.replace('/', '_')}_{step}"
+        stem = Path(folder) / "_".join([tag.replace("/", "_"), *([slug(label)] if label and slug(label) else []),
+                                         str(step)])
         stem.parent.mkdir(parents=True, exist_ok=True)
         paths = [stem.with_suffix(".gif"), stem.with_suffix(".png")]
         paths[0].write_bytes(gif)
@@ -328,6 +330,13 @@ class Tracker:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def slug(text: str, limit: int = 48) -> str:
+    """``text`` as a file-name part a person reads: lower case, runs of anything but letters and digits one ``-``, at
+    most ``limit`` characters (cut at a word)."""
+    words = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    return words if len(words) <= limit else words[:limit].rsplit("-", 1)[0]
 
 
 def open_tracker(logdir: str | Path, *, rank: int = 0, mirrors: Callable[[], Sequence[Any]] = tuple) -> Tracker:
@@ -390,11 +399,18 @@ def read_hparams(logdir: str | Path) -> dict[str, bool | float | str]:
 # ---------------------------------------------------------------------------------------------------------- resume
 
 
+STEP_RECORD = "step_time_s"
+"""The tag that marks the loop's record of a step's metrics (one event holding them all): what a resumed run logs
+again for its first step, where what the hooks logged at that step (validation of the state it resumes from) stays."""
+
+
 def truncate_events(logdir: Path, from_step: int, report: Callable[[str], None] = lambda line: None) -> int:
-    """Drop the summaries of steps ``>= from_step`` from every TensorBoard event file in ``logdir`` (each file
-    rewritten beside itself, then renamed over it); return how many events were dropped. A damaged record (its
-    length or bytes fail their CRC, or a torn tail) is dropped too and reported (``report``, one line naming the file
-    and byte offset); the intact records before and after it are kept, so no history hides behind it."""
+    """Drop from every TensorBoard event file in ``logdir`` (each file rewritten beside itself, then renamed over it)
+    the summaries a run resumed at step ``from_step`` logs again: every summary of a later step, and at
+    ``from_step`` the loop's step record (:data:`STEP_RECORD`); what the hooks logged at ``from_step`` (a
+    validation of the state the run resumes from) is kept. Returns how many events were dropped. A damaged record
+    (its length or bytes fail their CRC, or a torn tail) is dropped too and reported (``report``, one line naming the
+    file and byte offset); the intact records before and after it are kept, so no history hides behind it."""
     dropped = 0
     for path in sorted(logdir.glob("events.out.tfevents.*")):
         records, damaged = read_records(path)
@@ -462,5 +478,8 @@ def wait_for_a_new_second(logdir: Path) -> None:
 
 
 def _before(record: bytes, step: int) -> bool:
+    """Whether a resumed run at ``step`` keeps ``record`` (:func:`truncate_events`)."""
     event = event_pb2.Event.FromString(record)
-    return not event.HasField("summary") or event.step < step
+    if not event.HasField("summary") or event.step < step:
+        return True
+    return event.step == step and not any(value.tag == STEP_RECORD for value in event.summary.value)

@@ -265,7 +265,8 @@ def log_validation(
     :func:`latent_preview`; always the scalars ``validation/<tag>/<latent_stats>``; the captions as text when given.
 
     With ``folder`` (the run's validation folder) each clip is also written to ``<folder>/step_<step>/`` (GIF, PNG
-    of the first frame, MP4 when an encoder is installed). Returns the paths written.
+    of the first frame, MP4 when an encoder is installed), named by its prompt: ``<tag>_prompt_<i>_<caption
+    slug>_<step>``. Returns the paths written.
     """
     if not (isinstance(latents, torch.Tensor) and latents.dim() == 5):
         raise ValueError(f"latents must be [N, C, T, H, W], got {getattr(latents, 'shape', type(latents).__name__)}")
@@ -281,7 +282,7 @@ def log_validation(
             frames, name = video[i].permute(1, 0, 2, 3), f"{prefix}/prompt_{i}"
         else:
             frames, name = latent_preview(latents[i]), f"{prefix}/latents_{i}"
-        paths += tracker.video(step, name, frames, fps=fps, folder=out)
+        paths += tracker.video(step, name, frames, fps=fps, folder=out, label=None if captions is None else captions[i])
     tracker.scalars(step, {f"{prefix}/{name}": value for name, value in latent_stats(latents).items()})
     if captions is not None:
         tracker.text(step, f"{prefix}/captions", "\n".join(f"- prompt_{i}: {c}" for i, c in enumerate(captions)))

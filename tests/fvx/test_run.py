@@ -1,5 +1,8 @@
 """python -m fvx.run: reproducible runs, TensorBoard metrics, --help, and bad input that writes nothing."""
+import json
+import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -36,6 +39,14 @@ def test_help_lists_fields_with_defaults(capsys):
     assert "method.optim.lr" in out and "models.student.preset" in out and "'world'" in out
 
 
+def test_a_field_set_twice_takes_the_last_and_says_so(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run.main([EXPERIMENT, "--out", str(out), *QUICK, "run.steps=3", "validation.every=0", "run.steps=1"]) == 0
+    captured = capsys.readouterr()
+    assert "note: run.steps is set 2 times; the last, run.steps=1, wins over run.steps=3" in captured.err
+    assert "done: 1 steps" in captured.out
+
+
 @pytest.mark.parametrize("args, message", [
     (["method.optim.lrr=1e-3"], "did you mean 'method.optim.lr'"),
     (["method.optim.lr=fast"], "$.method.optim.lr"),
@@ -44,6 +55,10 @@ def test_help_lists_fields_with_defaults(capsys):
     (["models.student.preset=tiny"], "batch latents of shape (2, 192, 4, 2, 2) do not fit model wan:tiny"),
     (["models.student.path=/nonexistent/model"], "/nonexistent/model"),
     (["steps"], "not an override"),
+    (["--steps", "5", "run.steps=7"], "--steps 5 and run.steps=7 both set run.steps: give one"),
+    (["run.output_dir=elsewhere"], "and run.output_dir=elsewhere both set run.output_dir: give one"),
+    (["--steps", "0"], "Expected `int` >= 1 - at `$.run.steps`"),
+    (["--dry-run", "--resume"], "--dry-run estimates a run before it starts from its config; it takes no --resume"),
 ])
 def test_bad_input_is_one_clear_error_and_writes_nothing(tmp_path, capsys, args, message):
     out = tmp_path / "run"
@@ -51,6 +66,38 @@ def test_bad_input_is_one_clear_error_and_writes_nothing(tmp_path, capsys, args,
     err = capsys.readouterr().err
     assert err.startswith("fvx.run: error:") and message in err and "Traceback" not in err
     assert not out.exists()
+
+
+def test_a_folder_no_folder_can_be_made_in_is_one_line(capsys):
+    assert run.main([EXPERIMENT, "--out", "/proc/fvx-run", *QUICK]) == 2
+    err = capsys.readouterr().err
+    assert "run.output_dir '/proc/fvx-run': no folder can be made in '/proc'" in err
+    assert len(err.strip().splitlines()) == 1 and not pathlib.Path("/proc/fvx-run").exists()
+
+
+def test_a_run_that_loses_the_race_for_its_folder_is_one_line(tmp_path, capsys, monkeypatch):
+    """Two runs started at once on one folder both pass the check before building; the one that does not get the lock
+    stops there, in one line, with the holder named."""
+    from fvx.training import run_lock
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / run_lock.LOCK_FILE).write_text(f'{{"pid": {os.getppid()}, "host": "{socket.gethostname()}", '
+                                          '"started": "just now"}')
+    monkeypatch.setattr(run_lock, "check", lambda run_dir: None)  # as if the other run took it after the check
+    assert run.main([EXPERIMENT, "--out", str(out), "--steps", "2", *QUICK]) == 2
+    err = capsys.readouterr().err
+    assert f"is in use by pid {os.getppid()}" in err and len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in out.iterdir()) == [run_lock.LOCK_FILE]
+
+
+def test_a_resume_that_changes_a_models_preset_names_it(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run.main([EXPERIMENT, "--out", str(out), "--steps", "2", *QUICK]) == 0
+    capsys.readouterr()
+    assert run.main([EXPERIMENT, "--out", str(out), "--steps", "3", "--resume", "models.student.preset=tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "this launch changes models.student.preset: 'world' -> 'tiny'" in err and len(err.strip().splitlines()) == 1
 
 
 def test_missing_experiment_file(tmp_path, capsys):
@@ -154,14 +201,18 @@ def test_late_failures_are_found_before_anything_is_written(tmp_path, capsys):
     assert "is a file, not a folder" in capsys.readouterr().err
 
 
-def test_a_corrupt_sample_met_mid_run_stops_with_one_line_and_keeps_the_checkpoints(tmp_path, capsys):
+@pytest.mark.parametrize("fault", ["shape", "nan"])
+def test_a_bad_sample_met_mid_run_stops_with_one_line_naming_step_file_and_row(tmp_path, capsys, fault):
+    """A row whose stored shape does not fit its bytes, or whose latents are NaN, stops the run at the step that reads
+    it with one line naming that step, the file and the row; the checkpoints saved before are kept."""
+    import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from fvx.storage import checkpoint
     from fvx.data import datasets as data
-    from fvx.training import experiment, run_folder
     from fvx.data.toy_world import WorldConfig
+    from fvx.storage import checkpoint
+    from fvx.training import experiment, run_folder
 
     world = data.open_dataset(data.DataConfig(text_len=4, world=WorldConfig(num_samples=8)), random_key())
     samples = [{"latents": world.read([i])["latents"][0], "text": world.read([i])["text"][0], "caption": f"clip {i}"}
@@ -172,21 +223,32 @@ def test_a_corrupt_sample_met_mid_run_stops_with_one_line_and_keeps_the_checkpoi
     args = [EXPERIMENT, "--out", str(out), "--steps", "8", *QUICK, f"data.path={path}", "data.world=null",
             "run.checkpoint.every=1", "run.checkpoint.async_save=false", "validation.every=0"]
     config = run.resolve_config(run.parse_args(args))
-    built = experiment.setup(config)
-    first = set(experiment.batch_fn(config, built)(0)["index"].tolist())
+    batches = experiment.batch_fn(config, experiment.setup(config))
+    first = set(batches(0)["index"].tolist())
     bad = next(i for i in range(8) if i not in first)  # met after the first step, not in the check before it
+    step = next(s for s in range(1, 8) if bad in batches(s)["index"].tolist())
     table = pq.read_table(path)
-    shapes = table.column("vae_latent_shape").to_pylist()
-    shapes[bad] = [1, 2, 3]  # its stored shape no longer matches its bytes
-    table = table.set_column(table.schema.get_field_index("vae_latent_shape"), "vae_latent_shape",
-                             pa.array(shapes, type=table.schema.field("vae_latent_shape").type))
+    if fault == "shape":
+        column, values = "vae_latent_shape", table.column("vae_latent_shape").to_pylist()
+        values[bad] = [1, 2, 3]  # its stored shape no longer matches its bytes
+    else:
+        column, values = "vae_latent_bytes", table.column("vae_latent_bytes").to_pylist()
+        values[bad] = np.full(len(values[bad]) // 4, np.nan, dtype=np.float32).tobytes()
+    table = table.set_column(table.schema.get_field_index(column), column,
+                             pa.array(values, type=table.schema.field(column).type))
     pq.write_table(table, path, row_group_size=2)
     assert run.main(args) == 1
     err = capsys.readouterr().err
-    assert f"'{path}' row {bad}: vae_latent_bytes holds" in err and "checkpoints saved before are intact" in err
+    if fault == "shape":
+        assert f"step {step}: '{path}' row {bad}: vae_latent_bytes holds" in err
+        assert "checkpoints saved before are intact" in err
+    else:
+        assert f"step {step}: non-finite loss or gradient" in err
+        assert f"; non-finite data in '{path}' row {bad}; the run halted" in err
+        assert json.loads((out / run_folder.NONFINITE_FILE).read_text())["samples"] == [f"'{path}' row {bad}"]
     assert len(err.strip().splitlines()) == 1
     with checkpoint.Checkpoints(out / run_folder.CHECKPOINTS) as saved:
-        assert saved.steps() and max(saved.steps()) < 8
+        assert saved.steps() and max(saved.steps()) <= step
 
 
 def random_key():
@@ -204,6 +266,12 @@ def test_feedback_names_values_presets_and_what_a_launch_does(tmp_path, capsys):
     assert "(one of tiny, tiny-deep, tiny-ti2v, world, wan2.1-t2v-1.3b" in capsys.readouterr().out
     assert run.main([EXPERIMENT, "--dry-run", "--device-memory", "24", "--video", "4x16x16"]) == 0
     assert "fits in 24.0 GiB" in (printed := capsys.readouterr().out) and "a device of 24 GiB" in printed
+    assert run.main([EXPERIMENT, "--dry-run"]) == 0  # the samples the experiment trains on, not a full-size video
+    printed = capsys.readouterr().out
+    assert "the experiment's data, latent 4x2x2 = 16 tokens" in printed and "fits in" in printed
+    assert run.main([str(EXPERIMENTS / "dmd2.py") + ":wan21_t2v_1p3b", "--dry-run", "--world", "4"]) == 0
+    assert "video 81x480x832 -> latent 21x60x104 = 32760 tokens" in (printed := capsys.readouterr().out)
+    assert "(its data cannot be read here: --video FRAMESxHEIGHTxWIDTH to choose)" in printed
     assert run.main([EXPERIMENT, "--out", str(tmp_path / "r"), "--steps", "1", *QUICK, "--replicate", "2",
                      "validation.every=0"]) == 0
     captured = capsys.readouterr()

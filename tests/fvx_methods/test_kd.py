@@ -16,6 +16,8 @@ from fvx.training import experiment, run_folder, tracking
 from fvx_methods import kd, trajectory_cache as tc
 from fvx_models.model import Causal
 
+from cli_args import merged  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXPERIMENT = str(ROOT / "experiments" / "kd_t2v.py")
 T_LIST = (999, 937, 624, 0)
@@ -176,9 +178,9 @@ def test_bad_batches_are_named(model):
 
 
 def tiny(teacher, cache, *extra):
-    return [f"models.teacher.path={teacher}", f"models.student.path={teacher}", "data.world.num_samples=8",
-            "method.teacher_steps=3", "method.t_list=[999,624,0]", f"method.cache={cache}", "run.progress=false",
-            "data.batch_size=2", "data.prefetch=1", *extra]
+    return merged(f"models.teacher.path={teacher}", f"models.student.path={teacher}", "data.world.num_samples=8",
+                  "method.teacher_steps=3", "method.t_list=[999,624,0]", f"method.cache={cache}", "run.progress=false",
+                  "data.batch_size=2", "data.prefetch=1", *extra)
 
 
 @pytest.fixture(scope="module")

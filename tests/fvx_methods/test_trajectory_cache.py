@@ -19,6 +19,8 @@ from fvx.data import datasets as data
 from fvx.training import experiment
 from fvx_methods import trajectory_cache as tc
 
+from cli_args import merged  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXPERIMENT = str(ROOT / "experiments" / "kd_t2v.py")
 SHIFT = 3.0
@@ -26,8 +28,8 @@ SHIFT = 3.0
 
 def tiny(teacher, *extra):
     """Overrides for a cache of 8 toy-world samples from a 3-step teacher, two recorded times."""
-    return [f"models.teacher.path={teacher}", f"models.student.path={teacher}", "data.world.num_samples=8",
-            "method.teacher_steps=3", "method.t_list=[999,624,0]", "run.progress=false", *extra]
+    return merged(f"models.teacher.path={teacher}", f"models.student.path={teacher}", "data.world.num_samples=8",
+                  "method.teacher_steps=3", "method.t_list=[999,624,0]", "run.progress=false", *extra)
 
 
 def build(folder, teacher, *extra, batch=2, **kwargs):

@@ -2,10 +2,12 @@
 changes, fine-tuning learns on every family, the exported files load in diffusers (PEFT and ComfyUI layouts) and
 the merged folder with from_pretrained, and bad input is one clear error."""
 import math
+import re
 
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline, WanPipeline
+from safetensors.torch import load_file
 from torch.func import grad
 
 from fvx.core import grad as fvx_grad, random, role
@@ -17,7 +19,7 @@ from fvx_models.wan import WanConfig
 
 from family_cases import CASES, inputs, native_modules, raw_batch  # noqa: E402
 
-LORA = lora.LoRAConfig(rank=4, alpha=8.0, target_modules=("to_q", "to_k", "to_v", "to_out"))
+LORA = lora.LoRAConfig(rank=4, alpha=8.0, target_modules=("to_q", "to_k", "to_v", "to_out", "ffn"))
 
 
 def trained_adapters(model, key):
@@ -48,7 +50,7 @@ def test_the_adapter_forward_and_gradients_equal_the_merged_weights(tiny):
     plain, adapted, base, adapters = tiny
     x, t, cond = inputs(adapted, random.key(2))
     modules = adapted.export_adapters.args[0].modules
-    assert len(modules) == 2 * 2 * 4  # 2 blocks x 2 attentions x (q, k, v, out)
+    assert len(modules) == 2 * (2 * 4 + 2)  # 2 blocks x (2 attentions x (q, k, v, out) + the 2 FFN layers)
     got = adapted.apply(role.with_trained(base, adapters), x, t, cond)
     want = plain.apply(lora.merged(base, adapters, modules, LORA.scale), x, t, cond)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
@@ -121,11 +123,31 @@ def wan_pipeline(base):
 
 @pytest.mark.parametrize("form", lora_files.FORMATS)
 def test_exported_adapters_load_with_diffusers_load_lora_weights(tiny, tmp_path, form):
+    """diffusers reads all three layouts (PEFT's keys; ComfyUI's and musubi-tuner's through its own converters of
+    those formats), and its transformer then computes fvx's LoRA model."""
     pytest.importorskip("peft")
     plain, adapted, base, adapters = tiny
-    files = adapted.export_adapters(adapters, str(tmp_path), form)
-    assert [p.name for p in files] == [lora_files.PEFT_FILE if form == "peft" else lora_files.COMFYUI_FILE]
-    assert_loaded_lora_matches(wan_pipeline(base), "wan", tmp_path, files[0].name, adapted, base, adapters)
+    written = adapted.export_adapters(adapters, str(tmp_path), form)
+    assert [p.name for p in written.files.values()] == [lora_files.FILES[form]]
+    assert_loaded_lora_matches(wan_pipeline(base), "wan", tmp_path, lora_files.FILES[form], adapted, base, adapters)
+
+
+@pytest.mark.parametrize("form, key", [("comfyui", "diffusion_model.blocks.1.cross_attn.o"),
+                                       ("musubi", "lora_unet_blocks_1_cross_attn_o")])
+def test_comfyui_and_musubi_files_key_each_module_by_its_original_name(tiny, tmp_path, form, key):
+    """``blocks.1.attn2.to_out.0`` is the original ``blocks.1.cross_attn.o``: ComfyUI's keys keep its dots under
+    ``diffusion_model.``, musubi-tuner's (kohya's) write it with underscores under ``lora_unet_``."""
+    plain, adapted, base, adapters = tiny
+    written = adapted.export_adapters(adapters, str(tmp_path), form)
+    stored = load_file(written.files["transformer"])
+    name = "blocks.1.attn2.to_out.0"
+    assert torch.equal(stored[f"{key}.lora_down.weight"], adapters[f"{name}.{lora.A}"])
+    assert torch.equal(stored[f"{key}.lora_up.weight"], adapters[f"{name}.{lora.B}"])
+    assert stored[f"{key}.alpha"].item() == LORA.alpha
+    assert len(stored) == 3 * len(adapters) // 2
+    if form == "musubi":
+        pattern = r"lora_unet_blocks_\d+_((self|cross)_attn_[qkvo]|ffn_[02])\.(lora_down\.weight|lora_up\.weight|alpha)"
+        assert all(re.fullmatch(pattern, k) for k in stored), sorted(stored)[:4]
 
 
 def test_the_merged_export_loads_with_from_pretrained_and_equals_base_plus_scaled_ba(tiny, tmp_path):
@@ -148,10 +170,11 @@ def test_hunyuan_peft_export_loads_with_its_pipeline(tmp_path):
     base = adapted.base_params(random.key(0))
     adapters = trained_adapters(adapted, random.key(1))
     (transformer,) = native_modules(CASES["hunyuan_video"], base).values()
-    files = adapted.export_adapters(adapters, str(tmp_path), "peft")
+    adapted.export_adapters(adapters, str(tmp_path), "peft")
+    assert adapted.adapter_formats == ("peft",)  # HunyuanVideo has no original layout in fvx
     pipe = HunyuanVideoPipeline(text_encoder=None, tokenizer=None, transformer=transformer, vae=None,
                                 scheduler=FlowMatchEulerDiscreteScheduler(), text_encoder_2=None, tokenizer_2=None)
-    assert_loaded_lora_matches(pipe, "hunyuan_video", tmp_path, files[0].name, adapted, base, adapters)
+    assert_loaded_lora_matches(pipe, "hunyuan_video", tmp_path, lora_files.PEFT_FILE, adapted, base, adapters)
 
 
 # ---------------------------------------------------------------------------------------------------- bad input
@@ -173,10 +196,16 @@ def test_a_rank_below_one_is_refused(rank):
         lora.LoRAConfig(rank=rank)
 
 
-def test_comfyui_export_of_a_module_without_an_original_name_names_it(tmp_path):
-    model = WanConfig(preset="tiny", lora=lora.LoRAConfig(rank=2, target_modules=("proj_out",))).build()
-    with pytest.raises(ValueError, match=r"module 'proj_out' has no ComfyUI name in family wan"):
-        model.export_adapters(model.initial_params(random.key(0)), str(tmp_path), "comfyui")
+def test_an_original_layout_export_of_a_module_without_an_original_name_names_it(tmp_path):
+    from fvx_models.skyreels_v2 import SkyReelsV2Config
+
+    adapted = lora.LoRAConfig(rank=2, target_modules=("fps_projection",))
+    model = SkyReelsV2Config(preset="tiny-fps", lora=adapted).build()
+    for form in ("comfyui", "musubi"):
+        with pytest.raises(ValueError, match=r"module 'fps_projection.net.0.proj' has no name in the original "
+                                             r"skyreels_v2 layout; use --format peft"):
+            model.export_adapters(model.initial_params(random.key(0)), str(tmp_path / form), form)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_remat_and_compiled_units_give_the_adapters_the_same_gradients(tiny):
@@ -195,19 +224,34 @@ def test_remat_and_compiled_units_give_the_adapters_the_same_gradients(tiny):
             torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7)
 
 
-def test_two_experts_export_one_peft_file_per_component(tmp_path):
-    """Wan 2.2 A14B: adapters on both experts; each expert's file holds its own, keyed as diffusers' transformer."""
-    from safetensors import safe_open
-
+def test_two_experts_export_one_peft_file_per_component_and_say_how_each_loads(tmp_path):
+    """Wan 2.2 A14B: adapters on both experts; each expert's file holds its own, keyed as diffusers' transformer, and
+    the printed calls load them into a two-expert WanPipeline that then computes fvx's model."""
+    pytest.importorskip("peft")
     from fvx_models.wan_moe import Wan22MoEConfig
 
-    model = Wan22MoEConfig(preset="tiny", lora=lora.LoRAConfig(rank=2, target_modules=("to_q",))).build()
-    adapters = model.initial_params(random.key(0))
-    files = model.export_adapters(adapters, str(tmp_path), "peft")
-    assert [p.name for p in files] == [lora_files.PEFT_FILE, "pytorch_lora_weights_transformer_2.safetensors"]
-    for path, expert in zip(files, ("transformer.", "transformer_2.")):
-        with safe_open(str(path), "pt") as f:
-            keys = sorted(f.keys())
-            assert keys and all(k.startswith("transformer.blocks.") for k in keys)
-            for key in keys:
-                assert torch.equal(f.get_tensor(key), adapters[expert + key[len("transformer."):]])
+    config = Wan22MoEConfig(preset="tiny", frozen_dtype="fp32", lora=lora.LoRAConfig(rank=2, target_modules=("to_q",)))
+    model = config.build()
+    base, adapters = model.base_params(random.key(0)), trained_adapters(model, random.key(1))
+    written = model.export_adapters(adapters, str(tmp_path), "peft")
+    second = "pytorch_lora_weights_transformer_2.safetensors"
+    assert [p.name for p in written.files.values()] == [lora_files.PEFT_FILE, second]
+    for path, expert in zip(written.files.values(), ("transformer.", "transformer_2.")):
+        stored = load_file(path)
+        assert stored and all(k.startswith("transformer.blocks.") for k in stored)
+        assert all(torch.equal(t, adapters[expert + k[len("transformer."):]]) for k, t in stored.items())
+    assert written.how_to_load == (
+        f"pipe.load_lora_weights({str(tmp_path)!r})  # transformer: the high-noise expert",
+        f"pipe.load_lora_weights({str(tmp_path)!r}, weight_name={second!r}, load_into_transformer_2=True)  "
+        "# transformer_2: the low-noise expert")
+    modules = native_modules(CASES["wan_moe"], base)
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=FlowMatchEulerDiscreteScheduler(),
+                       boundary_ratio=config.boundary_ratio, **modules)
+    for line in written.how_to_load:
+        eval(line.split("  #")[0], {"pipe": pipe})  # the call as printed
+    x, t, cond = inputs(model, random.key(2))  # one sample per expert
+    with torch.no_grad():
+        loaded = CASES["wan_moe"].native({"transformer": pipe.transformer, "transformer_2": pipe.transformer_2}, x, t,
+                                         cond)
+    torch.testing.assert_close(loaded, model.apply(role.with_trained(base, adapters), x, t, cond), rtol=1e-5,
+                               atol=1e-5)

@@ -245,7 +245,7 @@ def test_sharded_weights_and_a_component_folder_load(module, params, tmp_path):
 
 
 def test_export_in_bf16_keeps_fp32_modules(model, params, tmp_path):
-    model.export(params, str(tmp_path / "bf16"), dtype=torch.bfloat16)
+    model.export(params, str(tmp_path / "bf16"), dtype="bf16")
     stored = load_file(tmp_path / "bf16" / "transformer" / dfolder.WEIGHTS_NAME)
     assert stored["proj_out.weight"].dtype == torch.bfloat16
     assert stored["blocks.0.scale_shift_table"].dtype == torch.float32

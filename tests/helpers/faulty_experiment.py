@@ -56,8 +56,8 @@ class FaultyFinetune(Finetune, tag="faulty_finetune"):
 if HANG_IN_SAVE is not None:
     _write = shard_files.write
 
-    def _write_then_hang(folder, pieces, index, count):
-        _write(folder, pieces, index, count)
+    def _write_then_hang(folder, *args):
+        _write(folder, *args)
         if f"/{HANG_IN_SAVE}{checkpoint.TMP_SUFFIX}/" in str(folder) + "/":
             _signal_and_hang()
 

@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from cli_args import merged
 from fvx import run
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -51,8 +52,8 @@ def launch2(out: pathlib.Path, *overrides: str, experiment: str = EXPERIMENT, ex
     for rank in range(2):
         env = {**os.environ, "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-        procs.append(subprocess.Popen([sys.executable, "-m", "fvx.run", experiment, "--out", str(out), *QUICK,
-                                       *overrides], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, "-m", "fvx.run", experiment, "--out", str(out),
+                                       *merged(*QUICK, *overrides)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate()[0] for p in procs]
     for rank, (p, text) in enumerate(zip(procs, outputs)):
@@ -64,7 +65,7 @@ def launch2(out: pathlib.Path, *overrides: str, experiment: str = EXPERIMENT, ex
 
 
 def launch1(out: pathlib.Path, *overrides: str, experiment: str = EXPERIMENT) -> None:
-    assert run.main([experiment, "--out", str(out), *QUICK, *overrides]) == 0
+    assert run.main([experiment, "--out", str(out), *merged(*QUICK, *overrides)]) == 0
 
 
 

@@ -106,7 +106,8 @@ def test_a_short_finetuning_run_learns_the_prompted_bars(tmp_path):
     assert start > 0.3 and end < 0.5 * start
     config = world.WorldConfig()
     for i, (colour, direction) in enumerate(config.prompts):
-        first = out / "validation" / "step_300" / f"validation_model_prompt_{i}_300.png"  # the first frame
+        named = f"validation_model_prompt_{i}_{colour}-bars-moving-{direction}_300.png"  # the first frame
+        first = out / "validation" / "step_300" / named
         lit = np.asarray(Image.open(first).convert("RGB"), dtype=np.float32) / 255.0
         channel = {"red": 0, "blue": 2}[colour]
         assert lit[..., channel].mean() > lit[..., 2 - channel].mean() + 0.1, (i, colour)  # the prompted colour

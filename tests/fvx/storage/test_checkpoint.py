@@ -63,9 +63,9 @@ def test_async_save_writes_the_state_as_it_was_when_saved(tmp_path, monkeypatch)
     gate = threading.Event()
     write = shard_files.write
 
-    def gated(folder, pieces, index, count):
+    def gated(folder, *args):
         gate.wait(60)
-        write(folder, pieces, index, count)
+        write(folder, *args)
 
     monkeypatch.setattr(shard_files, "write", gated)
     state = make_state()
@@ -258,3 +258,40 @@ def test_adamw_state_as_fvx_0_1_saved_it_restores_into_the_chain_state(tmp_path)
     with Checkpoints(tmp_path) as checkpoints:
         assert "roles.student.opt_state.count" in checkpoints.specs(5)
         assert_same(checkpoints.restore(5, make_state(0)), state)
+
+
+def test_a_flipped_byte_in_a_shard_files_header_or_a_record_is_refused_by_name(tmp_path):
+    """The header of a shard file (what each piece is) and the JSON records saved beside the state carry CRCs too: a
+    change that leaves them valid JSON is refused as damage, naming the file."""
+    save(tmp_path, make_state())
+    file = tmp_path / "5" / "shards" / "rank-00000-of-00001.safetensors"
+    content = file.read_bytes()
+    assert b'start\\": 0' in content  # the JSON of the pieces, a string in the safetensors header
+    file.write_bytes(content.replace(b'start\\": 0', b'start\\": 1', 1))
+    with pytest.raises(CheckpointError, match=rf"shard file '{file}': its header fails its checksum"):
+        Checkpoints(tmp_path).restore(5, make_state(0))
+    file.write_bytes(content)
+    meta = tmp_path / "5" / "meta" / "metadata"
+    meta.write_text(meta.read_text().replace('"world_size": 1', '"world_size": 2'))
+    with pytest.raises(CheckpointError, match=rf"checkpoint file '{meta}' is corrupt: it fails the checksum"):
+        Checkpoints(tmp_path).read_json(5, "meta")
+
+
+def test_a_flipped_bit_anywhere_in_a_saved_config_is_refused_or_changes_nothing(tmp_path):
+    """Every byte of the config record, one bit flipped at a time: read_json refuses it (naming the file), or the
+    flip left the same record (``1e-05`` and ``1E-05`` are one number)."""
+    config = {"config": {"method": {"optim": {"lr": 0.003, "eps": 1e-05}, "roles": {"student": "student"}},
+                         "run": {"seed": 1, "steps": 10, "output_dir": "runs/x"}}}
+    with Checkpoints(tmp_path, CheckpointConfig(async_save=False)) as checkpoints:
+        checkpoints.save(make_state(), config=config, meta={"world_size": 1})
+    path = tmp_path / "5" / "config" / "metadata"
+    original = path.read_bytes()
+    with Checkpoints(tmp_path) as checkpoints:
+        for position in range(len(original)):
+            flipped = bytearray(original)
+            flipped[position] ^= 0x01
+            path.write_bytes(bytes(flipped))
+            try:
+                assert checkpoints.read_json(5, "config") == config, position
+            except CheckpointError as error:
+                assert str(path) in str(error)

@@ -47,11 +47,11 @@ def assert_loads_exactly(folder: pathlib.Path, params: dict) -> None:
 def test_export_round_trips_through_from_pretrained(run_dir, tmp_path, capsys, args, step, part):
     out = tmp_path / "exported"
     assert run.main(["export", str(run_dir), "--out", str(out), *args]) == 0
-    assert f"at step {step} to {out} (transformer, model_index.json, scheduler/)" in capsys.readouterr().out
+    assert f"at step {step} to {out} in float32 (transformer, model_index.json, scheduler/)" in capsys.readouterr().out
     assert_loads_exactly(out, stored(run_dir, step, part))
     manifest = json.loads((out / "fvx_export.json").read_text())
     assert manifest == {"run": str(run_dir), "step": step, "role": "student", "ema": part == "ema", "sampling": None,
-                        "base": None}
+                        "base": None, "adapters": False, "format": "diffusers", "dtype": None}
     index = json.loads((out / "model_index.json").read_text())
     assert index["_class_name"] == "WanPipeline" and index["transformer"] == ["diffusers", "WanTransformer3DModel"]
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(out, subfolder="scheduler")
@@ -69,6 +69,20 @@ def test_bad_export_is_one_clear_error_that_writes_nothing(run_dir, tmp_path, ca
     err = capsys.readouterr().err
     assert err.startswith("fvx.run: error:") and message in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_comfyui_format_writes_the_original_layout_and_says_how_to_load_it(run_dir, tmp_path, capsys):
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+    from safetensors.torch import load_file
+
+    out = tmp_path / "comfy"
+    assert run.main(["export", str(run_dir), "--format", "comfyui", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"at step 3 to {out} in float32: diffusion_model.safetensors" in printed
+    assert "load: ComfyUI: put diffusion_model.safetensors in models/diffusion_models/" in printed
+    back = convert_wan_transformer_to_diffusers(load_file(out / "diffusion_model.safetensors"))
+    want = stored(run_dir, 3, "params")
+    assert back.keys() == want.keys() and all(torch.equal(back[n], want[n]) for n in want)
 
 
 def test_export_refuses_a_folder_that_holds_something(run_dir, tmp_path, capsys):
@@ -148,9 +162,9 @@ def lora_run(tmp_path_factory, world_teacher) -> pathlib.Path:
 
 @pytest.mark.slow
 def test_a_lora_run_saves_adapters_only_and_exports_every_format(lora_run, tmp_path, capsys, world_teacher):
-    """The checkpoint holds the adapters only; the PEFT and ComfyUI files load with diffusers' load_lora_weights onto
-    the run's base and reproduce fvx's output; the merged folder (also what a plain export writes) loads with
-    from_pretrained."""
+    """The checkpoint holds the adapters only; the PEFT, ComfyUI and musubi files load with diffusers'
+    load_lora_weights onto the run's base and reproduce fvx's output; the merged export is the base at its stored
+    precision plus ``(alpha / r) B A``, in fp32 to 1e-6 (in bf16 with --dtype bf16)."""
     pytest.importorskip("peft")
     from diffusers import WanPipeline
 
@@ -159,45 +173,69 @@ def test_a_lora_run_saves_adapters_only_and_exports_every_format(lora_run, tmp_p
     adapters = stored(lora_run, 3, "params")
     assert adapters and all(".lora_" in name for name in adapters)
     assert run.main(["export", str(lora_run), "--lora", "--out", str(tmp_path / "peft")]) == 0
-    assert "load them with pipe.load_lora_weights" in capsys.readouterr().out
-    assert run.main(["export", str(lora_run), "--lora", "--format", "comfyui", "--out", str(tmp_path / "comfy")]) == 0
-    assert run.main(["export", str(lora_run), "--lora", "--format", "merged", "--out", str(tmp_path / "merged")]) == 0
-    assert run.main(["export", str(lora_run), "--out", str(tmp_path / "plain")]) == 0  # a LoRA role exports merged
+    assert f"load: pipe.load_lora_weights({str(tmp_path / 'peft')!r})" in capsys.readouterr().out
+    for form in ("comfyui", "musubi"):
+        assert run.main(["export", str(lora_run), "--lora", "--format", form, "--out", str(tmp_path / form)]) == 0
+    assert "load: musubi-tuner: wan_generate_video.py --lora_weight" in capsys.readouterr().out
+    assert run.main(["export", str(lora_run), "--out", str(tmp_path / "merged")]) == 0  # a LoRA role exports merged
+    assert run.main(["export", str(lora_run), "--dtype", "bf16", "--out", str(tmp_path / "bf16")]) == 0
 
     config = run_folder.load_run(lora_run)
     model = config.models["student"].build()
-    params = export.role_params(config, "student", model, adapters)  # the run's base (bf16 as stored) + adapters
-    base = {n: p.float() for n, p in params.items() if ".lora_" not in n}
+    params = export.role_params(config, "student", model, adapters)  # the run's base at full precision + adapters
+    base = {n: p for n, p in params.items() if ".lora_" not in n}
+    teacher = WanTransformer3DModel.from_pretrained(pathlib.Path(world_teacher) / "transformer").state_dict()
+    assert all(torch.equal(base[n], teacher[n]) for n in teacher)  # fp32, as the folder stores it
     batch = model.batch({"latents": torch.randn(1, 192, 4, 2, 2), "text": torch.randn(1, 4, 32),
                          "text_mask": torch.ones(1, 4), "sample_index": torch.arange(1)})
     x, t = batch["latents"], torch.tensor([400.0])
     want = model.apply(params, x, t, batch["cond"])
-    for folder, weight in (("peft", lora_files.PEFT_FILE), ("comfy", lora_files.COMFYUI_FILE)):
+    for form in ("peft", "comfyui"):  # diffusers reads musubi's layout only with FFN adapters: tests/fvx_models
         transformer = WanTransformer3DModel.from_pretrained(pathlib.Path(world_teacher) / "transformer")
-        transformer.load_state_dict(base)
         pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=FlowMatchEulerDiscreteScheduler(),
                            transformer=transformer)
-        pipe.load_lora_weights(str(tmp_path / folder), weight_name=weight)
+        pipe.load_lora_weights(str(tmp_path / form), weight_name=lora_files.FILES[form])
         with torch.no_grad():
             got = pipe.transformer(x, t, batch["cond"]["text"], return_dict=False)[0]
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     merged = WanTransformer3DModel.from_pretrained(tmp_path / "merged" / "transformer").state_dict()
-    plain = WanTransformer3DModel.from_pretrained(tmp_path / "plain" / "transformer").state_dict()
-    assert all(torch.equal(merged[n], plain[n]) for n in merged)
+    halved = WanTransformer3DModel.from_pretrained(tmp_path / "bf16" / "transformer", torch_dtype=None).state_dict()
+    scale = config.models["student"].lora.scale
+    adapted = [n.removesuffix(".lora_A.weight") for n in adapters if n.endswith(".lora_A.weight")]
+    for name in adapted:
+        low_rank = adapters[f"{name}.lora_B.weight"] @ adapters[f"{name}.lora_A.weight"]
+        exact = teacher[f"{name}.weight"] + scale * low_rank
+        assert merged[f"{name}.weight"].dtype == torch.float32
+        torch.testing.assert_close(merged[f"{name}.weight"], exact, rtol=0, atol=1e-6)
+        assert torch.equal(halved[f"{name}.weight"], merged[f"{name}.weight"].bfloat16())
+    assert all(torch.equal(merged[n], teacher[n]) for n in teacher if n.removesuffix(".weight") not in adapted)
 
 
-def test_lora_export_errors(run_dir, lora_run, tmp_path, capsys):
-    assert run.main(["export", str(run_dir), "--lora", "--out", str(tmp_path / "a")]) == 2
-    assert "trains no adapters (its model config has no lora); export it without --lora" in capsys.readouterr().err
-    assert run.main(["export", str(lora_run), "--format", "peft", "--out", str(tmp_path / "b")]) == 2
-    assert "export --format peft is for adapters: add --lora" in capsys.readouterr().err
+@pytest.mark.parametrize("args, message", [
+    (["--lora", "--format", "merged"], "export --format merged: the adapters of role 'student' export as peft, "
+                                       "comfyui or musubi"),
+    (["--format", "musubi"], "export --format musubi is for adapters: add --lora"),
+    (["--lora", "--format", "diffusers"], "export --format diffusers is for whole weights: export without --lora"),
+    (["--lora", "--dtype", "bf16"], "export --dtype is for whole weights (adapters are written in fp32)"),
+    (["--dtype", "fp8"], "export --dtype must be one of fp32, bf16; got 'fp8'"),
+    (["--format", "comfyui", "--base", "."], "export --base links a pipeline's other components beside a diffusers "
+                                              "folder; it does not apply to --format comfyui"),
+])
+def test_bad_lora_export_is_one_clear_error_that_writes_nothing(lora_run, tmp_path, capsys, args, message):
+    assert run.main(["export", str(lora_run), "--out", str(tmp_path / "out"), *args]) == 2
+    assert message in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 
-def test_resuming_lora_adapters_of_another_shape_names_the_shapes(lora_run, capsys):
+def test_lora_export_errors(run_dir, tmp_path, capsys):
+    assert run.main(["export", str(run_dir), "--lora", "--out", str(tmp_path / "a")]) == 2
+    assert "trains no adapters (its model config has no lora); export it without --lora" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_resuming_with_another_lora_rank_names_the_field(lora_run, capsys):
     assert run.main([str(ROOT / "experiments" / "finetune_wan_lora.py"), "--out", str(lora_run), "--resume",
                      "--steps", "4", "models.student.lora.rank=8"]) == 2
     err = capsys.readouterr().err
-    assert "does not fit this run's state: shape or dtype mismatches" in err
-    assert "lora_A.weight: checkpoint [16, 256] float32, run [8, 256] float32" in err
+    assert "this launch changes models.student.lora.rank: 16 -> 8" in err
     assert "no older checkpoint" not in err and len(err.strip().splitlines()) == 1

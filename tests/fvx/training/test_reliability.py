@@ -1,6 +1,7 @@
 """Runs survive what happens to real runs: SIGTERM/SIGINT save and stop, one writer per run folder, a damaged newest
 checkpoint, a full disk, runaway skips; and a sweep of SIGKILLs at random points resumes bitwise."""
 import errno
+import json
 import os
 import pathlib
 import random as pyrandom
@@ -13,7 +14,7 @@ import time
 import pytest
 import torch
 
-from fvx import run
+from fvx import config as fconfig, run
 from fvx.storage import checkpoint, shard_files
 from fvx.training import run_folder, run_lock, tracking
 
@@ -111,16 +112,52 @@ def test_a_damaged_newest_checkpoint_is_named_and_last_good_resumes_from_the_int
     assert_same_run(out, reference)
 
 
+def test_a_flipped_byte_in_a_checkpoints_config_or_run_json_is_refused_by_name_and_last_good_recovers(
+        tmp_path, reference, capsys):
+    """The config saved with a checkpoint decides how the run goes on: a flipped digit of its learning rate (still
+    valid JSON) fails the CRC saved with the state, is named, and last-good moves that checkpoint aside; a flipped
+    byte in run.json is named in one line, before anything is written."""
+    out = tmp_path / "run"
+    assert run.main([EXPERIMENT, "--out", str(out), "--steps", "6"]) == 0
+    record = out / "checkpoints" / "6" / "config" / "metadata"
+    text = record.read_text()
+    assert '"lr": 0.001' in text
+    record.write_text(text.replace('"lr": 0.001', '"lr": 0.002'))
+    capsys.readouterr()
+    assert run.main([EXPERIMENT, "--out", str(out), "--steps", "8", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint file '{record}' is corrupt: it fails the checksum saved with the state" in err
+    assert "the newest intact checkpoint is 4" in err and len(err.strip().splitlines()) == 1
+    history = (out / "run.json").read_bytes()
+    for position in range(len(history)):  # one bit of every byte: refused by name, or the same launches
+        flipped = bytearray(history)
+        flipped[position] ^= 0x01
+        (out / "run.json").write_bytes(bytes(flipped))
+        try:
+            assert run_folder.launches(out) == json.loads(history)["launches"], position
+        except fconfig.ConfigError as error:
+            assert str(out / "run.json") in str(error)
+    (out / "run.json").write_bytes(history.replace(b'"start_step": 0', b'"start_step": 1'))
+    assert run.main([EXPERIMENT, "--out", str(out), "--steps", "8", "--resume", "last-good"]) == 2
+    err = capsys.readouterr().err
+    assert f"'{out / 'run.json'}' is damaged (it fails the checksum it was written with)" in err
+    assert len(err.strip().splitlines()) == 1 and (out / "checkpoints" / "6").is_dir()  # nothing moved or written
+    (out / "run.json").write_bytes(history)
+    assert run.main([EXPERIMENT, "--out", str(out), "--steps", "8", "--resume", "last-good"]) == 0
+    assert (out / "checkpoints" / "6.damaged").is_dir()
+    assert_same_run(out, reference)
+
+
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_a_full_disk_stops_the_run_cleanly_and_it_resumes_once_space_is_freed(tmp_path, reference, capsys,
                                                                               monkeypatch, async_save):
     out = tmp_path / "run"
     write = shard_files.write
 
-    def full_at_six(folder, pieces, index, count):
+    def full_at_six(folder, *args):
         if f"/6{checkpoint.TMP_SUFFIX}/" in str(folder) + "/":
             raise OSError(errno.ENOSPC, "No space left on device")
-        return write(folder, pieces, index, count)
+        return write(folder, *args)
 
     monkeypatch.setattr(shard_files, "write", full_at_six)
     flag = f"run.checkpoint.async_save={str(async_save).lower()}"

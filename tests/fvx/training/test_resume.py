@@ -145,23 +145,26 @@ def test_killed_runs_resume_from_their_newest_complete_checkpoint(tmp_path, refe
 
 
 def test_truncate_events_drops_the_steps_a_resumed_run_takes_again(tmp_path):
+    """Later steps go, and at the resumed step the loop's own step record; what else was logged there stays."""
     with tracking.open_tracker(tmp_path) as tracker:
         tracker.hparams({"lr": 0.1})
         for step in range(6):
-            tracker.scalars(step, {"loss": float(step)})
+            tracker.scalars(step, {"loss": float(step), tracking.STEP_RECORD: 0.1})
+        tracker.scalars(3, {"validation/mse": 0.5})
     assert tracking.truncate_events(tmp_path, 3) == 3
     tracking.wait_for_a_new_second(tmp_path)  # as the loop does: event files sort by their second
     with tracking.open_tracker(tmp_path) as tracker:
         for step in range(3, 5):
             tracker.scalars(step, {"loss": 10.0 + step})
     assert tracking.read_scalars(tmp_path)["loss"] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
+    assert tracking.read_scalars(tmp_path)["validation/mse"] == [(3, 0.5)]
     assert tracking.read_hparams(tmp_path) == {"lr": 0.1}
 
 
 def test_a_damaged_event_record_is_reported_and_the_history_around_it_kept(tmp_path):
     with tracking.open_tracker(tmp_path) as tracker:
         for step in range(6):
-            tracker.scalars(step, {"loss": float(step)})
+            tracker.scalars(step, {"loss": float(step), tracking.STEP_RECORD: 0.1})
     (path,) = tmp_path.glob("events.out.tfevents.*")
     records, damaged = tracking.read_records(path)
     assert damaged == []
@@ -215,3 +218,28 @@ def test_bad_resume_is_one_clear_error_that_writes_nothing(tmp_path, reference, 
     data = max((run_dir / "checkpoints" / "8" / "shards").glob("*.safetensors"), key=lambda p: p.stat().st_size)
     data.write_bytes(data.read_bytes()[:100])
     fails(run_dir, "--resume", match=f"checkpoint '{run_dir / 'checkpoints' / '8'}' is corrupt or truncated")
+
+
+def test_a_resume_at_a_validation_step_keeps_its_validation_and_a_smaller_steps_is_refused(tmp_path, capsys):
+    """Checkpoint 4 is also validation step 4: resuming from it keeps that validation (scalars and videos, logged
+    from the state it resumes) and drops only the step records it takes again; --steps below 4 is one line, and
+    nothing in the run folder changes."""
+    out, toy = tmp_path / "run", str(ROOT / "experiments" / "finetune_wan.py")
+    quick = ["run.progress=false", "data.batch_size=2", "run.checkpoint.every=2", "validation.every=2",
+             "validation.num_prompts=2", "validation.num_steps=2"]
+    assert run.main([toy, "--out", str(out), "--steps", "4", *quick]) == 0
+    before = tracking.read_scalars(out / "tb")
+    videos = {tag: [step for step, _ in events] for tag, events in tracking.read_images(out / "tb").items()}
+    assert [step for step, _ in before["validation/model/nearest_mse"]] == [0, 2, 4]
+    assert run.main([toy, "--out", str(out), "--resume", "--steps", "6", "validation.every=0"]) == 0
+    after = tracking.read_scalars(out / "tb")
+    assert after["validation/model/nearest_mse"] == before["validation/model/nearest_mse"]
+    assert {tag: [step for step, _ in events] for tag, events in tracking.read_images(out / "tb").items()} == videos
+    assert [step for step, _ in after["loss"]] == list(range(6)) and after["loss"][:4] == before["loss"]
+    files = {p: p.read_bytes() for p in [out / "config.json", out / "run.json", *(out / "tb").iterdir()]}
+    capsys.readouterr()
+    assert run.main([toy, "--out", str(out), "--resume", "--steps", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "run.steps = 3 is below step 6 of the checkpoint it resumes from" in err
+    assert len(err.strip().splitlines()) == 1
+    assert {p: p.read_bytes() for p in files} == files

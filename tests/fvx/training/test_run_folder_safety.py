@@ -6,6 +6,7 @@ import pickle  # the tests write payloads; fvx never unpickles
 import re
 
 from fvx import run
+from fvx.storage import files
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 EXPERIMENT = str(ROOT / "experiments" / "finetune_wan.py")
@@ -29,6 +30,7 @@ def test_a_run_json_pointing_at_code_never_runs_it(tmp_path):
     for launch in record["launches"]:
         launch["experiment"] = str(evil)
         launch["experiment_sha256"] = None
+    record["crc32"] = files.json_checksum(record["launches"])  # a planted file carries a valid checksum
     (out / "run.json").write_text(json.dumps(record))
     assert run.main(["replay", str(out), "--step", "1"]) == 0
     assert run.main(["export", str(out), "--out", str(tmp_path / "exported")]) == 0

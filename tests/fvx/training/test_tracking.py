@@ -273,3 +273,9 @@ def test_wandb_mirrors_the_scalars_videos_and_config_of_a_run(tmp_path, monkeypa
     monkeypatch.setitem(sys.modules, "wandb", None)  # not installed: one clear error before anything is written
     assert run.main([experiment, "--out", str(tmp_path / "other"), "run.wandb.project=toy"]) == 2
     assert not (tmp_path / "other").exists()
+
+
+def test_slug_makes_a_readable_file_name_part():
+    assert tracking.slug("A Red square, moving LEFT!") == "a-red-square-moving-left"
+    assert tracking.slug("word " * 20, limit=12) == "word-word"
+    assert tracking.slug("¿?") == ""

@@ -154,11 +154,11 @@ def test_log_validation_writes_gif_summaries_files_and_stats(tmp_path, key, vae)
     gif = gif_frames(gif_bytes)
     assert step == 10 and gif.is_animated and gif.n_frames == 5 and gif.size == (16, 16)
     folder = tmp_path / "validation" / "step_10"
-    for i in range(2):
-        assert folder / f"validation_student_prompt_{i}_10.gif" in paths
-        assert folder / f"validation_student_prompt_{i}_10.png" in paths
+    for i, animal in enumerate(("a-cat", "a-dog")):  # named by the prompt, as a person browsing the folder reads it
+        assert folder / f"validation_student_prompt_{i}_{animal}_10.gif" in paths
+        assert folder / f"validation_student_prompt_{i}_{animal}_10.png" in paths
     assert all(path.is_file() for path in paths)
-    assert (folder / "validation_student_prompt_1_10.gif").read_bytes() == gif_bytes
+    assert (folder / "validation_student_prompt_1_a-dog_10.gif").read_bytes() == gif_bytes
     scalars = tracking.read_scalars(tmp_path / "tb")
     assert scalars["validation/student/latent_mean"][0][1] == pytest.approx(latents.mean().item(), abs=1e-6)
     assert scalars["validation/student/latent_std"][0][1] == pytest.approx(latents.std(correction=0).item(), abs=1e-6)
