@@ -1,9 +1,9 @@
 """Fine-tune Wan with flow matching (FastVideo's `fine_tuning/wan/t2v.yaml`, as an fvx experiment).
 
 The default trains the tiny `world` preset on fvx's toy video world (`fvx.data.toy_world`: coloured bars drifting the
-way the prompt says, latents a space-to-depth codec decodes exactly) on a 2-core CPU in about a minute. Its validation
-videos go from noise to the prompted bars, and `validation/model/nearest_mse` (the distance of the samples to the
-nearest true clip of their prompt) and `prompt_match` say so in numbers:
+way the prompt says, latents a space-to-depth codec decodes exactly) on a 2-core CPU in about a minute and a half. Its
+validation videos go from noise to the prompted bars, and `validation/model/nearest_mse` (the distance of the samples to
+the nearest true clip of their prompt) and `prompt_match` say so in numbers:
     python -m fvx.run experiments/finetune_wan.py
 The result is the teacher of the default DMD2 run (`experiments/dmd2.py`). FastVideo's recipe is the recipe
 `wan21_t2v_1p3b` (Wan 2.1 T2V 1.3B, 8 ranks of batch 1); point its paths at local folders:
