@@ -150,7 +150,7 @@ def saved_bytes(loss, params: dict, square: int = 0) -> tuple[int, int]:
 def rollout_cached(model, inputs: dict, blocks: int, size: int) -> torch.Tensor:
     """K blocks one ``apply_cached`` call each, the cache carried from block to block."""
     x, t, cond = inputs["x"], inputs["t_frame"], inputs["cond"]
-    cache, outs = model.causal.empty_cache(x.shape[0]), []
+    cache, outs = model.causal.empty_cache(x.shape[2]), []
     with torch.no_grad():
         for b in range(blocks):
             frames = slice(b * size, (b + 1) * size)

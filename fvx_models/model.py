@@ -66,12 +66,13 @@ class Causal:
     block's end, -1: all, plus the first ``sink`` frames), never to later ones. The KV cache is an explicit value
     (``fvx_models.block_causal.KVCache``), never state held by the model.
 
-    empty_cache(batch) -> cache        a cache holding no frames
+    empty_cache(frames) -> cache       the cache of a stream of ``frames`` latent frames, holding none yet (fixed
+                                       shape: a ring of what a block can see, ``fvx_models.block_causal``)
     apply_cached(params, x_t, t, cond, cache) -> (v, cache)   the velocity of the next whole blocks ``x_t
                                        [B, C, f, H, W]`` (``t [B]`` or ``[B, f]``) attending to the cached frames, and
-                                       the cache with these blocks' keys and values appended (trimmed to the window):
-                                       keep it after a pass over the clean (context) frames, drop it after a
-                                       denoising pass
+                                       the cache with these blocks' keys and values written (what the next block
+                                       can see): keep it after a pass over the clean (context) frames, drop it
+                                       after a denoising pass
     apply_teacher_forced(params, x_t, t, cond, clean) -> v    teacher forcing: noisy block ``b`` of ``x_t``
                                        attends to itself and the *clean* blocks ``< b`` of ``clean`` (same shape),
                                        in one forward over the ``[clean | noisy]`` sequence

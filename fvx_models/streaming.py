@@ -3,7 +3,7 @@
 Block ``b`` starts from its slice of the noise and is denoised along the schedule (Euler ODE or re-noising SDE, as
 ``fvx.core.flow``), every call attending to the cached context of blocks ``< b``; the clean result is then run once more
 at ``t = context_noise`` (re-noised to that level when above 0, FastVideo's ``context_noise``) and that pass's keys
-and values become the context of the next block. Classifier-free guidance keeps a second cache for the
+and values become the context of the next block (the last block's is never needed, so never computed). Classifier-free guidance keeps a second cache for the
 unconditional branch (each branch's context is its own, as two streams of one model). Randomness: block ``b`` uses
 ``fold_in(key, b)``, split into the sampler's key and the context noise's.
 """
@@ -34,7 +34,7 @@ def sample(causal: Causal, params: Params, noise: torch.Tensor, sigmas: Sequence
         raise ValueError("streaming: the SDE sampler and context noise draw noise and need a key")
     guided = guidance is not None and guidance[1] != 1.0
     conds = (cond, guidance[0](cond)) if guided else (cond,)
-    caches, blocks = [causal.empty_cache(noise.shape[0]) for _ in conds], []
+    caches, blocks = [causal.empty_cache(frames) for _ in conds], []
     for b in range(frames // size):
         sampler_key = context_key = None
         if key is not None:
@@ -42,13 +42,15 @@ def sample(causal: Causal, params: Params, noise: torch.Tensor, sigmas: Sequence
         apply = _with_caches(causal, caches, conds, guidance[1] if guided else 1.0)
         x0 = flow.sample(apply, params, noise[:, :, b * size:(b + 1) * size], sigmas, sampler_key, cond=cond,
                          sampler=sampler)
+        blocks.append(x0)
+        if b + 1 == frames // size:
+            break  # no block reads the last one's context
         context = x0
         if context_noise > 0:
             eps = _normal(context_key, x0.shape, x0.device).to(x0.dtype)
             context = flow.add_noise(x0, eps, torch.tensor(context_noise / 1000.0, device=x0.device))
         t = torch.full((x0.shape[0],), float(context_noise), device=x0.device)
         caches = [causal.apply_cached(params, context, t, c, cache)[1] for c, cache in zip(conds, caches)]
-        blocks.append(x0)
     return torch.cat(blocks, dim=2)
 
 

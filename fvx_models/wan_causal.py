@@ -32,7 +32,7 @@ from torch import nn
 
 from fvx.distributed import sequence_parallel as fsp
 from fvx_models import block_causal as bc, wan, wan_sequence_parallel
-from fvx_models.build import ModelConfig
+from fvx_models.build import DTYPES, ModelConfig
 from fvx_models.family import skeleton_of
 from fvx_models.model import Causal
 
@@ -91,9 +91,10 @@ class FrameRope(WanRotaryPosEmbed):
     """Wan's RoPE from the chunk's first frame on, returning the forward's :class:`Plan` (module docstring)."""
 
     def __init__(self, attention_head_dim: int, patch_size: tuple[int, int, int], max_seq_len: int, *,
-                 frames_per_block: int, window: int, sink: int, attention: str) -> None:
+                 frames_per_block: int, window: int, sink: int, attention: str, compiled: bool) -> None:
         super().__init__(attention_head_dim, patch_size, max_seq_len)
-        self.frames_per_block, self.window, self.sink, self.attention = frames_per_block, window, sink, attention
+        self.frames_per_block, self.window, self.sink = frames_per_block, window, sink
+        self.attention, self.compiled = attention, compiled
         self.call: Call | None = None
         self.sequence = fsp.SPGroup()  # sequence parallelism (sequence_parallel installs it)
 
@@ -113,13 +114,20 @@ class FrameRope(WanRotaryPosEmbed):
         cos, sin = (self._table(table, start, ppf, pph, ppw) for table in (self.freqs_cos, self.freqs_sin))
         if call.teacher_forcing:
             cos, sin = torch.cat([cos, cos], dim=1), torch.cat([sin, sin], dim=1)
-        blocks = bc.plan_blocks(cache.frames, start, ppf, pph * ppw, frames_per_block=self.frames_per_block,
+        blocks = bc.plan_blocks(cache.slots, start, ppf, pph * ppw, frames_per_block=self.frames_per_block,
                                 window=self.window, sink=self.sink, teacher_forcing=call.teacher_forcing)
         queries = cos.shape[1]
-        mask = (bc.mask_of(blocks, queries, len(cache.frames) * pph * ppw + queries, hidden_states.device)
-                if self.attention == "mask" else None)
-        call.plan = Plan(cos, sin, blocks, mask, cache)
+        if not self._masked(call):
+            call.plan = Plan(cos, sin, blocks, None, cache)
+            return call.plan
+        mask = bc.mask_of(blocks, queries, len(cache.slots) * pph * ppw + queries, hidden_states.device)
+        call.plan = Plan(cos, sin, (), mask, cache)  # the plan a compiled block sees: tensors only
         return call.plan
+
+    def _masked(self, call: Call) -> bool:
+        """Whether attention runs as one masked SDPA: ``attention="mask"``, or ``"auto"`` for a cached call of a
+        compiled model (its mask an input tensor, so the stream's later chunks reuse its graph)."""
+        return self.attention == "mask" or (self.attention == "auto" and self.compiled and call.cache is not None)
 
     def _table(self, table: torch.Tensor, start: int, ppf: int, pph: int, ppw: int) -> torch.Tensor:
         """``[1, ppf pph ppw, 1, head_dim]`` of frames ``start..start+ppf-1`` (diffusers' layout)."""
@@ -165,7 +173,7 @@ def skeleton(config: WanCausalConfig) -> nn.Module:
     def rebuild(module: nn.Module) -> None:
         module.rope = FrameRope(kwargs["attention_head_dim"], kwargs["patch_size"], kwargs["rope_max_seq_len"],
                                 frames_per_block=config.num_frames_per_block, window=config.local_attn_size,
-                                sink=config.sink_size, attention=config.attention)
+                                sink=config.sink_size, attention=config.attention, compiled=config.compile != "none")
 
     module = skeleton_of(WanTransformer3DModel, kwargs, rebuild)
     processor = BlockCausalAttention()
@@ -220,16 +228,19 @@ def causal(config: WanCausalConfig, apply: Any, module: nn.Module) -> Causal:
     layers, head_dim = kwargs["num_layers"], kwargs["attention_head_dim"]
     heads = kwargs["num_attention_heads"] // module.rope.sequence.size  # a KV cache holds the rank's heads under SP
     layout = dict(frames_per_block=config.num_frames_per_block, window=config.local_attn_size, sink=config.sink_size)
+    dtype = DTYPES[config.compute_dtype]  # what attention computes in
     who = f"wan_causal:{config.preset}"
 
     def apply_cached(params, x_t, t, cond, cache):
         tokens = (x_t.shape[3] // p_h) * (x_t.shape[4] // p_w)
         bc.check_cache(cache, batch=x_t.shape[0], layers=layers, tokens_per_frame=tokens, heads=heads,
                        head_dim=head_dim, who=who)
+        cache = bc.allocate(cache, layers=layers, batch=x_t.shape[0], tokens_per_frame=tokens, heads=heads,
+                            head_dim=head_dim, dtype=dtype, device=x_t.device)
         call = Call(cache=cache)
         v = apply(params, x_t, t, cond, call=call)
         kv = [call.plan.layers[i].kv for i in range(layers)]
-        after = bc.append(cache, [k for k, _ in kv], [v_ for _, v_ in kv], x_t.shape[2], tokens, **layout)
+        after = bc.write(cache, [k for k, _ in kv], [v_ for _, v_ in kv], x_t.shape[2], tokens, **layout)
         return v, after
 
     def apply_teacher_forced(params, x_t, t, cond, clean):
@@ -246,7 +257,8 @@ def causal(config: WanCausalConfig, apply: Any, module: nn.Module) -> Causal:
         return apply(params, both, t_both, cond, call=Call(teacher_forcing=True))[:, :, frames:]
 
     return Causal(frames_per_block=config.num_frames_per_block, window=config.local_attn_size,
-                  sink=config.sink_size, empty_cache=lambda batch: bc.KVCache(), apply_cached=apply_cached,
+                  sink=config.sink_size, empty_cache=lambda frames: bc.empty(frames, **layout),
+                  apply_cached=apply_cached,
                   apply_teacher_forced=apply_teacher_forced)
 
 
@@ -260,14 +272,15 @@ class WanCausalConfig(ModelConfig, tag="wan_causal"):
     """A block-causal Wan 2.1 DiT (presets: tiny, tiny-deep, world, wan2.1-t2v-1.3b, wan2.1-t2v-14b; ordinary Wan
     weights): latent frames in blocks of ``num_frames_per_block``, each attending to itself and earlier blocks
     within ``local_attn_size`` frames (-1: all) plus the first ``sink_size`` frames; ``attention`` "prefix" (one
-    SDPA per block over its keys) or "mask" (one masked SDPA)."""
+    SDPA per block over its keys), "mask" (one masked SDPA) or "auto" (the mask for the cached chunks of a compiled
+    model, so a stream of any length compiles to one graph per grad mode; else prefix)."""
 
     family = WAN_CAUSAL
 
     num_frames_per_block: Annotated[int, msgspec.Meta(ge=1)] = 3
     local_attn_size: int = -1
     sink_size: Annotated[int, msgspec.Meta(ge=0)] = 0
-    attention: Literal["prefix", "mask"] = "prefix"
+    attention: Literal["auto", "prefix", "mask"] = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()

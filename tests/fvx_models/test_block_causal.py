@@ -1,5 +1,5 @@
 """fvx_models.block_causal: the attention plan against hand-written token ranges, the mask it implies, the two
-attention forms against a dense masked reference, and the cache's append/trim and checks."""
+attention forms against a dense masked reference, and the ring cache's slots, writes and checks."""
 import pytest
 import torch
 
@@ -49,23 +49,40 @@ def _chunk_kv(batch, frames, tokens, value):
     return torch.full((batch, frames * tokens, 1, 2), float(value))
 
 
-def test_append_keeps_what_the_next_block_can_see():
-    cache = bc.KVCache()
-    for block in range(4):  # blocks of 2 frames, window 4, sink 1, one token per frame
-        k = _chunk_kv(1, 2, 1, block)
-        cache = bc.append(cache, [k], [k + 10], 2, 1, frames_per_block=2, window=4, sink=1)
+def stream(blocks, *, batch=1, frames=2, tokens=1, window=4, sink=1, total=8):
+    """A ring cache after ``blocks`` chunks of ``frames`` frames whose keys are the block's number (values + 10)."""
+    layout = dict(frames_per_block=frames, window=window, sink=sink)
+    cache = bc.empty(total, **layout)
+    for block in range(blocks):
+        k = _chunk_kv(batch, frames, tokens, block)
+        cache = bc.allocate(cache, layers=1, batch=batch, tokens_per_frame=tokens, heads=1, head_dim=2,
+                            dtype=torch.float32, device=k.device)
+        cache = bc.write(cache, [k], [k + 10], frames, tokens, **layout)
+    return cache
+
+
+def test_the_ring_keeps_what_the_next_block_can_see_in_a_fixed_shape():
+    cache = stream(4)  # blocks of 2 frames, window 4, sink 1, one token per frame: 1 + 4 - 2 = 3 slots
     # the next block is frames 8, 9: it sees frames 6..9 and the sink 0
-    assert cache.frames == (0, 6, 7) and cache.next_frame == 8
-    assert cache.keys[0][0, :, 0, 0].tolist() == [0.0, 3.0, 3.0]
-    assert cache.values[0][0, :, 0, 0].tolist() == [10.0, 13.0, 13.0]
+    assert cache.frames == (0, 6, 7) and cache.next_frame == 8 and len(cache.slots) == 3
+    assert tuple(cache.keys[0].shape) == (1, 3, 1, 2)
+    held = {frame: cache.keys[0][0, slot, 0, 0].item() for slot, frame in enumerate(cache.slots)}
+    assert held == {0: 0.0, 6: 3.0, 7: 3.0}
+    assert {frame: cache.values[0][0, slot, 0, 0].item() for slot, frame in enumerate(cache.slots)}[7] == 13.0
 
 
-def test_a_global_cache_keeps_every_frame():
-    cache = bc.KVCache()
-    for block in range(3):
-        k = _chunk_kv(2, 1, 3, block)
-        cache = bc.append(cache, [k, k], [k, k], 1, 3, frames_per_block=1, window=-1, sink=0)
-    assert cache.frames == (0, 1, 2) and tuple(cache.keys[1].shape) == (2, 9, 1, 2)
+def test_a_global_ring_holds_every_frame_of_the_stream_in_its_own_slot():
+    cache = stream(3, batch=2, frames=1, tokens=3, window=-1, sink=0, total=4)
+    assert cache.slots == (0, 1, 2, -1) and tuple(cache.keys[0].shape) == (2, 12, 1, 2)
+    assert cache.keys[0][0, 3:6, 0, 0].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_cached_keys_are_planned_in_frame_order_whatever_their_slots():
+    # slots hold frames 0 (sink), 7 and 6 (wrapped); the chunk is frames 8, 9; one token per frame
+    blocks = bc.plan_blocks((0, 7, 6), 8, 2, 1, frames_per_block=2, window=4, sink=1)
+    assert blocks == (bc.QueryBlock((0, 2), ((0, 1), (2, 3), (1, 2), (3, 5))),)  # frames 0, 6, 7, then the chunk
+    empty = bc.plan_blocks((-1, -1), 0, 2, 1, frames_per_block=2, window=-1, sink=0)
+    assert empty == (bc.QueryBlock((0, 2), ((2, 4),)),)  # empty slots are never read
 
 
 def test_check_cache_names_a_wrong_batch_length_or_layer_count():
@@ -76,7 +93,7 @@ def test_check_cache_names_a_wrong_batch_length_or_layer_count():
         bc.check_cache(cache, batch=3, layers=2, tokens_per_frame=3, heads=1, head_dim=2, who="m")
     with pytest.raises(ValueError, match="has 2 layers, the model 3"):
         bc.check_cache(cache, batch=2, layers=3, tokens_per_frame=3, heads=1, head_dim=2, who="m")
-    with pytest.raises(ValueError, match=r"2 cached frames of 4 tokens needs"):
+    with pytest.raises(ValueError, match=r"2 cache slots of 4 tokens needs"):
         bc.check_cache(cache, batch=2, layers=2, tokens_per_frame=4, heads=1, head_dim=2, who="m")
     with pytest.raises(ValueError, match="must be a fvx_models.block_causal.KVCache"):
         bc.check_cache({"k": k}, batch=2, layers=2, tokens_per_frame=3, heads=1, head_dim=2, who="m")

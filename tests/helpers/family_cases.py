@@ -135,7 +135,7 @@ def causal_loss_and_grads(config: ModelConfig, mesh=None, rows: Callable[[dict],
         full = model.apply(p, x, local["t"], cond)
         forced = model.causal.apply_teacher_forced(p, x, local["t"], cond, clean)
         _, cache = model.causal.apply_cached(p, clean[:, :, :1], local["t"][:, 0] * 0, cond,
-                                             model.causal.empty_cache(x.shape[0]))
+                                             model.causal.empty_cache(x.shape[2]))
         cached, _ = model.causal.apply_cached(p, x[:, :, 1:], local["t"][:, 1], cond, cache)
         return full.square().mean() + forced.square().mean() + cached.square().mean()
 
