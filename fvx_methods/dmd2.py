@@ -18,7 +18,7 @@ from FastVideo are listed in docs/design.md.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal, Mapping, NamedTuple
+from typing import Annotated, Any, Literal, Mapping
 
 import msgspec
 import torch
@@ -26,12 +26,12 @@ import torch
 from fvx.config import Config
 from fvx.core import ema, flow, random, role
 from fvx.core.optim_config import AdamWConfig
-from fvx.core.state import all_finite, Batch, HeldRole, Metrics, Program, skipped, TrainState
+from fvx.core.state import Batch, HeldRole, Metrics, Program, TrainState
 from fvx.training import validation
 from fvx_methods.library import distribution_matching as dm
-from fvx_models.model import check_shared_data, Cond, Model, Params
+from fvx_models.model import Cond, Model, Params
 
-STUDENT, CRITIC, TEACHER = "student", "critic", "teacher"
+STUDENT, CRITIC, TEACHER = dm.STUDENT, dm.CRITIC, dm.TEACHER
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 Positive = Annotated[float, msgspec.Meta(gt=0)]
@@ -47,8 +47,8 @@ def rollout(params: Params, batch: Batch, key: torch.Tensor, with_grad: bool, *,
     call records a graph, and only when ``with_grad``."""
     index_key, noise_key = random.split(key)
     index, device = batch["sample_index"], batch["sample_index"].device
-    steps = dm.denoising_timesteps(config.denoising_steps, config.warp_denoising_step, config.flow_shift).to(device)
     grid = flow.training_sigmas(config.flow_shift, device=device)
+    steps = dm.denoising_timesteps(config.denoising_steps, config.warp_denoising_step, grid).to(device)
     k = dm.per_sample_randint(index_key, index, len(steps)).to(device)
     if config.rollout_mode == "data_latent":
         x0 = model.normalize(batch["latents"].float())
@@ -82,61 +82,19 @@ def sample_shape(batch: Batch, config: DMD2) -> tuple[int, ...]:
 # --------------------------------------------------------------------------------------------------------- the step
 
 
-class Roles(NamedTuple):  # each role's model and the trainable roles' optimizers
-    student: Model
-    critic: Model
-    teacher: Model
-    student_opt: role.RoleOptimizer
-    critic_opt: role.RoleOptimizer
-
-
-def update_student(step: int, interval: int) -> bool:
-    """Whether step ``step`` (0-based) updates the student: iteration ``step + 1`` is a multiple of ``interval``, or
-    always when ``interval <= 0``."""
-    return interval <= 0 or (step + 1) % interval == 0
-
-
-def step_(state: TrainState, batch: Batch, *, roles: Roles, config: DMD2, frozen: Mapping[str, Params],
+def step_(state: TrainState, batch: Batch, *, roles: dm.Roles, config: DMD2, frozen: Mapping[str, Params],
           negative: Cond | None = None, before: role.BeforeUpdate | None = None) -> tuple[TrainState, Metrics]:
-    """One DMD2 step, donating ``state``: the critic's update every step, the student's on its cadence (else only
-    its EMA); ``split(fold_in(run_key, step))`` gives the generator's and the critic's keys. Metrics: ``critic_loss``,
-    ``grad_norm/critic``, ``lr/critic``, ``update_student``; on student steps ``generator_loss``, ``dmd_normalizer``
-    (the per-sample normalisers' mean), ``grad_norm/student``, ``lr/student``. Non-finite: nothing applied.
-    ``frozen``: the teacher's params and the student's and critic's bases (when they have one)."""
-    s, ranks = int(state.step), roles.critic_opt.ranks
-    generator_key, critic_key = random.split(random.fold_in(state.key, state.step))
-    student, critic = state.roles[STUDENT], state.roles[CRITIC]
-    student_base, critic_base, teacher = frozen.get(STUDENT), frozen.get(CRITIC), frozen[TEACHER]
-    score, n = config.score(), config.grad_accum
+    """One DMD2 step, donating ``state``: the distribution-matching step (``dm.step_``: the critic every step, the
+    student on its cadence) with the rollout above."""
+    score = config.score()
 
     def rollout_(params: Params, micro: Batch, key: torch.Tensor, with_grad: bool):
-        return rollout(params, micro, key, with_grad, model=roles.student, config=config, ranks=ranks)
+        return rollout(params, micro, key, with_grad, model=roles.student, config=config,
+                       ranks=roles.critic_opt.ranks)
 
-    updates = update_student(s, config.generator_update_interval)
-    metrics: Metrics = {"update_student": torch.tensor(float(updates))}
-    checked = []
-    if updates:
-        (loss, aux), grads = role.grads(dm.generator_loss, student_base, student.params, batch, n,
-                                        role.with_trained(critic_base, critic.params), teacher, generator_key,
-                                        rollout=rollout_, critic=roles.critic, teacher=roles.teacher, score=score,
-                                        negative=negative)
-        student_measured = role.measure(roles.student_opt, student, grads)
-        metrics.update(generator_loss=ranks.mean(loss), dmd_normalizer=ranks.mean(aux["dmd_normalizer"]),
-                       **role.metrics(student_measured, STUDENT))
-        checked += [metrics["generator_loss"], student_measured.norm]
-    (loss, _), grads = role.grads(dm.critic_loss, critic_base, critic.params, batch, n,
-                                  role.with_trained(student_base, student.params), critic_key, rollout=rollout_,
-                                  critic=roles.critic, score=score)
-    critic_measured = role.measure(roles.critic_opt, critic, grads)
-    metrics.update(critic_loss=ranks.mean(loss), **role.metrics(critic_measured, CRITIC))
-    if not all_finite(*checked, metrics["critic_loss"], critic_measured.norm):
-        return skipped(state, metrics)
-    if updates:
-        student = role.update_(roles.student_opt, student, student_measured, s, before, STUDENT)
-    else:
-        student = role.ema_(roles.student_opt, student, s)
-    critic = role.update_(roles.critic_opt, critic, critic_measured, s, before, CRITIC)
-    return TrainState(step=state.step + 1, key=state.key, roles={STUDENT: student, CRITIC: critic}), metrics
+    return dm.step_(state, batch, roles=roles, frozen=frozen, score=score, rollout=rollout_,
+                    interval=config.generator_update_interval, grad_accum=config.grad_accum,
+                    student_grads=dm.generator_grads(rollout_, roles, score, negative), before=before)
 
 
 # -------------------------------------------------------------------------------------------------------- the build
@@ -223,51 +181,15 @@ class DMD2(Config, tag="dmd2"):
 
     def build(self, models: Mapping[str, Model], *, total_steps: int, ranks: role.Ranks = role.ONE_PROCESS,
               before_update: role.BeforeUpdate | None = None) -> Program:
-        """The loop's Program for the role -> model mapping and a ``total_steps`` run. Latent spaces, cond and the
-        negative-prompt file are checked now, so bad input fails before any weights load. On a mesh every role's
-        params are local shards (the teacher's without optimizer state) and norms are global per role."""
-        check_shared_data(models, data_role=STUDENT)
-        negative = (None if self.negative_prompt_path is None
-                    else models[STUDENT].load_negative(self.negative_prompt_path, "method.negative_prompt_path"))
-        roles = Roles(models[STUDENT], models[CRITIC], models[TEACHER],
-                      self.optim.role(total_steps, ranks, ema_decay=self.ema_decay,
-                                      ema_start_step=self.ema_start_step),
-                      self.critic_optim.role(total_steps, ranks))
-        return Program(
-            model=roles.student,
-            init=lambda run_key: init(run_key, roles),
-            frozen=lambda run_key: frozen_params(run_key, roles),
-            step_=lambda state, frozen, batch: step_(state, batch, roles=roles, config=self, frozen=frozen,
-                                                     negative=negative, before=before_update),
-            check=lambda batch: check_batch(batch, roles.student, self, negative),
-            validate=lambda state, frozen, cfg: validate(state, cfg, roles=roles, config=self, frozen=frozen,
-                                                         negative=negative),
-        )
+        """The loop's Program for the role -> model mapping and a ``total_steps`` run (``dm.program``); bad input
+        fails before any weights load."""
+        return dm.program(self, models, total_steps=total_steps, ranks=ranks, before_update=before_update,
+                          step_=step_, check=check_batch, validate=validate)
 
     def held_roles(self) -> tuple[HeldRole, ...]:
         """What the run holds while it trains (the dry run's rows): the student (and its EMA) and the critic
         trainable, the teacher frozen."""
-        return (HeldRole(STUDENT, trainable=True, ema=bool(self.ema_decay)), HeldRole(CRITIC, trainable=True),
-                HeldRole(TEACHER, trainable=False))
-
-
-def role_keys(run_key: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The keys of the student's, the steps', the critic's and the teacher's: ``split(run_key, 4)``."""
-    return tuple(random.split(run_key, 4))
-
-
-def init(run_key: torch.Tensor, roles: Roles) -> TrainState:
-    """Step 0: the student's and the critic's initial params with fresh optimizer states (and the student's EMA)."""
-    student_key, steps_key, critic_key, _ = role_keys(run_key)
-    return TrainState(step=torch.zeros((), dtype=torch.int64), key=steps_key, roles={
-        STUDENT: role.init(roles.student_opt, roles.student.initial_params(student_key)),
-        CRITIC: role.init(roles.critic_opt, roles.critic.initial_params(critic_key))})
-
-
-def frozen_params(run_key: torch.Tensor, roles: Roles) -> dict[str, Params]:
-    """The teacher's params and the trained roles' bases, all from the teacher's key: one copy per distinct base."""
-    return role.frozen_params(role_keys(run_key)[3], {TEACHER: (roles.teacher, True), STUDENT: (roles.student, False),
-                                                      CRITIC: (roles.critic, False)})
+        return dm.held_roles(bool(self.ema_decay))
 
 
 def check_batch(batch: Batch, model: Model, config: DMD2, negative: Cond | None = None) -> None:
@@ -294,7 +216,8 @@ def student_schedule(config: DMD2) -> tuple[torch.Tensor, torch.Tensor]:
     timestep ``s_k`` and converts with the level nearest it of the grid at ``sampling_shift`` (default
     ``flow_shift``), ``nearest_grid_sigma(training_sigmas(shift), s_k)``: with the default, as the rollout trains
     it; with 8, as FastVideo's ``DmdDenoisingStage`` samples (its scheduler at a fixed shift 8)."""
-    steps = dm.denoising_timesteps(config.denoising_steps, config.warp_denoising_step, config.flow_shift)
+    steps = dm.denoising_timesteps(config.denoising_steps, config.warp_denoising_step,
+                                   flow.training_sigmas(config.flow_shift))
     shift = config.flow_shift if config.sampling_shift is None else config.sampling_shift
     return steps, flow.nearest_grid_sigma(flow.training_sigmas(shift), steps)
 
@@ -307,7 +230,7 @@ def few_step_draw(apply_fn: Any, steps: torch.Tensor, sigmas: torch.Tensor) -> A
     return draw
 
 
-def validate(state: TrainState, validation_config: Any, *, roles: Roles, config: DMD2, frozen: Mapping[str, Params],
+def validate(state: TrainState, validation_config: Any, *, roles: dm.Roles, config: DMD2, frozen: Mapping[str, Params],
              negative: Cond | None = None) -> list[validation.Sampler]:
     """The student (its EMA when kept), few-step SDE on :func:`student_schedule`, unguided; ``validate_teacher``:
     the guided many-step teacher."""

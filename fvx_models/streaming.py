@@ -21,10 +21,14 @@ Guidance = tuple[Callable[[Cond], Cond], float]  # (uncond(cond) -> the uncondit
 
 def sample(causal: Causal, params: Params, noise: torch.Tensor, sigmas: Sequence[float] | torch.Tensor, cond: Cond,
            key: torch.Tensor | None = None, *, sampler: str = "ode", context_noise: float = 0.0,
-           guidance: Guidance | None = None) -> torch.Tensor:
+           guidance: Guidance | None = None, timesteps: Sequence[float] | torch.Tensor | None = None,
+           context_sigma: float | None = None) -> torch.Tensor:
     """Latents ``[B, C, T, H, W]`` sampled from ``noise`` (same shape; ``T`` whole blocks) block by block; ``key``
     ``[2]`` or one per sample ``[B, 2]`` (needed by the SDE sampler and by ``context_noise > 0``, a timestep in
-    ``[0, 1000)``); ``guidance = (uncond, g)``: ``uncond(cond)`` the unconditional cond, ``g`` the CFG scale."""
+    ``[0, 1000)``); ``guidance = (uncond, g)``: ``uncond(cond)`` the unconditional cond, ``g`` the CFG scale.
+    ``timesteps``: the model's timestep at each level of ``sigmas`` (``fvx.core.flow.sample``), and
+    ``context_sigma`` the level of ``context_noise`` (default ``context_noise / 1000``), for schedules that call the
+    model at a timestep and convert with a grid's level nearest it."""
     size, frames = causal.frames_per_block, noise.shape[2]
     if frames % size:
         raise ValueError(f"streaming: {frames} latent frames are not whole blocks of {size}")
@@ -41,27 +45,29 @@ def sample(causal: Causal, params: Params, noise: torch.Tensor, sigmas: Sequence
             sampler_key, context_key = _split(_fold_in(key, b))
         apply = _with_caches(causal, caches, conds, guidance[1] if guided else 1.0)
         x0 = flow.sample(apply, params, noise[:, :, b * size:(b + 1) * size], sigmas, sampler_key, cond=cond,
-                         sampler=sampler)
+                         sampler=sampler, timesteps=timesteps)
         blocks.append(x0)
         if b + 1 == frames // size:
             break  # no block reads the last one's context
         context = x0
         if context_noise > 0:
             eps = _normal(context_key, x0.shape, x0.device).to(x0.dtype)
-            context = flow.add_noise(x0, eps, torch.tensor(context_noise / 1000.0, device=x0.device))
+            level = context_noise / 1000.0 if context_sigma is None else context_sigma
+            context = flow.add_noise(x0, eps, torch.tensor(level, device=x0.device))
         t = torch.full((x0.shape[0],), float(context_noise), device=x0.device)
         caches = [causal.apply_cached(params, context, t, c, cache)[1] for c, cache in zip(conds, caches)]
     return torch.cat(blocks, dim=2)
 
 
 def draw(causal: Causal, sigmas: Sequence[float] | torch.Tensor, *, sampler: str = "ode",
-         context_noise: float = 0.0) -> Callable[..., torch.Tensor]:
+         context_noise: float = 0.0, timesteps: Sequence[float] | torch.Tensor | None = None,
+         context_sigma: float | None = None) -> Callable[..., torch.Tensor]:
     """``draw(params, noise, cond, key, guidance=None) -> latents`` for
     ``fvx.training.validation.Sampler(draw=...)``."""
     def run(params: Params, noise: torch.Tensor, cond: Cond, key: torch.Tensor,
             guidance: Guidance | None = None) -> torch.Tensor:
         return sample(causal, params, noise, sigmas, cond, key, sampler=sampler, context_noise=context_noise,
-                      guidance=guidance)
+                      guidance=guidance, timesteps=timesteps, context_sigma=context_sigma)
 
     return run
 

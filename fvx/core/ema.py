@@ -1,9 +1,12 @@
 """Exponential moving averages of params, on batched ``torch._foreach_*`` kernels.
 
 The shadow follows ``shadow <- decay * shadow + (1 - decay) * param`` (computed as ``lerp(shadow, param, 1 - decay)``,
-one kernel over all leaves). :func:`ema_step_` adds FastVideo's start rule (spec §4.3 EMACallback): before the start
-step the shadow is left alone; at the start step it is re-initialised from the current params; after it, it blends.
-The shadow keeps each param's dtype and device (fvx params are fp32 masters), so it checkpoints with the state.
+one kernel over all leaves). :func:`ema_step_` adds a start rule, one of FastVideo's two (:data:`STARTS`): ``reset``
+(its EMACallback, spec §4.3): before the start step the shadow is left alone; at the start step it is re-initialised
+from the current params; after it, it blends. ``blend`` (causal consistency distillation's EMA target, spec §2.10):
+the shadow keeps the copy it was made as (the initial params) until the start step and blends from then on, that
+step included. The shadow keeps each param's dtype and device (fvx params are fp32 masters), so it checkpoints with the
+state.
 
 Donation contract as in ``fvx.core.optim``: a function ending in ``_`` updates ``ema``'s tensors in place and returns
 them; ``params`` is only read.
@@ -12,13 +15,15 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from fvx.core import tree
 
 Params = Any  # a pytree of tensors
+Start = Literal["reset", "blend"]
+STARTS = ("reset", "blend")
 
 
 def check_decay(decay: float) -> float:
@@ -72,12 +77,16 @@ def ema_copy_(ema: Params, params: Params) -> Params:
     return ema
 
 
-def ema_step_(ema: Params, params: Params, step: int, *, decay: float, start_step: int = 0) -> Params:
-    """The EMA of one training step, in place: left alone while ``step < start_step``, re-initialised from
-    ``params`` at ``step == start_step``, blended with ``decay`` after. ``step`` is a Python int (cadence is plain
-    Python on the step, so a resumed run does what the uninterrupted run did without saving a "started" flag)."""
+def ema_step_(ema: Params, params: Params, step: int, *, decay: float, start_step: int = 0,
+              start: Start = "reset") -> Params:
+    """The EMA of one training step, in place: left alone while ``step < start_step``; at ``step == start_step``
+    re-initialised from ``params`` (``start="reset"``) or blended (``"blend"``); blended with ``decay`` after.
+    ``step`` is a Python int (cadence is plain Python on the step, so a resumed run does what the uninterrupted run
+    did without saving a "started" flag)."""
+    if start not in STARTS:
+        raise ValueError(f"EMA start must be one of {', '.join(map(repr, STARTS))}, got {start!r}")
     if step < start_step:
         return ema
-    if step == start_step:
+    if step == start_step and start == "reset":
         return ema_copy_(ema, params)
     return ema_update_(ema, params, decay)

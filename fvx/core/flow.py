@@ -67,6 +67,18 @@ def training_sigmas(shift: float, num_train_timesteps: int = NUM_TRAIN_TIMESTEPS
     return shift_sigma(u, shift)
 
 
+def self_forcing_sigmas(shift: float, n: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The ``n``-level grid ``[n]`` fp32, descending: ``shift_sigma(linspace(1, 0, n + 1)[:-1])``, no terminal 0.
+
+    FastVideo's ``SelfForcingFlowMatchScheduler(num_inference_steps=n, shift=shift, sigma_min=0, sigma_max=1,
+    extra_one_step=True).sigmas`` (its steps of causal consistency distillation and of Self-Forcing); the grid's
+    timesteps are ``to_timestep(grid)``, as that scheduler's ``timesteps``.
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"the grid needs a positive int number of levels, got {n!r}")
+    return shift_sigma(torch.linspace(1.0, 0.0, n + 1, dtype=torch.float32, device=device)[:-1], shift)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The noising path and its conversions
 
@@ -215,18 +227,20 @@ def denoising_sigmas(steps: Sequence[int | float], *, shift: float = 1.0, warp: 
 
 
 def euler_sample(apply_fn: ApplyFn, params: Any, noise: torch.Tensor, sigmas: Sequence[float] | torch.Tensor, *,
-                 cond: Any = None) -> torch.Tensor:
+                 cond: Any = None, timesteps: Sequence[float] | torch.Tensor | None = None) -> torch.Tensor:
     """Integrate the probability-flow ODE from ``noise`` (at ``sigmas[0]``) to 0: ``x <- x + (sigma_next - sigma) v``.
 
     ``apply_fn(params, x_t, t, cond) -> velocity`` with ``t = 1000 sigma`` a ``[B]`` fp32 tensor; ``cond`` is passed
     through untouched (wrap ``apply_fn`` with ``cfg`` for guidance). ``sigmas`` ``[K]`` in [0, 1], strictly descending;
     one model call per nonzero level; the last step lands on sigma 0. The state is carried in fp32; the result has
-    ``noise``'s dtype.
+    ``noise``'s dtype. ``timesteps``: the model's timestep at each level instead of ``1000 sigma`` (as ``sde_sample``).
     """
     levels = _schedule(sigmas, noise.device)
+    model_t = _model_timesteps(timesteps, sigmas, noise.device)
     x = noise.to(_compute_dtype(noise.dtype))
     for i in range(levels.shape[0] - 1):
-        v = apply_fn(params, x, _timesteps(levels[i], x), cond)
+        t = _timesteps(levels[i], x) if model_t is None else model_t[i].expand(x.shape[0])
+        v = apply_fn(params, x, t, cond)
         x = x + (levels[i + 1] - levels[i]) * v.to(x.dtype)
     return x.to(noise.dtype)
 
@@ -245,12 +259,7 @@ def sde_sample(apply_fn: ApplyFn, params: Any, noise: torch.Tensor, sigmas: Sequ
     levels = _schedule(sigmas, noise.device)
     x = noise.to(_compute_dtype(noise.dtype))
     n = levels.shape[0] - 1
-    model_t = None
-    if timesteps is not None:
-        model_t = torch.as_tensor(timesteps, dtype=torch.float32).detach().to(noise.device)
-        if model_t.ndim != 1 or model_t.shape[0] != len(sigmas):
-            raise ValueError(f"timesteps must give one timestep per level of sigmas ({len(sigmas)}), got shape "
-                             f"{tuple(model_t.shape)}")
+    model_t = _model_timesteps(timesteps, sigmas, noise.device)
     for i in range(n):
         t = _timesteps(levels[i], x) if model_t is None else model_t[i].expand(x.shape[0])
         v = apply_fn(params, x, t, cond)
@@ -264,15 +273,16 @@ def sde_sample(apply_fn: ApplyFn, params: Any, noise: torch.Tensor, sigmas: Sequ
 
 
 def sample(apply_fn: ApplyFn, params: Any, noise: torch.Tensor, sigmas: Sequence[float] | torch.Tensor,
-           key: torch.Tensor | None = None, *, cond: Any = None, sampler: str = "ode") -> torch.Tensor:
+           key: torch.Tensor | None = None, *, cond: Any = None, sampler: str = "ode",
+           timesteps: Sequence[float] | torch.Tensor | None = None) -> torch.Tensor:
     """``euler_sample`` (``sampler="ode"``) or ``sde_sample`` (``"sde"``, needs ``key``)."""
     if sampler not in SAMPLERS:
         raise ValueError(f"unknown sampler {sampler!r}; expected one of {', '.join(map(repr, SAMPLERS))}")
     if sampler == "ode":
-        return euler_sample(apply_fn, params, noise, sigmas, cond=cond)
+        return euler_sample(apply_fn, params, noise, sigmas, cond=cond, timesteps=timesteps)
     if key is None:
         raise ValueError("sampler='sde' draws fresh noise at every step and needs a key")
-    return sde_sample(apply_fn, params, noise, sigmas, key, cond=cond)
+    return sde_sample(apply_fn, params, noise, sigmas, key, cond=cond, timesteps=timesteps)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -349,6 +359,18 @@ def _schedule(sigmas: Sequence[float] | torch.Tensor, device: torch.device) -> t
     if host[-1] == 0:
         return levels
     return torch.cat([levels, torch.zeros(1, dtype=torch.float32, device=device)])
+
+
+def _model_timesteps(timesteps: Sequence[float] | torch.Tensor | None, sigmas: Sequence[float] | torch.Tensor,
+                     device: torch.device) -> torch.Tensor | None:
+    """``timesteps`` as fp32 ``[K]`` on ``device``, one per level of ``sigmas`` (None stays None)."""
+    if timesteps is None:
+        return None
+    model_t = torch.as_tensor(timesteps, dtype=torch.float32).detach().to(device)
+    if model_t.ndim != 1 or model_t.shape[0] != len(sigmas):
+        raise ValueError(f"timesteps must give one timestep per level of sigmas ({len(sigmas)}), got shape "
+                         f"{tuple(model_t.shape)}")
+    return model_t
 
 
 def _timesteps(sigma: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import msgspec
 import torch
 
 from fvx.config import Config
-from fvx.core import optim, role, schedules, tree
+from fvx.core import ema, optim, role, schedules, tree
 
 ScheduleName = Literal[
     "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr", "cosine_with_restarts", "polynomial"
@@ -58,11 +58,11 @@ class AdamWConfig(Config):
                            weight_decay_mask=mask)
 
     def role(self, total_steps: int, ranks: role.Ranks = role.ONE_PROCESS, *, ema_decay: float | None = None,
-             ema_start_step: int = 0) -> role.RoleOptimizer:
+             ema_start_step: int = 0, ema_start: ema.Start = "reset") -> role.RoleOptimizer:
         """The :class:`fvx.core.role.RoleOptimizer` of a role trained with these knobs (its norm and metrics over
-        ``ranks``)."""
+        ``ranks``; its EMA's start rule ``ema_start``, ``fvx.core.ema.ema_step_``)."""
         return role.RoleOptimizer(self.build(total_steps), self.max_grad_norm, ranks, ema_decay or None,
-                                  ema_start_step)
+                                  ema_start_step, ema_start)
 
 
 def _matrices(params: Any) -> Any:

@@ -64,19 +64,27 @@ ONE_PROCESS = OneProcess()
 class RoleOptimizer(NamedTuple):
     """How one trainable role updates: its optimizer (without clipping; its learning rate is read from its state),
     the clip threshold (0: none), the :class:`Ranks` its norm and metrics combine over, and its EMA (``ema_decay``
-    None: none), a copy of the params at update ``max(ema_start_step, 1)`` then ``ema <- d ema + (1 - d) params``
-    after each step."""
+    None: none). The EMA starts as a copy of the initial params; counting updates from 1 (FastVideo's iteration ``it``,
+    which is fvx's 0-based ``step + 1``), with ``s = max(ema_start_step, 1)``: ``ema_start="reset"`` re-copies the
+    params after update ``s`` and blends ``ema <- d ema + (1 - d) params`` after every later one (FastVideo's
+    EMACallback); ``"blend"`` blends after every update ``it >= s``, from the initial copy (FastVideo's causal
+    consistency distillation, whose ``it >= ema_start_step`` with ``ema_start_step`` 0 or 1 is every update)."""
 
     tx: optim.GradientTransformation
     max_grad_norm: float = 0.0
     ranks: Ranks = ONE_PROCESS
     ema_decay: float | None = None
     ema_start_step: int = 0
+    ema_start: ema.Start = "reset"
 
 
-def init(opt: RoleOptimizer, params: Params) -> RoleState:
-    """A role's state at step 0: the ``params`` it trains, a fresh optimizer state and an EMA (when kept)."""
-    return RoleState(params=params, opt_state=opt.tx.init(params), ema=ema.ema_init(params) if opt.ema_decay else None)
+def init(opt: RoleOptimizer, params: Params, ema_params: Params | None = None) -> RoleState:
+    """A role's state at step 0: the ``params`` it trains, a fresh optimizer state and an EMA (when kept): a copy of
+    ``params``, or ``ema_params`` themselves (the initial weights of another model of the same params)."""
+    shadow = None
+    if opt.ema_decay:
+        shadow = ema.ema_init(params) if ema_params is None else ema_params
+    return RoleState(params=params, opt_state=opt.tx.init(params), ema=shadow)
 
 
 def frozen_params(key: torch.Tensor, roles: Mapping[str, tuple[Any, bool]]) -> dict[str, Params]:
@@ -141,9 +149,11 @@ def clip_(grads: Params, norm: torch.Tensor, max_norm: float) -> Params:
 
 
 def ema_(opt: RoleOptimizer, state: RoleState, step: int) -> RoleState:
-    """The EMA at the end of step ``step`` (it counts ``step + 1`` updates), in place; nothing without one."""
+    """The EMA at the end of step ``step`` (it counts ``step + 1`` updates; :class:`RoleOptimizer`), in place;
+    nothing without one."""
     if state.ema is not None:
-        ema.ema_step_(state.ema, state.params, step + 1, decay=opt.ema_decay, start_step=max(opt.ema_start_step, 1))
+        ema.ema_step_(state.ema, state.params, step + 1, decay=opt.ema_decay, start_step=max(opt.ema_start_step, 1),
+                      start=opt.ema_start)
     return state
 
 

@@ -1,6 +1,8 @@
-"""The distribution-matching core of DMD2 and its kin (Self-Forcing, causal distillation): the real and fake scores of
-a generated sample, the DMD loss, and the critic's flow-matching loss, as pure functions parameterised by a rollout
-(how the student generates ``x0_gen``) and a small :class:`Score` config.
+"""The distribution-matching core of DMD2 and its kin (Self-Forcing): the real and fake scores of a generated sample,
+the DMD loss, the critic's flow-matching loss and the step that updates the student and the critic on their cadence,
+as pure functions parameterised by a rollout (how the student generates ``x0_gen``) and a small :class:`Score`
+config. The student's gradients come through one graph over the rollout (:func:`generator_grads`) or part by part
+(:func:`generator_grads_by_parts`: the loss is linear in ``x0_gen`` against a stop-gradient target).
 
 Per sample ``b`` of a batch, with ``x0_gen`` the student's sample and ``g`` the guidance scale::
 
@@ -22,22 +24,23 @@ batch.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
-from fvx.core import flow, random
-from fvx.core.state import Batch
-from fvx_models.model import Cond, Model, Params
+from fvx.core import flow, random, role
+from fvx.core.state import all_finite, Batch, HeldRole, Metrics, Program, skipped, TrainState
+from fvx_models.model import check_shared_data, Cond, Model, Params
 
 Rollout = Callable[[Params, Batch, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]]
 """``rollout(student_params, batch, key, with_grad) -> (x0_gen [B, C, T, H, W], the graded timesteps [B])``."""
 
 
 class Score(NamedTuple):
-    """How scores are taken: the models' training-grid shift, the score timesteps' shift and window ``[min, max]``
-    (ratios of 1000), the teacher's guidance scale and its unconditional cond (``"negative_prompt"``, ``"zero"`` or
-    ``"keep"``)."""
+    """How scores are taken: the models' grid shift, the score timesteps' shift and window ``[min, max]`` (ratios of
+    1000), the teacher's guidance scale and its unconditional cond (``"negative_prompt"``, ``"zero"`` or ``"keep"``),
+    and the scheduler whose grid the models convert on: FastVideo's ``S_fm`` (``"flow_match"``, the training grid)
+    or ``S_sf`` (``"self_forcing"``: its 1000 levels from ``linspace``, Self-Forcing's)."""
 
     flow_shift: float
     timestep_shift: float
@@ -45,17 +48,20 @@ class Score(NamedTuple):
     max_timestep_ratio: float
     guidance_scale: float
     cfg_uncond: str
+    scheduler: str = "flow_match"
 
-    def grid(self, device: torch.device) -> torch.Tensor:
+    def grid(self, device: torch.device | None = None) -> torch.Tensor:
+        if self.scheduler == "self_forcing":
+            return flow.self_forcing_sigmas(self.flow_shift, flow.NUM_TRAIN_TIMESTEPS, device=device)
         return flow.training_sigmas(self.flow_shift, device=device)
 
 
-def denoising_timesteps(steps: tuple[int, ...], warp: bool, flow_shift: float) -> torch.Tensor:
-    """The student's step timesteps ``[K]`` fp32: ``steps``, or with ``warp`` the shifted-grid values
-    ``cat(1000 training_sigmas(flow_shift), [0])[1000 - s]``."""
+def denoising_timesteps(steps: tuple[int, ...], warp: bool, grid: torch.Tensor) -> torch.Tensor:
+    """The student's step timesteps ``[K]`` fp32: ``steps``, or with ``warp`` the grid's timesteps
+    ``cat(1000 grid, [0])[1000 - s]`` (``grid``: the 1000 levels of the models' grid)."""
     if not warp:
         return torch.tensor(steps, dtype=torch.float32)
-    table = torch.cat([flow.to_timestep(flow.training_sigmas(flow_shift)), torch.zeros(1)])
+    table = torch.cat([flow.to_timestep(grid.cpu()), torch.zeros(1)])
     return table[flow.NUM_TRAIN_TIMESTEPS - torch.tensor(steps, dtype=torch.int64)]
 
 
@@ -121,17 +127,22 @@ def real_and_fake_x0(critic_params: Params, teacher_params: Params, x0_gen: torc
         return x0_fake, flow.cfg(x0_cond, x0_uncond, score.guidance_scale), t
 
 
-def dmd_loss(x0_gen: torch.Tensor, x0_fake: torch.Tensor, x0_real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(0.5 mean((x0_gen - sg(x0_gen - grad))^2), normaliser [B])`` with each sample's
-    ``grad_b = nan_to_num((x0_fake - x0_real)_b / mean|x0_gen - x0_real|_b)``, in fp32, so that
-    ``d loss / d x0_gen = grad / numel`` (up to the rounding of ``x0_gen - (x0_gen - grad)``)."""
-    x0_gen = x0_gen.float()
+def dmd_target(x0_gen: torch.Tensor, x0_fake: torch.Tensor, x0_real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sg(x0_gen - grad), normaliser [B])`` in fp32, each sample's ``grad_b = nan_to_num((x0_fake - x0_real)_b /
+    mean|x0_gen - x0_real|_b)``: what the DMD loss pulls ``x0_gen`` towards."""
     with torch.no_grad():
+        x0_gen = x0_gen.float()
         normalizer = (x0_gen - x0_real.float()).abs().mean(dim=tuple(range(1, x0_gen.dim())))
         shape = (-1,) + (1,) * (x0_gen.dim() - 1)
         direction = torch.nan_to_num((x0_fake.float() - x0_real.float()) / normalizer.view(shape))
-        target = x0_gen - direction
-    return 0.5 * torch.mean((x0_gen - target) ** 2), normalizer
+        return x0_gen - direction, normalizer
+
+
+def dmd_loss(x0_gen: torch.Tensor, x0_fake: torch.Tensor, x0_real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(0.5 mean((x0_gen - target)^2), normaliser [B])`` with :func:`dmd_target`'s target, in fp32, so that ``d loss
+    / d x0_gen = (x0_gen - target) / numel = grad / numel`` (up to the rounding of ``x0_gen - (x0_gen - grad)``)."""
+    target, normalizer = dmd_target(x0_gen, x0_fake, x0_real)
+    return 0.5 * torch.mean((x0_gen.float() - target) ** 2), normalizer
 
 
 def generator_loss(student_params: Params, batch: Batch, critic_params: Params, teacher_params: Params,
@@ -161,3 +172,166 @@ def critic_loss(critic_params: Params, batch: Batch, student_params: Params, key
     v = critic.apply(critic_params, x_t, t, batch["cond"]).float()
     loss = torch.mean((v - flow.velocity_target(x0_gen, noise)) ** 2)
     return loss, {"generator_timestep": t_gen.float().mean(), "score_timestep": t.mean()}
+
+
+# --------------------------------------------------------------------------------------------------------- the step
+
+
+STUDENT, CRITIC, TEACHER = "student", "critic", "teacher"
+
+
+class Roles(NamedTuple):
+    """Each role's model and the trainable roles' optimizers."""
+
+    student: Model
+    critic: Model
+    teacher: Model
+    student_opt: role.RoleOptimizer
+    critic_opt: role.RoleOptimizer
+
+
+GeneratorGrads = Callable[..., tuple[tuple[torch.Tensor, dict], Params]]
+"""``generator_grads(student_base, student_params, batch, n, critic_params, teacher_params, key) -> ((loss, aux),
+grads)``: the student's DMD loss and its gradients in ``student_params`` over ``n`` micro-batches."""
+
+
+def update_student(step: int, interval: int) -> bool:
+    """Whether step ``step`` (0-based) updates the student: iteration ``step + 1`` is a multiple of ``interval``, or
+    always when ``interval <= 0``."""
+    return interval <= 0 or (step + 1) % interval == 0
+
+
+def generator_grads(rollout: Rollout, roles: Roles, score: Score, negative: Cond | None = None) -> GeneratorGrads:
+    """The student's gradients of :func:`generator_loss` through one graph per micro-batch (``fvx.core.role.grads``)."""
+    def grads(student_base, student_params, batch, n, critic_params, teacher_params, key):
+        return role.grads(generator_loss, student_base, student_params, batch, n, critic_params, teacher_params, key,
+                          rollout=rollout, critic=roles.critic, teacher=roles.teacher, score=score, negative=negative)
+    return grads
+
+
+Parts = Callable[[Params, Batch, torch.Tensor], Any]
+"""``parts(student_params, batch, key) -> rolled``: the rollout without grad; ``rolled.x0`` is the sample ``[B, C, T,
+H, W]`` and ``rolled.timesteps`` its graded timesteps ``[B]``, and it keeps what :data:`PartsVJP` needs."""
+
+PartsVJP = Callable[[Params, Params | None, Any, Batch, torch.Tensor], Params]
+"""``vjp(trained, base, rolled, batch, cotangent) -> grads``: the gradient in ``trained`` of ``sum(x0 * cotangent)``
+through the rollout's graded calls, recomputed from what ``rolled`` kept, one part's graph at a time."""
+
+
+def generator_grads_by_parts(parts: Parts, vjp: PartsVJP, roles: Roles, score: Score,
+                             negative: Cond | None = None) -> GeneratorGrads:
+    """The student's gradients of :func:`generator_loss` without a graph over the rollout: roll out without grad,
+    take the DMD target of the whole sample, then back-propagate ``d loss / d x0 = (x0 - target) / numel`` through the
+    graded calls part by part (``vjp``). Equal to :func:`generator_grads` for a rollout whose other calls run without
+    grad. aux as :func:`generator_loss`'s."""
+    def value_and_grad(trained, micro, student_base, critic_params, teacher_params, key):
+        rollout_key, score_key = random.split(key)
+        with torch.no_grad():
+            rolled = parts(role.with_trained(student_base, trained), micro, rollout_key)
+        x0_fake, x0_real, t = real_and_fake_x0(critic_params, teacher_params, rolled.x0, micro, score_key,
+                                               critic=roles.critic, teacher=roles.teacher, score=score,
+                                               negative=negative)
+        target, normalizer = dmd_target(rolled.x0, x0_fake, x0_real)
+        residual = rolled.x0.float() - target
+        grads = vjp(trained, student_base, rolled, micro, residual / residual.numel())
+        aux = {"dmd_normalizer": normalizer.mean(), "generator_timestep": rolled.timesteps.float().mean(),
+               "score_timestep": t.mean()}
+        return (0.5 * torch.mean(residual ** 2), aux), grads
+
+    def grads(student_base, student_params, batch, n, critic_params, teacher_params, key):
+        return role.accumulate(value_and_grad, student_params, batch, n, student_base, critic_params,
+                               teacher_params, key)
+    return grads
+
+
+def step_(state: TrainState, batch: Batch, *, roles: Roles, frozen: Mapping[str, Params], score: Score,
+          rollout: Rollout, interval: int, grad_accum: int, student_grads: GeneratorGrads,
+          before: role.BeforeUpdate | None = None) -> tuple[TrainState, Metrics]:
+    """One step of a distribution-matching method, donating ``state``: the critic's update every step
+    (:func:`critic_loss` on a fresh rollout), the student's (``student_grads``) on its cadence (:func:`update_student`,
+    else only its EMA), both from the params before the step; ``split(fold_in(run_key, step))`` gives the generator's
+    and the critic's keys. Metrics: ``critic_loss``, ``grad_norm/critic``, ``lr/critic``, ``update_student``; on
+    student steps ``generator_loss``, ``dmd_normalizer`` (the per-sample normalisers' mean), ``grad_norm/student``,
+    ``lr/student``. Non-finite: nothing applied. ``frozen``: the teacher's params and the student's and critic's bases
+    (when they have one)."""
+    s, ranks = int(state.step), roles.critic_opt.ranks
+    generator_key, critic_key = random.split(random.fold_in(state.key, state.step))
+    student, critic = state.roles[STUDENT], state.roles[CRITIC]
+    student_base, critic_base, teacher = frozen.get(STUDENT), frozen.get(CRITIC), frozen[TEACHER]
+    updates = update_student(s, interval)
+    metrics: Metrics = {"update_student": torch.tensor(float(updates))}
+    checked = []
+    if updates:
+        (loss, aux), grads = student_grads(student_base, student.params, batch, grad_accum,
+                                           role.with_trained(critic_base, critic.params), teacher, generator_key)
+        student_measured = role.measure(roles.student_opt, student, grads)
+        metrics.update(generator_loss=ranks.mean(loss), dmd_normalizer=ranks.mean(aux["dmd_normalizer"]),
+                       **role.metrics(student_measured, STUDENT))
+        checked += [metrics["generator_loss"], student_measured.norm]
+    (loss, _), grads = role.grads(critic_loss, critic_base, critic.params, batch, grad_accum,
+                                  role.with_trained(student_base, student.params), critic_key, rollout=rollout,
+                                  critic=roles.critic, score=score)
+    critic_measured = role.measure(roles.critic_opt, critic, grads)
+    metrics.update(critic_loss=ranks.mean(loss), **role.metrics(critic_measured, CRITIC))
+    if not all_finite(*checked, metrics["critic_loss"], critic_measured.norm):
+        return skipped(state, metrics)
+    if updates:
+        student = role.update_(roles.student_opt, student, student_measured, s, before, STUDENT)
+    else:
+        student = role.ema_(roles.student_opt, student, s)
+    critic = role.update_(roles.critic_opt, critic, critic_measured, s, before, CRITIC)
+    return TrainState(step=state.step + 1, key=state.key, roles={STUDENT: student, CRITIC: critic}), metrics
+
+
+def role_keys(run_key: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The keys of the student's, the steps', the critic's and the teacher's: ``split(run_key, 4)``."""
+    return tuple(random.split(run_key, 4))
+
+
+def init(run_key: torch.Tensor, roles: Roles) -> TrainState:
+    """Step 0: the student's and the critic's initial params with fresh optimizer states (and the student's EMA)."""
+    student_key, steps_key, critic_key, _ = role_keys(run_key)
+    return TrainState(step=torch.zeros((), dtype=torch.int64), key=steps_key, roles={
+        STUDENT: role.init(roles.student_opt, roles.student.initial_params(student_key)),
+        CRITIC: role.init(roles.critic_opt, roles.critic.initial_params(critic_key))})
+
+
+def frozen_params(run_key: torch.Tensor, roles: Roles) -> dict[str, Params]:
+    """The teacher's params and the trained roles' bases, all from the teacher's key: one copy per distinct base."""
+    return role.frozen_params(role_keys(run_key)[3], {TEACHER: (roles.teacher, True), STUDENT: (roles.student, False),
+                                                      CRITIC: (roles.critic, False)})
+
+
+def program(config: Any, models: Mapping[str, Model], *, total_steps: int, ranks: role.Ranks,
+            before_update: role.BeforeUpdate | None, step_: Callable[..., Any], check: Callable[..., None],
+            validate: Callable[..., Any]) -> Program:
+    """The loop's Program of a distribution-matching method for the role -> model mapping and a ``total_steps`` run.
+    ``config`` has ``optim``, ``critic_optim``, ``ema_decay``, ``ema_start_step`` and ``negative_prompt_path``; the
+    method's ``step_(state, batch, *, roles, config, frozen, negative, before)``, ``check(batch, student, config,
+    negative)`` and ``validate(state, validation_config, *, roles, config, frozen, negative)``. Latent spaces, cond
+    and the negative-prompt file are checked now, so bad input fails before any weights load; on a mesh every role's
+    params are local shards (the teacher's without optimizer state) and norms are global per role."""
+    check_shared_data(models, data_role=STUDENT)
+    negative = (None if config.negative_prompt_path is None
+                else models[STUDENT].load_negative(config.negative_prompt_path, "method.negative_prompt_path"))
+    roles = Roles(models[STUDENT], models[CRITIC], models[TEACHER],
+                  config.optim.role(total_steps, ranks, ema_decay=config.ema_decay,
+                                    ema_start_step=config.ema_start_step),
+                  config.critic_optim.role(total_steps, ranks))
+    return Program(
+        model=roles.student,
+        init=lambda run_key: init(run_key, roles),
+        frozen=lambda run_key: frozen_params(run_key, roles),
+        step_=lambda state, frozen, batch: step_(state, batch, roles=roles, config=config, frozen=frozen,
+                                                 negative=negative, before=before_update),
+        check=lambda batch: check(batch, roles.student, config, negative),
+        validate=lambda state, frozen, cfg: validate(state, cfg, roles=roles, config=config, frozen=frozen,
+                                                     negative=negative),
+    )
+
+
+def held_roles(ema: bool) -> tuple[HeldRole, ...]:
+    """What a distribution-matching run holds while it trains (the dry run's rows): the student (and its EMA when
+    ``ema``) and the critic trainable, the teacher frozen."""
+    return (HeldRole(STUDENT, trainable=True, ema=ema), HeldRole(CRITIC, trainable=True),
+            HeldRole(TEACHER, trainable=False))

@@ -1,14 +1,16 @@
-"""A method of one trainable role (fine-tuning, DFSFT/TFSFT, KD) is its loss: this builds the rest of its program.
+"""A method of one trainable role (fine-tuning, DFSFT/TFSFT, KD, causal CD) is its loss: this builds the rest of its
+program.
 
 The role ``student`` trains its params (``Model.initial_params``: all of them, the adapters of a LoRA model, or the
 part a family config leaves trainable) with ``fvx.core.role.step_one_`` (step key, gradient accumulation, norm, finite
 check, clip, AdamW, EMA; metrics averaged over data-parallel ranks); what the model holds frozen (a LoRA base) is a
-frozen argument of the step, never saved. Keys: ``split(run_key)`` gives the params' key (which also draws the
-frozen base) and the steps' key. Validation samples the student's EMA when kept, else its params, with the base.
+frozen argument of the step, never saved, as are frozen roles beside it (a teacher). Keys: ``split(run_key)`` gives
+the params' key (which also draws the frozen base and frozen roles) and the steps' key. Validation samples the
+student's EMA when kept, else its params, with the base.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Callable, Sequence
+from typing import Annotated, Any, Callable, Mapping, Sequence
 
 import msgspec
 import torch
@@ -28,13 +30,16 @@ Samplers = Callable[[Params, bool, validation.ValidationConfig], Sequence[valida
 
 class OneRoleConfig(Config):
     """The knobs every one-role method has: the student's optimizer, micro-batches per step (``grad_accum``), and an
-    EMA of its params (``ema_decay``, None or 0 for none): a copy at update ``max(ema_start_step, 1)``, then
-    ``ema <- d ema + (1 - d) params`` after every update; validation and ``export --ema`` use it."""
+    EMA of its params (``ema_decay``, None or 0 for none): ``ema_start`` ``reset``, a copy at update
+    ``max(ema_start_step, 1)``, then ``ema <- d ema + (1 - d) params`` after every update; ``blend``, the blend from
+    the initial params after every update from ``ema_start_step`` on (``fvx.core.role.RoleOptimizer``); validation
+    and ``export --ema`` use it."""
 
     optim: AdamWConfig = AdamWConfig()
     grad_accum: Annotated[int, msgspec.Meta(ge=1)] = 1
     ema_decay: float | None = None
     ema_start_step: Annotated[int, msgspec.Meta(ge=0)] = 0
+    ema_start: ema.Start = "reset"
 
     def __post_init__(self) -> None:
         if self.optim.lr <= 0:
@@ -52,37 +57,52 @@ class OneRoleConfig(Config):
         return (HeldRole(STUDENT, trainable=True, ema=bool(self.ema_decay)),)
 
 
+LossInputs = Callable[[TrainState, Any], dict[str, Any]]
+"""``(state, frozen) -> keyword arguments of the loss``: what else of the state and the frozen params it reads."""
+
+
 def program(config: OneRoleConfig, model: Model, *, total_steps: int, loss: Callable[..., Any],
             check: Callable[[Batch], None], samplers: Samplers, ranks: role.Ranks = role.ONE_PROCESS,
             before_update: role.BeforeUpdate | None = None,
             logged: Callable[[torch.Tensor, dict], dict[str, torch.Tensor]] | None = None,
-            data_model: Model | None = None, dataset: Callable[[Any], Any] | None = None) -> Program:
-    """The loop's program of a one-role method: ``loss(params, micro_batch, step_key) -> (loss, aux)`` of the
-    student's ``model``; ``check(batch)`` refuses a first batch that does not fit; ``samplers`` says how validation
-    samples the student; ``logged(loss, aux)`` the metrics it logs (default ``{"loss": loss}``). ``data_model``
-    (default ``model``) and ``dataset`` are the program's (``fvx.core.state.Program``): where the data comes from."""
-    opt = config.optim.role(total_steps, ranks, ema_decay=config.ema_decay, ema_start_step=config.ema_start_step)
+            data_model: Model | None = None, dataset: Callable[[Any], Any] | None = None,
+            frozen_roles: Mapping[str, Model] | None = None, loss_inputs: LossInputs | None = None,
+            ema_model: Model | None = None) -> Program:
+    """The loop's program of a one-role method: ``loss(params, micro_batch, step_key, **loss_inputs(state, frozen))
+    -> (loss, aux)`` of the student's ``model``; ``check(batch)`` refuses a first batch that does not fit;
+    ``samplers`` says how validation samples the student; ``logged(loss, aux)`` the metrics it logs (default
+    ``{"loss": loss}``). ``data_model`` (default ``model``) and ``dataset`` are the program's
+    (``fvx.core.state.Program``): where the data comes from. ``frozen_roles`` (role -> model) are held whole and frozen
+    beside the student's base (a teacher), drawn from the same key when not loaded; ``ema_model`` (default
+    ``model``) gives the params the EMA starts from (:func:`init`)."""
+    opt = config.optim.role(total_steps, ranks, ema_decay=config.ema_decay, ema_start_step=config.ema_start_step,
+                            ema_start=config.ema_start)
     extra = {} if logged is None else {"logged": logged}
+    held = {STUDENT: (model, False), **{name: (other, True) for name, other in (frozen_roles or {}).items()}}
 
     def step_(state: TrainState, frozen: Any, batch: Batch):
+        inputs = {} if loss_inputs is None else loss_inputs(state, frozen)
         return role.step_one_(state, batch, loss, opt=opt, name=STUDENT, grad_accum=config.grad_accum,
-                              base=frozen.get(STUDENT), before=before_update, **extra)
+                              base=frozen.get(STUDENT), before=before_update, **extra, **inputs)
 
     def validate(state: TrainState, frozen: Any, validation_config: validation.ValidationConfig):
         student = state.roles[STUDENT]
         trained = student.params if student.ema is None else student.ema
         return samplers(role.with_trained(frozen.get(STUDENT), trained), student.ema is not None, validation_config)
 
-    return Program(model=data_model or model, init=lambda run_key: init(run_key, model, opt),
-                   frozen=lambda run_key: role.frozen_params(random.split(run_key)[0], {STUDENT: (model, False)}),
+    return Program(model=data_model or model, init=lambda run_key: init(run_key, model, opt, ema_model),
+                   frozen=lambda run_key: role.frozen_params(random.split(run_key)[0], held),
                    step_=step_, check=check, validate=validate, **({} if dataset is None else {"dataset": dataset}))
 
 
-def init(run_key: torch.Tensor, model: Model, opt: role.RoleOptimizer) -> TrainState:
+def init(run_key: torch.Tensor, model: Model, opt: role.RoleOptimizer, ema_model: Model | None = None) -> TrainState:
     """Step 0: the params the model trains (loaded or drawn from the first half of ``split(run_key)``, which also
-    draws its frozen base), a fresh optimizer state and, when kept, an EMA copy; the steps' key is the second."""
+    draws its frozen base), a fresh optimizer state and, when kept, an EMA copy (of ``ema_model``'s initial params,
+    from the same key, when it is another model of the same trained params); the steps' key is the second."""
     params_key, steps_key = random.split(run_key)
-    student = role.init(opt, model.initial_params(params_key))
+    separate_ema = opt.ema_decay and ema_model is not None and ema_model is not model
+    ema_params = ema_model.initial_params(params_key) if separate_ema else None
+    student = role.init(opt, model.initial_params(params_key), ema_params)
     return TrainState(step=torch.zeros((), dtype=torch.int64), key=steps_key, roles={STUDENT: student})
 
 

@@ -283,7 +283,7 @@ def test_cadence_over_ten_steps_with_interval_five(models, roles):
     assert all(torch.equal(teacher_before[n], p) and not p.requires_grad for n, p in roles["teacher"].items())
     assert set(metrics) == {"generator_loss", "dmd_normalizer", "grad_norm/student", "lr/student", "critic_loss",
                             "grad_norm/critic", "lr/critic", "update_student"}
-    assert dmd2.update_student(0, 0) and dmd2.update_student(3, -1) and dmd2.update_student(7, 1)
+    assert dm.update_student(0, 0) and dm.update_student(3, -1) and dm.update_student(7, 1)
 
 
 def test_ema_follows_its_formula_from_its_start_step(models, roles):

@@ -72,3 +72,44 @@ def test_errors_name_the_culprit():
     bad = {**make_params(1), "w": torch.zeros(4, 3)}
     with pytest.raises(ValueError, match="shape"):
         ema.ema_update_(shadow, bad, 0.5)
+
+
+def test_blend_start_keeps_the_initial_copy_then_blends_from_the_start_step():
+    """``start="blend"``: untouched while ``step < start``, then ``d ema + (1 - d) params`` at every step from the
+    start step on, that step included, starting from the initial copy (causal CD's EMA target)."""
+    initial, start, decay = make_params(0), 2, 0.75
+    shadow = ema.ema_init(initial)
+    expected = {k: initial[k].clone() for k in ("w", "b")}
+    for step in range(5):
+        params = make_params(10 + step)
+        shadow = ema.ema_step_(shadow, params, step, decay=decay, start_step=start, start="blend")
+        if step >= start:
+            expected = {k: decay * expected[k] + (1 - decay) * params[k] for k in expected}
+        for k in ("w", "b"):
+            torch.testing.assert_close(shadow[k], expected[k], rtol=0, atol=1e-6)
+        if step < start:
+            assert torch.equal(shadow["w"], initial["w"])
+    first = ema.ema_step_(ema.ema_init(initial), make_params(12), start, decay=decay, start_step=start, start="blend")
+    assert torch.equal(first["w"], torch.lerp(initial["w"], make_params(12)["w"], 1 - decay))  # no reset at the start
+
+
+@pytest.mark.parametrize("start", ["reset", "blend"])
+def test_the_ema_is_a_function_of_the_step_so_a_resumed_run_matches(start):
+    """Steps 0..5 in one go equal steps 0..2, the shadow saved and read back, then 3..5: nothing but the step decides
+    what a step does (no "started" flag to save)."""
+    runs = [make_params(10 + step) for step in range(6)]
+
+    def steps(shadow, first, last):
+        for step in range(first, last):
+            shadow = ema.ema_step_(shadow, runs[step], step, decay=0.6, start_step=2, start=start)
+        return shadow
+
+    whole = steps(ema.ema_init(make_params(0)), 0, 6)
+    saved = {k: v.clone() for k, v in steps(ema.ema_init(make_params(0)), 0, 3).items() if k != "nested"}
+    resumed = steps({**saved, "nested": {"s": torch.tensor(2.0)}}, 3, 6)
+    assert all(torch.equal(resumed[k], whole[k]) for k in ("w", "b"))
+
+
+def test_an_unknown_start_is_named():
+    with pytest.raises(ValueError, match="EMA start must be one of 'reset', 'blend', got 'late'"):
+        ema.ema_step_(make_params(0), make_params(1), 3, decay=0.5, start="late")

@@ -1,6 +1,7 @@
 """fvx.core.flow against hand computation and diffusers' FlowMatchEulerDiscreteScheduler."""
 import math
 
+import numpy as np
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
@@ -56,6 +57,28 @@ def test_training_grid_by_hand():
     assert grid[250].item() == pytest.approx(3 * u / (1 + 2 * u))
     with pytest.raises(ValueError, match="num_train_timesteps"):
         flow.training_sigmas(3.0, num_train_timesteps=0)
+
+
+@pytest.mark.parametrize("shift, n", [(5.0, 48), (3.0, 12), (1.0, 4), (5.0, 2)])
+def test_self_forcing_grid_is_fastvideos_formula(shift, n):
+    """SelfForcingFlowMatchScheduler(n, shift, sigma_min=0, sigma_max=1, extra_one_step=True): sigma_j =
+    shift u_j / (1 + (shift - 1) u_j), u_j = 1 - j / n for j < n, timesteps 1000 sigma; in float64 here, and in its own
+    fp32 ops (torch.linspace, then the shift) bit for bit."""
+    u = 1.0 - np.arange(n, dtype=np.float64) / n
+    reference = shift * u / (1.0 + (shift - 1.0) * u)
+    grid = flow.self_forcing_sigmas(shift, n)
+    assert grid.shape == (n,) and grid.dtype == torch.float32
+    np.testing.assert_allclose(grid.numpy(), reference, rtol=2e-7, atol=0)
+    np.testing.assert_allclose(flow.to_timestep(grid).numpy(), 1000 * reference, rtol=2e-7, atol=0)
+    linear = torch.linspace(1.0, 0.0, n + 1)[:-1]
+    assert torch.equal(grid, shift * linear / (1 + (shift - 1) * linear))
+    assert grid[0].item() == 1.0 and grid[-1].item() > 0 and bool((grid[1:] < grid[:-1]).all())
+
+
+def test_self_forcing_grid_refuses_a_bad_length():
+    for n in (0, 2.0, True):
+        with pytest.raises(ValueError, match="positive int number of levels"):
+            flow.self_forcing_sigmas(5.0, n)
 
 
 # ------------------------------------------------------------------------------------------------- path and conversions

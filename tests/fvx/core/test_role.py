@@ -108,3 +108,33 @@ def test_clip_uses_the_measured_norm_and_an_unclipped_role_keeps_its_gradients()
     role.update_(free, state, role.measure(free, state, tree.map_tensors(torch.clone, grads)), 0,
                  before=lambda name, g, p: seen.append((name, g["w"].clone())))
     assert torch.equal(seen[1][1], grads["w"])
+
+
+@pytest.mark.parametrize("start", ["reset", "blend"])
+def test_the_ema_start_rule_counts_updates_from_one_as_fastvideos_iteration(start):
+    """Update ``n = step + 1`` (FastVideo's 1-based iteration) with ``ema_start_step`` 3: ``reset`` copies the params
+    after update 3 and blends after 4, 5 (its EMACallback); ``blend`` keeps the initial copy through updates 1, 2 and
+    blends after every update ``n >= 3`` (causal CD's ``it >= ema_start_step``)."""
+    opt = AdamWConfig(lr=0.1, max_grad_norm=0.0).role(10, ema_decay=0.5, ema_start_step=3, ema_start=start)
+    state = role.init(opt, {"w": torch.zeros(3)})
+    expected = torch.zeros(3)
+    for step in range(5):
+        grads = {"w": torch.tensor([1.0, -2.0, 0.5]) * (step + 1)}
+        state = role.update_(opt, state, role.measure(opt, state, grads), step)
+        update = step + 1
+        if update == 3 and start == "reset":
+            expected = state.params["w"].clone()
+        elif update >= 3:
+            expected = 0.5 * expected + 0.5 * state.params["w"]
+        torch.testing.assert_close(state.ema["w"], expected, rtol=0, atol=1e-7)
+        if update < 3:
+            assert torch.equal(state.ema["w"], torch.zeros(3)), step
+
+
+def test_init_starts_the_ema_from_given_params_or_a_copy():
+    opt = role.RoleOptimizer(optim.adamw(0.1), ema_decay=0.9)
+    params, other = {"w": torch.ones(2)}, {"w": torch.full((2,), 3.0)}
+    assert role.init(opt, params, other).ema is other
+    copied = role.init(opt, params).ema
+    assert torch.equal(copied["w"], params["w"]) and copied["w"] is not params["w"]
+    assert role.init(role.RoleOptimizer(optim.adamw(0.1)), params, other).ema is None

@@ -16,13 +16,19 @@ from fvx_models import wan
 from gloo import COMPARED, EXPERIMENT, QUICK, REL, launch1, launch2  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
-@pytest.mark.slow  # 2 + 1 processes of DMD2
-def test_dmd2_with_lora_roles_on_two_processes_logs_the_losses_of_one(tmp_path, world_teacher):
-    """A LoRA student and critic on the teacher's base, sharded over 2 gloo processes (base and adapters both),
-    log what one process logs."""
-    experiment = str(ROOT / "experiments" / "dmd2.py") + ":world_lora"
-    paths = (f"models.student.path={world_teacher}", f"models.teacher.path={world_teacher}",
-             "method.generator_update_interval=2")
+
+
+@pytest.mark.slow  # 2 + 1 processes of DMD2 and of Self-Forcing
+@pytest.mark.parametrize("experiment, knobs", [
+    ("dmd2.py:world_lora", ("method.generator_update_interval=2",)),
+    ("self_forcing_causal_t2v.py", ("method.generator_update_interval=1", "method.block_gradients=on"))],
+    ids=["dmd2_lora", "self_forcing"])
+def test_distribution_matching_on_two_processes_logs_the_losses_of_one(tmp_path, world_teacher, experiment, knobs):
+    """DMD2 with a LoRA student and critic on the teacher's base (base and adapters both sharded), and Self-Forcing's
+    streaming rollout with block-at-a-time gradients (its exits one draw for the batch, its noise per sample), over 2
+    gloo processes, log what one process logs."""
+    experiment = str(ROOT / "experiments" / experiment)
+    paths = (f"models.student.path={world_teacher}", f"models.teacher.path={world_teacher}", *knobs)
     launch2(tmp_path / "two", *paths, experiment=experiment)
     launch1(tmp_path / "one", *paths, experiment=experiment)
     two, one = (tracking.read_scalars(tmp_path / name / "tb") for name in ("two", "one"))

@@ -94,10 +94,11 @@ def test_score_timesteps_are_drawn_per_sample_in_their_window():
 
 
 def test_denoising_timesteps_warp_to_training_grid_values():
-    warped = dm.denoising_timesteps((1000, 750, 500, 250, 0), True, 5.0)
+    warped = dm.denoising_timesteps((1000, 750, 500, 250, 0), True, flow.training_sigmas(5.0))
     grid = flow.training_sigmas(5.0) * 1000
     assert warped.tolist() == [grid[0].item(), grid[250].item(), grid[500].item(), grid[750].item(), 0.0]
-    assert dm.denoising_timesteps((1000, 750, 500, 250), False, 5.0).tolist() == [1000, 750, 500, 250]
+    unwarped = dm.denoising_timesteps((1000, 750, 500, 250), False, flow.training_sigmas(5.0))
+    assert unwarped.tolist() == [1000, 750, 500, 250]
 
 
 def test_nearest_grid_sigma():

@@ -1,0 +1,106 @@
+"""Self-Forcing: distil a bidirectional teacher into a few-step block-causal student that generates a clip block by
+block on its own outputs (FastVideo's `distribution_matching/wan/self_forcing_causal_t2v.yaml`, as an fvx experiment;
+`fvx_methods.self_forcing`).
+
+The default is the last step of FastVideo's ODE-init scenario (`scenario/ode_init_self_forcing_wan_causal`) on fvx's
+toy world: the causal student that `experiments/kd_causal_t2v.py` distils from the toy teacher's ODE trajectories,
+exported, is trained with Self-Forcing against the teacher (and a critic started from the teacher's weights) into a
+one-step streaming student, in blocks of 2 latent frames, on a 2-core CPU in about a minute and a half. One step, as
+in DMD2's toy default: the toy teacher's own 4-step samples are already about as good as its 20-step ones, so only
+fewer steps show what distillation adds (`bench/self_forcing_toy.py`; FastVideo's 4 warped steps are
+`method.denoising_steps=[1000,750,500,250] method.warp_denoising_step=true`, at shift 5 KD's t_list). From a fresh
+clone, after the README's main command (which exports the teacher to `runs/teacher`):
+    python -m fvx_methods.trajectory_cache experiments/kd_causal_t2v.py
+    python -m fvx.run experiments/kd_causal_t2v.py
+    python -m fvx.run export runs/kd_causal_t2v --out runs/kd_causal_student
+    python -m fvx.run experiments/self_forcing_causal_t2v.py
+Validation streams the student block by block on its KV cache; its one-step clips start as the KD student's blurred
+bars and sharpen into the prompted ones (`validation/student_ema/hit_rate` rises towards the teacher's 20-step samples',
+`validation/teacher/...`).
+
+FastVideo's recipe is the recipe `wan21_t2v_1p3b` (a causal Wan 2.1 1.3B student from Self-Forcing's ODE-initialised
+weights, a frozen 14B teacher, a 1.3B critic; 8 ranks of batch 1, 21 latent frames of 480x832 from text-only data);
+point its paths at local folders, the student at the ODE-init export:
+    torchrun --nproc-per-node 8 -m fvx.run experiments/self_forcing_causal_t2v.py:wan21_t2v_1p3b \
+        models.student.path=/models/SFWan2.1-T2V-1.3B-ode-init models.teacher.path=/models/Wan2.1-T2V-14B-Diffusers \
+        models.critic.path=/models/Wan2.1-T2V-1.3B-Diffusers data.path=/data/vidprom_16k_umt5_text_embed \
+        method.negative_prompt_path=/data/wan21_negative_prompt.safetensors
+"""
+import msgspec
+
+from fvx.config import recipe
+from fvx.core.optim_config import AdamWConfig
+from fvx.data.datasets import DataConfig
+from fvx.data.toy_world import SpaceToDepth, WorldConfig
+from fvx.storage.checkpoint_config import CheckpointConfig
+from fvx.training.experiment import Experiment, RunConfig
+from fvx.training.validation import ValidationConfig
+from fvx_methods.self_forcing import SelfForcing, SelfForcingRoles
+from fvx_models.wan import WanConfig
+from fvx_models.wan_causal import WanCausalConfig
+from fvx_models.wan_vae import WanVAEConfig
+
+
+class SelfForcingWanCausal(Experiment):
+    models: dict[str, WanCausalConfig | WanConfig] = msgspec.field(
+        default_factory=lambda: {"student": WanCausalConfig(), "teacher": WanConfig()})
+    vae: WanVAEConfig | SpaceToDepth | None = None  # decodes validation samples; None logs latent previews
+    method: SelfForcing = SelfForcing()
+
+
+TEACHER = "runs/teacher"  # experiments/finetune_wan.py's run, exported (the README's main command)
+STUDENT = "runs/kd_causal_student"  # experiments/kd_causal_t2v.py's run, exported (module docstring)
+
+config = SelfForcingWanCausal(
+    run=RunConfig(seed=0, steps=400, output_dir="runs/self_forcing_causal_t2v", log_every=1),
+    data=DataConfig(batch_size=8, text_len=4, world=WorldConfig()),
+    models={"student": WanCausalConfig(preset="world", path=STUDENT, num_frames_per_block=2),
+            "teacher": WanConfig(preset="world", path=TEACHER)},
+    vae=SpaceToDepth(),
+    validation=ValidationConfig(every=100, num_prompts=16, num_steps=20, display_scale=4),
+    method=SelfForcing(
+        denoising_steps=(1000,), flow_shift=5.0, chunk_size=2, student_sample_type="sde",
+        generator_update_interval=2, guidance_scale=1.0,
+        optim=AdamWConfig(lr=3e-4, betas=(0.0, 0.999), max_grad_norm=1.0),
+        critic_optim=AdamWConfig(lr=1e-3, betas=(0.0, 0.999), max_grad_norm=1.0),
+        ema_decay=0.95, validate_teacher=True,
+    ),
+)
+
+
+def fastvideo_models() -> dict[str, WanCausalConfig | WanConfig]:
+    """FastVideo's roles: a causal Wan 2.1 1.3B student in blocks of 3 latent frames (global attention), a frozen 14B
+    teacher and a 1.3B critic, bf16 compute with full activation checkpointing."""
+    common = dict(compute_dtype="bf16", remat=True)
+    return {"student": WanCausalConfig(preset="wan2.1-t2v-1.3b", path="models/SFWan2.1-T2V-1.3B-ode-init",
+                                       num_frames_per_block=3, **common),
+            "teacher": WanConfig(preset="wan2.1-t2v-14b", path="models/Wan2.1-T2V-14B-Diffusers", **common),
+            "critic": WanConfig(preset="wan2.1-t2v-1.3b", path="models/Wan2.1-T2V-1.3B-Diffusers", **common)}
+
+
+@recipe
+def wan21_t2v_1p3b() -> SelfForcingWanCausal:
+    """FastVideo's self_forcing_causal_t2v.yaml: simulate rollout over [1000, 750, 500, 250] warped on the shift-5
+    grid (``pipeline.flow_shift: 5``), chunks of 3 latent frames, SDE hops, one exit step shared by every block, no
+    context noise, gradients from frame 0; the student updated every 5th step, teacher guidance 4.0 (fvx's ``uncond +
+    g (cond - uncond)``, the YAML's note: Self-Forcing's ``cond + 3 (cond - uncond)``); AdamW lr 2e-6 (student) and
+    4e-7 (critic), betas (0, 0.999), weight decay 0.01, constant, clip 1; EMA 0.99 from step 200; global batch 8 (8
+    ranks of 1), 21 latent frames of 480x832; 4000 steps, checkpoints every 1000 (the newest 3 kept), validation every
+    50 steps (the student's 4 steps, streamed)."""
+    adamw = AdamWConfig(lr=2e-6, betas=(0.0, 0.999), weight_decay=0.01, max_grad_norm=1.0, schedule="constant")
+    return SelfForcingWanCausal(
+        run=RunConfig(seed=1000, steps=4000, output_dir="outputs/wan2.1_causal_self_forcing",
+                      checkpoint=CheckpointConfig(every=1000, keep_latest=3)),
+        data=DataConfig(path="data/vidprom_16k_umt5_text_embed", kind="text_only", batch_size=8, text_len=512,
+                        cfg_rate=0.0),
+        models=fastvideo_models(),
+        validation=ValidationConfig(every=50, num_prompts=4),
+        method=SelfForcing(
+            roles=SelfForcingRoles(student="student", critic="critic", teacher="teacher"),
+            denoising_steps=(1000, 750, 500, 250), warp_denoising_step=True, flow_shift=5.0, chunk_size=3,
+            student_sample_type="sde", same_step_across_blocks=True, context_noise=0.0, start_gradient_frame=0,
+            generator_update_interval=5, guidance_scale=4.0, cfg_uncond="negative_prompt",
+            negative_prompt_path="data/wan21_negative_prompt.safetensors", latent_shape=(16, 21, 60, 104),
+            optim=adamw, critic_optim=msgspec.structs.replace(adamw, lr=4e-7), ema_decay=0.99, ema_start_step=200),
+    )
+
