@@ -146,13 +146,14 @@ class SpaceToDepth(Config, tag="space_to_depth"):
 
 class Codec:
     """Exact space-to-depth: ``decode`` maps latents ``[B, 3 f^2, T, h, w]`` to videos ``[B, 3, T, f h, f w]`` in
-    [0, 1] (as a VAE decoder: ``(x / 2 + 0.5).clamp(0, 1)``)."""
+    [0, 1] (as a VAE decoder: ``(x / 2 + 0.5).clamp(0, 1)``) and ``encode`` maps such videos back (``2 v - 1``), the
+    contract of ``fvx_models.wan_vae``'s encode and decode."""
 
     def __init__(self, factor: int):
         self.factor = factor
 
     def encode(self, video: torch.Tensor) -> torch.Tensor:
-        return space_to_depth(video, self.factor)
+        return space_to_depth(2 * video.float() - 1, self.factor)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return (depth_to_space(latents.float(), self.factor) / 2 + 0.5).clamp(0, 1)
