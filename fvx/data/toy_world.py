@@ -213,16 +213,31 @@ class WorldDataset:
         """For decoded samples ``[N, 3, T, H, W]`` in [0, 1] of the prompts of dataset samples ``indices``:
         ``nearest_mse`` (mean over samples of the pixel MSE to the nearest true clip of its prompt), ``hit_rate`` (the
         fraction of samples within :data:`HIT` of one: the prompted bars, sharp, moving the right way) and
-        ``prompt_match`` (the fraction whose nearest true clip of any prompt is of its prompt)."""
+        ``prompt_match`` (the fraction whose nearest true clip of any prompt is of its prompt). A clip ``k`` times the
+        world's length (a long streamed sample; bars only, whose every window is a true clip) is scored per window of
+        the world's frames, ``window_i/<figure>``, and the figures are their means, so a person sees whether quality
+        holds along the clip."""
         refs = self.references()  # [P, S, 3, T, H, W]
-        if tuple(videos.shape[1:]) != tuple(refs.shape[2:]):
-            raise ValueError(f"sample_quality: videos of shape {tuple(videos.shape[1:])} are not the world's clips "
-                             f"{tuple(refs.shape[2:])}")
+        frames, shape = refs.shape[3], tuple(videos.shape[1:])
+        long_clip = self.config.shape == "bars" and shape[1] > frames and shape[1] % frames == 0
+        if shape[:1] + shape[2:] != tuple(refs.shape[2:3] + refs.shape[4:]) or not (shape[1] == frames or long_clip):
+            raise ValueError(f"sample_quality: videos of shape {shape} are not the world's clips "
+                             f"{tuple(refs.shape[2:])} (or, for bars, a whole number of them in time)")
         prompts = torch.tensor([int(i) % len(self.prompts) for i in indices])
-        flat, table = videos.float().flatten(1), refs.flatten(2)  # [N, D], [P, S, D]
-        mse = ((flat ** 2).sum(-1)[:, None, None] + (table ** 2).sum(-1)[None]
-               - 2 * torch.einsum("nd,psd->nps", flat, table)) / flat.shape[1]  # [N, P, S]
-        own = mse[torch.arange(len(prompts)), prompts].min(-1).values
-        nearest_prompt = mse.min(-1).values.argmin(-1)
-        return {"nearest_mse": float(own.mean()), "hit_rate": float((own < HIT).float().mean()),
-                "prompt_match": float((nearest_prompt == prompts).float().mean())}
+        windows = [_quality(videos[:, :, w:w + frames], prompts, refs) for w in range(0, shape[1], frames)]
+        if len(windows) == 1:
+            return windows[0]
+        means = {name: sum(w[name] for w in windows) / len(windows) for name in windows[0]}
+        return {**means, **{f"window_{i}/{name}": value for i, w in enumerate(windows) for name, value in w.items()}}
+
+
+def _quality(videos: torch.Tensor, prompts: torch.Tensor, refs: torch.Tensor) -> dict[str, float]:
+    """:meth:`WorldDataset.sample_quality`'s figures of clips ``[N, 3, T, H, W]`` of ``prompts [N]`` against the true
+    clips ``refs [P, S, 3, T, H, W]``."""
+    flat, table = videos.float().flatten(1), refs.flatten(2)  # [N, D], [P, S, D]
+    mse = ((flat ** 2).sum(-1)[:, None, None] + (table ** 2).sum(-1)[None]
+           - 2 * torch.einsum("nd,psd->nps", flat, table)) / flat.shape[1]  # [N, P, S]
+    own = mse[torch.arange(len(prompts)), prompts].min(-1).values
+    nearest_prompt = mse.min(-1).values.argmin(-1)
+    return {"nearest_mse": float(own.mean()), "hit_rate": float((own < HIT).float().mean()),
+            "prompt_match": float((nearest_prompt == prompts).float().mean())}

@@ -191,6 +191,29 @@ def test_streaming_sampling_equals_denoising_each_block_after_its_clean_history(
     torch.testing.assert_close(got, history, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow  # compiles the tiny model's blocks (aot_eager)
+def test_streaming_a_clip_three_times_the_window_compiles_once_and_starts_as_the_short_clip(params, data):
+    """Long streaming validation: a window of 4 frames (sink 2) streams 12 frames on a ring that keeps its shape, so
+    the compiled model makes its graphs on the first clip and none on the second; the first window equals sampling
+    the window's frames alone."""
+    knobs = dict(local_attn_size=4, sink_size=2)
+    eager, compiled = causal(**knobs), causal(**knobs, compile="blocks", compile_backend="aot_eager")
+    _, _, cond, _ = data
+    sigmas, key = torch.tensor([1.0, 0.5, 0.0]), random.key(3)
+    noise = random.normal(random.key(2), (B, C, 12, H, W))
+    long = streaming.sample(eager.causal, params, noise, sigmas, cond, key, sampler="sde", context_noise=100.0)
+    short = streaming.sample(eager.causal, params, noise[:, :, :4], sigmas, cond, key, sampler="sde",
+                             context_noise=100.0)
+    assert torch.equal(long[:, :, :4], short)
+    for attempt in range(2):
+        got = streaming.sample(compiled.causal, params, noise, sigmas, cond, key, sampler="sde", context_noise=100.0)
+        torch.testing.assert_close(got, long, rtol=0, atol=1e-5)
+        if attempt == 0:
+            graphs = compiled.compile_stats.graphs_of("blocks")
+    stats = compiled.compile_stats
+    assert graphs <= 2 and stats.graphs_of("blocks") == graphs and stats.recompiles == 0, stats
+
+
 def test_streaming_sde_and_context_noise_draw_from_the_key(model, params, data):
     noise, _, cond, _ = data
     sigmas = torch.tensor([1.0, 0.5, 0.0])

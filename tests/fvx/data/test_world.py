@@ -88,6 +88,27 @@ def test_quality_scores_true_clips_perfectly_and_noise_badly(dataset):
         dataset.sample_quality(true[:, :, :2], indices)
 
 
+def test_a_long_clip_is_scored_per_window_of_the_worlds_length(dataset):
+    """A true clip three times the world's length scores perfectly in every window; one whose last window is noise
+    says so in that window only (a streamed sample that drifts along the clip)."""
+    indices = list(range(8))
+    long_world = world.WorldConfig(frames=3 * dataset.config.frames)
+    clips = [world.render(long_world, *dataset.prompts[i % 8], dataset.starts[dataset.prompts[i % 8][1]][i % 3])
+             for i in indices]
+    true = torch.from_numpy(np.stack(clips)) / 2 + 0.5
+    figures = dataset.sample_quality(true, indices)
+    assert set(figures) == {f"{w}{name}" for w in ("", "window_0/", "window_1/", "window_2/")
+                            for name in ("nearest_mse", "hit_rate", "prompt_match")}
+    assert all(figures[f"window_{w}/hit_rate"] == 1.0 for w in range(3)) and figures["hit_rate"] == 1.0
+    drifted = true.clone()
+    drifted[:, :, 8:] = torch.rand(drifted[:, :, 8:].shape, generator=torch.Generator().manual_seed(0))
+    figures = dataset.sample_quality(drifted, indices)
+    assert [figures[f"window_{w}/hit_rate"] for w in range(3)] == [1.0, 1.0, 0.0]
+    assert figures["hit_rate"] == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="are not the world's clips"):
+        dataset.sample_quality(true[:, :, :6], indices)
+
+
 def test_bad_world_configs_are_named():
     with pytest.raises(ValueError, match="unknown colour 'purple'; known: red, green, blue, white"):
         world.WorldConfig(colours=("purple",))
