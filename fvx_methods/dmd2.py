@@ -17,24 +17,19 @@ from FastVideo are listed in docs/design.md.
 """
 from __future__ import annotations
 
-import math
-from typing import Annotated, Any, Literal, Mapping
+from typing import Any, Mapping
 
-import msgspec
 import torch
 
 from fvx.config import Config
-from fvx.core import ema, flow, random, role
-from fvx.core.optim_config import AdamWConfig
-from fvx.core.state import Batch, HeldRole, Metrics, Program, TrainState
+from fvx.core import flow, random, role
+from fvx.core.state import Batch, Metrics, Program, TrainState
 from fvx.training import validation
 from fvx_methods.library import distribution_matching as dm
 from fvx_models.model import Cond, Model, Params
 
 STUDENT, CRITIC, TEACHER = dm.STUDENT, dm.CRITIC, dm.TEACHER
-
-PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
-Positive = Annotated[float, msgspec.Meta(gt=0)]
+Positive = dm.Positive
 
 
 # ------------------------------------------------------------------------------------------------------ the rollout
@@ -108,64 +103,28 @@ class DMD2Roles(Config):
     teacher: str = "teacher"
 
 
-class DMD2(Config, tag="dmd2"):
-    """Every knob of FastVideo's DMD2 (spec §2.4), flat as in its YAML.
+class DMD2(dm.DistributionMatchingConfig, tag="dmd2"):
+    """Every knob of FastVideo's DMD2 (spec §2.4), flat as in its YAML: the distribution-matching ones
+    (``dm.DistributionMatchingConfig``: rollout mode, steps, cadence, guidance, optimizers, EMA, ...) and:
 
-    rollout_mode: ``simulate`` (from noise; the batch latents only give the shape, else ``latent_shape`` does, so
-        text_only data works) or ``data_latent`` (the data latents noised to the exit step; needs latents).
-    denoising_steps: the student's schedule, timesteps in [0, 1000], strictly descending; ``warp_denoising_step``
-        maps each to the training grid (:func:`denoising_timesteps`).
-    generator_update_interval: the student updates on iterations ``step + 1`` divisible by it (``<= 0``: always).
-    guidance_scale: the teacher's CFG ``g`` (FastVideo's ``real_score_guidance_scale``); ``cfg_uncond`` its
-        unconditional cond (``negative_prompt``: the cond file ``negative_prompt_path`` of the student's family,
-        read at build; ``zero``; ``keep``).
     min_timestep_ratio / max_timestep_ratio, timestep_shift: the score timesteps' window and shift
-        (``pipeline.flow_shift``); flow_shift: the models' training-grid shift.
-    optim / critic_optim: each trainable role's AdamW and schedule; grad_accum: micro-batches per step.
-    latent_shape: ``(C, T, H, W)`` of the samples when the batch has no latents.
-    ema_decay / ema_start_step: the student's EMA (None or 0: none); validate_teacher: also sample the teacher.
+        (``pipeline.flow_shift``); flow_shift is the models' training-grid shift.
     sampling_shift: the shift of the grid whose levels the student's few-step sampling (validation, the export's
         record) converts with; None: ``flow_shift``, the grid the rollout trains on. FastVideo's DMD validation and
         inference stage uses 8 whatever its shifts (:func:`student_schedule`).
     """
 
     roles: DMD2Roles = DMD2Roles()
-    rollout_mode: Literal["simulate", "data_latent"] = "simulate"
-    denoising_steps: tuple[int, ...] = (1000, 750, 500, 250)
-    warp_denoising_step: bool = False
-    generator_update_interval: int = 1
-    guidance_scale: float = 1.0
     min_timestep_ratio: float = 0.0
     max_timestep_ratio: float = 1.0
     timestep_shift: Positive = 3.0
-    flow_shift: Positive = 3.0
-    optim: AdamWConfig = AdamWConfig(lr=2e-6, betas=(0.0, 0.999))
-    critic_optim: AdamWConfig = AdamWConfig(lr=8e-6, betas=(0.0, 0.999))
-    grad_accum: Annotated[int, msgspec.Meta(ge=1)] = 1
-    cfg_uncond: Literal["negative_prompt", "zero", "keep"] = "negative_prompt"
-    negative_prompt_path: str | None = None
-    latent_shape: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt] | None = None
-    ema_decay: float | None = None
-    ema_start_step: Annotated[int, msgspec.Meta(ge=0)] = 0
-    validate_teacher: bool = False
     sampling_shift: Positive | None = None
 
     def __post_init__(self) -> None:
-        steps = self.denoising_steps
-        if not steps or any(not 0 <= s <= flow.NUM_TRAIN_TIMESTEPS for s in steps) \
-                or any(a <= b for a, b in zip(steps, steps[1:])):
-            raise ValueError(f"method.denoising_steps must be strictly descending timesteps in [0, "
-                             f"{flow.NUM_TRAIN_TIMESTEPS}], e.g. [1000, 750, 500, 250]; got {list(steps)}")
+        super().__post_init__()
         if not 0.0 <= self.min_timestep_ratio <= self.max_timestep_ratio <= 1.0:
             raise ValueError(f"need 0 <= min_timestep_ratio <= max_timestep_ratio <= 1, got "
                              f"min={self.min_timestep_ratio}, max={self.max_timestep_ratio}")
-        if not math.isfinite(self.guidance_scale):
-            raise ValueError(f"guidance_scale must be finite, got {self.guidance_scale}")
-        if not self.critic_optim.lr > 0:
-            raise ValueError(f"the critic needs critic_optim.lr > 0 (FastVideo's fake_score_learning_rate), "
-                             f"got {self.critic_optim.lr}")
-        if self.ema_decay is not None:
-            ema.check_decay(self.ema_decay)
 
     def score(self) -> dm.Score:
         return dm.Score(self.flow_shift, self.timestep_shift, self.min_timestep_ratio, self.max_timestep_ratio,
@@ -186,10 +145,6 @@ class DMD2(Config, tag="dmd2"):
         return dm.program(self, models, total_steps=total_steps, ranks=ranks, before_update=before_update,
                           step_=step_, check=check_batch, validate=validate)
 
-    def held_roles(self) -> tuple[HeldRole, ...]:
-        """What the run holds while it trains (the dry run's rows): the student (and its EMA) and the critic
-        trainable, the teacher frozen."""
-        return dm.held_roles(bool(self.ema_decay))
 
 
 def check_batch(batch: Batch, model: Model, config: DMD2, negative: Cond | None = None) -> None:

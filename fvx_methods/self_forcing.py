@@ -39,18 +39,15 @@ import msgspec
 import torch
 
 from fvx.config import Config
-from fvx.core import ema, flow, grad, optim, random, role
-from fvx.core.optim_config import AdamWConfig
-from fvx.core.state import Batch, HeldRole, Metrics, Program, TrainState
+from fvx.core import flow, grad, optim, random, role
+from fvx.core.state import Batch, Metrics, Program, TrainState
 from fvx.training import validation
 from fvx_methods.library import distribution_matching as dm
 from fvx_models import streaming
 from fvx_models.model import Cond, Model, Params
 
 STUDENT, CRITIC, TEACHER = dm.STUDENT, dm.CRITIC, dm.TEACHER
-
-PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
-Positive = Annotated[float, msgspec.Meta(gt=0)]
+PositiveInt = dm.PositiveInt
 
 LONG_CLIP_BLOCKS = 4
 """``block_gradients="auto"`` takes gradients block at a time from this many blocks on (bench/self_forcing_toy.py)."""
@@ -239,13 +236,12 @@ class SelfForcingRoles(Config):
     teacher: str = "teacher"
 
 
-class SelfForcing(Config, tag="self_forcing"):
-    """Every knob of FastVideo's Self-Forcing (spec §2.5; DMD2's, flat as in its YAML, plus the rollout's).
+class SelfForcing(dm.DistributionMatchingConfig, tag="self_forcing"):
+    """Every knob of FastVideo's Self-Forcing (spec §2.5): DMD2's distribution-matching ones
+    (``dm.DistributionMatchingConfig``; ``rollout_mode`` must be ``simulate``, FastVideo's rule; ``flow_shift`` is
+    FastVideo's ``pipeline.flow_shift``, the shift of the ``S_sf`` grid every model converts on and of the score
+    timesteps) and the rollout's:
 
-    rollout_mode: ``simulate`` only (FastVideo's rule): the rollout starts from noise; the batch latents only give
-        the shape, else ``latent_shape`` does, so text_only data works.
-    denoising_steps: the student's schedule, timesteps in [0, 1000], strictly descending; ``warp_denoising_step``
-        maps each through the ``S_sf(flow_shift)`` grid (``dm.denoising_timesteps``).
     chunk_size: latent frames per rollout block, the student's own block size; the clip must be whole blocks.
     student_sample_type: ``sde`` or ``ode`` hops between the student's steps (module docstring).
     same_step_across_blocks / last_step_only: one exit step for every block / always the last step.
@@ -254,21 +250,9 @@ class SelfForcing(Config, tag="self_forcing"):
         blocks starting at or after this latent frame.
     block_gradients: ``on`` (block at a time), ``off`` (one graph over the rollout) or ``auto`` (on from
         ``LONG_CLIP_BLOCKS`` blocks); equal gradients either way.
-    generator_update_interval: the student updates on iterations ``step + 1`` divisible by it (``<= 0``: always).
-    guidance_scale: the teacher's CFG ``g``, fvx's ``uncond + g (cond - uncond)`` (FastVideo's
-        ``real_score_guidance_scale``); ``cfg_uncond`` its unconditional cond (``negative_prompt``: the cond file
-        ``negative_prompt_path``; ``zero``; ``keep``).
-    flow_shift: FastVideo's ``pipeline.flow_shift``, the shift of the grid every model converts on and of the score
-        timesteps.
-    optim / critic_optim: each trainable role's AdamW; grad_accum: micro-batches per step.
-    latent_shape: ``(C, T, H, W)`` of the samples when the batch has no latents.
-    ema_decay / ema_start_step: the student's EMA (None or 0: none); validate_teacher: also sample the teacher.
     """
 
     roles: SelfForcingRoles = SelfForcingRoles()
-    rollout_mode: Literal["simulate", "data_latent"] = "simulate"
-    denoising_steps: tuple[int, ...] = (1000, 750, 500, 250)
-    warp_denoising_step: bool = False
     chunk_size: PositiveInt = 3
     student_sample_type: Literal["sde", "ode"] = "sde"
     same_step_across_blocks: bool = False
@@ -277,40 +261,17 @@ class SelfForcing(Config, tag="self_forcing"):
     enable_gradient_in_rollout: bool = True
     start_gradient_frame: Annotated[int, msgspec.Meta(ge=0)] = 0
     block_gradients: Literal["auto", "on", "off"] = "auto"
-    generator_update_interval: int = 1
-    guidance_scale: float = 1.0
-    flow_shift: Positive = 3.0
-    optim: AdamWConfig = AdamWConfig(lr=2e-6, betas=(0.0, 0.999))
-    critic_optim: AdamWConfig = AdamWConfig(lr=8e-6, betas=(0.0, 0.999))
-    grad_accum: Annotated[int, msgspec.Meta(ge=1)] = 1
-    cfg_uncond: Literal["negative_prompt", "zero", "keep"] = "negative_prompt"
-    negative_prompt_path: str | None = None
-    latent_shape: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt] | None = None
-    ema_decay: float | None = None
-    ema_start_step: Annotated[int, msgspec.Meta(ge=0)] = 0
-    validate_teacher: bool = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.rollout_mode != "simulate":
             raise ValueError(f"Self-Forcing rolls the student out from noise: method.rollout_mode must be simulate "
                              f"(FastVideo's rule), got {self.rollout_mode}")
-        steps = self.denoising_steps
-        if not steps or any(not 0 <= s <= flow.NUM_TRAIN_TIMESTEPS for s in steps) \
-                or any(a <= b for a, b in zip(steps, steps[1:])):
-            raise ValueError(f"method.denoising_steps must be strictly descending timesteps in [0, "
-                             f"{flow.NUM_TRAIN_TIMESTEPS}], e.g. [1000, 750, 500, 250]; got {list(steps)}")
         if not self.context_noise < flow.NUM_TRAIN_TIMESTEPS:
             raise ValueError(f"method.context_noise is a timestep in [0, 1000), got {self.context_noise}")
         if not self.enable_gradient_in_rollout:
             raise ValueError("method.enable_gradient_in_rollout = false leaves the student no gradient (no exit call "
                              "records a graph; FastVideo's backward fails on it); keep it true")
-        if not math.isfinite(self.guidance_scale):
-            raise ValueError(f"method.guidance_scale must be finite, got {self.guidance_scale}")
-        if not self.critic_optim.lr > 0:
-            raise ValueError(f"the critic needs method.critic_optim.lr > 0 (FastVideo's fake_score_learning_rate), "
-                             f"got {self.critic_optim.lr}")
-        if self.ema_decay is not None:
-            ema.check_decay(self.ema_decay)
 
     def score(self) -> dm.Score:
         """Scores on FastVideo's ``S_sf(flow_shift)`` grid at timesteps shifted by it, over the whole range (no
@@ -335,9 +296,6 @@ class SelfForcing(Config, tag="self_forcing"):
         return dm.program(self, models, total_steps=total_steps, ranks=ranks, before_update=before_update,
                           step_=step_, check=check_batch, validate=validate)
 
-    def held_roles(self) -> tuple[HeldRole, ...]:
-        """The student (and its EMA) and the critic trainable, the teacher frozen."""
-        return dm.held_roles(bool(self.ema_decay))
 
 
 def check_student(model: Model, config: SelfForcing) -> None:

@@ -24,13 +24,20 @@ batch.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple
+import math
+from typing import Annotated, Any, Callable, Literal, Mapping, NamedTuple
 
+import msgspec
 import torch
 
-from fvx.core import flow, random, role
+from fvx.config import Config
+from fvx.core import ema, flow, random, role
+from fvx.core.optim_config import AdamWConfig
 from fvx.core.state import all_finite, Batch, HeldRole, Metrics, Program, skipped, TrainState
 from fvx_models.model import check_shared_data, Cond, Model, Params
+
+PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
+Positive = Annotated[float, msgspec.Meta(gt=0)]
 
 Rollout = Callable[[Params, Batch, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]]
 """``rollout(student_params, batch, key, with_grad) -> (x0_gen [B, C, T, H, W], the graded timesteps [B])``."""
@@ -335,3 +342,59 @@ def held_roles(ema: bool) -> tuple[HeldRole, ...]:
     ``ema``) and the critic trainable, the teacher frozen."""
     return (HeldRole(STUDENT, trainable=True, ema=ema), HeldRole(CRITIC, trainable=True),
             HeldRole(TEACHER, trainable=False))
+
+
+# ------------------------------------------------------------------------------------------------------- the config
+
+
+class DistributionMatchingConfig(Config):
+    """The knobs of FastVideo's DMD2 that its distribution-matching kin share, flat as in its YAML (spec §2.4).
+
+    rollout_mode: ``simulate`` (from noise; the batch latents only give the shape, else ``latent_shape`` does, so
+        text_only data works) or ``data_latent`` (the data latents noised to the exit step; needs latents).
+    denoising_steps: the student's schedule, timesteps in [0, 1000], strictly descending; ``warp_denoising_step``
+        maps each through the models' grid (:func:`denoising_timesteps`).
+    generator_update_interval: the student updates on iterations ``step + 1`` divisible by it (``<= 0``: always).
+    guidance_scale: the teacher's CFG ``g``, fvx's ``uncond + g (cond - uncond)`` (FastVideo's
+        ``real_score_guidance_scale``); ``cfg_uncond`` its unconditional cond (``negative_prompt``: the cond file
+        ``negative_prompt_path`` of the student's family, read at build; ``zero``; ``keep``).
+    flow_shift: the shift of the models' grid.
+    optim / critic_optim: each trainable role's AdamW and schedule; grad_accum: micro-batches per step.
+    latent_shape: ``(C, T, H, W)`` of the samples when the batch has no latents.
+    ema_decay / ema_start_step: the student's EMA (None or 0: none); validate_teacher: also sample the teacher.
+    """
+
+    rollout_mode: Literal["simulate", "data_latent"] = "simulate"
+    denoising_steps: tuple[int, ...] = (1000, 750, 500, 250)
+    warp_denoising_step: bool = False
+    generator_update_interval: int = 1
+    guidance_scale: float = 1.0
+    flow_shift: Positive = 3.0
+    optim: AdamWConfig = AdamWConfig(lr=2e-6, betas=(0.0, 0.999))
+    critic_optim: AdamWConfig = AdamWConfig(lr=8e-6, betas=(0.0, 0.999))
+    grad_accum: Annotated[int, msgspec.Meta(ge=1)] = 1
+    cfg_uncond: Literal["negative_prompt", "zero", "keep"] = "negative_prompt"
+    negative_prompt_path: str | None = None
+    latent_shape: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt] | None = None
+    ema_decay: float | None = None
+    ema_start_step: Annotated[int, msgspec.Meta(ge=0)] = 0
+    validate_teacher: bool = False
+
+    def __post_init__(self) -> None:
+        steps = self.denoising_steps
+        if not steps or any(not 0 <= s <= flow.NUM_TRAIN_TIMESTEPS for s in steps) \
+                or any(a <= b for a, b in zip(steps, steps[1:])):
+            raise ValueError(f"method.denoising_steps must be strictly descending timesteps in [0, "
+                             f"{flow.NUM_TRAIN_TIMESTEPS}], e.g. [1000, 750, 500, 250]; got {list(steps)}")
+        if not math.isfinite(self.guidance_scale):
+            raise ValueError(f"method.guidance_scale must be finite, got {self.guidance_scale}")
+        if not self.critic_optim.lr > 0:
+            raise ValueError(f"the critic needs method.critic_optim.lr > 0 (FastVideo's fake_score_learning_rate), "
+                             f"got {self.critic_optim.lr}")
+        if self.ema_decay is not None:
+            ema.check_decay(self.ema_decay)
+
+    def held_roles(self) -> tuple[HeldRole, ...]:
+        """What the run holds while it trains (the dry run's rows): the student (and its EMA) and the critic
+        trainable, the teacher frozen."""
+        return held_roles(bool(self.ema_decay))
