@@ -50,7 +50,7 @@ def rollout(params: Params, batch: Batch, key: torch.Tensor, with_grad: bool, *,
         x = flow.add_noise(x0, dm.per_sample_normal(noise_key, index, 0, tuple(x0.shape[1:]), device),
                            flow.nearest_grid_sigma(grid, steps[k]))
     else:
-        shape = sample_shape(batch, config)
+        shape = dm.sample_shape(batch, config)
         x = dm.per_sample_normal(noise_key, index, 0, shape, device)
         with torch.no_grad():
             for j in range(ranks.max(int(k.max()))):
@@ -63,15 +63,6 @@ def rollout(params: Params, batch: Batch, key: torch.Tensor, with_grad: bool, *,
                 x = x.index_copy(0, hopping, hop[:len(hopping)])
     with torch.set_grad_enabled(with_grad and torch.is_grad_enabled()):
         return dm.predict_x0(model, params, x, steps[k], batch["cond"], grid).float(), steps[k]
-
-
-def sample_shape(batch: Batch, config: DMD2) -> tuple[int, ...]:
-    """``(C, T, H, W)`` of the student's samples: the batch latents' (only their shape is used) or ``latent_shape``."""
-    if "latents" in batch:
-        return tuple(batch["latents"].shape[1:])
-    if config.latent_shape is None:
-        raise ValueError("the batch has no latents, so simulate needs method.latent_shape = [C, T, H, W]")
-    return tuple(config.latent_shape)
 
 
 # --------------------------------------------------------------------------------------------------------- the step
@@ -143,27 +134,7 @@ class DMD2(dm.DistributionMatchingConfig, tag="dmd2"):
         """The loop's Program for the role -> model mapping and a ``total_steps`` run (``dm.program``); bad input
         fails before any weights load."""
         return dm.program(self, models, total_steps=total_steps, ranks=ranks, before_update=before_update,
-                          step_=step_, check=check_batch, validate=validate)
-
-
-
-def check_batch(batch: Batch, model: Model, config: DMD2, negative: Cond | None = None) -> None:
-    """A ValueError when ``batch`` cannot feed this method (once, before the first step: text_only data, ...)."""
-    if "latents" in batch:
-        model.check_latents(tuple(batch["latents"].shape), where="batch latents")
-    elif config.rollout_mode == "data_latent":
-        raise ValueError("rollout_mode='data_latent' noises the data latents, but the batch has none "
-                         "(data.kind='text_only'?); use method.rollout_mode=simulate for text-only data")
-    elif config.latent_shape is None:
-        raise ValueError("the batch has no latents (text_only data), so simulate needs method.latent_shape "
-                         "= [C, T, H, W] for the student's samples")
-    else:
-        model.check_latents((1, *config.latent_shape), where="method.latent_shape")
-    if len(batch["sample_index"]) % config.grad_accum:
-        raise ValueError(f"method.grad_accum = {config.grad_accum} does not divide a rank's batch of "
-                         f"{len(batch['sample_index'])} samples")
-    if config.guidance_scale != 1.0:
-        model.uncond(batch["cond"], config.cfg_uncond, negative)  # a negative prompt is there when needed
+                          step_=step_, check=dm.check_batch, validate=validate)
 
 
 def student_schedule(config: DMD2) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,9 +166,5 @@ def validate(state: TrainState, validation_config: Any, *, roles: dm.Roles, conf
     samplers = [validation.Sampler("student" if student.ema is None else "student_ema", roles.student.apply,
                                    params, sigmas, "sde", draw=few_step_draw(roles.student.apply, steps, sigmas))]
     if config.validate_teacher:
-        guided = validation.guided(roles.teacher.apply,
-                                   lambda cond: roles.teacher.uncond(cond, config.cfg_uncond, negative),
-                                   config.guidance_scale)
-        sigmas = validation.many_step_sigmas(validation_config.num_steps, validation_config.flow_shift)
-        samplers.append(validation.Sampler("teacher", guided, teacher, sigmas, "ode"))
+        samplers.append(dm.teacher_sampler(roles, teacher, config, validation_config, negative))
     return samplers

@@ -108,7 +108,7 @@ def rollout(params: Params, batch: Batch, key: torch.Tensor, with_grad: bool, *,
     """The streaming rollout of the module docstring, from noise of the batch's latents' shape (or ``latent_shape``)."""
     exit_key, noise_key, hop_key, context_key = random.split(key, 4)
     index, cond = batch["sample_index"], batch["cond"]
-    device, shape, size = index.device, sample_shape(batch, config), config.chunk_size
+    device, shape, size = index.device, dm.sample_shape(batch, config), config.chunk_size
     grid = config.score().grid(device)
     steps = dm.denoising_timesteps(config.denoising_steps, config.warp_denoising_step, grid).to(device)
     sigmas, model_t = flow.nearest_grid_sigma(grid, steps), torch.floor(steps)
@@ -151,13 +151,6 @@ def write_context(model: Model, params: Params, x0: torch.Tensor, cache: Any, co
                                             torch.tensor([config.context_noise], device=x0.device))[0]
             x0 = flow.add_noise(x0, eps, level)
         return model.causal.apply_cached(params, x0, t, cond, cache)[1]
-
-
-def sample_shape(batch: Batch, config: SelfForcing) -> tuple[int, ...]:
-    """``(C, T, H, W)`` of the student's samples: the batch latents' (only their shape is used) or ``latent_shape``."""
-    if "latents" in batch:
-        return tuple(batch["latents"].shape[1:])
-    return tuple(config.latent_shape)
 
 
 # --------------------------------------------------------------------------------------------------------- the step
@@ -218,7 +211,7 @@ def step_(state: TrainState, batch: Batch, *, roles: dm.Roles, config: SelfForci
     """One Self-Forcing step, donating ``state``: the distribution-matching step (``dm.step_``: the critic every step,
     the student on its cadence) on the streaming rollout."""
     grads = student_grads(roles, config, negative,
-                          block_at_a_time=block_at_a_time(config, sample_shape(batch, config)[1]))
+                          block_at_a_time=block_at_a_time(config, dm.sample_shape(batch, config)[1]))
     return dm.step_(state, batch, roles=roles, frozen=frozen, score=config.score(),
                     rollout=graded_rollout(roles.student, config), interval=config.generator_update_interval,
                     grad_accum=config.grad_accum, student_grads=grads, before=before)
@@ -297,7 +290,6 @@ class SelfForcing(dm.DistributionMatchingConfig, tag="self_forcing"):
                           step_=step_, check=check_batch, validate=validate)
 
 
-
 def check_student(model: Model, config: SelfForcing) -> None:
     """A ValueError unless the student is block-causal in blocks of ``chunk_size`` frames, and ``latent_shape`` (when
     set) fits the rollout."""
@@ -325,20 +317,10 @@ def check_frames(frames: int, config: SelfForcing, where: str) -> None:
 
 
 def check_batch(batch: Batch, model: Model, config: SelfForcing, negative: Cond | None = None) -> None:
-    """A ValueError when ``batch`` cannot feed this method (once, before the first step)."""
-    if "latents" in batch:
-        model.check_latents(tuple(batch["latents"].shape), where="batch latents")
-    elif config.latent_shape is None:
-        raise ValueError("the batch has no latents (text_only data), so method.latent_shape = [C, T, H, W] must "
-                         "give the student's samples")
-    else:
-        model.check_latents((1, *config.latent_shape), where="method.latent_shape")
-    check_frames(sample_shape(batch, config)[1], config, "the rollout's clip")
-    if len(batch["sample_index"]) % config.grad_accum:
-        raise ValueError(f"method.grad_accum = {config.grad_accum} does not divide a rank's batch of "
-                         f"{len(batch['sample_index'])} samples")
-    if config.guidance_scale != 1.0:
-        model.uncond(batch["cond"], config.cfg_uncond, negative)  # a negative prompt is there when needed
+    """A ValueError when ``batch`` cannot feed this method (once, before the first step): ``dm.check_batch``'s,
+    and a clip of whole blocks that some block's gradient reaches."""
+    dm.check_batch(batch, model, config, negative)
+    check_frames(dm.sample_shape(batch, config)[1], config, "the rollout's clip")
 
 
 def student_schedule(config: SelfForcing) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,9 +345,5 @@ def validate(state: TrainState, validation_config: Any, *, roles: dm.Roles, conf
     samplers = [validation.Sampler("student" if student.ema is None else "student_ema", roles.student.apply,
                                    params, sigmas, config.student_sample_type, draw=draw)]
     if config.validate_teacher:
-        guided = validation.guided(roles.teacher.apply,
-                                   lambda cond: roles.teacher.uncond(cond, config.cfg_uncond, negative),
-                                   config.guidance_scale)
-        sigmas = validation.many_step_sigmas(validation_config.num_steps, validation_config.flow_shift)
-        samplers.append(validation.Sampler("teacher", guided, teacher, sigmas, "ode"))
+        samplers.append(dm.teacher_sampler(roles, teacher, config, validation_config, negative))
     return samplers

@@ -3,8 +3,9 @@
 Block ``b`` starts from its slice of the noise and is denoised along the schedule (Euler ODE or re-noising SDE, as
 ``fvx.core.flow``), every call attending to the cached context of blocks ``< b``; the clean result is then run once more
 at ``t = context_noise`` (re-noised to that level when above 0, FastVideo's ``context_noise``) and that pass's keys
-and values become the context of the next block (the last block's is never needed, so never computed). Classifier-free guidance keeps a second cache for the
-unconditional branch (each branch's context is its own, as two streams of one model). Randomness: block ``b`` uses
+and values become the context of the next block (the last block's is never needed, so never computed).
+Classifier-free guidance keeps a second cache for the unconditional branch (each branch's context is its own, as two
+streams of one model). Randomness: block ``b`` uses
 ``fold_in(key, b)``, split into the sampler's key and the context noise's.
 """
 from __future__ import annotations

@@ -34,6 +34,7 @@ from fvx.config import Config
 from fvx.core import ema, flow, random, role
 from fvx.core.optim_config import AdamWConfig
 from fvx.core.state import all_finite, Batch, HeldRole, Metrics, Program, skipped, TrainState
+from fvx.training import validation
 from fvx_models.model import check_shared_data, Cond, Model, Params
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
@@ -342,6 +343,49 @@ def held_roles(ema: bool) -> tuple[HeldRole, ...]:
     ``ema``) and the critic trainable, the teacher frozen."""
     return (HeldRole(STUDENT, trainable=True, ema=ema), HeldRole(CRITIC, trainable=True),
             HeldRole(TEACHER, trainable=False))
+
+
+def sample_shape(batch: Batch, config: DistributionMatchingConfig) -> tuple[int, ...]:
+    """``(C, T, H, W)`` of the student's samples: the batch latents' (only their shape is used) or ``latent_shape``."""
+    if "latents" in batch:
+        return tuple(batch["latents"].shape[1:])
+    if config.latent_shape is None:
+        raise ValueError("the batch has no latents, so simulate needs method.latent_shape = [C, T, H, W]")
+    return tuple(config.latent_shape)
+
+
+def check_batch(batch: Batch, model: Model, config: DistributionMatchingConfig, negative: Cond | None = None) -> None:
+    """A ValueError when ``batch`` cannot feed a distribution-matching method (once, before the first step):
+    latents the student cannot take, text_only data without ``latent_shape`` (or with ``data_latent``), a
+    ``grad_accum`` that does not divide the batch, guidance without the unconditional cond it needs."""
+    if "latents" in batch:
+        model.check_latents(tuple(batch["latents"].shape), where="batch latents")
+    elif config.rollout_mode == "data_latent":
+        raise ValueError("rollout_mode='data_latent' noises the data latents, but the batch has none "
+                         "(data.kind='text_only'?); use method.rollout_mode=simulate for text-only data")
+    elif config.latent_shape is None:
+        raise ValueError("the batch has no latents (text_only data), so simulate needs method.latent_shape "
+                         "= [C, T, H, W] for the student's samples")
+    else:
+        model.check_latents((1, *config.latent_shape), where="method.latent_shape")
+    if len(batch["sample_index"]) % config.grad_accum:
+        raise ValueError(f"method.grad_accum = {config.grad_accum} does not divide a rank's batch of "
+                         f"{len(batch['sample_index'])} samples")
+    if config.guidance_scale != 1.0:
+        model.uncond(batch["cond"], config.cfg_uncond, negative)  # a negative prompt is there when needed
+
+
+def teacher_sampler(roles: Roles, teacher_params: Params, config: DistributionMatchingConfig,
+                    validation_config: validation.ValidationConfig,
+                    negative: Cond | None = None) -> validation.Sampler:
+    """The teacher as validation samples it beside the student: guided as the DMD loss guides it, on the
+    validation's many-step ODE schedule."""
+    def uncond(cond: Cond) -> Cond:
+        return roles.teacher.uncond(cond, config.cfg_uncond, negative)
+
+    guided = validation.guided(roles.teacher.apply, uncond, config.guidance_scale)
+    sigmas = validation.many_step_sigmas(validation_config.num_steps, validation_config.flow_shift)
+    return validation.Sampler("teacher", guided, teacher_params, sigmas, "ode")
 
 
 # ------------------------------------------------------------------------------------------------------- the config

@@ -12,14 +12,14 @@ import torch
 from fvx import run
 from fvx.core import random
 from fvx.core.optim_config import AdamWConfig
-from fvx.storage import checkpoint
-from fvx.training import run_folder, tracking
+from fvx.training import tracking
 from fvx_methods import causal_cd
 from fvx_models import streaming
 from fvx_models.wan import WanConfig
 from fvx_models.wan_causal import WanCausalConfig
 
 from cli_args import merged  # noqa: E402
+from run_state import final_state  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXPERIMENT = str(ROOT / "experiments" / "causal_cd_t2v.py")
@@ -285,11 +285,6 @@ def tiny(teacher, *extra):
     return merged(f"models.student.path={teacher}", "models.student.num_frames_per_block=2", "data.batch_size=2",
                   "data.prefetch=0", "run.progress=false", "validation.every=0", "run.checkpoint.async_save=false",
                   "method.ema_start_step=2", *extra)
-
-
-def final_state(out):
-    with checkpoint.Checkpoints(out / run_folder.CHECKPOINTS) as saved:
-        return checkpoint.leaves_by_name(saved.read(saved.latest(), ()))
 
 
 def test_the_experiment_runs_from_the_cli_and_validates(tmp_path, world_teacher):

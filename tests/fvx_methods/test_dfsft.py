@@ -10,13 +10,14 @@ import torch
 from fvx import run
 from fvx.core import random, role
 from fvx.core.optim_config import AdamWConfig
-from fvx.storage import checkpoint
-from fvx.training import experiment, run_folder, tracking, validation
+from fvx.training import experiment, tracking, validation
 from fvx_methods import dfsft
 from fvx_models import streaming
 from fvx_models.model import Causal
 from fvx_models.wan import WanConfig
 from fvx_models.wan_causal import WanCausalConfig
+
+from run_state import final_state  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -311,10 +312,6 @@ def test_each_experiment_resumes_bit_for_bit(tmp_path, name):
 
     def train(out, steps, *extra):
         assert run.main([path, "--out", str(out), "--steps", str(steps), *QUICK, *extra]) == 0
-
-    def final_state(out):
-        with checkpoint.Checkpoints(out / run_folder.CHECKPOINTS) as saved:
-            return checkpoint.leaves_by_name(saved.read(saved.latest(), ()))
 
     train(tmp_path / "whole", 4)
     train(tmp_path / "resumed", 2)

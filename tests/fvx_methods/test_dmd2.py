@@ -18,6 +18,8 @@ from fvx_methods import dmd2
 from fvx_methods.library import distribution_matching as dm
 from fvx_models.wan import WanConfig
 
+from run_state import final_state  # noqa: E402
+
 SHIFT = 3.0  # the models' training-grid shift (DMD2.flow_shift default)
 SHAPE = (16, 1, 4, 4)
 
@@ -525,16 +527,16 @@ def test_override_errors_name_the_field():
 def test_batch_errors(model):
     text_only = make_batch(latents=False)
     with pytest.raises(ValueError, match="data_latent.*text_only"):
-        dmd2.check_batch(text_only, model, dmd2.DMD2(rollout_mode="data_latent"))
+        dm.check_batch(text_only, model, dmd2.DMD2(rollout_mode="data_latent"))
     with pytest.raises(ValueError, match="latent_shape"):
-        dmd2.check_batch(text_only, model, dmd2.DMD2())
-    dmd2.check_batch(text_only, model, dmd2.DMD2(latent_shape=SHAPE))
+        dm.check_batch(text_only, model, dmd2.DMD2())
+    dm.check_batch(text_only, model, dmd2.DMD2(latent_shape=SHAPE))
     with pytest.raises(ValueError, match="negative_prompt_path"):
-        dmd2.check_batch(make_batch(), model, dmd2.DMD2(guidance_scale=4.5))
+        dm.check_batch(make_batch(), model, dmd2.DMD2(guidance_scale=4.5))
     with pytest.raises(ValueError, match="latent_shape"):
-        dmd2.check_batch(text_only, model, dmd2.DMD2(latent_shape=(16, 1, 3, 3)))
+        dm.check_batch(text_only, model, dmd2.DMD2(latent_shape=(16, 1, 3, 3)))
     with pytest.raises(ValueError, match="method.grad_accum = 3 does not divide a rank's batch of 2"):
-        dmd2.check_batch(make_batch(), model, dmd2.DMD2(grad_accum=3))
+        dm.check_batch(make_batch(), model, dmd2.DMD2(grad_accum=3))
 
 
 def test_negative_prompt_file_errors_come_before_weights_load(model, tmp_path):
@@ -586,17 +588,12 @@ def test_resume_is_the_uninterrupted_run_bit_for_bit(tmp_path, world_teacher, re
     """6 DMD2 steps (student on every 2nd, EMA) equal 3 steps resumed to 6: logged metrics and final state; also
     with a LoRA student and critic on the teacher's base."""
     from fvx import run
-    from fvx.storage import checkpoint
-    from fvx.training import run_folder, tracking
+    from fvx.training import tracking
 
     experiment = str(pathlib.Path(__file__).resolve().parents[2] / "experiments" / "dmd2.py") + recipe
     quick = ["run.progress=false", "data.batch_size=2", "validation.every=0", "method.generator_update_interval=2",
              "run.checkpoint.every=3", "run.checkpoint.async_save=false", f"models.student.path={world_teacher}",
              f"models.teacher.path={world_teacher}"]
-
-    def final_state(out):
-        with checkpoint.Checkpoints(out / run_folder.CHECKPOINTS) as checkpoints:
-            return checkpoint.leaves_by_name(checkpoints.read(checkpoints.latest(), ()))
 
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     assert run.main([experiment, "--out", str(whole), "--steps", "6", *quick]) == 0

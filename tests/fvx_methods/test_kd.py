@@ -17,6 +17,7 @@ from fvx_methods import kd, trajectory_cache as tc
 from fvx_models.model import Causal
 
 from cli_args import merged  # noqa: E402
+from run_state import final_state  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXPERIMENT = str(ROOT / "experiments" / "kd_t2v.py")
@@ -216,10 +217,6 @@ def test_the_experiment_lowers_a_fixed_key_eval_loss_and_validates(tmp_path, wor
 def test_a_resumed_run_is_the_uninterrupted_one_bit_for_bit(tmp_path, world_teacher, cache):
     quick = [*tiny(world_teacher, cache), "validation.every=0", "run.checkpoint.every=3",
              "run.checkpoint.async_save=false"]
-
-    def final_state(out):
-        with checkpoint.Checkpoints(out / run_folder.CHECKPOINTS) as saved:
-            return checkpoint.leaves_by_name(saved.read(saved.latest(), ()))
 
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     assert run.main([EXPERIMENT, "--out", str(whole), "--steps", "6", *quick]) == 0

@@ -10,12 +10,13 @@ import torch
 from fvx import run
 from fvx.core import flow, random, tree
 from fvx.core.optim_config import AdamWConfig
-from fvx.storage import checkpoint
-from fvx.training import run_folder, tracking
+from fvx.training import tracking, validation
 from fvx_methods import self_forcing as sf
 from fvx_methods.library import distribution_matching as dm
 from fvx_models.wan import WanConfig
 from fvx_models.wan_causal import WanCausalConfig
+
+from run_state import final_state  # noqa: E402
 
 SHAPE = (16, 3, 4, 4)  # 3 blocks of 1 latent frame
 EXPERIMENT = str(pathlib.Path(__file__).resolve().parents[2] / "experiments" / "self_forcing_causal_t2v.py")
@@ -208,7 +209,7 @@ def test_validation_streams_what_the_rollout_trains(student, bidirectional, para
     program = cfg.build({"student": student, "critic": bidirectional, "teacher": bidirectional}, total_steps=1)
     state = program.init(random.key(4))
     state.roles["student"].params.update(params["student"])
-    samplers = program.validate(state, {"teacher": params["teacher"]}, _Validation())
+    samplers = program.validate(state, {"teacher": params["teacher"]}, validation.ValidationConfig(num_steps=4))
     assert [s.tag for s in samplers] == ["student", "teacher"]
     batch, key = make_batch(), random.key(16)
     rolled = sf.rollout(params["student"], batch, key, False, model=student, config=cfg)
@@ -217,10 +218,6 @@ def test_validation_streams_what_the_rollout_trains(student, bidirectional, para
                          for i in batch["sample_index"]])
     drawn = samplers[0].draw(samplers[0].params, noise, batch["cond"], random.split(random.key(0), 2))
     torch.testing.assert_close(drawn, rolled.x0, rtol=0, atol=2e-5)
-
-
-class _Validation:
-    num_steps, flow_shift = 4, 3.0
 
 
 @pytest.mark.parametrize("knobs, match", [
@@ -269,11 +266,6 @@ def quick(world_teacher):
     return ["run.progress=false", "data.batch_size=2", "validation.every=0", "method.generator_update_interval=2",
             "run.checkpoint.every=2", "run.checkpoint.async_save=false", f"models.student.path={world_teacher}",
             f"models.teacher.path={world_teacher}"]
-
-
-def final_state(out):
-    with checkpoint.Checkpoints(out / run_folder.CHECKPOINTS) as checkpoints:
-        return checkpoint.leaves_by_name(checkpoints.read(checkpoints.latest(), ()))
 
 
 @pytest.mark.slow  # three short runs of the toy world's models

@@ -18,13 +18,10 @@ from fvx import config as fconfig, run
 from fvx.storage import checkpoint, shard_files
 from fvx.training import run_folder, run_lock, tracking
 
+from run_state import final_state  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 EXPERIMENT = str(ROOT / "tests" / "helpers" / "faulty_experiment.py")  # 8 steps, checkpoints every 2
-
-
-def final_state(run_dir: pathlib.Path) -> dict:
-    with checkpoint.Checkpoints(run_dir / run_folder.CHECKPOINTS) as checkpoints:
-        return checkpoint.leaves_by_name(checkpoints.read(checkpoints.latest(), ()))
 
 
 def assert_same_run(run_dir: pathlib.Path, reference: pathlib.Path) -> None:

@@ -15,6 +15,8 @@ from fvx import run
 from fvx.storage import checkpoint
 from fvx.training import experiment, run_folder, tracking
 
+from run_state import final_state  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 EXPERIMENT = str(ROOT / "tests" / "helpers" / "faulty_experiment.py")  # 8 steps, grad_accum 2, checkpoints every 2
 COMPARED = ("loss", "grad_norm", "lr")
@@ -22,12 +24,6 @@ COMPARED = ("loss", "grad_norm", "lr")
 
 def train(out, *args) -> int:
     return run.main([EXPERIMENT, "--out", str(out), *args])
-
-
-def final_state(run_dir: pathlib.Path) -> dict:
-    """Every tensor of the run's last checkpoint, by name."""
-    with checkpoint.Checkpoints(run_dir / run_folder.CHECKPOINTS) as checkpoints:
-        return checkpoint.leaves_by_name(checkpoints.read(checkpoints.latest(), ()))
 
 
 def assert_same_run(run_dir: pathlib.Path, reference: pathlib.Path) -> None:
