@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from fvx import run
+from fvx import config as fconfig, run
 from fvx.training import tracking
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -161,12 +161,13 @@ def test_a_folder_of_another_family_is_refused_naming_its_class(tmp_path, capsys
 @pytest.mark.parametrize("experiment", sorted(p.name for p in EXPERIMENTS.glob("*.py")))
 def test_every_experiment_trains_two_steps_and_validates(tmp_path, experiment, world_teacher):
     out = tmp_path / "run"
-    both = [f"models.student.path={world_teacher}", f"models.teacher.path={world_teacher}"]
-    teacher = {"dmd2.py": both, "finetune_wan_lora.py": [f"models.student.path={world_teacher}"]}.get(experiment, [])
+    config = fconfig.load_experiment(str(EXPERIMENTS / experiment))
+    teacher = [f"models.{name}.path={world_teacher}" for name, model in config.models.items()  # README runs' exports
+               if str(getattr(model, "path", None) or "").startswith("runs/")]
     if experiment.startswith("kd_"):  # KD trains on its teacher's trajectory cache: build a tiny one first
         from fvx_methods import trajectory_cache
 
-        teacher = [*both, f"method.cache={tmp_path / 'cache'}", "data.world.num_samples=4", "method.teacher_steps=2"]
+        teacher = [*teacher, f"method.cache={tmp_path / 'cache'}", "data.world.num_samples=4", "method.teacher_steps=2"]
         trajectory_cache.build(trajectory_cache.resolve(str(EXPERIMENTS / experiment), teacher), batch=4)
     assert run.main([str(EXPERIMENTS / experiment), "--out", str(out), "--steps", "2", *QUICK, "validation.every=2",
                      "validation.num_prompts=1", "validation.num_steps=2", *teacher]) == 0
