@@ -57,13 +57,15 @@ LONG_CLIP_BLOCKS = 4
 
 
 class Exit(NamedTuple):
-    """A block's exit call as the rollout made it: its latent frames ``[start, end)``, its input ``x [B, C, f, H, W]``,
-    its timestep (the model's, ``[B]``) and its grid level."""
+    """A block's exit call as the rollout made it: its latent frames ``[start, end)`` (of the rolled clip), its input
+    ``x [B, C, f, H, W]``, its timestep (the model's, ``[B]``), its grid level, and whether it is graded (records a
+    graph in a graded rollout)."""
 
     frames: tuple[int, int]
     x: torch.Tensor
     t: torch.Tensor
     sigma: torch.Tensor
+    graded: bool
 
 
 class Rolled(NamedTuple):
@@ -103,29 +105,44 @@ def hop(x: torch.Tensor, x0: torch.Tensor, sigma: torch.Tensor, sigma_next: torc
     return flow.add_noise(x0, eps, sigma_next)
 
 
+def student_steps(config: SelfForcing, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(timesteps [K], grid levels [K], the model's timesteps floor(t) [K])`` of the student's steps."""
+    grid = config.score().grid(device)
+    steps = dm.denoising_timesteps(config.denoising_steps, config.warp_denoising_step, grid).to(device)
+    return steps, flow.nearest_grid_sigma(grid, steps), torch.floor(steps)
+
+
+def hop_to_exit(model: Model, params: Params, x: torch.Tensor, exit_step: int, cond: Cond, cache: Any,
+                key: torch.Tensor, sample_index: torch.Tensor, config: SelfForcing) -> torch.Tensor:
+    """A block's input at its exit step: ``exit_step`` no-grad hops from its noise ``x [B, C, f, H, W]`` on
+    ``cache`` (hop ``j``'s noise is draw ``j`` of ``key``)."""
+    _, sigmas, model_t = student_steps(config, x.device)
+    with torch.no_grad():
+        for j in range(exit_step):
+            v, _ = model.causal.apply_cached(params, x, model_t[j].expand(x.shape[0]), cond, cache)
+            x0 = flow.x0_from_velocity(x, v, sigmas[j])
+            eps = dm.per_sample_normal(key, sample_index, j, tuple(x.shape[1:]), x.device)
+            x = hop(x, x0, sigmas[j], sigmas[j + 1], eps, config.student_sample_type)
+    return x
+
+
 def rollout(params: Params, batch: Batch, key: torch.Tensor, with_grad: bool, *, model: Model,
             config: SelfForcing) -> Rolled:
     """The streaming rollout of the module docstring, from noise of the batch's latents' shape (or ``latent_shape``)."""
     exit_key, noise_key, hop_key, context_key = random.split(key, 4)
     index, cond = batch["sample_index"], batch["cond"]
     device, shape, size = index.device, dm.sample_shape(batch, config), config.chunk_size
-    grid = config.score().grid(device)
-    steps = dm.denoising_timesteps(config.denoising_steps, config.warp_denoising_step, grid).to(device)
-    sigmas, model_t = flow.nearest_grid_sigma(grid, steps), torch.floor(steps)
+    steps, sigmas, model_t = student_steps(config, device)
     noise = dm.per_sample_normal(noise_key, index, 0, shape, device)
     blocks, batch_size = shape[1] // size, len(index)
     cache, out, exits, ks = model.causal.empty_cache(shape[1]), [], [], exit_steps(exit_key, blocks, config)
     for b, k in enumerate(ks):
-        start, block_shape = b * size, (shape[0], size, *shape[2:])
-        x = noise[:, :, start:start + size]
-        with torch.no_grad():
-            for j in range(k):
-                v, _ = model.causal.apply_cached(params, x, model_t[j].expand(batch_size), cond, cache)
-                x0 = flow.x0_from_velocity(x, v, sigmas[j])
-                eps = dm.per_sample_normal(random.fold_in(hop_key, b), index, j, block_shape, device)
-                x = hop(x, x0, sigmas[j], sigmas[j + 1], eps, config.student_sample_type)
-        exits.append(Exit((start, start + size), x, model_t[k].expand(batch_size), sigmas[k]))
-        with torch.set_grad_enabled(with_grad and graded(exits[-1], config) and torch.is_grad_enabled()):
+        start = b * size
+        x = hop_to_exit(model, params, noise[:, :, start:start + size], k, cond, cache, random.fold_in(hop_key, b),
+                        index, config)
+        exits.append(Exit((start, start + size), x, model_t[k].expand(batch_size), sigmas[k],
+                          graded=config.enable_gradient_in_rollout and start >= config.start_gradient_frame))
+        with torch.set_grad_enabled(with_grad and exits[-1].graded and torch.is_grad_enabled()):
             out.append(exit_x0(model, params, exits[-1], cond, cache))
         if b + 1 < blocks:
             cache = write_context(model, params, out[-1].detach(), cache, cond, random.fold_in(context_key, b), index,
@@ -134,18 +151,14 @@ def rollout(params: Params, batch: Batch, key: torch.Tensor, with_grad: bool, *,
     return Rolled(torch.cat(out, dim=2), timesteps, tuple(exits), context_key)
 
 
-def graded(exit_: Exit, config: SelfForcing) -> bool:
-    """Whether a block's exit call records a graph (in a graded rollout)."""
-    return config.enable_gradient_in_rollout and exit_.frames[0] >= config.start_gradient_frame
-
-
 def write_context(model: Model, params: Params, x0: torch.Tensor, cache: Any, cond: Cond, key: torch.Tensor,
-                  sample_index: torch.Tensor, config: SelfForcing) -> Any:
+                  sample_index: torch.Tensor, config: SelfForcing, always_noise: bool = False) -> Any:
     """The cache with a generated block's keys and values written, from a pass over the block (no grad) at
-    ``floor(context_noise)``, the block re-noised to that level first when it is above 0."""
+    ``floor(context_noise)``, the block re-noised to that level first when it is above 0 (or ``always_noise``: to
+    the grid level nearest it, the smallest for 0, as streaming long tuning does)."""
     t = torch.full((x0.shape[0],), float(math.floor(config.context_noise)), device=x0.device)
     with torch.no_grad():
-        if config.context_noise > 0:
+        if config.context_noise > 0 or always_noise:
             eps = dm.per_sample_normal(key, sample_index, 0, tuple(x0.shape[1:]), x0.device)
             level = flow.nearest_grid_sigma(config.score().grid(x0.device),
                                             torch.tensor([config.context_noise], device=x0.device))[0]
@@ -164,15 +177,15 @@ def block_at_a_time(config: SelfForcing, frames: int) -> bool:
 
 
 def exit_grads(trained: Params, base: Params | None, rolled: Rolled, batch: Batch, cotangent: torch.Tensor, *,
-               model: Model, config: SelfForcing) -> Params:
+               model: Model, config: SelfForcing, cache: Any = None, always_noise: bool = False) -> Params:
     """The gradient in ``trained`` of ``sum(rolled.x0 * cotangent)``, block by block: the cache rebuilt as the
-    rollout wrote it (each block's output again through :func:`write_context`, no grad) and each graded exit re-run
-    with grad on it, so one block's graph and one cache are alive at a time."""
+    rollout wrote it from ``cache`` (default: empty; each block's output again through :func:`write_context`, no
+    grad) and each graded exit re-run with grad on it, so one block's graph and one cache are alive at a time."""
     params, cond, blocks = role.with_trained(base, trained), batch["cond"], len(rolled.exits)
-    cache, grads = model.causal.empty_cache(rolled.x0.shape[2]), None
+    cache, grads = model.causal.empty_cache(rolled.x0.shape[2]) if cache is None else cache, None
     for b, exit_ in enumerate(rolled.exits):
         start, end = exit_.frames
-        if graded(exit_, config):
+        if exit_.graded:
             def share(p: Params) -> torch.Tensor:  # called at once, on this block's exit and cache
                 return torch.sum(exit_x0(model, role.with_trained(base, p), exit_, cond, cache)
                                  * cotangent[:, :, start:end])
@@ -180,7 +193,7 @@ def exit_grads(trained: Params, base: Params | None, rolled: Rolled, batch: Batc
             grads = g if grads is None else optim.apply_updates_(grads, g)
         if b + 1 < blocks:
             cache = write_context(model, params, rolled.x0[:, :, start:end], cache, cond,
-                                  random.fold_in(rolled.context_key, b), batch["sample_index"], config)
+                                  random.fold_in(rolled.context_key, b), batch["sample_index"], config, always_noise)
     return grads
 
 
@@ -326,9 +339,8 @@ def check_batch(batch: Batch, model: Model, config: SelfForcing, negative: Cond 
 def student_schedule(config: SelfForcing) -> tuple[torch.Tensor, torch.Tensor]:
     """``(timesteps [K], sigmas [K])`` the student samples on, as the rollout calls it: the model at ``floor(s_k)``,
     converting with the ``S_sf(flow_shift)`` grid's level nearest ``s_k``."""
-    grid = config.score().grid()
-    steps = dm.denoising_timesteps(config.denoising_steps, config.warp_denoising_step, grid)
-    return torch.floor(steps), flow.nearest_grid_sigma(grid, steps)
+    _, sigmas, model_t = student_steps(config, torch.device("cpu"))
+    return model_t, sigmas
 
 
 def validate(state: TrainState, validation_config: Any, *, roles: dm.Roles, config: SelfForcing,

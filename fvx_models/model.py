@@ -76,6 +76,10 @@ class Causal:
     apply_teacher_forced(params, x_t, t, cond, clean) -> v    teacher forcing: noisy block ``b`` of ``x_t``
                                        attends to itself and the *clean* blocks ``< b`` of ``clean`` (same shape),
                                        in one forward over the ``[clean | noisy]`` sequence
+    allocated_cache(frames, shape, device) -> cache   the empty cache of a stream of ``frames`` latent frames, its
+                                       tensors allocated (zeros) for chunks of ``shape`` ``[B, C, f, H, W]``: a value
+                                       of fixed shape to carry across training steps
+    cache_bytes(frames, shape) -> int  the bytes of that cache (the dry run's carried state)
     """
 
     frames_per_block: int
@@ -84,6 +88,8 @@ class Causal:
     empty_cache: Callable[[int], Any]
     apply_cached: Callable[..., tuple[torch.Tensor, Any]]
     apply_teacher_forced: Callable[..., torch.Tensor]
+    allocated_cache: Callable[[int, tuple[int, ...], torch.device], Any] | None = None
+    cache_bytes: Callable[[int, tuple[int, ...]], int] | None = None
 
 
 class Written(NamedTuple):

@@ -231,6 +231,16 @@ def causal(config: WanCausalConfig, apply: Any, module: nn.Module) -> Causal:
     dtype = DTYPES[config.compute_dtype]  # what attention computes in
     who = f"wan_causal:{config.preset}"
 
+    def allocated_cache(frames, shape, device):
+        tokens = (shape[3] // p_h) * (shape[4] // p_w)
+        return bc.allocate(bc.empty(frames, **layout), layers=layers, batch=shape[0], tokens_per_frame=tokens,
+                           heads=heads, head_dim=head_dim, dtype=dtype, device=device)
+
+    def cache_bytes(frames, shape):
+        slots = bc.ring_slots(frames, **layout)
+        tokens = (shape[3] // p_h) * (shape[4] // p_w)
+        return 2 * layers * shape[0] * slots * tokens * heads * head_dim * dtype.itemsize
+
     def apply_cached(params, x_t, t, cond, cache):
         tokens = (x_t.shape[3] // p_h) * (x_t.shape[4] // p_w)
         bc.check_cache(cache, batch=x_t.shape[0], layers=layers, tokens_per_frame=tokens, heads=heads,
@@ -258,8 +268,8 @@ def causal(config: WanCausalConfig, apply: Any, module: nn.Module) -> Causal:
 
     return Causal(frames_per_block=config.num_frames_per_block, window=config.local_attn_size,
                   sink=config.sink_size, empty_cache=lambda frames: bc.empty(frames, **layout),
-                  apply_cached=apply_cached,
-                  apply_teacher_forced=apply_teacher_forced)
+                  apply_cached=apply_cached, apply_teacher_forced=apply_teacher_forced,
+                  allocated_cache=allocated_cache, cache_bytes=cache_bytes)
 
 
 WAN_CAUSAL = dataclasses.replace(

@@ -1,8 +1,10 @@
 """How a method's training state is laid out, and the pair of functions a method hands the loop.
 
-The state is a pytree of tensors only, so it checkpoints as it is: the step, the run key, and per trainable role its
-params, optimizer state and (where used) EMA params. Frozen roles (a teacher) are not in it: they are arguments of
-the step (:data:`Frozen`). Keys derive from the run key and the step, so nothing about RNG needs saving.
+The state is a pytree of tensors only, so it checkpoints as it is: the step, the run key, per trainable role its
+params, optimizer state and (where used) EMA params, and what the method carries from one step to the next (``carry``:
+a stream's cache and latents, made by older weights, so not recomputable from the run key; None for most methods).
+Frozen roles (a teacher) are not in it: they are arguments of the step (:data:`Frozen`). Keys derive from the run key
+and the step, so nothing about RNG needs saving.
 
 Non-finite steps. A step whose loss or gradients are not finite must not touch the state (its updates run in place,
 so the check comes before them): the method returns :func:`skipped` instead, the state with only its step advanced
@@ -26,11 +28,13 @@ class RoleState(NamedTuple):
 
 
 class TrainState(NamedTuple):
-    """step: 0-dim int64, steps taken; key: the run key, int64 [2]; roles: trainable role name -> RoleState."""
+    """step: 0-dim int64, steps taken; key: the run key, int64 [2]; roles: trainable role name -> RoleState; carry:
+    the method's carried state (:attr:`Program.carry`), a pytree of fixed-shape tensors, or None."""
 
     step: torch.Tensor
     key: torch.Tensor
     roles: dict[str, RoleState]
+    carry: Any = None
 
 
 Batch = Mapping[str, Any]
@@ -71,6 +75,11 @@ class Program(NamedTuple):
                                             loop opens it (default: that dataset itself; a method that trains on
                                             data it made beforehand, such as a cache of a teacher's samples, reads
                                             that instead); a ValueError refuses the run before anything is written
+    carry(batch) -> carry                   what the method carries across steps, as it starts (the state's
+                                            ``carry``): fixed-shape tensors made from the first batch's shapes, so a
+                                            checkpoint restores into it; on a mesh, per-sample tensors are this
+                                            rank's rows (``fvx.distributed.sharding.Shards`` along dim 0). Default:
+                                            None (nothing carried)
     """
 
     model: Any
@@ -80,6 +89,7 @@ class Program(NamedTuple):
     check: Callable[[Batch], None] = lambda batch: None
     validate: Callable[[TrainState, Frozen, Any], Sequence[Any]] = lambda state, frozen, config: ()
     dataset: Callable[[Any], Any] = lambda dataset: dataset
+    carry: Callable[[Batch], Any] = lambda batch: None
 
 
 def copy(state: Any) -> Any:

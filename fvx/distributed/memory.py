@@ -243,16 +243,18 @@ def gathered_bytes(role: Role, shard_size: int, compute_bytes: int | None = None
 
 
 class Estimate(NamedTuple):
-    """Bytes per rank: each role's state, the activations of one differentiated forward, gathered params."""
+    """Bytes per rank: each role's state, the activations of one differentiated forward, gathered params, and what
+    the method carries across steps (a stream's KV cache and latents)."""
 
     roles: tuple[tuple[str, RoleBytes], ...]
     activations: int
     gathered: int
     capacity: int
+    carried: int = 0
 
     @property
     def total(self) -> int:
-        return sum(r.total for _, r in self.roles) + self.activations + self.gathered
+        return sum(r.total for _, r in self.roles) + self.activations + self.gathered + self.carried
 
     @property
     def fits(self) -> bool:
@@ -290,6 +292,8 @@ def format_table(est: Estimate, title: str = "") -> str:
         lines.append(f"{name:34} {gib(r.params)} {gib(r.grads)} {gib(r.optimizer)} {gib(r.ema)} {gib(r.total)}")
     lines.append(f"{'activations':34} {'':39} {gib(est.activations)}")
     lines.append(f"{'gathered params':34} {'':39} {gib(est.gathered)}")
+    if est.carried:
+        lines.append(f"{'carried across steps':34} {'':39} {gib(est.carried)}")
     lines.append(f"{'total':34} {'':39} {gib(est.total)}")
     verdict = "fits" if est.fits else "does NOT fit"
     lines.append(f"{verdict} in {est.capacity / GIB:.1f} GiB: headroom {(est.capacity - est.total) / GIB:.1f} GiB "

@@ -145,6 +145,15 @@ def _unflatten_shards(meta, values) -> Shards:
 register_node(Shards, _flatten_shards, _unflatten_shards)
 
 
+def per_sample(rows: Mapping[str, torch.Tensor], shard_size: int) -> Shards:
+    """A rank's rows of per-sample tensors (dim 0: its samples, an even share of the batch of ``shard_size`` ranks)
+    as :class:`Shards` along dim 0, so that a checkpoint saves every rank's rows and restores them onto any number of
+    ranks (each reading the rows of the samples it then holds)."""
+    layout = {name: ShardSpec((t.shape[0] * shard_size, *t.shape[1:]), 0, t.shape[0] * shard_size)
+              for name, t in rows.items()}
+    return Shards(dict(rows), layout)
+
+
 def shard(params: Mapping[str, torch.Tensor], mesh: DeviceMesh, *, layout: Layout | None = None,
           dtype: DtypeSpec = None) -> Shards:
     """``params`` (full tensors, the same on every rank) as this rank's even shards on ``mesh``'s device, in

@@ -4,11 +4,12 @@
 Two hooks supply what fvx cannot know: each role's model family describes its architecture (``Model.memory_spec() ->``
 ``fvx.distributed.memory.ModelSpec``, param shapes read off a meta skeleton), and the method says what it holds of each
 role (``config.method.held_roles() ->`` ``fvx.core.state.HeldRole``s: which roles train, keep an EMA, or are frozen in
-their frozen dtype) and in how many micro-batches a rank's batch is differentiated (``config.method.grad_accum``).
+their frozen dtype), in how many micro-batches a rank's batch is differentiated (``config.method.grad_accum``) and,
+when it carries state across steps, its bytes per sample (``config.method.carried_bytes(models, latent_grid)``).
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from fvx.core.state import HeldRole
 from fvx.data import datasets
@@ -46,12 +47,13 @@ DEFAULT_VIDEO = (81, 480, 832)  # what the dry run assumes when neither --video 
 
 
 def estimate(plan: Plan, *, world: int, replicate: int, video: Sequence[int] | None = None, global_batch: int,
-             capacity: int = memory.H200_BYTES, sp: int = 1,
-             latents: Sequence[int] | None = None) -> tuple[memory.Estimate, str]:
+             capacity: int = memory.H200_BYTES, sp: int = 1, latents: Sequence[int] | None = None,
+             carried: Callable[[memory.LatentGrid], int] | None = None) -> tuple[memory.Estimate, str]:
     """(the estimate, its title) of ``plan``'s roles sharded over ``world // replicate`` ranks, each rank
     differentiating ``global_batch // (world // sp) // micro_batches`` samples at a time of ``video`` (pixels
     ``(frames, height, width)``) or of ``latents`` (latent ``(T, H, W)``), of whose tokens it holds ``1 / sp`` under
-    sequence parallelism (the all-to-all buffers are not counted)."""
+    sequence parallelism (the all-to-all buffers are not counted); ``carried(grid)``: the bytes the method carries
+    across steps per sample (for each of the rank's samples)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"--world must be a positive int, got {world!r}")
     if replicate < 1 or world % replicate:
@@ -77,6 +79,8 @@ def estimate(plan: Plan, *, world: int, replicate: int, video: Sequence[int] | N
     micro = per_rank // plan.micro_batches
     est = memory.estimate(plan.roles, shard_size=world // replicate, tokens=grid.tokens // sp, batch_per_rank=micro,
                           capacity=capacity)
+    if carried is not None:
+        est = est._replace(carried=per_rank * carried(grid))
     title = (f"{world} ranks ({replicate} replica group(s) x {world // replicate} shards), {shown} "
              f"{grid.frames}x{grid.height}x{grid.width} = {grid.tokens} tokens"
              + (f" ({grid.tokens // sp} per rank: sequence parallel over {sp})" if sp > 1 else "")
@@ -115,9 +119,11 @@ def report(config: Any, *, world: int, video: Sequence[int] | None = None, repli
     plan = plan_of(held(), {role: model.memory_spec() for role, model in models.items()},
                    getattr(config.method, "grad_accum", 1))
     latents = data_latents(config) if video is None else None
+    carried = getattr(config.method, "carried_bytes", None)
     est, title = estimate(plan, world=world, replicate=replicate, global_batch=config.data.batch_size,
                           capacity=capacity, sp=sp, latents=latents,
-                          video=video if video is not None or latents is not None else DEFAULT_VIDEO)
+                          video=video if video is not None or latents is not None else DEFAULT_VIDEO,
+                          carried=None if carried is None else lambda grid: carried(models, grid))
     if video is None and latents is None:
         title += " (its data cannot be read here: --video FRAMESxHEIGHTxWIDTH to choose)"
     names = ", ".join(dict.fromkeys(model.name for model in models.values()))

@@ -3,7 +3,8 @@
 An experiment's root config subclasses :class:`Experiment` and adds ``models`` (model name -> a model config, whose
 ``build(mesh=)`` gives the model interface) and a ``method`` whose ``roles`` (a Struct: role -> model name) say which
 model plays each role, and whose ``build(models, total_steps=..., ranks=...)`` (``models``: role -> built model;
-``ranks``: the processes its numbers combine over, ``fvx.core.role.Ranks``) gives an ``fvx.core.state.Program``. Each
+``ranks``: the processes its numbers combine over, ``fvx.core.role.Ranks``; ``vae``: the experiment's ``vae`` config,
+for a method whose ``needs_vae`` says it encodes or decodes frames) gives an ``fvx.core.state.Program``. Each
 named model is built once, whatever the number of roles it plays. :func:`prepare` builds it all, checks the first batch
 and restores a checkpoint when asked (``fvx.training.resume``), writing nothing: what the loop (``fvx.training.loop``)
 then runs.
@@ -128,8 +129,9 @@ def setup(config: Experiment, *, mesh: Any = None, callbacks: tuple[fcallbacks.C
     method_key, data_key = run_keys(config.run.seed)
     models = build_models(config, mesh=mesh)
     ranks = role.ONE_PROCESS if mesh is None else processes.group_of(mesh)
+    vae = {"vae": getattr(config, "vae", None)} if getattr(config.method, "needs_vae", False) else {}
     program = config.method.build(models, total_steps=config.run.steps, ranks=ranks,
-                                  before_update=fcallbacks.before_update(callbacks))
+                                  before_update=fcallbacks.before_update(callbacks), **vae)
     dataset = program.dataset(datasets.open_dataset(config.data, data_key))
     return Setup(models=models, program=program, dataset=dataset, data_key=data_key, method_key=method_key,
                  mesh=mesh)
@@ -165,10 +167,10 @@ def check_sequence_parallel(built: Setup, batch: Any) -> None:
         raise ValueError(f"latents {tuple(latents.shape)} (patch {tuple(patch)}): {error}") from None
 
 
-def initial_state(built: Setup) -> TrainState:
-    """The state a run starts from: a pure function of the config and seed (also the target a checkpoint restores
-    into)."""
-    return built.program.init(built.method_key)
+def initial_state(built: Setup, batch: Any) -> TrainState:
+    """The state a run starts from: a pure function of the config and seed, with the method's carried state made for
+    ``batch``'s shapes (the first batch); also the target a checkpoint restores into."""
+    return built.program.init(built.method_key)._replace(carry=built.program.carry(batch))
 
 
 def frozen_params(built: Setup) -> dict[str, Any]:
@@ -203,7 +205,7 @@ def prepare(config: Experiment, *, resume_from: str | int | None = None, rank: i
     built.program.check(first)
     check_sequence_parallel(built, first)
     validator = make_validator(config, built, out)
-    state = initial_state(built)
+    state = initial_state(built, first)
     if resume_from is None:
         resume.check_no_checkpoints(out / run_folder.CHECKPOINTS)
         return Prepared(built, state, frozen_params(built), callbacks=callbacks, validator=validator)

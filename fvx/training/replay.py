@@ -72,13 +72,13 @@ def replay(run_dir: str | os.PathLike, step: int, *, progress: bool = False, exp
         raise ValueError(f"replay: step {step!r} is not a step of the run in {str(run_dir)!r}: it {took} (of "
                          f"run.steps = {config.run.steps})")
     built = setup(config)
-    state = initial_state(built)
+    batch_at = batch_fn(config, built)
+    state = initial_state(built, batch_at(0))
     frozen = frozen_params(built)
     with checkpoint.Checkpoints(run_dir / run_folder.CHECKPOINTS) as checkpoints:
         base = max((s for s in checkpoints.steps() if s <= step), default=None)
         if base is not None:
             state = checkpoints.restore(base, state)
-    batch_at = batch_fn(config, built)
     bar = tqdm(total=step + 1, initial=base or 0, desc="replay", unit="step", disable=not progress)
     for s in range(base or 0, step):
         state, _ = built.program.step_(state, frozen, batch_at(s))

@@ -125,16 +125,29 @@ def resumed_config(config: Any, overrides: Sequence[str], resume: str) -> tuple[
         raise fconfig.ConfigError(f"the config saved with checkpoint {folder / str(step)} does not fit the experiment "
                                   f"file's config any more: {error}") from None
     resumed = fconfig.apply_overrides(base, overrides)
+    carried = carried_fields(resumed)
     for path, old, new in fconfig.differences(saved, _as_json(resumed)):
         if MODEL_FIELDS.match(path):
             raise fconfig.ConfigError(f"this launch changes {path}: {old!r} -> {new!r}, but the checkpoint it resumes "
                                       f"from ({folder / str(step)}) holds the state of the run's models; a resumed "
                                       "run keeps them (train another model in a new run folder)")
+        if any(path == field or path.startswith(field + ".") for field in carried):
+            raise fconfig.ConfigError(f"this launch changes {path}: {old!r} -> {new!r}, but the checkpoint it resumes "
+                                      f"from ({folder / str(step)}) carries the method's state across steps (a "
+                                      "stream's cache and latents) made for the saved value: the carried state no "
+                                      "longer fits; resume without the change, or start a new run")
     if resumed.run.steps < step:
         raise fconfig.ConfigError(f"run.steps = {resumed.run.steps} is below step {step} of the checkpoint it resumes "
                                   f"from ({folder / str(step)}): a resumed run goes on from there, so ask for "
                                   f"run.steps >= {step} (--steps {step} or more)")
     return resumed, _changes(saved, resumed)
+
+
+def carried_fields(config: Any) -> tuple[str, ...]:
+    """The config fields (dotted paths) the method's carried state is shaped by (``config.method.carried_fields``,
+    given the experiment's config; none for a method that carries nothing): a resume may not change them."""
+    fields = getattr(config.method, "carried_fields", None)
+    return () if fields is None else tuple(fields(config))
 
 
 def _as_json(config: Any) -> Any:

@@ -46,9 +46,11 @@ Rollout = Callable[[Params, Batch, torch.Tensor, bool], tuple[torch.Tensor, torc
 
 class Score(NamedTuple):
     """How scores are taken: the models' grid shift, the score timesteps' shift and window ``[min, max]`` (ratios of
-    1000), the teacher's guidance scale and its unconditional cond (``"negative_prompt"``, ``"zero"`` or ``"keep"``),
-    and the scheduler whose grid the models convert on: FastVideo's ``S_fm`` (``"flow_match"``, the training grid)
-    or ``S_sf`` (``"self_forcing"``: its 1000 levels from ``linspace``, Self-Forcing's)."""
+    1000, truncated to timesteps as DMD2 does, or rounded with ``round_window`` as streaming long tuning does), the
+    teacher's guidance scale and its unconditional cond (``"negative_prompt"``, ``"zero"`` or ``"keep"``), the
+    scheduler whose grid the models convert on: FastVideo's ``S_fm`` (``"flow_match"``, the training grid) or
+    ``S_sf`` (``"self_forcing"``: its 1000 levels from ``linspace``, Self-Forcing's), and the floor of the DMD
+    normaliser (0: none, DMD2's; streaming long tuning's 1e-6)."""
 
     flow_shift: float
     timestep_shift: float
@@ -57,6 +59,8 @@ class Score(NamedTuple):
     guidance_scale: float
     cfg_uncond: str
     scheduler: str = "flow_match"
+    round_window: bool = False
+    normalizer_floor: float = 0.0
 
     def grid(self, device: torch.device | None = None) -> torch.Tensor:
         if self.scheduler == "self_forcing":
@@ -86,9 +90,10 @@ def per_sample_randint(key: torch.Tensor, sample_index: torch.Tensor, high: int)
 
 
 def score_window(score: Score) -> tuple[int, int]:
-    """``(int(1000 min_ratio), int(1000 max_ratio))``, the window score timesteps are clamped to."""
-    n = flow.NUM_TRAIN_TIMESTEPS
-    return int(score.min_timestep_ratio * n), int(score.max_timestep_ratio * n)
+    """``(int(1000 min_ratio), int(1000 max_ratio))`` (``round`` with ``round_window``), the window score timesteps
+    are clamped to."""
+    n, to_int = flow.NUM_TRAIN_TIMESTEPS, round if score.round_window else int
+    return to_int(score.min_timestep_ratio * n), to_int(score.max_timestep_ratio * n)
 
 
 def score_timesteps(key: torch.Tensor, sample_index: torch.Tensor, score: Score) -> torch.Tensor:
@@ -135,21 +140,23 @@ def real_and_fake_x0(critic_params: Params, teacher_params: Params, x0_gen: torc
         return x0_fake, flow.cfg(x0_cond, x0_uncond, score.guidance_scale), t
 
 
-def dmd_target(x0_gen: torch.Tensor, x0_fake: torch.Tensor, x0_real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def dmd_target(x0_gen: torch.Tensor, x0_fake: torch.Tensor, x0_real: torch.Tensor,
+               floor: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sg(x0_gen - grad), normaliser [B])`` in fp32, each sample's ``grad_b = nan_to_num((x0_fake - x0_real)_b /
-    mean|x0_gen - x0_real|_b)``: what the DMD loss pulls ``x0_gen`` towards."""
+    max(mean|x0_gen - x0_real|_b, floor))``: what the DMD loss pulls ``x0_gen`` towards."""
     with torch.no_grad():
         x0_gen = x0_gen.float()
-        normalizer = (x0_gen - x0_real.float()).abs().mean(dim=tuple(range(1, x0_gen.dim())))
+        normalizer = (x0_gen - x0_real.float()).abs().mean(dim=tuple(range(1, x0_gen.dim()))).clamp_min(floor)
         shape = (-1,) + (1,) * (x0_gen.dim() - 1)
         direction = torch.nan_to_num((x0_fake.float() - x0_real.float()) / normalizer.view(shape))
         return x0_gen - direction, normalizer
 
 
-def dmd_loss(x0_gen: torch.Tensor, x0_fake: torch.Tensor, x0_real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def dmd_loss(x0_gen: torch.Tensor, x0_fake: torch.Tensor, x0_real: torch.Tensor,
+             floor: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(0.5 mean((x0_gen - target)^2), normaliser [B])`` with :func:`dmd_target`'s target, in fp32, so that ``d loss
     / d x0_gen = (x0_gen - target) / numel = grad / numel`` (up to the rounding of ``x0_gen - (x0_gen - grad)``)."""
-    target, normalizer = dmd_target(x0_gen, x0_fake, x0_real)
+    target, normalizer = dmd_target(x0_gen, x0_fake, x0_real, floor)
     return 0.5 * torch.mean((x0_gen.float() - target) ** 2), normalizer
 
 
@@ -163,7 +170,7 @@ def generator_loss(student_params: Params, batch: Batch, critic_params: Params, 
     x0_gen, t_gen = rollout(student_params, batch, rollout_key, True)
     x0_fake, x0_real, t = real_and_fake_x0(critic_params, teacher_params, x0_gen, batch, score_key, critic=critic,
                                            teacher=teacher, score=score, negative=negative)
-    loss, normalizer = dmd_loss(x0_gen, x0_fake, x0_real)
+    loss, normalizer = dmd_loss(x0_gen, x0_fake, x0_real, score.normalizer_floor)
     return loss, {"dmd_normalizer": normalizer.mean(), "generator_timestep": t_gen.float().mean(),
                   "score_timestep": t.mean()}
 
@@ -239,7 +246,7 @@ def generator_grads_by_parts(parts: Parts, vjp: PartsVJP, roles: Roles, score: S
         x0_fake, x0_real, t = real_and_fake_x0(critic_params, teacher_params, rolled.x0, micro, score_key,
                                                critic=roles.critic, teacher=roles.teacher, score=score,
                                                negative=negative)
-        target, normalizer = dmd_target(rolled.x0, x0_fake, x0_real)
+        target, normalizer = dmd_target(rolled.x0, x0_fake, x0_real, score.normalizer_floor)
         residual = rolled.x0.float() - target
         grads = vjp(trained, student_base, rolled, micro, residual / residual.numel())
         aux = {"dmd_normalizer": normalizer.mean(), "generator_timestep": rolled.timesteps.float().mean(),
@@ -288,7 +295,7 @@ def step_(state: TrainState, batch: Batch, *, roles: Roles, frozen: Mapping[str,
     else:
         student = role.ema_(roles.student_opt, student, s)
     critic = role.update_(roles.critic_opt, critic, critic_measured, s, before, CRITIC)
-    return TrainState(step=state.step + 1, key=state.key, roles={STUDENT: student, CRITIC: critic}), metrics
+    return state._replace(step=state.step + 1, roles={STUDENT: student, CRITIC: critic}), metrics
 
 
 def role_keys(run_key: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -377,10 +377,11 @@ def test_same_seed_bit_identical_runs(models):
     assert len(leaves_a) == len(leaves_b) and all(torch.equal(x, y) for x, y in zip(leaves_a, leaves_b))
     assert all(torch.equal(ma[n], mb[n]) for ma, mb in zip(ha, hb) for n in ma)
     assert not torch.equal(a.roles["student"].params["proj_out.weight"], c.roles["student"].params["proj_out.weight"])
-    # the state is a plain pytree of tensors (checkpointable as it is): only the critic's EMA slot is None
+    # the state is a plain pytree of tensors (checkpointable as it is): only the critic's EMA slot and the carry (DMD2
+    # carries nothing across steps) are None
     import optree
     leaves = optree.tree_leaves(a, none_is_leaf=True)
-    assert sum(x is None for x in leaves) == 1 and all(x is None or isinstance(x, torch.Tensor) for x in leaves)
+    assert sum(x is None for x in leaves) == 2 and all(x is None or isinstance(x, torch.Tensor) for x in leaves)
 
 
 def test_each_role_starts_from_its_models_folder(model, roles, tmp_path):

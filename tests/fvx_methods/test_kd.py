@@ -204,10 +204,10 @@ def test_the_experiment_lowers_a_fixed_key_eval_loss_and_validates(tmp_path, wor
         with torch.no_grad():
             return kd.loss_fn(params, batch, random.key(123), model=student, t_list=config.method.t_list)[0].item()
 
-    start = eval_loss(experiment.initial_state(built).roles["student"].params)
+    start = eval_loss(experiment.initial_state(built, batch).roles["student"].params)
     assert run.main(args) == 0
     with checkpoint.Checkpoints(out / run_folder.CHECKPOINTS) as saved:
-        final = saved.restore(saved.latest(), experiment.initial_state(built))
+        final = saved.restore(saved.latest(), experiment.initial_state(built, batch))
     assert eval_loss(final.roles["student"].params) < 0.7 * start
     scalars = tracking.read_scalars(out / "tb")
     assert {"kd_loss", "kd_step_idx", "grad_norm", "lr"} <= set(scalars)

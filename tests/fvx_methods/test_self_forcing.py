@@ -92,7 +92,7 @@ def test_the_rollout_makes_the_calls_of_the_spec(student, params, knobs):
             expected.append((False, math.floor(cfg.context_noise), b, False, False))
     assert calls == expected
     assert [e.frames for e in rolled.exits] == [(b, b + 1) for b in range(3)]
-    assert [sf.graded(e, cfg) for e in rolled.exits] == [b >= cfg.start_gradient_frame for b in range(3)]
+    assert [e.graded for e in rolled.exits] == [b >= cfg.start_gradient_frame for b in range(3)]
     assert torch.equal(rolled.timesteps, steps[exits].mean().expand(2))
 
 

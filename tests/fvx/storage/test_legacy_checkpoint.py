@@ -8,7 +8,9 @@ import torch
 
 from fvx import run
 from fvx.storage import checkpoint
-from fvx.training import experiment, run_folder, tracking
+from fvx.training import run_folder, tracking
+
+from run_state import start_state  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 LEGACY = ROOT / "tests" / "data" / "legacy_run_fvx0.1"
@@ -19,7 +21,7 @@ COMPARED = ("loss", "grad_norm", "lr")
 def restored(folder: pathlib.Path, step: int, config) -> dict:
     """Checkpoint ``step`` in ``folder`` read by today's reader into the state the config makes, by name."""
     with checkpoint.Checkpoints(folder) as checkpoints:
-        state = checkpoints.restore(step, experiment.initial_state(experiment.setup(config)))
+        state = checkpoints.restore(step, start_state(config))
     return checkpoint.leaves_by_name(state)
 
 

@@ -10,7 +10,9 @@ from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
 from fvx import run
 from fvx.core import tree
 from fvx.storage import checkpoint
-from fvx.training import experiment, export, run_folder
+from fvx.training import export, run_folder
+
+from run_state import start_state  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 EXPERIMENT = str(ROOT / "tests" / "helpers" / "faulty_experiment.py")
@@ -22,7 +24,7 @@ def run_dir(tmp_path_factory) -> pathlib.Path:
     out = tmp_path_factory.mktemp("export") / "run"
     assert run.main([EXPERIMENT, "--out", str(out), "--steps", "2"]) == 0
     with checkpoint.Checkpoints(out / "checkpoints", checkpoint.CheckpointConfig(async_save=False)) as checkpoints:
-        state = checkpoints.restore(2, experiment.initial_state(experiment.setup(run_folder.load_run(out))))
+        state = checkpoints.restore(2, start_state(run_folder.load_run(out)))
         role = state.roles["student"]
         ema = tree.map_tensors(lambda p: p * 0.5 + 0.25, role.params)
         checkpoints.save(state._replace(step=torch.tensor(3), roles={"student": role._replace(ema=ema)}),

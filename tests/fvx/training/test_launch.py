@@ -10,9 +10,10 @@ import torch
 from fvx import run
 from fvx.distributed import memory
 from fvx.storage import checkpoint
-from fvx.training import dry_run, experiment, resume, run_folder, tracking
+from fvx.training import dry_run, resume, run_folder, tracking
 from fvx_models import wan
 
+from run_state import start_state  # noqa: E402
 from gloo import COMPARED, EXPERIMENT, QUICK, REL, launch1, launch2  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -72,7 +73,7 @@ def _state_of(folder: pathlib.Path, step: int):
     config = run_folder.load_run(folder)
     with resume.open_checkpoints(folder / run_folder.CHECKPOINTS) as checkpoints:
         return checkpoints.is_sharded(step), checkpoint.leaves_by_name(
-            checkpoints.restore(step, experiment.initial_state(experiment.setup(config))))
+            checkpoints.restore(step, start_state(config)))
 
 
 def _relative_distance(got: dict, want: dict) -> float:

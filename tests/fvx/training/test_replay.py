@@ -14,6 +14,8 @@ from fvx.core.state import NONFINITE
 from fvx.storage import checkpoint
 from fvx.training import experiment, loop, replay, run_folder, tracking
 
+from run_state import start_state  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 EXPERIMENT = str(ROOT / "tests" / "helpers" / "faulty_experiment.py")  # 8 steps, grad_accum 2, checkpoints every 2
 
@@ -56,7 +58,7 @@ def test_replay_fails_loudly_on_a_tampered_checkpoint(run_dir, tmp_path, capsys)
     tampered = tmp_path / "run"
     shutil.copytree(run_dir, tampered)
     with checkpoint.Checkpoints(tampered / "checkpoints") as checkpoints:  # a checkpoint 6 that is valid, but other
-        state = checkpoints.restore(6, experiment.initial_state(experiment.setup(run_folder.load_run(tampered))))
+        state = checkpoints.restore(6, start_state(run_folder.load_run(tampered)))
     state.roles["student"].params["proj_out.bias"].add_(1e-3)
     shutil.rmtree(tampered / "checkpoints" / "6")
     with checkpoint.Checkpoints(tampered / "checkpoints", checkpoint.CheckpointConfig(async_save=False)) as writer:

@@ -13,9 +13,11 @@ import torch
 
 from fvx import run
 from fvx.storage import checkpoint
-from fvx.training import experiment, run_folder, tracking
+from fvx.training import run_folder, tracking
 
 from run_state import final_state  # noqa: E402
+
+from run_state import start_state  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 EXPERIMENT = str(ROOT / "tests" / "helpers" / "faulty_experiment.py")  # 8 steps, grad_accum 2, checkpoints every 2
@@ -199,7 +201,7 @@ def test_bad_resume_is_one_clear_error_that_writes_nothing(tmp_path, reference, 
 
     # A checkpoint whose model has another shape: every mismatched tensor is listed with both shapes.
     with checkpoint.Checkpoints(run_dir / "checkpoints") as checkpoints:
-        target = experiment.initial_state(experiment.setup(run_folder.load_run(run_dir)))
+        target = start_state(run_folder.load_run(run_dir))
         state = checkpoints.restore(8, target)
     params = state.roles["student"].params
     params["proj_out.weight"] = torch.zeros(32, 96)
