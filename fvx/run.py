@@ -115,11 +115,16 @@ def resolve_config(args: argparse.Namespace) -> fconfig.Config:
 
 
 def print_fields(config: fconfig.Config, experiment_file: str) -> None:
+    """``--help``: every field with its value and type. A reader that stops early (``| head``) is no error."""
     rows = fconfig.describe(config)
     width = max(len(path) for path, _, _ in rows)
-    print(f"usage: {USAGE}\n\nfields of {experiment_file} (override any with field=value):")
-    for path, type_name, value in rows:
-        print(f"  {path:<{width}}  {value!r}  ({type_name})")
+    try:
+        print(f"usage: {USAGE}\n\nfields of {experiment_file} (override any with field=value):")
+        for path, type_name, value in rows:
+            print(f"  {path:<{width}}  {value!r}  ({type_name})")
+        sys.stdout.flush()
+    except BrokenPipeError:  # Python's recipe: send what is left to devnull, so the exit's flush raises nothing
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _error(error: BaseException, rank: int = 0) -> int:

@@ -188,6 +188,17 @@ def make_validator(config: Experiment, built: Setup, out: pathlib.Path) -> valid
                                      decode=None if vae is None else vae.decode, folder=out / "validation")
 
 
+def check_folders(config: Experiment) -> None:
+    """A ConfigError naming the field of a model's (or the VAE's) ``path`` that does not exist, before anything is
+    built: such a folder is often the export of an earlier run of this repository's scenarios."""
+    fields = {f"models.{name}.path": getattr(model, "path", None) for name, model in config.models.items()}
+    fields["vae.path"] = getattr(getattr(config, "vae", None), "path", None)
+    for field, path in fields.items():
+        if path is not None and not pathlib.Path(path).exists():
+            raise ConfigError(f"{field} = {path!r} does not exist; when it is an earlier run's export, the experiment "
+                              "file's docstring gives the commands that make it")
+
+
 def prepare(config: Experiment, *, resume_from: str | int | None = None, rank: int = 0, world: int = 1,
             mesh: Any = None) -> Prepared:
     """Build everything (on ``mesh`` when given), check the first batch against the method, load the frozen roles
@@ -197,6 +208,7 @@ def prepare(config: Experiment, *, resume_from: str | int | None = None, rank: i
     run_folder.check_writable(out)
     run_lock.check(out)
     run_folder.launches(out)  # a damaged run.json is refused now, not after the run folder is written
+    check_folders(config)
     if config.run.wandb is not None and rank == 0:
         check_available()
     callbacks = fcallbacks.check(config.callbacks())

@@ -39,6 +39,13 @@ def test_help_lists_fields_with_defaults(capsys):
     assert "method.optim.lr" in out and "models.student.preset" in out and "'world'" in out
 
 
+def test_help_read_by_a_pipe_that_stops_early_is_no_error():
+    """``--help | head -1``: the listing stops quietly (exit 0, no BrokenPipeError traceback)."""
+    command = f"set -o pipefail; {sys.executable} -m fvx.run {EXPERIMENT} --help | head -1"
+    done = subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.startswith("usage:") and "Traceback" not in done.stderr, done.stderr
+
+
 def test_a_field_set_twice_takes_the_last_and_says_so(tmp_path, capsys):
     out = tmp_path / "run"
     assert run.main([EXPERIMENT, "--out", str(out), *QUICK, "run.steps=3", "validation.every=0", "run.steps=1"]) == 0
@@ -191,6 +198,8 @@ def test_late_failures_are_found_before_anything_is_written(tmp_path, capsys):
          "validation.prompts_file '/nonexistent/prompts.safetensors' does not exist"),
         ([EXPERIMENT, f"models.student.path={tmp_path / 'model'}"], f"{weights}' is not a readable safetensors file"),
         ([str(tmp_path / "broken.py")], "broken.py', line 2: '(' was never closed"),
+        ([EXPERIMENT, "models.student.path=runs/never_made"],
+         "models.student.path = 'runs/never_made' does not exist; when it is an earlier run's export"),
     ]
     for args, message in cases:
         out = tmp_path / "run"
