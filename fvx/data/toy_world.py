@@ -197,16 +197,9 @@ class WorldDataset:
         return f"world sample {index}"
 
     def references(self) -> torch.Tensor:
-        """Every true clip, ``[P, S, 3, T, H, W]`` in [0, 1] (``S``: the most starts of any direction, padded by
-        repeating the first)."""
+        """Every true clip, ``[P, S, 3, T, H, W]`` in [0, 1] (:func:`references`)."""
         if self._references is None:
-            most = max(len(s) for s in self.starts.values())
-            clips = []
-            for colour, direction in self.prompts:
-                options = self.starts[direction]
-                options = options + [options[0]] * (most - len(options))
-                clips.append(np.stack([render(self.config, colour, direction, s) for s in options]))
-            self._references = torch.from_numpy(np.stack(clips)) / 2 + 0.5
+            self._references = references(self.config)
         return self._references
 
     def sample_quality(self, videos: torch.Tensor, indices: Sequence[int]) -> dict[str, float]:
@@ -231,12 +224,29 @@ class WorldDataset:
         return {**means, **{f"window_{i}/{name}": value for i, w in enumerate(windows) for name, value in w.items()}}
 
 
+def references(config: WorldConfig) -> torch.Tensor:
+    """Every true clip of the world, ``[P, S, 3, T, H, W]`` in [0, 1] (``S``: the most starts of any direction,
+    padded by repeating the first)."""
+    all_starts = {d: starts(config, d) for d in config.directions}
+    most = max(len(s) for s in all_starts.values())
+    clips = []
+    for colour, direction in config.prompts:
+        options = all_starts[direction] + [all_starts[direction][0]] * (most - len(all_starts[direction]))
+        clips.append(np.stack([render(config, colour, direction, s) for s in options]))
+    return torch.from_numpy(np.stack(clips)) / 2 + 0.5
+
+
+def clip_mse(videos: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
+    """``[N, P, S]``: the pixel MSE of each clip ``[N, 3, T, H, W]`` to each true clip ``refs [P, S, 3, T, H, W]``."""
+    flat, table = videos.float().flatten(1), refs.flatten(2)  # [N, D], [P, S, D]
+    return ((flat ** 2).sum(-1)[:, None, None] + (table ** 2).sum(-1)[None]
+            - 2 * torch.einsum("nd,psd->nps", flat, table)) / flat.shape[1]
+
+
 def _quality(videos: torch.Tensor, prompts: torch.Tensor, refs: torch.Tensor) -> dict[str, float]:
     """:meth:`WorldDataset.sample_quality`'s figures of clips ``[N, 3, T, H, W]`` of ``prompts [N]`` against the true
     clips ``refs [P, S, 3, T, H, W]``."""
-    flat, table = videos.float().flatten(1), refs.flatten(2)  # [N, D], [P, S, D]
-    mse = ((flat ** 2).sum(-1)[:, None, None] + (table ** 2).sum(-1)[None]
-           - 2 * torch.einsum("nd,psd->nps", flat, table)) / flat.shape[1]  # [N, P, S]
+    mse = clip_mse(videos, refs)
     own = mse[torch.arange(len(prompts)), prompts].min(-1).values
     nearest_prompt = mse.min(-1).values.argmin(-1)
     return {"nearest_mse": float(own.mean()), "hit_rate": float((own < HIT).float().mean()),

@@ -189,8 +189,8 @@ def make_validator(config: Experiment, built: Setup, out: pathlib.Path) -> valid
 
 
 def check_folders(config: Experiment) -> None:
-    """A ConfigError naming the field of a model's (or the VAE's) ``path`` that does not exist, before anything is
-    built: such a folder is often the export of an earlier run of this repository's scenarios."""
+    """A ConfigError naming the field of a model's (or the VAE's) ``path`` that does not exist, before any weights
+    load: such a folder is often the export of an earlier run of this repository's scenarios."""
     fields = {f"models.{name}.path": getattr(model, "path", None) for name, model in config.models.items()}
     fields["vae.path"] = getattr(getattr(config, "vae", None), "path", None)
     for field, path in fields.items():
@@ -208,7 +208,6 @@ def prepare(config: Experiment, *, resume_from: str | int | None = None, rank: i
     run_folder.check_writable(out)
     run_lock.check(out)
     run_folder.launches(out)  # a damaged run.json is refused now, not after the run folder is written
-    check_folders(config)
     if config.run.wandb is not None and rank == 0:
         check_available()
     callbacks = fcallbacks.check(config.callbacks())
@@ -216,6 +215,7 @@ def prepare(config: Experiment, *, resume_from: str | int | None = None, rank: i
     first = batch_fn(config, built, rank=rank, world=world)(0)
     built.program.check(first)
     check_sequence_parallel(built, first)
+    check_folders(config)  # after the roles' and the data's checks, before any weights load
     validator = make_validator(config, built, out)
     state = initial_state(built, first)
     if resume_from is None:
