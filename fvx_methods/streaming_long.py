@@ -167,7 +167,7 @@ def empty_carry(batch: Batch, *, model: Model, config: StreamingLong, stages: tu
     return {ROWS: sharding.per_sample(rows, shards), AT: at}
 
 
-def started(carry: dict[str, Any], batch: Batch, stage_index: int, model: Model) -> dict[str, Any]:
+def started(carry: dict[str, Any], batch: Batch, stage_index: int) -> dict[str, Any]:
     """``carry`` with a new stream of ``batch``'s samples: no frames yet, an empty cache."""
     rows = carry[ROWS]
     fresh = {"sample_index": batch["sample_index"].to(rows["sample_index"].dtype),
@@ -271,7 +271,7 @@ def stream_step_(state: TrainState, batch: Batch, stage_index: int, stage: sched
     s, ranks, carry = int(state.step), roles.critic_opt.ranks, state.carry
     at = carry[AT]
     if int(at["stage"]) != stage_index or int(at["length"]) >= schedule.max_length(stage):
-        carry = started(carry, batch, stage_index, roles.student)
+        carry = started(carry, batch, stage_index)
     length, kept = int(carry[AT]["length"]), int(carry[AT]["previous_frames"])
     plan_key, rollout_key, score_key, critic_key = random.split(random.fold_in(state.key, state.step), 4)
     new, overlap = chunk_plan(length, kept, stage, config, plan_key)
