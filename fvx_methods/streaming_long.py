@@ -43,7 +43,7 @@ import msgspec
 import torch
 
 from fvx.core import flow, random, role
-from fvx.core.state import all_finite, Batch, Metrics, Program, skipped, TrainState
+from fvx.core.state import Batch, Metrics, NONFINITE, Program, TrainState
 from fvx.distributed import sharding
 from fvx_methods import self_forcing as sf
 from fvx_methods.library import distill_schedule as schedule, distribution_matching as dm
@@ -306,15 +306,12 @@ def stream_step_(state: TrainState, batch: Batch, stage_index: int, stage: sched
                                   critic=roles.critic, score=config.score())
     critic_measured = role.measure(roles.critic_opt, critic, grads)
     metrics.update(critic_loss=ranks.mean(loss), **role.metrics(critic_measured, CRITIC))
-    if not all_finite(*checked, metrics["critic_loss"], critic_measured.norm):
-        return skipped(state, metrics)  # the stream does not advance either
-    if updates:
-        student = role.update_(roles.student_opt, student, student_measured, s, before, STUDENT)
-    else:
-        student = role.ema_(roles.student_opt, student, s)
-    critic = role.update_(roles.critic_opt, critic, critic_measured, s, before, CRITIC)
-    return TrainState(state.step + 1, state.key, {STUDENT: student, CRITIC: critic},
-                      advanced(carry, full, new, after)), metrics
+    state, metrics = dm.finish_(state, metrics, checked, roles=roles,
+                                student_measured=student_measured if updates else None,
+                                critic_measured=critic_measured, before=before)
+    if NONFINITE in metrics:
+        return state, metrics  # the stream does not advance either
+    return state._replace(carry=advanced(carry, full, new, after)), metrics
 
 
 def cut(batch: Batch, frames: int, config: StreamingLong) -> Batch:

@@ -288,12 +288,23 @@ def step_(state: TrainState, batch: Batch, *, roles: Roles, frozen: Mapping[str,
                                   critic=roles.critic, score=score)
     critic_measured = role.measure(roles.critic_opt, critic, grads)
     metrics.update(critic_loss=ranks.mean(loss), **role.metrics(critic_measured, CRITIC))
+    return finish_(state, metrics, checked, roles=roles, student_measured=student_measured if updates else None,
+                   critic_measured=critic_measured, before=before)
+
+
+def finish_(state: TrainState, metrics: Metrics, checked: list[torch.Tensor], *, roles: Roles,
+            student_measured: role.Measured | None, critic_measured: role.Measured,
+            before: role.BeforeUpdate | None) -> tuple[TrainState, Metrics]:
+    """The end of a distribution-matching step, donating ``state``: nothing applied when ``checked`` or the critic's
+    loss and norm are not finite (:func:`skipped`); else the student's update (only its EMA when
+    ``student_measured`` is None) and the critic's, and the step advanced."""
     if not all_finite(*checked, metrics["critic_loss"], critic_measured.norm):
         return skipped(state, metrics)
-    if updates:
-        student = role.update_(roles.student_opt, student, student_measured, s, before, STUDENT)
-    else:
+    s, student, critic = int(state.step), state.roles[STUDENT], state.roles[CRITIC]
+    if student_measured is None:
         student = role.ema_(roles.student_opt, student, s)
+    else:
+        student = role.update_(roles.student_opt, student, student_measured, s, before, STUDENT)
     critic = role.update_(roles.critic_opt, critic, critic_measured, s, before, CRITIC)
     return state._replace(step=state.step + 1, roles={STUDENT: student, CRITIC: critic}), metrics
 
