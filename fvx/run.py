@@ -255,7 +255,8 @@ def banner(experiment_file: str, config: fconfig.Config, prepared: experiment.Pr
     for role_name, model in models.items():
         sizes.setdefault(model.name, []).append(role_name)
     described = "; ".join(f"{name} ({', '.join(roles)})" for name, roles in sizes.items())
-    trained = sum(p.numel() for role_state in state.roles.values() for p in role_state.params.values())
+    trained = sum(p.numel() for role_state in state.roles.values() if role_state.opt_state is not None
+                  for p in role_state.params.values())  # an old policy's copy is not trained
     start = int(state.step)
     steps = (f"steps {start}..{config.run.steps}" if start else f"{config.run.steps} steps")
     ranks = f"{world} process{'es' if world > 1 else ''}" + (f", sequence parallel over {sp}" if sp > 1 else "")

@@ -360,7 +360,7 @@ class StreamingLong(sf.SelfForcing, tag="streaming_long"):
     min_timestep_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
     max_timestep_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
 
-    needs_vae = True  # the experiment's VAE re-encodes the anchor (fvx.training.experiment.setup)
+    needs = ("vae",)  # the experiment's VAE re-encodes the anchor (fvx.training.experiment.setup)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -44,6 +44,9 @@ class Ranks(Protocol):
     def max(self, value: int) -> int:
         """The largest of a per-rank integer over the data-parallel ranks."""
 
+    def gather(self, value: torch.Tensor) -> torch.Tensor:
+        """Every data-parallel rank's ``value [n, ...]`` concatenated along dim 0 in rank order, on every rank."""
+
 
 class OneProcess(NamedTuple):
     """The :class:`Ranks` of a single process: nothing to combine."""
@@ -56,6 +59,9 @@ class OneProcess(NamedTuple):
 
     def max(self, value: int) -> int:
         return int(value)
+
+    def gather(self, value: torch.Tensor) -> torch.Tensor:
+        return value
 
 
 ONE_PROCESS = OneProcess()

@@ -47,11 +47,15 @@ NONFINITE = "nonfinite"
 class HeldRole(NamedTuple):
     """What a method holds of one of its roles while it trains (the dry run's rows): whether the role trains (its
     params, gradients and optimizer state, in fp32) or is frozen (its whole model, in its frozen dtype), and whether
-    it keeps an EMA. The first role is the one the data feeds."""
+    it keeps an EMA; ``optimizer=False``: a trained role's params alone, moved by the method, without gradients or
+    optimizer state (DiffusionNFT's old policy); ``model``: the role whose model it is (default: its own). The first
+    role is the one the data feeds."""
 
     name: str
     trainable: bool
     ema: bool = False
+    optimizer: bool = True
+    model: str | None = None
 
 
 Frozen = Mapping[str, Any]  # frozen role name -> its params (a teacher): arguments of the step, never saved
@@ -80,6 +84,11 @@ class Program(NamedTuple):
                                             checkpoint restores into it; on a mesh, per-sample tensors are this
                                             rank's rows (``fvx.distributed.sharding.Shards`` along dim 0). Default:
                                             None (nothing carried)
+    batch_at(dataset, data_key, step, *, batch_size, rank, world) -> raw batch
+                                            how step ``step`` reads this rank's data, a pure function of its
+                                            arguments; None: ``fvx.data.datasets.batch_at`` (an epoch's shuffled
+                                            order). A method that samples its own prompts (DiffusionNFT's K-repeat
+                                            groups) sets it
     """
 
     model: Any
@@ -90,6 +99,7 @@ class Program(NamedTuple):
     validate: Callable[[TrainState, Frozen, Any], Sequence[Any]] = lambda state, frozen, config: ()
     dataset: Callable[[Any], Any] = lambda dataset: dataset
     carry: Callable[[Batch], Any] = lambda batch: None
+    batch_at: Callable[..., dict] | None = None
 
 
 def copy(state: Any) -> Any:

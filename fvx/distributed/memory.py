@@ -130,14 +130,20 @@ def tokens_of(latents: Sequence[int], patch: Sequence[int]) -> LatentGrid:
 
 
 class Role(NamedTuple):
-    """One model of a method: its :class:`ModelSpec`, whether it trains (grads, AdamW) and keeps an EMA, and the
-    bytes of one stored param element (4 for fp32 masters, 2 for a bf16 frozen teacher)."""
+    """One model of a method: its :class:`ModelSpec`, whether it trains (grads, AdamW; ``optimizer=False``: the
+    trained params alone, as an old policy holds them) and keeps an EMA, and the bytes of one stored param element
+    (4 for fp32 masters, 2 for a bf16 frozen teacher)."""
 
     name: str
     model: ModelSpec
     trainable: bool
     ema: bool = False
     param_bytes: int = 4
+    optimizer: bool = True
+
+    @property
+    def differentiated(self) -> bool:
+        return self.trainable and self.optimizer
 
 
 class RoleBytes(NamedTuple):
@@ -161,8 +167,8 @@ def role_bytes(role: Role, shard_size: int) -> RoleBytes:
     trains, or a frozen role's whole architecture. What a trained role holds frozen is :func:`base_rows`'."""
     spec = role.model
     n = local_numel(spec.part(spec.trained if role.trainable else spec.architecture), shard_size)
-    return RoleBytes(params=n * role.param_bytes, grads=4 * n if role.trainable else 0,
-                     optimizer=8 * n if role.trainable else 0, ema=4 * n if role.ema else 0)
+    return RoleBytes(params=n * role.param_bytes, grads=4 * n if role.differentiated else 0,
+                     optimizer=8 * n if role.differentiated else 0, ema=4 * n if role.ema else 0)
 
 
 def base_rows(roles: Sequence[Role], shard_size: int) -> list[tuple[str, RoleBytes]]:
@@ -271,7 +277,7 @@ def estimate(roles: Sequence[Role], *, shard_size: int, tokens: int, batch_per_r
     if shard_size < 1 or batch_per_rank < 1 or tokens < 1:
         raise ValueError(f"shard_size, batch_per_rank and tokens must be >= 1, got {shard_size}, {batch_per_rank}, "
                          f"{tokens}")
-    differentiated = [role for role in roles if role.trainable] or list(roles)
+    differentiated = [role for role in roles if role.differentiated] or list(roles)
     return Estimate(
         roles=tuple((role.name, role_bytes(role, shard_size)) for role in roles) + tuple(base_rows(roles, shard_size)),
         activations=max(activation_bytes(role.model, tokens, batch_per_rank) for role in differentiated),

@@ -156,6 +156,10 @@ class Group(NamedTuple):
         """:func:`dp_max` of a per-rank integer."""
         return dp_max(value, self)
 
+    def gather(self, value: torch.Tensor) -> torch.Tensor:
+        """:func:`dp_gather` of per-rank rows."""
+        return dp_gather(value, self)
+
 
 def group_of(mesh: DeviceMesh) -> Group:
     """The :class:`Group` of a mesh made by :func:`make_mesh`."""
@@ -255,3 +259,18 @@ def dp_mean(value: torch.Tensor, group: Group) -> torch.Tensor:
     if group.replicate_size > 1:
         total = wait(torch.ops._c10d_functional.all_reduce(total, "sum", group.replicate_name))
     return total
+
+
+def dp_gather(value: torch.Tensor, group: Group) -> torch.Tensor:
+    """Every data-parallel rank's rows ``value [n, ...]`` (equal ``n``) concatenated along dim 0 in data-parallel rank
+    order, on every rank: an all-gather over the shard group, then over the replicate group (global rank order), then
+    one copy per sequence-parallel group (its ranks hold the same samples)."""
+    if group.ranks == 1:
+        return value
+    out = value.detach().contiguous()
+    for name, size in ((group.shard_name, group.shard_size), (group.replicate_name, group.replicate_size)):
+        if size > 1:
+            out = wait(torch.ops._c10d_functional.all_gather_into_tensor(out, size, name))
+    if group.sp_size > 1:
+        out = out.view(group.dp_size, group.sp_size, *value.shape)[:, 0].reshape(-1, *value.shape[1:])
+    return out

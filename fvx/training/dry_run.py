@@ -4,7 +4,8 @@
 Two hooks supply what fvx cannot know: each role's model family describes its architecture (``Model.memory_spec() ->``
 ``fvx.distributed.memory.ModelSpec``, param shapes read off a meta skeleton), and the method says what it holds of each
 role (``config.method.held_roles() ->`` ``fvx.core.state.HeldRole``s: which roles train, keep an EMA, or are frozen in
-their frozen dtype), in how many micro-batches a rank's batch is differentiated (``config.method.grad_accum``) and,
+their frozen dtype), in how many micro-batches a rank's batch is differentiated (``config.method.grad_accum``, or
+``config.method.micro_batches(data)`` for a method whose accumulation means another thing) and,
 when it carries state across steps, its bytes per sample (``config.method.carried_bytes(models, latent_grid)``).
 """
 from __future__ import annotations
@@ -27,10 +28,13 @@ class Plan(NamedTuple):
 
 
 def plan_of(held: Sequence[HeldRole], specs: dict[str, memory.ModelSpec], micro_batches: int = 1) -> Plan:
-    """The dry run's plan of a method's held roles: a trained role at fp32 with grads and AdamW state, a frozen one
-    at its model's frozen dtype."""
-    roles = tuple(memory.Role(role.name, specs[role.name], trainable=role.trainable, ema=role.ema,
-                              **({} if role.trainable else {"param_bytes": specs[role.name].frozen_bytes}))
+    """The dry run's plan of a method's held roles: a trained role at fp32 with grads and AdamW state (params alone
+    without an optimizer), a frozen one at its model's frozen dtype; each on its ``model`` role's spec."""
+    def spec(role: HeldRole) -> memory.ModelSpec:
+        return specs[role.model or role.name]
+
+    roles = tuple(memory.Role(role.name, spec(role), trainable=role.trainable, ema=role.ema, optimizer=role.optimizer,
+                              **({} if role.trainable else {"param_bytes": spec(role).frozen_bytes}))
                   for role in held)
     return Plan(roles=roles, micro_batches=micro_batches)
 
@@ -116,8 +120,9 @@ def report(config: Any, *, world: int, video: Sequence[int] | None = None, repli
         raise ValueError(f"--dry-run: method {type(config.method).__name__} defines no held_roles() (which roles it "
                          "trains, keeps an EMA of, or holds frozen)")
     models = build_models(config)
+    split = getattr(config.method, "micro_batches", None)
     plan = plan_of(held(), {role: model.memory_spec() for role, model in models.items()},
-                   getattr(config.method, "grad_accum", 1))
+                   getattr(config.method, "grad_accum", 1) if split is None else split(config.data))
     latents = data_latents(config) if video is None else None
     carried = getattr(config.method, "carried_bytes", None)
     est, title = estimate(plan, world=world, replicate=replicate, global_batch=config.data.batch_size,

@@ -3,8 +3,9 @@
 An experiment's root config subclasses :class:`Experiment` and adds ``models`` (model name -> a model config, whose
 ``build(mesh=)`` gives the model interface) and a ``method`` whose ``roles`` (a Struct: role -> model name) say which
 model plays each role, and whose ``build(models, total_steps=..., ranks=...)`` (``models``: role -> built model;
-``ranks``: the processes its numbers combine over, ``fvx.core.role.Ranks``; ``vae``: the experiment's ``vae`` config,
-for a method whose ``needs_vae`` says it encodes or decodes frames) gives an ``fvx.core.state.Program``. Each
+``ranks``: the processes its numbers combine over, ``fvx.core.role.Ranks``; and, by name, the experiment's fields the
+method's ``needs`` lists: ``vae`` for a method that encodes or decodes frames, ``data`` for one that reads its own
+batches) gives an ``fvx.core.state.Program``. Each
 named model is built once, whatever the number of roles it plays. :func:`prepare` builds it all, checks the first batch
 and restores a checkpoint when asked (``fvx.training.resume``), writing nothing: what the loop (``fvx.training.loop``)
 then runs.
@@ -129,24 +130,24 @@ def setup(config: Experiment, *, mesh: Any = None, callbacks: tuple[fcallbacks.C
     method_key, data_key = run_keys(config.run.seed)
     models = build_models(config, mesh=mesh)
     ranks = role.ONE_PROCESS if mesh is None else processes.group_of(mesh)
-    vae = {"vae": getattr(config, "vae", None)} if getattr(config.method, "needs_vae", False) else {}
+    needed = {name: getattr(config, name, None) for name in getattr(config.method, "needs", ())}
     program = config.method.build(models, total_steps=config.run.steps, ranks=ranks,
-                                  before_update=fcallbacks.before_update(callbacks), **vae)
+                                  before_update=fcallbacks.before_update(callbacks), **needed)
     dataset = program.dataset(datasets.open_dataset(config.data, data_key))
     return Setup(models=models, program=program, dataset=dataset, data_key=data_key, method_key=method_key,
                  mesh=mesh)
 
 
 def batch_fn(config: Experiment, built: Setup, *, rank: int = 0, world: int = 1) -> Callable[[int], Any]:
-    """``step -> this rank's batch`` as methods see it (the data model's ``cond`` made from the data): a pure function
-    of the config's seed. Under sequence parallelism the slice is the data-parallel rank's (``rank // sp`` of
-    ``world // sp``): the ranks of an SP group read the same samples."""
+    """``step -> this rank's batch`` as methods see it (the data model's ``cond`` made from the data, read as the
+    program's ``batch_at`` says): a pure function of the config's seed. Under sequence parallelism the slice is the
+    data-parallel rank's (``rank // sp`` of ``world // sp``): the ranks of an SP group read the same samples."""
     rank, world = processes.data_rank(built.mesh, rank, world)
+    read = built.program.batch_at or datasets.batch_at
 
     def at(step: int):
         try:
-            raw = datasets.batch_at(built.dataset, built.data_key, step, batch_size=config.data.batch_size, rank=rank,
-                                    world=world)
+            raw = read(built.dataset, built.data_key, step, batch_size=config.data.batch_size, rank=rank, world=world)
         except datasets.DataError as error:
             raise datasets.DataError(f"step {step}: {error}") from None
         return built.program.model.batch(raw)
@@ -188,6 +189,17 @@ def make_validator(config: Experiment, built: Setup, out: pathlib.Path) -> valid
                                      decode=None if vae is None else vae.decode, folder=out / "validation")
 
 
+def check_skippable(config: Experiment) -> None:
+    """A ConfigError when ``run.on_nonfinite=skip`` cannot skip a step: the method applies several optimizer updates
+    in one (its ``updates_per_step(data)``), and those before a non-finite one are already applied."""
+    updates = getattr(config.method, "updates_per_step", None)
+    count = 1 if updates is None else updates(config.data)
+    if config.run.on_nonfinite == "skip" and count > 1:
+        raise ConfigError(f"run.on_nonfinite=skip cannot skip a step of {type(config.method).__name__}: it applies "
+                          f"{count} optimizer updates per step and those before a non-finite one stay applied; use "
+                          "run.on_nonfinite=halt (or one update per step: a larger method.grad_accum)")
+
+
 def check_folders(config: Experiment) -> None:
     """A ConfigError naming the field of a model's (or the VAE's) ``path`` that does not exist, before any weights
     load: such a folder is often the export of an earlier run of this repository's scenarios."""
@@ -211,6 +223,7 @@ def prepare(config: Experiment, *, resume_from: str | int | None = None, rank: i
     if config.run.wandb is not None and rank == 0:
         check_available()
     callbacks = fcallbacks.check(config.callbacks())
+    check_skippable(config)
     built = setup(config, mesh=mesh, callbacks=callbacks)
     first = batch_fn(config, built, rank=rank, world=world)(0)
     built.program.check(first)

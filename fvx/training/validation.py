@@ -297,7 +297,9 @@ class Sampler(NamedTuple):
     ``params`` (used as they are, no copy), the sigma schedule, the sampler kind (``"ode"`` or ``"sde"``), and
     whether to sample it with the validation's classifier-free guidance (``guided``). ``draw(params, noise, cond,
     key, guidance=None) -> latents`` replaces ``flow.sample`` when set (a streaming model sampled block by block; it
-    owns its schedule; ``guidance`` is ``(uncond, scale)`` for a guided one)."""
+    owns its schedule; ``guidance`` is ``(uncond, scale)`` for a guided one). ``score(videos, captions) -> {name:
+    [N]}``: per-sample scores of the decoded videos (an RL method's rewards), logged as their means and written
+    into each video's caption."""
 
     tag: str
     apply: flow.ApplyFn
@@ -306,6 +308,7 @@ class Sampler(NamedTuple):
     sampler: str = "ode"
     guided: bool = False
     draw: Callable[..., torch.Tensor] | None = None
+    score: Callable[[torch.Tensor, list[str]], dict[str, torch.Tensor]] | None = None
 
 
 class Validator(NamedTuple):
@@ -371,11 +374,26 @@ def validate(validator: Validator, tracker: Tracker, step: int, samplers: Sequen
         if validator.quality is not None and video is not None:
             tracker.scalars(step, {f"validation/{entry.tag}/{name}": value
                                    for name, value in validator.quality(video).items()})
+        captions = validator.prompts.captions
+        if entry.score is not None and video is not None:
+            captions, scores = scored_captions(entry.score, video, captions)
+            tracker.scalars(step, {f"validation/{entry.tag}/{name}": value for name, value in scores.items()})
         scale = validator.config.display_scale
         if video is not None and scale > 1:
             video = video.repeat_interleave(scale, dim=-1).repeat_interleave(scale, dim=-2)
         log_validation(tracker, step, entry.tag, latents, video, folder=validator.folder, fps=validator.config.fps,
-                       captions=validator.prompts.captions)
+                       captions=captions)
+
+
+def scored_captions(score: Callable[[torch.Tensor, list[str]], dict[str, torch.Tensor]], video: torch.Tensor,
+                    captions: Sequence[str] | None) -> tuple[list[str], dict[str, float]]:
+    """``("k: v | ... | caption" per video, {"reward/<k>": mean})`` of ``score``'s per-sample scores of ``video``
+    (FastVideo's RL validation captions)."""
+    prompts = list(captions) if captions is not None else [""] * video.shape[0]
+    values = score(video, prompts)
+    texts = [" | ".join([*(f"{k}: {float(v[i]):.4g}" for k, v in values.items()), prompts[i][:1000]])
+             for i in range(video.shape[0])]
+    return texts, {f"reward/{k}": float(v.float().mean()) for k, v in values.items()}
 
 
 def callback(validator: Validator, samplers_of: Callable[[Any, Any, ValidationConfig], Sequence[Sampler]],

@@ -1,5 +1,6 @@
-"""What online RL methods share (DiffusionNFT first, spec §2.11): K-repeat grouped prompt sampling across ranks, the
-per-group advantages of rewards, the reward diagnostics and the old policy's decay schedule, as pure functions.
+"""What online RL methods share (DiffusionNFT first, spec §2.11): K-repeat grouped prompt sampling across ranks (and
+the program's ``batch_at`` that reads a step's sampling batches so), rollouts through fvx's samplers, the per-group
+advantages of rewards over every rank, the reward diagnostics and the old policy's decay schedule.
 
 K-repeat sampling (DiffusionNFT's ``DistributedKRepeatSampler``, FastVideo's ``distributed_k_repeat_indices``): a
 sampling batch of ``world x batch_size`` samples holds ``U = world x batch_size / K`` distinct prompt rows, each
@@ -10,11 +11,11 @@ global set is the same for any split of it into ranks. Groups are identified by 
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Any, Literal, NamedTuple, Sequence
 
 import torch
 
-from fvx.core import random
+from fvx.core import flow, random
 
 ADVANTAGE_EPS = 1e-4  # added to a group's (biased) std before dividing, as DiffusionNFT does
 
@@ -50,6 +51,44 @@ def k_repeat_rows(key: torch.Tensor, *, dataset_length: int, batch_size: int, re
     repeated = [row for row in rows for _ in range(repeats)]
     shuffled = [repeated[i] for i in random.permutation(order_key, total).tolist()]
     return KRepeat(shuffled[rank * batch_size:(rank + 1) * batch_size], unique)
+
+
+def k_repeat_batch_at(dataset: Any, key: torch.Tensor, step: int, *, batch_size: int, rank: int, world: int,
+                      repeats: int, batches: int) -> dict[str, Any]:
+    """This rank's rows of step ``step``'s ``batches`` K-repeat sampling batches of ``batch_size`` prompts each
+    (global; ``repeats`` copies of each distinct prompt), batch ``b`` drawn from ``fold_in(fold_in(key, step), b)``, as
+    one batch (a ``Program.batch_at``). ``sample_index``: each copy's own global index ``(step * batches + b) *
+    batch_size + rank * n + i`` (``n = batch_size / world``), so each draws its own noise, the same for any world
+    size; ``index``: the dataset rows (the groups)."""
+    if batch_size % world:
+        raise ValueError(f"a sampling batch of {batch_size} prompts does not split over {world} ranks")
+    n, reads, indices = batch_size // world, [], []
+    for b in range(batches):
+        drawn = k_repeat_rows(random.fold_in(random.fold_in(key, step), b), dataset_length=len(dataset),
+                              batch_size=n, repeats=repeats, world=world, rank=rank)
+        reads += drawn.local_rows
+        first = (step * batches + b) * batch_size + rank * n
+        indices.append(torch.arange(first, first + n, dtype=torch.int64))
+    batch = dataset.read(reads)
+    batch["sample_index"] = torch.cat(indices)
+    return batch
+
+
+Trajectory = Literal["ode", "sde_reflow"]
+
+
+def rollout(apply_fn: flow.ApplyFn, params: Any, cond: Any, shape: Sequence[int], sample_index: torch.Tensor,
+            key: torch.Tensor, sigmas: torch.Tensor, trajectory: Trajectory = "ode") -> torch.Tensor:
+    """Samples ``[B, *shape]`` (no grad) of the model ``apply_fn(params, x_t, t, cond)`` along ``sigmas``, from noise
+    ``normal(fold_in(split(key)[0], index_b))`` per sample: the Euler ODE (``ode``) or, ``sde_reflow``, x0 predicted
+    at each level and re-noised to the next with fresh noise from ``fold_in(split(key)[1], index_b)``
+    (``fvx.core.flow.sde_sample``; FastVideo's DiffusionSampler trajectories)."""
+    noise_key, step_key = random.split(key)
+    index = sample_index.to(key.device)
+    noise = random.normal_each(random.fold_in(noise_key, index), tuple(shape))
+    with torch.no_grad():
+        return flow.sample(apply_fn, params, noise, sigmas, random.fold_in(step_key, index), cond=cond,
+                           sampler="ode" if trajectory == "ode" else "sde")
 
 
 def groups(group_ids: Sequence[int]) -> list[torch.Tensor]:

@@ -3,8 +3,8 @@
 A reward receives decoded media in [0, 1] and the samples' prompts and returns one scalar per sample; it declares
 which frames it scores (``frames``): ``first`` (images ``[B, C, H, W]``: the first frame), ``sampled`` (the mean of
 its scores of ``count`` frames spaced evenly over the clip, first and last included) or ``whole`` (videos
-``[B, C, T, H, W]``). :func:`scores` runs each, checks what it returns (``[B]``, finite: a RewardError names the
-reward, and the method applies no update) and adds ``avg``, the weighted **sum** ``sum_k w_k score_k`` (FastVideo's
+``[B, C, T, H, W]``). :func:`scores` runs each, checks what it returns (``[B]``: a RewardError names the reward) and
+adds ``avg``, the weighted **sum** ``sum_k w_k score_k`` (FastVideo's
 ``MultiRewardScorer``).
 """
 from __future__ import annotations
@@ -51,7 +51,8 @@ def score(reward: Reward, videos: torch.Tensor, prompts: Sequence[str], count: i
 def scores(rewards: Mapping[str, Reward], weights: Mapping[str, float], videos: torch.Tensor,
            prompts: Sequence[str]) -> dict[str, torch.Tensor]:
     """Each reward's scores ``[B]`` fp32 by name, and ``avg``: their weighted sum; a RewardError names a reward that
-    returns another shape or a non-finite score."""
+    returns another shape. A non-finite score is returned as it is: a method applies no update then, and its metrics
+    (``reward/<name>``) name the reward."""
     batch, out = videos.shape[0], {}
     if len(prompts) != batch:
         raise ValueError(f"rewards: {batch} clips but {len(prompts)} prompts")
@@ -62,8 +63,6 @@ def scores(rewards: Mapping[str, Reward], weights: Mapping[str, float], videos: 
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise RewardError(f"reward {name!r} returned {shape} for {batch} clips; a reward returns one score per "
                               f"clip, [{batch}]")
-        if not bool(torch.isfinite(value).all()):
-            raise RewardError(f"reward {name!r} returned a non-finite score ({value.tolist()})")
         out[name] = value.float()
     out["avg"] = sum(float(weights[name]) * out[name] for name in rewards)
     return out

@@ -9,9 +9,10 @@ from fvx.data import toy_world
 
 
 class WorldReward:
-    """Minus the pixel MSE of a clip ``[B, 3, T, H, W]`` to the nearest true clip of its prompt, in units of the
-    world's hit threshold (0: a true clip; -1: at the threshold a hit must be within); prompts are the world's
-    captions. Scores the whole clip."""
+    """``exp(-MSE / HIT)`` of a clip ``[B, 3, T, H, W]``, MSE its pixel MSE to the nearest true clip of its prompt and
+    HIT the world's hit threshold: 1 for a true clip, 1/e at the threshold, towards 0 far away. Minus the MSE itself
+    would prefer a blur (it lies between the clips a prompt allows) to a sharp clip of the wrong phase; this prefers
+    the hits. Prompts are the world's captions; scores the whole clip."""
 
     frames = "whole"
 
@@ -25,4 +26,4 @@ class WorldReward:
             raise ValueError(f"world reward: prompts {unknown} are not the world's; known: {', '.join(self.prompt_of)}")
         index = torch.tensor([self.prompt_of[p] for p in prompts])
         mse = toy_world.clip_mse(videos, self.references)  # [B, P, S]
-        return -mse[torch.arange(len(index)), index].min(-1).values / toy_world.HIT
+        return torch.exp(-mse[torch.arange(len(index)), index].min(-1).values / toy_world.HIT)

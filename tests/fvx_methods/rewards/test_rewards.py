@@ -49,10 +49,11 @@ def test_the_weighted_sum_and_a_reward_that_misbehaves_is_named():
             return self.value
 
     for value, match in [(torch.zeros(3, 1), r"reward 'bad' returned \(3, 1\) for 3 clips"),
-                         (torch.tensor([0.0, float("nan"), 1.0]), "reward 'bad' returned a non-finite score"),
                          (1.0, "reward 'bad' returned float")]:
         with pytest.raises(reward.RewardError, match=match):
             reward.scores({"bad": Broken(value)}, {"bad": 1.0}, videos, list("xyz"))
+    nan = reward.scores({"bad": Broken(torch.tensor([0.0, float("nan"), 1.0]))}, {"bad": 1.0}, videos, list("xyz"))
+    assert nan["avg"].isnan().tolist() == [False, True, False]  # passed on: the method skips its update
 
 
 @pytest.mark.parametrize("weights, match", [
@@ -63,16 +64,18 @@ def test_reward_weights_are_checked(weights, match):
         reward.check_weights(weights, named.KNOWN)
 
 
-def test_the_world_reward_is_zero_on_a_true_clip_and_falls_with_the_error():
+def test_the_world_reward_is_one_on_a_true_clip_and_falls_with_the_error():
     config = toy_world.WorldConfig()
     refs = toy_world.references(config)
     scorer = named.named("world", world=config)
     prompts = [toy_world.caption(config, *config.prompts[i]) for i in (0, 3)]
     truth = torch.stack([refs[0, 0], refs[3, 1]])
-    assert scorer(truth, prompts).abs().max() < 1e-6
+    assert (scorer(truth, prompts) - 1).abs().max() < 1e-6
     noisy = (truth + 0.1 * random.normal(random.key(0), tuple(truth.shape))).clamp(0, 1)
+    mse = ((noisy - truth) ** 2).flatten(1).mean(1)
+    torch.testing.assert_close(scorer(noisy, prompts), torch.exp(-mse / toy_world.HIT))  # nearest: the truth
     wrong = torch.stack([refs[1, 0], refs[2, 0]])  # another prompt's clips
-    assert (scorer(noisy, prompts) < 0).all() and (scorer(wrong, prompts) < scorer(noisy, prompts)).all()
+    assert (scorer(noisy, prompts) < 1).all() and (scorer(wrong, prompts) < scorer(noisy, prompts)).all()
     with pytest.raises(ValueError, match="are not the world's"):
         scorer(truth, ["a cat", prompts[1]])
     with pytest.raises(ValueError, match="data must be the world"):
