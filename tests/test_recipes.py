@@ -20,7 +20,8 @@ def test_the_experiments_define_recipes():
 def test_every_recipe_builds_and_dry_runs(recipe, tmp_path):
     config = fconfig.load_experiment(recipe)
     # one micro-batch of one sample per rank (FastVideo's KD recipes run 8 ranks of 2, its LoRA recipe accumulates 5)
-    world = config.data.batch_size // getattr(config.method, "grad_accum", 1)
+    split = getattr(config.method, "micro_batches", None)  # DiffusionNFT's accumulation counts micro-steps
+    world = config.data.batch_size // (getattr(config.method, "grad_accum", 1) if split is None else split(config.data))
     report = dry_run.report(config, world=world, video=(77, 448, 832))
     assert "fits in" in report or "does not fit" in report
     fconfig.dump(config, tmp_path)

@@ -5,10 +5,9 @@ An experiment's root config subclasses :class:`Experiment` and adds ``models`` (
 model plays each role, and whose ``build(models, total_steps=..., ranks=...)`` (``models``: role -> built model;
 ``ranks``: the processes its numbers combine over, ``fvx.core.role.Ranks``; and, by name, the experiment's fields the
 method's ``needs`` lists: ``vae`` for a method that encodes or decodes frames, ``data`` for one that reads its own
-batches) gives an ``fvx.core.state.Program``. Each
-named model is built once, whatever the number of roles it plays. :func:`prepare` builds it all, checks the first batch
-and restores a checkpoint when asked (``fvx.training.resume``), writing nothing: what the loop (``fvx.training.loop``)
-then runs.
+batches) gives an ``fvx.core.state.Program``. Each named model is built once, whatever the number of roles it
+plays. :func:`prepare` builds it all, checks the first batch and restores a checkpoint when asked
+(``fvx.training.resume``), writing nothing: what the loop (``fvx.training.loop``) then runs.
 
 Keys. ``(method_key, data_key) = split(key(run.seed))``: the method's (its state, frozen roles and steps) and the
 data's (sample order, synthetic samples, CFG dropout); nothing else about randomness exists, so a checkpoint holds
@@ -197,7 +196,7 @@ def check_skippable(config: Experiment) -> None:
     if config.run.on_nonfinite == "skip" and count > 1:
         raise ConfigError(f"run.on_nonfinite=skip cannot skip a step of {type(config.method).__name__}: it applies "
                           f"{count} optimizer updates per step and those before a non-finite one stay applied; use "
-                          "run.on_nonfinite=halt (or one update per step: a larger method.grad_accum)")
+                          "run.on_nonfinite=halt, or method settings that make one update per step")
 
 
 def check_folders(config: Experiment) -> None:

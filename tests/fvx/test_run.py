@@ -176,6 +176,8 @@ def test_every_experiment_trains_two_steps_and_validates(tmp_path, experiment, w
 
         teacher = [*teacher, f"method.cache={tmp_path / 'cache'}", "data.world.num_samples=4", "method.teacher_steps=2"]
         trajectory_cache.build(trajectory_cache.resolve(str(EXPERIMENTS / experiment), teacher), batch=4)
+    if experiment == "diffusion_nft.py":  # groups of 2 in the batch of 2, one sampling batch a step
+        teacher = [*teacher, "method.num_video_per_prompt=2", "method.num_batches_per_epoch=1"]
     assert run.main([str(EXPERIMENTS / experiment), "--out", str(out), "--steps", "2", *QUICK, "validation.every=2",
                      "validation.num_prompts=1", "validation.num_steps=2", *teacher]) == 0
     assert (out / "validation" / "step_2").is_dir() and (out / "checkpoints" / "2").is_dir()

