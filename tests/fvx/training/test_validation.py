@@ -306,3 +306,16 @@ def test_a_guided_sampler_steps_with_uncond_plus_g_times_the_difference(tmp_path
     assert validation.guided(model.apply, validator.uncond, 1.0) is model.apply  # g = 1: no unconditional call
     with pytest.raises(msgspec.ValidationError, match="negative_prompt_path"):
         msgspec.convert({"guidance_scale": 2.0, "cfg_uncond": "negative_prompt"}, ValidationConfig)
+
+
+def test_scores_go_into_the_captions_and_their_means_into_the_scalars():
+    """A sampler's ``score`` (an RL method's rewards): each video's values before its prompt, their means logged."""
+    videos = torch.zeros(2, 3, 1, 4, 4)
+
+    def score(video, captions):
+        assert captions == ["red bars", "blue bars"]
+        return {"world": torch.tensor([0.5, 0.25]), "avg": torch.tensor([1.0, 0.5])}
+
+    captions, scalars = validation.scored_captions(score, videos, ["red bars", "blue bars"])
+    assert captions == ["world: 0.5 | avg: 1 | red bars", "world: 0.25 | avg: 0.5 | blue bars"]
+    assert scalars == {"reward/world": 0.375, "reward/avg": 0.75}
