@@ -43,11 +43,11 @@ import msgspec
 import torch
 
 from fvx.config import Config
-from fvx.core import ema, grad, optim, random, role, tree
+from fvx.core import ema, flow, grad, optim, random, role, tree
 from fvx.core.optim_config import AdamWConfig
-from fvx.core.state import all_finite, Batch, HeldRole, Metrics, Program, skipped, TrainState
+from fvx.core.state import all_finite, Batch, copy, HeldRole, Metrics, Program, skipped, TrainState
 from fvx.training import validation
-from fvx_methods.library import rl
+from fvx_methods.library import distribution_matching as dm, rl
 from fvx_methods.rewards import named, reward as freward
 from fvx_models.model import check_shared_data, Model, Params
 
@@ -154,7 +154,7 @@ def sample_(state: TrainState, frozen: Mapping[str, Params], batch: Batch, key: 
     """The old policy's samples ``[N, C, T, H, W]`` (normalised latents) of the step's prompts, one sampling batch
     at a time."""
     params = role.with_trained(frozen.get(STUDENT), state.roles[OLD].params)
-    shape = tuple(batch["latents"].shape[1:]) if "latents" in batch else tuple(config.latent_shape)
+    shape = dm.sample_shape(batch, config)
     n = len(batch["sample_index"]) // config.num_batches_per_epoch
     parts = []
     for b in range(config.num_batches_per_epoch):
@@ -165,16 +165,18 @@ def sample_(state: TrainState, frozen: Mapping[str, Params], batch: Batch, key: 
     return torch.cat(parts)
 
 
-def advantages_of(scores: dict[str, torch.Tensor], batch: Batch, ranks: role.Ranks) -> tuple[torch.Tensor, Metrics]:
+def advantages_of(scores: dict[str, torch.Tensor], batch: Batch,
+                  ranks: role.Ranks) -> tuple[torch.Tensor | None, Metrics]:
     """This rank's advantages ``[n]`` from every rank's rewards (gathered: the groups are the dataset rows) and the
-    step's reward metrics: ``reward/<k>`` global means, the group diagnostics, ``nft/num_sampled``."""
+    step's reward metrics: ``reward/<k>`` global means, the group diagnostics, ``nft/num_sampled``; None for the
+    advantages (and only the means) when a reward on any rank is not finite."""
     names = list(scores)
     everyone = ranks.gather(torch.stack([scores[k] for k in names], dim=1))
     ids = ranks.gather(torch.stack([batch["index"], batch["sample_index"]], dim=1))
     metrics = {f"reward/{k}": everyone[:, i].mean() for i, k in enumerate(names)}
     avg = everyone[:, names.index("avg")]
     if not bool(torch.isfinite(avg).all()):
-        return avg, metrics
+        return None, metrics
     advantages = rl.group_advantages(avg, ids[:, 0].tolist())
     here = (ids[None, :, 1] == batch["sample_index"][:, None]).int().argmax(1)
     metrics.update(rl.reward_diagnostics(avg, ids[:, 0].tolist()), **{
@@ -226,7 +228,7 @@ def step_(state: TrainState, frozen: Mapping[str, Params], batch: Batch, *, role
         media = roles.decode(model.denormalize(x0))
     scores = freward.scores(roles.rewards, roles.weights, media, batch["caption"])
     advantages, metrics = advantages_of(scores, batch, ranks)
-    if "nft/num_sampled" not in metrics:  # a reward was not finite on some rank: every rank skips
+    if advantages is None:  # a reward was not finite on some rank: every rank skips
         return skipped(state, metrics)
     student, old = state.roles[STUDENT], state.roles[OLD]
     old_params = role.with_trained(base, old.params)
@@ -240,8 +242,7 @@ def step_(state: TrainState, frozen: Mapping[str, Params], batch: Batch, *, role
              for m in micro_steps(x0, batch["sample_index"], train_key, plan_, epoch))
     for i, (rows, t, noise) in enumerate(steps):
         x0_b = x0[rows]
-        shape = (-1,) + (1,) * (x0.dim() - 1)
-        x_t = (1 - t.view(shape)) * x0_b + t.view(shape) * noise
+        x_t = flow.add_noise(x0_b, noise, t)
         cond = {name: c[rows] for name, c in batch["cond"].items()}
         with torch.no_grad():
             v_old = model.apply(old_params, x_t, t * 1000, cond).float()
@@ -407,15 +408,14 @@ class DiffusionNFT(Config, tag="diffusion_nft"):
                       self.optim.role(total_steps * plan_.updates_per_step, ranks, ema_decay=self.ema_decay,
                                       ema_start_step=self.ema_update_after_step + 1, ema_start="blend"),
                       rewards, dict(self.reward_fn), codec.decode)
-        config = self
         return Program(
             model=roles.student,
             init=lambda run_key: init(run_key, roles),
             frozen=lambda run_key: frozen_params(run_key, roles, same_model=self.roles.reference == self.roles.student),
-            step_=lambda state, frozen, batch: step_(state, frozen, batch, roles=roles, config=config, plan_=plan_,
+            step_=lambda state, frozen, batch: step_(state, frozen, batch, roles=roles, config=self, plan_=plan_,
                                                      before=before_update),
             check=lambda batch: check_batch(batch, roles.student, self),
-            validate=lambda state, frozen, cfg: validate(state, frozen, cfg, roles=roles, config=config),
+            validate=lambda state, frozen, cfg: validate(state, frozen, cfg, roles=roles, config=self),
             batch_at=functools.partial(rl.k_repeat_batch_at, repeats=self.num_video_per_prompt,
                                        batches=self.num_batches_per_epoch))
 
@@ -432,7 +432,7 @@ def init(run_key: torch.Tensor, roles: Roles) -> TrainState:
     """Step 0: the student's initial params (fresh optimizer state, EMA) and the old policy, a copy of them."""
     params_key, steps_key = random.split(run_key)
     student = role.init(roles.opt, roles.student.initial_params(params_key))
-    old = role.RoleState(params=tree.map_tensors(torch.clone, student.params), opt_state=None)
+    old = role.RoleState(params=copy(student.params), opt_state=None)
     return TrainState(step=torch.zeros((), dtype=torch.int64), key=steps_key, roles={STUDENT: student, OLD: old})
 
 
@@ -469,7 +469,7 @@ def validate(state: TrainState, frozen: Mapping[str, Params], validation_config:
     ema = student.ema is not None and config.validate_ema
     params = role.with_trained(frozen.get(STUDENT), student.ema if ema else student.params)
     sigmas = validation.many_step_sigmas(validation_config.num_steps, validation_config.flow_shift)
-    sampler = "ode" if config.sampling.trajectory == "ode" else "sde"
+    sampler = rl.SAMPLER[config.sampling.trajectory]
 
     def score(video: torch.Tensor, captions: list[str]) -> dict[str, torch.Tensor]:
         return freward.scores(roles.rewards, roles.weights, video, captions)

@@ -48,7 +48,7 @@ class HeldRole(NamedTuple):
     """What a method holds of one of its roles while it trains (the dry run's rows): whether the role trains (its
     params, gradients and optimizer state, in fp32) or is frozen (its whole model, in its frozen dtype), and whether
     it keeps an EMA; ``optimizer=False``: a trained role's params alone, moved by the method, without gradients or
-    optimizer state (DiffusionNFT's old policy); ``model``: the role whose model it is (default: its own). The first
+    optimizer state (an RL method's old policy); ``model``: the role whose model it is (default: its own). The first
     role is the one the data feeds."""
 
     name: str
@@ -87,7 +87,7 @@ class Program(NamedTuple):
     batch_at(dataset, data_key, step, *, batch_size, rank, world) -> raw batch
                                             how step ``step`` reads this rank's data, a pure function of its
                                             arguments; None: ``fvx.data.datasets.batch_at`` (an epoch's shuffled
-                                            order). A method that samples its own prompts (DiffusionNFT's K-repeat
+                                            order). A method that samples its own prompts (RL's K-repeat
                                             groups) sets it
     """
 

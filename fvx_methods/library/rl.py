@@ -75,6 +75,7 @@ def k_repeat_batch_at(dataset: Any, key: torch.Tensor, step: int, *, batch_size:
 
 
 Trajectory = Literal["ode", "sde_reflow"]
+SAMPLER = {"ode": "ode", "sde_reflow": "sde"}  # a trajectory's sampler in fvx.core.flow
 
 
 def rollout(apply_fn: flow.ApplyFn, params: Any, cond: Any, shape: Sequence[int], sample_index: torch.Tensor,
@@ -85,10 +86,10 @@ def rollout(apply_fn: flow.ApplyFn, params: Any, cond: Any, shape: Sequence[int]
     (``fvx.core.flow.sde_sample``; FastVideo's DiffusionSampler trajectories)."""
     noise_key, step_key = random.split(key)
     index = sample_index.to(key.device)
-    noise = random.normal_each(random.fold_in(noise_key, index), tuple(shape))
+    noise = random.normal_each(random.fold_in(noise_key, index), tuple(shape), device=sample_index.device)
     with torch.no_grad():
         return flow.sample(apply_fn, params, noise, sigmas, random.fold_in(step_key, index), cond=cond,
-                           sampler="ode" if trajectory == "ode" else "sde")
+                           sampler=SAMPLER[trajectory])
 
 
 def groups(group_ids: Sequence[int]) -> list[torch.Tensor]:

@@ -101,8 +101,8 @@ def test_the_plan_of_fastvideos_recipe_and_of_the_toy():
     got = nft.plan(toy.method, toy.data.batch_size)
     assert (len(got.train_sigmas), got.micro_batches, got.accumulation, got.updates_per_step) == (3, 2, 6, 1)
     assert torch.equal(got.train_sigmas, got.sigmas[:3]) and got.sigmas[0] == 1.0
-    many = nft.plan(toy.method.__class__(reward_fn={"world": 1.0}, num_batches_per_epoch=2, train_batch_size=2,
-                                         num_inner_epochs=2, grad_accum=5, sampling=nft.Sampling(num_steps=4)), 8)
+    many = nft.plan(nft.DiffusionNFT(reward_fn={"world": 1.0}, num_batches_per_epoch=2, train_batch_size=2,
+                                     num_inner_epochs=2, grad_accum=5, sampling=nft.Sampling(num_steps=4)), 8)
     assert (many.micro_batches, many.accumulation, many.updates_per_step) == (8, 15, 4)  # ceil(2 x 8 x 3 / 15)
 
 
@@ -248,7 +248,7 @@ def test_bad_input_from_the_cli_is_one_line_and_writes_nothing(tmp_path, capsys,
 
 def test_the_dry_run_shows_each_roles_holding(capsys):
     """FastVideo's recipe on 4 ranks: the student with AdamW and EMA, the old policy's params alone, the reference
-    frozen in bf16; with a LoRA student the reference is the base it shares."""
+    frozen in bf16."""
     assert run.main([f"{EXPERIMENT}:wan21_t2v_1p3b_pick_clip", "--dry-run", "--world", "4"]) == 0
     rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines() if line.strip()}
     student, old, reference = (list(map(float, rows[name])) for name in ("student", "old", "reference"))
