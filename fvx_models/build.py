@@ -68,6 +68,11 @@ class ModelConfig(Config):
     def spec(self) -> Preset:
         return self.family.preset(self.preset)
 
+    @property
+    def two_time(self) -> bool:
+        """Whether the model takes a second time ``r``: a flow map ``u(x_t, t, r)`` (``fvx_models.wan_two_time``)."""
+        return False
+
     def frozen(self, name: str) -> bool:
         """Whether param ``name`` never trains under this config (a family may freeze a part, e.g. an expert)."""
         return False
@@ -186,19 +191,28 @@ def _patch(config: ModelConfig) -> tuple[int, int, int]:
 def apply(config: ModelConfig, module: nn.Module, spec: fcond.Spec, params: Params, x_t: torch.Tensor,
           t: torch.Tensor, cond: Mapping[str, torch.Tensor], *, compute_dtypes: Mapping[str, torch.dtype] | None,
           gathers: gather_schedule.UnitGathers | None, forward: Callable | None = None,
-          call: Any = None) -> torch.Tensor:
+          call: Any = None, r: torch.Tensor | None = None) -> torch.Tensor:
     """Flow velocity fp32 ``[B, C, T, H, W]`` of latents ``x_t [B, C, T, H, W]`` at ``t [B]`` (0..1000) under
     ``cond``. Under a compute dtype, params (but the fp32-kept) and the float inputs are cast inside the call;
     gradients reach the caller's params in their own dtype; ``t`` stays fp32 (bf16 cannot hold 999). Params may be
     stored lower than they compute in (a bf16 teacher under fp32 compute computes from its bf16-rounded weights).
     Sharded (``gathers``): ``params`` are this rank's shards and each unit gathers its own in the compute dtype.
     ``forward(params, buffers, kwargs)``: the compiled whole forward (``compile="model"``).
-    ``call`` is bound to the skeleton for this forward by the family's ``bind`` (a causal family's KV cache)."""
+    ``call`` is bound to the skeleton for this forward by the family's ``bind`` (a causal family's KV cache).
+    ``r`` (shaped as ``t``): a two-time model's target time, the average velocity from ``t`` to ``r``; None: ``r =
+    t``, the instantaneous velocity."""
     family = config.family
     _check_inputs(family.name, config, spec, x_t, t, cond)
+    if r is not None and not config.two_time:
+        raise ValueError(f"{family.name}:{config.preset} apply: r given to a model without a second time input")
+    if r is not None and not (isinstance(r, torch.Tensor) and r.shape == t.shape):
+        raise ValueError(f"{family.name} apply: r must have t's shape {tuple(t.shape)}, got "
+                         f"{tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__}")
     dtype = DTYPES[config.compute_dtype]
     x_t, cond = x_t.to(dtype), fcond.to(cond, dtype=dtype)
     kwargs = family.inputs(config, x_t, t.to(torch.float32), cond, gathers is not None)
+    if config.two_time:
+        kwargs = family.with_r(config, kwargs, x_t, (t if r is None else r).to(torch.float32))
     buffers = {name: b.to(x_t.device) for name, b in module.named_buffers()}
     with contextlib.nullcontext() if family.bind is None else family.bind(module, call):
         if gathers is not None:
@@ -262,21 +276,26 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
                                           backend=config.compile_backend)
     spec = dict(family.cond_spec(config))
     placed = functools.partial(place, mesh=mesh, layout=layout)
+    derived = family.derived(config)
+
+    def drawn(key: torch.Tensor) -> Params:
+        params = init_params(plain, key, family.init_rules, family.name)
+        return {**params, **{name: make(params) for name, make in derived.items()}}
+
+    def read(folder: str) -> Params:
+        return dfolder.read_params(folder, plain, family.components, f"{family.name} load", lazy=mesh is not None,
+                                   derived=derived)
 
     def init(key: torch.Tensor) -> Params:
-        return placed(init_params(plain, key, family.init_rules, family.name))
+        return placed(drawn(key))
 
     def load(folder: str) -> Params:
-        return placed(dfolder.read_params(folder, plain, family.components, f"{family.name} load",
-                                          lazy=mesh is not None))
+        return placed(read(folder))
 
     def whole(key: torch.Tensor) -> Params:
         """The architecture's fp32 params: read from ``config.path`` (on a mesh as handles each rank reads its
         slices of), else drawn from ``key``."""
-        if config.path is not None:
-            return dfolder.read_params(config.path, plain, family.components, f"{family.name} load",
-                                       lazy=mesh is not None)
-        return init_params(plain, key, family.init_rules, family.name)
+        return drawn(key) if config.path is None else read(config.path)
 
     def initial_params(key: torch.Tensor) -> Params:
         if adapted:
@@ -354,6 +373,7 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
         layout=layout,
         compile_stats=None if config.compile == "none" else stats,
         causal=None if family.causal is None else family.causal(config, bound_apply, module),
+        two_time=config.two_time,
     )
 
 

@@ -167,18 +167,25 @@ class StoredTensor:
 
 
 def read_params(folder: str | os.PathLike, module: nn.Module, components: Mapping[str, str],
-                what: str, *, lazy: bool = False) -> dict[str, torch.Tensor]:
+                what: str, *, lazy: bool = False,
+                derived: Mapping[str, Callable[[Mapping[str, Any]], Any]] | None = None) -> dict[str, torch.Tensor]:
     """fp32 params of ``module`` from a local folder: a pipeline root holding each component's folder, or (for a
     model of one component) that component's folder itself. Each component's config.json must describe the
-    skeleton's architecture and its weights hold exactly the skeleton's params with their shapes; otherwise one
+    skeleton's architecture and its weights hold exactly the skeleton's params with their shapes (but the
+    ``derived`` ones, which the folder may lack: ``derived[name](params)`` makes them from the others); otherwise one
     ValueError lists every difference. ``lazy``: :class:`StoredTensor` handles instead of tensors (for a sharded
     load, each rank reading its own slices). Never touches a hub."""
     params: dict[str, torch.Tensor] = {}
+    derived = derived or {}
     for prefix, part, where in component_folders(folder, module, components, what):
         check_config(where, part, what)
         files = weight_files(where, what)
         shapes = {name: shape for name, shape in stored_shapes(files, what).items() if not _ignored_on_load(part, name)}
-        problems = shape_problems(param_shapes(part), shapes)
+        expected = param_shapes(part)
+        lacking = [name for name in expected if name not in shapes and prefix + name in derived]
+        if len(lacking) not in (0, len([name for name in expected if prefix + name in derived])):
+            raise ValueError(f"{what}: weights in {str(where)!r} hold some but not all of {sorted(lacking)}")
+        problems = shape_problems({name: shape for name, shape in expected.items() if name not in lacking}, shapes)
         if problems:
             raise ValueError(f"{what}: weights in {str(where)!r} do not fit the model: " + "; ".join(problems))
         loaded = {}
@@ -188,7 +195,8 @@ def read_params(folder: str | os.PathLike, module: nn.Module, components: Mappin
                     if name in shapes:
                         loaded[name] = (StoredTensor(path, name, shapes[name], what) if lazy
                                         else read_tensor(f, name, path, what).to(torch.float32))
-        params.update({prefix + name: loaded[name] for name in param_shapes(part)})
+        params.update({prefix + name: loaded[name] for name in expected if name not in lacking})
+    params.update({name: make(params) for name, make in derived.items() if name not in params})
     return {name: params[name] for name in param_shapes(module)}
 
 

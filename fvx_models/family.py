@@ -82,6 +82,10 @@ class Family:
                                          the family refuses SP)
     whole_graph_refusal                  why the family's forward cannot compile as one graph (``compile=model``),
                                          e.g. data-dependent control flow; None: it can
+    with_r(config, kwargs, x_t, r) -> kwargs   the DiT's arguments with a second time ``r [B]`` (a flow map's
+                                         target time) when ``config.two_time`` (``fvx_models.wan_two_time``)
+    derived(config) -> {name: fn(params)}   params a folder may lack, made from the loaded (or drawn) ones (a two-time
+                                         Wan's delta embedder from its time embedder)
     """
 
     name: str
@@ -108,6 +112,8 @@ class Family:
     causal: Callable[[Any, Callable, nn.Module], Any] | None = None
     sequence_parallel: Callable[[Any, nn.Module, Any], None] | None = None
     whole_graph_refusal: str | None = None
+    with_r: Callable[[Any, dict, torch.Tensor, torch.Tensor], dict] | None = None
+    derived: Callable[[Any], Mapping[str, Callable[[Mapping[str, Any]], Any]]] = lambda config: {}
 
     def preset(self, name: str) -> Preset:
         if name not in self.presets:

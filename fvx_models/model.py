@@ -150,6 +150,9 @@ class Model:
     layout                          the shard layout on a mesh, else None
     compile_stats                   the ``fvx.distributed.compile.CompileStats`` of the compiled units, or None
     memory_spec()                   an ``fvx.distributed.memory.ModelSpec`` from the meta skeleton (``--dry-run``)
+    two_time                        ``apply(params, x_t, t, cond, r=)`` takes a second time ``r [B]``: the model is a
+                                    flow map, ``u`` the average velocity from ``t`` to ``r`` (``x_r = x_t - ((t - r) /
+                                    1000) u``); ``r`` left out is ``t``, the instantaneous velocity
     """
 
     name: str
@@ -174,6 +177,7 @@ class Model:
     layout: Mapping[str, Any] | None = None
     compile_stats: Any = None
     causal: Causal | None = None
+    two_time: bool = False
 
     @property
     def latent_channels(self) -> int:

@@ -24,7 +24,7 @@ from torch import nn
 
 from fvx.core import random
 from fvx.distributed import memory
-from fvx_models import diffusers_folder as dfolder, wan_sequence_parallel
+from fvx_models import diffusers_folder as dfolder, wan_sequence_parallel, wan_two_time
 from fvx_models.build import ModelConfig
 from fvx_models.family import Family, Preset, require, skeleton_of
 from fvx_models.model import LatentSpace
@@ -181,10 +181,22 @@ def original_name(name: str) -> str | None:
     return None
 
 
+def skeleton(config: ModelConfig) -> nn.Module:
+    """diffusers' Wan on meta, with the r input (``fvx_models.wan_two_time``) when the config asks for it."""
+    module = skeleton_of(WanTransformer3DModel, config.spec.kwargs, rebuild_rope)
+    if config.two_time:
+        wan_two_time.install(module, config.r_embedder)
+    return module
+
+
+def with_r(config: ModelConfig, kwargs: dict[str, Any], x_t: torch.Tensor, r: torch.Tensor) -> dict[str, Any]:
+    return wan_two_time.with_r(kwargs, timesteps(config, x_t, r))
+
+
 WAN = Family(
     name="wan",
     presets=PRESETS,
-    skeleton=lambda config: skeleton_of(WanTransformer3DModel, config.spec.kwargs, rebuild_rope),
+    skeleton=skeleton,
     components={"transformer": ""},
     unit_groups={"blocks": ("blocks",)},
     activations={"blocks": BLOCK_ACTIVATIONS},
@@ -197,11 +209,19 @@ WAN = Family(
     pipeline_files=pipeline_files,
     original_name=original_name,
     sequence_parallel=wan_sequence_parallel.sequence_parallel,
+    with_r=with_r,
+    derived=lambda config: wan_two_time.derived(config.r_embedder) if config.two_time else {},
 )
 
 
 class WanConfig(ModelConfig, tag="wan"):
     """A Wan 2.1 T2V or Wan 2.2 TI2V-5B DiT (presets: tiny, tiny-deep, tiny-ti2v, world, wan2.1-t2v-1.3b,
-    wan2.1-t2v-14b, wan2.2-ti2v-5b); the shared knobs are :class:`fvx_models.build.ModelConfig`'s."""
+    wan2.1-t2v-14b, wan2.2-ti2v-5b); the shared knobs are :class:`fvx_models.build.ModelConfig`'s. ``r_embedder``:
+    a second time input, a flow map ``u(x_t, t, r)`` (``fvx_models.wan_two_time``; AnyFlow, MeanFlow, sCM)."""
 
     family = WAN
+    r_embedder: wan_two_time.REmbedder | None = None
+
+    @property
+    def two_time(self) -> bool:
+        return self.r_embedder is not None

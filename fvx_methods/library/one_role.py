@@ -10,7 +10,7 @@ student's EMA when kept, else its params, with the base.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Callable, Mapping, Sequence
+from typing import Annotated, Any, Callable, Mapping, NamedTuple, Sequence
 
 import msgspec
 import torch
@@ -18,7 +18,7 @@ import torch
 from fvx.config import Config
 from fvx.core import ema, random, role
 from fvx.core.optim_config import AdamWConfig
-from fvx.core.state import Batch, HeldRole, Program, TrainState
+from fvx.core.state import Batch, HeldRole, NONFINITE, Program, TrainState
 from fvx.training import validation
 from fvx_models.model import Model, Params
 
@@ -61,29 +61,46 @@ LossInputs = Callable[[TrainState, Any], dict[str, Any]]
 """``(state, frozen) -> keyword arguments of the loss``: what else of the state and the frozen params it reads."""
 
 
+class Carry(NamedTuple):
+    """What a one-role method carries from step to step (the state's ``carry``, checkpointed): ``init(batch)``, its
+    fixed-shape tensors at step 0; ``update(carry, stats) -> carry`` after each applied step, from ``stats``: the
+    logged metrics named in ``metrics`` (averaged over micro-batches and data-parallel ranks; taken out of the logged
+    ones, so they may be vectors). A skipped step keeps the carry."""
+
+    init: Callable[[Batch], Any]
+    update: Callable[[Any, dict[str, torch.Tensor]], Any]
+    metrics: tuple[str, ...]
+
+
 def program(config: OneRoleConfig, model: Model, *, total_steps: int, loss: Callable[..., Any],
             check: Callable[[Batch], None], samplers: Samplers, ranks: role.Ranks = role.ONE_PROCESS,
             before_update: role.BeforeUpdate | None = None,
             logged: Callable[[torch.Tensor, dict], dict[str, torch.Tensor]] | None = None,
             data_model: Model | None = None, dataset: Callable[[Any], Any] | None = None,
             frozen_roles: Mapping[str, Model] | None = None, loss_inputs: LossInputs | None = None,
-            ema_model: Model | None = None) -> Program:
+            ema_model: Model | None = None, carry: Carry | None = None) -> Program:
     """The loop's program of a one-role method: ``loss(params, micro_batch, step_key, **loss_inputs(state, frozen))
     -> (loss, aux)`` of the student's ``model``; ``check(batch)`` refuses a first batch that does not fit;
     ``samplers`` says how validation samples the student; ``logged(loss, aux)`` the metrics it logs (default
     ``{"loss": loss}``). ``data_model`` (default ``model``) and ``dataset`` are the program's
     (``fvx.core.state.Program``): where the data comes from. ``frozen_roles`` (role -> model) are held whole and frozen
     beside the student's base (a teacher), drawn from the same key when not loaded; ``ema_model`` (default
-    ``model``) gives the params the EMA starts from (:func:`init`)."""
+    ``model``) gives the params the EMA starts from (:func:`init`); ``carry``: what the method carries across steps
+    (:class:`Carry`; ``loss_inputs`` reads it from the state)."""
     opt = config.optim.role(total_steps, ranks, ema_decay=config.ema_decay, ema_start_step=config.ema_start_step,
                             ema_start=config.ema_start)
     extra = {} if logged is None else {"logged": logged}
     held = {STUDENT: (model, False), **{name: (other, True) for name, other in (frozen_roles or {}).items()}}
 
     def step_(state: TrainState, frozen: Any, batch: Batch):
-        inputs = {} if loss_inputs is None else loss_inputs(state, frozen)
-        return role.step_one_(state, batch, loss, opt=opt, name=STUDENT, grad_accum=config.grad_accum,
-                              base=frozen.get(STUDENT), before=before_update, **extra, **inputs)
+        inputs, carried = {} if loss_inputs is None else loss_inputs(state, frozen), state.carry
+        state, metrics = role.step_one_(state, batch, loss, opt=opt, name=STUDENT, grad_accum=config.grad_accum,
+                                        base=frozen.get(STUDENT), before=before_update, **extra, **inputs)
+        if carry is None:
+            return state, metrics
+        stats = {name: metrics.pop(name) for name in carry.metrics}
+        applied = not metrics.get(NONFINITE)
+        return state._replace(carry=carry.update(carried, stats) if applied else carried), metrics
 
     def validate(state: TrainState, frozen: Any, validation_config: validation.ValidationConfig):
         student = state.roles[STUDENT]
@@ -92,7 +109,8 @@ def program(config: OneRoleConfig, model: Model, *, total_steps: int, loss: Call
 
     return Program(model=data_model or model, init=lambda run_key: init(run_key, model, opt, ema_model),
                    frozen=lambda run_key: role.frozen_params(random.split(run_key)[0], held),
-                   step_=step_, check=check, validate=validate, **({} if dataset is None else {"dataset": dataset}))
+                   step_=step_, check=check, validate=validate, **({} if dataset is None else {"dataset": dataset}),
+                   **({} if carry is None else {"carry": carry.init}))
 
 
 def init(run_key: torch.Tensor, model: Model, opt: role.RoleOptimizer, ema_model: Model | None = None) -> TrainState:

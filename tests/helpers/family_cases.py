@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 import torch
-from diffusers import HunyuanVideoTransformer3DModel, SkyReelsV2Transformer3DModel, WanTransformer3DModel
+from diffusers import (AnyFlowTransformer3DModel, HunyuanVideoTransformer3DModel, SkyReelsV2Transformer3DModel,
+                       WanTransformer3DModel)
 
 from fvx.core import grad, random
 from fvx.distributed import processes, sharding
+from fvx_models.anyflow import AnyFlowConfig
 from fvx_models.build import ModelConfig
 from fvx_models.hunyuan_video import HunyuanVideoConfig
 from fvx_models.skyreels_v2 import SkyReelsV2Config
@@ -63,6 +65,13 @@ def hunyuan_native(modules, x, t, cond):
                                   return_dict=False)[0]
 
 
+def anyflow_native(modules, x, t, cond):
+    """AnyFlowPipeline's call: frames first, one t and r per frame (r = t: the instantaneous velocity)."""
+    frames = t[:, None].expand(x.shape[0], x.shape[2])
+    out = modules["transformer"](x.permute(0, 2, 1, 3, 4), frames, frames, _masked(cond), return_dict=False)[0]
+    return out.permute(0, 2, 1, 3, 4)
+
+
 CASES: dict[str, Case] = {
     "wan": Case(WanConfig(preset="tiny"), {"transformer": WanTransformer3DModel}, wan_native),
     "wan-ti2v": Case(WanConfig(preset="tiny-ti2v"), {"transformer": WanTransformer3DModel}, ti2v_native),
@@ -73,8 +82,9 @@ CASES: dict[str, Case] = {
                                                     "transformer_2": WanTransformer3DModel}, moe_native),
     "hunyuan_video": Case(HunyuanVideoConfig(preset="tiny"), {"transformer": HunyuanVideoTransformer3DModel},
                           hunyuan_native),
+    "anyflow": Case(AnyFlowConfig(preset="tiny"), {"transformer": AnyFlowTransformer3DModel}, anyflow_native),
 }
-FAMILIES = ["wan", "wan-ti2v", "skyreels_v2", "wan_moe", "hunyuan_video"]  # one case per family and layout
+FAMILIES = ["wan", "wan-ti2v", "skyreels_v2", "wan_moe", "hunyuan_video", "anyflow"]  # one case per family and layout
 
 
 def native_modules(case: Case, params: dict) -> dict[str, torch.nn.Module]:

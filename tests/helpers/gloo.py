@@ -68,6 +68,23 @@ def launch1(out: pathlib.Path, *overrides: str, experiment: str = EXPERIMENT) ->
     assert run.main([experiment, "--out", str(out), *merged(*QUICK, *overrides)]) == 0
 
 
+def assert_two_processes_log_as_one(tmp_path: pathlib.Path, experiment: str, knobs: tuple[str, ...],
+                                    metrics: tuple[str, ...], abs_tol: float = 1e-7) -> None:
+    """``experiment`` with ``knobs`` on 2 gloo processes and on 1: each of ``metrics`` the same at every step within
+    1e-5 relative (the ranks' reductions add in another order)."""
+    import pytest
+
+    from fvx.training import tracking
+
+    launch2(tmp_path / "two", *knobs, experiment=experiment)
+    launch1(tmp_path / "one", *knobs, experiment=experiment)
+    two, one = (tracking.read_scalars(tmp_path / name / "tb") for name in ("two", "one"))
+    for name in metrics:
+        assert len(two[name]) == len(one[name]) > 0, name
+        for (_, got), (_, want) in zip(two[name], one[name]):
+            assert got == pytest.approx(want, rel=1e-5, abs=abs_tol), (name, two[name], one[name])
+
+
 
 def assert_close_rel(got: dict, want: dict, rel: float = REL):
     """Every element within ``rel`` of the largest magnitude in ``want``, and every tensor within ``10 rel`` in norm.
