@@ -43,13 +43,9 @@ STUDENT, TEACHER = one_role.STUDENT, "teacher"
 # ------------------------------------------------------------------------------------------------- TrigFlow of a model
 
 
-def per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return flow_map.per_sample(values, like)
-
-
 def trig_velocity(model: Model, params: Params, x_t: torch.Tensor, t: torch.Tensor, cond: Cond) -> torch.Tensor:
     """``F(x_t, t)`` of a flow-matching model (module docstring), ``t [B]`` in radians."""
-    cos, sin = per_sample(torch.cos(t), x_t), per_sample(torch.sin(t), x_t)
+    cos, sin = flow_map.per_sample(torch.cos(t), x_t), flow_map.per_sample(torch.sin(t), x_t)
     x_s = x_t / (cos + sin)
     s = torch.sin(t) / (torch.sin(t) + torch.cos(t))
     return (cos - sin) * x_s + model.apply(params, x_s, s * flow.NUM_TRAIN_TIMESTEPS, cond) / (cos + sin)
@@ -69,33 +65,34 @@ def loss_fn(params: Params, batch: Batch, key: torch.Tensor, *, model: Model, co
             weights: torch.Tensor, velocity: Any = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The sCM loss of ``batch`` (latents ``[B, C, T, H, W]``, cond, sample_index ``[B]``) at train ``step``, with the
     carried per-bin mean errors ``weights``; ``velocity(x_t, t, cond) -> dx/dt`` replaces the data's (a teacher's).
-    aux: the per-bin sums and counts of the errors (the carry's update) and the mean ``tau``."""
+    aux: the mean error, and the per-bin sums and counts of the errors (the carry's update)."""
     x0 = model.normalize(batch["latents"].float())
     z, t_keys = flow.per_sample_noise(key, batch["sample_index"], tuple(x0.shape[1:]), x0.device)
     tau = config.p_mean + config.p_std * torch.vmap(lambda k: random.normal(k, ()))(t_keys).to(x0.device)
     t = torch.atan(torch.exp(tau))
-    cos, sin, cond = per_sample(torch.cos(t), x0), per_sample(torch.sin(t), x0), batch["cond"]
+    cos, sin, cond = flow_map.per_sample(torch.cos(t), x0), flow_map.per_sample(torch.sin(t), x0), batch["cond"]
     x_t = cos * x0 + sin * z
     with torch.no_grad():
         dxdt = cos * z - sin * x0 if velocity is None else velocity(x_t, t, cond)
         f = functools.partial(trig_velocity, model, params, cond=cond)
         f_minus = f(x_t, t)
         cs = torch.cos(t) * torch.sin(t)
-        jvp = derivatives.directional(f, (x_t, t), (per_sample(cs, x_t) * dxdt, cs), mode=config.derivative,
+        jvp = derivatives.directional(f, (x_t, t), (flow_map.per_sample(cs, x_t) * dxdt, cs), mode=config.derivative,
                                       step=config.fd_step)
         ramp = torch.clamp(step.float() / config.warmup_steps, max=1.0) if config.warmup_steps else 1.0
-        g = -cos ** 2 * (f_minus - dxdt) - ramp * (per_sample(cs, x_t) * x_t + jvp)
-        g = g / (per_sample(g.flatten(1).norm(dim=1), g) + config.tangent_c)
+        g = -cos ** 2 * (f_minus - dxdt) - ramp * (flow_map.per_sample(cs, x_t) * x_t + jvp)
+        g = g / (flow_map.per_sample(g.flatten(1).norm(dim=1), g) + config.tangent_c)
     error = ((trig_velocity(model, params, x_t, t, cond) - f_minus - g) ** 2).flatten(1).mean(1)
     bin_ = bins(tau, config)
     loss = (error / weights.to(error.device)[bin_]).mean()
     one_hot = torch.nn.functional.one_hot(bin_, config.weight_bins).float()
-    return loss, {"error": error.mean().detach(), "tau": tau.mean(), "scm/error_sum": one_hot.T @ error.detach(),
+    return loss, {"error": error.mean().detach(), "scm/error_sum": one_hot.T @ error.detach(),
                   "scm/count": one_hot.sum(0)}
 
 
 def logged(loss: torch.Tensor, aux: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    return {"loss": loss, "error": aux["error"], "scm/error_sum": aux["scm/error_sum"], "scm/count": aux["scm/count"]}
+    """The weighted loss, the mean error, and the bin statistics the carry takes out (``weights_carry``)."""
+    return {"loss": loss, **aux}
 
 
 def weights_carry(config: SCM) -> one_role.Carry:

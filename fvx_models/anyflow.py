@@ -14,7 +14,7 @@ import pathlib
 from typing import Any, Mapping
 
 import torch
-from diffusers import AnyFlowTransformer3DModel
+from diffusers import AnyFlowTransformer3DModel, FlowMatchEulerDiscreteScheduler
 from diffusers.models.transformers.transformer_anyflow import AnyFlowRotaryPosEmbed
 from torch import nn
 
@@ -62,8 +62,6 @@ def with_r(config: ModelConfig, kwargs: dict[str, Any], x_t: torch.Tensor, r: to
 def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
     """diffusers' ``AnyFlowPipeline`` files beside the exported ``transformer/``: ``model_index.json`` and
     ``scheduler/``. The VAE, text encoder and tokenizer are the base Wan's: copy them from it."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
     FlowMatchEulerDiscreteScheduler(shift=config.spec.options["flow_shift"]).save_config(folder / "scheduler")
     dfolder.write_model_index(
         folder, "AnyFlowPipeline",

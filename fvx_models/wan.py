@@ -217,7 +217,7 @@ WAN = Family(
 class WanConfig(ModelConfig, tag="wan"):
     """A Wan 2.1 T2V or Wan 2.2 TI2V-5B DiT (presets: tiny, tiny-deep, tiny-ti2v, world, wan2.1-t2v-1.3b,
     wan2.1-t2v-14b, wan2.2-ti2v-5b); the shared knobs are :class:`fvx_models.build.ModelConfig`'s. ``r_embedder``:
-    a second time input, a flow map ``u(x_t, t, r)`` (``fvx_models.wan_two_time``; AnyFlow, MeanFlow, sCM)."""
+    a second time input, a flow map ``u(x_t, t, r)`` (``fvx_models.wan_two_time``; AnyFlow, MeanFlow)."""
 
     family = WAN
     r_embedder: wan_two_time.REmbedder | None = None

@@ -1,5 +1,5 @@
-"""A second time input for Wan: the flow map ``u(x_t, t, r)`` (the average velocity from ``t`` to ``r``) that AnyFlow,
-MeanFlow and sCM students learn, as FastVideo's ``r_embedder`` adds it (``fastvideo/models/dits/wanvideo.py``,
+"""A second time input for Wan: the flow map ``u(x_t, t, r)`` (the average velocity from ``t`` to ``r``) that AnyFlow
+and MeanFlow students learn, as FastVideo's ``r_embedder`` adds it (``fastvideo/models/dits/wanvideo.py``,
 ``WanTimeTextImageEmbedding``).
 
 A ``delta_embedder`` beside the time embedder embeds ``r`` (``delta="r"``) or ``t - r`` (``"t-r"``) and mixes into the
