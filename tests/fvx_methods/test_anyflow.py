@@ -1,14 +1,16 @@
 """fvx_methods.anyflow: the schedule and the flow-map rollout against spec §2.6 by hand, the run on the toy world
-resuming bitwise, and its checks."""
+resuming bitwise, 2 processes = 1, and its checks."""
 import pathlib
 import types
 
+import pytest
 import torch
 
 from fvx.core import random
 from fvx_methods import anyflow
 from fvx_methods.library import distribution_matching as dm
 
+from gloo import assert_two_processes_log_as_one  # noqa: E402
 from run_state import assert_one_line_errors, assert_resumes_bitwise  # noqa: E402
 
 EXPERIMENT = str(pathlib.Path(__file__).resolve().parents[2] / "experiments" / "anyflow.py")
@@ -53,6 +55,14 @@ def quick(world_teacher, *more):
 def test_a_run_resumes_bitwise(tmp_path, world_teacher):
     assert_resumes_bitwise(EXPERIMENT, tmp_path, quick(world_teacher),
                            ("critic_loss", "generator_loss", "grad_norm/critic"))
+
+
+@pytest.mark.slow  # 2 + 1 processes
+def test_two_processes_train_as_one(tmp_path, world_teacher):
+    """The graded jump is one draw of the step key and the noise per sample, so 2 gloo processes log what 1 does."""
+    knobs = (*[f"models.{name}.path={world_teacher}" for name in ("student", "teacher", "critic")],
+             "data.batch_size=4", "method.generator_update_interval=2")
+    assert_two_processes_log_as_one(tmp_path, EXPERIMENT, knobs, ("critic_loss", "generator_loss", "grad_norm/critic"))
 
 
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, world_teacher):
