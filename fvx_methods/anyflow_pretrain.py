@@ -172,7 +172,6 @@ def logged(loss: torch.Tensor, aux: Mapping[str, Any]) -> dict[str, torch.Tensor
 
 def check_batch(batch: Batch, model: Model, config: AnyFlowPretrain, negative: Cond | None) -> None:
     """A ValueError when the batch does not fit (once, before the first step)."""
-    one_role.check_latents(batch, model)
-    one_role.check_grad_accum(batch, config.grad_accum)
+    one_role.check_data(batch, model, config.grad_accum)
     if config.fuse_guidance_scale != 1.0:
         model.uncond(batch["cond"], config.cfg_uncond, negative)  # a negative prompt is there when needed

@@ -26,6 +26,7 @@ import torch
 from fvx.config import Config
 from fvx.core import derivatives, flow, role
 from fvx.core.state import Batch, HeldRole, Program, TrainState
+from fvx.training import validation
 from fvx_methods.library import flow_map, one_role
 from fvx_models.model import Cond, Model, Params, check_shared_data
 
@@ -133,7 +134,7 @@ class MeanFlow(one_role.OneRoleConfig, tag="meanflow"):
         model = self.check_models(models)
         return one_role.program(self, model, total_steps=total_steps, ranks=ranks, before_update=before_update,
                                 loss=functools.partial(loss_fn, model=model, config=self), logged=logged,
-                                check=lambda batch: check_batch(batch, model, self),
+                                check=lambda batch: one_role.check_data(batch, model, self.grad_accum),
                                 samplers=flow_map.samplers(model, self.sample_steps, self.shift))
 
 
@@ -168,17 +169,15 @@ class MeanFlowDistill(MeanFlow, tag="meanflow_distill"):
         negative = (None if self.negative_prompt_path is None or self.guidance_scale == 1.0
                     else model.load_negative(self.negative_prompt_path, "method.negative_prompt_path"))
 
+        guided = validation.guided(teacher.apply, lambda cond: teacher.uncond(cond, self.cfg_uncond, negative),
+                                   self.guidance_scale)
+
         def loss(params: Params, batch: Batch, key: torch.Tensor, *, teacher_params: Params):
-            def velocity(x_t: torch.Tensor, t: torch.Tensor, cond: Cond) -> torch.Tensor:
-                v = teacher.apply(teacher_params, x_t, t, cond)
-                if self.guidance_scale == 1.0:
-                    return v
-                uncond = teacher.apply(teacher_params, x_t, t, teacher.uncond(cond, self.cfg_uncond, negative))
-                return flow.cfg(v, uncond, self.guidance_scale)
+            velocity = functools.partial(guided, teacher_params)
             return loss_fn(params, batch, key, model=model, config=self, velocity=velocity)
 
         def check(batch: Batch) -> None:
-            check_batch(batch, model, self)
+            one_role.check_data(batch, model, self.grad_accum)
             if self.guidance_scale != 1.0:
                 teacher.uncond(batch["cond"], self.cfg_uncond, negative)  # a negative prompt is there when needed
 
@@ -191,8 +190,3 @@ class MeanFlowDistill(MeanFlow, tag="meanflow_distill"):
 def teacher_params(state: TrainState, frozen: Mapping[str, Params]) -> dict[str, Params]:
     return {"teacher_params": frozen[TEACHER]}
 
-
-def check_batch(batch: Batch, model: Model, config: MeanFlow) -> None:
-    """A ValueError when the batch does not fit (once, before the first step)."""
-    one_role.check_latents(batch, model)
-    one_role.check_grad_accum(batch, config.grad_accum)

@@ -161,9 +161,10 @@ class SCM(one_role.OneRoleConfig, tag="scm"):
         return model
 
     def program(self, model: Model, loss: Any, *, total_steps: int, ranks: role.Ranks,
-                before_update: role.BeforeUpdate | None, **more: Any) -> Program:
+                before_update: role.BeforeUpdate | None, check: Any = None, **more: Any) -> Program:
         return one_role.program(self, model, total_steps=total_steps, ranks=ranks, before_update=before_update,
-                                loss=loss, logged=logged, check=lambda batch: check_batch(batch, model, self),
+                                loss=loss, logged=logged,
+                                check=check or (lambda batch: one_role.check_data(batch, model, self.grad_accum)),
                                 samplers=samplers(model, self), carry=weights_carry(self), **more)
 
     def build(self, models: Mapping[str, Model], *, total_steps: int, ranks: role.Ranks = role.ONE_PROCESS,
@@ -209,15 +210,19 @@ class SCMDistill(SCM, tag="scm_distill"):
             teacher.apply, lambda cond: teacher.uncond(cond, self.cfg_uncond, negative), self.guidance_scale))
 
         def loss(params: Params, batch: Batch, key: torch.Tensor, *, teacher_params: Params, **carried: Any):
-            def velocity(x_t: torch.Tensor, t: torch.Tensor, cond: Cond) -> torch.Tensor:
-                return trig_velocity(guided, teacher_params, x_t, t, cond)
+            velocity = functools.partial(trig_velocity, guided, teacher_params)
             return loss_fn(params, batch, key, model=model, config=self, velocity=velocity, **carried)
+
+        def check(batch: Batch) -> None:
+            one_role.check_data(batch, model, self.grad_accum)
+            if self.guidance_scale != 1.0:
+                teacher.uncond(batch["cond"], self.cfg_uncond, negative)  # a negative prompt is there when needed
 
         def inputs(state: TrainState, frozen: Mapping[str, Params]) -> dict[str, Any]:
             return {**loss_inputs(state, frozen), "teacher_params": frozen[TEACHER]}
 
         return self.program(model, loss, total_steps=total_steps, ranks=ranks, before_update=before_update,
-                            frozen_roles={TEACHER: teacher}, loss_inputs=inputs)
+                            check=check, frozen_roles={TEACHER: teacher}, loss_inputs=inputs)
 
 
 def samplers(model: Model, config: SCM):
@@ -231,8 +236,3 @@ def samplers(model: Model, config: SCM):
                 for n in config.sample_steps]
     return make
 
-
-def check_batch(batch: Batch, model: Model, config: SCM) -> None:
-    """A ValueError when the batch does not fit (once, before the first step)."""
-    one_role.check_latents(batch, model)
-    one_role.check_grad_accum(batch, config.grad_accum)

@@ -1,5 +1,5 @@
 """Forward-mode derivatives of a function: ``d/dh fn(primals + h tangents)`` at ``h = 0`` (a Jacobian-vector product),
-the quantity flow-map losses need (MeanFlow's ``du/dt`` along the trajectory).
+what losses on a model's own derivative need (a flow map's ``du/dt`` along a trajectory).
 
 Three ways, chosen by the caller's config, never switched silently:
   ``ad``                 ``torch.func.jvp``: exact, about 8x a forward; eager only (it cannot be traced inside a

@@ -132,6 +132,12 @@ def check_latents(batch: Batch, model: Model) -> None:
     model.check_latents(tuple(batch["latents"].shape), where="batch latents")
 
 
+def check_data(batch: Batch, model: Model, grad_accum: int) -> None:
+    """:func:`check_latents` and :func:`check_grad_accum`: what a method training on the data's latents checks."""
+    check_latents(batch, model)
+    check_grad_accum(batch, grad_accum)
+
+
 def check_grad_accum(batch: Batch, grad_accum: int) -> None:
     """A ValueError when ``method.grad_accum`` does not divide a rank's batch."""
     if len(batch["sample_index"]) % grad_accum:
