@@ -46,9 +46,13 @@ from fvx.core import flow, random  # noqa: E402
 from fvx.core.optim_config import AdamWConfig  # noqa: E402
 from fvx.distributed import processes, sharding  # noqa: E402
 from fvx_methods import finetune  # noqa: E402
-from fvx_models import wan  # noqa: E402
+from fvx_models import build as fvx_build, wan  # noqa: E402
 from fvx_models.family import Preset  # noqa: E402
+from fvx_models.cosmos import CosmosConfig  # noqa: E402
 from fvx_models.hunyuan_video import HunyuanVideoConfig  # noqa: E402
+from fvx_models.hunyuan_video15 import HunyuanVideo15Config  # noqa: E402
+from fvx_models.kandinsky5 import Kandinsky5Config  # noqa: E402
+from fvx_models.ltx_video import LTXVideoConfig  # noqa: E402
 from fvx_models.skyreels_v2 import SkyReelsV2Config  # noqa: E402
 from fvx_models.wan_moe import Wan22MoEConfig  # noqa: E402
 
@@ -64,6 +68,11 @@ CASES = {
     "skyreels": (SkyReelsV2Config(preset="tiny"), (16, 2, 16, 16), 4),
     "wan-a14b": (Wan22MoEConfig(preset="tiny"), (16, 2, 16, 16), 4),
     "hunyuan": (HunyuanVideoConfig(preset="tiny"), (16, 2, 16, 16), 4),
+    "wan-i2v": (wan.WanConfig(preset="tiny-i2v"), (16, 2, 16, 16), 4),
+    "cosmos": (CosmosConfig(preset="tiny"), (16, 2, 16, 16), 4),
+    "ltx-video": (LTXVideoConfig(preset="tiny"), (8, 2, 16, 16), 4),
+    "hunyuan15": (HunyuanVideo15Config(preset="tiny"), (4, 2, 16, 16), 4),
+    "kandinsky5": (Kandinsky5Config(preset="tiny"), (16, 2, 16, 16), 4),
     "cpu-4x256": (wan.WanConfig(preset="bench-cpu-4x256"), (16, 4, 32, 32), 1),
 }
 TEXT_LEN = 16
@@ -84,9 +93,10 @@ def model_config(case: str, compile: str = "none", reshard_after_forward: bool =
 def make_batch(model, latent_shape, batch_size: int) -> dict:
     """A batch as methods see it: latents, the model's cond from its spec (normal embeddings, all-ones masks)."""
     g = torch.Generator().manual_seed(0)
-    cond = {name: torch.ones(batch_size, TEXT_LEN) if name.endswith("mask") else
-            torch.randn(batch_size, *(TEXT_LEN if s == "L" else s for s in shape), generator=g)
-            for name, shape in model.cond.items()}
+    sizes = {"L": TEXT_LEN, "T": latent_shape[1], "H": latent_shape[2], "W": latent_shape[3], "N": 4}
+    shapes = {name: (batch_size, *(sizes.get(s, s) for s in shape)) for name, shape in model.cond.items()}
+    cond = {name: torch.ones(shape) if "mask" in name else torch.randn(shape, generator=g)
+            for name, shape in shapes.items()}
     return {"latents": torch.randn(batch_size, *latent_shape, generator=g), "cond": cond,
             "sample_index": torch.arange(batch_size)}
 
@@ -137,7 +147,8 @@ def baseline_step(case: str, module, optimizer, batch, draws) -> torch.Tensor:
     x0 = config.spec.latents.normalize(batch["latents"])
     x_t = flow.add_noise(x0, noise, sigma)
     optimizer.zero_grad(set_to_none=True)
-    v = config.family.output(module(**config.family.inputs(config, x_t, t, batch["cond"], False)))
+    kwargs, x = fvx_build.native_inputs(config, x_t, t, batch["cond"])
+    v = fvx_build.velocity(config, module(**kwargs), x, t, batch["cond"])
     loss = torch.mean((v.float() - (noise - x0)) ** 2)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0, foreach=True)

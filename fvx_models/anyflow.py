@@ -44,19 +44,19 @@ def rebuild_buffers(module: nn.Module) -> None:
     module.condition_embedder.register_buffer("delta_emb_gate", torch.tensor([config.gate_value]), persistent=False)
 
 
-def per_frame(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``t [B]`` as one timestep per latent frame ``[B, F]``."""
-    return t[:, None].expand(x_t.shape[0], x_t.shape[2])
+def per_frame(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t [B]`` as one timestep per latent frame ``[B, F]`` of ``x [B, F, C, H, W]``."""
+    return t[:, None].expand(x.shape[0], x.shape[1])
 
 
-def inputs(config: ModelConfig, x_t: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor],
+def inputs(config: ModelConfig, x: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor],
            sharded: bool) -> dict[str, Any]:
-    return {"hidden_states": x_t.permute(0, 2, 1, 3, 4), "timestep": per_frame(x_t, t),
+    return {"hidden_states": x, "timestep": per_frame(x, t),
             "encoder_hidden_states": wan.masked_text(cond), "return_dict": False}
 
 
-def with_r(config: ModelConfig, kwargs: dict[str, Any], x_t: torch.Tensor, r: torch.Tensor) -> dict[str, Any]:
-    return {**kwargs, "r_timestep": per_frame(x_t, r)}
+def with_r(config: ModelConfig, kwargs: dict[str, Any], x: torch.Tensor, r: torch.Tensor) -> dict[str, Any]:
+    return {**kwargs, "r_timestep": per_frame(x, r)}
 
 
 def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
@@ -81,7 +81,7 @@ ANYFLOW = Family(
     cond_spec=wan.text_cond_spec,
     cond_from_batch=wan.text_cond_from_batch,
     inputs=inputs,
-    output=lambda out: out[0].permute(0, 2, 1, 3, 4),
+    layout="BTCHW",
     cond_defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
     init_rules={"scale_shift_table": wan.scale_shift_init},
     pipeline_files=pipeline_files,

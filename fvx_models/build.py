@@ -25,7 +25,8 @@ from fvx.config import Config
 from fvx.core import grad as fvx_grad, tree
 from fvx.distributed import compile as fvx_compile, gather_schedule, memory, processes, sharding
 from fvx.distributed.gathers import sharded_call
-from fvx_models import cond as fcond, diffusers_folder as dfolder, lora as flora, lora_files, original_layout
+from fvx_models import (cond as fcond, diffusers_folder as dfolder, layouts, lora as flora, lora_files,
+                        original_layout)
 from fvx_models.family import Family, init_params, Preset
 from fvx_models.model import Model, Params, Written
 
@@ -209,10 +210,10 @@ def apply(config: ModelConfig, module: nn.Module, spec: fcond.Spec, params: Para
         raise ValueError(f"{family.name} apply: r must have t's shape {tuple(t.shape)}, got "
                          f"{tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__}")
     dtype = DTYPES[config.compute_dtype]
-    x_t, cond = x_t.to(dtype), fcond.to(cond, dtype=dtype)
-    kwargs = family.inputs(config, x_t, t.to(torch.float32), cond, gathers is not None)
+    x, t, cond = layouts.to_native(x_t.to(dtype), family.layout), t.to(torch.float32), fcond.to(cond, dtype=dtype)
+    kwargs = family.inputs(config, x, t, cond, gathers is not None)
     if config.two_time:
-        kwargs = family.with_r(config, kwargs, x_t, (t if r is None else r).to(torch.float32))
+        kwargs = family.with_r(config, kwargs, x, t if r is None else r.to(torch.float32))
     buffers = {name: b.to(x_t.device) for name, b in module.named_buffers()}
     with contextlib.nullcontext() if family.bind is None else family.bind(module, call):
         if gathers is not None:
@@ -221,7 +222,23 @@ def apply(config: ModelConfig, module: nn.Module, spec: fcond.Spec, params: Para
             params = {name: p.to(compute_dtypes[name]) for name, p in params.items()}
             out = (forward(params, buffers, kwargs) if forward is not None else
                    functional_call(module, (params, buffers), (), kwargs, strict=True))
-    return family.output(out).float()
+    return velocity(config, out, x, t, cond)
+
+
+def velocity(config: ModelConfig, out: Any, x: torch.Tensor, t: torch.Tensor,
+             cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The DiT's output ``out`` for the input ``x`` (in the family's layout) at ``t`` under ``cond`` as the fp32 flow
+    velocity ``[B, C, T, H, W]``: the family's output conversion, then its layout undone."""
+    family = config.family
+    return layouts.to_canonical(family.output(config, out, x, t, cond), family.layout).float()
+
+
+def native_inputs(config: ModelConfig, x_t: torch.Tensor, t: torch.Tensor,
+                  cond: Mapping[str, torch.Tensor]) -> tuple[dict[str, Any], torch.Tensor]:
+    """The DiT's keyword arguments for ``(x_t, t, cond)`` as :func:`apply` makes them (unsharded, no casts), and
+    ``x_t`` in the family's layout (what :func:`velocity` takes): to call the diffusers module directly."""
+    x = layouts.to_native(x_t, config.family.layout)
+    return config.family.inputs(config, x, t, cond, False), x
 
 
 def _check_whole_compile(config: ModelConfig, mesh: Any) -> None:
@@ -256,8 +273,9 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
     groups = unit_groups(family, module)
     shapes = dfolder.param_shapes(module)
     architecture = tuple(dfolder.param_shapes(plain))
+    unused = family.unused(config)
     trained = (frozenset(flora.adapter_names(adapted)) if adapted
-               else frozenset(name for name in architecture if not config.frozen(name)))
+               else frozenset(name for name in architecture if not (config.frozen(name) or name in unused)))
     held = tuple(name for name in architecture if name not in trained)  # what a trained role holds frozen
     dtype = DTYPES[config.compute_dtype]
     compute_dtypes = dtypes_for(module, dtype)
@@ -275,6 +293,7 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
         stats = fvx_compile.install_units(module, groups, mode=config.compile, gather=gathers,
                                           backend=config.compile_backend)
     spec = dict(family.cond_spec(config))
+    image = frozenset(family.image_cond & set(spec))
     placed = functools.partial(place, mesh=mesh, layout=layout)
     derived = family.derived(config)
 
@@ -361,8 +380,8 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
         base_id=base_id,
         apply=bound_apply,
         batch=functools.partial(_model_batch, config, spec),
-        uncond=functools.partial(fcond.uncond, zero=family.zero_cond),
-        load_cond=lambda path: fcond.load(path, spec, family.name, defaults=family.cond_defaults),
+        uncond=functools.partial(fcond.uncond, zero=family.zero_cond, kept=image),
+        load_cond=functools.partial(_load_cond, spec, family, image),
         export=export,
         memory_spec=memory_spec,
         trained_names=trained,
@@ -374,7 +393,16 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
         compile_stats=None if config.compile == "none" else stats,
         causal=None if family.causal is None else family.causal(config, bound_apply, module),
         two_time=config.two_time,
+        latent_rule=functools.partial(family.latent_rule, config),
+        cfg_dropout_refusal=family.cfg_dropout_refusal,
     )
+
+
+def _load_cond(spec: fcond.Spec, family: Family, image: frozenset[str], path: str, *,
+               text_only: bool = False) -> tuple[dict[str, torch.Tensor], tuple[str, ...] | None]:
+    """A cond file of the family's tensors; ``text_only``: without the given image's (a negative prompt)."""
+    spec = {name: shape for name, shape in spec.items() if not (text_only and name in image)}
+    return fcond.load(path, spec, family.name, defaults=family.cond_defaults)
 
 
 def _model_batch(config: ModelConfig, spec: fcond.Spec, raw: Mapping[str, Any]) -> dict[str, Any]:

@@ -51,8 +51,9 @@ def check(cond: Mapping[str, torch.Tensor], spec: Spec, who: str, *, batch: int 
                     raise ValueError(f"{who}: {where}[{name!r}] must be [B, {', '.join(map(str, shape))}], got "
                                      f"{list(tensor.shape)}")
             elif sizes.setdefault(symbol, size) != size:
-                raise ValueError(f"{who}: {where} tensors disagree on {'the batch' if symbol == 'B' else 'the text length'}"
-                                 f": {where}[{name!r}] has {size}, another has {sizes[symbol]}")
+                what = {"B": "the batch", TEXT_LENGTH: "the text length"}.get(symbol, f"size {symbol}")
+                raise ValueError(f"{who}: {where} tensors disagree on {what}: {where}[{name!r}] has {size}, another has "
+                                 f"{sizes[symbol]}")
     if batch is not None and sizes.get("B", batch) != batch:
         raise ValueError(f"{who}: {where} has {sizes['B']} rows for a batch of {batch}")
 
@@ -87,20 +88,21 @@ def zeros(cond: Mapping[str, torch.Tensor]) -> Cond:
 
 
 def uncond(cond: Mapping[str, torch.Tensor], mode: str, negative: Mapping[str, torch.Tensor] | None = None, *,
-           zero: Callable[[Mapping[str, torch.Tensor]], Cond] = zeros) -> Cond:
+           zero: Callable[[Mapping[str, torch.Tensor]], Cond] = zeros, kept: frozenset[str] = frozenset()) -> Cond:
     """The unconditional cond for classifier-free guidance, batched like ``cond``: ``"keep"`` the cond itself,
-    ``"zero"`` the family's zero cond (``zero``), ``"negative_prompt"`` the one-row ``negative`` expanded."""
+    ``"zero"`` the family's zero cond (``zero``), ``"negative_prompt"`` the one-row ``negative`` expanded. The tensors
+    ``kept`` (the given image of an image-to-video model: guidance is on the text only) stay the cond's in every mode."""
     if mode == "keep":
         return dict(cond)
     if mode == "zero":
-        return zero(cond)
+        return {**zero(cond), **{name: cond[name] for name in kept}}
     if mode != "negative_prompt":
         raise ValueError(f"unknown unconditional mode {mode!r}; valid: {', '.join(UNCOND_MODES)}")
     if negative is None:
         raise ValueError("the unconditional mode 'negative_prompt' needs a negative-prompt cond file "
                          "(method.negative_prompt_path); or use 'zero' or 'keep'")
     any_tensor = next(iter(cond.values()))
-    return expand(to(negative, any_tensor.device, any_tensor.dtype), rows(cond))
+    return {**expand(to(negative, any_tensor.device, any_tensor.dtype), rows(cond)), **{name: cond[name] for name in kept}}
 
 
 # ------------------------------------------------------------------------------------------------------------ files

@@ -24,7 +24,7 @@ from torch import nn
 
 from fvx.core import random
 from fvx.distributed import memory
-from fvx_models import cond as fcond
+from fvx_models import cond as fcond, layouts
 from fvx_models.model import LatentSpace
 
 InitRule = Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]  # (key, shape) -> fp32 tensor
@@ -58,8 +58,26 @@ class Family:
     cond_from_batch(config, batch)       a data batch's ``cond`` (a ValueError names a missing tensor)
     data_keys                            the data batch's entries ``cond_from_batch`` reads (named as
                                          ``fvx.data.datasets`` names them)
-    inputs(config, x_t, t, cond, sharded) -> kwargs   the DiT's forward arguments, inputs in the compute dtype
-    output(out) -> tensor                the DiT's output as the flow velocity ``noise - x0`` (default ``out[0]``)
+    layout                               the latent layout the DiT's ``hidden_states`` take and its prediction comes
+                                         in (``fvx_models.layouts``: ``"BCTHW"``, frames first ``"BTCHW"``, channels
+                                         last ``"BTHWC"``); the builder converts ``x_t`` to it and the output back
+    inputs(config, x, t, cond, sharded) -> kwargs   the DiT's forward arguments from ``x`` (``x_t`` in ``layout``),
+                                         inputs in the compute dtype
+    output(config, out, x, t, cond) -> tensor   the DiT's output as the flow velocity ``noise - x0``, shaped and
+                                         laid out as the input ``x`` (it sees the inputs: a token sequence unflattened
+                                         to ``x``'s shape, an x0 prediction turned into ``(x - x0) / sigma``, a given
+                                         first frame's exact velocity); default ``out[0]``
+    latent_rule(config, shape) -> why    why latents of ``shape`` ``[B, C, T, H, W]`` do not fit the model beyond channels
+                                         and patch divisibility (a trained resolution range), or None
+    cfg_dropout_refusal                  why the family refuses training data with CFG dropout (``data.cfg_rate``), or
+                                         None
+    image_cond                           cond tensors that hold the given image of an image-to-video model (first-frame
+                                         latents, image embeddings): every unconditional keeps them (guidance is on
+                                         the text, as the I2V pipelines guide) and negative-prompt files lack them
+    unused(config) -> names              params the DiT does not use under this config (a mode's branch, e.g. the
+                                         image embedder of an image-to-video model run as text-to-video): held frozen
+                                         as a role's base (no update, no decay, no optimizer state) and exported as
+                                         loaded
     zero_cond(cond) -> cond              the "zero" unconditional (default: every tensor zeroed)
     cond_defaults                        cond tensors a cond file may leave out -> how to make them
     init_rules                           param local name -> :data:`InitRule`, beside the default rules
@@ -82,7 +100,7 @@ class Family:
                                          the family refuses SP)
     whole_graph_refusal                  why the family's forward cannot compile as one graph (``compile=model``),
                                          e.g. data-dependent control flow; None: it can
-    with_r(config, kwargs, x_t, r) -> kwargs   the DiT's arguments with a second time ``r [B]`` (a flow map's
+    with_r(config, kwargs, x, r) -> kwargs   the DiT's arguments with a second time ``r [B]`` (a flow map's
                                          target time) when ``config.two_time`` (``fvx_models.wan_two_time``)
     derived(config) -> {name: fn(params)}   params a folder may lack, made from the loaded (or drawn) ones (a two-time
                                          Wan's delta embedder from its time embedder)
@@ -99,7 +117,12 @@ class Family:
     cond_from_batch: Callable[[Any, Mapping[str, Any]], dict[str, torch.Tensor]]
     inputs: Callable[..., dict[str, Any]]
     data_keys: tuple[str, ...] = ("text", "text_mask")
-    output: Callable[[Any], torch.Tensor] = lambda out: out[0]
+    layout: str = "BCTHW"
+    output: Callable[..., torch.Tensor] = lambda config, out, x, t, cond: out[0]
+    unused: Callable[[Any], frozenset[str]] = lambda config: frozenset()
+    latent_rule: Callable[[Any, tuple[int, ...]], str | None] = lambda config, shape: None
+    cfg_dropout_refusal: str | None = None
+    image_cond: frozenset[str] = frozenset()
     zero_cond: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] = fcond.zeros
     cond_defaults: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
     init_rules: Mapping[str, InitRule] = dataclasses.field(default_factory=dict)
@@ -114,6 +137,9 @@ class Family:
     whole_graph_refusal: str | None = None
     with_r: Callable[[Any, dict, torch.Tensor, torch.Tensor], dict] | None = None
     derived: Callable[[Any], Mapping[str, Callable[[Mapping[str, Any]], Any]]] = lambda config: {}
+
+    def __post_init__(self) -> None:
+        layouts.check(self.layout, f"family {self.name}")
 
     def preset(self, name: str) -> Preset:
         if name not in self.presets:

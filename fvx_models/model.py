@@ -128,9 +128,11 @@ class Model:
                                     the family's conditioning made from the data entries it reads (a ValueError
                                     names a missing tensor and the family)
     uncond(cond, mode, negative)    the unconditional cond for CFG: ``"zero"``, ``"keep"`` or ``"negative_prompt"``
-                                    (``negative``, a cond of one row from :attr:`load_cond`, expanded to the batch)
-    load_cond(path) -> (cond, captions)   a cond file (safetensors of the family's cond tensors, captions in its
-                                    metadata or None): negative prompts, validation prompts
+                                    (``negative``, a cond of one row from :meth:`load_negative`, expanded to the
+                                    batch); an image-to-video model's given image is kept in every mode
+    load_cond(path, text_only=) -> (cond, captions)   a cond file (safetensors of the family's cond tensors,
+                                    captions in its metadata or None): validation prompts; ``text_only``: without
+                                    the given image's tensors (negative prompts)
     load_negative(path, where)      a cond file of one row (a negative prompt)
     export(params, folder, form=, dtype=) -> Written   whole params (base and trained; adapters merged
                                     into their weights, in fp32) -> ``form="diffusers"``: a diffusers pipeline
@@ -150,6 +152,9 @@ class Model:
     layout                          the shard layout on a mesh, else None
     compile_stats                   the ``fvx.distributed.compile.CompileStats`` of the compiled units, or None
     memory_spec()                   an ``fvx.distributed.memory.ModelSpec`` from the meta skeleton (``--dry-run``)
+    latent_rule(shape) -> why       why latents of ``shape`` do not fit beyond :meth:`check_latents`' rule (a trained
+                                    resolution range), or None
+    cfg_dropout_refusal             why the model refuses data with CFG dropout, or None
     two_time                        ``apply(params, x_t, t, cond, r=)`` takes a second time ``r [B]``: the model is a
                                     flow map, ``u`` the average velocity from ``t`` to ``r`` (``x_r = x_t - ((t - r) /
                                     1000) u``); ``r`` left out is ``t``, the instantaneous velocity
@@ -167,7 +172,7 @@ class Model:
     apply: Callable[[Params, torch.Tensor, torch.Tensor, Cond], torch.Tensor]
     batch: Callable[[Mapping[str, Any]], dict[str, Any]]
     uncond: Callable[..., dict[str, torch.Tensor]]
-    load_cond: Callable[[str], tuple[dict[str, torch.Tensor], tuple[str, ...] | None]]
+    load_cond: Callable[..., tuple[dict[str, torch.Tensor], tuple[str, ...] | None]]
     export: Callable[..., Written]
     memory_spec: Callable[[], Any]
     trained_names: frozenset[str]
@@ -178,6 +183,8 @@ class Model:
     compile_stats: Any = None
     causal: Causal | None = None
     two_time: bool = False
+    latent_rule: Callable[[tuple[int, ...]], str | None] = lambda shape: None
+    cfg_dropout_refusal: str | None = None
 
     @property
     def latent_channels(self) -> int:
@@ -191,7 +198,7 @@ class Model:
 
     def load_negative(self, path: str, where: str) -> dict[str, torch.Tensor]:
         """The one-row cond of the negative-prompt file ``path`` (``where`` names the knob in errors)."""
-        cond, _ = self.load_cond(path)
+        cond, _ = self.load_cond(path, text_only=True)
         count = next(iter(cond.values())).shape[0]
         if count != 1:
             raise ValueError(f"{where} {path!r} holds {count} prompts; a negative prompt is one")
@@ -209,6 +216,9 @@ class Model:
                 f"{where} of shape {tuple(shape)} do not fit model {self.name}: it takes [B, C, T, H, W] with "
                 f"C = {self.latents.channels} and T, H, W divisible by the patch size {self.patch_size}"
             )
+        why = self.latent_rule(tuple(shape))
+        if why is not None:
+            raise ValueError(f"{where} of shape {tuple(shape)} do not fit model {self.name}: {why}")
 
 
 def check_shared_data(models: Mapping[str, Model], *, data_role: str) -> None:

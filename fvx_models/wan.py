@@ -10,7 +10,9 @@ trained on embeddings zero-padded to 512 (as diffusers' WanPipeline and FastVide
 the padded positions. Wan 2.2 TI2V-5B denoises the 48-channel latents of the Wan 2.2 VAE (16x spatial compression) and
 takes one timestep per token, as its pipeline's ``expand_timesteps``; for text-to-video every token gets the sample's.
 
-Sequence parallelism is ``fvx_models.wan_sequence_parallel``'s.
+Image-to-video (Wan 2.1 I2V 14B, Wan 2.2 TI2V-5B's first-frame form) is ``fvx_models.wan_i2v``'s; Wan 2.1 I2V's
+image cross-attention takes the text as exactly 512 tokens (diffusers splits image from text tokens by that count), so
+its text is zero-padded to 512 as its pipeline pads it. Sequence parallelism is ``fvx_models.wan_sequence_parallel``'s.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from torch import nn
 
 from fvx.core import random
 from fvx.distributed import memory
-from fvx_models import diffusers_folder as dfolder, wan_sequence_parallel, wan_two_time
+from fvx_models import diffusers_folder as dfolder, wan_i2v, wan_sequence_parallel, wan_two_time
 from fvx_models.build import ModelConfig
 from fvx_models.family import Family, Preset, require, skeleton_of
 from fvx_models.model import LatentSpace
@@ -62,6 +64,7 @@ TINY = {**_WAN, "num_attention_heads": 2, "attention_head_dim": 48, "text_dim": 
         "num_layers": 2, "rope_max_seq_len": 32}
 WAN21_1_3B = {**_WAN, "num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30}
 WAN21_14B = {**_WAN, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40}
+WAN21_I2V_14B = {**WAN21_14B, "in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120}
 WAN22_5B = {**_WAN, "num_attention_heads": 24, "in_channels": 48, "out_channels": 48, "ffn_dim": 14336,
             "num_layers": 30}
 
@@ -82,9 +85,18 @@ PRESETS: dict[str, Preset] = {
     # the toy video world's model (fvx.data.toy_world: 48-channel space-to-depth latents of 32x32 clips, 4 text tokens)
     "world": Preset({**TINY, "in_channels": 192, "out_channels": 192, "patch_size": (1, 1, 1),
                      "num_attention_heads": 4, "attention_head_dim": 64, "ffn_dim": 512, "num_layers": 3}, WORLD_CODEC, 4, {"flow_shift": 3.0}),
+    # Wan 2.1 I2V's layout, tiny: [x | 4-channel mask | first-frame latents] in, a 16-wide image embedding
+    "tiny-i2v": Preset({**TINY, "in_channels": 36, "image_dim": 16, "added_kv_proj_dim": 96}, TINY_VAE, 8,
+                       {"flow_shift": 3.0, "i2v": wan_i2v.CONCAT}),
+    # the toy world's image-to-video model: [x | mask | first frame] (192 + 1 + 192 channels), no image embedding
+    "world-i2v": Preset({**TINY, "in_channels": 385, "out_channels": 192, "patch_size": (1, 1, 1),
+                         "num_attention_heads": 4, "attention_head_dim": 64, "ffn_dim": 512, "num_layers": 3},
+                        WORLD_CODEC, 4, {"flow_shift": 3.0, "i2v": wan_i2v.CONCAT}),
     "wan2.1-t2v-1.3b": Preset(WAN21_1_3B, WAN21_VAE, 512, {"flow_shift": 3.0}),
     "wan2.1-t2v-14b": Preset(WAN21_14B, WAN21_VAE, 512, {"flow_shift": 5.0}),
     "wan2.2-ti2v-5b": Preset(WAN22_5B, WAN22_VAE, 512, TI2V),
+    "wan2.1-i2v-14b-480p": Preset(WAN21_I2V_14B, WAN21_VAE, 512, {"flow_shift": 3.0, "i2v": wan_i2v.CONCAT}),
+    "wan2.1-i2v-14b-720p": Preset(WAN21_I2V_14B, WAN21_VAE, 512, {"flow_shift": 5.0, "i2v": wan_i2v.CONCAT}),
 }
 """``WanTransformer3DModel`` constructor arguments per preset (every argument, so a config.json can be checked), the
 latent space and the text length (UMT5 pads to 512 tokens; the model accepts any length)."""
@@ -105,10 +117,18 @@ def text_cond_spec(config: ModelConfig) -> dict[str, tuple]:
     return {"text": ("L", config.spec.kwargs["text_dim"]), "text_mask": ("L",)}
 
 
+def cond_spec(config: ModelConfig) -> dict[str, tuple]:
+    return {**text_cond_spec(config), **wan_i2v.cond_spec(config)}
+
+
 def text_cond_from_batch(config: ModelConfig, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The UMT5 embedding and its padding mask (FastVideo's ``text_embedding``, padded to ``data.text_len``)."""
     require(batch, ("text", "text_mask"), config.family.name, "the UMT5 text embedding and its mask")
     return {"text": batch["text"], "text_mask": batch["text_mask"]}
+
+
+def cond_from_batch(config: ModelConfig, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    return {**text_cond_from_batch(config, batch), **wan_i2v.cond_from_batch(config, batch)}
 
 
 def masked_text(cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -117,18 +137,57 @@ def masked_text(cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
 
 def timesteps(config: ModelConfig, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``t [B]``, or one per token ``[B, T H W / patch]`` for presets with per-token timesteps (Wan 2.2 TI2V)."""
+    """``t [B]``, or one per token ``[B, T H W / patch]`` for presets with per-token timesteps (Wan 2.2 TI2V; the
+    first frame's tokens at 0 in its image-to-video form)."""
     if not config.spec.options.get("expand_timesteps"):
         return t
     p_t, p_h, p_w = config.spec.kwargs["patch_size"]
     _, _, frames, height, width = x_t.shape
-    return t[:, None].expand(x_t.shape[0], (frames // p_t) * (height // p_h) * (width // p_w))
+    per_frame = (height // p_h) * (width // p_w)
+    if wan_i2v.form(config) == wan_i2v.FIRST_FRAME:
+        return wan_i2v.first_frame_timesteps(t, frames // p_t, per_frame)
+    return t[:, None].expand(x_t.shape[0], (frames // p_t) * per_frame)
 
 
 def inputs(config: ModelConfig, x_t: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor],
            sharded: bool) -> dict[str, Any]:
-    return {"hidden_states": x_t, "timestep": timesteps(config, x_t, t), "encoder_hidden_states": masked_text(cond),
-            "return_dict": False}
+    kwargs = {"hidden_states": image_input(config, x_t, cond), "timestep": timesteps(config, x_t, t),
+              "encoder_hidden_states": masked_text(cond), "return_dict": False}
+    if "image_embeds" in cond:
+        kwargs["encoder_hidden_states"] = padded_text(kwargs["encoder_hidden_states"], config)
+        kwargs["encoder_hidden_states_image"] = cond["image_embeds"]
+    return kwargs
+
+
+def image_input(config: ModelConfig, x_t: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The DiT's ``hidden_states``: ``x_t``, with the given first frame in an image-to-video form."""
+    kind = wan_i2v.form(config)
+    if kind == wan_i2v.CONCAT:
+        return wan_i2v.concat_input(config, x_t, cond)
+    if kind == wan_i2v.FIRST_FRAME:
+        return wan_i2v.first_frame_input(x_t, cond)
+    return x_t
+
+
+I2V_TEXT_LEN = 512  # the text tokens diffusers' Wan image cross-attention expects after the image tokens
+
+
+def padded_text(text: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Text ``[B, L, D]`` zero-padded to 512 tokens (a ValueError for more): Wan 2.1 I2V's attention splits its
+    context into image and text tokens by that count."""
+    if text.shape[1] > I2V_TEXT_LEN:
+        raise ValueError(f"{config.family.name}:{config.preset}: its image cross-attention takes at most "
+                         f"{I2V_TEXT_LEN} text tokens, got {text.shape[1]} (data.text_len)")
+    return torch.nn.functional.pad(text, (0, 0, 0, I2V_TEXT_LEN - text.shape[1]))
+
+
+def output(config: ModelConfig, out: Any, x: torch.Tensor, t: torch.Tensor,
+           cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The DiT's velocity; in the first-frame image-to-video form, the first frame's the exact one toward the
+    given frame."""
+    if wan_i2v.form(config) == wan_i2v.FIRST_FRAME:
+        return wan_i2v.first_frame_velocity(out[0], x, t, cond)
+    return out[0]
 
 
 def widths(config: ModelConfig) -> tuple[int, dict[str, tuple[int, int]]]:
@@ -143,12 +202,17 @@ def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
     model_index.json names are not fvx's to write: copy them from the base model."""
     options = config.spec.options
     FlowMatchEulerDiscreteScheduler(shift=options["flow_shift"]).save_config(folder / "scheduler")
-    dfolder.write_model_index(
-        folder, "WanPipeline",
-        {"scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
-         "transformer": ("diffusers", "WanTransformer3DModel"), "vae": ("diffusers", "AutoencoderKLWan"),
-         "text_encoder": ("transformers", "UMT5EncoderModel"), "tokenizer": ("transformers", "AutoTokenizer")},
-        boundary_ratio=None, expand_timesteps=bool(options.get("expand_timesteps", False)))
+    components = {"scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
+                  "transformer": ("diffusers", "WanTransformer3DModel"), "vae": ("diffusers", "AutoencoderKLWan"),
+                  "text_encoder": ("transformers", "UMT5EncoderModel"), "tokenizer": ("transformers", "AutoTokenizer")}
+    pipeline = "WanPipeline"
+    if "i2v" in options:
+        pipeline = "WanImageToVideoPipeline"
+        if config.spec.kwargs.get("image_dim"):
+            components.update(image_encoder=("transformers", "CLIPVisionModel"),
+                              image_processor=("transformers", "CLIPImageProcessor"))
+    dfolder.write_model_index(folder, pipeline, components, boundary_ratio=None,
+                              expand_timesteps=bool(options.get("expand_timesteps", False)))
 
 
 ORIGINAL_ROOT = {"patch_embedding": "patch_embedding", "condition_embedder.text_embedder.linear_1": "text_embedding.0",
@@ -201,9 +265,12 @@ WAN = Family(
     unit_groups={"blocks": ("blocks",)},
     activations={"blocks": BLOCK_ACTIVATIONS},
     widths=widths,
-    cond_spec=text_cond_spec,
-    cond_from_batch=text_cond_from_batch,
+    cond_spec=cond_spec,
+    cond_from_batch=cond_from_batch,
+    data_keys=("text", "text_mask", *sorted(wan_i2v.IMAGE_COND)),
     inputs=inputs,
+    output=output,
+    image_cond=wan_i2v.IMAGE_COND,
     cond_defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
     init_rules={"scale_shift_table": scale_shift_init},
     pipeline_files=pipeline_files,
@@ -215,12 +282,21 @@ WAN = Family(
 
 
 class WanConfig(ModelConfig, tag="wan"):
-    """A Wan 2.1 T2V or Wan 2.2 TI2V-5B DiT (presets: tiny, tiny-deep, tiny-ti2v, world, wan2.1-t2v-1.3b,
-    wan2.1-t2v-14b, wan2.2-ti2v-5b); the shared knobs are :class:`fvx_models.build.ModelConfig`'s. ``r_embedder``:
-    a second time input, a flow map ``u(x_t, t, r)`` (``fvx_models.wan_two_time``; AnyFlow, MeanFlow)."""
+    """A Wan 2.1 T2V or I2V or Wan 2.2 TI2V-5B DiT (presets: tiny, tiny-deep, tiny-ti2v, tiny-i2v, world, world-i2v,
+    wan2.1-t2v-1.3b, wan2.1-t2v-14b, wan2.2-ti2v-5b, wan2.1-i2v-14b-480p, wan2.1-i2v-14b-720p); the shared knobs are
+    :class:`fvx_models.build.ModelConfig`'s. ``r_embedder``: a second time input, a flow map ``u(x_t, t, r)``
+    (``fvx_models.wan_two_time``; AnyFlow, MeanFlow). ``first_frame``: Wan 2.2 TI2V's image-to-video form, the first
+    latent frame given (``fvx_models.wan_i2v``; presets with per-token timesteps)."""
 
     family = WAN
     r_embedder: wan_two_time.REmbedder | None = None
+    first_frame: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.first_frame and not self.spec.options.get("expand_timesteps"):
+            raise ValueError(f"models.<role>.first_frame: wan preset {self.preset!r} has no per-token timesteps; the "
+                             "first-frame image-to-video form is Wan 2.2 TI2V's (presets tiny-ti2v, wan2.2-ti2v-5b)")
 
     @property
     def two_time(self) -> bool:

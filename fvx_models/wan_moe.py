@@ -1,7 +1,9 @@
-"""Wan 2.2 A14B text-to-video: two Wan-14B experts (diffusers ``WanTransformer3DModel`` twice), the family's spec.
+"""Wan 2.2 A14B text- and image-to-video: two Wan-14B experts (diffusers ``WanTransformer3DModel`` twice), the
+family's spec.
 
 The pipeline routes each denoising call by its timestep: ``transformer`` (the high-noise expert) takes
-``t >= boundary_ratio * 1000``, ``transformer_2`` (low noise) the rest; 0.875 for T2V. Training routes per sample: a
+``t >= boundary_ratio * 1000``, ``transformer_2`` (low noise) the rest; 0.875 for T2V, 0.9 for I2V, whose experts
+take the given first frame in the ``concat`` form (``fvx_models.wan_i2v``; no image embedding). Training routes per sample: a
 batch whose samples straddle the boundary runs each expert on its own samples. Params are one flat dict with each
 expert's under its pipeline component's name (``transformer.blocks.0. ...``, ``transformer_2.blocks.0. ...``), and
 both experts' blocks form one unit group (one compiled graph). Either expert can be left frozen
@@ -23,17 +25,22 @@ from diffusers import FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
 from torch import nn
 from typing_extensions import Annotated
 
-from fvx_models import diffusers_folder as dfolder, wan
+from fvx_models import diffusers_folder as dfolder, wan, wan_i2v
 from fvx_models.build import ModelConfig
 from fvx_models.family import Preset, skeleton_of
 
 EXPERTS = ("transformer", "transformer_2")  # high noise, low noise: the pipeline's component names
 
+T2V = {"flow_shift": 12.0, "boundary_ratio": 0.875}
+I2V = {"flow_shift": 5.0, "boundary_ratio": 0.9, "i2v": wan_i2v.CONCAT}
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(wan.TINY, wan.TINY_VAE, 8, {"flow_shift": 12.0}),
-    "wan2.2-t2v-a14b": Preset(wan.WAN21_14B, wan.WAN21_VAE, 512, {"flow_shift": 12.0}),
+    "tiny": Preset(wan.TINY, wan.TINY_VAE, 8, T2V),
+    "tiny-i2v": Preset({**wan.TINY, "in_channels": 36}, wan.TINY_VAE, 8, I2V),
+    "wan2.2-t2v-a14b": Preset(wan.WAN21_14B, wan.WAN21_VAE, 512, T2V),
+    "wan2.2-i2v-a14b": Preset({**wan.WAN21_14B, "in_channels": 36}, wan.WAN21_VAE, 512, I2V),
 }
-"""The ``WanTransformer3DModel`` arguments of each expert per preset, the latent space and the text length."""
+"""The ``WanTransformer3DModel`` arguments of each expert per preset, the latent space, the text length, and the
+pipeline's flow shift and boundary."""
 
 
 class TwoExperts(nn.Module):
@@ -48,7 +55,8 @@ class TwoExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 run_idle_experts: bool = False, return_dict: bool = False) -> tuple[torch.Tensor]:
         high = timestep >= self.boundary
-        out = torch.zeros_like(hidden_states)
+        channels = self.transformer_2.config.out_channels  # the input may carry an image condition besides x_t
+        out = hidden_states.new_zeros(hidden_states.shape[0], channels, *hidden_states.shape[2:])
         for expert, chosen in ((self.transformer, high), (self.transformer_2, ~high)):
             index = chosen.nonzero().flatten()
             if index.numel():
@@ -63,13 +71,13 @@ class TwoExperts(nn.Module):
 def skeleton(config: Wan22MoEConfig) -> TwoExperts:
     kwargs = config.spec.kwargs
     high, low = (skeleton_of(WanTransformer3DModel, kwargs, wan.rebuild_rope) for _ in EXPERTS)
-    return TwoExperts(high, low, config.boundary_ratio * 1000.0)
+    return TwoExperts(high, low, config.boundary * 1000.0)
 
 
 def inputs(config: Wan22MoEConfig, x_t: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor],
            sharded: bool) -> dict[str, Any]:
-    return {"hidden_states": x_t, "timestep": t, "encoder_hidden_states": wan.masked_text(cond),
-            "run_idle_experts": sharded, "return_dict": False}
+    return {"hidden_states": wan.image_input(config, x_t, cond), "timestep": t,
+            "encoder_hidden_states": wan.masked_text(cond), "run_idle_experts": sharded, "return_dict": False}
 
 
 def pipeline_files(config: Wan22MoEConfig, folder: pathlib.Path) -> None:
@@ -77,12 +85,12 @@ def pipeline_files(config: Wan22MoEConfig, folder: pathlib.Path) -> None:
     (``boundary_ratio``, the scheduler with the preset's flow shift); copy the VAE, text encoder and tokenizer."""
     FlowMatchEulerDiscreteScheduler(shift=config.spec.options["flow_shift"]).save_config(folder / "scheduler")
     dfolder.write_model_index(
-        folder, "WanPipeline",
+        folder, "WanImageToVideoPipeline" if "i2v" in config.spec.options else "WanPipeline",
         {"scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
          "transformer": ("diffusers", "WanTransformer3DModel"), "transformer_2": ("diffusers", "WanTransformer3DModel"),
          "vae": ("diffusers", "AutoencoderKLWan"), "text_encoder": ("transformers", "UMT5EncoderModel"),
          "tokenizer": ("transformers", "AutoTokenizer")},
-        boundary_ratio=config.boundary_ratio, expand_timesteps=False)
+        boundary_ratio=config.boundary, expand_timesteps=False)
 
 
 WAN_MOE = dataclasses.replace(
@@ -103,13 +111,13 @@ the two-expert pipeline; no sequence parallelism."""
 
 
 class Wan22MoEConfig(ModelConfig, tag="wan_moe"):
-    """Wan 2.2 A14B's two experts (presets: tiny, wan2.2-t2v-a14b): ``boundary_ratio`` routes a call to
-    ``transformer`` when ``t >= 1000 boundary_ratio`` (0.875 for T2V, the pipeline's), and ``trainable`` names the
-    experts that train (the others stay as loaded)."""
+    """Wan 2.2 A14B's two experts (presets: tiny, tiny-i2v, wan2.2-t2v-a14b, wan2.2-i2v-a14b): ``boundary_ratio``
+    routes a call to ``transformer`` when ``t >= 1000 boundary_ratio`` (None: the preset's pipeline's, 0.875 for T2V
+    and 0.9 for I2V), and ``trainable`` names the experts that train (the others stay as loaded)."""
 
     family = WAN_MOE
 
-    boundary_ratio: Annotated[float, msgspec.Meta(gt=0, lt=1)] = 0.875
+    boundary_ratio: Annotated[float, msgspec.Meta(gt=0, lt=1)] | None = None
     trainable: tuple[Literal["transformer", "transformer_2"], ...] = EXPERTS
 
     def __post_init__(self) -> None:
@@ -117,6 +125,10 @@ class Wan22MoEConfig(ModelConfig, tag="wan_moe"):
         if not self.trainable or len(set(self.trainable)) != len(self.trainable):
             raise ValueError(f"trainable must name each expert to train once (of {', '.join(EXPERTS)}), got "
                              f"{list(self.trainable)}")
+
+    @property
+    def boundary(self) -> float:
+        return self.spec.options["boundary_ratio"] if self.boundary_ratio is None else self.boundary_ratio
 
     def frozen(self, name: str) -> bool:
         return not name.startswith(tuple(f"{expert}." for expert in self.trainable))

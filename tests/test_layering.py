@@ -90,6 +90,21 @@ def test_the_model_interface_imports_no_family(name):
     assert not [m for m in imports if m.startswith("fvx_models") and m.split(".")[-1] in FAMILY_MODULES], name
 
 
+# Families added as one spec file each (issue 29): nothing else imports them, so adding one changed no other file of
+# the package. The core changes that came with them serve contract points every family may use, not a family: the
+# data kind "i2v" (fvx/data/datasets.py, FastVideo's pyarrow_schema_i2v) and the toy world's image-to-video task
+# (fvx/data/toy_world.py), and Model.cfg_dropout_refusal checked before weights load (fvx/training/experiment.py).
+SPEC_FILE_FAMILIES = ("cosmos", "ltx_video", "hunyuan_video15", "kandinsky5")
+
+
+@pytest.mark.parametrize("family", SPEC_FILE_FAMILIES)
+def test_a_spec_file_family_is_imported_by_no_module_of_the_packages(family):
+    importers = [relative(path) for package in ("fvx", "fvx_models", "fvx_methods") for path in sources(package)
+                 if f"fvx_models.{family}" in imported_modules(ast.parse(path.read_text()))]
+    assert not importers, f"fvx_models/{family}.py is imported by {importers}"
+    assert (ROOT / "fvx_models" / f"{family}.py").is_file()
+
+
 # What imports JAX: every module and experiment file imported one after the other in one fresh interpreter, JAX
 # looked for after each (the first to bring it is named; a module imported without it is free of it, with all it
 # imports), then the checkpoint manager's orbax items, which must bring it.

@@ -6,13 +6,17 @@ slice, plus the global sample index of each row, which methods fold into the ste
 is stateful, so resuming at step ``s`` needs only ``s``. :class:`Prefetcher` computes upcoming batches in a background
 thread so loading overlaps the step.
 
-Parquet layout (FastVideo's ``pyarrow_schema_t2v`` / ``pyarrow_schema_text_only``): one row per sample; each tensor is
+Parquet layout (FastVideo's ``pyarrow_schema_t2v`` / ``_text_only`` / ``_i2v``): one row per sample; each tensor is
 three columns ``<name>_bytes`` (raw float32 bytes), ``<name>_shape`` (list<int64>) and ``<name>_dtype`` (string). As
 FastVideo's collation does, the bytes are decoded as float32 whatever ``_dtype`` says; the dtype only appears in errors.
 
 Batch dict (torch tensors except ``caption``)::
 
-    latents      [B, C, T, H, W] float32   (kind "t2v" only; from vae_latent)
+    latents      [B, C, T, H, W] float32   (kinds "t2v" and "i2v"; from vae_latent)
+    first_frame_latents [B, C, T, H, W]    (kind "i2v": first_frame_latent, the VAE latents of the first frame
+                                            followed by zero frames, normalised: FastVideo stores them so)
+    image_embeds [B, N, D] float32         (kind "i2v" when the data has them: clip_feature, the CLIP image
+                                            encoder's hidden states; FastVideo writes empty bytes for a model without)
     text         [B, text_len, D] float32  (text_embedding, zero-padded or cropped; zeroed for CFG-dropped samples)
     text_mask    [B, text_len] float32     (1 = real token; not changed by CFG dropout)
     cfg_dropped  [B] bool                  (whether CFG dropout blanked the sample's text)
@@ -42,14 +46,19 @@ from fvx.config import Config, validate
 from fvx.core import random, tree
 from fvx.data.toy_world import WorldConfig, WorldDataset
 
-Kind = Literal["t2v", "text_only"]
+Kind = Literal["t2v", "text_only", "i2v"]
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 
 # Tensor columns per kind: (parquet tensor name, batch key). Metadata columns follow FastVideo's schemas.
 _TENSORS: dict[str, tuple[tuple[str, str], ...]] = {
     "t2v": (("vae_latent", "latents"), ("text_embedding", "text")),
     "text_only": (("text_embedding", "text"),),
+    "i2v": (("vae_latent", "latents"), ("text_embedding", "text"), ("first_frame_latent", "first_frame_latents")),
 }
+# Tensor columns a kind reads when every file has them and a sample's are not empty (FastVideo's I2V preprocessing
+# writes empty bytes for a model without an image encoder).
+_OPTIONAL_TENSORS: dict[str, tuple[tuple[str, str], ...]] = {"i2v": (("clip_feature", "image_embeds"),)}
+_RANKS = {"latents": 4, "text": 2, "first_frame_latents": 4, "image_embeds": 2}  # dims of each stored tensor
 _METADATA: dict[str, tuple[tuple[str, pa.DataType], ...]] = {
     "t2v": (
         ("file_name", pa.string()), ("caption", pa.string()), ("media_type", pa.string()), ("width", pa.int64()),
@@ -57,13 +66,15 @@ _METADATA: dict[str, tuple[tuple[str, pa.DataType], ...]] = {
     ),
     "text_only": (("caption", pa.string()),),
 }
+_METADATA["i2v"] = _METADATA["t2v"]
 
 
 def parquet_schema(kind: Kind) -> pa.Schema:
-    """The arrow schema FastVideo writes for ``kind`` (its ``pyarrow_schema_t2v`` or ``pyarrow_schema_text_only``)."""
+    """The arrow schema FastVideo writes for ``kind`` (its ``pyarrow_schema_t2v``, ``_text_only`` or ``_i2v``, less
+    the I2V validation image ``pil_image``, which fvx does not read)."""
     _check_kind(kind)
     fields = [pa.field("id", pa.string())]
-    for name, _ in _TENSORS[kind]:
+    for name, _ in _TENSORS[kind] + _OPTIONAL_TENSORS.get(kind, ()):
         fields += [
             pa.field(f"{name}_bytes", pa.binary()),
             pa.field(f"{name}_shape", pa.list_(pa.int64())),
@@ -86,12 +97,16 @@ class DataError(ValueError):
 
 
 class SyntheticConfig(Config):
-    """A synthetic dataset: ``num_samples`` standard-normal latents [C, T, H, W] and texts [text_len, text_dim]."""
+    """A synthetic dataset: ``num_samples`` standard-normal latents [C, T, H, W] and texts [text_len, text_dim]; for
+    kind "i2v" the first-frame latents are the latents' first frame followed by zeros (as stored: the condition of a
+    model whose latents have no statistics to normalise by), and ``image_embeds`` (tokens, width) adds normal image
+    embeddings."""
 
     num_samples: PositiveInt = 64
     latent_shape: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt] = (16, 1, 8, 8)
     text_len: PositiveInt = 8
     text_dim: PositiveInt = 32
+    image_embeds: tuple[PositiveInt, PositiveInt] | None = None
 
 
 class DataConfig(Config):
@@ -148,6 +163,7 @@ def open_dataset(config: DataConfig, key: torch.Tensor) -> Dataset:
     return ParquetDataset(find_parquet_files(config.path), kind=config.kind, collate=collate)
 
 
+
 class SyntheticDataset:
     """Sample i is a function of (key, i) alone: latents and text are normal draws from split(fold_in(key, i))."""
 
@@ -159,12 +175,19 @@ class SyntheticDataset:
         return self.config.num_samples
 
     def sample(self, index: int) -> dict[str, Any]:
-        """Sample ``index`` uncollated: latents [C, T, H, W] (t2v only) and text [text_len, text_dim], float32."""
+        """Sample ``index`` uncollated: latents [C, T, H, W] (not text_only), text [text_len, text_dim] and the I2V
+        tensors (i2v), float32."""
         latents_key, text_key = random.split(random.fold_in(self.key, index), 2)
         sample = {"text": random.normal(text_key, (self.config.text_len, self.config.text_dim)).numpy(),
                   "caption": f"synthetic sample {index}", "where": self.where(index)}
-        if self.kind == "t2v":
+        if self.kind != "text_only":
             sample["latents"] = random.normal(latents_key, self.config.latent_shape).numpy()
+        if self.kind == "i2v":
+            sample["first_frame_latents"] = np.zeros_like(sample["latents"])  # the first frame, then zero frames
+            sample["first_frame_latents"][:, :1] = sample["latents"][:, :1]
+            if self.config.image_embeds is not None:
+                image_key = random.fold_in(latents_key, 1)
+                sample["image_embeds"] = random.normal(image_key, self.config.image_embeds).numpy()
         return sample
 
     def read(self, indices: Sequence[int]) -> dict[str, Any]:
@@ -200,6 +223,8 @@ class ParquetDataset:
         self._length = total
         self.has_captions = all("caption" in names for names in schemas)
         self._columns = _columns_to_read(kind, schemas)
+        self._optional = [(name, key) for name, key in _OPTIONAL_TENSORS.get(kind, ())
+                          if all(f"{name}_bytes" in names for names in schemas)]
         self._cache: collections.OrderedDict[tuple[int, int], pa.Table] = collections.OrderedDict()
         self._lock = threading.Lock()
 
@@ -227,6 +252,9 @@ class ParquetDataset:
         table = self._row_group(file_number, group)
         where = self.where(index)
         sample = {key: _decode(table, name, row, where) for name, key in _TENSORS[self.kind]}
+        for name, key in self._optional:
+            if table.column(f"{name}_shape")[row].as_py():  # empty when the preprocessing had no such encoder
+                sample[key] = _decode(table, name, row, where)
         if self.has_captions:
             sample["caption"] = table.column("caption")[row].as_py() or ""
         return {**sample, "where": where}
@@ -296,6 +324,8 @@ def _columns_to_read(kind: Kind, schemas: list[set[str]]) -> list[str]:
     """Bytes and shape of each tensor; its dtype (for error messages) and the caption where every file has them."""
     columns = [f"{name}_{part}" for name, _ in _TENSORS[kind] for part in ("bytes", "shape")]
     optional = [f"{name}_dtype" for name, _ in _TENSORS[kind]] + ["caption"]
+    optional += [f"{name}_{part}" for name, _ in _OPTIONAL_TENSORS.get(kind, ())
+                 for part in ("bytes", "shape", "dtype")]
     return columns + [c for c in optional if all(c in names for names in schemas)]
 
 
@@ -337,15 +367,24 @@ def _collate(samples: list[dict], indices: list[int], *, text_len: int, cfg_rate
     """Stack samples (dicts of float32 arrays: latents [C,T,H,W], text [L,D]) into a batch; pad/crop text to
     ``text_len`` with its mask; zero the text of CFG-dropped samples (the mask is kept, as FastVideo)."""
     batch: dict[str, Any] = {}
-    if samples and "latents" in samples[0]:
-        _check_same(samples, "latents", lambda a: a.shape, "shape")
-        latents = np.stack([s["latents"] for s in samples])
-        if num_latent_t is not None:
-            if latents.shape[2] < num_latent_t:
-                raise DataError(f"{samples[0]['where']}: latents of {latents.shape[2]} frames "
-                                 f"({list(latents.shape[1:])}) are fewer than data.num_latent_t={num_latent_t}")
-            latents = latents[:, :, :num_latent_t]
-        batch["latents"] = torch.from_numpy(np.ascontiguousarray(latents))
+    for key in ("latents", "first_frame_latents"):
+        if samples and key in samples[0]:
+            _check_same(samples, key, lambda a: a.shape, "shape")
+            latents = np.stack([s[key] for s in samples])
+            if num_latent_t is not None:
+                if latents.shape[2] < num_latent_t:
+                    raise DataError(f"{samples[0]['where']}: {key} of {latents.shape[2]} frames "
+                                     f"({list(latents.shape[1:])}) are fewer than data.num_latent_t={num_latent_t}")
+                latents = latents[:, :, :num_latent_t]
+            batch[key] = torch.from_numpy(np.ascontiguousarray(latents))
+    having = [s for s in samples if "image_embeds" in s]
+    if having and len(having) != len(samples):
+        lacking = next(s for s in samples if "image_embeds" not in s)
+        raise DataError(f"{lacking['where']} has no clip_feature (image embeddings) but {having[0]['where']} has: "
+                         "the data mixes preprocessings")
+    if having:
+        _check_same(samples, "image_embeds", lambda a: a.shape, "shape")
+        batch["image_embeds"] = torch.from_numpy(np.stack([s["image_embeds"] for s in samples]))
     _check_same(samples, "text", lambda a: a.shape[1:], "embedding width")
     for sample in samples:
         if sample["text"].ndim != 2:
@@ -430,8 +469,9 @@ def _record(sample: dict[str, Any], number: int, kind: Kind) -> dict[str, Any]:
     """One row of ``parquet_schema(kind)`` for sample ``number``; ValueError naming the sample on bad input."""
     if not isinstance(sample, dict):
         raise TypeError(f"sample {number} must be a dict, got {type(sample).__name__}")
-    tensors = {"latents": 4, "text": 2} if kind == "t2v" else {"text": 2}
-    allowed = set(tensors) | {"id"} | {name for name, _ in _METADATA[kind]}
+    tensors = {key: _RANKS[key] for _, key in _TENSORS[kind]}
+    optional = {key: _RANKS[key] for _, key in _OPTIONAL_TENSORS.get(kind, ())}
+    allowed = set(tensors) | set(optional) | {"id"} | {name for name, _ in _METADATA[kind]}
     if kind == "text_only" and "latents" in sample:
         raise ValueError(f"sample {number} has latents, but kind='text_only' stores none; use kind='t2v'")
     unknown = sorted(set(sample) - allowed)
@@ -440,8 +480,11 @@ def _record(sample: dict[str, Any], number: int, kind: Kind) -> dict[str, Any]:
     record = {"id": str(sample.get("id", f"sample_{number:06d}"))}
     for (column, key), ndim in zip(_TENSORS[kind], tensors.values()):
         record.update(_tensor_columns(column, _as_array(sample, key, ndim, number)))
+    for column, key in _OPTIONAL_TENSORS.get(kind, ()):
+        record.update(_tensor_columns(column, _as_array(sample, key, optional[key], number)) if key in sample
+                      else {f"{column}_bytes": b"", f"{column}_shape": [], f"{column}_dtype": ""})
     metadata = {"caption": str(sample.get("caption", ""))}
-    if kind == "t2v":
+    if kind != "text_only":
         latents_shape = record["vae_latent_shape"]
         metadata.update(file_name=str(sample.get("file_name", record["id"])),
                         media_type=str(sample.get("media_type", "video")), width=int(sample.get("width", 0)),

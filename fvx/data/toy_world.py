@@ -117,6 +117,13 @@ def render(config: WorldConfig, colour: str, direction: str, start: tuple[int, i
     return video
 
 
+def first_frame_only(video: np.ndarray) -> np.ndarray:
+    """A clip ``[3, T, H, W]`` with every frame but the first zero (mid-grey): what an image-to-video model is given."""
+    out = np.zeros_like(video)
+    out[:, :1] = video[:, :1]
+    return out
+
+
 def space_to_depth(video: np.ndarray | torch.Tensor, factor: int) -> Any:
     """``[..., 3, T, H, W] -> [..., 3 f^2, T, H / f, W / f]``: channel ``(c, i, j)`` holds pixel ``(f y + i, f x + j)``
     of colour ``c``."""
@@ -180,11 +187,19 @@ class WorldDataset:
         colour, direction = self.prompts[prompt]
         sample = {"text": self.texts[prompt], "caption": caption(self.config, colour, direction),
                   "where": self.where(index)}
-        if self.kind == "t2v":
-            options = self.starts[direction]
-            start = options[int(random.randint(random.fold_in(self.key, index), (), 0, len(options)))]
-            sample["latents"] = space_to_depth(render(self.config, colour, direction, start), self.config.factor)
+        if self.kind != "text_only":
+            sample["latents"] = space_to_depth(self.clip(index), self.config.factor)
+        if self.kind == "i2v":  # the first frame followed by zero frames, as FastVideo encodes an I2V condition
+            sample["first_frame_latents"] = space_to_depth(first_frame_only(self.clip(index)), self.config.factor)
         return sample
+
+    def clip(self, index: int) -> np.ndarray:
+        """Sample ``index``'s clip ``[3, T, size, size]`` in [-1, 1]: its prompt's shapes from a start drawn from
+        ``fold_in(key, index)``."""
+        colour, direction = self.prompts[index % len(self.prompts)]
+        options = self.starts[direction]
+        start = options[int(random.randint(random.fold_in(self.key, index), (), 0, len(options)))]
+        return render(self.config, colour, direction, start)
 
     def read(self, indices: Sequence[int]) -> dict[str, Any]:
         indices = [int(i) for i in indices]
@@ -209,7 +224,7 @@ class WorldDataset:
         ``prompt_match`` (the fraction whose nearest true clip of any prompt is of its prompt). A clip ``k`` times the
         world's length (a long streamed sample; bars only, whose every window is a true clip) is scored per window of
         the world's frames, ``window_i/<figure>``, and the figures are their means, so a person sees whether quality
-        holds along the clip."""
+        holds along the clip. Image-to-video data (kind "i2v") adds :meth:`continuation_mse`."""
         refs = self.references()  # [P, S, 3, T, H, W]
         frames, shape = refs.shape[3], tuple(videos.shape[1:])
         long_clip = self.config.shape == "bars" and shape[1] > frames and shape[1] % frames == 0
@@ -218,10 +233,18 @@ class WorldDataset:
                              f"{tuple(refs.shape[2:])} (or, for bars, a whole number of them in time)")
         prompts = torch.tensor([int(i) % len(self.prompts) for i in indices])
         windows = [_quality(videos[:, :, w:w + frames], prompts, refs) for w in range(0, shape[1], frames)]
+        if self.kind == "i2v" and len(windows) == 1:
+            return {**windows[0], "continuation_mse": self.continuation_mse(videos, indices)}
         if len(windows) == 1:
             return windows[0]
         means = {name: sum(w[name] for w in windows) / len(windows) for name in windows[0]}
         return {**means, **{f"window_{i}/{name}": value for i, w in enumerate(windows) for name, value in w.items()}}
+
+    def continuation_mse(self, videos: torch.Tensor, indices: Sequence[int]) -> float:
+        """For image-to-video samples ``[N, 3, T, H, W]`` in [0, 1] conditioned on the first frames of dataset samples
+        ``indices``: the mean pixel MSE to those samples' own clips, the motion continued from the given frame."""
+        own = torch.from_numpy(np.stack([self.clip(int(i)) for i in indices])) / 2 + 0.5
+        return float(((videos.float() - own) ** 2).mean())
 
 
 def references(config: WorldConfig) -> torch.Tensor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import pathlib
-from typing import Annotated, Any, Callable, Literal, NamedTuple
+from typing import Annotated, Any, Callable, Literal, Mapping, NamedTuple
 
 import msgspec
 import torch
@@ -199,6 +199,16 @@ def check_skippable(config: Experiment) -> None:
                           "run.on_nonfinite=halt, or method settings that make one update per step")
 
 
+def check_cfg_dropout(config: Experiment, models: Mapping[str, Any]) -> None:
+    """A ConfigError when the data drops text for classifier-free guidance (``data.cfg_rate``) but a model refuses to
+    train on such data (``Model.cfg_dropout_refusal``, a family's rule)."""
+    for name, model in models.items():
+        refusal = getattr(model, "cfg_dropout_refusal", None)
+        if config.data.cfg_rate > 0 and refusal is not None:
+            raise ConfigError(f"data.cfg_rate = {config.data.cfg_rate}: models.{name} ({model.name}) takes no CFG "
+                              f"dropout ({refusal}); set data.cfg_rate=0")
+
+
 def check_folders(config: Experiment) -> None:
     """A ConfigError naming the field of a model's (or the VAE's) ``path`` that does not exist, before any weights
     load: such a folder is often the export of an earlier run of this repository's scenarios."""
@@ -224,6 +234,7 @@ def prepare(config: Experiment, *, resume_from: str | int | None = None, rank: i
     callbacks = fcallbacks.check(config.callbacks())
     check_skippable(config)
     built = setup(config, mesh=mesh, callbacks=callbacks)
+    check_cfg_dropout(config, built.models)
     first = batch_fn(config, built, rank=rank, world=world)(0)
     built.program.check(first)
     check_sequence_parallel(built, first)

@@ -143,6 +143,14 @@ EXPERIMENTS = ROOT / "experiments"
     ("finetune_hunyuan.py", ["models.student.embedded_guidance=null"], "embeds a guidance scale: set embedded_guidance"),
     ("finetune_hunyuan.py", ["data.text_len=1"], "is not the packed [B, 1 + L, D] form"),
     ("finetune_skyreels_v2.py", ["data.synthetic.text_dim=16"], "must be [B, L, 32], got [2, 512, 16]"),
+    ("finetune_wan_i2v.py", ["data.kind=t2v"], "wan needs the batch tensor 'first_frame_latents' (the first frame's "
+                                               "latents: parquet column first_frame_latent of data.kind='i2v' data)"),
+    ("finetune_wan_i2v.py", ["models.student.preset=tiny-i2v", "data.world=null", "data.text_len=8",
+                             "data.synthetic.latent_shape=[16,2,4,4]"], "parquet column clip_feature"),
+    ("finetune_wan_i2v.py", ["models.student.preset=tiny-i2v", "data.world=null", "data.text_len=8",
+                             "data.synthetic.latent_shape=[16,2,4,4]", "data.synthetic.image_embeds=[3,8]"],
+     "cond['image_embeds'] must be [B, N, 16], got [2, 3, 8]"),
+    ("finetune_wan.py", ["models.student.first_frame=true"], "wan preset 'world' has no per-token timesteps"),
 ])
 def test_bad_roles_models_and_cond_are_one_clear_error_and_write_nothing(tmp_path, capsys, experiment, args,
                                                                          message):

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from fvx.core import grad, random
+from fvx.core import grad, random, role
 from fvx.core.optim_config import AdamWConfig
 from fvx.distributed import memory
 from fvx_methods import finetune
@@ -126,17 +126,18 @@ def test_tiny_fine_tuning_lowers_a_fixed_key_eval_loss(name):
     model = config.build()
     method = finetune.Finetune(optim=AdamWConfig(lr=2e-3, weight_decay=0.0))
     program = method.build({"student": model}, total_steps=16)
-    state = program.init(random.key(0))
+    state, frozen = program.init(random.key(0)), program.frozen(random.key(0))  # frozen: params a mode leaves unused
     batches = [model.batch(raw_batch(model, random.key(10 + i % 2), first=2 * i)) for i in range(16)]
     program.check(batches[0])
 
     def eval_loss(params):
+        params = role.with_trained(frozen.get("student", {}), params)
         losses = [finetune.loss_fn(params, b, random.key(99), model=model, config=method)[0] for b in batches[:2]]
         return float(torch.stack(losses).mean())
 
     before = eval_loss(state.roles["student"].params)
     for batch in batches:
-        state, metrics = program.step_(state, {}, batch)
+        state, metrics = program.step_(state, frozen, batch)
         assert math.isfinite(float(metrics["loss"]))
     after = eval_loss(state.roles["student"].params)
     assert after < 0.9 * before, (before, after)

@@ -246,7 +246,7 @@ def test_two_experts_export_one_peft_file_per_component_and_say_how_each_loads(t
         "# transformer_2: the low-noise expert")
     modules = native_modules(CASES["wan_moe"], base)
     pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=FlowMatchEulerDiscreteScheduler(),
-                       boundary_ratio=config.boundary_ratio, **modules)
+                       boundary_ratio=config.boundary, **modules)
     for line in written.how_to_load:
         eval(line.split("  #")[0], {"pipe": pipe})  # the call as printed
     x, t, cond = inputs(model, random.key(2))  # one sample per expert

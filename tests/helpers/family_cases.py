@@ -7,12 +7,20 @@ from typing import Callable, NamedTuple
 import torch
 from diffusers import (AnyFlowTransformer3DModel, HunyuanVideoTransformer3DModel, SkyReelsV2Transformer3DModel,
                        WanTransformer3DModel)
+from diffusers import Kandinsky5T2VPipeline, Kandinsky5Transformer3DModel
+from diffusers import CosmosTransformer3DModel
+from diffusers import LTXPipeline, LTXVideoTransformer3DModel
+from diffusers import HunyuanVideo15Transformer3DModel
 
 from fvx.core import grad, random
 from fvx.distributed import processes, sharding
 from fvx_models.anyflow import AnyFlowConfig
 from fvx_models.build import ModelConfig
+from fvx_models.cosmos import CosmosConfig
 from fvx_models.hunyuan_video import HunyuanVideoConfig
+from fvx_models.hunyuan_video15 import HunyuanVideo15Config
+from fvx_models.kandinsky5 import Kandinsky5Config
+from fvx_models.ltx_video import LTXVideoConfig
 from fvx_models.skyreels_v2 import SkyReelsV2Config
 from fvx_models.wan import WanConfig
 from fvx_models.wan_moe import Wan22MoEConfig
@@ -58,6 +66,49 @@ def moe_native(modules, x, t, cond):
     return torch.cat(rows)
 
 
+def i2v_condition(x, cond, stride: int = 4):
+    """WanImageToVideoPipeline.prepare_latents' condition: the video-frame mask (first frame given) packed ``stride``
+    frames per latent frame, then the first-frame latents."""
+    b, _, frames, h, w = x.shape
+    mask = torch.ones(b, 1, (frames - 1) * stride + 1, h, w)
+    mask[:, :, 1:] = 0
+    mask = torch.cat([mask[:, :, :1].repeat_interleave(stride, dim=2), mask[:, :, 1:]], dim=2)
+    mask = mask.view(b, -1, stride, h, w).transpose(1, 2)
+    return torch.cat([mask, cond["first_frame_latents"][:, :, :frames]], dim=1)
+
+
+def wan_i2v_native(modules, x, t, cond):
+    """WanImageToVideoPipeline (Wan 2.1 I2V): [latents | condition] in, CLIP hidden states to the image attention,
+    the text zero-padded to 512 tokens."""
+    text = torch.nn.functional.pad(_masked(cond), (0, 0, 0, 512 - cond["text"].shape[1]))
+    return modules["transformer"](torch.cat([x, i2v_condition(x, cond)], dim=1), t, text,
+                                  encoder_hidden_states_image=cond["image_embeds"], return_dict=False)[0]
+
+
+def moe_i2v_native(modules, x, t, cond):
+    """WanImageToVideoPipeline with two experts (Wan 2.2 A14B I2V): the high-noise expert at t >= 900."""
+    latent_input = torch.cat([x, i2v_condition(x, cond)], dim=1)
+    rows = [modules["transformer" if float(t[b]) >= 900.0 else "transformer_2"](
+        latent_input[b:b + 1], t[b:b + 1], _masked(cond)[b:b + 1], return_dict=False)[0] for b in range(x.shape[0])]
+    return torch.cat(rows)
+
+
+def ti2v_i2v_native(modules, x, t, cond):
+    """WanImageToVideoPipeline with expand_timesteps (Wan 2.2 TI2V-5B): the first latent frame replaced by the given
+    one at timestep 0, one sample at a time; fvx's model then gives that frame the exact velocity toward it."""
+    rows = []
+    for b in range(x.shape[0]):
+        keep = torch.ones(1, 1, *x.shape[2:])
+        keep[:, :, 0] = 0
+        given = cond["first_frame_latents"][b:b + 1, :, :x.shape[2]]
+        latents = (1 - keep) * given + keep * x[b:b + 1]
+        timestep = (keep[0][0][:, ::2, ::2] * t[b]).flatten()[None]
+        out = modules["transformer"](latents, timestep, _masked(cond)[b:b + 1], return_dict=False)[0]
+        exact = (x[b:b + 1, :, :1] - given[:, :, :1]) / (t[b] / 1000)
+        rows.append(torch.cat([exact, out[:, :, 1:]], dim=2))
+    return torch.cat(rows)
+
+
 def hunyuan_native(modules, x, t, cond):
     """HunyuanVideoPipeline's call: guidance passed as guidance_scale * 1000."""
     guidance = torch.full((x.shape[0],), 6.0) * 1000.0
@@ -72,6 +123,63 @@ def anyflow_native(modules, x, t, cond):
     return out.permute(0, 2, 1, 3, 4)
 
 
+def kandinsky5_native(modules, x, t, cond):
+    """Kandinsky5T2VPipeline's call: channels-last latents with the zero image condition and mask, the text as long as
+    the batch's longest prompt (its tokenizer pads to that), RoPE positions of the patched grid, the pipeline's RoPE
+    scale for the pixel size (latents x 8), dense attention."""
+    transformer = modules["transformer"]
+    latents = x.permute(0, 2, 3, 4, 1)
+    b, f, h, w, _ = latents.shape
+    if transformer.visual_cond:
+        latents = torch.cat([latents, torch.zeros_like(latents), torch.zeros(b, f, h, w, 1)], dim=-1)
+    length = int(cond["text_mask"].sum(dim=1).max())
+    out = transformer(hidden_states=latents, encoder_hidden_states=cond["text"][:, :length],
+                      pooled_projections=cond["pooled"], timestep=t,
+                      visual_rope_pos=[torch.arange(f), torch.arange(h // 2), torch.arange(w // 2)],
+                      text_rope_pos=torch.arange(length),
+                      scale_factor=Kandinsky5T2VPipeline._get_scale_factor(None, h * 8, w * 8), sparse_params=None,
+                      return_dict=True).sample
+    return out.permute(0, 4, 1, 2, 3)
+
+
+def cosmos_native(modules, x, t, cond):
+    """Cosmos2_5_PredictBasePipeline's text-to-world call: no conditioning frames (indicator and mask zero), the
+    timestep ``indicator * 1e-4 + (1 - indicator) * sigma`` as [B, 1, T, 1, 1], a zero padding mask at the pixel size
+    (latents x 8), the prompt embeds as they are, no fps; then the conditioning frames' velocity put back (none)."""
+    b, _, f, h, w = x.shape
+    indicator = torch.zeros(b, 1, f, 1, 1)
+    mask = indicator.expand(-1, -1, -1, h, w)
+    timestep = indicator * 0.0001 + (1 - indicator) * (t / 1000.0).view(b, 1, 1, 1, 1)
+    out = modules["transformer"](hidden_states=x, condition_mask=mask, timestep=timestep,
+                                 encoder_hidden_states=cond["text"], padding_mask=torch.zeros(1, 1, 8 * h, 8 * w),
+                                 return_dict=False)[0]
+    return x * mask + out * (1 - mask)
+
+
+def ltx_video_native(modules, x, t, cond):
+    """LTXPipeline's call: latents packed to tokens by its own _pack_latents, t (0..1000) per sample, the T5 mask as
+    encoder_attention_mask, the latent grid and rope_interpolation_scale (vae_t / frame_rate, vae_s, vae_s) at its
+    default frame_rate 25 with the LTX VAE's 8x32x32 compression; the tokens unpacked by its _unpack_latents."""
+    _, _, f, h, w = x.shape
+    out = modules["transformer"](hidden_states=LTXPipeline._pack_latents(x), encoder_hidden_states=cond["text"],
+                                 timestep=t, encoder_attention_mask=cond["text_mask"], num_frames=f, height=h,
+                                 width=w, rope_interpolation_scale=(8 / 25, 32, 32), return_dict=False)[0]
+    return LTXPipeline._unpack_latents(out, f, h, w)
+
+
+def hunyuan_video15_native(modules, x, t, cond):
+    """HunyuanVideo15Pipeline's text-to-video call: [latents | zero condition latents | zero mask] on channels, the
+    zero image_embeds placeholder of its 729 tokens, t as given (0..1000), the Qwen and ByT5 streams and masks."""
+    b, c, f, h, w = x.shape
+    transformer = modules["transformer"]
+    hidden = torch.cat([x, torch.zeros(b, c, f, h, w), torch.zeros(b, 1, f, h, w)], dim=1)
+    image_embeds = torch.zeros(b, 729, transformer.config.image_embed_dim)
+    return transformer(hidden_states=hidden, image_embeds=image_embeds, timestep=t,
+                       encoder_hidden_states=cond["text"], encoder_attention_mask=cond["text_mask"],
+                       encoder_hidden_states_2=cond["text_2"], encoder_attention_mask_2=cond["text_mask_2"],
+                       return_dict=False)[0]
+
+
 CASES: dict[str, Case] = {
     "wan": Case(WanConfig(preset="tiny"), {"transformer": WanTransformer3DModel}, wan_native),
     "wan-ti2v": Case(WanConfig(preset="tiny-ti2v"), {"transformer": WanTransformer3DModel}, ti2v_native),
@@ -83,8 +191,21 @@ CASES: dict[str, Case] = {
     "hunyuan_video": Case(HunyuanVideoConfig(preset="tiny"), {"transformer": HunyuanVideoTransformer3DModel},
                           hunyuan_native),
     "anyflow": Case(AnyFlowConfig(preset="tiny"), {"transformer": AnyFlowTransformer3DModel}, anyflow_native),
+    "wan-i2v": Case(WanConfig(preset="tiny-i2v"), {"transformer": WanTransformer3DModel}, wan_i2v_native),
+    "wan-ti2v-i2v": Case(WanConfig(preset="tiny-ti2v", first_frame=True), {"transformer": WanTransformer3DModel},
+                         ti2v_i2v_native),
+    "wan_moe-i2v": Case(Wan22MoEConfig(preset="tiny-i2v"), {"transformer": WanTransformer3DModel,
+                                                             "transformer_2": WanTransformer3DModel}, moe_i2v_native),
+    "kandinsky5": Case(Kandinsky5Config(preset="tiny"), {"transformer": Kandinsky5Transformer3DModel},
+                       kandinsky5_native),
+    "cosmos": Case(CosmosConfig(preset="tiny"), {"transformer": CosmosTransformer3DModel},
+                   cosmos_native),
+    "ltx_video": Case(LTXVideoConfig(preset="tiny"), {"transformer": LTXVideoTransformer3DModel}, ltx_video_native),
+    "hunyuan_video15": Case(HunyuanVideo15Config(preset="tiny"), {"transformer": HunyuanVideo15Transformer3DModel},
+                            hunyuan_video15_native),
 }
-FAMILIES = ["wan", "wan-ti2v", "skyreels_v2", "wan_moe", "hunyuan_video", "anyflow"]  # one case per family and layout
+FAMILIES = ["wan", "wan-ti2v", "skyreels_v2", "wan_moe", "hunyuan_video", "anyflow", "wan-i2v", "wan-ti2v-i2v",
+            "kandinsky5", "cosmos", "ltx_video", "hunyuan_video15"]  # one case per family and layout
 
 
 def native_modules(case: Case, params: dict) -> dict[str, torch.nn.Module]:
@@ -105,7 +226,7 @@ def inputs(model, key: torch.Tensor, *, batch: int = 2, frames: int = 2, size: i
     x = random.normal(k[0], (batch, model.latents.channels, frames, size, size))
     cond = {}
     for i, (name, shape) in enumerate(model.cond.items()):
-        dims = tuple(text_len if s == "L" else s for s in shape)
+        dims = tuple({"L": text_len, "T": frames, "H": size, "W": size, "N": 3}.get(s, s) for s in shape)
         if name == "text_mask":
             mask = torch.ones(batch, text_len)
             mask[-1, text_len - 2:] = 0
@@ -126,7 +247,16 @@ def raw_batch(model, key: torch.Tensor, *, batch: int = 2, frames: int = 2, size
         mask = torch.cat([torch.ones(batch, 1), cond["text_mask"]], dim=1)
     else:
         text, mask = cond["text"], cond["text_mask"]
-    return {"latents": x, "text": text, "text_mask": mask, "sample_index": torch.arange(first, first + batch)}
+    image = {name: cond[name] for name in ("first_frame_latents", "image_embeds") if name in cond}  # I2V data:
+    if "first_frame_latents" in image:  # the first frame's latents (normalised, as FastVideo stores them), then zeros
+        given = model.normalize(x[:, :, :1])
+        image["first_frame_latents"] = torch.cat([given, torch.zeros_like(x[:, :, 1:])], dim=2)
+    glyph = {}  # HunyuanVideo 1.5's ByT5 glyph embedding and its mask: batch entries of their own
+    if "text_2" in cond:
+        glyph = {"text_2": cond["text_2"], "text_mask_2": torch.ones(batch, cond["text_2"].shape[1])}
+        glyph["text_mask_2"][-1, 1:] = 0
+    return {"latents": x, "text": text, "text_mask": mask, "sample_index": torch.arange(first, first + batch), **image,
+            **glyph}
 
 
 def causal_loss_and_grads(config: ModelConfig, mesh=None, rows: Callable[[dict], dict] = lambda batch: batch):

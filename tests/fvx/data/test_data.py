@@ -156,6 +156,45 @@ def test_text_only_kind_reads_text_only_and_t2v_files(tmp_path, t2v_folder):
     assert "latents" not in batch and torch.equal(batch["text"][1], expected_text(text_samples[2]["text"], 6)[0])
 
 
+def test_i2v_data_carries_first_frame_latents_and_the_image_embeddings_of_samples_that_have_them(tmp_path):
+    """FastVideo's I2V layout: first_frame_latent (cropped as the latents by num_latent_t) and clip_feature, whose
+    empty bytes (a model without an image encoder) leave image_embeds out; a batch mixing both is refused."""
+    samples = [{"latents": torch.randn(4, 3, 2, 2), "text": torch.randn(3, 8),
+                "first_frame_latents": torch.randn(4, 3, 2, 2), "caption": f"clip {i}"} for i in range(3)]
+    samples[2]["image_embeds"] = torch.randn(5, 6)
+    data.write_parquet(tmp_path / "i2v.parquet", samples, kind="i2v")
+    schema = pq.read_schema(tmp_path / "i2v.parquet")
+    assert {"first_frame_latent_bytes", "clip_feature_bytes", "clip_feature_shape"} <= set(schema.names)
+    config = data.DataConfig(kind="i2v", path=str(tmp_path), text_len=4, num_latent_t=2)
+    dataset = data.open_dataset(config, random.key(0))
+    plain, embedded = dataset.read([0, 1]), dataset.read([2])
+    cropped = torch.stack([s["first_frame_latents"][:, :2] for s in samples[:2]])
+    assert torch.equal(plain["first_frame_latents"], cropped)
+    assert "image_embeds" not in plain and torch.equal(embedded["image_embeds"][0], samples[2]["image_embeds"])
+    with pytest.raises(data.DataError, match="row 1 has no clip_feature .* but .* row 2 has"):
+        dataset.read([1, 2])
+    with pytest.raises(ValueError, match="has no column 'first_frame_latent_bytes', which kind='i2v' needs"):
+        data.open_dataset(data.DataConfig(kind="i2v", path=str(_t2v_file(tmp_path))), random.key(0))
+
+
+def _t2v_file(tmp_path):
+    sample = {"latents": torch.randn(4, 1, 2, 2), "text": torch.randn(3, 8)}
+    return data.write_parquet(tmp_path / "t2v" / "a.parquet", [sample])
+
+
+def test_the_toy_worlds_i2v_samples_give_the_first_frame_and_score_the_continuation():
+    from fvx.data.toy_world import WorldConfig
+
+    dataset = data.open_dataset(data.DataConfig(kind="i2v", world=WorldConfig(), text_len=4), random.key(0))
+    batch = dataset.read([0, 5])
+    given = batch["first_frame_latents"]
+    assert torch.equal(given[:, :, :1], batch["latents"][:, :, :1]) and not given[:, :, 1:].any()
+    clips = torch.stack([torch.from_numpy(dataset.clip(i)) for i in (0, 5)]) / 2 + 0.5
+    scores = dataset.sample_quality(clips, [0, 5])
+    assert scores["continuation_mse"] == 0.0 and scores["hit_rate"] == 1.0
+    assert dataset.sample_quality(clips.flip(2), [0, 5])["continuation_mse"] > 0.05  # played backwards
+
+
 def test_files_are_in_fastvideos_order_sorted_by_path_string(tmp_path):
     """FastVideo sorts the files' real-path strings ('-' 0x2d < '.' 0x2e < '/' 0x2f), not folder by folder: pathlib's
     per-component sort gives a/y, a-b/x, a, and every index after the first file would read another row."""
@@ -349,6 +388,8 @@ def test_write_parquet_rejects_kind_mismatches_without_writing(tmp_path):
     with pytest.raises(ValueError, match="sample 1 has no 'latents'"):
         data.write_parquet(target, [good[0], {"text": good[1]["text"]}])
     with pytest.raises(ValueError, match="kind must be one of"):
+        data.write_parquet(target, good, kind="v2v")
+    with pytest.raises(ValueError, match="sample 0 has no 'first_frame_latents' tensor"):
         data.write_parquet(target, good, kind="i2v")
     with pytest.raises(ValueError, match="sample 2: 'text' must have 2 dims"):
         data.write_parquet(target, good[:2] + [{**good[2], "text": torch.zeros(3)}])

@@ -1,0 +1,97 @@
+"""Image-to-video conditioning of Wan: how the given first frame (and, for Wan 2.1, its CLIP image embedding) enter
+the DiT. Two forms, as diffusers' ``WanImageToVideoPipeline`` builds them:
+
+``concat`` (Wan 2.1 I2V 14B, Wan 2.2 A14B I2V): the input is ``[x_t | mask | first_frame_latents]`` on channels, the
+mask ``[B, s, T, H, W]`` one on the first latent frame and zero elsewhere (``s`` the VAE's temporal stride: a latent
+frame packs ``s`` video frames, and only the first video frame is given), the first-frame latents the VAE latents of
+the first frame followed by zero frames, already normalised to the DiT's input scale (FastVideo's preprocessing stores
+``first_frame_latent`` normalised, ``vae_latent`` raw). Wan 2.1
+I2V adds the CLIP image encoder's hidden states ``image_embeds [B, N, 1280]`` (FastVideo's ``clip_feature``) to its
+cross-attention. The loss covers every frame, as FastVideo's I2V fine-tuning does.
+
+``first_frame`` (Wan 2.2 TI2V-5B's image-to-video, the pipeline's ``expand_timesteps`` path): the first latent frame
+of the input is the clean first-frame latent and its tokens get timestep 0; the other frames are denoised. The
+velocity of that frame is not the DiT's to predict: the model returns ``(x_t - x_first) / sigma``, the exact velocity
+of a path ending at the given frame, so samplers land on the given frame and the frame's error is zero (the loss
+covers the other frames).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from fvx_models.family import require
+
+CONCAT, FIRST_FRAME = "concat", "first_frame"
+IMAGE_COND = frozenset({"first_frame_latents", "image_embeds"})
+
+
+def form(config: Any) -> str | None:
+    """The image-to-video form of ``config`` (a Wan config): its preset's, or ``first_frame`` when asked of a
+    per-token-timestep preset; None for text-to-video."""
+    return config.spec.options.get("i2v") or (FIRST_FRAME if getattr(config, "first_frame", False) else None)
+
+
+def cond_spec(config: Any) -> dict[str, tuple]:
+    """The image cond tensors of ``config``'s form: first-frame latents ``[C, T, H, W]`` and, for a model with an image
+    cross-attention, image embeddings ``[N, image_dim]``."""
+    if form(config) is None:
+        return {}
+    spec = {"first_frame_latents": (config.spec.latents.channels, "T", "H", "W")}
+    if config.spec.kwargs.get("image_dim"):
+        spec["image_embeds"] = ("N", config.spec.kwargs["image_dim"])
+    return spec
+
+
+def cond_from_batch(config: Any, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The image cond tensors from a data batch of kind ``i2v`` (a ValueError names the parquet column it lacks)."""
+    family = config.family.name
+    spec = cond_spec(config)
+    if "first_frame_latents" in spec:
+        require(batch, ("first_frame_latents",), family, "the first frame's latents: parquet column "
+                "first_frame_latent of data.kind='i2v' data")
+    if "image_embeds" in spec:
+        require(batch, ("image_embeds",), family, "the CLIP image embeddings: parquet column clip_feature of "
+                "data.kind='i2v' data")
+    return {name: batch[name] for name in spec}
+
+
+def given_frames(x: torch.Tensor, cond: Mapping[str, torch.Tensor], who: str) -> torch.Tensor:
+    """The first-frame latents for latents ``x [B, C, T, H, W]``: their first ``T`` frames (a ValueError when they
+    have fewer frames or another size)."""
+    given = cond["first_frame_latents"]
+    if given.shape[2] < x.shape[2] or given.shape[3:] != x.shape[3:]:
+        raise ValueError(f"{who}: first_frame_latents {list(given.shape)} do not fit latents {list(x.shape)} (the "
+                         "same height and width, at least as many frames)")
+    return given[:, :, :x.shape[2]]
+
+
+def concat_input(config: Any, x: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``[x | mask | first_frame_latents]`` on channels (the ``concat`` form)."""
+    stride = config.spec.latents.vae_stride[0]
+    mask = torch.zeros(x.shape[0], stride, *x.shape[2:], dtype=x.dtype, device=x.device)
+    mask[:, :, 0] = 1
+    return torch.cat([x, mask, given_frames(x, cond, config.family.name)], dim=1)
+
+
+def first_frame_input(x: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``x`` with its first latent frame the given one (the ``first_frame`` form)."""
+    return torch.cat([cond["first_frame_latents"][:, :, :1].to(x.dtype), x[:, :, 1:]], dim=2)
+
+
+def first_frame_timesteps(t: torch.Tensor, frames: int, tokens_per_frame: int) -> torch.Tensor:
+    """One timestep per token ``[B, frames * tokens_per_frame]``: 0 for the first frame's tokens, ``t`` elsewhere."""
+    per_frame = t[:, None].expand(t.shape[0], frames).clone()
+    per_frame[:, 0] = 0
+    return per_frame.repeat_interleave(tokens_per_frame, dim=1)
+
+
+def first_frame_velocity(v: torch.Tensor, x: torch.Tensor, t: torch.Tensor,
+                         cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``v`` with the first frame's velocity the exact one toward the given frame, ``(x_t - x_first) / sigma``
+    (zero where ``sigma`` is 0)."""
+    sigma = (t.float() / 1000.0).view(-1, 1, 1, 1, 1)
+    first = x[:, :, :1].float() - cond["first_frame_latents"][:, :, :1].float()
+    exact = torch.where(sigma > 0, first / sigma.clamp_min(1e-12), torch.zeros_like(first))
+    return torch.cat([exact.to(v.dtype), v[:, :, 1:]], dim=2)
