@@ -85,6 +85,9 @@ PRESETS: dict[str, Preset] = {
     # the toy video world's model (fvx.data.toy_world: 48-channel space-to-depth latents of 32x32 clips, 4 text tokens)
     "world": Preset({**TINY, "in_channels": 192, "out_channels": 192, "patch_size": (1, 1, 1),
                      "num_attention_heads": 4, "attention_head_dim": 64, "ffn_dim": 512, "num_layers": 3}, WORLD_CODEC, 4, {"flow_shift": 3.0}),
+    "wan2.1-t2v-1.3b": Preset(WAN21_1_3B, WAN21_VAE, 512, {"flow_shift": 3.0}),
+    "wan2.1-t2v-14b": Preset(WAN21_14B, WAN21_VAE, 512, {"flow_shift": 5.0}),
+    "wan2.2-ti2v-5b": Preset(WAN22_5B, WAN22_VAE, 512, TI2V),
     # Wan 2.1 I2V's layout, tiny: [x | 4-channel mask | first-frame latents] in, a 16-wide image embedding
     "tiny-i2v": Preset({**TINY, "in_channels": 36, "image_dim": 16, "added_kv_proj_dim": 96}, TINY_VAE, 8,
                        {"flow_shift": 3.0, "i2v": wan_i2v.CONCAT}),
@@ -92,9 +95,6 @@ PRESETS: dict[str, Preset] = {
     "world-i2v": Preset({**TINY, "in_channels": 385, "out_channels": 192, "patch_size": (1, 1, 1),
                          "num_attention_heads": 4, "attention_head_dim": 64, "ffn_dim": 512, "num_layers": 3},
                         WORLD_CODEC, 4, {"flow_shift": 3.0, "i2v": wan_i2v.CONCAT}),
-    "wan2.1-t2v-1.3b": Preset(WAN21_1_3B, WAN21_VAE, 512, {"flow_shift": 3.0}),
-    "wan2.1-t2v-14b": Preset(WAN21_14B, WAN21_VAE, 512, {"flow_shift": 5.0}),
-    "wan2.2-ti2v-5b": Preset(WAN22_5B, WAN22_VAE, 512, TI2V),
     "wan2.1-i2v-14b-480p": Preset(WAN21_I2V_14B, WAN21_VAE, 512, {"flow_shift": 3.0, "i2v": wan_i2v.CONCAT}),
     "wan2.1-i2v-14b-720p": Preset(WAN21_I2V_14B, WAN21_VAE, 512, {"flow_shift": 5.0, "i2v": wan_i2v.CONCAT}),
 }

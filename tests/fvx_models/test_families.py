@@ -106,7 +106,7 @@ def test_compiled_units_make_one_graph_per_group_and_match_eager(name):
         torch.testing.assert_close(grads_c[n], grads[n], rtol=1e-4, atol=1e-4 * grads[n].abs().max().item())
 
 
-@pytest.mark.parametrize("name", ["wan", "wan-ti2v", "hunyuan_video"])
+@pytest.mark.parametrize("name", ["wan", "wan-ti2v", "hunyuan_video", "cosmos", "ltx_video", "kandinsky5"])
 def test_dry_run_activation_figures_match_what_each_unit_group_saves(name):
     """The family's per-token coefficients against saved-tensor hooks on the first unit of each group (bf16)."""
     config = CASES[name].config

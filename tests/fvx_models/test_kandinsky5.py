@@ -10,7 +10,6 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, Kandinsky5T2VPipeline, Kandinsky5Transformer3DModel
 
 from fvx.core import grad, random
-from fvx.distributed import memory
 from fvx_models import build, kandinsky5, lora, lora_files
 from fvx_models.kandinsky5 import Kandinsky5Config
 
@@ -124,25 +123,6 @@ def test_every_param_trains_text_to_video():
     grads = grad.grad(lambda p: model.apply(p, x, t, cond).square().mean())(params)
     assert sorted(grads) == sorted(params)
     assert all(bool(g.abs().sum()) for name, g in grads.items()), [n for n, g in grads.items() if not g.abs().sum()]
-
-
-def test_dry_run_activation_figures_match_what_each_unit_group_saves():
-    import sys
-    import pathlib
-    sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "bench"))
-    from activations import saved_per_group
-
-    config = CASES["kandinsky5"].config
-    model = config.build()
-    spec = Kandinsky5Config(compute_dtype="bf16").build().memory_spec()
-    assert [(g.name, g.count, g.dim, g.ffn_dim, g.text_tokens) for g in spec.groups] == [
-        ("visual_transformer_blocks", 2, 64, 128, False), ("text_transformer_blocks", 1, 64, 128, True)]
-    x, t, cond = inputs(model, random.key(1), frames=4, size=16, text_len=8)
-    measured = saved_per_group(config, x, t, cond)
-    for group in spec.groups:
-        fp32, half, tokens = measured[group.name]
-        estimate = memory.block_activation_bytes(group, tokens, compute_bytes=2)
-        assert abs(estimate - (fp32 + half)) <= 0.05 * (fp32 + half), (group.name, estimate, fp32 + half)
 
 
 def test_the_export_is_a_kandinsky5_pipeline_with_flow_shift_5(tiny, tmp_path):

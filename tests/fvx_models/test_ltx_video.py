@@ -9,11 +9,9 @@ import torch
 from diffusers import (AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline,
                        LTXVideoTransformer3DModel)
 from safetensors.torch import save_file
-from torch.func import functional_call
 
 from fvx import run
 from fvx.core import grad, random
-from fvx.distributed import memory
 from fvx_models import build, diffusers_folder as dfolder, lora, lora_files, ltx_video
 from fvx_models.ltx_video import LTXVideoConfig
 
@@ -265,47 +263,3 @@ def test_the_peft_lora_export_loads_with_ltx_pipelines_load_lora_weights(tmp_pat
 
 
 # ------------------------------------------------------------------------------------------------- activations
-
-
-def saved_by_first_block(config, x, t, cond):
-    """(fp32 bytes, bf16 bytes, tokens) the first block saves for its backward in bf16 (saved-tensor hooks), not
-    counting its params and inputs; the block runs alone on the keyword inputs it got inside a forward (what
-    bench/activations.py measures for blocks called positionally)."""
-    model = config.build()
-    module = build.skeleton(config)
-    dtypes = build.dtypes_for(module, torch.bfloat16)
-    params = {n: p.to(dtypes[n]) for n, p in model.init(random.key(0)).items()}
-    block, captured = module.transformer_blocks[0], {}
-    hook = block.register_forward_pre_hook(lambda _, args, kwargs: captured.update(kwargs), with_kwargs=True)
-    kwargs, _ = build.native_inputs(config, x.to(torch.bfloat16), t, {k: v.to(torch.bfloat16) for k, v in cond.items()})
-    with torch.no_grad():
-        functional_call(module, (params, dict(module.named_buffers())), (), kwargs)
-    hook.remove()
-    prefix = "transformer_blocks.0."
-    unit = {n[len(prefix):]: p.detach().requires_grad_() for n, p in params.items() if n.startswith(prefix)}
-    kw = {k: v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else
-          tuple(a.detach() for a in v) if isinstance(v, tuple) else v for k, v in captured.items()}
-    given = [*unit.values(), *[v for v in kw.values() if isinstance(v, torch.Tensor)],
-             *[a for v in kw.values() if isinstance(v, tuple) for a in v]]
-    skip, saved = {i.untyped_storage().data_ptr() for i in given}, {}
-
-    def pack(tensor):
-        if tensor.untyped_storage().data_ptr() not in skip:
-            saved[tensor.untyped_storage().data_ptr()] = (tensor.untyped_storage().nbytes(), tensor.dtype)
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        functional_call(block, (unit, {}), (), kw)
-    hidden = kw["hidden_states"]
-    return (sum(n for n, d in saved.values() if d == torch.float32),
-            sum(n for n, d in saved.values() if d != torch.float32), hidden.shape[0] * hidden.shape[1])
-
-
-def test_dry_run_activation_figures_match_what_a_block_saves(model):
-    config = LTXVideoConfig(preset="tiny", compute_dtype="bf16")
-    (group,) = config.build().memory_spec().groups
-    assert (group.name, group.count, group.dim, group.ffn_dim) == ("transformer_blocks", 2, 32, 128)
-    x, t, cond = inputs(model, random.key(1), frames=4, size=16, text_len=8)
-    fp32, half, tokens = saved_by_first_block(LTXVideoConfig(preset="tiny"), x, t, cond)
-    estimate = memory.block_activation_bytes(group, tokens, compute_bytes=2)
-    assert abs(estimate - (fp32 + half)) <= 0.05 * (fp32 + half), (estimate, fp32, half)

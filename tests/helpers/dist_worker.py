@@ -295,12 +295,12 @@ def family_run(name: str, mesh=None, rank: int = 0, world: int = 1) -> tuple[lis
     model = CASES[name].config.build(mesh=mesh)
     program = finetune.Finetune(optim=AdamWConfig(lr=1e-3, weight_decay=0.01, max_grad_norm=0.5)).build(
         {"student": model}, total_steps=FAMILY_STEPS, **({} if mesh is None else {"ranks": processes.group_of(mesh)}))
-    state = program.init(random.key(0))
+    state, frozen = program.init(random.key(0)), program.frozen(random.key(0))  # frozen: what a mode leaves unused
     losses = []
     for step in range(FAMILY_STEPS):
         raw = raw_batch(model, random.key(20 + step), batch=4, first=4 * step)
         local = {k: v.chunk(world)[rank] for k, v in raw.items()}
-        state, metrics = program.step_(state, {}, model.batch(local))
+        state, metrics = program.step_(state, frozen, model.batch(local))
         losses.append(float(metrics["loss"]))
     whole = sum(math.prod(shape) * 4 for shape in model.memory_spec().shapes.values()) * 3  # params, mu, nu, fp32
     return losses, sharding.local_bytes(state.roles), whole

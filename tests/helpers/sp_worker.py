@@ -28,6 +28,8 @@ VARIANTS = {
     "remat": wan.WanConfig(preset="tiny", remat=True),
     "remat_blocks": wan.WanConfig(preset="tiny", remat=True, compile="blocks", compile_backend="aot_eager"),
     "ti2v": wan.WanConfig(preset="tiny-ti2v"),  # one timestep per token: the timesteps are split too
+    "i2v": wan.WanConfig(preset="tiny-i2v"),  # the first frame on channels and CLIP tokens in the cross-attention
+    "ti2v_first_frame": wan.WanConfig(preset="tiny-ti2v", first_frame=True),  # its frame's tokens at timestep 0
 }
 QUICK = ("eager",)  # the variants the 4-process run checks
 CAUSAL = (("prefix", False), ("mask", True))  # (attention, remat) of the block-causal runs
