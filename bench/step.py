@@ -87,7 +87,8 @@ FLOORS = ("fvx_blocks_local", "collectives")  # sharded runs only: no communicat
 def model_config(case: str, compile: str = "none", reshard_after_forward: bool = True):
     config = CASES[case][0]
     return type(config)(**{**{f: getattr(config, f) for f in config.__struct_fields__}, "compile": compile,
-                           "reshard_after_forward": reshard_after_forward})
+                           "reshard_after_forward": reshard_after_forward,
+                           "frozen_dtype": "fp32"})  # params a mode leaves unused, held as the baseline holds them
 
 
 def make_batch(model, latent_shape, batch_size: int) -> dict:
@@ -117,17 +118,28 @@ def build_fvx(case: str, compile: str = "none", mesh=None, batch_size: int | Non
 def build(case: str, compile: str = "none"):
     """The fvx model and program, a baseline module and optimizer with the same initial params, and a batch."""
     model, config, program, state, batch = build_fvx(case, compile)
-    module = baseline_module(case, state.roles["student"].params)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
+    module = baseline_module(case, program, state)
+    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.01,
+                                  foreach=True)
     return model, config, program, state, module, optimizer, batch
 
 
-def baseline_module(case: str, params: dict) -> torch.nn.Module:
-    """The family's diffusers module (the skeleton, its params assigned real copies): what a user trains."""
+def held(program) -> dict:
+    """What the program holds frozen (params a family leaves unused in its mode; none for most)."""
+    return program.frozen(random.key(0))
+
+
+def baseline_module(case: str, program, state) -> torch.nn.Module:
+    """The family's diffusers module (the skeleton, its params assigned real copies): what a user trains, the params
+    fvx trains with gradients, those it holds frozen without."""
     config = model_config(case)
     module = config.family.skeleton(config)
+    trained = state.roles["student"].params
+    params = {**held(program).get("student", {}), **trained}
     module.load_state_dict({n: p.detach().clone() for n, p in params.items()}, assign=True)
-    return module.requires_grad_(True).train()
+    for name, param in module.named_parameters():
+        param.requires_grad_(name in trained)
+    return module.train()
 
 
 def baseline_draws(config, batch, state, step: int):
@@ -160,17 +172,20 @@ def run_case(case: str, repeats: int) -> dict:
     model, config, program, state, module, optimizer, batch = build(case)
     compiled = build(case, compile="blocks")[2]
     whole = None if model_config(case).family.whole_graph_refusal else build(case, compile="model")[2]
-    peer = torch.compile(baseline_module(case, state.roles["student"].params))
-    peer_optimizer = torch.optim.AdamW(peer.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
+    peer = torch.compile(baseline_module(case, program, state))
+    peer_optimizer = torch.optim.AdamW([p for p in peer.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.01,
+                                       foreach=True)
     holder = {"fvx": state, "fvx_blocks": compiled.init(random.key(0))}
-    first_fvx = program.step_(holder["fvx"], {}, batch)
+    first_fvx = program.step_(holder["fvx"], held(program), batch)
     holder["fvx"] = first_fvx[0]
     first_base = baseline_step(case, module, optimizer, batch, baseline_draws(config, batch, state, 0))
     agree = abs(first_fvx[1]["loss"].item() - first_base.item())
 
     def fvx_step(name, prog):
+        frozen = held(prog)
+
         def step():
-            holder[name], metrics = prog.step_(holder[name], {}, batch)
+            holder[name], metrics = prog.step_(holder[name], frozen, batch)
             metrics["loss"].item()
         return step
 
@@ -196,9 +211,10 @@ def peak_memory(case: str, variant: str, steps: int) -> float:
     if variant == "fvx":
         del module, optimizer
     base = current_rss_bytes()
+    frozen = held(program)
     for step in range(steps):
         if variant == "fvx":
-            state, _ = program.step_(state, {}, batch)
+            state, _ = program.step_(state, frozen, batch)
         else:
             baseline_step(case, module, optimizer, batch, baseline_draws(config, batch, state, step))
     return (peak_rss_bytes() - base) / 2**20
