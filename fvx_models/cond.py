@@ -52,8 +52,8 @@ def check(cond: Mapping[str, torch.Tensor], spec: Spec, who: str, *, batch: int 
                                      f"{list(tensor.shape)}")
             elif sizes.setdefault(symbol, size) != size:
                 what = {"B": "the batch", TEXT_LENGTH: "the text length"}.get(symbol, f"size {symbol}")
-                raise ValueError(f"{who}: {where} tensors disagree on {what}: {where}[{name!r}] has {size}, another has "
-                                 f"{sizes[symbol]}")
+                raise ValueError(f"{who}: {where} tensors disagree on {what}: {where}[{name!r}] has {size}, "
+                                 f"another has {sizes[symbol]}")
     if batch is not None and sizes.get("B", batch) != batch:
         raise ValueError(f"{who}: {where} has {sizes['B']} rows for a batch of {batch}")
 
@@ -91,7 +91,8 @@ def uncond(cond: Mapping[str, torch.Tensor], mode: str, negative: Mapping[str, t
            zero: Callable[[Mapping[str, torch.Tensor]], Cond] = zeros, kept: frozenset[str] = frozenset()) -> Cond:
     """The unconditional cond for classifier-free guidance, batched like ``cond``: ``"keep"`` the cond itself,
     ``"zero"`` the family's zero cond (``zero``), ``"negative_prompt"`` the one-row ``negative`` expanded. The tensors
-    ``kept`` (the given image of an image-to-video model: guidance is on the text only) stay the cond's in every mode."""
+    ``kept`` (the given image of an image-to-video model: guidance is on the text only) stay the cond's in every
+    mode."""
     if mode == "keep":
         return dict(cond)
     if mode == "zero":
@@ -102,7 +103,8 @@ def uncond(cond: Mapping[str, torch.Tensor], mode: str, negative: Mapping[str, t
         raise ValueError("the unconditional mode 'negative_prompt' needs a negative-prompt cond file "
                          "(method.negative_prompt_path); or use 'zero' or 'keep'")
     any_tensor = next(iter(cond.values()))
-    return {**expand(to(negative, any_tensor.device, any_tensor.dtype), rows(cond)), **{name: cond[name] for name in kept}}
+    negative = expand(to(negative, any_tensor.device, any_tensor.dtype), rows(cond))
+    return {**negative, **{name: cond[name] for name in kept}}
 
 
 # ------------------------------------------------------------------------------------------------------------ files

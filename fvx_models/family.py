@@ -67,8 +67,8 @@ class Family:
                                          laid out as the input ``x`` (it sees the inputs: a token sequence unflattened
                                          to ``x``'s shape, an x0 prediction turned into ``(x - x0) / sigma``, a given
                                          first frame's exact velocity); default ``out[0]``
-    latent_rule(config, shape) -> why    why latents of ``shape`` ``[B, C, T, H, W]`` do not fit the model beyond channels
-                                         and patch divisibility (a trained resolution range), or None
+    latent_rule(config, shape) -> why    why latents of ``shape`` ``[B, C, T, H, W]`` do not fit the model beyond
+                                         channels and patch divisibility (a trained resolution range), or None
     cfg_dropout_refusal                  why the family refuses training data with CFG dropout (``data.cfg_rate``), or
                                          None
     image_cond                           cond tensors that hold the given image of an image-to-video model (first-frame

@@ -3,10 +3,10 @@ family's spec.
 
 The pipeline routes each denoising call by its timestep: ``transformer`` (the high-noise expert) takes
 ``t >= boundary_ratio * 1000``, ``transformer_2`` (low noise) the rest; 0.875 for T2V, 0.9 for I2V, whose experts
-take the given first frame in the ``concat`` form (``fvx_models.wan_i2v``; no image embedding). Training routes per sample: a
-batch whose samples straddle the boundary runs each expert on its own samples. Params are one flat dict with each
-expert's under its pipeline component's name (``transformer.blocks.0. ...``, ``transformer_2.blocks.0. ...``), and
-both experts' blocks form one unit group (one compiled graph). Either expert can be left frozen
+take the given first frame in the ``concat`` form (``fvx_models.wan_i2v``; no image embedding). Training routes per
+sample: a batch whose samples straddle the boundary runs each expert on its own samples. Params are one flat dict
+with each expert's under its pipeline component's name (``transformer.blocks.0. ...``, ``transformer_2.blocks.0.
+...``), and both experts' blocks form one unit group (one compiled graph). Either expert can be left frozen
 (``Wan22MoEConfig.trainable``). Conditioning, latents (the Wan 2.1 VAE's) and output are Wan 2.1's.
 
 Sharded, every rank runs both experts in every call, so that all ranks issue the same gathers and reduce-scatters: an
