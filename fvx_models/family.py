@@ -169,6 +169,18 @@ def require(batch: Mapping[str, Any], names: tuple[str, ...], family: str, what:
                              f"{sorted(k for k in batch if not k.startswith('_'))}")
 
 
+def packed_pooled_cond(batch: Mapping[str, Any], pooled_dim: int, family: str, what: str) -> dict[str, torch.Tensor]:
+    """FastVideo's packed text embedding ``[B, 1 + L, D]`` (row 0 the pooled CLIP vector zero-padded to ``D``, rows 1:
+    the text tokens; HunyuanVideo's and Kandinsky 5's data) as ``text``, ``text_mask`` and ``pooled [B, pooled_dim]``;
+    a ValueError names ``family`` unless the batch has that form (``what``: the embedding, for a missing tensor)."""
+    require(batch, ("text", "text_mask"), family, what)
+    text, mask = batch["text"], batch["text_mask"]
+    if text.dim() != 3 or text.shape[1] < 2 or text.shape[2] < pooled_dim:
+        raise ValueError(f"{family}: the batch's text embedding {list(text.shape)} is not the packed "
+                         f"[B, 1 + L, D] form (row 0 the pooled CLIP vector of width {pooled_dim})")
+    return {"text": text[:, 1:], "text_mask": mask[:, 1:], "pooled": text[:, 0, :pooled_dim]}
+
+
 # ------------------------------------------------------------------------------------------------------------ init
 
 

@@ -28,7 +28,7 @@ from typing_extensions import Annotated
 from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder
 from fvx_models.build import ModelConfig
-from fvx_models.family import Family, Preset, require, skeleton_of
+from fvx_models.family import Family, Preset, packed_pooled_cond, skeleton_of
 from fvx_models.model import LatentSpace
 
 SCALING_FACTOR = 0.476986  # AutoencoderKLHunyuanVideo's scaling_factor
@@ -68,13 +68,8 @@ def cond_spec(config: ModelConfig) -> dict[str, tuple]:
 
 def cond_from_batch(config: ModelConfig, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """Unpack FastVideo's Hunyuan embedding: row 0 the pooled CLIP vector (zero-padded), rows 1: the LLaMA tokens."""
-    require(batch, ("text", "text_mask"), "hunyuan_video", "the packed [pooled CLIP | LLaMA] text embedding")
-    text, mask = batch["text"], batch["text_mask"]
-    pooled_dim = config.spec.kwargs["pooled_projection_dim"]
-    if text.dim() != 3 or text.shape[1] < 2 or text.shape[2] < pooled_dim:
-        raise ValueError(f"hunyuan_video: the batch's text embedding {list(text.shape)} is not the packed "
-                         f"[B, 1 + L, D] form (row 0 the pooled CLIP vector of width {pooled_dim})")
-    return {"text": text[:, 1:], "text_mask": mask[:, 1:], "pooled": text[:, 0, :pooled_dim]}
+    return packed_pooled_cond(batch, config.spec.kwargs["pooled_projection_dim"], "hunyuan_video",
+                              "the packed [pooled CLIP | LLaMA] text embedding")
 
 
 def zero_cond(cond: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

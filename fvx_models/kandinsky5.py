@@ -40,7 +40,7 @@ from torch import nn
 from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder, hunyuan_video
 from fvx_models.build import ModelConfig
-from fvx_models.family import Family, Preset, require, skeleton_of
+from fvx_models.family import Family, Preset, packed_pooled_cond, skeleton_of
 
 LATENTS = hunyuan_video.LATENTS  # Kandinsky 5 decodes with HunyuanVideo's VAE: 16 channels x 0.476986, (4, 8, 8)
 FLOW_SHIFT = 5.0  # FastVideo's Kandinsky5Model default and its recipes' pipeline.flow_shift
@@ -116,13 +116,8 @@ def cond_spec(config: ModelConfig) -> dict[str, tuple]:
 def cond_from_batch(config: ModelConfig, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """Unpack FastVideo's Kandinsky 5 embedding: row 0 the pooled CLIP vector (zero-padded), rows 1: the Qwen
     tokens."""
-    require(batch, ("text", "text_mask"), "kandinsky5", "the packed [pooled CLIP | Qwen] text embedding")
-    text, mask = batch["text"], batch["text_mask"]
-    pooled_dim = config.spec.kwargs["in_text_dim2"]
-    if text.dim() != 3 or text.shape[1] < 2 or text.shape[2] < pooled_dim:
-        raise ValueError(f"kandinsky5: the batch's text embedding {list(text.shape)} is not the packed "
-                         f"[B, 1 + L, D] form (row 0 the pooled CLIP vector of width {pooled_dim})")
-    return {"text": text[:, 1:], "text_mask": mask[:, 1:], "pooled": text[:, 0, :pooled_dim]}
+    return packed_pooled_cond(batch, config.spec.kwargs["in_text_dim2"], "kandinsky5",
+                              "the packed [pooled CLIP | Qwen] text embedding")
 
 
 def zero_cond(cond: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -166,7 +161,7 @@ def inputs(config: ModelConfig, x: torch.Tensor, t: torch.Tensor, cond: Mapping[
 
 
 def output(config: ModelConfig, out: Any, x: torch.Tensor, t: torch.Tensor,
-           cond: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+           cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The DiT returns the velocity channels-last ``[B, T, H, W, C]`` as a tensor (not a tuple)."""
     return out if isinstance(out, torch.Tensor) else out[0]
 

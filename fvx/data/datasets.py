@@ -44,7 +44,7 @@ import torch
 
 from fvx.config import Config, validate
 from fvx.core import random, tree
-from fvx.data.toy_world import WorldConfig, WorldDataset
+from fvx.data.toy_world import WorldConfig, WorldDataset, first_frame_only
 
 Kind = Literal["t2v", "text_only", "i2v"]
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
@@ -183,8 +183,7 @@ class SyntheticDataset:
         if self.kind != "text_only":
             sample["latents"] = random.normal(latents_key, self.config.latent_shape).numpy()
         if self.kind == "i2v":
-            sample["first_frame_latents"] = np.zeros_like(sample["latents"])  # the first frame, then zero frames
-            sample["first_frame_latents"][:, :1] = sample["latents"][:, :1]
+            sample["first_frame_latents"] = first_frame_only(sample["latents"])
             if self.config.image_embeds is not None:
                 image_key = random.fold_in(latents_key, 1)
                 sample["image_embeds"] = random.normal(image_key, self.config.image_embeds).numpy()

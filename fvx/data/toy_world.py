@@ -118,7 +118,8 @@ def render(config: WorldConfig, colour: str, direction: str, start: tuple[int, i
 
 
 def first_frame_only(video: np.ndarray) -> np.ndarray:
-    """A clip ``[3, T, H, W]`` with every frame but the first zero (mid-grey): what an image-to-video model is given."""
+    """A clip or its latents ``[C, T, H, W]`` with every frame but the first zero (mid-grey pixels; zero latents of a
+    frame-wise codec): what an image-to-video model is given, as FastVideo encodes it."""
     out = np.zeros_like(video)
     out[:, :1] = video[:, :1]
     return out
@@ -189,8 +190,8 @@ class WorldDataset:
                   "where": self.where(index)}
         if self.kind != "text_only":
             sample["latents"] = space_to_depth(self.clip(index), self.config.factor)
-        if self.kind == "i2v":  # the first frame followed by zero frames, as FastVideo encodes an I2V condition
-            sample["first_frame_latents"] = space_to_depth(first_frame_only(self.clip(index)), self.config.factor)
+        if self.kind == "i2v":  # the codec is frame-wise: the first frame's latents, then zero frames
+            sample["first_frame_latents"] = first_frame_only(sample["latents"])
         return sample
 
     def clip(self, index: int) -> np.ndarray:

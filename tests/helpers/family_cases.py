@@ -5,12 +5,9 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 import torch
-from diffusers import (AnyFlowTransformer3DModel, HunyuanVideoTransformer3DModel, SkyReelsV2Transformer3DModel,
-                       WanTransformer3DModel)
-from diffusers import Kandinsky5T2VPipeline, Kandinsky5Transformer3DModel
-from diffusers import CosmosTransformer3DModel
-from diffusers import LTXPipeline, LTXVideoTransformer3DModel
-from diffusers import HunyuanVideo15Transformer3DModel
+from diffusers import (AnyFlowTransformer3DModel, CosmosTransformer3DModel, HunyuanVideo15Transformer3DModel,
+                       HunyuanVideoTransformer3DModel, Kandinsky5T2VPipeline, Kandinsky5Transformer3DModel, LTXPipeline,
+                       LTXVideoTransformer3DModel, SkyReelsV2Transformer3DModel, WanTransformer3DModel)
 
 from fvx.core import grad, random
 from fvx.distributed import processes, sharding
@@ -59,11 +56,16 @@ def skyreels_fps_native(modules, x, t, cond):
     return modules["transformer"](x, t, _masked(cond), fps=[1] * x.shape[0], return_dict=False)[0]  # 24 fps
 
 
-def moe_native(modules, x, t, cond):
-    """WanPipeline's routing, one sample at a time: the high-noise expert at t >= 875."""
-    rows = [modules["transformer" if float(t[b]) >= 875.0 else "transformer_2"](
-        x[b:b + 1], t[b:b + 1], _masked(cond)[b:b + 1], return_dict=False)[0] for b in range(x.shape[0])]
+def routed(modules, latent_input, t, cond, boundary: float):
+    """The two-expert pipelines' routing, one sample at a time: the high-noise expert at t >= boundary."""
+    rows = [modules["transformer" if float(t[b]) >= boundary else "transformer_2"](
+        latent_input[b:b + 1], t[b:b + 1], _masked(cond)[b:b + 1], return_dict=False)[0] for b in range(t.shape[0])]
     return torch.cat(rows)
+
+
+def moe_native(modules, x, t, cond):
+    """WanPipeline with two experts (Wan 2.2 A14B T2V): routed at 875."""
+    return routed(modules, x, t, cond, 875.0)
 
 
 def i2v_condition(x, cond, stride: int = 4):
@@ -86,11 +88,8 @@ def wan_i2v_native(modules, x, t, cond):
 
 
 def moe_i2v_native(modules, x, t, cond):
-    """WanImageToVideoPipeline with two experts (Wan 2.2 A14B I2V): the high-noise expert at t >= 900."""
-    latent_input = torch.cat([x, i2v_condition(x, cond)], dim=1)
-    rows = [modules["transformer" if float(t[b]) >= 900.0 else "transformer_2"](
-        latent_input[b:b + 1], t[b:b + 1], _masked(cond)[b:b + 1], return_dict=False)[0] for b in range(x.shape[0])]
-    return torch.cat(rows)
+    """WanImageToVideoPipeline with two experts (Wan 2.2 A14B I2V): [latents | condition], routed at 900."""
+    return routed(modules, torch.cat([x, i2v_condition(x, cond)], dim=1), t, cond, 900.0)
 
 
 def ti2v_i2v_native(modules, x, t, cond):
