@@ -68,7 +68,7 @@ def build_model(attention: str | None, frames_per_block: int, preset: str = PRES
     if attention is None:
         return wan.WanConfig(preset=preset).build()
     return wan_causal.WanCausalConfig(preset=preset, num_frames_per_block=frames_per_block,
-                                      attention=attention).build()
+                                      block_attention=attention).build()
 
 
 def first_layers(params: dict, layers: int) -> dict:

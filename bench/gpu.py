@@ -14,6 +14,13 @@ params (seed 0) and batch for every variant, so their first losses agree to bf16
     torchrun --nproc-per-node 8 bench/gpu.py --fsdp 4 --sp 2 --preset wan2.1-t2v-14b --video 81x720x1280
     python bench/gpu.py --preset wan2.1-t2v-14b --layers 4 [--video 81x480x832] [--variants eager,fvx]
     python bench/gpu.py --dry-run [--preset P] [--world N] [--roles finetune|dmd2] [--video FxHxW]
+    python bench/gpu.py --vsa [--write-results]  # Video Sparse Attention against dense SDPA at Wan 1.3B 480p
+    python bench/gpu.py --vsa --check            # a CPU: the same rows at a tiny grid
+
+VSA mode (``--vsa``): one self-attention call of Wan 2.1 1.3B at 81x480x832 (a 21x30x52 token grid, 12 heads of 128,
+bf16, forward + backward), dense SDPA against VSA at sparsity 0.8 and 0.9 through each implementation usable here
+(fastvideo-kernel's CUDA kernel when installed, compiled flex-attention, the PyTorch reference), with
+``bench/attention.py``'s analytic FLOPs.
 
 Session mode (no --preset, --layers, --fsdp or --sp, one process): Wan 1.3B at the largest of VIDEOS whose dry-run
 estimate fits the GPU, then Wan 14B's dims with --layers 4: its first 4 of 40 blocks at full width (fp32 masters,
@@ -590,10 +597,39 @@ def dry_run(args) -> None:
 # ------------------------------------------------------------------------------------------------------------ main
 
 
+def vsa_rows(args) -> list[str]:
+    """``--vsa``: the VSA rows (module docstring), as table lines."""
+    from attention import vsa_vs_dense
+    from fvx_models.attention import vsa
+    device = "cuda" if torch.cuda.is_available() and not args.check else "cpu"
+    grid, heads, head_dim = ((4, 8, 8), 2, 64) if args.check else ((21, 30, 52), 12, 128)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    usable = ["reference"] + (["flex"] if device == "cuda" else []) + \
+        (["kernel"] if device == "cuda" and vsa.kernel_available() is None else [])
+    lines = [f"| grid {'x'.join(map(str, grid))}, {heads} heads x {head_dim}, {dtype} | sparsity | dense ms | VSA ms "
+             "| time x (dense / VSA) | FLOP x |", "|---|---|---|---|---|---|"]
+    for implementation in usable:
+        for sparsity in (0.8, 0.9):
+            try:
+                r = vsa_vs_dense(device, grid, heads, head_dim, sparsity, implementation, dtype=dtype,
+                                 repeats=args.steps, backward=True)
+            except Exception as error:  # one failing row (out of memory) must not lose the others
+                lines.append(f"| VSA {implementation} | {sparsity} | failed: {type(error).__name__}: "
+                             f"{str(error).splitlines()[0][:120]} | | | |")
+                continue
+            sparse = r["coarse_flops"] + r["fine_flops"]
+            lines.append(f"| VSA {implementation} | {sparsity} | {r['dense_s'] * 1e3:.1f} | {r['vsa_s'] * 1e3:.1f} | "
+                         f"{r['dense_s'] / r['vsa_s']:.2f} | {r['dense_flops'] / sparse:.2f} |")
+    if vsa.kernel_available() is not None:
+        lines.append(f"\nfastvideo-kernel row left out: {vsa.kernel_available()}")
+    return lines
+
+
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="CPU: tiny preset and video, every variant once")
     parser.add_argument("--dry-run", action="store_true", help="print the memory estimate and exit")
+    parser.add_argument("--vsa", action="store_true", help="VSA against dense SDPA at Wan 1.3B 480p (docstring)")
     parser.add_argument("--preset", default=None, help="wan2.1-t2v-1.3b (default), wan2.1-t2v-14b, ...")
     parser.add_argument("--layers", type=int, default=None, help="run only the first K blocks of the preset")
     parser.add_argument("--fsdp", type=int, default=None, help="data-parallel sharding degree (torchrun processes "
@@ -643,6 +679,14 @@ def main() -> int:
     if args.dry_run:
         args.preset, args.text_len = args.preset or "wan2.1-t2v-14b", args.text_len or 512
         dry_run(args)
+        return 0
+    if args.vsa:
+        lines = vsa_rows(args)
+        print("\n".join(lines))
+        if args.write_results and not args.check:
+            with open(args.results, "a") as f:
+                f.write(f"\n## `python bench/gpu.py --vsa` (issue 30, {datetime.date.today().isoformat()})\n\n"
+                        f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n\n" + "\n".join(lines) + "\n")
         return 0
     why = refusal(args)
     if why:

@@ -26,7 +26,7 @@ from fvx.data.toy_world import SpaceToDepth, WorldConfig
 from fvx.storage.checkpoint_config import CheckpointConfig
 from fvx.training.experiment import Experiment, RunConfig
 from fvx.training.validation import ValidationConfig
-from fvx_methods.dmd2 import DMD2
+from fvx_methods.dmd2 import DMD2, DMD2Roles
 from fvx_models.lora import LoRAConfig
 from fvx_models.wan import WanConfig
 from fvx_models.wan_vae import WanVAEConfig
@@ -94,4 +94,49 @@ def wan21_t2v_1p3b() -> DMD2Wan:
                     negative_prompt_path="data/wan21_negative_prompt.safetensors", optim=adamw,
                     critic_optim=msgspec.structs.replace(adamw, lr=8e-6), ema_decay=0.98, ema_start_step=0,
                     sampling_shift=8.0),
+    )
+
+
+@recipe
+def world_attn_qad() -> DMD2Wan:
+    """Stage 2 of FastVideo's QAD scenario on the toy world: DMD2 of the stage-1 student (``finetune_wan.py``'s
+    ``world_attn_qat``, exported to ``runs/teacher_attn_qat``), which keeps its fake-quantized attention, from the
+    data's latents against the full-precision toy teacher; the critic has a model entry of its own, dense (a model
+    with ``attention=qat`` plays the student only). One step, not FastVideo's three ([1000, 757, 522]): the toy
+    teacher's own 3-step samples are already as good as its 20-step ones (``nearest_mse`` 0.064 against 0.067), so
+    only one step leaves distillation something to show, as in the default run."""
+    return msgspec.structs.replace(
+        config, run=msgspec.structs.replace(config.run, output_dir="runs/dmd2_attn_qad"),
+        models={"student": WanConfig(preset="world", path="runs/teacher_attn_qat", attention="qat"),
+                "critic": WanConfig(preset="world", path=TEACHER), "teacher": WanConfig(preset="world", path=TEACHER)},
+        method=msgspec.structs.replace(config.method, roles=DMD2Roles(critic="critic"), rollout_mode="data_latent",
+                                       min_timestep_ratio=0.02, max_timestep_ratio=0.98))
+
+
+@recipe
+def wan21_t2v_1p3b_attn_qad() -> DMD2Wan:
+    """Stage 2 of FastVideo's QAD scenario (scenario/qad_wan2_1_mixkit/stage2_attn_qat_dmd.yaml): the stage-1 export
+    (``finetune_wan.py:wan21_t2v_1p3b_attn_qat``) as the student, its attention still fake-quantized; a dense Wan 2.1
+    1.3B teacher and critic (FastVideo runs them with FLASH_ATTN: ``models.teacher.attention=flash`` where flash-attn
+    is installed, the same attention); rollout from the data's latents over [1000, 757, 522], the student updated
+    every 5th step, score timesteps in [0.02, 0.98], guidance 3 (the legacy ``cond + 2 (cond - uncond)``); AdamW lr
+    2e-6, betas (0.9, 0.999), weight decay 0.01, constant, clip 1, for both; 4 ranks of batch 1, 20 latent frames of
+    480x832; 2000 steps, checkpoints every 500 (the newest 3); validation every 200 steps (the student's 3 steps):
+        torchrun --nproc-per-node 4 -m fvx.run experiments/dmd2.py:wan21_t2v_1p3b_attn_qad"""
+    wan = WanConfig(preset="wan2.1-t2v-1.3b", path="models/Wan2.1-T2V-1.3B-Diffusers", compute_dtype="bf16",
+                    remat=True)
+    adamw = AdamWConfig(lr=2e-6, betas=(0.9, 0.999), weight_decay=0.01, max_grad_norm=1.0, schedule="constant")
+    return DMD2Wan(
+        run=RunConfig(seed=1000, steps=2000, output_dir="checkpoints/wan_t2v_distill_dmd_qat",
+                      checkpoint=CheckpointConfig(every=500, keep_latest=3)),
+        data=DataConfig(path="data/HD-Mixkit-Finetune-Wan/combined_parquet_dataset", batch_size=4, text_len=512,
+                        cfg_rate=0.0, num_latent_t=20),
+        models={"student": msgspec.structs.replace(wan, path="checkpoints/wan_t2v_qat_finetune/diffusers",
+                                                   attention="qat"),
+                "critic": wan, "teacher": wan},
+        validation=ValidationConfig(every=200, num_prompts=4),
+        method=DMD2(roles=DMD2Roles(critic="critic"), rollout_mode="data_latent", denoising_steps=(1000, 757, 522),
+                    generator_update_interval=5, guidance_scale=3.0, min_timestep_ratio=0.02, max_timestep_ratio=0.98,
+                    flow_shift=3.0, cfg_uncond="negative_prompt",
+                    negative_prompt_path="data/wan21_negative_prompt.safetensors", optim=adamw, critic_optim=adamw),
     )

@@ -10,8 +10,9 @@ The real model is the same file with overrides, on a dataset FastVideo preproces
         models.student.path=/models/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers models.student.compute_dtype=bf16 \
         models.student.remat=true data.path=/data/kandinsky5_preprocessed data.text_len=513 data.num_latent_t=31 \
         data.batch_size=8 method.optim.lr=5e-5 --steps 2000 --out runs/kandinsky5_t2v
-FastVideo's recipe is the recipe `kandinsky5_t2v_480p` (8 ranks of batch 1); point its paths at local folders:
-    torchrun --nproc-per-node 8 -m fvx.run experiments/finetune_kandinsky5.py:kandinsky5_t2v_480p \
+FastVideo's recipe is the recipe `kandinsky5_t2v_480p_qat` (8 ranks of batch 1, fake-quantized attention); point its
+paths at local folders:
+    torchrun --nproc-per-node 8 -m fvx.run experiments/finetune_kandinsky5.py:kandinsky5_t2v_480p_qat \
         models.student.path=/models/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers data.path=/data/kandinsky5_preprocessed
 """
 import msgspec
@@ -42,13 +43,13 @@ config = FinetuneKandinsky5(
 
 
 @recipe
-def kandinsky5_t2v_480p() -> FinetuneKandinsky5:
+def kandinsky5_t2v_480p_qat() -> FinetuneKandinsky5:
     """FastVideo's fine_tuning/kandinsky5/t2v_480p_qat.yaml: Kandinsky 5.0 T2V Lite (sft 5s), AdamW lr 5e-5, betas
     (0.9, 0.999), weight decay 1e-4, constant, clip 1; global batch 8 (8 data-parallel ranks of 1), 31 latent frames
     of 512x768, CFG dropout 0.1, data seed 1000; full activation checkpointing, bf16; 2000 steps, checkpoints every
     500 (the newest 3 kept); validation every 250 steps, 25 steps at guidance 6 against the negative prompt, flow
-    shift 5. Its Attn-QAT (FASTVIDEO_ATTENTION_BACKEND=ATTN_QAT_TRAIN: fake-quantized attention) is not reproduced:
-    fvx has no such attention backend yet (a later issue); every other value is the YAML's."""
+    shift 5; Attn-QAT (its FASTVIDEO_ATTENTION_BACKEND=ATTN_QAT_TRAIN: ``attention=qat``, fake-quantized NVFP4
+    attention in every attention module)."""
     return FinetuneKandinsky5(
         run=RunConfig(seed=1000, steps=2000, output_dir="outputs/kandinsky5_t2v_qat_finetune",
                       checkpoint=CheckpointConfig(every=500, keep_latest=3)),
@@ -56,7 +57,7 @@ def kandinsky5_t2v_480p() -> FinetuneKandinsky5:
                         num_latent_t=31),
         models={"student": Kandinsky5Config(preset="kandinsky5-t2v-lite",
                                             path="models/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers",
-                                            compute_dtype="bf16", remat=True)},
+                                            compute_dtype="bf16", remat=True, attention="qat")},
         validation=ValidationConfig(every=250, num_prompts=4, num_steps=25, flow_shift=FLOW_SHIFT, guidance_scale=6.0,
                                     cfg_uncond="negative_prompt",
                                     negative_prompt_path="data/kandinsky5_negative_prompt.safetensors"),

@@ -36,6 +36,7 @@ from fvx.storage.checkpoint_config import CheckpointConfig
 from fvx.training.experiment import Experiment, RunConfig
 from fvx.training.validation import ValidationConfig
 from fvx_methods.self_forcing import SelfForcing, SelfForcingRoles
+from fvx_models.attention.config import VSAConfig
 from fvx_models.wan import WanConfig
 from fvx_models.wan_causal import WanCausalConfig
 from fvx_models.wan_vae import WanVAEConfig
@@ -104,3 +105,29 @@ def wan21_t2v_1p3b() -> SelfForcingWanCausal:
             optim=adamw, critic_optim=msgspec.structs.replace(adamw, lr=4e-7), ema_decay=0.99, ema_start_step=200),
     )
 
+
+
+@recipe
+def wan21_t2v_1p3b_vsa() -> SelfForcingWanCausal:
+    """FastVideo's self_forcing_causal_t2v_vsa.yaml: ``wan21_t2v_1p3b``'s roles on the Wan-Syn 77x448x832 latents (8
+    ranks of batch 1, 20 latent frames), rollout over [1000, 750, 500, 250] unwarped, chunks of 3, SDE hops, an exit
+    step per block, teacher guidance 4.5; AdamW lr 1e-5 (student) and 8e-6 (critic), betas (0, 0.999), constant, clip
+    1; no EMA; checkpoints every 1000 (the newest 3), validation every 50 steps. Its ``vsa.sparsity: 0.9`` selects
+    FastVideo's VSA backend for every role: the causal student's attention takes flash or SDPA only and runs dense
+    (docs/design.md), so here too; the critic runs VSA in the dense view FastVideo gives it, its gates trained from
+    zero (``vsa.sparsity`` 0.9 and the YAML's unused decay 0.03 per step recorded on it); the 14B teacher's zero gates
+    make its dense view plain attention, which it runs."""
+    base = wan21_t2v_1p3b()
+    adamw = AdamWConfig(lr=1e-5, betas=(0.0, 0.999), weight_decay=0.01, max_grad_norm=1.0, schedule="constant")
+    models = fastvideo_models()
+    models["critic"] = msgspec.structs.replace(models["critic"], attention="vsa",
+                                               vsa=VSAConfig(sparsity=0.9, decay_rate=0.03, decay_interval_steps=1))
+    return msgspec.structs.replace(
+        base, run=msgspec.structs.replace(base.run, output_dir="outputs/wan2.1_causal_self_forcing_vsa_0.9"),
+        data=DataConfig(path="data/Wan-Syn_77x448x832_600k", batch_size=8, text_len=512, cfg_rate=0.0,
+                        num_latent_t=20),
+        models=models,
+        method=msgspec.structs.replace(
+            base.method, warp_denoising_step=False, same_step_across_blocks=False, guidance_scale=4.5,
+            latent_shape=None, optim=adamw, critic_optim=msgspec.structs.replace(adamw, lr=8e-6), ema_decay=None,
+            ema_start_step=0))

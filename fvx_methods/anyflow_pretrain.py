@@ -157,7 +157,8 @@ class AnyFlowPretrain(one_role.OneRoleConfig, tag="anyflow_pretrain"):
         model = models[STUDENT]
         flow_map.check_two_time(model, self.roles.student, self.name)
         derivatives.check_mode(self.derivative, compiled=model.compile_stats is not None,
-                               sharded=model.layout is not None, who="method.derivative")
+                               sharded=model.layout is not None, who="method.derivative",
+                               no_forward_ad=model.forward_ad_refusal)
         negative = (None if self.negative_prompt_path is None or self.fuse_guidance_scale == 1.0
                     else model.load_negative(self.negative_prompt_path, "method.negative_prompt_path"))
         loss = functools.partial(loss_fn, model=model, config=self, ranks=ranks, negative=negative)

@@ -125,7 +125,8 @@ class MeanFlow(one_role.OneRoleConfig, tag="meanflow"):
         model = models[STUDENT]
         flow_map.check_two_time(model, self.roles.student, self.name)
         derivatives.check_mode(self.derivative, compiled=model.compile_stats is not None,
-                               sharded=model.layout is not None, who="method.derivative")
+                               sharded=model.layout is not None, who="method.derivative",
+                               no_forward_ad=model.forward_ad_refusal)
         return model
 
     def build(self, models: Mapping[str, Model], *, total_steps: int, ranks: role.Ranks = role.ONE_PROCESS,

@@ -157,7 +157,8 @@ class SCM(one_role.OneRoleConfig, tag="scm"):
         check_shared_data(models, data_role=STUDENT)
         model = models[STUDENT]
         derivatives.check_mode(self.derivative, compiled=model.compile_stats is not None,
-                               sharded=model.layout is not None, who="method.derivative")
+                               sharded=model.layout is not None, who="method.derivative",
+                               no_forward_ad=model.forward_ad_refusal)
         return model
 
     def program(self, model: Model, loss: Any, *, total_steps: int, ranks: role.Ranks,

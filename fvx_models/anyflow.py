@@ -86,6 +86,7 @@ ANYFLOW = Family(
     init_rules={"scale_shift_table": wan.scale_shift_init},
     pipeline_files=pipeline_files,
     with_r=with_r,
+    self_attention=("blocks.*.attn1",),
 )
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 import torch
-import torch.nn.functional as F
+from diffusers.models.attention_dispatch import dispatch_attention_fn
 
 Range = tuple[int, int]  # [start, end) in tokens
 
@@ -145,25 +145,25 @@ def mask_of(blocks: Sequence[QueryBlock], queries: int, keys: int, device: torch
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: Sequence[QueryBlock],
            mask: torch.Tensor | None = None) -> torch.Tensor:
     """Block-causal attention, ``[B, L, heads, head_dim]`` in and out (keys ``[B, S, heads, head_dim]``): one SDPA
-    with ``mask`` when given, else one SDPA per query block over the keys it reads."""
-    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    with ``mask`` when given, else one SDPA per query block over the keys it reads (through diffusers' dispatcher, as
+    every family's attention: the model's attention kernel answers)."""
     if mask is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+        return dispatch_attention_fn(query, key, value, attn_mask=mask)
     outs = []
     for block in blocks:
-        qs = q[:, :, block.queries[0]:block.queries[1]]
-        ks, vs = (_gather(x, block.keys) for x in (k, v))
-        outs.append(F.scaled_dot_product_attention(qs, ks, vs))
-    return torch.cat(outs, dim=2).transpose(1, 2) if len(outs) > 1 else outs[0].transpose(1, 2)
+        qs = query[:, block.queries[0]:block.queries[1]]
+        ks, vs = (_gather(x, block.keys) for x in (key, value))
+        outs.append(dispatch_attention_fn(qs, ks, vs))
+    return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
 
 
 def _gather(x: torch.Tensor, ranges: Sequence[Range]) -> torch.Tensor:
-    """The key/value tokens ``[B, heads, S', head_dim]`` of ``ranges`` along dim 2 (a view for one range or none)."""
+    """The key/value tokens ``[B, S', heads, head_dim]`` of ``ranges`` along dim 1 (a view for one range or none)."""
     if not ranges:
-        return x[:, :, :0]
+        return x[:, :0]
     if len(ranges) == 1:
-        return x[:, :, ranges[0][0]:ranges[0][1]]
-    return torch.cat([x[:, :, a:b] for a, b in ranges], dim=2)
+        return x[:, ranges[0][0]:ranges[0][1]]
+    return torch.cat([x[:, a:b] for a, b in ranges], dim=1)
 
 
 def write(cache: KVCache, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], frames: int,

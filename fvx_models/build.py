@@ -27,6 +27,8 @@ from fvx.distributed import compile as fvx_compile, gather_schedule, memory, pro
 from fvx.distributed.gathers import sharded_call
 from fvx_models import (cond as fcond, diffusers_folder as dfolder, layouts, lora as flora, lora_files,
                         original_layout)
+from fvx_models.attention import install as attention, kernels
+from fvx_models.attention.config import QATConfig, VSAConfig
 from fvx_models.family import Family, init_params, Preset
 from fvx_models.model import Model, Params, Written
 
@@ -44,7 +46,10 @@ class ModelConfig(Config):
     mesh: drop each unit's gathered params after its forward and gather them again in its backward, as FSDP2 does by
     default; False keeps every unit's full params from its forward to its backward, one all-gather per unit and step
     fewer; under remat the backward gathers again either way), and ``lora``: train low-rank adapters on a frozen base
-    (``fvx_models.lora``; the base is stored in ``frozen_dtype``) instead of the params."""
+    (``fvx_models.lora``; the base is stored in ``frozen_dtype``) instead of the params. ``attention``: the kernel
+    of the model's self-attention (``fvx_models.attention.kernels``: ``sdpa``, ``math``, ``flex``, ``vsa`` with its
+    ``vsa`` knobs, ``qat`` with its ``qat`` knobs, or an installed kernel of diffusers' dispatcher), per model:
+    roles that share a model share its code."""
 
     family: ClassVar[Family]
 
@@ -57,13 +62,23 @@ class ModelConfig(Config):
     compile_backend: str = "inductor"
     reshard_after_forward: bool = True
     lora: flora.LoRAConfig | None = None
+    attention: str = "sdpa"
+    vsa: VSAConfig = VSAConfig()
+    qat: QATConfig = QATConfig()
 
     def __post_init__(self) -> None:
         self.family.preset(self.preset)
+        if self.attention not in kernels.OWN + kernels.dispatcher_names():
+            raise ValueError(f"attention={self.attention!r} is not an attention kernel; usable here: "
+                             f"{', '.join(kernels.usable())}")
+        for knob, default in (("vsa", VSAConfig()), ("qat", QATConfig())):
+            if self.attention != knob and getattr(self, knob) != default:
+                raise ValueError(f"{knob}.* knobs are set but attention={self.attention}; they apply to "
+                                 f"attention={knob}")
 
     def field_choices(self) -> dict[str, list[str]]:
-        """The values a text field takes, for ``--help``: the family's presets."""
-        return {"preset": list(self.family.presets)}
+        """The values a text field takes, for ``--help``: the family's presets, the attention kernels usable here."""
+        return {"preset": list(self.family.presets), "attention": list(kernels.usable())}
 
     @property
     def spec(self) -> Preset:
@@ -89,6 +104,8 @@ class ModelConfig(Config):
 def skeleton(config: ModelConfig) -> nn.Module:
     """The family's meta skeleton with remat installed when the config asks for it (effective only under grad)."""
     module = config.family.skeleton(config)
+    if config.attention == "vsa":
+        attention.add_gates(config, module)
     if config.remat:
         for part in module.modules():
             if getattr(part, "_supports_gradient_checkpointing", False):
@@ -191,8 +208,8 @@ def _patch(config: ModelConfig) -> tuple[int, int, int]:
 
 def apply(config: ModelConfig, module: nn.Module, spec: fcond.Spec, params: Params, x_t: torch.Tensor,
           t: torch.Tensor, cond: Mapping[str, torch.Tensor], *, compute_dtypes: Mapping[str, torch.dtype] | None,
-          gathers: gather_schedule.UnitGathers | None, forward: Callable | None = None,
-          call: Any = None, r: torch.Tensor | None = None) -> torch.Tensor:
+          gathers: gather_schedule.UnitGathers | None, runtime: attention.Runtime, dense: bool = False,
+          forward: Callable | None = None, call: Any = None, r: torch.Tensor | None = None) -> torch.Tensor:
     """Flow velocity fp32 ``[B, C, T, H, W]`` of latents ``x_t [B, C, T, H, W]`` at ``t [B]`` (0..1000) under
     ``cond``. Under a compute dtype, params (but the fp32-kept) and the float inputs are cast inside the call;
     gradients reach the caller's params in their own dtype; ``t`` stays fp32 (bf16 cannot hold 999). Params may be
@@ -201,7 +218,8 @@ def apply(config: ModelConfig, module: nn.Module, spec: fcond.Spec, params: Para
     ``forward(params, buffers, kwargs)``: the compiled whole forward (``compile="model"``).
     ``call`` is bound to the skeleton for this forward by the family's ``bind`` (a causal family's KV cache).
     ``r`` (shaped as ``t``): a two-time model's target time, the average velocity from ``t`` to ``r``; None: ``r =
-    t``, the instantaneous velocity."""
+    t``, the instantaneous velocity. ``runtime``: what the attention kernel reads (it learns this call's token grid);
+    ``dense``: VSA's dense view."""
     family = config.family
     _check_inputs(family.name, config, spec, x_t, t, cond)
     if r is not None and not config.two_time:
@@ -215,7 +233,9 @@ def apply(config: ModelConfig, module: nn.Module, spec: fcond.Spec, params: Para
     if config.two_time:
         kwargs = family.with_r(config, kwargs, x, t if r is None else r.to(torch.float32))
     buffers = {name: b.to(x_t.device) for name, b in module.named_buffers()}
-    with contextlib.nullcontext() if family.bind is None else family.bind(module, call):
+    runtime.grid = tuple(size // p for size, p in zip(x_t.shape[2:], _patch(config)))
+    with (contextlib.nullcontext() if family.bind is None else family.bind(module, call),
+          runtime.dense() if dense else contextlib.nullcontext()):
         if gathers is not None:
             out = sharded_call(module, params, buffers, (), kwargs, gathers=gathers)
         else:  # a cast to a param's own dtype is free (the same tensor)
@@ -262,14 +282,19 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
     who = f"{family.name}:{config.preset}"
     if config.compile == "model":
         _check_whole_compile(config, mesh)
+    sequence = processes.sequence_group(mesh)
+    refusal = attention.refusal(config, sequence_parallel=sequence is not None)
+    if refusal is not None:
+        raise ValueError(f"{who}: {refusal}")
+    attention.check(config, who)
     module = skeleton(config)
     plain, adapted = module, ()
     if config.lora is not None:
         plain = copy.deepcopy(module)
         adapted = flora.install(module, config.lora, who)
-    sequence = processes.sequence_group(mesh)
     if sequence is not None:
         sequence_parallel(config, module, sequence)
+    runtime = attention.install(config, module)
     groups = unit_groups(family, module)
     shapes = dfolder.param_shapes(module)
     architecture = tuple(dfolder.param_shapes(plain))
@@ -295,7 +320,7 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
     spec = dict(family.cond_spec(config))
     image = frozenset(family.image_cond & set(spec))
     placed = functools.partial(place, mesh=mesh, layout=layout)
-    derived = family.derived(config)
+    derived = {**family.derived(config), **attention.zero_gates(config, plain)}
 
     def drawn(key: torch.Tensor) -> Params:
         params = init_params(plain, key, family.init_rules, family.name)
@@ -367,7 +392,7 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
                                 whole_id=base_id(whole_model=True))
 
     bound_apply = functools.partial(apply, config, module, spec, compute_dtypes=compute_dtypes, gathers=gathers,
-                                    forward=whole_forward)
+                                    runtime=runtime, forward=whole_forward)
     return Model(
         name=who,
         latents=preset.latents,
@@ -395,6 +420,11 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
         two_time=config.two_time,
         latent_rule=functools.partial(family.latent_rule, config),
         cfg_dropout_refusal=family.cfg_dropout_refusal,
+        attention=config.attention,
+        attention_step=runtime.step,
+        dense_apply=functools.partial(bound_apply, dense=True) if config.attention == "vsa" else None,
+        forward_ad_refusal=None if config.attention in kernels.FORWARD_AD else
+        f"attention={config.attention} has no forward-mode derivatives (math and sdpa have)",
     )
 
 

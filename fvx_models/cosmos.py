@@ -167,6 +167,7 @@ COSMOS = Family(
     zero_cond=zero_cond,
     cond_defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
     pipeline_files=pipeline_files,
+    self_attention=("transformer_blocks.*.attn1",),
 )
 
 

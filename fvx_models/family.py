@@ -104,6 +104,11 @@ class Family:
                                          target time) when ``config.two_time`` (``fvx_models.wan_two_time``)
     derived(config) -> {name: fn(params)}   params a folder may lack, made from the loaded (or drawn) ones (a two-time
                                          Wan's delta embedder from its time embedder)
+    self_attention                       module-name patterns (``fnmatch``) of the self-attention modules over the
+                                         video tokens, where ``attention=vsa`` runs (``fvx_models.attention.install``;
+                                         other kernels run in every attention module)
+    vsa_refusal                          why the family's self-attention cannot run VSA (its sequence is not exactly
+                                         the video grid's tokens in (t, h, w) order), or None
     """
 
     name: str
@@ -137,6 +142,8 @@ class Family:
     whole_graph_refusal: str | None = None
     with_r: Callable[[Any, dict, torch.Tensor, torch.Tensor], dict] | None = None
     derived: Callable[[Any], Mapping[str, Callable[[Mapping[str, Any]], Any]]] = lambda config: {}
+    self_attention: tuple[str, ...] = ()
+    vsa_refusal: str | None = None
 
     def __post_init__(self) -> None:
         layouts.check(self.layout, f"family {self.name}")

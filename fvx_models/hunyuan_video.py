@@ -129,6 +129,8 @@ HUNYUAN_VIDEO = Family(
     zero_cond=zero_cond,
     cond_defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
     pipeline_files=pipeline_files,
+    self_attention=("transformer_blocks.*.attn", "single_transformer_blocks.*.attn"),
+    vsa_refusal="its self-attention runs over the video and text tokens together (one joint sequence)",
 )
 
 

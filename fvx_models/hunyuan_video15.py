@@ -202,6 +202,8 @@ HUNYUAN_VIDEO15 = Family(
     pipeline_files=pipeline_files,
     whole_graph_refusal="its forward reorders each sample's text tokens by their masks (boolean indexing, shapes that "
                         "depend on the data) and branches on whether the image embedding is all zeros",
+    self_attention=("transformer_blocks.*.attn",),
+    vsa_refusal="its self-attention runs over the video and text tokens together (one joint sequence)",
 )
 
 

@@ -225,6 +225,7 @@ KANDINSKY5 = Family(
     zero_cond=zero_cond,
     cond_defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
     pipeline_files=pipeline_files,
+    self_attention=("visual_transformer_blocks.*.self_attention",),
 )
 
 

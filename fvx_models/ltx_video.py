@@ -240,6 +240,7 @@ LTX_VIDEO = Family(
     cond_defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
     init_rules={"scale_shift_table": wan.scale_shift_init},  # N(0, 1) / sqrt(dim): root's [2, dim], blocks' [6, dim]
     pipeline_files=pipeline_files,
+    self_attention=("transformer_blocks.*.attn1",),
 )
 
 

@@ -9,9 +9,10 @@ the latents' layout, whatever the family predicts natively.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pathlib
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, ContextManager, Mapping, NamedTuple
 
 import torch
 
@@ -158,6 +159,13 @@ class Model:
     two_time                        ``apply(params, x_t, t, cond, r=)`` takes a second time ``r [B]``: the model is a
                                     flow map, ``u`` the average velocity from ``t`` to ``r`` (``x_r = x_t - ((t - r) /
                                     1000) u``); ``r`` left out is ``t``, the instantaneous velocity
+    attention                       the kernel of its self-attention (``fvx_models.attention.kernels``)
+    attention_step(step) -> context  what a training step ``step`` runs within: VSA at its scheduled sparsity (the
+                                    context's value; None for other kernels), QAT in its training form (outside:
+                                    validation's forms); the experiment enters it around every step of every model
+    dense_apply                     a VSA model's ``apply`` in the dense view (sparsity 0, its gate kept), what
+                                    FastVideo's critic and teacher see; None for other kernels (see :meth:`dense`)
+    forward_ad_refusal              why ``apply`` has no forward-mode derivatives (its attention kernel), or None
     """
 
     name: str
@@ -185,6 +193,16 @@ class Model:
     two_time: bool = False
     latent_rule: Callable[[tuple[int, ...]], str | None] = lambda shape: None
     cfg_dropout_refusal: str | None = None
+    attention: str = "sdpa"
+    attention_step: Callable[[int], ContextManager] = lambda step: contextlib.nullcontext()
+    dense_apply: Callable[..., torch.Tensor] | None = None
+    forward_ad_refusal: str | None = None
+
+    def dense(self) -> Model:
+        """The model as a role that must see dense attention sees it (a VSA model's dense view; else itself)."""
+        if self.dense_apply is None:
+            return self
+        return dataclasses.replace(self, apply=self.dense_apply, dense_apply=None)
 
     @property
     def latent_channels(self) -> int:

@@ -278,6 +278,7 @@ WAN = Family(
     sequence_parallel=wan_sequence_parallel.sequence_parallel,
     with_r=with_r,
     derived=lambda config: wan_two_time.derived(config.r_embedder) if config.two_time else {},
+    self_attention=("blocks.*.attn1",),
 )
 
 

@@ -57,7 +57,7 @@ class Call:
 @dataclasses.dataclass
 class Plan:
     """A forward's attention plan, shared by every block: RoPE tables ``[1, L, 1, head_dim]`` (fp64, as diffusers'),
-    the query blocks, the mask (``attention="mask"``) and the cache; ``layers`` collects each layer's view."""
+    the query blocks, the mask (``block_attention="mask"``) and the cache; ``layers`` collects each layer's view."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -125,7 +125,7 @@ class FrameRope(WanRotaryPosEmbed):
         return call.plan
 
     def _masked(self, call: Call) -> bool:
-        """Whether attention runs as one masked SDPA: ``attention="mask"``, or ``"auto"`` for a cached call of a
+        """Whether attention runs as one masked SDPA: ``block_attention="mask"``, or ``"auto"`` for a cached call of a
         compiled model (its mask an input tensor, so the stream's later chunks reuse its graph)."""
         return self.attention == "mask" or (self.attention == "auto" and self.compiled and call.cache is not None)
 
@@ -173,7 +173,8 @@ def skeleton(config: WanCausalConfig) -> nn.Module:
     def rebuild(module: nn.Module) -> None:
         module.rope = FrameRope(kwargs["attention_head_dim"], kwargs["patch_size"], kwargs["rope_max_seq_len"],
                                 frames_per_block=config.num_frames_per_block, window=config.local_attn_size,
-                                sink=config.sink_size, attention=config.attention, compiled=config.compile != "none")
+                                sink=config.sink_size, attention=config.block_attention,
+                                compiled=config.compile != "none")
 
     module = skeleton_of(WanTransformer3DModel, kwargs, rebuild)
     processor = BlockCausalAttention()
@@ -275,13 +276,15 @@ def causal(config: WanCausalConfig, apply: Any, module: nn.Module) -> Causal:
 WAN_CAUSAL = dataclasses.replace(
     wan.WAN, name="wan_causal", presets=PRESETS, skeleton=skeleton, activations=ACTIVATIONS, inputs=inputs,
     per_frame_timesteps=True, bind=bind, causal=causal, sequence_parallel=sequence_parallel,
-    whole_graph_refusal="its forward binds per-call state (a KV cache, the teacher-forcing layout)")
+    whole_graph_refusal="its forward binds per-call state (a KV cache, the teacher-forcing layout)",
+    vsa_refusal="each query block attends to its own prefix of frames, which tiles of the whole grid do not follow "
+                "(FastVideo's causal Wan has no VSA either: its blocks take flash or SDPA only)")
 
 
 class WanCausalConfig(ModelConfig, tag="wan_causal"):
     """A block-causal Wan 2.1 DiT (presets: tiny, tiny-deep, world, wan2.1-t2v-1.3b, wan2.1-t2v-14b; ordinary Wan
     weights): latent frames in blocks of ``num_frames_per_block``, each attending to itself and earlier blocks
-    within ``local_attn_size`` frames (-1: all) plus the first ``sink_size`` frames; ``attention`` "prefix" (one
+    within ``local_attn_size`` frames (-1: all) plus the first ``sink_size`` frames; ``block_attention`` "prefix" (one
     SDPA per block over its keys), "mask" (one masked SDPA) or "auto" (the mask for the cached chunks of a compiled
     model, so a stream of any length compiles to one graph per grad mode; else prefix)."""
 
@@ -290,7 +293,7 @@ class WanCausalConfig(ModelConfig, tag="wan_causal"):
     num_frames_per_block: Annotated[int, msgspec.Meta(ge=1)] = 3
     local_attn_size: int = -1
     sink_size: Annotated[int, msgspec.Meta(ge=0)] = 0
-    attention: Literal["auto", "prefix", "mask"] = "auto"
+    block_attention: Literal["auto", "prefix", "mask"] = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()

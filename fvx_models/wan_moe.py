@@ -104,6 +104,7 @@ WAN_MOE = dataclasses.replace(
     pipeline_files=pipeline_files,
     component_notes={"transformer": "the high-noise expert", "transformer_2": "the low-noise expert"},
     sequence_parallel=None,
+    self_attention=tuple(f"{expert}.blocks.*.attn1" for expert in EXPERTS),
     whole_graph_refusal="its router splits the batch between the experts by timestep (data-dependent shapes)",
 )
 """Wan's spec with two experts: their components, one unit group of both experts' blocks, the router's inputs and

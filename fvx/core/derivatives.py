@@ -47,10 +47,14 @@ def directional(fn: Callable[..., torch.Tensor], primals: Sequence[torch.Tensor]
             return forward_ad.unpack_dual(out).tangent
 
 
-def check_mode(mode: Mode, *, compiled: bool, sharded: bool, who: str) -> None:
+def check_mode(mode: Mode, *, compiled: bool, sharded: bool, who: str, no_forward_ad: str | None = None) -> None:
     """A ValueError when ``mode`` cannot run on a model (``who``, the knob that chose it): exact forward-mode AD on a
-    compiled model; ``ad`` through sharded params, whose gathers are autograd functions ``torch.func`` transforms
-    refuse (dual tensors pass them: the params carry no tangent)."""
+    compiled model, or through an attention kernel without forward derivatives (``no_forward_ad`` says why);
+    ``ad`` through sharded params, whose gathers are autograd functions ``torch.func`` transforms refuse (dual
+    tensors pass them: the params carry no tangent)."""
+    if mode in ("ad", "dual") and no_forward_ad is not None:
+        raise ValueError(f"{who}={mode} needs forward-mode derivatives, but {no_forward_ad}; use "
+                         f"{who}=finite_difference, or the model's attention=math")
     if mode in ("ad", "dual") and compiled:
         raise ValueError(f"{who}={mode} runs forward-mode AD eagerly and cannot run inside a compiled model "
                          f"(compile=blocks or model); use {who}=finite_difference, or compile=none")

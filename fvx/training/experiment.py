@@ -15,6 +15,7 @@ only the state.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import pathlib
 from typing import Annotated, Any, Callable, Literal, Mapping, NamedTuple
@@ -114,12 +115,55 @@ def role_configs(config: Experiment) -> dict[str, Any]:
 
 
 def build_models(config: Experiment, *, mesh: Any = None) -> dict[str, Any]:
-    """Role -> built model: each named model of ``config.models`` that plays a role is built once (on ``mesh``)."""
+    """Role -> built model: each named model of ``config.models`` that plays a role is built once (on ``mesh``).
+    Every role but the one the data feeds (the method's first held role: the student) sees its model's dense view
+    (``Model.dense``: a VSA model at sparsity 0, as FastVideo's critic and teacher see theirs)."""
     roles = msgspec.structs.asdict(config.method.roles)
     role_configs(config)  # every role names a model
+    held = config.method.held_roles()
+    first = held[0].name
+    check_attention_roles(config, roles, first, trained={role.name for role in held if role.trainable})
     on_mesh = {} if mesh is None else {"mesh": mesh}
     built = {name: config.models[name].build(**on_mesh) for name in dict.fromkeys(roles.values())}
-    return {role_name: built[name] for role_name, name in roles.items()}
+    return {role_name: built[name] if role_name == first else built[name].dense() for role_name, name in roles.items()}
+
+
+def check_attention_roles(config: Experiment, roles: Mapping[str, str], first: str, trained: set[str]) -> None:
+    """A ConfigError when a model with fake-quantized attention (``attention=qat``) plays the student and another
+    role (Attn-QAT is the student's alone: FastVideo's critic and teacher keep full-precision attention, and roles
+    that share a model share its code), or when a trained role's model runs flex-attention where it has no backward
+    (no CUDA device)."""
+    for role_name, name in roles.items():
+        if role_name in trained and getattr(config.models[name], "attention", "sdpa") == "flex" \
+                and not torch.cuda.is_available():
+            raise ConfigError(f"models.{name}.attention=flex: flex-attention has no backward on a CPU (torch "
+                              f"{torch.__version__.split('+')[0]}) and role {role_name!r} trains; use attention=math "
+                              "or sdpa")
+    model = roles.get(first)
+    if model is None or getattr(config.models[model], "attention", "sdpa") != "qat":
+        return
+    others = [role for role, name in roles.items() if name == model and role != first]
+    if others:
+        raise ConfigError(f"models.{model}.attention=qat: model {model!r} also plays method.roles.{others[0]}, which "
+                          f"must stay dense; play it with a model entry of its own (models.<name> and "
+                          f"method.roles.{others[0]}=<name>)")
+
+
+def in_attention_steps(step_: Callable, models: Mapping[str, Any], student: str | None = None) -> Callable:
+    """``step_`` run within every model's ``attention_step(state.step)`` (each model once): VSA's scheduled
+    sparsity and QAT's training form hold in training steps only, and replay recomputes them from the step. The
+    ``student`` role's sparsity, when its model runs VSA, is logged as ``vsa_sparsity`` (FastVideo's name)."""
+    entered = list(dict.fromkeys(model.attention_step for model in models.values()))
+    logged = None if student is None else models[student].attention_step
+
+    def step(state: TrainState, frozen: Any, batch: Any):
+        with contextlib.ExitStack() as stack:
+            sparsity = {enter: stack.enter_context(enter(int(state.step))) for enter in entered}
+            state, metrics = step_(state, frozen, batch)
+        if logged is not None and sparsity[logged] is not None:
+            metrics = {**metrics, "vsa_sparsity": torch.tensor(sparsity[logged])}
+        return state, metrics
+    return step
 
 
 def setup(config: Experiment, *, mesh: Any = None, callbacks: tuple[fcallbacks.Callback, ...] = ()) -> Setup:
@@ -132,6 +176,7 @@ def setup(config: Experiment, *, mesh: Any = None, callbacks: tuple[fcallbacks.C
     needed = {name: getattr(config, name, None) for name in getattr(config.method, "needs", ())}
     program = config.method.build(models, total_steps=config.run.steps, ranks=ranks,
                                   before_update=fcallbacks.before_update(callbacks), **needed)
+    program = program._replace(step_=in_attention_steps(program.step_, models, config.method.held_roles()[0].name))
     dataset = program.dataset(datasets.open_dataset(config.data, data_key))
     return Setup(models=models, program=program, dataset=dataset, data_key=data_key, method_key=method_key,
                  mesh=mesh)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from fvx import config as fconfig, run
 from fvx.training import tracking
@@ -151,6 +152,17 @@ EXPERIMENTS = ROOT / "experiments"
                              "data.synthetic.latent_shape=[16,2,4,4]", "data.synthetic.image_embeds=[3,8]"],
      "cond['image_embeds'] must be [B, N, 16], got [2, 3, 8]"),
     ("finetune_wan.py", ["models.student.first_frame=true"], "wan preset 'world' has no per-token timesteps"),
+    ("finetune_wan.py", ["models.student.attention=fast"],
+     "attention='fast' is not an attention kernel; usable here: sdpa, math, flex, vsa, qat"),
+    ("finetune_wan.py", ["models.student.attention=vsa", "models.student.vsa.sparsity=1.0"],
+     "Expected `float` < 1.0 - at `$.models[...].vsa.sparsity`"),
+    ("finetune_wan.py", ["models.student.vsa.sparsity=0.5"], "vsa.* knobs are set but attention=sdpa"),
+    ("finetune_hunyuan.py", ["models.student.attention=vsa"],
+     "attention=vsa: the hunyuan_video family cannot run VSA: its self-attention runs over the video and text"),
+    ("dmd2.py", ["models.student.attention=qat"], "models.student.attention=qat: model 'student' also plays "
+                                                  "method.roles.critic, which must stay dense"),
+    ("meanflow.py", ["models.student.attention=qat", "method.derivative=dual"],
+     "method.derivative=dual needs forward-mode derivatives, but attention=qat has no forward-mode derivatives"),
 ])
 def test_bad_roles_models_and_cond_are_one_clear_error_and_write_nothing(tmp_path, capsys, experiment, args,
                                                                          message):
@@ -159,6 +171,20 @@ def test_bad_roles_models_and_cond_are_one_clear_error_and_write_nothing(tmp_pat
     err = capsys.readouterr().err
     assert err.startswith("fvx.run: error:") and message in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs these kernels")
+@pytest.mark.parametrize("args, message", [
+    (["models.student.attention=flash"], "attention=flash: diffusers' flash kernel is not usable here (needs a CUDA "
+                                         "device); usable here: sdpa, math, flex, vsa, qat"),
+    (["models.student.attention=flex"], "models.student.attention=flex: flex-attention has no backward on a CPU"),
+    (["models.student.attention=qat", "models.student.qat.validation=infer"], "qat.validation=infer: "),
+])
+def test_kernels_this_machine_cannot_run_are_one_clear_error(tmp_path, capsys, args, message):
+    out = tmp_path / "run"
+    assert run.main([EXPERIMENT, "--out", str(out), *QUICK, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and not out.exists(), err
 
 
 def test_a_folder_of_another_family_is_refused_naming_its_class(tmp_path, capsys):

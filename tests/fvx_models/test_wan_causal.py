@@ -48,7 +48,7 @@ def chunked(model, params, x, t, cond, cache=None):
 
 @pytest.mark.parametrize("attention", ["prefix", "mask"])
 def test_later_frames_never_change_earlier_outputs(params, data, attention):
-    model = causal(attention=attention)
+    model = causal(block_attention=attention)
     x, t, cond, _ = data
     later = x.clone()
     later[:, :, 2:] += 1.0
@@ -57,13 +57,13 @@ def test_later_frames_never_change_earlier_outputs(params, data, attention):
     assert not torch.allclose(v[:, :, 2:], v_later[:, :, 2:])
 
 
-@pytest.mark.parametrize("knobs", [{}, {"attention": "mask"}, {"local_attn_size": 4}, {"local_attn_size": 4,
+@pytest.mark.parametrize("knobs", [{}, {"block_attention": "mask"}, {"local_attn_size": 4}, {"local_attn_size": 4,
                                                                                        "sink_size": 1}])
 def test_kv_cached_chunks_equal_the_full_block_causal_forward(params, data, knobs):
     model = causal(**knobs)
     x, t, cond, _ = data
     got, cache = chunked(model, params, x, t, cond)
-    if knobs.get("attention") == "mask":  # one masked SDPA over a longer key sequence sums in another order
+    if knobs.get("block_attention") == "mask":  # one masked SDPA over a longer key sequence sums in another order
         torch.testing.assert_close(got, model.apply(params, x, t, cond), rtol=0, atol=1e-6)
     else:
         assert torch.equal(got, model.apply(params, x, t, cond))
@@ -99,13 +99,13 @@ def test_agrees_with_skyreels_v2_diffusion_forcing_on_the_same_params(model, par
 
 def test_mask_and_prefix_forms_agree(params, data):
     x, t, cond, _ = data
-    torch.testing.assert_close(causal(attention="mask").apply(params, x, t, cond),
+    torch.testing.assert_close(causal(block_attention="mask").apply(params, x, t, cond),
                                causal().apply(params, x, t, cond), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("attention", ["prefix", "mask"])
 def test_teacher_forcing_equals_each_noisy_block_with_the_clean_history_cached(params, data, attention):
-    model = causal(attention=attention)
+    model = causal(block_attention=attention)
     x, t, cond, clean = data
     cache, outs = model.causal.empty_cache(T), []
     for b in range(0, T, 2):

@@ -1,0 +1,279 @@
+"""A model's attention kernel, installed on its attention modules as torchtitan applies a kernel: a plain function
+applied to the skeleton, the same for every family.
+
+Every family's attention goes through diffusers' attention dispatcher, whose native backend calls PyTorch's
+``scaled_dot_product_attention`` (fvx's sequence-parallel and block-causal processors dispatch the same way). The
+first model built with another kernel routes that native backend through one function (:func:`route_native_backend`)
+that answers with the kernel of the attention call in progress (:data:`ROUTE`), else calls diffusers' own: each
+attention module's processor is wrapped to set ``ROUTE`` for the duration of its call (:class:`KernelProcessor`), so
+the processor's own projections, norms, RoPE and all-to-alls are unchanged, and ``torch.compile`` traces it all
+(a ``TorchFunctionMode`` would not: it cannot trace Tensor methods written in Python through one). Plain
+kernels and ``qat`` run in every attention module (self and cross: forward-mode derivatives need every call in
+``math``, and FastVideo's Attn-QAT backend quantizes each layer that takes it); ``vsa`` in the family's
+self-attention over the video tokens (``Family.self_attention``), the others staying SDPA.
+``vsa`` adds a zero-initialised gate projection ``to_gate_compress`` beside each self-attention module (on its block,
+where FastVideo's Wan keeps it): a dense checkpoint loads without it (zeros) and starts as itself.
+
+What a kernel reads beyond SDPA's inputs lives in a :class:`Runtime`, one per built model: the token grid of the
+running forward (set by ``fvx_models.build.apply``), VSA's sparsity (the target; a step's scheduled value inside
+:meth:`Runtime.step`; 0 in a dense view) and whether a training step is running (QAT's validation form outside).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import functools
+import inspect
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from fvx_models.attention import kernels, qat, vsa
+
+GATE = "to_gate_compress"
+
+
+@dataclasses.dataclass
+class Runtime:
+    """What the installed kernel reads during a call (module docstring): set around calls, never by the kernels."""
+
+    name: str
+    schedule: Callable[[int], float] = lambda step: 0.0
+    target: float = 0.0
+    grid: tuple[int, int, int] | None = None
+    sparsity: float = 0.0
+    in_step: bool = False
+
+    def __post_init__(self) -> None:
+        self.sparsity = self.target
+
+    def __deepcopy__(self, memo: dict) -> Runtime:
+        """Itself: the skeleton and the unit templates ``compile="blocks"`` copies from it read one runtime."""
+        return self
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[float | None]:
+        """A training step ``step``: VSA at its scheduled sparsity (yielded; None for other kernels), QAT in its
+        training form."""
+        saved = self.sparsity, self.in_step
+        self.sparsity, self.in_step = self.schedule(step), True
+        try:
+            yield self.sparsity if self.name == "vsa" else None
+        finally:
+            self.sparsity, self.in_step = saved
+
+    @contextlib.contextmanager
+    def dense(self) -> Iterator[None]:
+        """VSA's dense view (sparsity 0, the gate kept), as FastVideo's critic and teacher see a VSA model."""
+        saved, self.sparsity = self.sparsity, 0.0
+        try:
+            yield
+        finally:
+            self.sparsity = saved
+
+
+class Route:
+    """The kernel answering diffusers' native attention backend during one attention call (None: diffusers' own):
+    a dynamic binding, as torch's grad mode is, set only by :class:`KernelProcessor` around its processor's call."""
+
+    kernel: Callable[..., torch.Tensor] | None = None
+
+
+ROUTE = Route()
+
+
+def route_native_backend() -> None:
+    """Make diffusers' native attention backend answer with ``ROUTE.kernel`` when one is set (idempotent; a call
+    with none set runs diffusers' own function, unchanged)."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+    native = _AttentionBackendRegistry._backends[AttentionBackendName.NATIVE]
+    if getattr(native, "routed_by_fvx", False):
+        return
+
+    def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+               return_lse=False, _parallel_config=None):
+        """diffusers' native backend (``[B, L, H, D]`` in and out), or the routed kernel (SDPA's layout)."""
+        kernel = ROUTE.kernel
+        if kernel is None or return_lse or _parallel_config is not None:
+            return native(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=dropout_p,
+                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
+                          _parallel_config=_parallel_config)
+        out = kernel(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=attn_mask,
+                     dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        return out.transpose(1, 2)
+    routed.routed_by_fvx = True
+    _AttentionBackendRegistry._backends[AttentionBackendName.NATIVE] = routed
+
+
+class KernelProcessor:
+    """A family's attention processor run with its attention answered by ``kernel_for(attn, hidden_states)``."""
+
+    def __init__(self, inner: Any, kernel_for: Callable[[nn.Module, torch.Tensor], Callable]) -> None:
+        self.inner, self.kernel_for = inner, kernel_for
+
+    def run(self, attn: nn.Module, hidden_states: torch.Tensor, *args, **kwargs) -> Any:
+        saved, ROUTE.kernel = ROUTE.kernel, self.kernel_for(attn, hidden_states)
+        try:
+            return self.inner(attn, hidden_states, *args, **kwargs)
+        finally:
+            ROUTE.kernel = saved
+
+
+def wrapped(inner: Any, kernel_for: Callable[[nn.Module, torch.Tensor], Callable]) -> KernelProcessor:
+    """``inner`` wrapped; its ``__call__`` keeps the inner signature, which diffusers reads to filter arguments."""
+    def call(self, *args, **kwargs):
+        return self.run(*args, **kwargs)
+    call.__signature__ = inspect.signature(type(inner).__call__)
+    cls = type(f"Kernel{type(inner).__name__}", (KernelProcessor,), {"__call__": call})
+    return cls(inner, kernel_for)
+
+
+# ---------------------------------------------------------------------------------------------------------- checks
+
+
+def self_attention_modules(config: Any, module: nn.Module) -> dict[str, nn.Module]:
+    """Name -> module of each self-attention of the skeleton (the family's ``self_attention`` patterns)."""
+    patterns = config.family.self_attention
+    return {name: part for name, part in module.named_modules()
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)}
+
+
+def attention_modules(module: nn.Module) -> dict[str, nn.Module]:
+    """Name -> module of every attention module of the skeleton (diffusers' attention classes: a processor)."""
+    return {name: part for name, part in module.named_modules()
+            if hasattr(part, "set_processor") and getattr(part, "processor", None) is not None}
+
+
+def refusal(config: Any, sequence_parallel: bool = False) -> str | None:
+    """Why ``config.attention`` cannot be installed on this family's preset, or None."""
+    family, name = config.family, config.attention
+    who = f"attention={name}: the {family.name} family"
+    if name != "vsa":
+        return None
+    if not family.self_attention:
+        return f"{who} declares no self-attention over the video tokens to run VSA on"
+    if family.vsa_refusal is not None:
+        return f"{who} cannot run VSA: {family.vsa_refusal}"
+    if sequence_parallel:
+        return f"{who} runs VSA in one sequence-parallel rank only in fvx (run with --sp 1)"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------- install
+
+
+def add_gates(config: Any, module: nn.Module) -> None:
+    """``vsa``: a ``to_gate_compress`` Linear(dim, dim) on each self-attention's block (on meta, like the skeleton)."""
+    for name, attn in self_attention_modules(config, module).items():
+        block = module.get_submodule(name.rpartition(".")[0])
+        query = attn.to_q if hasattr(attn, "to_q") else attn.to_query
+        block.add_module(GATE, nn.Linear(query.in_features, query.out_features, device="meta"))
+
+
+def gate_names(config: Any, module: nn.Module) -> tuple[str, ...]:
+    """The gate params ``vsa`` adds (a dense folder lacks them: loaded as zeros)."""
+    if config.attention != "vsa":
+        return ()
+    blocks = [name.rpartition(".")[0] for name in self_attention_modules(config, module)]
+    return tuple(f"{block}.{GATE}.{part}" for block in blocks for part in ("weight", "bias"))
+
+
+def zero_gates(config: Any, module: nn.Module) -> dict[str, Callable[[Any], torch.Tensor]]:
+    """Gate name -> its zeros, made from the loaded (or drawn) params: a dense model starts as itself."""
+    shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
+    return {name: functools.partial(_zeros, shapes[name]) for name in gate_names(config, module)}
+
+
+def _zeros(shape: tuple[int, ...], params: Any) -> torch.Tensor:
+    return torch.zeros(shape)
+
+
+def install(config: Any, module: nn.Module) -> Runtime:
+    """Wrap the skeleton's attention processors with ``config.attention``'s kernel (module docstring; after sequence
+    parallelism's processors, before units are routed); the returned runtime is what those kernels read."""
+    name = config.attention
+    runtime = Runtime(name, schedule=functools.partial(_scheduled, config.vsa), target=config.vsa.sparsity) \
+        if name == "vsa" else Runtime(name)
+    if name == "sdpa":
+        return runtime
+    route_native_backend()
+    targets = self_attention_modules(config, module) if name == "vsa" else attention_modules(module)
+    for path, attn in targets.items():
+        gate = module.get_submodule(path.rpartition(".")[0]).get_submodule(GATE) if name == "vsa" else None
+        attn.set_processor(wrapped(attn.processor, functools.partial(_kernel_for, config, runtime, gate)))
+    return runtime
+
+
+def _scheduled(vsa_config: Any, step: int) -> float:
+    return vsa.sparsity_at(int(step), vsa_config.sparsity, vsa_config.decay_rate, vsa_config.decay_interval_steps)
+
+
+def _kernel_for(config: Any, runtime: Runtime, gate: nn.Module | None, attn: nn.Module,
+                hidden_states: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """The SDPA-shaped kernel of this call."""
+    name = config.attention
+    if name == "vsa":
+        return functools.partial(_sparse, config, runtime, gate(hidden_states))
+    if name == "qat":
+        return functools.partial(_quantized, config, runtime)
+    return kernels.plain(name)
+
+
+def _sparse(config: Any, runtime: Runtime, gate: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+            value: torch.Tensor, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
+            scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    """VSA over this forward's token grid; the gate ``[B, L, dim]`` split into the query's heads."""
+    if attn_mask is not None or is_causal or dropout_p:
+        raise ValueError(f"{config.family.name}: attention=vsa takes unmasked self-attention (a mask was given)")
+    tokens = query.shape[-2]
+    if runtime.grid is None or tokens != runtime.grid[0] * runtime.grid[1] * runtime.grid[2]:
+        raise ValueError(f"{config.family.name}: attention=vsa: the self-attention runs over {tokens} tokens, not "
+                         f"the video grid {runtime.grid}")
+    heads = query.shape[1]
+    gate = gate.unflatten(-1, (heads, -1)).transpose(1, 2).to(query.dtype)
+    return vsa.sparse_attention(query, key, value, runtime.grid, runtime.sparsity, gate=gate, scale=scale,
+                                implementation=vsa_implementation(config.vsa.implementation, query.device))
+
+
+def _quantized(config: Any, runtime: Runtime, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+               enable_gqa: bool = False) -> torch.Tensor:
+    """Fake-quantized attention (a training step, or validation in its training form), or the inference kernel."""
+    if dropout_p or is_causal:
+        raise ValueError(f"{config.family.name}: attention=qat takes no dropout or causal flag")
+    if config.qat.validation == "infer" and not runtime.in_step:
+        return qat.qat_attention_infer(query, key, value, scale=scale)
+    if qat_implementation(config.qat.implementation, query.device) == "kernel":
+        if attn_mask is not None:
+            raise ValueError(f"{config.family.name}: qat.implementation=kernel takes no attention mask")
+        return qat.qat_attention_kernel(query, key, value, scale=scale)
+    return qat.qat_attention(query, key, value, attn_mask=attn_mask, scale=scale)
+
+
+def vsa_implementation(choice: str, device: torch.device) -> str:
+    """``auto`` -> the CUDA kernel when installed and the tensors are on a GPU, else the reference."""
+    if choice != "auto":
+        return choice
+    return "kernel" if device.type == "cuda" and vsa.kernel_available() is None else "reference"
+
+
+def qat_implementation(choice: str, device: torch.device) -> str:
+    """``auto`` -> the Triton kernel when installed and the tensors are on a GPU, else the reference."""
+    if choice != "auto":
+        return choice
+    return "kernel" if device.type == "cuda" and qat.kernel_available() is None else "reference"
+
+
+def check(config: Any, who: str) -> None:
+    """A ValueError (one line, ``who`` the model's knob prefix) when the kernel, or an implementation it asks for by
+    name, is not usable here; before any weight loads."""
+    kernels.check(config.attention, f"{who} attention")
+    if config.attention == "vsa" and config.vsa.implementation == "kernel" and vsa.kernel_available() is not None:
+        raise ValueError(f"{who}.vsa.implementation=kernel: {vsa.kernel_available()}")
+    if config.attention == "qat":
+        if config.qat.implementation == "kernel" and qat.kernel_available() is not None:
+            raise ValueError(f"{who}.qat.implementation=kernel: {qat.kernel_available()}")
+        if config.qat.validation == "infer" and qat.infer_kernel_available() is not None:
+            raise ValueError(f"{who}.qat.validation=infer: {qat.infer_kernel_available()}; use qat.validation=train")
