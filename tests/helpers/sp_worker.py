@@ -68,7 +68,7 @@ def causal_run(attention: str, remat: bool, mesh=None, rank: int = 0, world: int
     """The tiny block-causal Wan's loss and gradients (``family_cases.causal_loss_and_grads``), eager (its compiled
     blocks make a graph per sequence and cache length, slow to build on a CPU; compiled SP units are checked on the
     plain Wan), on this data-parallel rank's rows (and tokens, under SP)."""
-    config = wan_causal.WanCausalConfig(preset="tiny", num_frames_per_block=1, attention=attention, remat=remat)
+    config = wan_causal.WanCausalConfig(preset="tiny", num_frames_per_block=1, block_attention=attention, remat=remat)
     return causal_loss_and_grads(config, mesh, lambda batch: local_rows(batch, mesh, rank, world))
 
 
