@@ -157,7 +157,7 @@ def refusal(config: Any, sequence_parallel: bool = False) -> str | None:
     if family.vsa_refusal is not None:
         return f"{who} cannot run VSA: {family.vsa_refusal}"
     if sequence_parallel:
-        return f"{who} runs VSA in one sequence-parallel rank only in fvx (run with --sp 1)"
+        return f"attention=vsa: fvx runs VSA without sequence parallelism yet; run with --sp 1"
     return None
 
 
