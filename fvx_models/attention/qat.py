@@ -183,6 +183,14 @@ def _import_why(module: str) -> str | None:
     return None
 
 
+def _loaded(available: Callable[[], str | None], module: str, name: str, what: str) -> Callable:
+    """``module.name`` when ``available()`` says it can run, else ImportError (one line)."""
+    why = available()
+    if why is not None:
+        raise ImportError(f"FastVideo's {what} kernel is not available here: {why}")
+    return getattr(importlib.import_module(module), name)
+
+
 def kernel_available() -> str | None:
     """None if FastVideo's Triton Attn-QAT train kernel can run here, else one line why."""
     if not torch.cuda.is_available():
@@ -195,12 +203,8 @@ def qat_attention_kernel(q: Tensor, k: Tensor, v: Tensor, scale: float | None = 
     ``ATTN_QAT_TRAIN`` backend calls it (per-block scales only, single-level P, STE on fake Q/K/V, high-precision O
     for Delta, no K smoothing, not causal); the kernel runs in bf16, so inputs are cast to bf16 (differentiably).
     ImportError (one line) where ``kernel_available()`` says it cannot run."""
-    why = kernel_available()
-    if why is not None:
-        raise ImportError(f"FastVideo's attn_qat_train kernel is not available here: {why}")
-    attention = importlib.import_module(TRAIN_MODULE).attention
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
+    attention = _loaded(kernel_available, TRAIN_MODULE, "attention", "attn_qat_train")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     warp_specialize = torch.cuda.get_device_capability(q.device)[0] not in (10, 12)  # as the backend: off on Blackwell
     out = attention(q.bfloat16().contiguous(), k.bfloat16().contiguous(), v.bfloat16().contiguous(),
                     False,  # is_causal
@@ -233,12 +237,8 @@ def qat_attention_infer(q: Tensor, k: Tensor, v: Tensor, scale: float | None = N
     """FastVideo's NVFP4 inference attention on CUDA ``q, k, v [B, H, L, D]`` -> ``[B, H, L, D]``, called as its
     ``ATTN_QAT_INFER`` backend calls it on sm_120/121 (no mask, not causal). No gradient. ImportError (one line) where
     ``infer_kernel_available()`` says it cannot run."""
-    why = infer_kernel_available()
-    if why is not None:
-        raise ImportError(f"FastVideo's attn_qat_infer kernel is not available here: {why}")
-    sageattn_blackwell = importlib.import_module(INFER_MODULE).sageattn_blackwell
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
+    sageattn_blackwell = _loaded(infer_kernel_available, INFER_MODULE, "sageattn_blackwell", "attn_qat_infer")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = sageattn_blackwell(q.contiguous(), k.contiguous(), v.contiguous(), attn_mask=None, is_causal=False,
                              sm_scale=float(scale))
     return out.to(q.dtype)
