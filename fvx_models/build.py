@@ -47,9 +47,9 @@ class ModelConfig(Config):
     default; False keeps every unit's full params from its forward to its backward, one all-gather per unit and step
     fewer; under remat the backward gathers again either way), and ``lora``: train low-rank adapters on a frozen base
     (``fvx_models.lora``; the base is stored in ``frozen_dtype``) instead of the params. ``attention``: the kernel
-    of the model's self-attention (``fvx_models.attention.kernels``: ``sdpa``, ``math``, ``flex``, ``vsa`` with its
-    ``vsa`` knobs, ``qat`` with its ``qat`` knobs, or an installed kernel of diffusers' dispatcher), per model:
-    roles that share a model share its code."""
+    of the model's attention (``fvx_models.attention``: ``sdpa``, ``math``, ``flex``, ``vsa`` with its ``vsa`` knobs,
+    ``qat`` with its ``qat`` knobs, or an installed kernel of diffusers' dispatcher), per model: roles that share a
+    model share its code."""
 
     family: ClassVar[Family]
 
@@ -68,9 +68,7 @@ class ModelConfig(Config):
 
     def __post_init__(self) -> None:
         self.family.preset(self.preset)
-        if self.attention not in kernels.OWN + kernels.dispatcher_names():
-            raise ValueError(f"attention={self.attention!r} is not an attention kernel; usable here: "
-                             f"{', '.join(kernels.usable())}")
+        kernels.check_known(self.attention)
         for knob, default in (("vsa", VSAConfig()), ("qat", QATConfig())):
             if self.attention != knob and getattr(self, knob) != default:
                 raise ValueError(f"{knob}.* knobs are set but attention={self.attention}; they apply to "
@@ -283,10 +281,7 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
     if config.compile == "model":
         _check_whole_compile(config, mesh)
     sequence = processes.sequence_group(mesh)
-    refusal = attention.refusal(config, sequence_parallel=sequence is not None)
-    if refusal is not None:
-        raise ValueError(f"{who}: {refusal}")
-    attention.check(config, who)
+    attention.check(config, who, sequence_parallel=sequence is not None)
     module = skeleton(config)
     plain, adapted = module, ()
     if config.lora is not None:
@@ -320,7 +315,7 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
     spec = dict(family.cond_spec(config))
     image = frozenset(family.image_cond & set(spec))
     placed = functools.partial(place, mesh=mesh, layout=layout)
-    derived = {**family.derived(config), **attention.zero_gates(config, plain)}
+    derived = {**family.derived(config), **attention.zero_gates(plain)}
 
     def drawn(key: torch.Tensor) -> Params:
         params = init_params(plain, key, family.init_rules, family.name)

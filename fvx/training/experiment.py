@@ -149,18 +149,18 @@ def check_attention_roles(config: Experiment, roles: Mapping[str, str], first: s
                           f"method.roles.{others[0]}=<name>)")
 
 
-def in_attention_steps(step_: Callable, models: Mapping[str, Any], student: str | None = None) -> Callable:
+def in_attention_steps(step_: Callable, models: Mapping[str, Any], student: str) -> Callable:
     """``step_`` run within every model's ``attention_step(state.step)`` (each model once): VSA's scheduled
     sparsity and QAT's training form hold in training steps only, and replay recomputes them from the step. The
     ``student`` role's sparsity, when its model runs VSA, is logged as ``vsa_sparsity`` (FastVideo's name)."""
     entered = list(dict.fromkeys(model.attention_step for model in models.values()))
-    logged = None if student is None else models[student].attention_step
+    logged = models[student].attention_step
 
     def step(state: TrainState, frozen: Any, batch: Any):
         with contextlib.ExitStack() as stack:
             sparsity = {enter: stack.enter_context(enter(int(state.step))) for enter in entered}
             state, metrics = step_(state, frozen, batch)
-        if logged is not None and sparsity[logged] is not None:
+        if sparsity[logged] is not None:
             metrics = {**metrics, "vsa_sparsity": torch.tensor(sparsity[logged])}
         return state, metrics
     return step

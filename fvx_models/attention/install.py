@@ -157,7 +157,7 @@ def refusal(config: Any, sequence_parallel: bool = False) -> str | None:
     if family.vsa_refusal is not None:
         return f"{who} cannot run VSA: {family.vsa_refusal}"
     if sequence_parallel:
-        return f"attention=vsa: fvx runs VSA without sequence parallelism yet; run with --sp 1"
+        return "attention=vsa: fvx runs VSA without sequence parallelism yet; run with --sp 1"
     return None
 
 
@@ -172,18 +172,11 @@ def add_gates(config: Any, module: nn.Module) -> None:
         block.add_module(GATE, nn.Linear(query.in_features, query.out_features, device="meta"))
 
 
-def gate_names(config: Any, module: nn.Module) -> tuple[str, ...]:
-    """The gate params ``vsa`` adds (a dense folder lacks them: loaded as zeros)."""
-    if config.attention != "vsa":
-        return ()
-    blocks = [name.rpartition(".")[0] for name in self_attention_modules(config, module)]
-    return tuple(f"{block}.{GATE}.{part}" for block in blocks for part in ("weight", "bias"))
-
-
-def zero_gates(config: Any, module: nn.Module) -> dict[str, Callable[[Any], torch.Tensor]]:
-    """Gate name -> its zeros, made from the loaded (or drawn) params: a dense model starts as itself."""
-    shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
-    return {name: functools.partial(_zeros, shapes[name]) for name in gate_names(config, module)}
+def zero_gates(module: nn.Module) -> dict[str, Callable[[Any], torch.Tensor]]:
+    """The skeleton's VSA gate params (:func:`add_gates`) -> their zeros, whatever the other params: a dense folder
+    lacks them, and a dense model starts as itself."""
+    return {name: functools.partial(_zeros, tuple(p.shape)) for name, p in module.named_parameters()
+            if f".{GATE}." in name}
 
 
 def _zeros(shape: tuple[int, ...], params: Any) -> torch.Tensor:
@@ -266,14 +259,17 @@ def qat_implementation(choice: str, device: torch.device) -> str:
     return "kernel" if device.type == "cuda" and qat.kernel_available() is None else "reference"
 
 
-def check(config: Any, who: str) -> None:
-    """A ValueError (one line, ``who`` the model's knob prefix) when the kernel, or an implementation it asks for by
-    name, is not usable here; before any weight loads."""
+def check(config: Any, who: str, sequence_parallel: bool = False) -> None:
+    """A ValueError (one line, ``who`` the model) when the kernel cannot be installed on this family (:func:`refusal`)
+    or is not usable here, or an implementation it asks for by name is not; before any weight loads."""
+    why = refusal(config, sequence_parallel)
+    if why is not None:
+        raise ValueError(f"{who}: {why}")
     kernels.check(config.attention, f"{who} attention")
     if config.attention == "vsa" and config.vsa.implementation == "kernel" and vsa.kernel_available() is not None:
-        raise ValueError(f"{who}.vsa.implementation=kernel: {vsa.kernel_available()}")
+        raise ValueError(f"{who} vsa.implementation=kernel: {vsa.kernel_available()}")
     if config.attention == "qat":
         if config.qat.implementation == "kernel" and qat.kernel_available() is not None:
-            raise ValueError(f"{who}.qat.implementation=kernel: {qat.kernel_available()}")
+            raise ValueError(f"{who} qat.implementation=kernel: {qat.kernel_available()}")
         if config.qat.validation == "infer" and qat.infer_kernel_available() is not None:
-            raise ValueError(f"{who}.qat.validation=infer: {qat.infer_kernel_available()}; use qat.validation=train")
+            raise ValueError(f"{who} qat.validation=infer: {qat.infer_kernel_available()}; use qat.validation=train")

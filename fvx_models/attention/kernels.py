@@ -35,8 +35,6 @@ def unusable(name: str) -> str | None:
     """Why kernel ``name`` cannot run on this machine, or None when it can."""
     if name in OWN:
         return None
-    if name not in dispatcher_names():
-        return "unknown"
     if not torch.cuda.is_available():
         return "needs a CUDA device"
     from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
@@ -52,11 +50,15 @@ def usable() -> tuple[str, ...]:
     return OWN + tuple(name for name in dispatcher_names() if unusable(name) is None)
 
 
+def check_known(name: str) -> None:
+    """A ValueError unless ``name`` is one of fvx's kernels or of diffusers' dispatcher (usable here or not)."""
+    if name not in OWN + dispatcher_names():
+        raise ValueError(f"attention={name!r} is not an attention kernel; usable here: {', '.join(usable())}")
+
+
 def check(name: str, who: str) -> None:
-    """A ValueError naming ``who`` (the knob) unless kernel ``name`` is known and usable here."""
+    """A ValueError naming ``who`` (the knob) unless the known kernel ``name`` is usable here."""
     why = unusable(name)
-    if why == "unknown":
-        raise ValueError(f"{who}={name!r} is not an attention kernel; usable here: {', '.join(usable())}")
     if why is not None:
         raise ValueError(f"{who}={name}: diffusers' {name} kernel is not usable here ({why}); usable here: "
                          f"{', '.join(usable())}")

@@ -92,7 +92,7 @@ def test_gradients_reach_the_gates_and_the_export_keeps_them(dense_folder, tmp_p
     assert sorted(info["unexpected_keys"]) == sorted(name for name in trained if install.GATE in name)
 
 
-def test_vsa_refuses_a_sequence_that_is_not_the_grid_and_an_unavailable_kernel():
+def test_kernels_this_machine_cannot_run_are_refused_at_build():
     if torch.cuda.is_available():
         pytest.skip("the kernel may be installed")
     with pytest.raises(ValueError, match="vsa.implementation=kernel: fastvideo-kernel's VSA kernel needs a CUDA"):

@@ -13,10 +13,10 @@ from fvx_models.wan_causal import WanCausalConfig
 from family_cases import CASES, FAMILIES, inputs  # noqa: E402
 
 
-def velocity(config, attention, key=0):
+def velocity(config, attention):
     model = msgspec.structs.replace(config, attention=attention).build()
     params = model.init(random.key(0))
-    x, t, cond = inputs(model, random.key(1 + key))
+    x, t, cond = inputs(model, random.key(1))
     with torch.no_grad():
         return model.apply(params, x, t, cond)
 
