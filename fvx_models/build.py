@@ -177,6 +177,10 @@ def place(params: Params, *, mesh: Any, layout: sharding.Layout | None,
 
 
 def _check_inputs(who: str, config: ModelConfig, spec: fcond.Spec, x_t: Any, t: Any, cond: Any) -> None:
+    modalities = config.family.trained(config)
+    if len(modalities) > 1:
+        _check_joint(who, config, modalities, x_t, t)
+        x_t, t = x_t["video"], t["video"]
     preset = config.spec
     channels, patch = preset.latents.channels, _patch(config)
     if not (isinstance(x_t, torch.Tensor) and x_t.dim() == 5 and x_t.shape[1] == channels
@@ -191,6 +195,25 @@ def _check_inputs(who: str, config: ModelConfig, spec: fcond.Spec, x_t: Any, t: 
         what = "one timestep per sample" + (f", or [{batch}, {frames}]: one per latent frame" if len(shapes) > 1 else "")
         raise ValueError(f"{who} apply: t must be a tensor of shape [{batch}] ({what}), got {got}")
     fcond.check(cond, spec, who, batch=batch)
+
+
+def _check_joint(who: str, config: ModelConfig, modalities: tuple[str, ...], x_t: Any, t: Any) -> None:
+    """A ValueError unless a joint model's ``x_t`` and ``t`` are dicts keyed by its modalities, each modality's
+    latents ``[B, C, ...]`` of its channels and ``t`` ``[B]`` each."""
+    for name, value in (("x_t", x_t), ("t", t)):
+        if not (isinstance(value, Mapping) and set(value) == set(modalities)):
+            got = sorted(value) if isinstance(value, Mapping) else type(value).__name__
+            raise ValueError(f"{who} apply: {name} of a joint model must be a dict keyed by {list(modalities)}, "
+                             f"got {got}")
+    batch = x_t["video"].shape[0] if isinstance(x_t["video"], torch.Tensor) else None
+    for modality in modalities[1:]:
+        latents, channels = x_t[modality], config.family.modalities[modality].latents(config).channels
+        if not (isinstance(latents, torch.Tensor) and latents.dim() >= 3 and latents.shape[0] == batch
+                and latents.shape[1] == channels):
+            got = tuple(latents.shape) if isinstance(latents, torch.Tensor) else type(latents).__name__
+            raise ValueError(f"{who} apply: x_t[{modality!r}] must be [{batch}, {channels}, ...], got {got}")
+        if not (isinstance(t[modality], torch.Tensor) and tuple(t[modality].shape) == (batch,)):
+            raise ValueError(f"{who} apply: t[{modality!r}] must be a tensor of shape [{batch}]")
 
 
 def _patch(config: ModelConfig) -> tuple[int, int, int]:
@@ -226,12 +249,13 @@ def apply(config: ModelConfig, module: nn.Module, spec: fcond.Spec, params: Para
         raise ValueError(f"{family.name} apply: r must have t's shape {tuple(t.shape)}, got "
                          f"{tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__}")
     dtype = DTYPES[config.compute_dtype]
-    x, t, cond = layouts.to_native(x_t.to(dtype), family.layout), t.to(torch.float32), fcond.to(cond, dtype=dtype)
+    x, t, cond = native(x_t, family.layout, dtype), tree.map_tensors(_fp32, t), fcond.to(cond, dtype=dtype)
     kwargs = family.inputs(config, x, t, cond, gathers is not None)
     if config.two_time:
         kwargs = family.with_r(config, kwargs, x, t if r is None else r.to(torch.float32))
-    buffers = {name: b.to(x_t.device) for name, b in module.named_buffers()}
-    runtime.grid = tuple(size // p for size, p in zip(x_t.shape[2:], _patch(config)))
+    video = x_t["video"] if isinstance(x_t, Mapping) else x_t
+    buffers = {name: b.to(video.device) for name, b in module.named_buffers()}
+    runtime.grid = tuple(size // p for size, p in zip(video.shape[2:], _patch(config)))
     with (contextlib.nullcontext() if family.bind is None else family.bind(module, call),
           runtime.dense() if dense else contextlib.nullcontext()):
         if gathers is not None:
@@ -243,19 +267,36 @@ def apply(config: ModelConfig, module: nn.Module, spec: fcond.Spec, params: Para
     return velocity(config, out, x, t, cond)
 
 
-def velocity(config: ModelConfig, out: Any, x: torch.Tensor, t: torch.Tensor,
-             cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def velocity(config: ModelConfig, out: Any, x: Any, t: Any, cond: Mapping[str, torch.Tensor]) -> Any:
     """The DiT's output ``out`` for the input ``x`` (in the family's layout) at ``t`` under ``cond`` as the fp32 flow
-    velocity ``[B, C, T, H, W]``: the family's output conversion, then its layout undone."""
+    velocity ``[B, C, T, H, W]``: the family's output conversion, then its layout undone (a joint model's: a dict
+    keyed by modality, the video's layout undone)."""
     family = config.family
-    return layouts.to_canonical(family.output(config, out, x, t, cond), family.layout).float()
+    v = family.output(config, out, x, t, cond)
+    if isinstance(v, Mapping):
+        return {name: (layouts.to_canonical(part, family.layout) if name == "video" else part).float()
+                for name, part in v.items()}
+    return layouts.to_canonical(v, family.layout).float()
 
 
-def native_inputs(config: ModelConfig, x_t: torch.Tensor, t: torch.Tensor,
-                  cond: Mapping[str, torch.Tensor]) -> tuple[dict[str, Any], torch.Tensor]:
+def native(x_t: Any, layout: str, dtype: torch.dtype | None = None) -> Any:
+    """``x_t`` (``[B, C, T, H, W]``, or a joint model's dict keyed by modality) in the family's ``layout`` (the
+    video's; other modalities as they are), cast to ``dtype`` when given."""
+    cast = (lambda x: x) if dtype is None else (lambda x: x.to(dtype))  # noqa: E731
+    if isinstance(x_t, Mapping):
+        return {name: layouts.to_native(cast(x), layout) if name == "video" else cast(x) for name, x in x_t.items()}
+    return layouts.to_native(cast(x_t), layout)
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32)
+
+
+def native_inputs(config: ModelConfig, x_t: Any, t: Any,
+                  cond: Mapping[str, torch.Tensor]) -> tuple[dict[str, Any], Any]:
     """The DiT's keyword arguments for ``(x_t, t, cond)`` as :func:`apply` makes them (unsharded, no casts), and
     ``x_t`` in the family's layout (what :func:`velocity` takes): to call the diffusers module directly."""
-    x = layouts.to_native(x_t, config.family.layout)
+    x = native(x_t, config.family.layout)
     return config.family.inputs(config, x, t, cond, False), x
 
 
@@ -284,16 +325,18 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
     attention.check(config, who, sequence_parallel=sequence is not None)
     module = skeleton(config)
     plain, adapted = module, ()
+    modalities = family.trained(config)
     if config.lora is not None:
         plain = copy.deepcopy(module)
-        adapted = flora.install(module, config.lora, who)
+        adapted = flora.install(module, config.lora, who, functools.partial(_owner_untrained, family, modalities))
     if sequence is not None:
         sequence_parallel(config, module, sequence)
     runtime = attention.install(config, module)
     groups = unit_groups(family, module)
     shapes = dfolder.param_shapes(module)
     architecture = tuple(dfolder.param_shapes(plain))
-    unused = family.unused(config)
+    unused = family.unused(config) | frozenset(name for name in architecture if _owner_untrained(family, modalities,
+                                                                                                 name))
     trained = (frozenset(flora.adapter_names(adapted)) if adapted
                else frozenset(name for name in architecture if not (config.frozen(name) or name in unused)))
     held = tuple(name for name in architecture if name not in trained)  # what a trained role holds frozen
@@ -416,11 +459,28 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
         latent_rule=functools.partial(family.latent_rule, config),
         cfg_dropout_refusal=family.cfg_dropout_refusal,
         attention=config.attention,
+        modalities={} if len(modalities) == 1 else {name: preset.latents if name == "video" else
+                                                    family.modalities[name].latents(config) for name in modalities},
+        sigma_sampler=None if family.sigma_sampler is None else functools.partial(family.sigma_sampler, config),
+        one_sample=family.one_sample,
+        joint_sigmas=None if len(modalities) == 1 else functools.partial(_joint_sigmas, config, modalities),
         attention_step=runtime.step,
         dense_apply=functools.partial(bound_apply, dense=True) if config.attention == "vsa" else None,
         forward_ad_refusal=None if config.attention in kernels.FORWARD_AD else
         f"attention={config.attention} has no forward-mode derivatives (math and sdpa have)",
     )
+
+
+def _joint_sigmas(config: ModelConfig, modalities: tuple[str, ...], levels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each modality's levels at the shared ``levels``: the family's ``joint_sigmas``, else the shared ones."""
+    if config.family.joint_sigmas is None:
+        return {name: levels for name in modalities}
+    return config.family.joint_sigmas(config, levels)
+
+
+def _owner_untrained(family: Family, trained: tuple[str, ...], name: str) -> bool:
+    """Whether param ``name`` belongs to a modality the model does not train (held frozen, as unused params are)."""
+    return any(modality.owns(name) for key, modality in family.modalities.items() if key not in trained)
 
 
 def _load_cond(spec: fcond.Spec, family: Family, image: frozenset[str], path: str, *,
@@ -431,9 +491,22 @@ def _load_cond(spec: fcond.Spec, family: Family, image: frozenset[str], path: st
 
 
 def _model_batch(config: ModelConfig, spec: fcond.Spec, raw: Mapping[str, Any]) -> dict[str, Any]:
-    """A data batch as methods see it: the family's ``cond`` in place of the data entries it is made from."""
+    """A data batch as methods see it: the family's ``cond`` in place of the data entries it is made from; a joint
+    model's ``latents`` a dict of the data's ``latents`` (video) and ``<modality>_latents`` (a ValueError names a
+    missing one)."""
     family = config.family
     cond = family.cond_from_batch(config, raw)
     fcond.check(cond, spec, family.name, where="the batch's cond")
-    return {**{key: value for key, value in raw.items() if key not in family.data_keys}, "cond": cond}
+    batch = {**{key: value for key, value in raw.items() if key not in family.data_keys}, "cond": cond}
+    modalities = family.trained(config)
+    if len(modalities) > 1 and "latents" in raw:
+        others = tuple(f"{name}_latents" for name in modalities[1:])
+        for key in others:
+            if key not in raw:
+                raise ValueError(f"{family.name} trains {' and '.join(modalities)} together and needs the batch "
+                                 f"tensor {key!r}, but the data has none (t2va data: data.kind=t2va)")
+        batch["latents"] = {"video": raw["latents"], **{name: raw[key] for name, key in zip(modalities[1:], others)}}
+        for key in others:
+            del batch[key]
+    return batch
 

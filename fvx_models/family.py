@@ -43,6 +43,16 @@ class Preset:
 
 
 @dataclasses.dataclass(frozen=True)
+class Modality:
+    """A modality a DiT denoises beside the video (audio): ``latents(config)``, its latent space (the latents of one
+    sample ``[C, ...]``: MiniMax-H3's audio ``[2, 32, A]``), and ``owns(name)``, whether a param belongs to it (its
+    branch: frozen when the modality is not trained)."""
+
+    latents: Callable[[Any], LatentSpace]
+    owns: Callable[[str], bool]
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
     """The spec of a model family (module docstring). Callables take the family's config (a
     ``fvx_models.build.ModelConfig``), whose ``preset`` names one of ``presets``.
@@ -67,7 +77,8 @@ class Family:
                                          laid out as the input ``x`` (it sees the inputs: a token sequence unflattened
                                          to ``x``'s shape, an x0 prediction turned into ``(x - x0) / sigma``, a given
                                          first frame's exact velocity); default ``out[0]``
-    latent_rule(config, shape) -> why    why latents of ``shape`` ``[B, C, T, H, W]`` do not fit the model beyond
+    latent_rule(config, shape) -> why    why latents of ``shape`` ``[B, C, T, H, W]`` (a joint model's: a dict of
+                                         shapes keyed by modality) do not fit the model beyond
                                          channels and patch divisibility (a trained resolution range), or None
     cfg_dropout_refusal                  why the family refuses training data with CFG dropout (``data.cfg_rate``), or
                                          None
@@ -109,6 +120,22 @@ class Family:
                                          other kernels run in every attention module)
     vsa_refusal                          why the family's self-attention cannot run VSA (its sequence is not exactly
                                          the video grid's tokens in (t, h, w) order), or None
+    modalities                           what the DiT denoises beside the video (``"audio"``: :class:`Modality`): its
+                                         latent space and the params that belong to it; {} for a video-only DiT
+    trained_modalities(config) -> names  the modalities a model of ``config`` trains ("video" and those of
+                                         ``modalities`` it trains): more than one makes a joint model, whose
+                                         ``inputs`` and ``output`` take and give dicts keyed by modality; the params
+                                         of a modality left out are held frozen as ``unused`` params are (LTX-2's
+                                         audio branch)
+    sigma_sampler(config, keys, x0) -> (sigma, t)   the family's own training noise levels (one per sample from
+                                         per-sample keys ``[B, 2]``; dicts keyed by modality for a joint model),
+                                         replacing a method's timestep density (LTX-2's shifted logit-normal,
+                                         MiniMax-H3's coupled draws); None: the method's
+    one_sample                           why a forward takes one sample (MiniMax-H3's packed sequence has no batch
+                                         axis), or None
+    joint_sigmas(config, levels) -> {modality: levels}   the level each modality of a joint model is at when the
+                                         shared clock is at ``levels`` (MiniMax-H3's per-modality shifts): how
+                                         validation samples it; None: every modality at the shared levels
     """
 
     name: str
@@ -144,9 +171,18 @@ class Family:
     derived: Callable[[Any], Mapping[str, Callable[[Mapping[str, Any]], Any]]] = lambda config: {}
     self_attention: tuple[str, ...] = ()
     vsa_refusal: str | None = None
+    modalities: Mapping[str, Modality] = dataclasses.field(default_factory=dict)
+    trained_modalities: Callable[[Any], tuple[str, ...]] | None = None
+    sigma_sampler: Callable[[Any, torch.Tensor, Any], tuple[Any, Any]] | None = None
+    joint_sigmas: Callable[[Any, torch.Tensor], dict[str, torch.Tensor]] | None = None
+    one_sample: str | None = None
 
     def __post_init__(self) -> None:
         layouts.check(self.layout, f"family {self.name}")
+
+    def trained(self, config: Any) -> tuple[str, ...]:
+        """The modalities a model of ``config`` trains: ``trained_modalities``, by default video and every other."""
+        return ("video", *self.modalities) if self.trained_modalities is None else self.trained_modalities(config)
 
     def preset(self, name: str) -> Preset:
         if name not in self.presets:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import zlib
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import Annotated, Any, Callable, Literal, NamedTuple
 
 import msgspec
 import torch
@@ -64,11 +64,14 @@ class Adapters(NamedTuple):
     family: Any
 
 
-def targets(module: nn.Module, config: LoRAConfig, who: str) -> dict[str, nn.Linear]:
-    """The linear layers ``config`` adapts, by name; a ValueError lists some module names when none matches, or
-    names a target narrower than the rank."""
+def targets(module: nn.Module, config: LoRAConfig, who: str,
+            frozen: Callable[[str], bool] = lambda name: False) -> dict[str, nn.Linear]:
+    """The linear layers ``config`` adapts, by name, but those ``frozen`` names (a branch the model does not train:
+    LTX-2's audio); a ValueError lists some module names when none matches, or names a target narrower than the
+    rank."""
     found = {name: part for name, part in module.named_modules()
-             if isinstance(part, nn.Linear) and any(pattern in name for pattern in config.target_modules)}
+             if isinstance(part, nn.Linear) and any(pattern in name for pattern in config.target_modules)
+             and not frozen(f"{name}.weight")}
     if not found:
         linears = [name for name, part in module.named_modules() if isinstance(part, nn.Linear)]
         raise ValueError(f"{who} lora.target_modules {list(config.target_modules)} match no linear layer; some of "
@@ -86,10 +89,11 @@ def _examples(names: list[str]) -> list[str]:
     return list(seen)[:12]
 
 
-def install(module: nn.Module, config: LoRAConfig, who: str) -> tuple[str, ...]:
-    """Add the adapters to ``module``'s targets, on meta, with the forward hook adding their path (module
-    docstring); returns the adapted module names."""
-    found = targets(module, config, who)
+def install(module: nn.Module, config: LoRAConfig, who: str,
+            frozen: Callable[[str], bool] = lambda name: False) -> tuple[str, ...]:
+    """Add the adapters to ``module``'s targets (but ``frozen`` params' layers), on meta, with the forward hook adding
+    their path (module docstring); returns the adapted module names."""
+    found = targets(module, config, who, frozen)
     for linear in found.values():
         with torch.device("meta"):
             linear.lora_A = nn.Linear(linear.in_features, config.rank, bias=False)

@@ -23,8 +23,9 @@ Cond = Mapping[str, torch.Tensor]  # the family's conditioning tensors, each wit
 class LatentSpace(NamedTuple):
     """The VAE latents a model denoises: ``channels``, and how VAE latents map to the DiT's input scale,
     ``normalize(x) = ((x - mean_c) / std_c) * scale`` (per-channel statistics as Wan's VAEs, or a scalar scaling
-    factor as HunyuanVideo's; None: 0 and 1). ``vae_stride`` is the VAE's (time, height, width) compression and
-    ``vae`` names the VAE, for messages. Two models can share a batch only when their latent spaces are equal."""
+    factor as HunyuanVideo's; None: 0 and 1; channels are dim 1 of video ``[B, C, T, H, W]`` and audio
+    ``[B, C, F, A]`` latents alike). ``vae_stride`` is the VAE's (time, height, width) compression and ``vae`` names the
+    VAE, for messages. Two models can share a batch only when their latent spaces are equal."""
 
     channels: int
     mean: tuple[float, ...] | None = None
@@ -57,7 +58,7 @@ class LatentSpace(NamedTuple):
 
     @staticmethod
     def _stats(values: tuple[float, ...], like: torch.Tensor) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=like.device).view(1, -1, 1, 1, 1)
+        return torch.tensor(values, dtype=torch.float32, device=like.device).view(1, -1, *(1,) * (like.dim() - 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +167,16 @@ class Model:
     dense_apply                     a VSA model's ``apply`` in the dense view (sparsity 0, its gate kept), what
                                     FastVideo's critic and teacher see; None for other kernels (see :meth:`dense`)
     forward_ad_refusal              why ``apply`` has no forward-mode derivatives (its attention kernel), or None
+    modalities                      a joint model's modalities -> latent space (``"video"`` first, ``latents``;
+                                    ``"audio"``: latents ``[B, C, F, A]``); {} for a video model. A joint model's
+                                    ``apply`` takes ``x_t`` and ``t`` as dicts keyed by modality and returns one
+                                    fp32 velocity per modality; its batch's ``latents`` are such a dict
+    sigma_sampler(keys, x0) -> (sigma, t)   the model's own training noise levels from per-sample keys ``[B, 2]``
+                                    (dicts keyed by modality for a joint model), which replace a method's timestep
+                                    density; None: the method's
+    joint_sigmas(levels) -> {modality: levels}   a joint model's per-modality levels ``[K]`` at the shared clock's
+                                    ``levels`` ``[K]``, what its samplers step along (``flow.euler_sample``)
+    one_sample                      why ``apply`` takes one sample at a time (MiniMax-H3), or None
     """
 
     name: str
@@ -194,6 +205,10 @@ class Model:
     latent_rule: Callable[[tuple[int, ...]], str | None] = lambda shape: None
     cfg_dropout_refusal: str | None = None
     attention: str = "sdpa"
+    modalities: Mapping[str, LatentSpace] = dataclasses.field(default_factory=dict)
+    sigma_sampler: Callable[[torch.Tensor, Any], tuple[Any, Any]] | None = None
+    joint_sigmas: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None
+    one_sample: str | None = None
     attention_step: Callable[[int], ContextManager] = lambda step: contextlib.nullcontext()
     dense_apply: Callable[..., torch.Tensor] | None = None
     forward_ad_refusal: str | None = None
@@ -208,10 +223,20 @@ class Model:
     def latent_channels(self) -> int:
         return self.latents.channels
 
-    def normalize(self, latents: torch.Tensor) -> torch.Tensor:
+    @property
+    def joint(self) -> bool:
+        """Whether the model denoises more than one modality (``modalities``)."""
+        return bool(self.modalities)
+
+    def normalize(self, latents: Any) -> Any:
+        """VAE latents -> the DiT's input scale (a joint model's dict, modality by modality)."""
+        if isinstance(latents, Mapping):
+            return {name: self.modalities[name].normalize(x) for name, x in latents.items()}
         return self.latents.normalize(latents)
 
-    def denormalize(self, latents: torch.Tensor) -> torch.Tensor:
+    def denormalize(self, latents: Any) -> Any:
+        if isinstance(latents, Mapping):
+            return {name: self.modalities[name].denormalize(x) for name, x in latents.items()}
         return self.latents.denormalize(latents)
 
     def load_negative(self, path: str, where: str) -> dict[str, torch.Tensor]:
@@ -222,8 +247,19 @@ class Model:
             raise ValueError(f"{where} {path!r} holds {count} prompts; a negative prompt is one")
         return cond
 
-    def check_latents(self, shape: tuple[int, ...], where: str = "latents") -> None:
-        """Raise a ValueError naming both shapes unless ``shape`` is ``[B, C, T, H, W]`` that this model accepts."""
+    def check_latents(self, shape: Any, where: str = "latents") -> None:
+        """Raise a ValueError naming both shapes unless ``shape`` is ``[B, C, T, H, W]`` that this model accepts (a
+        joint model's: a dict of shapes keyed by its modalities, each modality's ``[B, C, ...]`` of its channels)."""
+        if self.joint:
+            shape = self._joint_shapes(shape, where)
+            self._check_video(shape["video"], f"{where}['video']")
+        else:
+            self._check_video(tuple(shape), where)
+        why = self.latent_rule(shape)
+        if why is not None:
+            raise ValueError(f"{where} of shape {shape} do not fit model {self.name}: {why}")
+
+    def _check_video(self, shape: tuple[int, ...], where: str) -> None:
         ok = (
             len(shape) == 5
             and shape[1] == self.latents.channels
@@ -234,9 +270,22 @@ class Model:
                 f"{where} of shape {tuple(shape)} do not fit model {self.name}: it takes [B, C, T, H, W] with "
                 f"C = {self.latents.channels} and T, H, W divisible by the patch size {self.patch_size}"
             )
-        why = self.latent_rule(tuple(shape))
-        if why is not None:
-            raise ValueError(f"{where} of shape {tuple(shape)} do not fit model {self.name}: {why}")
+
+    def _joint_shapes(self, shapes: Any, where: str) -> dict[str, tuple[int, ...]]:
+        """``shapes`` as ``{modality: shape}``; a ValueError unless keyed by the modalities, each beside the first
+        ``[B, C, ...]`` of the video's batch and its channels."""
+        if not (isinstance(shapes, Mapping) and set(shapes) == set(self.modalities)):
+            got = sorted(shapes) if isinstance(shapes, Mapping) else tuple(shapes)
+            raise ValueError(f"{where} of model {self.name} must be latents of {', '.join(self.modalities)} "
+                             f"(it denoises them together), got {got}")
+        shapes = {name: tuple(int(size) for size in shapes[name]) for name in self.modalities}
+        batch = shapes["video"][0] if shapes["video"] else None
+        for name, space in self.modalities.items():
+            shape = shapes[name]
+            if name != "video" and (len(shape) < 3 or shape[0] != batch or shape[1] != space.channels):
+                raise ValueError(f"{where}['{name}'] of shape {shape} do not fit model {self.name}: it takes "
+                                 f"[{batch}, {space.channels}, ...] ({name} latents of the video's samples)")
+        return shapes
 
 
 def check_shared_data(models: Mapping[str, Model], *, data_role: str) -> None:

@@ -4,7 +4,9 @@ Conventions (design §2): a noise level ``sigma`` in [0, 1] mixes data and noise
 ``x_t = (1 - sigma) x0 + sigma eps``; the model predicts the velocity ``v = eps - x0``, so ``x0 = x_t - sigma v``;
 its timestep is ``t = 1000 sigma``.
 Latents are ``[B, C, T, H, W]``; a per-sample ``sigma`` is ``[B]`` (or any shape that broadcasts against the latents,
-e.g. ``[B, 1, T, 1, 1]`` for per-frame levels).
+e.g. ``[B, 1, T, 1, 1]`` for per-frame levels). A joint model's latents, noise, levels and velocities are dicts keyed by
+modality (``{"video": [B, C, T, H, W], "audio": [B, C, F, A]}``, each modality at its own ``sigma``): the noising path,
+its targets and the ODE sampler apply modality by modality (a ``sigma`` that is not a dict applies to every one).
 
 Dtypes: arithmetic runs in at least fp32 (fp64 stays fp64) and results come back in the data inputs' common dtype, so
 bf16 in gives bf16 out. Unlike FastVideo, ``x0_from_velocity`` does not detour through fp64.
@@ -14,7 +16,7 @@ the samplers); the per-step math never reads tensor values on the host, so it co
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -85,6 +87,8 @@ def self_forcing_sigmas(shift: float, n: int, device: torch.device | str | None 
 
 def add_noise(x0: torch.Tensor, noise: torch.Tensor, sigma: Sigma) -> torch.Tensor:
     """``x_t = (1 - sigma) x0 + sigma noise``; ``sigma`` a scalar, ``[B]``, or broadcastable against ``x0``."""
+    if isinstance(x0, Mapping):
+        return _by_modality(add_noise, x0, noise, sigma)
     dtype, compute = _dtypes(x0, noise)
     s = _broadcast(sigma, x0, compute, "sigma")
     return ((1 - s) * x0.to(compute) + s * noise.to(compute)).to(dtype)
@@ -92,12 +96,16 @@ def add_noise(x0: torch.Tensor, noise: torch.Tensor, sigma: Sigma) -> torch.Tens
 
 def velocity_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """The flow-matching regression target ``v = noise - x0`` (independent of sigma)."""
+    if isinstance(x0, Mapping):
+        return _by_modality(velocity_target, x0, noise)
     dtype, compute = _dtypes(x0, noise)
     return (noise.to(compute) - x0.to(compute)).to(dtype)
 
 
 def x0_from_velocity(x_t: torch.Tensor, velocity: torch.Tensor, sigma: Sigma) -> torch.Tensor:
     """The clean sample a velocity implies: ``x0 = x_t - sigma v``."""
+    if isinstance(x_t, Mapping):
+        return _by_modality(x0_from_velocity, x_t, velocity, sigma)
     dtype, compute = _dtypes(x_t, velocity)
     s = _broadcast(sigma, x_t, compute, "sigma")
     return (x_t.to(compute) - s * velocity.to(compute)).to(dtype)
@@ -121,8 +129,11 @@ def cfg(cond: torch.Tensor, uncond: torch.Tensor, guidance_scale: float | torch.
     """Classifier-free guidance ``uncond + g (cond - uncond)``: g = 1 gives ``cond``, g = 0 gives ``uncond``.
 
     FastVideo's legacy trainer, Self-Forcing and CausVid write ``cond + w (cond - uncond)``, which is ``g = w + 1``.
-    Works on velocities and on x0 predictions alike (both are affine in the model output).
+    Works on velocities and on x0 predictions alike (both are affine in the model output), and modality by modality
+    on a joint model's dicts.
     """
+    if isinstance(cond, Mapping):
+        return {name: cfg(part, uncond[name], guidance_scale) for name, part in cond.items()}
     return uncond + guidance_scale * (cond - uncond)
 
 
@@ -180,11 +191,16 @@ def nearest_grid_sigma(grid: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return grid[(timesteps[None, :] - flat).abs().argmin(dim=1)].reshape(t.shape)
 
 
-def per_sample_noise(key: torch.Tensor, sample_index: torch.Tensor, shape: tuple[int, ...],
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def per_sample_noise(key: torch.Tensor, sample_index: torch.Tensor, shape: tuple[int, ...] | Mapping[str, tuple],
+                     device: torch.device) -> tuple[Any, torch.Tensor]:
     """Per-sample keys ``fold_in(key, index)`` split into (noise ``[B, *shape]``, timestep keys ``[B, 2]``): what a
-    flow-matching loss draws for each sample of the global batch, whatever ranks or micro-batches it falls in."""
+    flow-matching loss draws for each sample of the global batch, whatever ranks or micro-batches it falls in. A dict
+    of shapes (a joint model's modalities) draws modality ``i``'s noise from ``fold_in(noise key, i)``."""
     sample_keys = torch.vmap(random.split)(random.fold_in(key, sample_index))
+    if isinstance(shape, Mapping):
+        noise = {name: random.normal_each(torch.vmap(lambda k, i=i: random.fold_in(k, i))(sample_keys[:, 0]), part,
+                                          device=device) for i, (name, part) in enumerate(shape.items())}
+        return noise, sample_keys[:, 1]
     return random.normal_each(sample_keys[:, 0], shape, device=device), sample_keys[:, 1]
 
 
@@ -235,6 +251,8 @@ def euler_sample(apply_fn: ApplyFn, params: Any, noise: torch.Tensor, sigmas: Se
     one model call per nonzero level; the last step lands on sigma 0. The state is carried in fp32; the result has
     ``noise``'s dtype. ``timesteps``: the model's timestep at each level instead of ``1000 sigma`` (as ``sde_sample``).
     """
+    if isinstance(noise, Mapping):
+        return _joint_euler_sample(apply_fn, params, noise, sigmas, cond)
     levels = _schedule(sigmas, noise.device)
     model_t = _model_timesteps(timesteps, sigmas, noise.device)
     x = noise.to(_compute_dtype(noise.dtype))
@@ -243,6 +261,25 @@ def euler_sample(apply_fn: ApplyFn, params: Any, noise: torch.Tensor, sigmas: Se
         v = apply_fn(params, x, t, cond)
         x = x + (levels[i + 1] - levels[i]) * v.to(x.dtype)
     return x.to(noise.dtype)
+
+
+def _joint_euler_sample(apply_fn: ApplyFn, params: Any, noise: Mapping[str, torch.Tensor],
+                        sigmas: Mapping[str, Sequence[float] | torch.Tensor], cond: Any) -> dict[str, torch.Tensor]:
+    """:func:`euler_sample` of a joint model: every modality steps along its own levels ``sigmas[name]`` (as many
+    for each), all in one model call per step."""
+    if not (isinstance(sigmas, Mapping) and set(sigmas) == set(noise)):
+        raise ValueError(f"a joint sample needs one schedule per modality {sorted(noise)}, got "
+                         f"{sorted(sigmas) if isinstance(sigmas, Mapping) else type(sigmas).__name__}")
+    levels = {name: _schedule(sigmas[name], x.device) for name, x in noise.items()}
+    if len({len(part) for part in levels.values()}) != 1:
+        raise ValueError(f"a joint sample's schedules must have one length, got "
+                         f"{ {name: len(part) for name, part in levels.items()} }")
+    x = {name: part.to(_compute_dtype(part.dtype)) for name, part in noise.items()}
+    for i in range(len(next(iter(levels.values()))) - 1):
+        t = {name: _timesteps(levels[name][i], part) for name, part in x.items()}
+        v = apply_fn(params, x, t, cond)
+        x = {name: part + (levels[name][i + 1] - levels[name][i]) * v[name].to(part.dtype) for name, part in x.items()}
+    return {name: part.to(noise[name].dtype) for name, part in x.items()}
 
 
 def sde_sample(apply_fn: ApplyFn, params: Any, noise: torch.Tensor, sigmas: Sequence[float] | torch.Tensor,
@@ -280,6 +317,8 @@ def sample(apply_fn: ApplyFn, params: Any, noise: torch.Tensor, sigmas: Sequence
         raise ValueError(f"unknown sampler {sampler!r}; expected one of {', '.join(map(repr, SAMPLERS))}")
     if sampler == "ode":
         return euler_sample(apply_fn, params, noise, sigmas, cond=cond, timesteps=timesteps)
+    if isinstance(noise, Mapping):
+        raise ValueError("a joint model (latents of several modalities) samples with sampler='ode' only")
     if key is None:
         raise ValueError("sampler='sde' draws fresh noise at every step and needs a key")
     return sde_sample(apply_fn, params, noise, sigmas, key, cond=cond, timesteps=timesteps)
@@ -287,6 +326,17 @@ def sample(apply_fn: ApplyFn, params: Any, noise: torch.Tensor, sigmas: Sequence
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Helpers
+
+
+def _by_modality(fn: Callable[..., Any], x: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tensor],
+                 *sigma: Any) -> dict[str, torch.Tensor]:
+    """``fn`` modality by modality of a joint model's dicts (``sigma``: a dict keyed alike, or one for all)."""
+    if not (isinstance(other, Mapping) and set(other) == set(x)):
+        raise ValueError(f"joint latents keyed {sorted(x)} need their partner keyed alike, got "
+                         f"{sorted(other) if isinstance(other, Mapping) else type(other).__name__}")
+    level = (lambda name: ()) if not sigma else (  # noqa: E731
+        lambda name: (sigma[0][name] if isinstance(sigma[0], Mapping) else sigma[0],))
+    return {name: fn(part, other[name], *level(name)) for name, part in x.items()}
 
 
 def _check_shift(shift: float) -> None:

@@ -6,9 +6,10 @@ slice, plus the global sample index of each row, which methods fold into the ste
 is stateful, so resuming at step ``s`` needs only ``s``. :class:`Prefetcher` computes upcoming batches in a background
 thread so loading overlaps the step.
 
-Parquet layout (FastVideo's ``pyarrow_schema_t2v`` / ``_text_only`` / ``_i2v``): one row per sample; each tensor is
-three columns ``<name>_bytes`` (raw float32 bytes), ``<name>_shape`` (list<int64>) and ``<name>_dtype`` (string). As
-FastVideo's collation does, the bytes are decoded as float32 whatever ``_dtype`` says; the dtype only appears in errors.
+Parquet layout (FastVideo's ``pyarrow_schema_t2v`` / ``_text_only`` / ``_i2v`` / ``_t2va``): one row per sample;
+each tensor is three columns ``<name>_bytes`` (raw float32 bytes), ``<name>_shape`` (list<int64>) and ``<name>_dtype``
+(string). As FastVideo's collation does, the bytes are decoded as float32 whatever ``_dtype`` says; the dtype only
+appears in errors.
 
 Batch dict (torch tensors except ``caption``)::
 
@@ -17,6 +18,10 @@ Batch dict (torch tensors except ``caption``)::
                                             followed by zero frames, normalised: FastVideo stores them so)
     image_embeds [B, N, D] float32         (kind "i2v" when the data has them: clip_feature, the CLIP image
                                             encoder's hidden states; FastVideo writes empty bytes for a model without)
+    audio_latents [B, 2, 32, A] float32    (kind "t2va": audio_latent, the stereo audio VAE's latents [C, F, A] as
+                                            FastVideo's MiniMax-H3 preprocessing stores them; a stored leading 1 is
+                                            dropped; every sample of a batch must have the same length A)
+    audio_sample_rate [B] int64            (kind "t2va", when every file has the column: the waveform's rate, Hz)
     text         [B, text_len, D] float32  (text_embedding, zero-padded or cropped; zeroed for CFG-dropped samples)
     text_mask    [B, text_len] float32     (1 = real token; not changed by CFG dropout)
     cfg_dropped  [B] bool                  (whether CFG dropout blanked the sample's text)
@@ -46,7 +51,7 @@ from fvx.config import Config, validate
 from fvx.core import random, tree
 from fvx.data.toy_world import WorldConfig, WorldDataset, first_frame_only
 
-Kind = Literal["t2v", "text_only", "i2v"]
+Kind = Literal["t2v", "text_only", "i2v", "t2va"]
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 
 # Tensor columns per kind: (parquet tensor name, batch key). Metadata columns follow FastVideo's schemas.
@@ -54,11 +59,12 @@ _TENSORS: dict[str, tuple[tuple[str, str], ...]] = {
     "t2v": (("vae_latent", "latents"), ("text_embedding", "text")),
     "text_only": (("text_embedding", "text"),),
     "i2v": (("vae_latent", "latents"), ("text_embedding", "text"), ("first_frame_latent", "first_frame_latents")),
+    "t2va": (("vae_latent", "latents"), ("audio_latent", "audio_latents"), ("text_embedding", "text")),
 }
 # Tensor columns a kind reads when every file has them and a sample's are not empty (FastVideo's I2V preprocessing
 # writes empty bytes for a model without an image encoder).
 _OPTIONAL_TENSORS: dict[str, tuple[tuple[str, str], ...]] = {"i2v": (("clip_feature", "image_embeds"),)}
-_RANKS = {"latents": 4, "text": 2, "first_frame_latents": 4, "image_embeds": 2}  # dims of each stored tensor
+_RANKS = {"latents": 4, "text": 2, "first_frame_latents": 4, "image_embeds": 2, "audio_latents": 3}  # stored dims
 _METADATA: dict[str, tuple[tuple[str, pa.DataType], ...]] = {
     "t2v": (
         ("file_name", pa.string()), ("caption", pa.string()), ("media_type", pa.string()), ("width", pa.int64()),
@@ -67,11 +73,12 @@ _METADATA: dict[str, tuple[tuple[str, pa.DataType], ...]] = {
     "text_only": (("caption", pa.string()),),
 }
 _METADATA["i2v"] = _METADATA["t2v"]
+_METADATA["t2va"] = _METADATA["t2v"] + (("audio_sample_rate", pa.int64()),)
 
 
 def parquet_schema(kind: Kind) -> pa.Schema:
-    """The arrow schema FastVideo writes for ``kind`` (its ``pyarrow_schema_t2v``, ``_text_only`` or ``_i2v``, less
-    the I2V validation image ``pil_image``, which fvx does not read)."""
+    """The arrow schema FastVideo writes for ``kind`` (its ``pyarrow_schema_t2v``, ``_text_only``, ``_i2v`` or
+    ``_t2va``, less the I2V validation image ``pil_image``, which fvx does not read)."""
     _check_kind(kind)
     fields = [pa.field("id", pa.string())]
     for name, _ in _TENSORS[kind] + _OPTIONAL_TENSORS.get(kind, ()):
@@ -100,13 +107,14 @@ class SyntheticConfig(Config):
     """A synthetic dataset: ``num_samples`` standard-normal latents [C, T, H, W] and texts [text_len, text_dim]; for
     kind "i2v" the first-frame latents are the latents' first frame followed by zeros (as stored: the condition of a
     model whose latents have no statistics to normalise by), and ``image_embeds`` (tokens, width) adds normal image
-    embeddings."""
+    embeddings; kind "t2va" needs ``audio_shape`` (C, F, A), e.g. (2, 32, 8): normal audio latents."""
 
     num_samples: PositiveInt = 64
     latent_shape: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt] = (16, 1, 8, 8)
     text_len: PositiveInt = 8
     text_dim: PositiveInt = 32
     image_embeds: tuple[PositiveInt, PositiveInt] | None = None
+    audio_shape: tuple[PositiveInt, PositiveInt, PositiveInt] | None = None
 
 
 class DataConfig(Config):
@@ -117,7 +125,10 @@ class DataConfig(Config):
     prompt says, latents a codec decodes exactly), else ``synthetic`` (Gaussian noise latents). ``batch_size`` is global
     (summed over ranks). ``text_len`` is the length text embeddings are padded or cropped to. ``cfg_rate``: the fraction
     of samples whose text embedding is zeroed (fixed per dataset index, as FastVideo). ``num_latent_t``: keep the first
-    ``num_latent_t`` latent frames of every sample (FastVideo's ``data.num_latent_t``; None keeps them all).
+    ``num_latent_t`` latent frames of every sample (FastVideo's ``data.num_latent_t``; None keeps them all; audio
+    latents are kept whole). ``kind``: what a sample holds (the module docstring): "t2v" video latents and text,
+    "text_only", "i2v" adds the first frame, "t2va" adds audio latents (parquet, ``synthetic.audio_shape`` or the
+    world's tones).
     ``prefetch``: batches computed ahead in a background thread (0 = synchronous).
     """
 
@@ -169,14 +180,17 @@ class SyntheticDataset:
 
     def __init__(self, config: SyntheticConfig, key: torch.Tensor, *, kind: Kind, collate: Callable[..., dict]):
         _check_kind(kind)
+        if kind == "t2va" and config.audio_shape is None:
+            raise ValueError("data.synthetic.audio_shape must be set, e.g. [2, 32, 8], for data.kind='t2va' "
+                             "(synthetic audio latents [C, F, A])")
         self.config, self.key, self.kind, self._collate = config, key, kind, collate
 
     def __len__(self) -> int:
         return self.config.num_samples
 
     def sample(self, index: int) -> dict[str, Any]:
-        """Sample ``index`` uncollated: latents [C, T, H, W] (not text_only), text [text_len, text_dim] and the I2V
-        tensors (i2v), float32."""
+        """Sample ``index`` uncollated: latents [C, T, H, W] (not text_only), text [text_len, text_dim], the I2V
+        tensors (i2v) and audio latents ``audio_shape`` (t2va), float32."""
         latents_key, text_key = random.split(random.fold_in(self.key, index), 2)
         sample = {"text": random.normal(text_key, (self.config.text_len, self.config.text_dim)).numpy(),
                   "caption": f"synthetic sample {index}", "where": self.where(index)}
@@ -187,6 +201,8 @@ class SyntheticDataset:
             if self.config.image_embeds is not None:
                 image_key = random.fold_in(latents_key, 1)
                 sample["image_embeds"] = random.normal(image_key, self.config.image_embeds).numpy()
+        if self.kind == "t2va":
+            sample["audio_latents"] = random.normal(random.fold_in(latents_key, 2), self.config.audio_shape).numpy()
         return sample
 
     def read(self, indices: Sequence[int]) -> dict[str, Any]:
@@ -221,6 +237,7 @@ class ParquetDataset:
                 row_in_file, total = row_in_file + rows, total + rows
         self._length = total
         self.has_captions = all("caption" in names for names in schemas)
+        self.has_sample_rates = kind == "t2va" and all("audio_sample_rate" in names for names in schemas)
         self._columns = _columns_to_read(kind, schemas)
         self._optional = [(name, key) for name, key in _OPTIONAL_TENSORS.get(kind, ())
                           if all(f"{name}_bytes" in names for names in schemas)]
@@ -251,6 +268,10 @@ class ParquetDataset:
         table = self._row_group(file_number, group)
         where = self.where(index)
         sample = {key: _decode(table, name, row, where) for name, key in _TENSORS[self.kind]}
+        if "audio_latents" in sample:
+            sample["audio_latents"] = _audio(sample["audio_latents"], where)
+        if self.has_sample_rates:
+            sample["audio_sample_rate"] = int(table.column("audio_sample_rate")[row].as_py() or 0)
         for name, key in self._optional:
             if table.column(f"{name}_shape")[row].as_py():  # empty when the preprocessing had no such encoder
                 sample[key] = _decode(table, name, row, where)
@@ -312,6 +333,9 @@ def _checked_schema(path: pathlib.Path, schema: pa.Schema, kind: Kind) -> set[st
                 hint = ""
                 if name == "vae_latent" and "text_embedding_bytes" in names:
                     hint = "; the file holds text-only data (no latents), so use kind='text_only'"
+                if name == "audio_latent":  # a DataError: the data, not the config, lacks the sound
+                    raise DataError(f"{str(path)!r} has no column {column!r}: kind='t2va' needs audio latents, and "
+                                    "this file has none (video-only data? use kind='t2v')")
                 raise ValueError(f"{str(path)!r} has no column {column!r}, which kind={kind!r} needs{hint}")
             if not usable(schema.field(column).type):
                 raise ValueError(f"{str(path)!r}: column {column!r} is {schema.field(column).type}, "
@@ -323,6 +347,7 @@ def _columns_to_read(kind: Kind, schemas: list[set[str]]) -> list[str]:
     """Bytes and shape of each tensor; its dtype (for error messages) and the caption where every file has them."""
     columns = [f"{name}_{part}" for name, _ in _TENSORS[kind] for part in ("bytes", "shape")]
     optional = [f"{name}_dtype" for name, _ in _TENSORS[kind]] + ["caption"]
+    optional += ["audio_sample_rate"] if kind == "t2va" else []
     optional += [f"{name}_{part}" for name, _ in _OPTIONAL_TENSORS.get(kind, ())
                  for part in ("bytes", "shape", "dtype")]
     return columns + [c for c in optional if all(c in names for names in schemas)]
@@ -343,11 +368,24 @@ def _decode(table: pa.Table, name: str, row: int, where: str) -> np.ndarray:
         raise DataError(f"{where}: {name}_bytes or {name}_shape is null")
     buffer = data.as_buffer()
     count = int(np.prod(shape, dtype=np.int64))
+    if buffer.size == 0 and count != 0:
+        raise DataError(f"{where}: {name}_bytes is empty (shape {shape}): the sample has no {name}")
     if buffer.size != 4 * count or any(d < 0 for d in shape):
         stored = table.column(name + "_dtype")[row].as_py() if name + "_dtype" in table.column_names else None
         raise DataError(f"{where}: {name}_bytes holds {buffer.size} bytes but {name}_shape {shape} needs "
                          f"{4 * count} (float32" + (f"; stored dtype {stored!r}" if stored else "") + ")")
     return np.frombuffer(buffer, dtype=np.float32).reshape(shape)
+
+
+def _audio(latents: np.ndarray, where: str) -> np.ndarray:
+    """Stored audio latents as ``[C, F, A]``: FastVideo's MiniMax-H3 preprocessing stores ``[2, 32, A]``; a leading
+    batch dim of 1 (``[1, 2, 32, A]``) is dropped."""
+    if latents.ndim == 4 and latents.shape[0] == 1:
+        latents = latents[0]
+    if latents.ndim != 3 or latents.shape[-1] == 0:
+        raise DataError(f"{where}: audio_latent must be [C, F, A] with A >= 1 (e.g. [2, 32, A]), "
+                         f"got shape {list(latents.shape)}")
+    return latents
 
 
 def _check_indices(indices: Sequence[int], length: int) -> list[int]:
@@ -376,6 +414,17 @@ def _collate(samples: list[dict], indices: list[int], *, text_len: int, cfg_rate
                                      f"({list(latents.shape[1:])}) are fewer than data.num_latent_t={num_latent_t}")
                 latents = latents[:, :, :num_latent_t]
             batch[key] = torch.from_numpy(np.ascontiguousarray(latents))
+    if samples and "audio_latents" in samples[0]:
+        first = samples[0]
+        for sample in samples[1:]:
+            if sample["audio_latents"].shape != first["audio_latents"].shape:
+                what = "length" if sample["audio_latents"].shape[:-1] == first["audio_latents"].shape[:-1] else "shape"
+                raise DataError(f"samples in one batch differ in audio latent {what}: {first['where']} has "
+                                 f"{list(first['audio_latents'].shape)}, {sample['where']} has "
+                                 f"{list(sample['audio_latents'].shape)}")
+        batch["audio_latents"] = torch.from_numpy(np.stack([s["audio_latents"] for s in samples]))
+    if samples and "audio_sample_rate" in samples[0]:
+        batch["audio_sample_rate"] = torch.tensor([s["audio_sample_rate"] for s in samples], dtype=torch.int64)
     having = [s for s in samples if "image_embeds" in s]
     if having and len(having) != len(samples):
         lacking = next(s for s in samples if "image_embeds" not in s)
@@ -443,9 +492,11 @@ def write_parquet(path: str | os.PathLike, samples: Sequence[dict[str, Any]], *,
                   rows_per_group: int = 32) -> pathlib.Path:
     """Write ``samples`` as one FastVideo-format parquet file at ``path`` (atomically: temp file, then rename).
 
-    Each sample: ``latents`` [C, T, H, W] (t2v only) and ``text`` [L, D] tensors, optional ``id`` and metadata
-    (``caption``, and for t2v ``file_name, media_type, width, height, num_frames, duration_sec, fps``). Tensors are
-    stored as float32. Everything is checked before anything is written.
+    Each sample: ``latents`` [C, T, H, W] (not text_only) and ``text`` [L, D] tensors, optional ``id`` and metadata
+    (``caption``, and except for text_only ``file_name, media_type, width, height, num_frames, duration_sec, fps``);
+    i2v adds ``first_frame_latents`` [C, T, H, W] (and optional ``image_embeds`` [N, D]); t2va adds ``audio_latents``
+    [C, F, A] (e.g. [2, 32, A]) and ``audio_sample_rate`` (a positive int, Hz). Tensors are stored as float32.
+    Everything is checked before anything is written.
     """
     _check_kind(kind)
     if isinstance(rows_per_group, bool) or not isinstance(rows_per_group, int) or rows_per_group <= 0:
@@ -473,6 +524,11 @@ def _record(sample: dict[str, Any], number: int, kind: Kind) -> dict[str, Any]:
     allowed = set(tensors) | set(optional) | {"id"} | {name for name, _ in _METADATA[kind]}
     if kind == "text_only" and "latents" in sample:
         raise ValueError(f"sample {number} has latents, but kind='text_only' stores none; use kind='t2v'")
+    if kind == "t2va":
+        rate = sample.get("audio_sample_rate")
+        if isinstance(rate, bool) or not isinstance(rate, (int, np.integer)) or rate <= 0:
+            raise ValueError(f"sample {number}: audio_sample_rate must be a positive int (Hz) for kind='t2va', "
+                             f"got {rate!r}")
     unknown = sorted(set(sample) - allowed)
     if unknown:
         raise ValueError(f"sample {number} has unknown field(s) {unknown}; kind={kind!r} takes {sorted(allowed)}")
@@ -485,11 +541,14 @@ def _record(sample: dict[str, Any], number: int, kind: Kind) -> dict[str, Any]:
     metadata = {"caption": str(sample.get("caption", ""))}
     if kind != "text_only":
         latents_shape = record["vae_latent_shape"]
+        media = "video_with_audio" if kind == "t2va" else "video"  # what FastVideo's T2VA preprocessing writes
         metadata.update(file_name=str(sample.get("file_name", record["id"])),
-                        media_type=str(sample.get("media_type", "video")), width=int(sample.get("width", 0)),
+                        media_type=str(sample.get("media_type", media)), width=int(sample.get("width", 0)),
                         height=int(sample.get("height", 0)),
                         num_frames=int(sample.get("num_frames", latents_shape[1])),
                         duration_sec=float(sample.get("duration_sec", 0.0)), fps=float(sample.get("fps", 0.0)))
+    if kind == "t2va":
+        metadata["audio_sample_rate"] = int(sample["audio_sample_rate"])
     return {**record, **metadata}
 
 

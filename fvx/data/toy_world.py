@@ -12,6 +12,11 @@ exact, so a decoded sample shows exactly what the model made. Because every true
 (0 for a perfect sample; pure noise scores about 0.39), and the fraction of samples that close to one that they are the
 prompted clip (sharp, moving the right way), and the fraction whose nearest true video, among all prompts', is of the
 prompt asked for.
+
+Kind "t2va" data adds sound (:mod:`fvx.data.toy_audio`): each prompt's own pure stereo tone lasting the clip
+(``frames / fps`` s at ``audio_rate`` Hz), as latents ``[2, 32, A]`` (A = ``audio_rate * frames / fps / 32``; 32 for
+the default 4 frames at 16 fps and 4096 Hz) that ``toy_audio.AudioFrames`` decodes exactly, scored by
+:meth:`WorldDataset.audio_quality`.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import torch
 
 from fvx.config import Config
 from fvx.core import random
+from fvx.data import toy_audio
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 
@@ -34,7 +40,9 @@ HIT = 0.03  # a sample this close (pixel MSE) to a true clip of its prompt count
 class WorldConfig(Config):
     """The world's size (see the module docstring); ``colours`` and ``directions`` name the prompts. A square needs
     the model to agree, over all its tokens, on one place for it, which the tiny presets do not learn in a CPU
-    run's few hundred steps (docs/design.md); bars, whose phase each token can read off its neighbours, they do."""
+    run's few hundred steps (docs/design.md); bars, whose phase each token can read off its neighbours, they do.
+    ``fps`` (the clip's frame rate), ``audio_rate`` (Hz) and ``audio_pitch`` (the first prompt's tone, Hz) shape the
+    sound of kind "t2va" data (:mod:`fvx.data.toy_audio`)."""
 
     num_samples: PositiveInt = 512
     frames: PositiveInt = 4
@@ -49,6 +57,9 @@ class WorldConfig(Config):
     text_len: PositiveInt = 4
     text_dim: PositiveInt = 32
     seed: int = 0
+    fps: PositiveInt = 16
+    audio_rate: PositiveInt = 4096
+    audio_pitch: Annotated[float, msgspec.Meta(gt=0.0)] = 440.0
 
     def __post_init__(self) -> None:
         for name in self.colours:
@@ -64,6 +75,26 @@ class WorldConfig(Config):
         if self.shape == "square" and self.width + self.speed * (self.frames - 1) > self.size:
             raise ValueError(f"data.world: a square of {self.width} px moving {self.speed} px per frame for "
                              f"{self.frames} frames leaves a {self.size} px frame; make it smaller or slower")
+        self._check_audio()
+
+    def _check_audio(self) -> None:
+        """The sound fits: a whole number of audio latents per clip, and distinct tones below the Nyquist rate."""
+        if min(self.frames, self.fps, self.audio_rate) <= 0 or not self.audio_pitch > 0:
+            return  # not positive: validation names the field
+        if (self.audio_rate * self.frames) % (self.fps * toy_audio.SAMPLES_PER_LATENT):
+            samples = self.audio_rate * self.frames / self.fps
+            raise ValueError(f"data.world.audio_rate {self.audio_rate} Hz gives {samples:g} samples for {self.frames} "
+                             f"frames at data.world.fps {self.fps}, not a whole number of "
+                             f"{toy_audio.SAMPLES_PER_LATENT}-sample audio latents; e.g. 4096 Hz at 16 fps")
+        tones = self.pitches
+        if min(tones) <= 0 or max(tones) >= self.audio_rate / 2:
+            raise ValueError(f"data.world.audio_pitch {self.audio_pitch:g} Hz: the prompts' tones "
+                             f"({min(tones):g}..{max(tones):g} Hz) must lie above 0 and below half "
+                             f"data.world.audio_rate ({self.audio_rate / 2:g} Hz)")
+        if len(set(tones)) != len(tones):
+            raise ValueError(f"data.world.audio_pitch {self.audio_pitch:g} Hz is too low for {len(tones)} prompts in "
+                             f"a {self.frames / self.fps:g} s clip: their tones, whole cycles per clip, coincide; "
+                             "raise it")
 
     @property
     def prompts(self) -> list[tuple[str, str]]:
@@ -73,6 +104,21 @@ class WorldConfig(Config):
     def latent_shape(self) -> tuple[int, int, int, int]:
         side = self.size // self.factor
         return 3 * self.factor ** 2, self.frames, side, side
+
+    @property
+    def audio_samples(self) -> int:
+        """Samples per channel of a clip's sound: ``audio_rate * frames / fps``."""
+        return self.audio_rate * self.frames // self.fps
+
+    @property
+    def audio_latent_shape(self) -> tuple[int, int, int]:
+        """``(2, 32, A)``: a clip's audio latents (kind "t2va")."""
+        return 2, toy_audio.SAMPLES_PER_LATENT, self.audio_samples // toy_audio.SAMPLES_PER_LATENT
+
+    @property
+    def pitches(self) -> list[float]:
+        """Each prompt's tone, Hz (:func:`fvx.data.toy_audio.pitches`)."""
+        return toy_audio.pitches(self.audio_pitch, len(self.prompts), self.frames / self.fps)
 
 
 def caption(config: WorldConfig, colour: str, direction: str) -> str:
@@ -169,7 +215,7 @@ class Codec:
 
 class WorldDataset:
     """The world as a dataset (``fvx.data.datasets``'s protocol: ``len``, ``read(indices)``, ``where(index)``), plus
-    :meth:`sample_quality`."""
+    :meth:`sample_quality` and :meth:`audio_quality`."""
 
     def __init__(self, config: WorldConfig, key: torch.Tensor, *, kind: str, collate: Callable[..., dict]):
         self.config, self.key, self.kind, self._collate = config, key, kind, collate
@@ -179,6 +225,7 @@ class WorldDataset:
                       for p in range(len(self.prompts))]
         self.starts = {d: starts(config, d) for d in config.directions}
         self._references: torch.Tensor | None = None
+        self._tones: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.config.num_samples
@@ -192,6 +239,9 @@ class WorldDataset:
             sample["latents"] = space_to_depth(self.clip(index), self.config.factor)
         if self.kind == "i2v":  # the codec is frame-wise: the first frame's latents, then zero frames
             sample["first_frame_latents"] = first_frame_only(sample["latents"])
+        if self.kind == "t2va":  # the prompt's tone, exactly encoded
+            sample["audio_latents"] = toy_audio.frame(self.tones()[prompt].numpy() * toy_audio.SCALE)
+            sample["audio_sample_rate"] = self.config.audio_rate
         return sample
 
     def clip(self, index: int) -> np.ndarray:
@@ -241,6 +291,26 @@ class WorldDataset:
         means = {name: sum(w[name] for w in windows) / len(windows) for name in windows[0]}
         return {**means, **{f"window_{i}/{name}": value for i, w in enumerate(windows) for name, value in w.items()}}
 
+    def tones(self) -> torch.Tensor:
+        """Every prompt's true sound, ``[P, 2, S]`` float32 in [-1, 1] (:func:`tones`)."""
+        if self._tones is None:
+            self._tones = tones(self.config)
+        return self._tones
+
+    def audio_quality(self, waveforms: torch.Tensor, indices: Sequence[int]) -> dict[str, float]:
+        """For decoded sounds ``[N, 2, S]`` in [-1, 1] of the prompts of dataset samples ``indices`` (prompt ``i mod
+        P``, so a prompt number works too): ``audio_mse`` (mean over samples of the MSE to the prompt's true tone; 0
+        when perfect, about 0.43 for uniform noise, 0.10 for silence) and ``pitch_match`` (the fraction whose
+        dominant FFT frequency is the prompt's pitch)."""
+        refs = self.tones()
+        if tuple(waveforms.shape[1:]) != tuple(refs.shape[1:]) or len(waveforms) != len(indices):
+            raise ValueError(f"audio_quality: waveforms of shape {tuple(waveforms.shape)} are not {len(indices)} of "
+                             f"the world's sounds {tuple(refs.shape[1:])}")
+        prompts = torch.tensor([int(i) % len(self.prompts) for i in indices], dtype=torch.int64)
+        duration = self.config.frames / self.config.fps
+        bins = torch.tensor([round(p * duration) for p in self.config.pitches], dtype=torch.int64)
+        return toy_audio.audio_quality(waveforms.detach().cpu(), prompts, refs, bins)
+
     def continuation_mse(self, videos: torch.Tensor, indices: Sequence[int]) -> float:
         """For image-to-video samples ``[N, 3, T, H, W]`` in [0, 1] conditioned on the first frames of dataset samples
         ``indices``: the mean pixel MSE to those samples' own clips, the motion continued from the given frame."""
@@ -258,6 +328,13 @@ def references(config: WorldConfig) -> torch.Tensor:
         options = all_starts[direction] + [all_starts[direction][0]] * (most - len(all_starts[direction]))
         clips.append(np.stack([render(config, colour, direction, s) for s in options]))
     return torch.from_numpy(np.stack(clips)) / 2 + 0.5
+
+
+def tones(config: WorldConfig) -> torch.Tensor:
+    """Every prompt's true sound, ``[P, 2, S]`` float32 in [-1, 1]: its pitch, panned by its direction."""
+    return torch.from_numpy(np.stack([
+        toy_audio.tone(pitch, toy_audio.pan(direction), config.audio_samples, config.audio_rate)
+        for pitch, (_, direction) in zip(config.pitches, config.prompts)]))
 
 
 def clip_mse(videos: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:

@@ -73,7 +73,7 @@ def estimate(plan: Plan, *, world: int, replicate: int, video: Sequence[int] | N
         raise ValueError(f"a rank's batch of {per_rank} is not divisible into {plan.micro_batches} micro-batches")
     spec = plan.roles[0].model
     if latents is not None:
-        grid, shown = memory.tokens_of(latents, spec.patch), "the experiment's data, latent"
+        grid, shown = memory.tokens_of(latents, spec.patch), "the experiment's latents"
     else:
         grid = memory.latent_grid(*video, vae_stride=spec.vae_stride, patch=spec.patch)
         shown = f"video {'x'.join(map(str, video))} -> latent"
@@ -95,15 +95,15 @@ def estimate(plan: Plan, *, world: int, replicate: int, video: Sequence[int] | N
 
 def data_latents(config: Any) -> tuple[int, int, int] | None:
     """Latent ``(T, H, W)`` of the experiment's samples, as its data gives them (one sample read, no weight loaded;
-    the method's ``latent_shape`` for data without latents); None when the data cannot be read here (a recipe's
-    paths on another machine)."""
+    the method's ``latent_shape`` for data without latents); when the data cannot be read here (a recipe's paths on
+    another machine), the method's or the validation's ``latent_shape``, else None."""
     try:
         sample = datasets.open_dataset(config.data, run_keys(config.run.seed)[1]).read([0])
     except (ValueError, OSError):
         sample = {}
     if "latents" in sample:
         return tuple(int(s) for s in sample["latents"].shape[-3:])
-    shape = getattr(config.method, "latent_shape", None)
+    shape = getattr(config.method, "latent_shape", None) or getattr(config.validation, "latent_shape", None)
     return None if shape is None else tuple(shape[-3:])
 
 

@@ -54,7 +54,8 @@ class Experiment(Config):
     """The root of an experiment config; subclasses add ``models`` and ``method`` (module docstring), and may override
     :meth:`callbacks` to add lifecycle hooks (``fvx.training.callbacks``). A field ``vae`` (a config with
     ``build(key)``)
-    decodes validation samples into videos; without one, validation logs latent previews."""
+    decodes validation samples into videos; without one, validation logs latent previews. A field ``audio_vae`` decodes
+    a joint model's audio into waveforms (a ``.wav`` beside each GIF)."""
 
     run: RunConfig = RunConfig()
     data: datasets.DataConfig = datasets.DataConfig()
@@ -64,6 +65,12 @@ class Experiment(Config):
         """The decoder of validation samples: the experiment's ``vae`` config built from the validation seed (an
         object with ``decode(latents) -> video``), or None without one."""
         vae = getattr(self, "vae", None)
+        return None if vae is None else vae.build(random.key(self.validation.seed))
+
+    def build_audio_vae(self) -> Any:
+        """The audio decoder of a joint model's validation samples: the experiment's ``audio_vae`` config built (an
+        object with ``decode(latents) -> waveforms [N, C, S]`` in [-1, 1] and ``sample_rate``), or None."""
+        vae = getattr(self, "audio_vae", None)
         return None if vae is None else vae.build(random.key(self.validation.seed))
 
     def callbacks(self) -> tuple[fcallbacks.Callback, ...]:
@@ -123,6 +130,7 @@ def build_models(config: Experiment, *, mesh: Any = None) -> dict[str, Any]:
     held = config.method.held_roles()
     first = held[0].name
     check_attention_roles(config, roles, first, trained={role.name for role in held if role.trainable})
+    check_joint_roles(config, roles)
     on_mesh = {} if mesh is None else {"mesh": mesh}
     built = {name: config.models[name].build(**on_mesh) for name in dict.fromkeys(roles.values())}
     return {role_name: built[name] if role_name == first else built[name].dense() for role_name, name in roles.items()}
@@ -147,6 +155,21 @@ def check_attention_roles(config: Experiment, roles: Mapping[str, str], first: s
         raise ConfigError(f"models.{model}.attention=qat: model {model!r} also plays method.roles.{others[0]}, which "
                           f"must stay dense; play it with a model entry of its own (models.<name> and "
                           f"method.roles.{others[0]}=<name>)")
+
+
+def check_joint_roles(config: Experiment, roles: Mapping[str, str]) -> None:
+    """A ConfigError when a model that denoises several modalities together (a joint model: video and audio) plays a
+    role of a method that trains one-modality models only (its config class lacks ``joint_models = True``)."""
+    if getattr(type(config.method), "joint_models", False):
+        return
+    for role_name, name in roles.items():
+        model = config.models[name]
+        modalities = model.family.trained(model)
+        if len(modalities) > 1:
+            method = type(config.method).__struct_config__.tag or type(config.method).__name__
+            raise ConfigError(f"models.{name} ({model.family.name}) denoises {' and '.join(modalities)} together, "
+                              f"but method {method} trains one-modality models only (role {role_name}); train it "
+                              "with a method that supports joint models")
 
 
 def in_attention_steps(step_: Callable, models: Mapping[str, Any], student: str) -> Callable:
@@ -230,7 +253,8 @@ def make_validator(config: Experiment, built: Setup, out: pathlib.Path) -> valid
         return None
     vae = config.build_vae()
     return validation.make_validator(config.validation, built.dataset, built.program.model,
-                                     decode=None if vae is None else vae.decode, folder=out / "validation")
+                                     decode=None if vae is None else vae.decode, audio=config.build_audio_vae(),
+                                     folder=out / "validation")
 
 
 def check_skippable(config: Experiment) -> None:

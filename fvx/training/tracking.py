@@ -1,4 +1,4 @@
-"""Experiment tracking: scalars, text, hyperparameters, images and videos in TensorBoard event files, on rank 0.
+"""Experiment tracking: scalars, text, hyperparameters, images, videos and sound in TensorBoard event files, on rank 0.
 
 ``open_tracker(logdir, rank=rank)`` gives every rank a :class:`Tracker` with the same interface; only rank 0's one
 writes anything (its ``torch.utils.tensorboard.SummaryWriter`` creates ``logdir``), the others' calls check their
@@ -6,9 +6,10 @@ arguments' types and shapes and return, so every rank runs the same logging code
 alike.
 
 Videos are animated GIFs inside image summaries (TensorBoard's image dashboard plays them): ``SummaryWriter.add_video``
-needs moviepy and silently logs nothing without it. ``read_scalars`` / ``read_images`` / ``read_texts`` /
-``read_hparams`` load a run's event files back with TensorBoard's ``EventAccumulator``, keeping every event (no
-sampling, no purge of steps written again after a restart).
+needs moviepy and silently logs nothing without it. Sound is a 16-bit PCM WAV in an audio summary, every channel
+kept (stereo plays as stereo; ``SummaryWriter.add_audio`` would take mono only). ``read_scalars`` / ``read_images`` /
+``read_texts`` / ``read_hparams`` / ``read_audio`` load a run's event files back with TensorBoard's
+``EventAccumulator``, keeping every event (no sampling, no purge of steps written again after a restart).
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ from tensorboard.plugins.hparams.metadata import SESSION_START_INFO_TAG
 from tensorboard.plugins.hparams.summary_v2 import hparams_pb
 from tensorboard.summary.writer.record_writer import RecordWriter, masked_crc32c
 from torch.utils.tensorboard import SummaryWriter
+
+from fvx.training import wav
 
 Metric = float | torch.Tensor
 _CHANNELS = (1, 3, 4)  # grayscale, RGB, RGBA
@@ -108,6 +111,20 @@ def _check_frames(frames) -> tuple[torch.Tensor, bool]:
     return frames, _channels_first(tuple(frames.shape), "frames", "[T,C,H,W] or [T,H,W,C]")
 
 
+def _check_waveform(waveform) -> torch.Tensor:
+    waveform = _as_tensor(waveform, "waveform")
+    if waveform.dim() != 2 or waveform.shape[0] == 0 or not waveform.is_floating_point():
+        raise ValueError(f"waveform must be a float [C, S] in [-1, 1] with C >= 1, got shape "
+                         f"{tuple(waveform.shape)} of {waveform.dtype}")
+    return waveform
+
+
+def _check_sample_rate(sample_rate) -> int:
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, numbers.Integral) or sample_rate <= 0:
+        raise ValueError(f"sample_rate must be a positive int (Hz), got {sample_rate!r}")
+    return int(sample_rate)
+
+
 def _check_fps(fps) -> float:
     if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not math.isfinite(fps) or fps <= 0:
         raise ValueError(f"fps must be a positive number, got {fps!r}")
@@ -156,6 +173,12 @@ def _image_summary(tag: str, encoded: bytes, hwc_shape: tuple[int, ...]) -> Summ
     height, width, channels = hwc_shape
     image = Summary.Image(height=height, width=width, colorspace=channels, encoded_image_string=encoded)
     return Summary(value=[Summary.Value(tag=tag, image=image)])
+
+
+def _audio_summary(tag: str, encoded: bytes, sample_rate: int, channels: int, length: int) -> Summary:
+    audio = Summary.Audio(sample_rate=sample_rate, num_channels=channels, length_frames=length,
+                          encoded_audio_string=encoded, content_type="audio/wav")
+    return Summary(value=[Summary.Value(tag=tag, audio=audio)])
 
 
 def _scalar_summary(values: Mapping[str, float]) -> Summary:
@@ -302,8 +325,7 @@ class Tracker:
             mirror.video(step, tag, thwc, fps)
         if folder is None:
             return []
-        stem = Path(folder) / "_".join([tag.replace("/", "_"), *([slug(label)] if label and slug(label) else []),
-                                         str(step)])
+        stem = media_stem(folder, tag, label, step)
         stem.parent.mkdir(parents=True, exist_ok=True)
         paths = [stem.with_suffix(".gif"), stem.with_suffix(".png")]
         paths[0].write_bytes(gif)
@@ -311,6 +333,26 @@ class Tracker:
         if _write_mp4(stem.with_suffix(".mp4"), thwc, fps):
             paths.append(stem.with_suffix(".mp4"))
         return paths
+
+    def audio(self, step: int, tag: str, waveform: torch.Tensor | np.ndarray, sample_rate: int, *,
+              folder: str | Path | None = None, label: str | None = None) -> list[Path]:
+        """Logs ``waveform`` ([C, S] float in [-1, 1]; clipped, NaN as 0) at ``sample_rate`` Hz as a 16-bit PCM WAV
+        audio summary with all C channels (TensorBoard plays it; ``SummaryWriter.add_audio`` would need the mono
+        channel mean).
+
+        With ``folder``, also writes ``<folder>/<tag, / -> _>[_<label>]_<step>.wav`` (named as :meth:`video`'s files,
+        so a sample's sound sits beside its GIF; durably, ``fvx.training.wav.write_wav``). Returns the paths written
+        (none on inactive ranks). The W&B mirrors get no sound."""
+        step, tag = _check_step(step), _check_tag(tag)
+        waveform, sample_rate = _check_waveform(waveform), _check_sample_rate(sample_rate)
+        if self._open_writer() is None:
+            return []
+        samples = waveform.detach().float().nan_to_num(nan=0.0).clamp(-1.0, 1.0).cpu()
+        encoded = wav.wav_bytes(samples, sample_rate)
+        self._emit(_audio_summary(tag, encoded, sample_rate, samples.shape[0], samples.shape[1]), step)
+        if folder is None:
+            return []
+        return [wav.write_wav(media_stem(folder, tag, label, step).with_suffix(".wav"), samples, sample_rate)]
 
     def flush(self) -> None:
         """Writes pending events to disk."""
@@ -330,6 +372,13 @@ class Tracker:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def media_stem(folder: str | Path, tag: str, label: str | None, step: int) -> Path:
+    """``<folder>/<tag, / -> _>[_<slug(label)>]_<step>``: the name, less its suffix, of a logged video's or sound's
+    files."""
+    return Path(folder) / "_".join([tag.replace("/", "_"), *([slug(label)] if label and slug(label) else []),
+                                    str(step)])
 
 
 def slug(text: str, limit: int = 48) -> str:
@@ -385,6 +434,15 @@ def read_texts(logdir: str | Path) -> dict[str, list[tuple[int, str]]]:
     accumulator = _accumulator(logdir)
     return {tag.removesuffix(_TEXT_SUFFIX): [(e.step, e.tensor_proto.string_val[0].decode()) for e in
                                             accumulator.Tensors(tag)] for tag in _plugin_content(accumulator, "text")}
+
+
+def read_audio(logdir: str | Path, tag: str) -> list[tuple[int, int, int]]:
+    """Every audio summary of ``tag`` in ``logdir``: [(step, sample_rate, length in samples per channel)] in write
+    order ([] when there is none)."""
+    accumulator = _accumulator(logdir)
+    if tag not in accumulator.Tags()["audio"]:
+        return []
+    return [(e.step, int(e.sample_rate), int(e.length_frames)) for e in accumulator.Audio(tag)]
 
 
 def read_hparams(logdir: str | Path) -> dict[str, bool | float | str]:

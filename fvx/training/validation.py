@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import os
 import pathlib
-from typing import Annotated, Any, Callable, Literal, NamedTuple, Sequence
+from typing import Annotated, Any, Callable, Literal, Mapping, NamedTuple, Sequence
 
 import msgspec
 import torch
@@ -111,12 +111,21 @@ def prompt_keys(key: torch.Tensor, num: int) -> torch.Tensor:
     return torch.stack([random.fold_in(key, i) for i in range(num)])
 
 
-def fixed_noise(key: torch.Tensor, shape: Sequence[int], *,
-                device: torch.device | str | None = None) -> torch.Tensor:
-    """Standard normal ``[N, C, T, H, W]`` fp32; prompt ``i``'s noise is ``normal(fold_in(key, i), [C, T, H, W])``."""
+def fixed_noise(key: torch.Tensor, shape: Sequence[int] | Mapping[str, Sequence[int]], *,
+                device: torch.device | str | None = None) -> Any:
+    """Standard normal ``[N, C, T, H, W]`` fp32; prompt ``i``'s noise is ``normal(fold_in(key, i), [C, T, H, W])``.
+    A joint model's dict of shapes ``{modality: [N, ...]}``: the first modality's noise from ``key``, modality ``m``'s
+    from ``fold_in(key, m)``."""
+    if isinstance(shape, Mapping):
+        return {name: _normal_rows(key if m == 0 else random.fold_in(key, m), tuple(part), device)
+                for m, (name, part) in enumerate(shape.items())}
     shape = tuple(shape)
     if len(shape) != 5 or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape):
         raise ValueError(f"shape must be [N, C, T, H, W] of positive ints, got {shape}")
+    return _normal_rows(key, shape, device)
+
+
+def _normal_rows(key: torch.Tensor, shape: tuple[int, ...], device: torch.device | str | None) -> torch.Tensor:
     keys = prompt_keys(key, shape[0])
     return torch.stack([random.normal(k, shape[1:], device=device) for k in keys])
 
@@ -179,6 +188,22 @@ def _dataset_prompts(dataset: Any, num: int, model: Any) -> Prompts:
     return Prompts(cond, tuple(captions) if all(c is not None for c in captions) else None, tuple(indices_used))
 
 
+def latent_shapes(config: ValidationConfig, dataset: Any, model: Any) -> Any:
+    """What to sample per prompt: :func:`latent_shape`, or for a joint model ``{modality: shape}``, the video's and
+    each other modality's from the dataset's first sample (its ``<modality>_latents``)."""
+    video = latent_shape(config, dataset)
+    if not getattr(model, "joint", False):
+        return video
+    batch = {} if dataset is None or len(dataset) == 0 else dataset.read([0])
+    shapes = {"video": video}
+    for name in list(model.modalities)[1:]:
+        if f"{name}_latents" not in batch:
+            raise ValueError(f"validation of model {model.name} samples {name} too and takes its latents' shape from "
+                             f"the data's first sample, which has no {name}_latents (data.kind=t2va)")
+        shapes[name] = tuple(int(size) for size in batch[f"{name}_latents"].shape[1:])
+    return shapes
+
+
 def latent_shape(config: ValidationConfig, dataset: Any = None) -> tuple[int, int, int, int]:
     """``[C, T, H, W]`` to sample: ``config.latent_shape``, else the shape of the dataset's first latents."""
     if config.latent_shape is not None:
@@ -213,14 +238,16 @@ def sample_videos(
     Samples ``noise`` along ``sigmas`` with ``flow.sample`` (``sampler`` "ode" or "sde"; ``key`` ``[2]`` or, to make
     each prompt independent of the others, ``prompt_keys(key, N)``) under ``torch.no_grad``, using ``params`` as they
     are, or with ``draw(params, noise, cond, key, guidance=guidance)`` when given. With ``decode``, the latents go
-    through ``denormalize`` (when given) and then ``decode``.
+    through ``denormalize`` (when given) and then ``decode``. A joint model's noise and latents are dicts keyed by
+    modality; its video latents are decoded.
     """
     with torch.no_grad():
         latents = (flow.sample(apply_fn, params, noise, sigmas, key, cond=cond, sampler=sampler) if draw is None
                    else draw(params, noise, cond, key, guidance=guidance))
         if decode is None:
             return latents, None
-        video = decode(denormalize(latents) if denormalize is not None else latents)
+        clean = denormalize(latents) if denormalize is not None else latents
+        video = decode(clean["video"] if isinstance(clean, Mapping) else clean)
     return latents, video
 
 
@@ -289,6 +316,18 @@ def log_validation(
     return paths
 
 
+def log_audio(tracker: Tracker, step: int, tag: str, waveforms: torch.Tensor, sample_rate: int, *,
+              folder: str | os.PathLike | None = None, captions: Sequence[str] | None = None) -> list[pathlib.Path]:
+    """Log one validation's sound: per prompt ``i`` of ``waveforms`` ``[N, C, S]`` in [-1, 1] an audio summary
+    ``validation/<tag>/audio_<i>`` and, with ``folder``, a ``.wav`` beside the prompt's GIF; returns the paths."""
+    out = pathlib.Path(folder) / f"step_{step}" if folder is not None else None
+    paths: list[pathlib.Path] = []
+    for i in range(waveforms.shape[0]):
+        paths += tracker.audio(step, f"validation/{tag}/audio_{i}", waveforms[i], sample_rate, folder=out,
+                               label=None if captions is None else captions[i])
+    return paths
+
+
 # ---------------------------------------------------------------------------------------------------------- the loop's
 
 
@@ -314,7 +353,9 @@ class Sampler(NamedTuple):
 class Validator(NamedTuple):
     """What a run validates with, fixed once at its start: prompts, noise and keys are the same at every validation;
     ``uncond(cond)`` is the unconditional cond guided samplers use; ``quality(video)`` scores decoded samples when the
-    dataset knows how (``sample_quality(videos, indices)``, e.g. ``fvx.data.toy_world``), logged beside the videos."""
+    dataset knows how (``sample_quality(videos, indices)``, e.g. ``fvx.data.toy_world``), logged beside the videos.
+    A joint model's other modality: ``audio``, its decoder (``decode(latents) -> waveforms [N, C, S]``,
+    ``sample_rate``), and ``audio_quality(waveforms)``, the dataset's scores of them (``audio_quality``)."""
 
     config: ValidationConfig
     prompts: Prompts
@@ -325,6 +366,8 @@ class Validator(NamedTuple):
     folder: pathlib.Path | None
     uncond: Callable[[Any], Any] | None = None
     quality: Callable[[torch.Tensor], dict[str, float]] | None = None
+    audio: Any = None
+    audio_quality: Callable[[torch.Tensor], dict[str, float]] | None = None
 
 
 def guided(apply_fn: flow.ApplyFn, uncond: Callable[[Any], Any], guidance_scale: float) -> flow.ApplyFn:
@@ -339,25 +382,48 @@ def guided(apply_fn: flow.ApplyFn, uncond: Callable[[Any], Any], guidance_scale:
     return apply
 
 
+def one_at_a_time(apply_fn: flow.ApplyFn) -> flow.ApplyFn:
+    """``apply_fn`` called sample by sample and the velocities stacked: a model that takes one sample per forward
+    (``Model.one_sample``) sampling a batch of prompts (a joint model's dicts row by row)."""
+    def rows(value: Any, i: int) -> Any:
+        if isinstance(value, Mapping):
+            return {name: rows(part, i) for name, part in value.items()}
+        return value[i:i + 1]
+
+    def apply(params: Any, x_t: Any, t: Any, cond: Any) -> Any:
+        size = len(next(iter(t.values())) if isinstance(t, Mapping) else t)
+        outs = [apply_fn(params, rows(x_t, i), rows(t, i), rows(cond, i)) for i in range(size)]
+        if isinstance(outs[0], Mapping):
+            return {name: torch.cat([out[name] for out in outs]) for name in outs[0]}
+        return torch.cat(outs)
+    return apply
+
+
 def make_validator(config: ValidationConfig, dataset: Any, model: Any, *,
-                   decode: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   decode: Callable[[torch.Tensor], torch.Tensor] | None = None, audio: Any = None,
                    folder: str | os.PathLike | None = None) -> Validator:
     """Read the prompts (in ``model``'s cond) and draw the noise (from ``key(config.seed)``) that every validation of
-    the run reuses; decoded videos go through ``model.denormalize`` then ``decode``."""
+    the run reuses; decoded videos go through ``model.denormalize`` then ``decode``; a joint model's audio through
+    ``audio.decode``."""
     prompts = read_prompts(config, dataset, model)
     noise_key, sampler_key = random.split(random.key(config.seed))
-    noise = fixed_noise(noise_key, (prompts.count, *latent_shape(config, dataset)))
+    shapes = latent_shapes(config, dataset, model)
+    noise = fixed_noise(noise_key, {name: (prompts.count, *shape) for name, shape in shapes.items()}
+                        if isinstance(shapes, Mapping) else (prompts.count, *shapes))
     negative = (None if config.negative_prompt_path is None
                 else model.load_negative(config.negative_prompt_path, "validation.negative_prompt_path"))
 
     def uncond(cond: Any) -> Any:
         return model.uncond(cond, config.cfg_uncond, negative)
 
-    score = getattr(dataset, "sample_quality", None)
+    score, hear = getattr(dataset, "sample_quality", None), getattr(dataset, "audio_quality", None)
     quality = (None if score is None or decode is None or prompts.indices is None
                else lambda video: score(video, prompts.indices))
+    audio_quality = (None if hear is None or audio is None or prompts.indices is None
+                     else lambda waveforms: hear(waveforms, prompts.indices))
     return Validator(config, prompts, noise, prompt_keys(sampler_key, prompts.count), model.denormalize, decode,
-                     None if folder is None else pathlib.Path(folder), uncond, quality)
+                     None if folder is None else pathlib.Path(folder), uncond, quality,
+                     audio if isinstance(shapes, Mapping) else None, audio_quality)
 
 
 def validate(validator: Validator, tracker: Tracker, step: int, samplers: Sequence[Sampler]) -> None:
@@ -371,6 +437,9 @@ def validate(validator: Validator, tracker: Tracker, step: int, samplers: Sequen
                                        validator.prompts.cond, key=validator.keys, sampler=entry.sampler,
                                        denormalize=validator.denormalize, decode=validator.decode, draw=entry.draw,
                                        guidance=guidance)
+        if isinstance(latents, Mapping):
+            _log_sound(validator, tracker, step, entry.tag, latents)
+            latents = latents["video"]
         if validator.quality is not None and video is not None:
             tracker.scalars(step, {f"validation/{entry.tag}/{name}": value
                                    for name, value in validator.quality(video).items()})
@@ -383,6 +452,21 @@ def validate(validator: Validator, tracker: Tracker, step: int, samplers: Sequen
             video = video.repeat_interleave(scale, dim=-1).repeat_interleave(scale, dim=-2)
         log_validation(tracker, step, entry.tag, latents, video, folder=validator.folder, fps=validator.config.fps,
                        captions=captions)
+
+
+def _log_sound(validator: Validator, tracker: Tracker, step: int, tag: str,
+               latents: Mapping[str, torch.Tensor]) -> None:
+    """A joint sample's audio: decoded and logged when the run has an audio decoder, scored when the data can."""
+    if validator.audio is None:
+        return
+    clean = validator.denormalize(latents) if validator.denormalize is not None else latents
+    with torch.no_grad():
+        waveforms = validator.audio.decode(clean["audio"]).float().clamp(-1, 1)
+    if validator.audio_quality is not None:
+        tracker.scalars(step, {f"validation/{tag}/{name}": value
+                               for name, value in validator.audio_quality(waveforms).items()})
+    log_audio(tracker, step, tag, waveforms, validator.audio.sample_rate, folder=validator.folder,
+              captions=validator.prompts.captions)
 
 
 def scored_captions(score: Callable[[torch.Tensor, list[str]], dict[str, torch.Tensor]], video: torch.Tensor,

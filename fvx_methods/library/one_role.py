@@ -129,13 +129,24 @@ def check_latents(batch: Batch, model: Model) -> None:
     checked when the model made it)."""
     if "latents" not in batch:
         raise ValueError("fine-tuning needs latents, but the batch has none (text_only data?)")
-    model.check_latents(tuple(batch["latents"].shape), where="batch latents")
+    latents = batch["latents"]
+    model.check_latents({name: tuple(x.shape) for name, x in latents.items()} if isinstance(latents, Mapping)
+                        else tuple(latents.shape), where="batch latents")
 
 
 def check_data(batch: Batch, model: Model, grad_accum: int) -> None:
     """:func:`check_latents` and :func:`check_grad_accum`: what a method training on the data's latents checks."""
     check_latents(batch, model)
     check_grad_accum(batch, grad_accum)
+
+
+def check_micro_batch(batch: Batch, model: Model, grad_accum: int) -> None:
+    """A ValueError when ``model`` takes one sample per forward (``Model.one_sample``) and a micro-batch holds more."""
+    size = len(batch["sample_index"])
+    if model.one_sample is not None and size > grad_accum:
+        raise ValueError(f"model {model.name} takes one sample per forward ({model.one_sample}), but a rank's batch "
+                         f"of {size} in method.grad_accum={grad_accum} micro-batches holds {size // grad_accum}: set "
+                         f"method.grad_accum={size}, or data.batch_size to the number of ranks")
 
 
 def check_grad_accum(batch: Batch, grad_accum: int) -> None:
@@ -151,6 +162,9 @@ def many_step_samplers(model: Model, draw: Any = None) -> Samplers:
     ``draw`` samples otherwise (a causal model block by block: ``fvx_models.streaming.draw``)."""
     def samplers(params: Params, is_ema: bool, config: validation.ValidationConfig) -> list[validation.Sampler]:
         sigmas = validation.many_step_sigmas(config.num_steps, config.flow_shift)
-        return [validation.Sampler("model_ema" if is_ema else "model", model.apply, params, sigmas, "ode",
+        if model.joint:
+            sigmas = model.joint_sigmas(sigmas)
+        apply = model.apply if model.one_sample is None else validation.one_at_a_time(model.apply)
+        return [validation.Sampler("model_ema" if is_ema else "model", apply, params, sigmas, "ode",
                                    guided=True, draw=None if draw is None else draw(sigmas))]
     return samplers

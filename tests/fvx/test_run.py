@@ -163,6 +163,22 @@ EXPERIMENTS = ROOT / "experiments"
                                                   "method.roles.critic, which must stay dense"),
     ("meanflow.py", ["models.student.attention=qat", "method.derivative=dual"],
      "method.derivative=dual needs forward-mode derivatives, but attention=qat has no forward-mode derivatives"),
+    ("finetune_ltx2.py", ["models.student.train_audio=true"], "ltx2 train_audio=True is not supported: LTX-2 trains "
+                                                                "video-only here, as in FastVideo"),
+    ("finetune_ltx2.py", ["method.weighting_scheme=logit_normal"],
+     "model ltx2:world draws its training noise levels with its own sampler"),
+    ("finetune_ltx2.py", ["data.cfg_rate=0.1"], "takes no CFG dropout (CFG dropout zeroes the post-connector text"),
+    ("finetune_ltx2.py", ["data.world.text_dim=16"], "LTX-2.0 data stores the connector's 3840-wide embeddings"),
+    ("finetune_minimax_h3.py", ["method.grad_accum=1"], "model minimax_h3:world takes one sample per forward"),
+    ("finetune_minimax_h3.py", ["method.grad_accum=2", "data.cfg_rate=0.1"],
+     "MiniMax-H3 training defines no zero-text branch"),
+    ("finetune_minimax_h3.py", ["method.grad_accum=2", "data.kind=t2v"],
+     "minimax_h3 trains video and audio together and needs the batch tensor 'audio_latents'"),
+    ("finetune_minimax_h3.py", ["method.grad_accum=2", "models.student.preset=minimax-h3", "vae=null",
+                                "audio_vae=null", "data.world=null", "data.synthetic.latent_shape=[24,2,4,4]",
+                                "data.synthetic.audio_shape=[2,32,9]", "data.synthetic.text_dim=5120",
+                                "data.text_len=4"],
+     "audio latents have 9 frames but video latents of 2 frames come from a clip with 8 audio latents"),
 ])
 def test_bad_roles_models_and_cond_are_one_clear_error_and_write_nothing(tmp_path, capsys, experiment, args,
                                                                          message):
@@ -212,6 +228,8 @@ def test_every_experiment_trains_two_steps_and_validates(tmp_path, experiment, w
         trajectory_cache.build(trajectory_cache.resolve(str(EXPERIMENTS / experiment), teacher), batch=4)
     if experiment == "diffusion_nft.py":  # groups of 2 in the batch of 2, one sampling batch a step
         teacher = [*teacher, "method.num_video_per_prompt=2", "method.num_batches_per_epoch=1"]
+    if experiment == "finetune_minimax_h3.py":  # one sample per forward: the batch of 2 in 2 micro-batches
+        teacher = [*teacher, "method.grad_accum=2"]
     assert run.main([str(EXPERIMENTS / experiment), "--out", str(out), "--steps", "2", *QUICK, "validation.every=2",
                      "validation.num_prompts=1", "validation.num_steps=2", *teacher]) == 0
     assert (out / "validation" / "step_2").is_dir() and (out / "checkpoints" / "2").is_dir()
@@ -314,7 +332,7 @@ def test_feedback_names_values_presets_and_what_a_launch_does(tmp_path, capsys):
     assert "fits in 24.0 GiB" in (printed := capsys.readouterr().out) and "a device of 24 GiB" in printed
     assert run.main([EXPERIMENT, "--dry-run"]) == 0  # the samples the experiment trains on, not a full-size video
     printed = capsys.readouterr().out
-    assert "the experiment's data, latent 4x2x2 = 16 tokens" in printed and "fits in" in printed
+    assert "the experiment's latents 4x2x2 = 16 tokens" in printed and "fits in" in printed
     assert run.main([str(EXPERIMENTS / "dmd2.py") + ":wan21_t2v_1p3b", "--dry-run", "--world", "4"]) == 0
     assert "video 81x480x832 -> latent 21x60x104 = 32760 tokens" in (printed := capsys.readouterr().out)
     assert "(its data cannot be read here: --video FRAMESxHEIGHTxWIDTH to choose)" in printed

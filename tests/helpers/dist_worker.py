@@ -302,8 +302,34 @@ def family_run(name: str, mesh=None, rank: int = 0, world: int = 1) -> tuple[lis
         local = {k: v.chunk(world)[rank] for k, v in raw.items()}
         state, metrics = program.step_(state, frozen, model.batch(local))
         losses.append(float(metrics["loss"]))
-    whole = sum(math.prod(shape) * 4 for shape in model.memory_spec().shapes.values()) * 3  # params, mu, nu, fp32
+    shapes = model.memory_spec().shapes  # the trained params' (not a frozen branch's): params, mu, nu, fp32
+    whole = sum(math.prod(shapes[name]) * 4 for name in model.trained_names) * 3
     return losses, sharding.local_bytes(state.roles), whole
+
+
+def joint_run(mesh=None, rank: int = 0, world: int = 1) -> tuple[list[dict], dict]:
+    """FAMILY_STEPS fine-tuning steps of MiniMax-H3's tiny joint model (video and audio, one sample per forward) on
+    a global batch of 2: one sample a rank on 2 ranks, 2 micro-batches of 1 in one process. (per-step metrics: loss,
+    video_finetune_loss, audio_finetune_loss; the final params, whole)."""
+    from fvx_models.minimax_h3 import MiniMaxH3Config
+
+    model = MiniMaxH3Config(preset="tiny").build(mesh=mesh)
+    program = finetune.Finetune(grad_accum=2 // world, optim=AdamWConfig(lr=1e-3, max_grad_norm=0.5)).build(
+        {"student": model}, total_steps=FAMILY_STEPS, **({} if mesh is None else {"ranks": processes.group_of(mesh)}))
+    state, frozen = program.init(random.key(0)), program.frozen(random.key(0))
+    metrics_of_steps = []
+    for step in range(FAMILY_STEPS):
+        k = random.split(random.key(40 + step), 3)
+        raw = {"latents": random.normal(k[0], (2, 48, 2, 4, 4)), "audio_latents": random.normal(k[1], (2, 2, 32, 8)),
+               "text": random.normal(k[2], (2, 5, 32)), "text_mask": torch.ones(2, 5),
+               "sample_index": torch.arange(2 * step, 2 * step + 2)}
+        local = {name: value.chunk(world)[rank] for name, value in raw.items()}
+        batch = model.batch(local)
+        program.check(batch)
+        state, metrics = program.step_(state, frozen, batch)
+        metrics_of_steps.append({name: float(value) for name, value in metrics.items() if value.dim() == 0})
+    params = state.roles["student"].params
+    return metrics_of_steps, params if mesh is None else sharding.unshard(params, mesh)
 
 
 def moe_run(mesh=None, rank: int = 0, world: int = 1) -> tuple[float, dict]:
@@ -386,6 +412,7 @@ def run(out_dir: str) -> None:
     results["dmd2_metrics"], results["dmd2_roles"] = dmd2_run(mesh, d.rank, d.world, grad_accum=2)
     results["families"] = {name: family_run(name, mesh, d.rank, d.world) for name in FAMILIES}
     results["moe"] = moe_run(mesh, d.rank, d.world)
+    results["joint"] = joint_run(mesh, d.rank, d.world)
     results["causal"] = causal_run(mesh, d.rank, d.world)
     if d.rank == 0:
         torch.save(results, f"{out_dir}/results.pt")

@@ -6,8 +6,9 @@ from typing import Callable, NamedTuple
 
 import torch
 from diffusers import (AnyFlowTransformer3DModel, CosmosTransformer3DModel, HunyuanVideo15Transformer3DModel,
-                       HunyuanVideoTransformer3DModel, Kandinsky5T2VPipeline, Kandinsky5Transformer3DModel, LTXPipeline,
-                       LTXVideoTransformer3DModel, SkyReelsV2Transformer3DModel, WanTransformer3DModel)
+                       HunyuanVideoTransformer3DModel, Kandinsky5T2VPipeline, Kandinsky5Transformer3DModel,
+                       LTX2Pipeline, LTX2VideoTransformer3DModel, LTXPipeline, LTXVideoTransformer3DModel,
+                       SkyReelsV2Transformer3DModel, WanTransformer3DModel)
 
 from fvx.core import grad, random
 from fvx.distributed import processes, sharding
@@ -17,6 +18,7 @@ from fvx_models.cosmos import CosmosConfig
 from fvx_models.hunyuan_video import HunyuanVideoConfig
 from fvx_models.hunyuan_video15 import HunyuanVideo15Config
 from fvx_models.kandinsky5 import Kandinsky5Config
+from fvx_models.ltx2 import LTX2Config
 from fvx_models.ltx_video import LTXVideoConfig
 from fvx_models.skyreels_v2 import SkyReelsV2Config
 from fvx_models.wan import WanConfig
@@ -179,6 +181,22 @@ def hunyuan_video15_native(modules, x, t, cond):
                        return_dict=False)[0]
 
 
+def ltx2_native(modules, x, t, cond, fps: float = 24.0):
+    """LTX2Pipeline's modality-isolated pass (video only): latents packed by its own _pack_latents, one zero audio
+    latent frame and one zero audio text token, timestep = sigma = t, the latent grid and frame rate."""
+    module = modules["transformer"]
+    k = module.config
+    b, _, f, h, w = x.shape
+    audio_text = k["caption_channels"] if k["use_prompt_embeddings"] else k["audio_cross_attention_dim"]
+    video, _ = module(hidden_states=LTX2Pipeline._pack_latents(x),
+                      audio_hidden_states=torch.zeros(b, 1, k["audio_in_channels"]),
+                      encoder_hidden_states=cond["text"], audio_encoder_hidden_states=torch.zeros(b, 1, audio_text),
+                      timestep=t, sigma=t, encoder_attention_mask=cond["text_mask"], num_frames=f, height=h, width=w,
+                      fps=fps, audio_num_frames=1, isolate_modalities=True,
+                      use_cross_timestep=not k["use_prompt_embeddings"], return_dict=False)
+    return LTX2Pipeline._unpack_latents(video, f, h, w)
+
+
 CASES: dict[str, Case] = {
     "wan": Case(WanConfig(preset="tiny"), {"transformer": WanTransformer3DModel}, wan_native),
     "wan-ti2v": Case(WanConfig(preset="tiny-ti2v"), {"transformer": WanTransformer3DModel}, ti2v_native),
@@ -202,9 +220,10 @@ CASES: dict[str, Case] = {
     "ltx_video": Case(LTXVideoConfig(preset="tiny"), {"transformer": LTXVideoTransformer3DModel}, ltx_video_native),
     "hunyuan_video15": Case(HunyuanVideo15Config(preset="tiny"), {"transformer": HunyuanVideo15Transformer3DModel},
                             hunyuan_video15_native),
+    "ltx2": Case(LTX2Config(preset="tiny"), {"transformer": LTX2VideoTransformer3DModel}, ltx2_native),
 }
 FAMILIES = ["wan", "wan-ti2v", "skyreels_v2", "wan_moe", "hunyuan_video", "anyflow", "wan-i2v", "wan-ti2v-i2v",
-            "kandinsky5", "cosmos", "ltx_video", "hunyuan_video15"]  # one case per family and layout
+            "kandinsky5", "cosmos", "ltx_video", "hunyuan_video15", "ltx2"]  # one case per family and layout
 
 
 def native_modules(case: Case, params: dict) -> dict[str, torch.nn.Module]:

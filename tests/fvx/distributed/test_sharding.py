@@ -317,6 +317,19 @@ def test_two_process_experts_run_on_every_rank_even_without_samples_of_their_sid
 
 
 @pytest.mark.slow
+def test_two_process_joint_video_audio_fine_tuning_equals_one_process(run2):
+    """MiniMax-H3 (video and audio, one sample per forward): one sample a rank on 2 ranks equals 2 micro-batches of one
+    in one process: the summed loss, each modality's, and the params after the steps."""
+    results, _ = run2
+    metrics, params = results["joint"]
+    want_metrics, want_params = worker.joint_run()
+    for got, want in zip(metrics, want_metrics):
+        for name in ("loss", "video_finetune_loss", "audio_finetune_loss"):
+            assert math.isclose(got[name], want[name], rel_tol=REL), (name, got, want)
+    assert_close_rel(params, want_params)
+
+
+@pytest.mark.slow
 def test_two_process_block_causal_wan_equals_one_process(run2):
     """The block-causal Wan's per-frame, teacher-forced and KV-cached forwards on sharded, compiled units."""
     results, _ = run2

@@ -1,0 +1,188 @@
+"""Fine-tuning models that make sound and picture (issue 31): MiniMax-H3's joint loss against a hand computation,
+LTX-2's frozen audio branch (no update, no optimizer state, no adapters), and the refusals of the joint contract."""
+import pathlib
+import wave
+
+import pytest
+import torch
+
+from fvx import run
+from fvx.config import ConfigError
+from fvx.core import random
+from fvx.core.optim_config import AdamWConfig
+from fvx.data.datasets import DataConfig
+from fvx.data.toy_world import WorldConfig
+from fvx.training import experiment, tracking
+from fvx.training.experiment import Experiment
+from fvx_methods import finetune
+from fvx_methods.dmd2 import DMD2
+from fvx_models import ltx2, minimax_h3
+from fvx_models.lora import LoRAConfig
+from fvx_models.ltx2 import LTX2Config
+from fvx_models.minimax_h3 import MiniMaxH3Config
+from run_state import assert_resumes_bitwise  # noqa: E402 (tests/helpers, on the path by conftest)
+
+
+@pytest.fixture(scope="module")
+def joint():
+    model = MiniMaxH3Config(preset="tiny").build()
+    return model, model.init(random.key(0))
+
+
+def joint_batch(seed: int = 0, index: int = 7) -> dict:
+    k = random.split(random.key(seed), 3)
+    return {"latents": {"video": random.normal(k[0], (1, 48, 2, 4, 4)), "audio": random.normal(k[1], (1, 2, 32, 8))},
+            "cond": {"text": random.normal(k[2], (1, 5, 32)), "text_mask": torch.ones(1, 5)},
+            "sample_index": torch.tensor([index])}
+
+
+def test_the_joint_loss_is_the_sum_of_the_modalities_losses_by_hand(joint):
+    """Spec §2.1's joint loss: each modality noised with its own draw at its own level of the shared stage b,
+    L = mean((v_video - (eps_video - x0_video))^2) + mean((v_audio - (eps_audio - x0_audio))^2)."""
+    model, params = joint
+    batch, key, config = joint_batch(), random.key(5), finetune.Finetune()
+    loss, aux = finetune.loss_fn(params, batch, key, model=model, config=config)
+
+    noise_key, t_key = random.split(random.fold_in(key, 7))
+    b = random.uniform(t_key, ())
+    sigma = {"video": 12 * b / (1 + 11 * b), "audio": 3 * b / (1 + 2 * b)}
+    x0 = batch["latents"]
+    noise = {name: random.normal(random.fold_in(noise_key, i), x0[name].shape[1:])[None]
+             for i, name in enumerate(("video", "audio"))}
+    x_t = {name: (1 - sigma[name]) * x0[name] + sigma[name] * noise[name] for name in x0}
+    v = model.apply(params, x_t, {name: (1000 * sigma[name]).reshape(1) for name in x0}, batch["cond"])
+    losses = {name: ((v[name] - (noise[name] - x0[name])) ** 2).mean() for name in x0}
+
+    for name in x0:
+        torch.testing.assert_close(aux[f"{name}_finetune_loss"], losses[name], rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss, losses["video"] + losses["audio"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(aux["sigma"], sigma["video"], rtol=1e-6, atol=0)
+    assert set(finetune.logged(loss, aux)) == {"loss", "video_finetune_loss", "audio_finetune_loss"}
+
+
+def test_a_joint_step_logs_each_modality_and_trains_both_heads(joint):
+    model, _ = joint
+    program = finetune.Finetune(optim=AdamWConfig(lr=1e-3)).build({"student": model}, total_steps=2)
+    state = program.init(random.key(0))
+    before = {name: p.clone() for name, p in state.roles["student"].params.items()}
+    batch = joint_batch()
+    program.check(batch)
+    state, metrics = program.step_(state, program.frozen(random.key(0)), batch)
+    assert {"loss", "video_finetune_loss", "audio_finetune_loss"} <= set(metrics)
+    after = state.roles["student"].params
+    assert not torch.equal(after["audio_proj_out.weight"], before["audio_proj_out.weight"])
+    assert not torch.equal(after["proj_out.weight"], before["proj_out.weight"])
+
+
+def test_one_sample_per_forward_is_checked_per_micro_batch(joint):
+    model, _ = joint
+    two = {**joint_batch(), "sample_index": torch.tensor([0, 1])}
+    two["latents"] = {name: x.expand(2, *x.shape[1:]) for name, x in two["latents"].items()}
+    with pytest.raises(ValueError, match="takes one sample per forward .* holds 2: set method.grad_accum=2"):
+        finetune.Finetune().build({"student": model}, total_steps=1).check(two)
+    finetune.Finetune(grad_accum=2).build({"student": model}, total_steps=1).check(two)
+
+
+# --------------------------------------------------------------------------------------------- LTX-2's audio branch
+
+
+def test_ltx2s_audio_branch_gets_no_update_and_no_optimizer_state():
+    model = LTX2Config(preset="tiny").build()
+    program = finetune.Finetune(optim=AdamWConfig(lr=1e-2, weight_decay=0.1)).build({"student": model},
+                                                                                     total_steps=2)
+    state, frozen = program.init(random.key(0)), program.frozen(random.key(0))
+    audio = {name for name in model.memory_spec().shapes if ltx2.owns_audio(name)}
+    assert audio and not audio & set(state.roles["student"].params)
+    assert audio <= set(frozen["student"])  # held as the frozen base, bf16
+    held = {name: frozen["student"][name].clone() for name in audio}
+    moments = role_state_names(state)
+    assert moments and not any(ltx2.owns_audio(name) for name in moments)
+    k = random.split(random.key(3), 2)
+    batch = {"latents": random.normal(k[0], (2, 8, 2, 4, 4)), "sample_index": torch.arange(2),
+             "cond": {"text": random.normal(k[1], (2, 5, 24)), "text_mask": torch.ones(2, 5)}}
+    state, _ = program.step_(state, frozen, batch)
+    assert all(torch.equal(frozen["student"][name], held[name]) for name in audio)
+
+
+def role_state_names(state) -> list[str]:
+    """Every param name the student's optimizer state holds a tensor for."""
+    names = []
+    for leaf in (state.roles["student"].opt_state,):
+        stack = [leaf]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                names += [name for name, value in node.items() if isinstance(value, torch.Tensor)]
+                stack += [value for value in node.values() if not isinstance(value, torch.Tensor)]
+            elif isinstance(node, (tuple, list)):
+                stack += list(node)
+            elif hasattr(node, "_asdict"):
+                stack += list(node._asdict().values())
+    return names
+
+
+def test_ltx2_lora_adapts_the_video_branch_only():
+    model = LTX2Config(preset="tiny", lora=LoRAConfig(rank=2, target_modules=("to_q", "to_k", "to_v"))).build()
+    adapted = {name.rsplit(".", 2)[0] for name in model.trained_names}
+    assert adapted and not any(ltx2.owns_audio(f"{name}.weight") for name in adapted)
+    assert any(name.startswith("transformer_blocks.0.attn1") for name in adapted)
+
+
+# ----------------------------------------------------------------------------------------------------- refusals
+
+
+class DMD2Joint(Experiment):
+    models: dict[str, MiniMaxH3Config] = {}
+    method: DMD2 = DMD2()
+
+
+def test_a_method_of_one_modality_refuses_a_joint_model_before_building_it():
+    config = DMD2Joint(data=DataConfig(kind="t2va"),
+                       models={"student": MiniMaxH3Config(), "teacher": MiniMaxH3Config()})
+    with pytest.raises(ConfigError, match=r"^models.student \(minimax_h3\) denoises video and audio together, but "
+                                          r"method dmd2 trains one-modality models only \(role student\)"):
+        experiment.build_models(config)
+
+
+def test_the_coupled_validation_levels_are_the_training_shifts(joint):
+    model, _ = joint
+    levels = torch.tensor([1.0, 0.5, 0.0])
+    shifted = model.joint_sigmas(levels)
+    video, audio = minimax_h3.coupled_sigmas(levels)
+    assert torch.equal(shifted["video"], video) and torch.equal(shifted["audio"], audio)
+    torch.testing.assert_close(shifted["video"], torch.tensor([1.0, 12 / 13, 0.0]))
+
+
+# ---------------------------------------------------------------------------------------------------- whole runs
+
+
+JOINT_EXPERIMENT = str(pathlib.Path(__file__).parents[2] / "experiments" / "finetune_minimax_h3.py")
+QUICK = ["run.progress=false", "data.batch_size=2", "method.grad_accum=2", "data.prefetch=1",
+         "method.optim.warmup_steps=1"]
+
+
+def test_a_joint_run_resumes_bit_for_bit(tmp_path):
+    state = assert_resumes_bitwise(JOINT_EXPERIMENT, tmp_path, [*QUICK, "validation.every=0"],
+                                   ("loss", "video_finetune_loss", "audio_finetune_loss", "grad_norm"))
+    assert any(name.endswith("audio_proj_out.weight") for name in state)
+
+
+def test_validation_writes_a_wav_of_the_clips_duration_beside_each_gif(tmp_path):
+    out = tmp_path / "run"
+    assert run.main([JOINT_EXPERIMENT, "--out", str(out), "--steps", "1", *QUICK, "validation.every=1",
+                     "validation.num_prompts=2", "validation.num_steps=2"]) == 0
+    world = WorldConfig()  # the default's frames and frame rate: 4 frames at 16 fps, 0.25 s
+    for step in (0, 1):
+        folder = out / "validation" / f"step_{step}"
+        wavs, gifs = sorted(folder.glob("*.wav")), sorted(folder.glob("*.gif"))
+        assert len(wavs) == len(gifs) == 2
+        for path in wavs:
+            with wave.open(str(path)) as f:  # a valid WAV: the standard library reads its header
+                assert (f.getnchannels(), f.getsampwidth(), f.getframerate()) == (2, 2, world.audio_rate)
+                assert f.getnframes() / f.getframerate() == world.frames / world.fps
+    logged = tracking.read_audio(out / "tb", "validation/model/audio_0")
+    assert [(step, rate, length) for step, rate, length in logged] == [(0, world.audio_rate, world.audio_samples),
+                                                                      (1, world.audio_rate, world.audio_samples)]
+    scalars = tracking.read_scalars(out / "tb")
+    wanted = {"validation/model/pitch_match", "validation/model/audio_mse", "validation/model/nearest_mse"}
+    assert wanted <= set(scalars)
