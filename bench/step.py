@@ -1,5 +1,5 @@
 """The fine-tuning step of fvx against an eager PyTorch baseline written the usual way, in one process, for the tiny
-model of every family and a larger Wan (``cpu-4x256``).
+model of every family and larger Wan, LTX-2 and MiniMax-H3 models (``cpu-4x256``, ``ltx2-mid``, ``minimax-h3-mid``).
 
 Baseline: the family's diffusers ``nn.Module`` forward (with the arguments its pipeline passes), ``loss.backward()``,
 ``clip_grad_norm_(foreach=True)`` and ``torch.optim.AdamW(foreach=True)``. fvx: ``Finetune(...).build(models).step_``
@@ -8,6 +8,14 @@ Baseline: the family's diffusers ``nn.Module`` forward (with the arguments its p
 the baseline and the same module under ``torch.compile`` (``compile ms``). Same architecture, initial params, batch,
 noise and timesteps: both steps draw the noise and timesteps with the same fvx keys inside their timing. Timings
 alternate fvx / baseline; peak memory is measured per variant in a fresh subprocess.
+
+Models that make sound too: LTX-2 trains video only (its audio branch frozen: the baseline module's audio params do not
+require grad) and draws its own noise levels (``Model.sigma_sampler``, which the baseline draws with too); MiniMax-H3
+is joint (latents ``{"video": [B, C, T, H, W], "audio": [B, 2, 32, A]}``, one sample per forward, the loss the sum of
+the modalities' mean squared errors, as ``fvx_methods.finetune.loss_fn``). Its tokens column counts the video's.
+For LTX-2 a second memory table puts fvx's frozen-audio step beside a bench-only baseline that trains both branches
+(``both``: every param of the module trained, LTX-2's joint forward on audio latents of the clip's length with the
+a2v / v2a attention on, and the audio's mean squared error added to the loss), each variant in a fresh subprocess.
 
 A second table runs the same fvx step (eager and ``compile=blocks``) on the same global batch in 1 process and in 2
 gloo processes (params, grads and AdamW state sharded, each rank on its half of the batch, one thread each; the
@@ -24,13 +32,14 @@ with full params and no communication (the compute floor of every rank busy at o
 step's traffic alone without compute. ``--skip-dist`` leaves it out. ``--sp 2`` adds rows of the
 same step under sequence parallelism in the same processes (``fvx_sp2``, ``fvx_blocks_sp2``: both ranks on the whole
 global batch, each on half of every sample's tokens, params still sharded over both), beside the data-parallel ones.
-    python bench/step.py [--repeats 10] [--threads N] [--skip-dist | --dist-only] [--sp 2] [--cases tiny,cpu-4x256]
+    python bench/step.py [--repeats 10] [--threads N] [--skip-dist | --dist-only] [--sp 2] [--cases tiny,ltx2]
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -46,13 +55,15 @@ from fvx.core import flow, random  # noqa: E402
 from fvx.core.optim_config import AdamWConfig  # noqa: E402
 from fvx.distributed import processes, sharding  # noqa: E402
 from fvx_methods import finetune  # noqa: E402
-from fvx_models import build as fvx_build, wan  # noqa: E402
+from fvx_models import build as fvx_build, ltx2, minimax_h3, wan  # noqa: E402
 from fvx_models.family import Preset  # noqa: E402
 from fvx_models.cosmos import CosmosConfig  # noqa: E402
 from fvx_models.hunyuan_video import HunyuanVideoConfig  # noqa: E402
 from fvx_models.hunyuan_video15 import HunyuanVideo15Config  # noqa: E402
 from fvx_models.kandinsky5 import Kandinsky5Config  # noqa: E402
+from fvx_models.ltx2 import LTX2Config  # noqa: E402
 from fvx_models.ltx_video import LTXVideoConfig  # noqa: E402
+from fvx_models.minimax_h3 import MiniMaxH3Config  # noqa: E402
 from fvx_models.skyreels_v2 import SkyReelsV2Config  # noqa: E402
 from fvx_models.wan_moe import Wan22MoEConfig  # noqa: E402
 
@@ -60,8 +71,16 @@ from fvx_models.wan_moe import Wan22MoEConfig  # noqa: E402
 wan.PRESETS["bench-cpu-4x256"] = Preset({**wan.TINY, "num_layers": 4, "num_attention_heads": 2,
                                          "attention_head_dim": 128, "ffn_dim": 1024, "text_dim": 64,
                                          "rope_max_seq_len": 64}, wan.TINY_VAE, 16)
+# LTX-2 at 4 layers x dim 256 (4 heads of 64), its audio stream half the video's width as released (4 heads of 32)
+ltx2.PRESETS["bench-mid-4x256"] = Preset({**ltx2.TINY, "num_attention_heads": 4, "attention_head_dim": 64,
+                                          "cross_attention_dim": 256, "audio_num_attention_heads": 4,
+                                          "audio_attention_head_dim": 32, "audio_cross_attention_dim": 128,
+                                          "caption_channels": 64, "num_layers": 4},
+                                         ltx2.TINY_LATENTS, 8, ltx2.PRESETS["tiny"].options)
+# MiniMax-H3 at hidden 256, attention 4 x 64 (its world preset) with 4 layers
+minimax_h3.PRESETS["bench-mid-4x256"] = Preset({**minimax_h3.WORLD, "num_layers": 4}, minimax_h3.WORLD_LATENTS, 8)
 
-# name -> (model config, latent [C, T, H, W], batch size)
+# name -> (model config, latent [C, T, H, W] (a joint model's: one per modality), batch size)
 CASES = {
     "tiny": (wan.WanConfig(preset="tiny"), (16, 2, 16, 16), 4),
     "wan-ti2v": (wan.WanConfig(preset="tiny-ti2v"), (48, 2, 16, 16), 4),
@@ -73,7 +92,12 @@ CASES = {
     "ltx-video": (LTXVideoConfig(preset="tiny"), (8, 2, 16, 16), 4),
     "hunyuan15": (HunyuanVideo15Config(preset="tiny"), (4, 2, 16, 16), 4),
     "kandinsky5": (Kandinsky5Config(preset="tiny"), (16, 2, 16, 16), 4),
+    "ltx2": (LTX2Config(preset="tiny"), (8, 2, 16, 16), 4),
+    "minimax-h3": (MiniMaxH3Config(preset="tiny"), {"video": (48, 2, 8, 8), "audio": (2, 32, 16)}, 1),
     "cpu-4x256": (wan.WanConfig(preset="bench-cpu-4x256"), (16, 4, 32, 32), 1),
+    "ltx2-mid": (LTX2Config(preset="bench-mid-4x256"), (8, 4, 16, 16), 1),
+    "minimax-h3-mid": (MiniMaxH3Config(preset="bench-mid-4x256"), {"video": (48, 4, 32, 32), "audio": (2, 32, 32)},
+                       1),
 }
 TEXT_LEN = 16
 WORLD = 2  # processes of the multi-process table
@@ -92,14 +116,23 @@ def model_config(case: str, compile: str = "none", reshard_after_forward: bool =
 
 
 def make_batch(model, latent_shape, batch_size: int) -> dict:
-    """A batch as methods see it: latents, the model's cond from its spec (normal embeddings, all-ones masks)."""
+    """A batch as methods see it: latents (a joint model's: a dict of modalities, ``latent_shape`` one per modality),
+    the model's cond from its spec (normal embeddings, all-ones masks)."""
     g = torch.Generator().manual_seed(0)
-    sizes = {"L": TEXT_LEN, "T": latent_shape[1], "H": latent_shape[2], "W": latent_shape[3], "N": 4}
+    video = latent_shape["video"] if isinstance(latent_shape, dict) else latent_shape
+    sizes = {"L": TEXT_LEN, "T": video[1], "H": video[2], "W": video[3], "N": 4}
     shapes = {name: (batch_size, *(sizes.get(s, s) for s in shape)) for name, shape in model.cond.items()}
     cond = {name: torch.ones(shape) if "mask" in name else torch.randn(shape, generator=g)
             for name, shape in shapes.items()}
-    return {"latents": torch.randn(batch_size, *latent_shape, generator=g), "cond": cond,
-            "sample_index": torch.arange(batch_size)}
+    latents = ({name: torch.randn(batch_size, *shape, generator=g) for name, shape in latent_shape.items()}
+               if isinstance(latent_shape, dict) else torch.randn(batch_size, *latent_shape, generator=g))
+    return {"latents": latents, "cond": cond, "sample_index": torch.arange(batch_size)}
+
+
+def video_tokens(model, batch: dict) -> int:
+    """The video tokens of one sample: latent frames x height x width over the model's patch."""
+    video = batch["latents"]["video"] if isinstance(batch["latents"], dict) else batch["latents"]
+    return math.prod(video.shape[2:]) // math.prod(model.patch_size)
 
 
 def build_fvx(case: str, compile: str = "none", mesh=None, batch_size: int | None = None,
@@ -115,10 +148,11 @@ def build_fvx(case: str, compile: str = "none", mesh=None, batch_size: int | Non
     return model, config, program, state, make_batch(model, latent_shape, batch_size or case_batch)
 
 
-def build(case: str, compile: str = "none"):
-    """The fvx model and program, a baseline module and optimizer with the same initial params, and a batch."""
+def build(case: str, compile: str = "none", train_all: bool = False):
+    """The fvx model and program, a baseline module and optimizer with the same initial params, and a batch;
+    ``train_all``: the module trains every param (:func:`baseline_module`)."""
     model, config, program, state, batch = build_fvx(case, compile)
-    module = baseline_module(case, program, state)
+    module = baseline_module(case, program, state, train_all)
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.01,
                                   foreach=True)
     return model, config, program, state, module, optimizer, batch
@@ -129,43 +163,115 @@ def held(program) -> dict:
     return program.frozen(random.key(0))
 
 
-def baseline_module(case: str, program, state) -> torch.nn.Module:
+def baseline_module(case: str, program, state, train_all: bool = False) -> torch.nn.Module:
     """The family's diffusers module (the skeleton, its params assigned real copies): what a user trains, the params
-    fvx trains with gradients, those it holds frozen without."""
+    fvx trains with gradients, those it holds frozen (LTX-2's audio branch) without; ``train_all``: every param with
+    gradients (the bench-only LTX-2 variant that trains both branches)."""
     config = model_config(case)
     module = config.family.skeleton(config)
     trained = state.roles["student"].params
     params = {**held(program).get("student", {}), **trained}
     module.load_state_dict({n: p.detach().clone() for n, p in params.items()}, assign=True)
     for name, param in module.named_parameters():
-        param.requires_grad_(name in trained)
+        param.requires_grad_(train_all or name in trained)
     return module.train()
 
 
-def baseline_draws(config, batch, state, step: int):
-    """The noise, sigma and t that fvx's step ``step`` draws, for the baseline to use."""
+def fp32(latents):
+    """Latents (a joint model's dict of them) in fp32, as fvx's loss takes them."""
+    return {name: x.float() for name, x in latents.items()} if isinstance(latents, dict) else latents.float()
+
+
+def baseline_draws(config, model, batch, state, step: int):
+    """The noise, sigma and t that fvx's step ``step`` draws, for the baseline to use: per-sample noise (a dict for a
+    joint model), the levels from the model's own sampler when it has one, else from the method's density."""
     key = random.fold_in(state.key, step)
-    x0 = batch["latents"]  # only its shape and device are used
-    noise, t_keys = flow.per_sample_noise(key, batch["sample_index"], tuple(x0.shape[1:]), x0.device)
-    grid = flow.training_sigmas(config.flow_shift)
-    sigma, t = flow.sample_training_sigmas(t_keys, grid, config.weighting_scheme)
+    x0 = model.normalize(fp32(batch["latents"]))
+    joint = isinstance(x0, dict)
+    shapes = {name: tuple(x.shape[1:]) for name, x in x0.items()} if joint else tuple(x0.shape[1:])
+    device = x0["video"].device if joint else x0.device
+    noise, t_keys = flow.per_sample_noise(key, batch["sample_index"], shapes, device)
+    if model.sigma_sampler is not None:
+        sigma, t = model.sigma_sampler(t_keys, x0)
+    else:
+        grid = flow.training_sigmas(config.flow_shift)
+        sigma, t = flow.sample_training_sigmas(t_keys, grid, config.weighting_scheme, logit_mean=config.logit_mean,
+                                               logit_std=config.logit_std, mode_scale=config.mode_scale)
     return noise, sigma, t
 
 
-def baseline_step(case: str, module, optimizer, batch, draws) -> torch.Tensor:
-    """``module.forward`` with the family's arguments, ``loss.backward()``, clip, AdamW: the eager PyTorch loop."""
-    noise, sigma, t = draws
-    config = model_config(case)
-    x0 = config.spec.latents.normalize(batch["latents"])
-    x_t = flow.add_noise(x0, noise, sigma)
-    optimizer.zero_grad(set_to_none=True)
-    kwargs, x = fvx_build.native_inputs(config, x_t, t, batch["cond"])
-    v = fvx_build.velocity(config, module(**kwargs), x, t, batch["cond"])
-    loss = torch.mean((v.float() - (noise - x0)) ** 2)
+def mse(v, noise, x0) -> torch.Tensor:
+    """The flow-matching loss: mean squared error of ``v`` against ``noise - x0``, summed over a joint model's
+    modalities."""
+    if isinstance(v, dict):
+        return sum(mse(v[name], noise[name], x0[name]) for name in v)
+    return torch.mean((v.float() - (noise - x0)) ** 2)
+
+
+def update(module, optimizer, loss: torch.Tensor) -> torch.Tensor:
+    """``loss.backward()``, clip the global norm to 1, AdamW: the end of the baseline's step."""
     loss.backward()
     torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0, foreach=True)
     optimizer.step()
     return loss.detach()
+
+
+def baseline_step(case: str, model, module, optimizer, batch, draws) -> torch.Tensor:
+    """``module.forward`` with the family's arguments, ``loss.backward()``, clip, AdamW: the eager PyTorch loop."""
+    noise, sigma, t = draws
+    config = model_config(case)
+    x0 = model.normalize(fp32(batch["latents"]))
+    x_t = flow.add_noise(x0, noise, sigma)
+    optimizer.zero_grad(set_to_none=True)
+    kwargs, x = fvx_build.native_inputs(config, x_t, t, batch["cond"])
+    v = fvx_build.velocity(config, module(**kwargs), x, t, batch["cond"])
+    return update(module, optimizer, mse(v, noise, x0))
+
+
+# ------------------------------------------------------------------------ LTX-2 training both branches (bench only)
+
+
+def ltx2_audio_shape(case: str) -> tuple[int, int, int]:
+    """The audio latents ``[C, A, M]`` of the clip an LTX-2 case's video latents come from: ``A`` from its duration
+    (``(T - 1) s + 1`` frames at the config's fps; sampling rate / hop / audio scale latents a second, as
+    ``LTX2Pipeline`` counts them), ``C`` the audio latent channels, ``M`` the mel bins the DiT packs beside them."""
+    config, (_, frames, _, _), _ = CASES[case]
+    k = config.spec.kwargs
+    seconds = ((frames - 1) * k["vae_scale_factors"][0] + 1) / config.fps
+    count = round(seconds * k["audio_sampling_rate"] / k["audio_hop_length"] / k["audio_scale_factor"])
+    channels = config.spec.options["audio_latents"].channels
+    return channels, count, k["audio_in_channels"] // channels
+
+
+def both_branches_batch(case: str, batch: dict) -> dict:
+    """``batch`` with audio latents ``[B, C, A, M]`` (:func:`ltx2_audio_shape`) and the audio stream's text ``[B, L,
+    width]`` (LTX-2.0: the caption embedding the video stream takes too; LTX-2.3: a normal one of its own width)."""
+    config, g = CASES[case][0], torch.Generator().manual_seed(1)
+    size = len(batch["sample_index"])
+    text = batch["cond"]["text"]
+    if text.shape[-1] != ltx2.audio_text_width(config):
+        text = torch.randn(*text.shape[:2], ltx2.audio_text_width(config), generator=g)
+    return {**batch, "audio_latents": torch.randn(size, *ltx2_audio_shape(case), generator=g), "audio_text": text}
+
+
+def both_branches_step(case: str, model, module, optimizer, batch, draws, step: int) -> torch.Tensor:
+    """The baseline step of LTX-2 training both branches: audio latents noised at the video's level (audio noise
+    from fvx key ``fold_in(key(1), step)``), ``LTX2Pipeline``'s joint forward (a2v / v2a attention on), and the
+    sum of the video's and the audio's mean squared errors (the audio's over its packed ``[B, A, C M]`` tokens)."""
+    noise, sigma, t = draws
+    config = model_config(case)
+    x0, a0 = model.normalize(fp32(batch["latents"])), batch["audio_latents"]
+    audio_noise = random.normal(random.fold_in(random.key(1), step), tuple(a0.shape))
+    x_t, a_t = flow.add_noise(x0, noise, sigma), flow.add_noise(a0, audio_noise, sigma)
+    pack = lambda a: a.transpose(1, 2).flatten(2, 3)  # noqa: E731  [B, C, A, M] -> [B, A, C M], as LTX2Pipeline
+    optimizer.zero_grad(set_to_none=True)
+    kwargs, x = fvx_build.native_inputs(config, x_t, t, batch["cond"])
+    kwargs.update(audio_hidden_states=pack(a_t), audio_encoder_hidden_states=batch["audio_text"],
+                  audio_encoder_attention_mask=batch["cond"]["text_mask"], audio_num_frames=a0.shape[2],
+                  isolate_modalities=False)
+    out = module(**kwargs)
+    v = fvx_build.velocity(config, out, x, t, batch["cond"])
+    return update(module, optimizer, mse(v, noise, x0) + mse(out[1], pack(audio_noise), pack(a0)))
 
 
 def run_case(case: str, repeats: int) -> dict:
@@ -178,7 +284,7 @@ def run_case(case: str, repeats: int) -> dict:
     holder = {"fvx": state, "fvx_blocks": compiled.init(random.key(0))}
     first_fvx = program.step_(holder["fvx"], held(program), batch)
     holder["fvx"] = first_fvx[0]
-    first_base = baseline_step(case, module, optimizer, batch, baseline_draws(config, batch, state, 0))
+    first_base = baseline_step(case, model, module, optimizer, batch, baseline_draws(config, model, batch, state, 0))
     agree = abs(first_fvx[1]["loss"].item() - first_base.item())
 
     def fvx_step(name, prog):
@@ -191,8 +297,8 @@ def run_case(case: str, repeats: int) -> dict:
 
     def base_step(net, opt):
         def step():
-            draws = baseline_draws(config, batch, holder["fvx"], int(holder["fvx"].step))
-            baseline_step(case, net, opt, batch, draws)
+            draws = baseline_draws(config, model, batch, holder["fvx"], int(holder["fvx"].step))
+            baseline_step(case, model, net, opt, batch, draws)
         return step
 
     steps = {"fvx": fvx_step("fvx", program), "fvx_blocks": fvx_step("fvx_blocks", compiled),
@@ -201,23 +307,53 @@ def run_case(case: str, repeats: int) -> dict:
         holder["fvx_model"] = whole.init(random.key(0))
         steps["fvx_model"] = fvx_step("fvx_model", whole)
     times = {"fvx_model": float("nan"), **alternate(steps, repeats=repeats, warmup=2)}
-    tokens = batch["latents"][0, 0].numel() // 4  # every case patches 1 x 2 x 2
-    return {"case": case, "tokens": tokens, "batch": len(batch["sample_index"]), "loss_diff_step0": agree, **times}
+    return {"case": case, "tokens": video_tokens(model, batch), "batch": len(batch["sample_index"]),
+            "loss_diff_step0": agree, **times}
+
+
+MEMORY_VARIANTS = ("fvx", "baseline", "both")  # both: LTX-2's bench-only baseline training both branches
 
 
 def peak_memory(case: str, variant: str, steps: int) -> float:
-    """Peak resident MB above the process's memory after setup, over ``steps`` steps of one variant."""
-    model, config, program, state, module, optimizer, batch = build(case)
+    """Peak resident MB above the process's memory after setup, over ``steps`` steps of one variant (``both``: the
+    baseline module training every param on LTX-2's joint step, :func:`both_branches_step`)."""
+    if variant not in MEMORY_VARIANTS:
+        raise ValueError(f"variant={variant!r}: allowed {', '.join(MEMORY_VARIANTS)}")
+    model, config, program, state, module, optimizer, batch = build(case, train_all=variant == "both")
     if variant == "fvx":
         del module, optimizer
+    if variant == "both":
+        batch = both_branches_batch(case, batch)
     base = current_rss_bytes()
     frozen = held(program)
     for step in range(steps):
         if variant == "fvx":
             state, _ = program.step_(state, frozen, batch)
+        elif variant == "baseline":
+            baseline_step(case, model, module, optimizer, batch, baseline_draws(config, model, batch, state, step))
         else:
-            baseline_step(case, module, optimizer, batch, baseline_draws(config, batch, state, step))
+            both_branches_step(case, model, module, optimizer, batch,
+                               baseline_draws(config, model, batch, state, step), step)
     return (peak_rss_bytes() - base) / 2**20
+
+
+def measure_memory(case: str, variant: str, threads: int | None) -> float:
+    """:func:`peak_memory` of one variant in a fresh subprocess."""
+    cmd = [sys.executable, __file__, "--memory", case, variant]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+
+
+def print_both_branches(rows: dict[str, dict[str, float]]) -> None:
+    """The LTX-2 memory table: fvx's frozen-audio step and the baseline's beside the baseline training both
+    branches (``rows``: case -> variant -> peak MB)."""
+    print("\nLTX-2 peak memory (MB above setup, 3 steps, each variant in a fresh process): the audio branch frozen "
+          "(fvx, base) vs the baseline training both branches (both: every param, joint forward and loss)")
+    print(f"{'case':14} {'audio A':>7} {'fvx MB':>8} {'base MB':>8} {'both MB':>8} {'fvx/both':>8} {'base/both':>9}")
+    for case, mem in rows.items():
+        print(f"{case:14} {ltx2_audio_shape(case)[1]:7d} {mem['fvx']:8.1f} {mem['baseline']:8.1f} "
+              f"{mem['both']:8.1f} {mem['fvx'] / mem['both']:8.2f} {mem['baseline'] / mem['both']:9.2f}")
 
 
 # ------------------------------------------------------------------------------------------------ processes
@@ -264,19 +400,21 @@ def fsdp2_stepper(case: str, batch_size: int, d, reshard_after_forward: bool = T
 
     from fvx_models import build as fbuild
 
-    _, config, _, state, batch = build_fvx(case, "none", None, batch_size)
-    module = baseline_module(case, state.roles["student"].params)
+    model, config, program, state, batch = build_fvx(case, "none", None, batch_size)
+    module = baseline_module(case, program, state)
     mesh = init_device_mesh("cpu", (d.world,))
     for units in fbuild.unit_groups(model_config(case).family, module).values():
         for prefix in units:
             fully_shard(module.get_submodule(prefix[:-1]), mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(module, mesh=mesh)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
+    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.01,
+                                  foreach=True)
     local = rank_slice(batch, d.rank, d.world)
     holder = {"step": 0}
 
     def step():
-        loss = baseline_step(case, module, optimizer, local, baseline_draws(config, local, state, holder["step"]))
+        draws = baseline_draws(config, model, local, state, holder["step"])
+        loss = baseline_step(case, model, module, optimizer, local, draws)
         holder["step"] += 1
         return float(loss)
 
@@ -432,25 +570,26 @@ def main() -> None:
         parser.error(f"unknown cases {unknown}; valid: {', '.join(CASES)}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats} alternating steps")
     if not args.dist_only:
-        print(f"{'case':10} {'tokens':>6} {'B':>2} {'base ms':>8} {'fvx ms':>8} {'ratio':>6} {'blocks ms':>9} "
+        print(f"{'case':14} {'tokens':>6} {'B':>2} {'base ms':>8} {'fvx ms':>8} {'ratio':>6} {'blocks ms':>9} "
               f"{'ratio':>6} {'model ms':>8} {'ratio':>6} {'compile ms':>10} {'blocks/compile':>14} "
               f"{'model/compile':>13} {'base MB':>8} {'fvx MB':>8} {'ratio':>6} "
               f"{'|dloss| step 0':>14}")
+    both = {}
     for case in () if args.dist_only else cases:
         row = run_case(case, args.repeats)
-        mem = {}
-        for variant in ("fvx", "baseline"):
-            cmd = [sys.executable, __file__, "--memory", case, variant]
-            if args.threads:
-                cmd += ["--threads", str(args.threads)]
-            mem[variant] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        mem = {variant: measure_memory(case, variant, args.threads) for variant in ("fvx", "baseline")}
+        if isinstance(CASES[case][0], LTX2Config):
+            both[case] = {**mem, "both": measure_memory(case, "both", args.threads)}
         base = row["baseline"]
-        print(f"{case:10} {row['tokens']:6d} {row['batch']:2d} {base * 1e3:8.1f} {row['fvx'] * 1e3:8.1f} "
+        print(f"{case:14} {row['tokens']:6d} {row['batch']:2d} {base * 1e3:8.1f} {row['fvx'] * 1e3:8.1f} "
               f"{row['fvx'] / base:6.2f} {row['fvx_blocks'] * 1e3:9.1f} {row['fvx_blocks'] / base:6.2f} "
               f"{row['fvx_model'] * 1e3:8.1f} {row['fvx_model'] / base:6.2f} "
               f"{row['compiled'] * 1e3:10.1f} {row['fvx_blocks'] / row['compiled']:14.2f} "
-              f"{row['fvx_model'] / row['compiled']:13.2f} {mem['baseline']:8.1f} {mem['fvx']:8.1f} {mem['fvx'] / mem['baseline']:6.2f} "
+              f"{row['fvx_model'] / row['compiled']:13.2f} {mem['baseline']:8.1f} {mem['fvx']:8.1f} "
+              f"{mem['fvx'] / mem['baseline']:6.2f} "
               f"{row['loss_diff_step0']:14.2e}")
+    if both:
+        print_both_branches(both)
     if not args.skip_dist:
         print_processes(args.repeats, args.threads, args.sp, tuple(c for c in cases if c in DIST_CASES))
 

@@ -335,8 +335,8 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
     groups = unit_groups(family, module)
     shapes = dfolder.param_shapes(module)
     architecture = tuple(dfolder.param_shapes(plain))
-    unused = family.unused(config) | frozenset(name for name in architecture if _owner_untrained(family, modalities,
-                                                                                                 name))
+    untrained_branch = frozenset(name for name in architecture if _owner_untrained(family, modalities, name))
+    unused = family.unused(config) | untrained_branch
     trained = (frozenset(flora.adapter_names(adapted)) if adapted
                else frozenset(name for name in architecture if not (config.frozen(name) or name in unused)))
     held = tuple(name for name in architecture if name not in trained)  # what a trained role holds frozen

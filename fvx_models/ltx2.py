@@ -139,7 +139,6 @@ AUDIO_PATTERNS = ("audio", "a2v", "v2a", "av_ca", "av_cross_attn")
 FastVideo's ``av_ca_video_scale_shift_adaln_single``: the a2v/v2a modulation of the video stream, which no other
 fragment catches)."""
 
-FFN_MULT = 4  # diffusers' FeedForward default, which LTX2VideoTransformerBlock keeps
 
 # LTX-2 trainer's timestep sampler (FastVideo's _sample_ltx2_sigmas): mu linear in the token count through
 # (1024, 0.95) and (4096, 2.05), unclamped; samples stretched between the normal's 0.5% and 99.9% quantiles
@@ -241,7 +240,7 @@ def output(config: ModelConfig, out: Any, x: torch.Tensor, t: torch.Tensor,
 def widths(config: ModelConfig) -> tuple[int, dict[str, tuple[int, int]]]:
     k = config.spec.kwargs
     dim = k["num_attention_heads"] * k["attention_head_dim"]
-    return dim, {"transformer_blocks": (dim, FFN_MULT * dim)}
+    return dim, {"transformer_blocks": (dim, 4 * dim)}  # diffusers' FeedForward default: 4x the width
 
 
 def owns_audio(name: str) -> bool:

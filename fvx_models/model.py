@@ -272,8 +272,8 @@ class Model:
             )
 
     def _joint_shapes(self, shapes: Any, where: str) -> dict[str, tuple[int, ...]]:
-        """``shapes`` as ``{modality: shape}``; a ValueError unless keyed by the modalities, each beside the first
-        ``[B, C, ...]`` of the video's batch and its channels."""
+        """``shapes`` as ``{modality: shape}``; a ValueError unless keyed by the modalities, each modality's shape
+        ``[B, C, ...]`` with the video's ``B`` and its own channels."""
         if not (isinstance(shapes, Mapping) and set(shapes) == set(self.modalities)):
             got = sorted(shapes) if isinstance(shapes, Mapping) else tuple(shapes)
             raise ValueError(f"{where} of model {self.name} must be latents of {', '.join(self.modalities)} "
