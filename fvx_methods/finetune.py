@@ -29,7 +29,7 @@ import msgspec
 import torch
 
 from fvx.config import Config
-from fvx.core import flow, role
+from fvx.core import flow, role, tree
 from fvx.core.state import Batch, Program
 from fvx_methods.library import one_role
 from fvx_models.model import Model
@@ -45,7 +45,7 @@ def loss_fn(params: dict, batch: Batch, key: torch.Tensor, *, model: Model,
     """The fine-tuning loss of ``batch`` (latents ``[B, C, T, H, W]``, the model's cond, sample_index ``[B]``)
     under the step key ``key``; aux holds the mean drawn ``sigma``. A joint model's latents are a dict of modalities
     (module docstring): the loss is the sum of theirs, each in aux as ``<modality>_finetune_loss``."""
-    x0 = model.normalize(_fp32(batch["latents"]))
+    x0 = model.normalize(tree.map_tensors(torch.Tensor.float, batch["latents"]))
     noise, t_keys = flow.per_sample_noise(key, batch["sample_index"], _sample_shapes(x0), _device(x0))
     if model.sigma_sampler is not None:
         sigma, t = model.sigma_sampler(t_keys, x0)
@@ -78,10 +78,6 @@ def logged(loss: torch.Tensor, aux: dict[str, torch.Tensor]) -> dict[str, torch.
 def _check(batch: Batch, model: Model, grad_accum: int) -> None:
     one_role.check_latents(batch, model)
     one_role.check_micro_batch(batch, model, grad_accum)
-
-
-def _fp32(latents: Any) -> Any:
-    return {name: x.float() for name, x in latents.items()} if isinstance(latents, Mapping) else latents.float()
 
 
 def _sample_shapes(x0: Any) -> Any:

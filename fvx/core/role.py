@@ -175,13 +175,14 @@ def micro_batches(batch: Mapping[str, Any], n: int) -> list[dict[str, Any]]:
     if n == 1:
         return [dict(batch)]
     m = size // n
-    return [_rows(batch, slice(i * m, (i + 1) * m)) for i in range(n)]
+    return [rows(batch, slice(i * m, (i + 1) * m)) for i in range(n)]
 
 
-def _rows(value: Any, rows: slice) -> Any:
+def rows(value: Any, part: slice) -> Any:
+    """The rows ``part`` (along dim 0) of a tensor, a list, or a dict of them (a cond, a joint model's latents)."""
     if isinstance(value, Mapping):
-        return {k: _rows(v, rows) for k, v in value.items()}
-    return value[rows]
+        return {k: rows(v, part) for k, v in value.items()}
+    return value[part]
 
 
 def accumulate(value_and_grad: Callable[..., Any], params: Params, batch: Mapping[str, Any], n: int, *args: Any,

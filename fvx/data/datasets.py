@@ -19,7 +19,7 @@ Batch dict (torch tensors except ``caption``)::
     image_embeds [B, N, D] float32         (kind "i2v" when the data has them: clip_feature, the CLIP image
                                             encoder's hidden states; FastVideo writes empty bytes for a model without)
     audio_latents [B, 2, 32, A] float32    (kind "t2va": audio_latent, the stereo audio VAE's latents [C, F, A] as
-                                            FastVideo's MiniMax-H3 preprocessing stores them; a stored leading 1 is
+                                            FastVideo's t2va preprocessing stores them; a stored leading 1 is
                                             dropped; every sample of a batch must have the same length A)
     audio_sample_rate [B] int64            (kind "t2va", when every file has the column: the waveform's rate, Hz)
     text         [B, text_len, D] float32  (text_embedding, zero-padded or cropped; zeroed for CFG-dropped samples)
@@ -378,7 +378,7 @@ def _decode(table: pa.Table, name: str, row: int, where: str) -> np.ndarray:
 
 
 def _audio(latents: np.ndarray, where: str) -> np.ndarray:
-    """Stored audio latents as ``[C, F, A]``: FastVideo's MiniMax-H3 preprocessing stores ``[2, 32, A]``; a leading
+    """Stored audio latents as ``[C, F, A]``: FastVideo's t2va preprocessing stores ``[2, 32, A]``; a leading
     batch dim of 1 (``[1, 2, 32, A]``) is dropped."""
     if latents.ndim == 4 and latents.shape[0] == 1:
         latents = latents[0]

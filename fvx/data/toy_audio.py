@@ -21,7 +21,7 @@ from fvx.config import Config
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 
-SAMPLES_PER_LATENT = 32  # one latent column: the channels of MiniMax-H3's audio latents [2, 32, A]
+SAMPLES_PER_LATENT = 32  # one latent column: the features of t2va audio latents [2, 32, A]
 SCALE = 2.0  # latents = SCALE * waveform: the tones (amplitude AMPLITUDE) fill [-1, 1] as the world's video latents do
 AMPLITUDE = 0.5  # of the louder channel
 PANS = {"left": (1.0, 0.5), "right": (0.5, 1.0)}  # (left, right) gains by direction; other directions: (1, 1)

@@ -31,7 +31,7 @@ import msgspec
 import torch
 
 from fvx.config import Config
-from fvx.core import flow, random
+from fvx.core import flow, random, role
 from fvx.training import callbacks as fcallbacks
 from fvx.training.tracking import Tracker
 
@@ -385,14 +385,10 @@ def guided(apply_fn: flow.ApplyFn, uncond: Callable[[Any], Any], guidance_scale:
 def one_at_a_time(apply_fn: flow.ApplyFn) -> flow.ApplyFn:
     """``apply_fn`` called sample by sample and the velocities stacked: a model that takes one sample per forward
     (``Model.one_sample``) sampling a batch of prompts (a joint model's dicts row by row)."""
-    def rows(value: Any, i: int) -> Any:
-        if isinstance(value, Mapping):
-            return {name: rows(part, i) for name, part in value.items()}
-        return value[i:i + 1]
-
     def apply(params: Any, x_t: Any, t: Any, cond: Any) -> Any:
         size = len(next(iter(t.values())) if isinstance(t, Mapping) else t)
-        outs = [apply_fn(params, rows(x_t, i), rows(t, i), rows(cond, i)) for i in range(size)]
+        one = [slice(i, i + 1) for i in range(size)]
+        outs = [apply_fn(params, role.rows(x_t, i), role.rows(t, i), role.rows(cond, i)) for i in one]
         if isinstance(outs[0], Mapping):
             return {name: torch.cat([out[name] for out in outs]) for name in outs[0]}
         return torch.cat(outs)

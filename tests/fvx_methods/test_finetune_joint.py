@@ -8,7 +8,7 @@ import torch
 
 from fvx import run
 from fvx.config import ConfigError
-from fvx.core import random
+from fvx.core import random, tree
 from fvx.core.optim_config import AdamWConfig
 from fvx.data.datasets import DataConfig
 from fvx.data.toy_world import WorldConfig
@@ -105,20 +105,10 @@ def test_ltx2s_audio_branch_gets_no_update_and_no_optimizer_state():
 
 
 def role_state_names(state) -> list[str]:
-    """Every param name the student's optimizer state holds a tensor for."""
-    names = []
-    for leaf in (state.roles["student"].opt_state,):
-        stack = [leaf]
-        while stack:
-            node = stack.pop()
-            if isinstance(node, dict):
-                names += [name for name, value in node.items() if isinstance(value, torch.Tensor)]
-                stack += [value for value in node.values() if not isinstance(value, torch.Tensor)]
-            elif isinstance(node, (tuple, list)):
-                stack += list(node)
-            elif hasattr(node, "_asdict"):
-                stack += list(node._asdict().values())
-    return names
+    """Every param name the student's optimizer state holds a tensor for (the last key of each leaf's path)."""
+    paths, leaves, _ = tree.flatten_with_path(state.roles["student"].opt_state)
+    return [path[-1] for path, leaf in zip(paths, leaves) if isinstance(leaf, torch.Tensor) and path
+            and isinstance(path[-1], str)]
 
 
 def test_ltx2_lora_adapts_the_video_branch_only():
