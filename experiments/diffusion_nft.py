@@ -9,10 +9,12 @@ HIT)`, MSE the pixel MSE to the nearest true clip of its prompt: 1 for a true cl
     python -m fvx.run experiments/diffusion_nft.py
 Each step samples 4 batches of 8 (2 prompts x 4 copies each) with the slow-moving old policy, scores them, and
 trains the student towards the better samples of each prompt's group, in one AdamW update (2 micro-batches x 3
-timesteps). `reward/avg` rises in TensorBoard; validation videos carry their reward in the caption. The recipe
-`world_lora` trains LoRA adapters instead (old policy and reference on the same frozen base). FastVideo's recipe is
-`wan21_t2v_1p3b_pick_clip` (Wan 2.1 T2V 1.3B, PickScore + CLIPScore from local CLIP folders, 4 ranks); point its
-paths at local folders:
+timesteps). It samples on evenly spaced levels (`method.sampling.spacing=even`: 1, 0.9, 0.75, 0.5 at shift 3), not
+FastVideo's `set_timesteps` levels (1, 0.858, 0.602, 0.0089), which at 4 steps spend one model call near 0 and
+leave the sample to a hop from 0.602. `reward/avg` rises in TensorBoard; validation videos carry their reward in the
+caption. The recipe `world_lora` trains LoRA adapters instead (old policy and reference on the same frozen base).
+FastVideo's recipe is `wan21_t2v_1p3b_pick_clip` (Wan 2.1 T2V 1.3B, PickScore + CLIPScore from local CLIP folders,
+4 ranks); point its paths at local folders:
     torchrun --nproc-per-node 4 -m fvx.run experiments/diffusion_nft.py:wan21_t2v_1p3b_pick_clip \
         models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers data.path=/data/pickscore_text_only_preprocessed \
         method.reward_models.pickscore.path=/models/PickScore_v1 \
@@ -52,8 +54,9 @@ config = DiffusionNFTWan(
     validation=ValidationConfig(every=50, num_prompts=8, num_steps=4, latent_shape=WORLD.latent_shape,
                                 display_scale=4),
     method=DiffusionNFT(
-        reward_fn={"world": 1.0}, sampling=Sampling(num_steps=4), flow_shift=3.0, num_batches_per_epoch=4,
-        num_video_per_prompt=4, train_batch_size=16, grad_accum=2, latent_shape=WORLD.latent_shape,
+        reward_fn={"world": 1.0}, sampling=Sampling(num_steps=4, spacing="even"), flow_shift=3.0,
+        num_batches_per_epoch=4, num_video_per_prompt=4, train_batch_size=16, grad_accum=2,
+        latent_shape=WORLD.latent_shape,
         optim=AdamWConfig(lr=1e-4, betas=(0.9, 0.999), weight_decay=1e-4, max_grad_norm=1.0), ema_decay=0.9,
     ),
 )
@@ -75,11 +78,14 @@ def wan21_t2v_1p3b_pick_clip() -> DiffusionNFTWan:
     """FastVideo's diffusion_nft_pick_clip.yaml: Wan 2.1 T2V 1.3B, full fine-tuning (a frozen reference copy; the
     old policy is the student's params in the state), one latent frame of 448x832 (single-frame RL), text-only
     PickScore prompts. Rewards PickScore + CLIPScore (weights 1, 1) of the first frame; 25-step Euler ODE sampling at
-    the pipeline's shift 8; per step 48 sampling batches of 24 prompts (4 ranks x 6), each prompt 24 times; inner
-    micro-batches of 24 (4 x 6), the first 24 of 25 timesteps, gradient accumulation 48 (one update per step); beta
-    0.1, kl_beta 1e-4, adv_clip_max 5, adv_mode all, old-policy decay type 1; AdamW lr 3e-5, betas (0.9, 0.999),
-    weight decay 1e-4, constant, clip 1; EMA 0.9 from the first update, validated; 100000 steps, checkpoints every
-    30 (the newest 3 kept); validation every 10 steps, 16 prompts, 40 steps at shift 8, seed 42."""
+    the pipeline's shift 8 on the levels of ``FlowMatchEulerDiscreteScheduler(shift=8).set_timesteps(25)`` as
+    FastVideo's sampler (sigma 1 ... 0.293, 0.060); per step 48 sampling batches of 24 prompts (4 ranks x 6), each
+    prompt 24 times; inner micro-batches of 24 (4 x 6), the first 24 of the 25 levels (sigma 1 ... 0.293), gradient
+    accumulation 48 (one update per step); beta 0.1, kl_beta 1e-4, adv_clip_max 5, adv_mode all, old-policy decay
+    type 1; AdamW lr 3e-5, betas (0.9, 0.999), weight decay 1e-4, constant, clip 1; EMA 0.9 from the first update,
+    validated; 100000 steps, checkpoints every 30 (the newest 3 kept); validation every 10 steps, 16 prompts, 40
+    steps at shift 8 on the same scheduler's levels (FastVideo's validation reuses ``method.sampling`` with its own
+    step count: sigma 1 ... 0.060), seed 42."""
     wan = WanConfig(preset="wan2.1-t2v-1.3b", path="models/Wan2.1-T2V-1.3B-Diffusers", compute_dtype="bf16",
                     remat=True, compile="blocks")
     return DiffusionNFTWan(
@@ -95,7 +101,8 @@ def wan21_t2v_1p3b_pick_clip() -> DiffusionNFTWan:
             reward_models={"pickscore": RewardModel(path="models/PickScore_v1",
                                                     processor="models/CLIP-ViT-H-14-laion2B-s32B-b79K"),
                            "clipscore": RewardModel(path="models/clip-vit-large-patch14")},
-            sampling=Sampling(num_steps=25, scheduler="flow_match_euler", trajectory="ode"), flow_shift=8.0,
+            sampling=Sampling(num_steps=25, scheduler="flow_match_euler", spacing="set_timesteps", trajectory="ode"),
+            flow_shift=8.0,
             num_batches_per_epoch=48, num_inner_epochs=1, num_video_per_prompt=24, train_batch_size=24,
             grad_accum=48, timestep_fraction=0.99, beta=0.1, kl_beta=1e-4, decay_type=1, adv_mode="all",
             adv_clip_max=5.0,

@@ -1,7 +1,10 @@
 """Fine-tune LTX-Video text-to-video with flow matching; its recipe is a LoRA (Lightricks' LTX-Video-Trainer defaults).
 
-The default is the tiny preset on synthetic latents (validation logs latent previews: fvx has no tiny LTX VAE), a
-minute on a 2-core CPU:
+Training noise levels are LTX-Video-Trainer's for every run (the family's sampler, ``fvx_models.ltx_video``): sigma =
+sigmoid(N(mu, 1)) with mu of the latents' token count (``models.student.timestep_sampling=uniform`` for its U(0, 1)
+mode); the method's ``weighting_scheme`` is refused and its ``flow_shift`` unused. The default is the tiny preset on
+synthetic latents (validation logs latent previews: fvx has no tiny LTX VAE), 128 tokens (mu 0.63, median sigma 0.65),
+a minute on a 2-core CPU:
     python -m fvx.run experiments/finetune_ltx_video.py
 The real 2B model is the same file with overrides, on data preprocessed with T5-XXL (4096 wide; LTXPipeline pads to
 128 tokens) and the LTX VAE (128 channels, 8x32x32 compression). Latents the VAE encoded and nobody normalised need
@@ -35,7 +38,7 @@ from fvx_models.ltx_video import LTXVideoConfig
 TRAINER_LORA = LoRAConfig(rank=32, alpha=32.0, target_modules=("to_k", "to_q", "to_v", "to_out.0"))
 BUCKET = (89, 448, 768)  # frames, height, width: LTX-Video-Trainer's validation size and its documented bucket
 LATENT_BUCKET = (ltx_video.CHANNELS, (BUCKET[0] - 1) // 8 + 1, BUCKET[1] // 32, BUCKET[2] // 32)  # [128, 12, 14, 24]
-MU = ltx_video.shift_mu(math.prod(LATENT_BUCKET[1:]))  # 4032 tokens -> 2.027
+MU = ltx_video.shift_mu(math.prod(LATENT_BUCKET[1:]))  # 4032 tokens -> 2.027: validation's shift e^mu
 
 
 class FinetuneLTXVideo(Experiment):
@@ -49,8 +52,8 @@ config = FinetuneLTXVideo(
                                                                         text_len=8, text_dim=16)),
     models={"student": LTXVideoConfig(preset="tiny")},
     validation=ValidationConfig(every=100, num_prompts=2, flow_shift=3.0),
-    method=Finetune(flow_shift=3.0, optim=AdamWConfig(lr=1e-3, weight_decay=0.01, max_grad_norm=1.0,
-                                                      schedule="cosine", warmup_steps=20)),
+    method=Finetune(optim=AdamWConfig(lr=1e-3, weight_decay=0.01, max_grad_norm=1.0, schedule="cosine",
+                                      warmup_steps=20)),
 )
 
 
@@ -61,13 +64,15 @@ def ltxv_2b_lora() -> FinetuneLTXVideo:
     bf16, bf16 compute, no gradient checkpointing; torch AdamW on the adapters (lr 2e-4, betas (0.9, 0.999), eps 1e-8,
     weight decay 0.01), clip 1, LinearLR from 1.0 to 0.1 of the lr over the run (fvx's polynomial schedule, power 1,
     down to 2e-5), no warmup; batch 1, no accumulation, seed 42, 1500 steps, a checkpoint every 250 (all kept).
-    Timesteps: its shifted logit-normal, sigma = sigmoid(N(mu, 1)) with mu of the token count (LTXPipeline's
-    resolution shift), at the bucket 768x448x89 (its validation size: 12x14x24 latents, 4032 tokens, mu 2.03) on
-    fvx's unshifted 1000-level grid. Captions: its T5 length, 256 tokens. Validation every 100 steps: 2 prompts at
-    768x448x89, 50 steps at guidance 3.5, seed 42, the scheduler's shift e^mu (7.59) for that size. ``fps``: the
-    pipeline's 25 (LTX-Video-Trainer reads each clip's; set ``models.student.fps`` to your clips'). Not carried
-    over: its first-frame conditioning of 10% of the samples (fvx trains text-to-video) and its negative validation
-    prompt (give one as a cond file: ``validation.cfg_uncond=negative_prompt validation.negative_prompt_path=...``)."""
+    Timesteps: its shifted logit-normal (``timestep_samplers.py``; the family's sampler, so the method names no
+    density): sigma = sigmoid(N(mu, 1)), continuous, with mu of the batch's token count (LTXPipeline's resolution
+    shift), at the bucket 768x448x89 (its validation size: 12x14x24 latents, 4032 tokens, mu 2.03, median sigma
+    0.884); the DiT is given round(1000 sigma). Captions: its T5 length, 256 tokens. Validation every 100 steps: 2
+    prompts at 768x448x89, 50 steps at guidance 3.5, seed 42, the scheduler's shift e^mu (7.59) for that size.
+    ``fps``: the pipeline's 25 (LTX-Video-Trainer reads each clip's; set ``models.student.fps`` to your clips'). Not
+    carried over: its first-frame conditioning of 10% of the samples (fvx trains text-to-video) and its negative
+    validation prompt (give one as a cond file: ``validation.cfg_uncond=negative_prompt
+    validation.negative_prompt_path=...``)."""
     return FinetuneLTXVideo(
         run=RunConfig(seed=42, steps=1500, output_dir="outputs/ltxv_lora",
                       checkpoint=CheckpointConfig(every=250, keep_latest=None)),
@@ -77,8 +82,7 @@ def ltxv_2b_lora() -> FinetuneLTXVideo:
                                           frozen_dtype="bf16", remat=False, lora=TRAINER_LORA)},
         validation=ValidationConfig(every=100, num_prompts=2, latent_shape=LATENT_BUCKET, num_steps=50,
                                     flow_shift=math.exp(MU), guidance_scale=3.5, seed=42),
-        method=Finetune(weighting_scheme="logit_normal", logit_mean=MU, logit_std=1.0, flow_shift=1.0,
-                        optim=AdamWConfig(lr=2e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+        method=Finetune(optim=AdamWConfig(lr=2e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
                                           max_grad_norm=1.0, schedule="polynomial", power=1.0, lr_end=2e-5,
                                           warmup_steps=0)),
     )

@@ -92,7 +92,9 @@ def world_attn_qat() -> FinetuneWan:
 def wan21_t2v_1p3b_attn_qat() -> FinetuneWan:
     """Stage 1 of FastVideo's QAD scenario (scenario/qad_wan2_1_mixkit/stage1_attn_qat_finetune.yaml): Wan 2.1 T2V
     1.3B fine-tuned with fake-quantized attention (``attention=qat``: FastVideo's ATTN_QAT_TRAIN), 4 ranks in one
-    sequence-parallel group (``--sp 4``: global batch 1), 10% CFG dropout, flow shift 1, 20 latent frames of 480x832
+    sequence-parallel group (``--sp 4``: global batch 1), 10% CFG dropout, training at shift 3 (the YAML sets no
+    ``models.student.flow_shift``, so FastVideo's ``WanModel`` keeps its default 3.0, ``fastvideo/train/models/wan/
+    wan.py:69,94``; its ``pipeline.flow_shift: 1`` is the validation's), 20 latent frames of 480x832
     from the HD-Mixkit latents; AdamW lr 1e-6, betas (0.9, 0.999), weight decay 0.01, constant, clip 1; 4000 steps,
     checkpoints every 500 (all kept); validation every 50 steps (50 steps at guidance 5):
         torchrun --nproc-per-node 4 -m fvx.run experiments/finetune_wan.py:wan21_t2v_1p3b_attn_qat --sp 4"""
@@ -104,7 +106,7 @@ def wan21_t2v_1p3b_attn_qat() -> FinetuneWan:
                         cfg_rate=0.1, num_latent_t=20),
         models={"student": msgspec.structs.replace(base.models["student"], attention="qat")},
         validation=ValidationConfig(every=50, num_prompts=4, num_steps=50, flow_shift=1.0, guidance_scale=5.0),
-        method=msgspec.structs.replace(base.method, flow_shift=1.0))
+        method=msgspec.structs.replace(base.method, flow_shift=3.0))
 
 
 @recipe

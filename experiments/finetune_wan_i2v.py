@@ -58,7 +58,7 @@ def _wan21_i2v_14b_480p(lora: LoRAConfig | None, output_dir: str) -> FinetuneWan
                                      compute_dtype="bf16", remat=True, lora=lora)},
         validation=ValidationConfig(every=100, num_prompts=4, num_steps=40, flow_shift=3.0, guidance_scale=6.0),
         method=Finetune(optim=AdamWConfig(lr=1e-5, betas=(0.9, 0.999), weight_decay=1e-4, max_grad_norm=1.0,
-                                          schedule="constant"), flow_shift=3.0),
+                                          schedule="constant"), flow_shift=1.0),
     )
 
 
@@ -68,8 +68,12 @@ def wan21_i2v_14b_480p() -> FinetuneWanI2V:
     ranks in one sequence-parallel group (``--sp 8``) of train_batch_size 1: global batch 1; 8 latent frames of
     480x832 (77 video frames), CFG dropout 0.1, full remat, bf16 compute over fp32 masters; AdamW lr 1e-5, weight
     decay 1e-4, clip 1, constant; 2000 steps, checkpoints every 1000 (the newest 3 kept); validation every 100, 40
-    steps at guidance 6. Its ``ema_start_step 0`` and ``num_euler_timesteps`` are for its distillation pipelines and
-    have no effect on fine-tuning."""
+    steps at guidance 6 at the pipeline's flow shift 3. Training noise levels on the unshifted grid (``flow_shift``
+    1: sigma uniform on {0.001, ..., 1}, mean 0.5): its legacy pipeline (``fastvideo/training/
+    wan_i2v_training_pipeline.py``) builds a shift-3 scheduler, but ``TrainingPipeline.train`` replaces it by
+    diffusers' ``FlowMatchEulerDiscreteScheduler()`` (shift 1) before the first step (``training_pipeline.py:536``),
+    and the uniform ``u`` indexes that (``_sample_timesteps``). Its ``ema_start_step 0`` and ``num_euler_timesteps``
+    are for its distillation pipelines and have no effect on fine-tuning."""
     return _wan21_i2v_14b_480p(None, "checkpoints/wan_i2v_finetune")
 
 

@@ -127,6 +127,12 @@ def print_fields(config: fconfig.Config, experiment_file: str) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+def _warn(config: fconfig.Config) -> None:
+    """The config's legal contradictions (fvx.training.experiment.config_warnings), one line each on stderr."""
+    for line in experiment.config_warnings(config):
+        print(f"warning: {line}", file=sys.stderr)
+
+
 def _error(error: BaseException, rank: int = 0) -> int:
     """Bad input: one line on stderr (rank 0's), exit status 2. Under torchrun each rank also leaves the line in its
     error file, which torchrun's failure summary shows as the root cause instead of a traceback hint."""
@@ -158,8 +164,10 @@ def train_main(argv: Sequence[str]) -> int:
                                  "(drop --resume: the config and the memory are the same)")
             world = args.world if args.world is not None else int(os.environ.get("WORLD_SIZE", "1"))
             video = None if args.video is None else dry_run.parse_video(args.video)
-            print(dry_run.report(config, world=world, video=video, replicate=args.replicate,
-                                 sp=args.sp, device_memory_gib=args.device_memory))
+            table = dry_run.report(config, world=world, video=video, replicate=args.replicate,
+                                   sp=args.sp, device_memory_gib=args.device_memory)
+            _warn(config)
+            print(table)
             return 0
         d = processes.init_distributed()
         jax_started = processes.init_jax_distributed(d)  # orbax's primary process for sharded checkpoints
@@ -194,6 +202,8 @@ def train_here(args: argparse.Namespace, config: fconfig.Config, d: processes.Di
                              overrides=tuple(overrides_of(args)))
     except BAD_INPUT as error:
         return _error(error, d.rank)
+    if d.rank == 0:
+        _warn(config)
     if args.replicate != 1 and d.world == 1:
         say(f"note: --replicate {args.replicate} has no effect in a single process (it groups the ranks of a "
             "torchrun launch)", file=sys.stderr)
@@ -298,10 +308,14 @@ def export_main(argv: Sequence[str]) -> int:
     parser.add_argument("--lora", action="store_true", help="export a LoRA role's adapters (without it, a LoRA role "
                                                             "exports with its adapters merged into the weights)")
     parser.add_argument("--format", help=(
-        "whole weights: diffusers (the default; a pipeline folder) or comfyui (one file in the model's original "
-        "layout, for ComfyUI's Load Diffusion Model; Wan families); with --lora: peft (the default; "
-        "pytorch_lora_weights.safetensors for diffusers' load_lora_weights), comfyui (lora_down/lora_up/alpha under "
-        "the original module names) or musubi (musubi-tuner's lora_unet_ keys)"))
+        "whole weights: diffusers (the default; a pipeline folder) or comfyui (RUN.safetensors, RUN the run folder's "
+        "name, RUN_ema with --ema, in the model's original layout, for ComfyUI's Load Diffusion Model and "
+        "musubi-tuner's --dit; Wan families; Wan 2.2 A14B: RUN_high_noise and RUN_low_noise); with --lora: peft (the "
+        "default; "
+        "pytorch_lora_weights.safetensors for diffusers' load_lora_weights; ComfyUI and musubi-tuner ignore its keys), "
+        "comfyui (RUN_lora_comfyui.safetensors: lora_down/lora_up/alpha under the original module names, for "
+        "ComfyUI's LoraLoaderModelOnly) or musubi (RUN_lora_musubi.safetensors: lora_unet_ keys, for musubi-tuner's "
+        "--lora_weight)"))
     parser.add_argument("--dtype", help="whole weights: write every param in fp32 or bf16 (default: the trained "
                                         "params as trained, fp32; a LoRA's merged base as the base folder stores it)")
     args = parser.parse_args(argv)

@@ -110,11 +110,17 @@ class AnyFlow(dmd2.DMD2, tag="anyflow"):
                            + ("" if self.use_mean_velocity else " (r = t: Euler)"),
                 "timesteps": schedule(self).tolist()}
 
-    def build(self, models: Mapping[str, Model], *, total_steps: int, ranks: role.Ranks = role.ONE_PROCESS,
-              before_update: role.BeforeUpdate | None = None) -> Program:
-        """The loop's Program (``dm.program``); a student without the r input fails before any weights load."""
+    def check_models(self, models: Mapping[str, Model]) -> None:
+        """``dm``'s refusals, and a student without the r input its jumps need: ``dm.program`` and the dry run call
+        it."""
+        super().check_models(models)
         if self.use_mean_velocity:
             flow_map.check_two_time(models[STUDENT], self.roles.student, "AnyFlow")
+
+    def build(self, models: Mapping[str, Model], *, total_steps: int, ranks: role.Ranks = role.ONE_PROCESS,
+              before_update: role.BeforeUpdate | None = None) -> Program:
+        """The loop's Program (``dm.program``); a student without the r input fails before any weights load
+        (:meth:`check_models`)."""
         return dm.program(self, models, total_steps=total_steps, ranks=ranks, before_update=before_update,
                           step_=step_, check=dm.check_batch, validate=validate)
 

@@ -19,7 +19,10 @@ where ``t +- epsilon`` leaves [0, 1000] as FastVideo's docstring promises, or ex
 drawn from its key (FastVideo takes the first ``int(ratio B)`` of each rank's batch), the weights are divided by
 their mean under the time density (FastVideo by the rank batch's sum over 1000, a loss scale of ``1000 / B``), and
 the diffusion mean is over the step's micro-batch on every rank (FastVideo: the rank's), so 1 process computes what
-N do.
+N do; and the times stay fp32 everywhere (``t``, ``r``, ``t +- epsilon``, ``t - r``), where FastVideo casts ``t`` and
+``r`` to the latents' dtype, bf16 (``fastvideo/train/methods/distribution_matching/anyflow_pretrain.py:254,269-270``):
+that rounds them to multiples of 4 from 512 up (``t = 999`` is 1000), and its central difference then spans the 8
+timesteps between ``bf16(t + 5)`` and ``bf16(t - 5)`` while dividing by 10.
 """
 from __future__ import annotations
 
@@ -149,16 +152,22 @@ class AnyFlowPretrain(one_role.OneRoleConfig, tag="anyflow_pretrain"):
         """How the student is sampled as trained (recorded on export)."""
         return flow_map.sampling(self.sample_steps, self.shift) if role_name == STUDENT else None
 
-    def build(self, models: Mapping[str, Model], *, total_steps: int, ranks: role.Ranks = role.ONE_PROCESS,
-              before_update: role.BeforeUpdate | None = None) -> Program:
-        """The loop's program for the two-time student; its r input, the derivative's mode and the negative prompt
-        are checked now, before any weight loads."""
+    def check_models(self, models: Mapping[str, Model]) -> None:
+        """The student's r input and the derivative's mode, from its skeleton: :meth:`build` and the dry run call
+        it."""
         check_shared_data(models, data_role=STUDENT)
         model = models[STUDENT]
         flow_map.check_two_time(model, self.roles.student, self.name)
         derivatives.check_mode(self.derivative, compiled=model.compile_stats is not None,
                                sharded=model.layout is not None, who="method.derivative",
                                no_forward_ad=model.forward_ad_refusal)
+
+    def build(self, models: Mapping[str, Model], *, total_steps: int, ranks: role.Ranks = role.ONE_PROCESS,
+              before_update: role.BeforeUpdate | None = None) -> Program:
+        """The loop's program for the two-time student; its r input, the derivative's mode (:meth:`check_models`)
+        and the negative prompt are checked now, before any weight loads."""
+        self.check_models(models)
+        model = models[STUDENT]
         negative = (None if self.negative_prompt_path is None or self.fuse_guidance_scale == 1.0
                     else model.load_negative(self.negative_prompt_path, "method.negative_prompt_path"))
         loss = functools.partial(loss_fn, model=model, config=self, ranks=ranks, negative=negative)

@@ -201,9 +201,8 @@ class CausalCD(one_role.OneRoleConfig, tag="causal_cd"):
         """The loop's program: the student trains (its EMA in its state), the teacher is frozen (made once by the
         loop, in its ``frozen_dtype``). Roles, latent spaces, cond and the negative-prompt file are checked now,
         before any weight loads."""
-        check_shared_data(models, data_role=STUDENT)
+        self.check_models(models)
         student, teacher, ema_model = models[STUDENT], models[TEACHER], models[EMA]
-        check_roles(student, teacher, ema_model, self)
         negative = (None if self.negative_prompt_path is None
                     else student.load_negative(self.negative_prompt_path, "method.negative_prompt_path"))
         loss = functools.partial(loss_fn, student=student, teacher=teacher, config=self, negative=negative)
@@ -212,6 +211,18 @@ class CausalCD(one_role.OneRoleConfig, tag="causal_cd"):
                                 check=lambda batch: check_batch(batch, student, teacher, self, negative),
                                 samplers=lambda params, is_ema, _: samplers(params, is_ema, student, self),
                                 frozen_roles={TEACHER: teacher}, loss_inputs=loss_inputs, ema_model=ema_model)
+
+
+    def check_models(self, models: Mapping[str, Model]) -> None:
+        """The roles' refusals from their skeletons (shared latent space, :func:`check_roles`): :meth:`build` and the
+        dry run call it."""
+        check_shared_data(models, data_role=STUDENT)
+        check_roles(models[STUDENT], models[TEACHER], models[EMA], self)
+
+    def check_latent_frames(self, models: Mapping[str, Model], frames: int) -> None:
+        """Samples of ``frames`` latent frames that are not whole blocks of a causal role (:func:`check_blocks`: the
+        batch check's, and the dry run's on the samples it estimates)."""
+        check_blocks(frames, models[STUDENT], models[TEACHER], self)
 
 
 def check_roles(student: Model, teacher: Model, ema_model: Model, config: CausalCD) -> None:
@@ -257,16 +268,21 @@ def check_batch(batch: Batch, student: Model, teacher: Model, config: CausalCD, 
     (and a causal teacher's), ``grad_accum`` does not divide it, or guidance has no unconditional cond (once, before
     the first step)."""
     one_role.check_latents(batch, student)
-    frames = batch["latents"].shape[2]
+    check_blocks(batch["latents"].shape[2], student, teacher, config)
+    one_role.check_grad_accum(batch, config.grad_accum)
+    if config.guidance_scale != 1.0:
+        teacher.uncond(batch["cond"], config.cfg_uncond, negative)  # a negative prompt is there when needed
+
+
+def check_blocks(frames: int, student: Model, teacher: Model, config: CausalCD) -> None:
+    """A one-line ValueError when ``frames`` latent frames are not whole blocks of the student's (or a causal
+    teacher's)."""
     for name, model in ((config.roles.student, student), (config.roles.teacher, teacher)):
         if model.causal is not None and frames % model.causal.frames_per_block:
             size = model.causal.frames_per_block
             raise ValueError(f"batch latents have {frames} latent frames, not whole blocks of models.{name}'s "
                              f"num_frames_per_block = {size}: teacher forcing needs whole blocks (set "
                              f"data.num_latent_t to a multiple of {size})")
-    one_role.check_grad_accum(batch, config.grad_accum)
-    if config.guidance_scale != 1.0:
-        teacher.uncond(batch["cond"], config.cfg_uncond, negative)  # a negative prompt is there when needed
 
 
 def samplers(params: Params, is_ema: bool, model: Model, config: CausalCD) -> list[validation.Sampler]:

@@ -148,13 +148,22 @@ class DFSFT(one_role.OneRoleConfig, tag="dfsft"):
         ``chunk_size`` frames: checked now, before any weight loads) and the run length. Validation samples the
         student as it runs: block by block from noise on the many-step ODE, each block attending to the KV cache
         of the clean blocks before it, at the validation's classifier-free guidance."""
+        self.check_models(models)
         model = models[STUDENT]
-        check_student(model, self)
         streamed = functools.partial(streaming.draw, model.causal, sampler="ode")
         return one_role.program(self, model, total_steps=total_steps, ranks=ranks, before_update=before_update,
                                 loss=functools.partial(loss_fn, model=model, config=self),
                                 check=lambda batch: check_batch(batch, model, self),
                                 samplers=one_role.many_step_samplers(model, draw=streamed))
+
+    def check_models(self, models: Mapping[str, Model]) -> None:
+        """The student's refusals (:func:`check_student`), from its skeleton: :meth:`build` and the dry run call it."""
+        check_student(models[STUDENT], self)
+
+    def check_latent_frames(self, models: Mapping[str, Model], frames: int) -> None:
+        """Samples of ``frames`` latent frames that are not whole chunks (:func:`check_chunks`: the batch check's, and
+        the dry run's on the samples it estimates)."""
+        check_chunks(frames, self)
 
     def sampling(self, role_name: str) -> dict | None:
         """How the student is sampled as trained (recorded on export): block-causally, block by block."""
@@ -180,7 +189,12 @@ def check_batch(batch: Batch, model: Model, config: DFSFT) -> None:
     """A one-line ValueError when the batch's latents do not fit the model or are not a whole number of chunks, or
     ``grad_accum`` does not divide it (once, before the first step)."""
     one_role.check_latents(batch, model)
-    frames = batch["latents"].shape[2]
+    check_chunks(batch["latents"].shape[2], config)
+    one_role.check_grad_accum(batch, config.grad_accum)
+
+
+def check_chunks(frames: int, config: DFSFT) -> None:
+    """A one-line ValueError when ``frames`` latent frames are not a whole number of chunks."""
     if frames % config.chunk_size:
         chunk, rest = config.chunk_size, frames % config.chunk_size
         fix = f"data.num_latent_t = {frames - rest}" if frames > chunk else f"clips of {chunk} latent frames or more"
@@ -188,4 +202,3 @@ def check_batch(batch: Batch, model: Model, config: DFSFT) -> None:
                          f"{chunk} frames: FastVideo's training mask would end on a short block, frames "
                          f"[{frames - rest}, {frames}) (its Self-Forcing rollout puts the remainder first, its causal "
                          f"sampler refuses it), fvx requires frames % chunk_size == 0 (e.g. {fix})")
-    one_role.check_grad_accum(batch, config.grad_accum)

@@ -280,14 +280,26 @@ def _means(logs: list[dict[str, torch.Tensor]], ranks: role.Ranks) -> Metrics:
 # ----------------------------------------------------------------------------------------------------- the build
 
 
+Spacing = Literal["set_timesteps", "even"]
+
+
 class Sampling(Config):
-    """How the old policy samples (FastVideo's ``method.sampling``): ``num_steps`` Euler levels ``1 - k / K``
-    shifted by ``flow_shift`` (None: the method's ``flow_shift``; FastVideo's ``inherit``), or an explicit descending
-    ``sigmas`` schedule in (0, 1]; ``trajectory`` the Euler ODE or ``sde_reflow`` (x0 predicted and re-noised at each
-    level). ``scheduler``: both of FastVideo's names are the flow-matching Euler schedule here."""
+    """How the old policy samples (FastVideo's ``method.sampling``): ``num_steps`` levels laid out by ``spacing`` at
+    shift ``flow_shift`` (None: the method's ``flow_shift``; FastVideo's ``inherit``), or an explicit descending
+    ``sigmas`` schedule in (0, 1], used as given; ``trajectory`` the Euler ODE or ``sde_reflow`` (x0 predicted and
+    re-noised at each level). ``scheduler``: both of FastVideo's names are the flow-matching Euler schedule here.
+
+    ``spacing``: ``set_timesteps``, FastVideo's (its sampler calls ``FlowMatchEulerDiscreteScheduler(shift=s)
+    .set_timesteps(num_steps)``; ``fvx.core.flow.scheduler_sigmas``): timesteps evenly spaced from 1000 down to the
+    scheduler's smallest shifted training level, then shifted again, so the low end is shifted twice (shift 8, 25
+    steps: 1 ... 0.293, 0.060); ``even``: the levels ``1 - k / K`` shifted once (``validation.many_step_sigmas``;
+    shift 8, 25 steps: 1 ... 0.410, 0.250), whose last hop starts higher but which, at few steps and a low shift,
+    spends no model call near 0 (shift 3, 4 steps: 1, 0.9, 0.75, 0.5 against 1, 0.858, 0.602, 0.0089). Validation
+    samples with the same spacing at its own ``num_steps`` and ``flow_shift``, as FastVideo's does."""
 
     num_steps: PositiveInt = 25
     scheduler: Literal["flow_match_euler", "model_default"] = "flow_match_euler"
+    spacing: Spacing = "set_timesteps"
     trajectory: rl.Trajectory = "ode"
     flow_shift: Positive | None = None
     sigmas: tuple[float, ...] | None = None
@@ -298,11 +310,19 @@ class Sampling(Config):
             raise ValueError(f"method.sampling.sigmas must be strictly descending levels in (0, 1], got "
                              f"{list(self.sigmas)}")
 
+    def levels(self, num_steps: int, shift: float) -> torch.Tensor:
+        """``num_steps`` levels ``[K]`` fp32, descending, laid out by ``spacing`` at ``shift`` (the samplers end at
+        0)."""
+        if self.spacing == "even":
+            return validation.many_step_sigmas(num_steps, shift)
+        return flow.scheduler_sigmas(shift, num_steps)
+
     def schedule(self, shift: float) -> torch.Tensor:
-        """The sampling levels ``[L]`` (the samplers end at 0)."""
+        """The sampling levels ``[L]`` (the samplers end at 0): the explicit ``sigmas``, or :meth:`levels` of
+        ``num_steps`` at ``flow_shift`` (else ``shift``, the method's)."""
         if self.sigmas is not None:
             return torch.tensor(self.sigmas, dtype=torch.float32)
-        return validation.many_step_sigmas(self.num_steps, self.flow_shift or shift)
+        return self.levels(self.num_steps, self.flow_shift or shift)
 
 
 class RewardModel(Config):
@@ -328,7 +348,9 @@ class DiffusionNFT(Config, tag="diffusion_nft"):
     sampling: the old policy's sampler (:class:`Sampling`); flow_shift: the sampling schedule's shift
         (``pipeline.flow_shift``).
     num_batches_per_epoch: sampling batches of ``data.batch_size`` prompts (global: FastVideo's
-        ``sample_train_batch_size`` x ranks) per step; num_video_per_prompt: the group size K.
+        ``sample_train_batch_size`` x ranks) per step; num_video_per_prompt: the copies K of each prompt in a
+        sampling batch (a group is every copy of a prompt over the step's batches, so with K = 1 only prompts that
+        recur across them get an advantage: refused with one batch per step, where none can).
     train_batch_size: the inner loop's micro-batch (global; None: ``data.batch_size``); grad_accum: micro-batches per
         update (FastVideo's ``loop.gradient_accumulation_steps``): an update every ``grad_accum x T_tr`` micro-steps.
     num_inner_epochs, timestep_fraction, adv_clip_max, adv_mode, beta, kl_beta, decay_type: as FastVideo's.
@@ -370,6 +392,9 @@ class DiffusionNFT(Config, tag="diffusion_nft"):
                                  f"({', '.join(self.reward_fn)})")
         if self.optim.lr <= 0:
             raise ValueError(f"DiffusionNFT needs method.optim.lr > 0, got {self.optim.lr}")
+        if self.num_video_per_prompt == 1 and self.num_batches_per_epoch == 1:
+            raise ValueError("method.num_video_per_prompt=1 with method.num_batches_per_epoch=1 samples each prompt "
+                             "of a step once: every group is one sample, every advantage 0, and no reward trains")
         if self.ema_decay:
             ema.check_decay(self.ema_decay)
 
@@ -463,12 +488,14 @@ def check_batch(batch: Batch, model: Model, config: DiffusionNFT) -> None:
 
 def validate(state: TrainState, frozen: Mapping[str, Params], validation_config: validation.ValidationConfig, *,
              roles: Roles, config: DiffusionNFT) -> list[validation.Sampler]:
-    """The student (its EMA when kept and ``validate_ema``) on the validation's schedule with the method's
-    trajectory, its videos scored by the rewards (in their captions and as ``validation/<tag>/reward/<k>``)."""
+    """The student (its EMA when kept and ``validate_ema``) on ``validation_config.num_steps`` levels at its
+    ``flow_shift``, laid out by the sampling's ``spacing`` (FastVideo's RL validation reuses ``method.sampling``
+    with the validation's step count), with the method's trajectory, its videos scored by the rewards (in their
+    captions and as ``validation/<tag>/reward/<k>``)."""
     student = state.roles[STUDENT]
     ema = student.ema is not None and config.validate_ema
     params = role.with_trained(frozen.get(STUDENT), student.ema if ema else student.params)
-    sigmas = validation.many_step_sigmas(validation_config.num_steps, validation_config.flow_shift)
+    sigmas = config.sampling.levels(validation_config.num_steps, validation_config.flow_shift)
     sampler = rl.SAMPLER[config.sampling.trajectory]
 
     def score(video: torch.Tensor, captions: list[str]) -> dict[str, torch.Tensor]:

@@ -8,7 +8,10 @@ training-grid entry at ``floor(1000 u)``, ``x_t = (1 - sigma) x0 + sigma noise``
 
 Noise and timesteps come from ``fold_in(step_key, global_sample_index)``, so a sample draws the same numbers whatever
 the number of ranks or micro-batches. A model with its own training noise levels (``Model.sigma_sampler``: LTX-2's
-shifted logit-normal, MiniMax-H3's coupled draws) draws ``sigma`` with it instead of the density and grid.
+stretched and LTX-Video's shifted logit-normal, MiniMax-H3's coupled draws) draws ``sigma`` with it instead of the
+density and grid (:func:`draw_sigmas`). A model that trains one timestep range per step (``Model.step_ranges``: Wan
+2.2 A14B, one expert per step) draws the step's range from the step key and its samples' levels in it
+(:func:`step_range_sigmas`).
 
 A joint model (``Model.joint``: MiniMax-H3's video and audio) takes every modality at its own noise and level, and the
 loss is the sum of the modalities' losses, each logged (FastVideo's ``video_finetune_loss``, ``audio_finetune_loss``):
@@ -23,16 +26,17 @@ global norms and the logged loss averaged over ranks.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Annotated, Any, ClassVar, Literal, Mapping
 
 import msgspec
 import torch
 
 from fvx.config import Config
-from fvx.core import flow, role, tree
+from fvx.core import flow, random, role, tree
 from fvx.core.state import Batch, Program
 from fvx_methods.library import one_role
-from fvx_models.model import Model
+from fvx_models.model import Model, StepRange
 
 STUDENT = one_role.STUDENT
 
@@ -47,12 +51,8 @@ def loss_fn(params: dict, batch: Batch, key: torch.Tensor, *, model: Model,
     (module docstring): the loss is the sum of theirs, each in aux as ``<modality>_finetune_loss``."""
     x0 = model.normalize(tree.map_tensors(torch.Tensor.float, batch["latents"]))
     noise, t_keys = flow.per_sample_noise(key, batch["sample_index"], _sample_shapes(x0), _device(x0))
-    if model.sigma_sampler is not None:
-        sigma, t = model.sigma_sampler(t_keys, x0)
-    else:
-        grid = flow.training_sigmas(config.flow_shift, device=_device(x0))
-        sigma, t = flow.sample_training_sigmas(t_keys, grid, config.weighting_scheme, logit_mean=config.logit_mean,
-                                               logit_std=config.logit_std, mode_scale=config.mode_scale)
+    sigma, t = (step_range_sigmas(key, t_keys, model.step_ranges, config, _device(x0)) if model.step_ranges
+                else draw_sigmas(t_keys, x0, model=model, config=config))
     x_t = flow.add_noise(x0, noise, sigma)
     v = model.apply(params, x_t, t, batch["cond"])
     if not model.joint:
@@ -60,6 +60,51 @@ def loss_fn(params: dict, batch: Batch, key: torch.Tensor, *, model: Model,
     losses = {name: _loss(v[name].float(), x_t[name], x0[name], noise[name], sigma[name], config) for name in v}
     return (sum(losses.values()),
             {"sigma": sigma["video"].mean(), **{f"{name}_finetune_loss": loss for name, loss in losses.items()}})
+
+
+def draw_sigmas(t_keys: torch.Tensor, x0: Any, *, model: Model, config: Finetune) -> tuple[Any, Any]:
+    """Each sample's training noise level and model timestep ``(sigma [B], t [B])`` from its key ``t_keys [B, 2]``:
+    the model's own sampler (``Model.sigma_sampler``, which reads ``x0``'s shape; dicts keyed by modality for a joint
+    model), else ``u ~ weighting_scheme`` looked up on the training grid at ``flow_shift`` (``t = 1000 sigma``)."""
+    if model.sigma_sampler is not None:
+        return model.sigma_sampler(t_keys, x0)
+    grid = flow.training_sigmas(config.flow_shift, device=_device(x0))
+    return flow.sample_training_sigmas(t_keys, grid, config.weighting_scheme, logit_mean=config.logit_mean,
+                                       logit_std=config.logit_std, mode_scale=config.mode_scale)
+
+
+def step_range_sigmas(step_key: torch.Tensor, t_keys: torch.Tensor, ranges: tuple[StepRange, ...], config: Finetune,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sigma [B], t [B])`` for a model that trains one timestep range per step (``Model.step_ranges``: Wan 2.2
+    A14B's experts): the step's range from ``uniform(step_key)``, the first whose cumulative probability reaches it (the
+    same on every rank and micro-batch), then each sample's ``u ~ weighting_scheme`` from its key ``t_keys [B, 2]``
+    spread over that range's levels of the training grid, ``first + floor(u count)``: FastVideo's ``u -> (1 - b) + u
+    b`` for its low-noise expert (``fastvideo/training/training_pipeline.py:334-343``), at the router's levels."""
+    grid = flow.training_sigmas(config.flow_shift, device=device)
+    first, count = range_levels(grid, ranges)
+    edges = torch.tensor(list(itertools.accumulate(part.probability for part in ranges)), device=device)
+    chosen = torch.searchsorted(edges, random.uniform(step_key, (1,), device=device)).clamp(max=len(ranges) - 1)
+    u = flow.sample_u(t_keys, config.weighting_scheme, logit_mean=config.logit_mean, logit_std=config.logit_std,
+                      mode_scale=config.mode_scale, device=device)
+    sigma = grid[first[chosen] + torch.minimum(torch.floor(u * count[chosen]).long(), count[chosen] - 1)]
+    return sigma, flow.to_timestep(sigma, grid.shape[0])
+
+
+def range_levels(grid: torch.Tensor, ranges: tuple[StepRange, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The index of the first level of the descending ``grid [N]`` in each range (``t_min <= t < t_max``, ``t`` the
+    level's timestep) and how many it holds, ``[R]`` int64 each (the levels of a range are consecutive)."""
+    t = flow.to_timestep(grid, grid.shape[0])
+    inside = torch.stack([(t >= part.t_min) & (t < part.t_max) for part in ranges])
+    return inside.int().argmax(dim=1), inside.sum(dim=1)
+
+
+def check_step_ranges(model: Model, config: Finetune) -> None:
+    """A ValueError when one of the model's step ranges holds no level of the training grid at ``flow_shift``."""
+    _, count = range_levels(flow.training_sigmas(config.flow_shift), model.step_ranges)
+    for part, n in zip(model.step_ranges, count.tolist()):
+        if n == 0:
+            raise ValueError(f"method.flow_shift={config.flow_shift}: the training grid has no level in model "
+                             f"{model.name}'s step range {part.t_min} <= t < {part.t_max}")
 
 
 def _loss(v: torch.Tensor, x_t: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor,
@@ -121,6 +166,8 @@ class Finetune(one_role.OneRoleConfig, tag="finetune"):
         if model.sigma_sampler is not None and self.weighting_scheme != "uniform":
             raise ValueError(f"method.weighting_scheme={self.weighting_scheme}: model {model.name} draws its training "
                              "noise levels with its own sampler (its family's); leave the weighting scheme unset")
+        if model.step_ranges:
+            check_step_ranges(model, self)
         return one_role.program(self, model, total_steps=total_steps, ranks=ranks, before_update=before_update,
                                 loss=functools.partial(loss_fn, model=model, config=self), logged=logged,
                                 check=lambda batch: _check(batch, model, self.grad_accum),

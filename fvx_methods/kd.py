@@ -152,6 +152,17 @@ class KD(one_role.OneRoleConfig, tag="kd"):
     def check_student(self, model: Model) -> None:
         """Raise a ValueError when the student cannot be trained by this method (the causal form checks its blocks)."""
 
+    def check_models(self, models: Mapping[str, Model]) -> None:
+        """The roles' refusals from their skeletons (shared latent space, :meth:`check_student`): :meth:`build` and
+        the dry run call it."""
+        check_shared_data(models, data_role=STUDENT)
+        self.check_student(models[STUDENT])
+
+    def check_latent_frames(self, models: Mapping[str, Model], frames: int) -> None:
+        """Samples of ``frames`` latent frames that are not whole blocks of the causal form's (:func:`check_blocks`:
+        the batch check's, and the dry run's on the samples it estimates)."""
+        check_blocks(frames, self)
+
     def sampling(self, role_name: str) -> dict | None:
         """How the student is sampled as trained (recorded on export): few-step on the t_list, unguided."""
         if role_name != STUDENT:
@@ -167,9 +178,8 @@ class KD(one_role.OneRoleConfig, tag="kd"):
         the data and ``t_list`` when the loop opens it) read through ``Program.model`` (the student, its ``batch``
         taking the cache's batches as they are: their cond is the one the teacher's model made, the same as the
         student's). The teacher's model only identifies the cache; its weights are never loaded."""
-        check_shared_data(models, data_role=STUDENT)
+        self.check_models(models)
         student, teacher = models[STUDENT], models[TEACHER]
-        self.check_student(student)
         trajectory = self.trajectory()
         loss = functools.partial(loss_fn, model=student, t_list=self.t_list, frames_per_block=self.frames_per_block())
         return one_role.program(self, student, total_steps=total_steps, ranks=ranks, before_update=before_update,
@@ -222,9 +232,14 @@ def check_batch(batch: Batch, model: Model, config: KD) -> None:
         raise ValueError(f"the cache's trajectories are {tuple(batch['trajectory'].shape)}, expected "
                          f"{(shape[0], k, *shape[1:])} (K = {k} states of t_list)")
     one_role.check_grad_accum(batch, config.grad_accum)
+    check_blocks(shape[2], config)
+
+
+def check_blocks(frames: int, config: KD) -> None:
+    """A ValueError when ``frames`` latent frames do not split into the causal form's blocks."""
     block = config.frames_per_block()
-    if block is not None and shape[2] % block:
-        raise ValueError(f"latents of {shape[2]} frames do not split into blocks of method.num_frames_per_block = "
+    if block is not None and frames % block:
+        raise ValueError(f"latents of {frames} frames do not split into blocks of method.num_frames_per_block = "
                          f"{block}")
 
 

@@ -153,6 +153,10 @@ class SCM(one_role.OneRoleConfig, tag="scm"):
                 "timesteps": {str(n): flow.to_timestep(flow_map.few_step_sigmas(n, self.sample_shift))[:-1].tolist()
                               for n in self.sample_steps}}
 
+    def check_models(self, models: Mapping[str, Model]) -> None:
+        """The student's refusals (:meth:`check_student`, which :meth:`build` calls): the dry run calls it."""
+        self.check_student(models)
+
     def check_student(self, models: Mapping[str, Model]) -> Model:
         check_shared_data(models, data_role=STUDENT)
         model = models[STUDENT]

@@ -296,11 +296,26 @@ class SelfForcing(dm.DistributionMatchingConfig, tag="self_forcing"):
 
     def build(self, models: Mapping[str, Model], *, total_steps: int, ranks: role.Ranks = role.ONE_PROCESS,
               before_update: role.BeforeUpdate | None = None) -> Program:
-        """The loop's Program for the role -> model mapping and a ``total_steps`` run (``dm.program``); the student,
-        latent spaces, cond and the negative-prompt file are checked before any weights load."""
-        check_student(models[STUDENT], self)
+        """The loop's Program for the role -> model mapping and a ``total_steps`` run (``dm.program``); the student
+        (:meth:`check_models`), latent spaces, cond and the negative-prompt file are checked before any weights
+        load."""
         return dm.program(self, models, total_steps=total_steps, ranks=ranks, before_update=before_update,
                           step_=step_, check=check_batch, validate=validate)
+
+
+    def check_models(self, models: Mapping[str, Model]) -> None:
+        """``dm``'s refusals, then the student's: block-causal in blocks of ``chunk_size`` (:func:`check_student`);
+        ``dm.program`` and the dry run call it."""
+        super().check_models(models)
+        check_student(models[STUDENT], self)
+
+    def check_latent_frames(self, models: Mapping[str, Model], frames: int) -> None:
+        """A ValueError when a rollout clip of ``frames`` latent frames is not whole blocks (:func:`check_frames`:
+        the batch check's, and the dry run's on the samples it estimates)."""
+        check_frames(frames, self, ROLLOUT_CLIP)
+
+
+ROLLOUT_CLIP = "the rollout's clip"  # what a clip-length refusal names
 
 
 def check_student(model: Model, config: SelfForcing) -> None:
@@ -333,7 +348,7 @@ def check_batch(batch: Batch, model: Model, config: SelfForcing, negative: Cond 
     """A ValueError when ``batch`` cannot feed this method (once, before the first step): ``dm.check_batch``'s,
     and a clip of whole blocks that some block's gradient reaches."""
     dm.check_batch(batch, model, config, negative)
-    check_frames(dm.sample_shape(batch, config)[1], config, "the rollout's clip")
+    check_frames(dm.sample_shape(batch, config)[1], config, ROLLOUT_CLIP)
 
 
 def student_schedule(config: SelfForcing) -> tuple[torch.Tensor, torch.Tensor]:

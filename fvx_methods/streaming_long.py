@@ -372,6 +372,8 @@ class StreamingLong(sf.SelfForcing, tag="streaming_long"):
         if self.grad_accum != 1:
             raise ValueError(f"method.grad_accum = {self.grad_accum}: streaming long tuning rolls a stream's chunk "
                              "once for the whole batch; use 1 (its gradients are taken block at a time)")
+        dm.check_score_window(self.min_timestep_ratio or 0.0,
+                              1.0 if self.max_timestep_ratio is None else self.max_timestep_ratio)
         self.stages(1)  # the schedule's form and order, before any weight loads
 
     def stages(self, data_frames: int) -> tuple[schedule.Stage, ...]:
@@ -408,17 +410,8 @@ class StreamingLong(sf.SelfForcing, tag="streaming_long"):
 
     def build(self, models: Mapping[str, Model], *, total_steps: int, ranks: role.Ranks = role.ONE_PROCESS,
               before_update: role.BeforeUpdate | None = None, vae: Any = None) -> Program:
-        """The loop's Program (``dm.program``) with the carried stream; the student, the VAE, the schedule against
-        the data and the mesh are checked before any weights load."""
-        sf.check_student(models[STUDENT], self)
-        if models[STUDENT].causal.allocated_cache is None:
-            raise ValueError(f"streaming long tuning carries the student's KV cache across steps, but model "
-                             f"{models[STUDENT].name} cannot allocate one (Causal.allocated_cache)")
-        if self.streaming_reencode_overlap_anchor:
-            check_vae(vae)
-        if getattr(ranks, "replicate_size", 1) > 1 or getattr(ranks, "sp_size", 1) > 1:
-            raise ValueError("streaming long tuning carries each rank's samples across steps: run it sharded over "
-                             "every rank (no replica groups, no sequence parallelism)")
+        """The loop's Program (``dm.program``) with the carried stream; the student (:meth:`check_models`), the VAE,
+        the schedule against the data and the mesh are checked before any weights load."""
         codec = functools.cache(lambda: vae.build(random.key(0)))  # a VAE drawn at random: from key(0)
         shards = getattr(ranks, "shard_size", 1)
 
@@ -434,7 +427,25 @@ class StreamingLong(sf.SelfForcing, tag="streaming_long"):
 
         program = dm.program(self, models, total_steps=total_steps, ranks=ranks, before_update=before_update,
                              step_=step, check=check_batch, validate=sf.validate)
+        if self.streaming_reencode_overlap_anchor:
+            check_vae(vae)
+        if getattr(ranks, "replicate_size", 1) > 1 or getattr(ranks, "sp_size", 1) > 1:
+            raise ValueError("streaming long tuning carries each rank's samples across steps: run it sharded over "
+                             "every rank (no replica groups, no sequence parallelism)")
         return program._replace(carry=carry)
+
+    def check_models(self, models: Mapping[str, Model]) -> None:
+        """Self-Forcing's refusals (a block-causal student in blocks of ``chunk_size``), and a student that cannot
+        allocate the KV cache the stream carries; ``dm.program`` and the dry run call it."""
+        super().check_models(models)
+        if models[STUDENT].causal.allocated_cache is None:
+            raise ValueError(f"streaming long tuning carries the student's KV cache across steps, but model "
+                             f"{models[STUDENT].name} cannot allocate one (Causal.allocated_cache)")
+
+    def check_latent_frames(self, models: Mapping[str, Model], frames: int) -> None:
+        """The schedule's stages against data of ``frames`` latent frames (:func:`check_stages`: the batch check's,
+        and the dry run's on the samples it estimates)."""
+        check_stages(frames, self)
 
 
 def check_vae(vae: Any) -> None:
@@ -453,7 +464,12 @@ def check_batch(batch: Batch, model: Model, config: StreamingLong, negative: Con
     stage longer than the data's frames, a short stage not of whole blocks, a streaming stage whose chunks would
     leave a short block or whose stream outgrows the student's positions."""
     dm.check_batch(batch, model, config, negative)
-    frames = dm.sample_shape(batch, config)[1]
+    check_stages(dm.sample_shape(batch, config)[1], config)
+
+
+def check_stages(frames: int, config: StreamingLong) -> None:
+    """A ValueError when a stage of the schedule does not fit data of ``frames`` latent frames: longer than it, a
+    short stage not of whole blocks, a streaming stage whose chunks would leave a short block."""
     stages = config.stages(frames)
     for i, stage in enumerate(stages):
         where = f"method.multi_phased_distill_schedule[{i}]"

@@ -33,6 +33,9 @@ from fvx_models.family import Family, init_params, Preset
 from fvx_models.model import Model, Params, Written
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The families whose configs can take a second time input r (they define their own ``two_time``, the family its
+# ``with_r``), for the refusal of the others (tests/fvx_models/test_two_time_refusal.py checks it against every family)
+TWO_TIME_FAMILIES = "wan (models.<name>.r_embedder={}: fvx_models.wan_two_time) or anyflow (fvx_models.anyflow)"
 
 
 class ModelConfig(Config):
@@ -400,15 +403,16 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
         part = "all" if len(names) == len(architecture) else frozenset(names)
         return (family.name, config.preset, config.path, config.frozen_dtype, mesh is None, part)
 
-    def export(params: Params, folder: str, *, form: str = "diffusers",
-               dtype: str | None = None) -> dict[str, pathlib.Path]:
+    def export(params: Params, folder: str, *, form: str = "diffusers", dtype: str | None = None,
+               stem: str | None = None) -> dict[str, pathlib.Path]:
         if adapted:
             params = flora.merged({name: params[name] for name in architecture}, params, adapted, config.lora.scale)
         dtype_of = export_dtypes(config, plain, trained, dtype)
         what = f"{family.name} export"
         stored = tuple(sorted({str(dtype_of(name) or p.dtype).removeprefix("torch.") for name, p in params.items()}))
         if form == "comfyui":
-            return original_layout.write(params, folder, family, what, dtype_of=dtype_of)._replace(dtypes=stored)
+            return original_layout.write(params, folder, family, what, dtype_of=dtype_of, stem=stem)._replace(
+                dtypes=stored)
         pipeline = None if family.pipeline_files is None else functools.partial(family.pipeline_files, config)
         dfolder.write_folder(params, folder, plain, family.components, what, dtype_of=dtype_of,
                              pipeline_files=pipeline)
@@ -462,12 +466,16 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
         modalities={} if len(modalities) == 1 else {name: preset.latents if name == "video" else
                                                     family.modalities[name].latents(config) for name in modalities},
         sigma_sampler=None if family.sigma_sampler is None else functools.partial(family.sigma_sampler, config),
+        step_ranges=family.step_ranges(config),
         one_sample=family.one_sample,
         joint_sigmas=None if len(modalities) == 1 else functools.partial(_joint_sigmas, config, modalities),
         attention_step=runtime.step,
         dense_apply=functools.partial(bound_apply, dense=True) if config.attention == "vsa" else None,
         forward_ad_refusal=None if config.attention in kernels.FORWARD_AD else
         f"attention={config.attention} has no forward-mode derivatives (math and sdpa have)",
+        two_time_refusal=None if type(config).two_time is not ModelConfig.two_time else
+        f"the {family.name} family takes no second time input; a flow map trains on a two-time family: "
+        f"{TWO_TIME_FAMILIES}",
     )
 
 

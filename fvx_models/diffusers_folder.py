@@ -27,6 +27,7 @@ from torch import nn
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+FVX_CONFIG_KEY = "config_type"  # what marks fvx's own config.json (fvx.config.record), a run folder's
 LIST_LIMIT = 10  # names shown per category in an error message
 MAX_SHARD_BYTES = 10 * 10**9  # diffusers' default max_shard_size "10GB"
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -60,6 +61,9 @@ def check_config(folder: pathlib.Path, module: nn.Module, what: str, skip: Itera
         raise ValueError(f"{what}: {str(path)!r} is not valid JSON: {error}") from None
     if not isinstance(stored, dict):
         raise ValueError(f"{what}: {str(path)!r} does not hold a JSON object")
+    if FVX_CONFIG_KEY in stored and "_class_name" not in stored:  # fvx.config.record's, a run folder's config.json
+        raise ValueError(f"{what}: {str(path)!r} is an fvx run's config, not a diffusers one: {str(folder)!r} is a run "
+                         f"folder; export it first: python -m fvx.run export {folder} --out FOLDER, and load FOLDER")
     class_name = stored.get("_class_name", cls.__name__)
     if class_name != cls.__name__:
         raise ValueError(f"{what}: {str(path)!r} describes a {class_name}, not a {cls.__name__}")

@@ -131,6 +131,8 @@ class Family:
                                          per-sample keys ``[B, 2]``; dicts keyed by modality for a joint model),
                                          replacing a method's timestep density (LTX-2's shifted logit-normal,
                                          MiniMax-H3's coupled draws); None: the method's
+    step_ranges(config) -> ranges        the timestep ranges (``fvx_models.model.StepRange``) of which a training
+                                         step trains one (Wan 2.2 A14B's experts' ranges); (): the whole grid
     one_sample                           why a forward takes one sample (MiniMax-H3's packed sequence has no batch
                                          axis), or None
     joint_sigmas(config, levels) -> {modality: levels}   the level each modality of a joint model is at when the
@@ -174,6 +176,7 @@ class Family:
     modalities: Mapping[str, Modality] = dataclasses.field(default_factory=dict)
     trained_modalities: Callable[[Any], tuple[str, ...]] | None = None
     sigma_sampler: Callable[[Any, torch.Tensor, Any], tuple[Any, Any]] | None = None
+    step_ranges: Callable[[Any], tuple] = lambda config: ()
     joint_sigmas: Callable[[Any, torch.Tensor], dict[str, torch.Tensor]] | None = None
     one_sample: str | None = None
 

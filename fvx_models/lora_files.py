@@ -1,14 +1,17 @@
 """LoRA adapter files that other tools load: PEFT/diffusers safetensors, ComfyUI's layout and musubi-tuner's.
 
-``peft``: ``pytorch_lora_weights.safetensors`` with the keys diffusers' ``save_lora_weights`` writes
-(``transformer.<module>.lora_A.weight`` ``[r, in]``, ``lora_B.weight`` ``[out, r]``) and the adapter's PEFT
-``LoraConfig`` (r, lora_alpha, target_modules, ...) in the ``lora_adapter_metadata`` entry of the file's metadata, as
-diffusers writes it, so ``pipe.load_lora_weights(folder)`` scales by alpha / r as fvx does. ``comfyui``
-(``lora_comfyui.safetensors``): ``diffusion_model.<original module>.lora_down.weight`` (A), ``lora_up.weight`` (B)
-and ``.alpha``, under the family's original module names (``Family.original_name``). ``musubi``
-(``lora_musubi.safetensors``): kohya's keys, which musubi-tuner applies (and ComfyUI reads too):
-``lora_unet_<original module, dots as underscores>.lora_down.weight``, ``lora_up.weight``, ``.alpha``. A model of two
-components (Wan 2.2's experts) gets one file per component (``original_layout.file_name``).
+``peft``: ``pytorch_lora_weights.safetensors`` (diffusers' name, which ``load_lora_weights(folder)`` looks for) with
+the keys diffusers' ``save_lora_weights`` writes (``transformer.<module>.lora_A.weight`` ``[r, in]``,
+``lora_B.weight`` ``[out, r]``) and the adapter's PEFT ``LoraConfig`` (r, lora_alpha, target_modules, ...) in the
+``lora_adapter_metadata`` entry of the file's metadata, as diffusers writes it, so ``pipe.load_lora_weights(folder)``
+scales by alpha / r as fvx does; ComfyUI and musubi-tuner load none of these keys. ``comfyui``
+(``<stem>_lora_comfyui.safetensors``, ``stem`` e.g. the run's name): ``diffusion_model.<original module>
+.lora_down.weight`` (A), ``lora_up.weight`` (B) and ``.alpha``, under the family's original module names
+(``Family.original_name``). ``musubi`` (``<stem>_lora_musubi.safetensors``): kohya's keys, which musubi-tuner applies
+(and ComfyUI reads too): ``lora_unet_<original module, dots as underscores>.lora_down.weight``, ``lora_up.weight``,
+``.alpha``. A model of two components (Wan 2.2's experts) gets one file per component: diffusers'
+``pytorch_lora_weights_transformer_2.safetensors`` for PEFT, ``..._high_noise`` / ``..._low_noise`` for the others
+(``original_layout.file_name``).
 """
 from __future__ import annotations
 
@@ -23,10 +26,7 @@ from fvx_models import diffusers_folder as dfolder, lora as flora, original_layo
 from fvx_models.model import Written
 
 FORMATS = ("peft", "comfyui", "musubi")
-PEFT_FILE = "pytorch_lora_weights.safetensors"
-COMFYUI_FILE = "lora_comfyui.safetensors"
-MUSUBI_FILE = "lora_musubi.safetensors"
-FILES = {"peft": PEFT_FILE, "comfyui": COMFYUI_FILE, "musubi": MUSUBI_FILE}
+PEFT_FILE = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE, what load_lora_weights looks for
 ORIGINAL_KEYS = {"comfyui": lambda original: f"diffusion_model.{original}",
                  "musubi": lambda original: "lora_unet_" + original.replace(".", "_")}
 """A LoRA module's key stem in each layout, from its original module name (``blocks.0.self_attn.q``)."""
@@ -93,17 +93,27 @@ def formats(family) -> tuple[str, ...]:
     return FORMATS if family.original_name is not None else ("peft",)
 
 
+def file_name(form: str, components: Mapping[str, str], component: str, stem: str | None = None) -> str:
+    """The file of ``component``'s adapters in format ``form``: diffusers' names for ``peft``
+    (``pytorch_lora_weights.safetensors``, ``pytorch_lora_weights_<component>.safetensors`` for the second expert),
+    ``<stem>_lora_<form>[_high_noise|_low_noise].safetensors`` for the original layouts."""
+    if form == "peft":
+        first = next(iter(components))
+        return PEFT_FILE if component == first else PEFT_FILE.replace(".safetensors", f"_{component}.safetensors")
+    return original_layout.file_name((stem, "lora", form), components, component)
+
+
 def write(adapters: flora.Adapters, params: Mapping[str, torch.Tensor], folder: str | pathlib.Path,
-          form: str) -> Written:
+          form: str, stem: str | None = None) -> Written:
     """Write the adapters ``params`` (the role's trained params) in format ``form`` into ``folder`` (written as
-    ``diffusers_folder.staged`` writes)."""
+    ``diffusers_folder.staged`` writes), the original layouts' files named after ``stem`` (:func:`file_name`)."""
     if form not in FORMATS:
         raise ValueError(f"export --lora --format must be one of {', '.join(FORMATS)}, got {form!r}")
     components = adapters.family.components
     written = {}
     with dfolder.staged(folder, f"export --lora --format {form}") as staging:
         for component, pairs in by_component(adapters, params).items():
-            name = original_layout.file_name(FILES[form], components, component)
+            name = file_name(form, components, component, stem)
             if form == "peft":
                 tensors, metadata = peft_file(adapters.config, pairs)
                 save_file(tensors, str(staging / name), metadata=metadata)
@@ -115,7 +125,8 @@ def write(adapters: flora.Adapters, params: Mapping[str, torch.Tensor], folder: 
 
 
 def how_to_load(form: str, written: Mapping[str, pathlib.Path], family) -> list[str]:
-    """What a person runs to load the files :func:`write` wrote (component -> file), one line per file."""
+    """What a person runs to load the files :func:`write` wrote (component -> file), one line per file; after PEFT
+    files, a line saying that ComfyUI and musubi-tuner load none of their keys and which format they load."""
     first = next(iter(family.components))
     lines = []
     for component, path in written.items():
@@ -129,7 +140,11 @@ def how_to_load(form: str, written: Mapping[str, pathlib.Path], family) -> list[
             lines.append(f"ComfyUI: put {path.name} in models/loras/ and apply it with a LoraLoaderModelOnly node"
                          f"{which}")
         else:
-            lines.append(f"musubi-tuner: wan_generate_video.py --lora_weight {path}{which}" if not note else
-                         f"musubi-tuner: {path}{which}: --lora_weight for the low-noise expert's file, "
-                         "--lora_weight_high_noise for the high-noise expert's")
+            flag = original_layout.musubi_flag("--lora_weight", family.components, component)
+            lines.append(f"musubi-tuner: wan_generate_video.py {flag} {path}{which}")
+    if form == "peft" and family.original_name is not None:
+        lines.append("not for ComfyUI or musubi-tuner: they ignore PEFT keys (transformer.<module>.lora_A/lora_B) and "
+                     "load nothing from a PEFT file; export again with --lora --format comfyui (ComfyUI's "
+                     "LoraLoaderModelOnly) or --lora --format musubi (musubi-tuner's wan_generate_video.py "
+                     "--lora_weight)")
     return lines

@@ -25,6 +25,13 @@ Which statistics apply depends on the data, so it is a config knob, ``latents_st
 The statistics are not in the transformer's checkpoint and fvx ships none: a VAE folder it cannot read is a
 one-line error.
 
+Training noise levels are LTX-Video-Trainer's (Lightricks' ``src/ltxv_trainer/timestep_samplers.py``), the family's own
+sampler (:func:`sigma_sampler`), which fine-tuning uses in place of its timestep density: by default its shifted
+logit-normal ``sigma = sigmoid(N(mu, timestep_std))``, ``mu = shift_mu(tokens)`` of the batch's token count (every
+latent voxel a token), not shifted again and not clamped; the DiT is given ``round(1000 sigma)``, as the trainer
+rounds it (``training_strategies.py``), while the noise is mixed at ``sigma`` itself. ``timestep_sampling="uniform"``
+is the trainer's other mode, ``sigma ~ U(0, 1)``.
+
 Positions are ``LTXPipeline``'s (and LTX-Video-Trainer's, which trains every 2B and 13B release with them):
 ``LTXConditionPipeline``, which diffusers documents for 0.9.5 and later, computes its own ``video_coords`` (latent
 frame ``f`` at ``max(8 f - 7, 0) / fps`` instead of ``8 f / fps``).
@@ -40,13 +47,14 @@ import functools
 import json
 import math
 import pathlib
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import msgspec
 import torch
 from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXVideoTransformer3DModel
 from typing_extensions import Annotated
 
+from fvx.core import random
 from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder, wan
 from fvx_models.build import ModelConfig
@@ -90,6 +98,27 @@ def shift_mu(tokens: int) -> float:
     slope = (DYNAMIC_SHIFT["max_shift"] - DYNAMIC_SHIFT["base_shift"]) / (
         DYNAMIC_SHIFT["max_image_seq_len"] - DYNAMIC_SHIFT["base_image_seq_len"])
     return DYNAMIC_SHIFT["base_shift"] + slope * (tokens - DYNAMIC_SHIFT["base_image_seq_len"])
+
+
+def shifted_logit_normal_sigma(normal: torch.Tensor, tokens: int, std: float) -> torch.Tensor:
+    """LTX-Video-Trainer's shifted logit-normal noise level from standard normals ``normal [B]`` at ``tokens`` tokens:
+    ``sigmoid(std normal + shift_mu(tokens))`` (its ``ShiftedLogitNormalTimestepSampler``), fp32 ``[B]`` in (0, 1)."""
+    return torch.sigmoid(normal.float() * std + shift_mu(tokens))
+
+
+def sigma_sampler(config: LTXVideoConfig, keys: torch.Tensor, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training noise levels of latents ``x0 [B, C, T, H, W]`` from per-sample keys ``keys [B, 2]``, as
+    LTX-Video-Trainer draws them (module docstring): the shifted logit-normal at the latents' token count (``T H W``
+    over the patch sizes), or U(0, 1) (``timestep_sampling="uniform"``). Returns ``(sigma [B], t [B])`` fp32 with
+    ``t = round(1000 sigma)``, the trainer's integer timestep; a sample's draw depends on its own key only."""
+    keys = keys.to(x0.device)
+    if config.timestep_sampling == "uniform":
+        sigma = torch.vmap(lambda key: random.uniform(key, ()))(keys)
+    else:
+        k = config.spec.kwargs
+        tokens = math.prod(x0.shape[2:]) // (k["patch_size_t"] * k["patch_size"] ** 2)
+        sigma = shifted_logit_normal_sigma(random.normal_each(keys), tokens, config.timestep_std)
+    return sigma, torch.round(sigma * 1000.0)
 
 
 PRESETS: dict[str, Preset] = {
@@ -241,6 +270,7 @@ LTX_VIDEO = Family(
     init_rules={"scale_shift_table": wan.scale_shift_init},  # N(0, 1) / sqrt(dim): root's [2, dim], blocks' [6, dim]
     pipeline_files=pipeline_files,
     self_attention=("transformer_blocks.*.attn1",),
+    sigma_sampler=sigma_sampler,
 )
 
 
@@ -249,17 +279,25 @@ class LTXVideoConfig(ModelConfig, tag="ltx_video"):
     which sets the temporal RoPE scale (``LTXPipeline``'s ``frame_rate``, default 25). ``latents_stats``: None when
     the data's latents are already normalised (LTX-Video-Trainer's preprocessing), else a local folder of the LTX VAE
     whose per-channel statistics normalise raw VAE latents as diffusers' ``_normalize_latents`` does (module
-    docstring)."""
+    docstring). ``timestep_sampling`` and ``timestep_std``: the training noise levels, LTX-Video-Trainer's
+    ``flow_matching.timestep_sampling_mode`` (``shifted_logit_normal``, its default, or ``uniform``) and its
+    ``timestep_sampling_params.std`` (default 1): fine-tuning draws them in place of the method's timestep density
+    (:func:`sigma_sampler`)."""
 
     family = LTX_VIDEO
 
     fps: Annotated[float, msgspec.Meta(gt=0)] = FPS
     latents_stats: str | None = None
+    timestep_sampling: Literal["shifted_logit_normal", "uniform"] = "shifted_logit_normal"
+    timestep_std: Annotated[float, msgspec.Meta(gt=0)] = 1.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not math.isfinite(self.fps):
             raise ValueError(f"ltx_video fps must be a positive finite frame rate (frames per second), got {self.fps}")
+        if not (math.isfinite(self.timestep_std) and self.timestep_std > 0):
+            raise ValueError(f"ltx_video timestep_std must be a positive finite standard deviation, got "
+                             f"{self.timestep_std}")
         if self.latents_stats is not None:
             with_stats(self.preset, self.latents_stats)  # read now: a bad folder is an error before anything runs
 

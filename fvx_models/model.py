@@ -103,6 +103,15 @@ class Written(NamedTuple):
     dtypes: tuple[str, ...] = ("float32",)
 
 
+class StepRange(NamedTuple):
+    """One of the timestep ranges a model trains one of per step (:attr:`Model.step_ranges`): chosen with
+    ``probability``, its levels those with ``t_min <= t < t_max`` (0..1000)."""
+
+    probability: float
+    t_min: float
+    t_max: float
+
+
 @dataclasses.dataclass(frozen=True)
 class Model:
     """One architecture of a model family, as pure functions (see the module docstring for layouts).
@@ -136,19 +145,21 @@ class Model:
                                     captions in its metadata or None): validation prompts; ``text_only``: without
                                     the given image's tensors (negative prompts)
     load_negative(path, where)      a cond file of one row (a negative prompt)
-    export(params, folder, form=, dtype=) -> Written   whole params (base and trained; adapters merged
+    export(params, folder, form=, dtype=, stem=) -> Written   whole params (base and trained; adapters merged
                                     into their weights, in fp32) -> ``form="diffusers"``: a diffusers pipeline
                                     folder, the family's component folders (``transformer/``, ...) and pipeline
                                     files that ``from_pretrained`` loads; ``"comfyui"``: one file per component in
-                                    the family's original layout (fvx_models.original_layout). Each param is written
-                                    in ``dtype`` ("fp32", "bf16"), or by default as trained (fp32) or, for what the
-                                    role held frozen, as the base folder stores it (``build.export_dtypes``)
+                                    the family's original layout, named after ``stem`` (fvx_models.original_layout).
+                                    Each param is written in ``dtype`` ("fp32", "bf16"), or by default as trained
+                                    (fp32) or, for what the role held frozen, as the base folder stores it
+                                    (``build.export_dtypes``)
     trained_names                   the params ``initial_params`` returns
     causal                          a block-causal (streaming) model's extra functions (:class:`Causal`), else None;
                                     its ``apply`` then also takes one timestep per latent frame, ``t [B, T]``
-    export_adapters(params, folder, form) -> Written   a LoRA model's adapters as files other tools
+    export_adapters(params, folder, form, stem=) -> Written   a LoRA model's adapters as files other tools
                                     load (``"peft"`` for diffusers' ``load_lora_weights``, ``"comfyui"``,
-                                    ``"musubi"``; fvx_models.lora_files); None for a model without adapters
+                                    ``"musubi"``, named after ``stem``; fvx_models.lora_files); None for a model
+                                    without adapters
     export_formats, adapter_formats the forms ``export`` and ``export_adapters`` write (the original layouts when the
                                     family has one)
     layout                          the shard layout on a mesh, else None
@@ -167,6 +178,8 @@ class Model:
     dense_apply                     a VSA model's ``apply`` in the dense view (sparsity 0, its gate kept), what
                                     FastVideo's critic and teacher see; None for other kernels (see :meth:`dense`)
     forward_ad_refusal              why ``apply`` has no forward-mode derivatives (its attention kernel), or None
+    two_time_refusal                why no config of the model's family takes a second time ``r`` and which families
+                                    do (a flow map's refusal); None when its config can (``ModelConfig.two_time``)
     modalities                      a joint model's modalities -> latent space (``"video"`` first, ``latents``;
                                     ``"audio"``: latents ``[B, C, F, A]``); {} for a video model. A joint model's
                                     ``apply`` takes ``x_t`` and ``t`` as dicts keyed by modality and returns one
@@ -174,6 +187,10 @@ class Model:
     sigma_sampler(keys, x0) -> (sigma, t)   the model's own training noise levels from per-sample keys ``[B, 2]``
                                     (dicts keyed by modality for a joint model), which replace a method's timestep
                                     density; None: the method's
+    step_ranges                     timestep ranges (:class:`StepRange`) of which a step trains one, drawn from the
+                                    step key, the same on every rank and micro-batch (Wan 2.2 A14B: one expert's
+                                    range per step); a method drawing its levels from a density (fine-tuning) maps
+                                    its draws onto the chosen range's levels; (): one range, the whole grid
     joint_sigmas(levels) -> {modality: levels}   a joint model's per-modality levels ``[K]`` at the shared clock's
                                     ``levels`` ``[K]``, what its samplers step along (``flow.euler_sample``)
     one_sample                      why ``apply`` takes one sample at a time (MiniMax-H3), or None
@@ -207,11 +224,13 @@ class Model:
     attention: str = "sdpa"
     modalities: Mapping[str, LatentSpace] = dataclasses.field(default_factory=dict)
     sigma_sampler: Callable[[torch.Tensor, Any], tuple[Any, Any]] | None = None
+    step_ranges: tuple[StepRange, ...] = ()
     joint_sigmas: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None
     one_sample: str | None = None
     attention_step: Callable[[int], ContextManager] = lambda step: contextlib.nullcontext()
     dense_apply: Callable[..., torch.Tensor] | None = None
     forward_ad_refusal: str | None = None
+    two_time_refusal: str | None = None
 
     def dense(self) -> Model:
         """The model as a role that must see dense attention sees it (a VSA model's dense view; else itself)."""

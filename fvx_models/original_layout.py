@@ -1,7 +1,9 @@
 """Whole weights in a family's original checkpoint layout (``Family.original_name``; Wan: Wan-AI's names, the layout
-ComfyUI's "Load Diffusion Model" node and the original repositories load): one safetensors file per pipeline
-component, ``diffusion_model.safetensors`` for the first and ``diffusion_model_<component>.safetensors`` for the
-others (Wan 2.2 A14B's ``transformer_2``). diffusers' single-file converter reads them back to the same tensors.
+ComfyUI's "Load Diffusion Model" node, musubi-tuner's ``--dit`` and the original repositories load): one safetensors
+file per pipeline component, ``<stem>.safetensors`` (``stem``: what the caller calls the export, e.g. the run;
+``diffusion_model`` by default), and for a model of two experts (Wan 2.2 A14B) ``<stem>_high_noise.safetensors`` and
+``<stem>_low_noise.safetensors``, as ComfyUI's and musubi-tuner's Wan 2.2 files are named. diffusers' single-file
+converter reads them back to the same tensors.
 """
 from __future__ import annotations
 
@@ -15,14 +17,29 @@ from safetensors.torch import save_file
 from fvx_models import diffusers_folder as dfolder
 from fvx_models.model import Written
 
-FILE = "diffusion_model.safetensors"
+DEFAULT_STEM = "diffusion_model"  # the file's name when the caller gives none
+EXPERT_TAGS = {"transformer": "high_noise", "transformer_2": "low_noise"}
+"""The file tag of each expert of a two-expert pipeline: diffusers' Wan 2.2 A14B pipeline runs ``transformer`` on the
+high-noise steps and ``transformer_2`` on the low-noise ones; ComfyUI's and musubi-tuner's Wan 2.2 files say
+``high_noise`` / ``low_noise`` (Comfy-Org's ``wan2.2_t2v_high_noise_14B_fp16.safetensors``)."""
 
 
-def file_name(stem: str, components: Mapping[str, str], component: str) -> str:
-    """The file of ``component`` among a model's ``components``: ``stem`` for the first, ``<stem>_<component>`` for
-    the others (a LoRA's files follow the same rule)."""
-    first = next(iter(components))
-    return stem if component == first else stem.replace(".safetensors", f"_{component}.safetensors")
+def component_tag(components: Mapping[str, str], component: str) -> str:
+    """What tells ``component``'s file from the others': nothing for a model of one component, else its expert tag
+    (its own name for a component that is no expert)."""
+    return "" if len(components) == 1 else EXPERT_TAGS.get(component, component)
+
+
+def file_name(parts: tuple[str | None, ...], components: Mapping[str, str], component: str) -> str:
+    """``<parts>_<tag>.safetensors``: the non-empty ``parts`` and ``component``'s tag joined by ``_`` (a LoRA's files
+    follow the same rule: ``<run>_lora_comfyui_high_noise.safetensors``)."""
+    return "_".join(part for part in (*parts, component_tag(components, component)) if part) + ".safetensors"
+
+
+def musubi_flag(flag: str, components: Mapping[str, str], component: str) -> str:
+    """musubi-tuner's ``wan_generate_video.py`` flag for ``component``'s file: ``flag`` (``--dit``, ``--lora_weight``)
+    for a single model and for the low-noise expert, ``<flag>_high_noise`` for the high-noise expert."""
+    return flag + ("_high_noise" if component_tag(components, component) == "high_noise" else "")
 
 
 def renamed(params: Mapping[str, torch.Tensor], family: Any, prefix: str, what: str) -> dict[str, torch.Tensor]:
@@ -37,9 +54,9 @@ def renamed(params: Mapping[str, torch.Tensor], family: Any, prefix: str, what: 
 
 
 def write(params: Mapping[str, torch.Tensor], folder: str | os.PathLike, family: Any, what: str, *,
-          dtype_of: Callable[[str], torch.dtype | None]) -> Written:
+          dtype_of: Callable[[str], torch.dtype | None], stem: str | None = None) -> Written:
     """Write whole ``params`` in ``family``'s original layout into ``folder`` (written as ``diffusers_folder.staged``
-    writes); ``dtype_of(name)`` casts a floating-point param (None: keep)."""
+    writes) as ``<stem>[_<expert>].safetensors``; ``dtype_of(name)`` casts a floating-point param (None: keep)."""
     if family.original_name is None:
         raise ValueError(f"{what}: family {family.name} has no original layout in fvx; export --format diffusers")
     files = {}
@@ -47,17 +64,20 @@ def write(params: Mapping[str, torch.Tensor], folder: str | os.PathLike, family:
         for component, prefix in family.components.items():
             tensors = renamed({name: dfolder.exported(p, dtype_of(name)) for name, p in params.items()
                                if name.startswith(prefix)}, family, prefix, what)
-            name = file_name(FILE, family.components, component)
-            save_file(tensors, str(staging / name), metadata={"format": "pt"})
-            files[component] = pathlib.Path(folder) / name
+            file = file_name((stem or DEFAULT_STEM,), family.components, component)
+            save_file(tensors, str(staging / file), metadata={"format": "pt"})
+            files[component] = pathlib.Path(folder) / file
     return Written(files, tuple(how_to_load(files, family)))
 
 
 def how_to_load(written: Mapping[str, pathlib.Path], family: Any) -> list[str]:
-    """What a person does with the files :func:`write` wrote (component -> file), one line per file."""
+    """What a person does with the files :func:`write` wrote (component -> file), one line per file: ComfyUI's node,
+    and musubi-tuner's ``wan_generate_video.py`` flag (``--dit``; ``--dit_high_noise`` for the high-noise expert)."""
     lines = []
     for component, path in written.items():
         note = family.component_notes.get(component)
+        flag = musubi_flag("--dit", family.components, component)
         lines.append(f"ComfyUI: put {path.name} in models/diffusion_models/ and load it with a Load Diffusion Model "
-                     "node" + (f" ({component}: {note})" if note else ""))
+                     "node" + (f" ({component}: {note})" if note else "")
+                     + f"; musubi-tuner: wan_generate_video.py {flag} {path}")
     return lines

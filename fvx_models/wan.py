@@ -220,7 +220,13 @@ ORIGINAL_ROOT = {"patch_embedding": "patch_embedding", "condition_embedder.text_
                  "condition_embedder.time_embedder.linear_1": "time_embedding.0",
                  "condition_embedder.time_embedder.linear_2": "time_embedding.2",
                  "condition_embedder.time_proj": "time_projection.1", "proj_out": "head.head",
-                 "scale_shift_table": "head.modulation"}
+                 "scale_shift_table": "head.modulation",
+                 # the CLIP image embedding's projection (I2V): LayerNorm, Linear, GELU (no params), Linear, LayerNorm
+                 "condition_embedder.image_embedder.norm1": "img_emb.proj.0",
+                 "condition_embedder.image_embedder.ff.net.0.proj": "img_emb.proj.1",
+                 "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3",
+                 "condition_embedder.image_embedder.norm2": "img_emb.proj.4",
+                 "condition_embedder.image_embedder.pos_embed": "img_emb.emb_pos"}  # FLF2V's (pos_embed_seq_len)
 ORIGINAL_BLOCK = {"scale_shift_table": "modulation", "norm2": "norm3", "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2",
                   **{f"{attention}.{projection}": f"{original}.{short}"
                      for attention, original in (("attn1", "self_attn"), ("attn2", "cross_attn"))
@@ -228,8 +234,9 @@ ORIGINAL_BLOCK = {"scale_shift_table": "modulation", "norm2": "norm3", "ffn.net.
                                                ("add_k_proj", "k_img"), ("add_v_proj", "v_img"), ("norm_q", "norm_q"),
                                                ("norm_k", "norm_k"), ("norm_added_k", "norm_k_img"))}}
 """diffusers' Wan names -> the original checkpoints' (Wan-AI's repository; what ComfyUI and musubi-tuner load), the
-inverse of diffusers' ``convert_wan_transformer_to_diffusers``: the root's modules, and a block's (``norm2``, the
-cross-attention norm, is the original ``norm3``)."""
+inverse of diffusers' ``convert_wan_transformer_to_diffusers`` (and of the ``TRANSFORMER_KEYS_RENAME_DICT`` of its
+``scripts/convert_wan_to_diffusers.py``, which also names FLF2V's ``img_emb.emb_pos``): the root's modules, and a
+block's (``norm2``, the cross-attention norm, is the original ``norm3``)."""
 
 
 def original_name(name: str) -> str | None:

@@ -3,11 +3,15 @@ family's spec.
 
 The pipeline routes each denoising call by its timestep: ``transformer`` (the high-noise expert) takes
 ``t >= boundary_ratio * 1000``, ``transformer_2`` (low noise) the rest; 0.875 for T2V, 0.9 for I2V, whose experts
-take the given first frame in the ``concat`` form (``fvx_models.wan_i2v``; no image embedding). Training routes per
-sample: a batch whose samples straddle the boundary runs each expert on its own samples. Params are one flat dict
-with each expert's under its pipeline component's name (``transformer.blocks.0. ...``, ``transformer_2.blocks.0.
-...``), and both experts' blocks form one unit group (one compiled graph). Either expert can be left frozen
-(``Wan22MoEConfig.trainable``). Conditioning, latents (the Wan 2.1 VAE's) and output are Wan 2.1's.
+take the given first frame in the ``concat`` form (``fvx_models.wan_i2v``; no image embedding). The router sends each
+sample by its own timestep, so a batch whose samples straddle the boundary runs each expert on its own samples (what
+the distillation methods' draws give). Fine-tuning trains one expert per step, as FastVideo's trainer does
+(:func:`step_ranges`): the low-noise expert with probability ``boundary_ratio``, else the high-noise one, every
+sample of the step drawn in the chosen expert's range, so the router sends the whole batch to it. Params are one
+flat dict with each expert's under its pipeline component's name (``transformer.blocks.0. ...``,
+``transformer_2.blocks.0. ...``), and both experts' blocks form one unit group (one compiled graph). Either expert
+can be left frozen (``Wan22MoEConfig.trainable``). Conditioning, latents (the Wan 2.1 VAE's) and output are Wan
+2.1's.
 
 Sharded, every rank runs both experts in every call, so that all ranks issue the same gathers and reduce-scatters: an
 expert with no sample of this rank's slice runs on one sample and adds zero times its output (its gradients are
@@ -16,6 +20,7 @@ exactly zero).
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 from typing import Any, Literal, Mapping
 
@@ -28,6 +33,7 @@ from typing_extensions import Annotated
 from fvx_models import diffusers_folder as dfolder, wan, wan_i2v
 from fvx_models.build import ModelConfig
 from fvx_models.family import Preset, skeleton_of
+from fvx_models.model import StepRange
 
 EXPERTS = ("transformer", "transformer_2")  # high noise, low noise: the pipeline's component names
 
@@ -71,7 +77,28 @@ class TwoExperts(nn.Module):
 def skeleton(config: Wan22MoEConfig) -> TwoExperts:
     kwargs = config.spec.kwargs
     high, low = (skeleton_of(WanTransformer3DModel, kwargs, wan.rebuild_rope) for _ in EXPERTS)
-    return TwoExperts(high, low, config.boundary * 1000.0)
+    return TwoExperts(high, low, boundary_timestep(config))
+
+
+def boundary_timestep(config: Wan22MoEConfig) -> float:
+    """The timestep (0..1000) from which the router takes the high-noise expert: ``1000 boundary_ratio``."""
+    return config.boundary * 1000.0
+
+
+def step_ranges(config: Wan22MoEConfig) -> tuple[StepRange, ...]:
+    """The expert a fine-tuning step trains, as FastVideo's trainer picks it (``fastvideo/training/
+    training_pipeline.py:311-343``): the low-noise ``transformer_2`` with probability ``boundary_ratio`` (its
+    ``rand <= boundary_ratio``), at the timesteps below the boundary, else the high-noise ``transformer``, at those
+    from the boundary up, where the router sends them. FastVideo draws the high-noise expert's timesteps over the whole
+    range (its restriction to the expert's own range is commented out there); fvx keeps each expert to the timesteps
+    it denoises when sampled. Only the experts in ``trainable``, their probabilities renormalised (one trained expert
+    trains every step)."""
+    boundary = boundary_timestep(config)
+    ranges = {"transformer_2": StepRange(config.boundary, 0.0, boundary),
+              "transformer": StepRange(1.0 - config.boundary, boundary, math.inf)}
+    trained = [ranges[expert] for expert in ("transformer_2", "transformer") if expert in config.trainable]
+    total = sum(part.probability for part in trained)
+    return tuple(part._replace(probability=part.probability / total) for part in trained)
 
 
 def inputs(config: Wan22MoEConfig, x_t: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor],
@@ -102,19 +129,21 @@ WAN_MOE = dataclasses.replace(
     unit_groups={"blocks": tuple(f"{expert}.blocks" for expert in EXPERTS)},
     inputs=inputs,
     pipeline_files=pipeline_files,
+    step_ranges=step_ranges,
     component_notes={"transformer": "the high-noise expert", "transformer_2": "the low-noise expert"},
     sequence_parallel=None,
     self_attention=tuple(f"{expert}.blocks.*.attn1" for expert in EXPERTS),
     whole_graph_refusal="its router splits the batch between the experts by timestep (data-dependent shapes)",
 )
-"""Wan's spec with two experts: their components, one unit group of both experts' blocks, the router's inputs and
-the two-expert pipeline; no sequence parallelism."""
+"""Wan's spec with two experts: their components, one unit group of both experts' blocks, the router's inputs, one
+expert's timestep range per training step and the two-expert pipeline; no sequence parallelism."""
 
 
 class Wan22MoEConfig(ModelConfig, tag="wan_moe"):
     """Wan 2.2 A14B's two experts (presets: tiny, tiny-i2v, wan2.2-t2v-a14b, wan2.2-i2v-a14b): ``boundary_ratio``
     routes a call to ``transformer`` when ``t >= 1000 boundary_ratio`` (None: the preset's pipeline's, 0.875 for T2V
-    and 0.9 for I2V), and ``trainable`` names the experts that train (the others stay as loaded)."""
+    and 0.9 for I2V), and ``trainable`` names the experts that train (the others stay as loaded). Fine-tuning trains
+    one of the trainable experts per step (:func:`step_ranges`)."""
 
     family = WAN_MOE
 

@@ -81,6 +81,31 @@ def self_forcing_sigmas(shift: float, n: int, device: torch.device | str | None 
     return shift_sigma(torch.linspace(1.0, 0.0, n + 1, dtype=torch.float32, device=device)[:-1], shift)
 
 
+def scheduler_sigmas(shift: float, num_steps: int, num_train_timesteps: int = NUM_TRAIN_TIMESTEPS,
+                     device: torch.device | str | None = None) -> torch.Tensor:
+    """The ``num_steps`` sampling levels ``[K]`` fp32, descending, of diffusers' (and FastVideo's)
+    ``FlowMatchEulerDiscreteScheduler(shift=shift).set_timesteps(K)``: its ``sigmas[:-1]`` (the samplers end at 0).
+
+    The scheduler spaces ``K`` timesteps evenly from ``N sigma_max`` to ``N sigma_min``, the first and last levels of
+    its *shifted* training grid (``training_sigmas(shift)``: 1 and ``shift_sigma(1 / N)``), divides by ``N`` and shifts
+    again, so the low end is shifted twice: ``shift_sigma(linspace(1, shift_sigma(1 / N), K), shift)``. For shift 8
+    and 25 steps the last level is 0.060 (the once-shifted even levels ``shift_sigma(1 - k / K)`` end at 0.250); for
+    shift 3 it is 0.0089 at any ``K``. As diffusers does, the spacing and the shift run in float64 (numpy's
+    ``linspace``: ``start + k step``, the endpoint set exactly) and the result is rounded to fp32 once, so it is
+    bitwise equal for the scheduler's default config (no dynamic shifting, terminal stretch or Karras/exponential/beta
+    levels); the scheduler's timesteps are ``to_timestep(levels)``.
+    """
+    if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 1:
+        raise ValueError(f"the scheduler needs a positive int number of steps, got {num_steps!r}")
+    grid = training_sigmas(shift, num_train_timesteps)
+    t_max, t_min = grid[0].item() * num_train_timesteps, grid[-1].item() * num_train_timesteps
+    timesteps = torch.full((1,), t_max, dtype=torch.float64)
+    if num_steps > 1:
+        timesteps = torch.arange(num_steps, dtype=torch.float64) * ((t_min - t_max) / (num_steps - 1)) + t_max
+        timesteps[-1] = t_min
+    return shift_sigma(timesteps / num_train_timesteps, shift).to(device=device, dtype=torch.float32)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The noising path and its conversions
 

@@ -43,6 +43,18 @@ class AdamWConfig(Config):
             if not 0.0 <= beta < 1.0:
                 raise ValueError(f"betas[{i}] = {beta} must lie in [0, 1)")
 
+    def warmup_warning(self, field: str, updates: int) -> str | None:
+        """A warning line (``field``: where these knobs sit, e.g. ``method.optim``) when the schedule warms up and its
+        warmup does not end within the ``updates`` optimizer updates of the run: every update then runs below ``lr``.
+        A warning, not a refusal: the warmup's ramp ``lr * s / warmup_steps`` does not depend on the run's length,
+        so a run resumed with a larger ``run.steps`` continues it and finishes it (fvx.core.schedules)."""
+        if self.schedule == "constant" or self.warmup_steps < updates:  # constant has no warmup (FastVideo's too)
+            return None
+        plural = "s" if updates != 1 else ""
+        return (f"{field}.warmup_steps = {self.warmup_steps} is not shorter than the run's {updates} optimizer "
+                f"update{plural} (run.steps): the learning rate never reaches {field}.lr = {self.lr:g} (legal: a run "
+                "resumed with a larger run.steps finishes the warmup)")
+
     def schedule_fn(self, total_steps: int) -> Callable[[int | torch.Tensor], float | torch.Tensor]:
         """The learning rate as a function of the number of updates applied so far."""
         return schedules.get_schedule(

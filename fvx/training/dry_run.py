@@ -7,6 +7,12 @@ role (``config.method.held_roles() ->`` ``fvx.core.state.HeldRole``s: which role
 their frozen dtype), in how many micro-batches a rank's batch is differentiated (``config.method.grad_accum``, or
 ``config.method.micro_batches(data)`` for a method whose accumulation means another thing) and,
 when it carries state across steps, its bytes per sample (``config.method.carried_bytes(models, latent_grid)``).
+
+Before it prints, the dry run refuses what the run refuses from the config and the skeletons alone, through the same
+functions (``fvx.training.experiment.check_models``, and the method's ``check_latent_frames(models, frames)`` on the
+samples it estimates, when the experiment or ``--video`` gives them): nothing it accepts is refused by the run's checks
+of the config, the roles' models and the clip's length. What needs the files (the data's samples, a negative prompt,
+the weights) is checked by the run alone.
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 from fvx.core.state import HeldRole
 from fvx.data import datasets
 from fvx.distributed import memory
-from fvx.training.experiment import build_models, run_keys
+from fvx.training.experiment import build_models, check_models, run_keys
 
 
 class Plan(NamedTuple):
@@ -107,6 +113,14 @@ def data_latents(config: Any) -> tuple[int, int, int] | None:
     return None if shape is None else tuple(shape[-3:])
 
 
+def check_frames(config: Any, models: dict[str, Any], frames: int) -> None:
+    """The method's refusal of samples of ``frames`` latent frames (its optional ``check_latent_frames``, which its
+    batch check calls with the run's first batch): clips that are not whole blocks of a block-causal model."""
+    check = getattr(config.method, "check_latent_frames", None)
+    if check is not None:
+        check(models, frames)
+
+
 def report(config: Any, *, world: int, video: Sequence[int] | None = None, replicate: int = 1, sp: int = 1,
            device_memory_gib: float | None = None) -> str:
     """The dry-run table of an experiment config against a device of ``device_memory_gib`` GiB (default: an H200's
@@ -120,6 +134,7 @@ def report(config: Any, *, world: int, video: Sequence[int] | None = None, repli
         raise ValueError(f"--dry-run: method {type(config.method).__name__} defines no held_roles() (which roles it "
                          "trains, keeps an EMA of, or holds frozen)")
     models = build_models(config)
+    check_models(config, models)  # what the run refuses before it reads a file (fvx.training.experiment.prepare)
     split = getattr(config.method, "micro_batches", None)
     plan = plan_of(held(), {role: model.memory_spec() for role, model in models.items()},
                    getattr(config.method, "grad_accum", 1) if split is None else split(config.data))
@@ -131,6 +146,10 @@ def report(config: Any, *, world: int, video: Sequence[int] | None = None, repli
                           carried=None if carried is None else lambda grid: carried(models, grid))
     if video is None and latents is None:
         title += " (its data cannot be read here: --video FRAMESxHEIGHTxWIDTH to choose)"
+    else:  # samples the experiment or --video gives, not the assumed default: the method's refusal of their length
+        check_frames(config, models, latents[0] if latents is not None else
+                     memory.latent_grid(*video, vae_stride=plan.roles[0].model.vae_stride,
+                                        patch=plan.roles[0].model.patch).frames)
     names = ", ".join(dict.fromkeys(model.name for model in models.values()))
     device = ("an H200 (141 GB, as CUDA reports it; --device-memory GiB for another)" if device_memory_gib is None
               else f"a device of {device_memory_gib:g} GiB")

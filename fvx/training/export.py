@@ -6,6 +6,9 @@ what the role's model family writes (``Model.export``): its pipeline components 
 and ``transformer_2/`` for two experts: config.json + safetensors, loadable by the component class's
 ``from_pretrained``) and pipeline files (``model_index.json``, ``scheduler/``); or ``comfyui``, one file per component
 in the family's original layout. With ``adapters``, a LoRA role's adapters alone (``peft``, ``comfyui``, ``musubi``).
+The ComfyUI and musubi-tuner files are named after the run (:func:`file_stem`: ``<run>.safetensors``,
+``<run>_lora_comfyui.safetensors``, ``<run>_lora_musubi.safetensors``; Wan 2.2 A14B's experts ``..._high_noise`` and
+``..._low_noise``); the diffusers folder and the PEFT file keep diffusers' names.
 Beside them ``fvx_export.json``: run folder, step, role, EMA or not, format, dtype, and how the method samples the
 role (e.g. a distilled student's few-step timesteps). fvx trains transformers only: with ``base`` (a diffusers pipeline
 folder of the same model) the other components (VAE, text encoders, tokenizers) are linked from it, so
@@ -74,10 +77,11 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | No
         trained = checkpoints.read(step, ("roles", role, "ema" if ema else "params"))
     sampling_of = getattr(config.method, "sampling", None)
     sampling = None if sampling_of is None else sampling_of(role)
+    stem = file_stem(run_dir, ema)
     if adapters:
-        written = model.export_adapters(trained, str(out), form)
+        written = model.export_adapters(trained, str(out), form, stem=stem)
     else:
-        written = model.export(role_params(config, role, model, trained), str(out), form=form, dtype=dtype)
+        written = model.export(role_params(config, role, model, trained), str(out), form=form, dtype=dtype, stem=stem)
     manifest = {"run": str(run_dir.absolute()), "step": step, "role": role, "ema": ema, "sampling": sampling,
                 "base": None if base is None else str(pathlib.Path(base).absolute()), "adapters": adapters,
                 "format": form, "dtype": dtype}
@@ -86,6 +90,12 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | No
         _link_base(pathlib.Path(base), base_index, out)
     merged = model.export_adapters is not None and not adapters
     return Exported(out, step, role, ema, written.files, written.how_to_load, written.dtypes, merged, sampling)
+
+
+def file_stem(run_dir: pathlib.Path, ema: bool) -> str:
+    """What the exported files are named after: the run folder's name (``runs/my_lora`` -> ``my_lora``), with
+    ``_ema`` for its EMA params, so the files of two runs or of a run's two param sets can sit in one ComfyUI folder."""
+    return run_dir.resolve().name + ("_ema" if ema else "")
 
 
 def _check_request(model: Any, role: str, adapters: bool, form: str, dtype: str | None, base: Any) -> None:

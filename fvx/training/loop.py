@@ -9,7 +9,8 @@ step (fvx.training.replay), since keys derive from the step and the data order f
 Non-finite steps. A step whose loss or gradients are not finite halts the run (``run.on_nonfinite=halt``, after
 recording the replay command in ``nonfinite.json``), or is skipped (``skip``: the method applied nothing), until more
 than ``run.max_consecutive_skips`` are skipped in a row. SIGTERM or SIGINT: the step in flight finishes, is saved, and
-:class:`Interrupted` stops the run (every rank alike).
+:class:`Interrupted` stops the run (every rank alike); during the start-of-run hooks (validation), they finish and the
+state the run started from is saved.
 """
 from __future__ import annotations
 
@@ -66,16 +67,40 @@ def train(config: Experiment, prepared: Prepared, *, launch: Launch = Launch(), 
             def context(state: TrainState, metrics: dict[str, float]) -> fcallbacks.Context:
                 return fcallbacks.Context(int(state.step), state, prepared.frozen, metrics, tracker, out)
 
-            fcallbacks.call(hooks, "on_train_start", context(prepared.state, {}))
-            state = run_steps(config, prepared.setup, prepared.state, prepared.frozen, range(start, config.run.steps),
-                              tracker, checkpoints=checkpoints, meta=meta, nonfinite_skips=prepared.nonfinite_skips,
-                              after_step=lambda state, metrics: fcallbacks.call(hooks, "on_step_end",
-                                                                                context(state, metrics)),
-                              rank=rank, world=world)
+            with Signals() as signals:
+                fcallbacks.call(hooks, "on_train_start", context(prepared.state, {}))  # start-of-run validation
+                _stop_if_signalled(signals, config, prepared.state, checkpoints, meta, prepared.nonfinite_skips,
+                                   world)
+                state = run_steps(config, prepared.setup, prepared.state, prepared.frozen,
+                                  range(start, config.run.steps), tracker, signals, checkpoints=checkpoints, meta=meta,
+                                  nonfinite_skips=prepared.nonfinite_skips,
+                                  after_step=lambda state, metrics: fcallbacks.call(hooks, "on_step_end",
+                                                                                    context(state, metrics)),
+                                  rank=rank, world=world)
             if config.run.steps > start:  # a finished run resumed logs no second summary
                 log_run_summary(tracker, state, compile_stats(prepared.setup), config.run.steps - 1)
             fcallbacks.call(hooks, "on_train_end", context(state, {}))
     return state
+
+
+def _stop_if_signalled(signals: Signals, config: Experiment, state: TrainState, checkpoints: Any,
+                       meta: dict[str, Any], nonfinite_skips: int, world: int) -> None:
+    """After the start-of-run hooks: a signal received while they ran (validation can take minutes) saves the
+    state the run started from, as a step in flight would be saved, and stops with :class:`Interrupted`."""
+    received = signals.received is not None
+    if world > 1:  # every rank stops (and saves its shards) alike
+        received = any_rank(received)
+    if not received:
+        return
+    if checkpoints is not None:
+        _save(checkpoints, state, config, meta, nonfinite_skips)
+    raise Interrupted(int(state.step), signals.received or signal.SIGTERM)
+
+
+def _save(checkpoints: Any, state: TrainState, config: Experiment, meta: dict[str, Any] | None,
+          nonfinite_skips: int) -> None:
+    """Save ``state`` as checkpoint ``state.step`` (nothing when that step is saved already)."""
+    checkpoints.save(state, config=fconfig.record(config), meta={**(meta or {}), "nonfinite_skips": nonfinite_skips})
 
 
 def _checkpoints(config: Experiment, prepared: Prepared, rank: int, world: int):
@@ -116,16 +141,18 @@ class Skips(NamedTuple):
 
 
 def run_steps(config: Experiment, built: Setup, state: TrainState, frozen: dict[str, Any], steps: range,
-              tracker: tracking.Tracker, *, checkpoints: Any = None, meta: dict[str, Any] | None = None,
+              tracker: tracking.Tracker, signals: Signals, *, checkpoints: Any = None,
+              meta: dict[str, Any] | None = None,
               after_step: Callable[[TrainState, dict[str, float]], None] | None = None, nonfinite_skips: int = 0,
               rank: int = 0, world: int = 1) -> TrainState:
     """Take ``steps`` with ``built.program.step_`` (the frozen roles' params ``frozen``) on prefetched batches: log
     every ``run.log_every`` (and every non-finite step), save to ``checkpoints`` (with ``meta``) after each step a
-    checkpoint is due (by step count or ``every_seconds``, or a signal), then ``after_step(state, metrics)`` (the
-    callbacks' ``on_step_end``: validation); a failed background save is raised at the next step."""
-    run, skips, last_save, record = config.run, Skips(nonfinite_skips), time.monotonic(), fconfig.record(config)
+    checkpoint is due (by step count or ``every_seconds``, or a signal ``signals`` received), then
+    ``after_step(state, metrics)`` (the callbacks' ``on_step_end``: validation); a failed background save is raised
+    at the next step."""
+    run, skips, last_save = config.run, Skips(nonfinite_skips), time.monotonic()
     batches = datasets.Prefetcher(batch_fn(config, built, rank=rank, world=world), steps, depth=config.data.prefetch)
-    with batches, Signals() as signals, _progress_bar(config, steps, rank) as progress:
+    with batches, _progress_bar(config, steps, rank) as progress:
         for step, batch in batches:
             began = time.perf_counter()
             state, metrics = built.program.step_(state, frozen, batch)
@@ -152,7 +179,7 @@ def run_steps(config: Experiment, built: Setup, state: TrainState, frozen: dict[
                 timed, stop = any_rank(timed), any_rank(stop)
             if checkpoints is not None and (checkpoint_config.due(run.checkpoint, step + 1, run.steps) or timed
                                             or stop):
-                checkpoints.save(state, config=record, meta={**(meta or {}), "nonfinite_skips": skips.total})
+                _save(checkpoints, state, config, meta, skips.total)
                 last_save = time.monotonic()
             if stop:
                 raise Interrupted(step + 1, signals.received or signal.SIGTERM)

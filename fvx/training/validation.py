@@ -134,7 +134,8 @@ def many_step_sigmas(num_steps: int, shift: float) -> torch.Tensor:
     """The ``num_steps``-step Euler schedule ``[K]`` fp32: the evenly spaced levels ``1 - k / K`` for
     ``k = 0..K-1``, shifted (``shift_sigma``); the samplers end at 0. It is how FastVideo's
     ``SelfForcingFlowMatchScheduler`` lays out its steps; diffusers' ``FlowMatchEulerDiscreteScheduler.set_timesteps``
-    differs (it spaces from its smallest training level and applies the shift twice, design §2)."""
+    differs (it spaces from its smallest training level and applies the shift twice, design §2:
+    ``flow.scheduler_sigmas``)."""
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
         raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
     steps = [flow.NUM_TRAIN_TIMESTEPS * (num_steps - k) / num_steps for k in range(num_steps)]
@@ -338,7 +339,8 @@ class Sampler(NamedTuple):
     key, guidance=None) -> latents`` replaces ``flow.sample`` when set (a streaming model sampled block by block; it
     owns its schedule; ``guidance`` is ``(uncond, scale)`` for a guided one). ``score(videos, captions) -> {name:
     [N]}``: per-sample scores of the decoded videos (an RL method's rewards), logged as their means and written
-    into each video's caption."""
+    into each video's caption. ``fixed``: its params never change during the run (a frozen teacher), so it is
+    sampled at the first validation of each launch only (the same prompts and noise would give the same videos)."""
 
     tag: str
     apply: flow.ApplyFn
@@ -348,6 +350,7 @@ class Sampler(NamedTuple):
     guided: bool = False
     draw: Callable[..., torch.Tensor] | None = None
     score: Callable[[torch.Tensor, list[str]], dict[str, torch.Tensor]] | None = None
+    fixed: bool = False
 
 
 class Validator(NamedTuple):
@@ -480,13 +483,18 @@ def callback(validator: Validator, samplers_of: Callable[[Any, Any, ValidationCo
              others: Sequence[fcallbacks.Callback] = ()) -> fcallbacks.Callback:
     """Validation as a callback: after every ``validator.config.every`` updates (and before the first step of a fresh
     run with ``at_start``) it samples ``samplers_of(state, frozen, config)`` (the method's ``Program.validate``)
-    and logs them, between the ``on_validation_begin`` and ``on_validation_end`` hooks of ``others``."""
+    and logs them, between the ``on_validation_begin`` and ``on_validation_end`` hooks of ``others``; a ``fixed``
+    sampler only the first time."""
+    logged_fixed: set[str] = set()  # the tags of fixed samplers this launch has logged
+
     def run(context: fcallbacks.Context) -> None:
         if not should_validate(validator.config, context.step):
             return
         fcallbacks.call(others, "on_validation_begin", context)
-        validate(validator, context.tracker, context.step,
-                 samplers_of(context.state, context.frozen, validator.config))
+        samplers = [entry for entry in samplers_of(context.state, context.frozen, validator.config)
+                    if not (entry.fixed and entry.tag in logged_fixed)]
+        validate(validator, context.tracker, context.step, samplers)
+        logged_fixed.update(entry.tag for entry in samplers if entry.fixed)
         fcallbacks.call(others, "on_validation_end", context)
 
     def at_start(context: fcallbacks.Context) -> None:

@@ -89,6 +89,15 @@ def per_sample_randint(key: torch.Tensor, sample_index: torch.Tensor, high: int)
     return random.randint_each(random.fold_in(key, sample_index.to(key.device)), (), 0, high)
 
 
+def check_score_window(min_ratio: float, max_ratio: float) -> None:
+    """A one-line ValueError when ``method.min_timestep_ratio`` is above ``method.max_timestep_ratio``: the clamp of
+    the score timesteps would put every draw at the max (torch's clamp), an empty window trained silently. Equal
+    ratios are a one-level window, which FastVideo's DMD2 rule ``0 <= min <= max <= 1`` allows."""
+    if min_ratio > max_ratio:
+        raise ValueError(f"method.min_timestep_ratio = {min_ratio} is above method.max_timestep_ratio = {max_ratio}: "
+                         "the score timesteps' window [min, max] is empty (equal values make a one-level window)")
+
+
 def score_window(score: Score) -> tuple[int, int]:
     """``(int(1000 min_ratio), int(1000 max_ratio))`` (``round`` with ``round_window``), the window score timesteps
     are clamped to."""
@@ -337,7 +346,7 @@ def program(config: Any, models: Mapping[str, Model], *, total_steps: int, ranks
     negative)`` and ``validate(state, validation_config, *, roles, config, frozen, negative)``. Latent spaces, cond
     and the negative-prompt file are checked now, so bad input fails before any weights load; on a mesh every role's
     params are local shards (the teacher's without optimizer state) and norms are global per role."""
-    check_shared_data(models, data_role=STUDENT)
+    config.check_models(models)
     negative = (None if config.negative_prompt_path is None
                 else models[STUDENT].load_negative(config.negative_prompt_path, "method.negative_prompt_path"))
     roles = Roles(models[STUDENT], models[CRITIC], models[TEACHER],
@@ -397,13 +406,13 @@ def teacher_sampler(roles: Roles, teacher_params: Params, config: DistributionMa
                     validation_config: validation.ValidationConfig,
                     negative: Cond | None = None) -> validation.Sampler:
     """The teacher as validation samples it beside the student: guided as the DMD loss guides it, on the
-    validation's many-step ODE schedule."""
+    validation's many-step ODE schedule; frozen, so sampled at the first validation of a launch only (``fixed``)."""
     def uncond(cond: Cond) -> Cond:
         return roles.teacher.uncond(cond, config.cfg_uncond, negative)
 
     guided = validation.guided(roles.teacher.apply, uncond, config.guidance_scale)
     sigmas = validation.many_step_sigmas(validation_config.num_steps, validation_config.flow_shift)
-    return validation.Sampler("teacher", guided, teacher_params, sigmas, "ode")
+    return validation.Sampler("teacher", guided, teacher_params, sigmas, "ode", fixed=True)
 
 
 # ------------------------------------------------------------------------------------------------------- the config
@@ -460,3 +469,9 @@ class DistributionMatchingConfig(Config):
         """What the run holds while it trains (the dry run's rows): the student (and its EMA) and the critic
         trainable, the teacher frozen."""
         return held_roles(bool(self.ema_decay))
+
+    def check_models(self, models: Mapping[str, Model]) -> None:
+        """The refusals of the roles' models from their skeletons, before any file is read (:func:`program` and the
+        dry run, ``fvx.training.experiment.check_models``): the roles share the data's latent space; a method adds
+        its own."""
+        check_shared_data(models, data_role=STUDENT)

@@ -4,12 +4,16 @@ to end on the toy world (rewards logged, resume and replay bitwise, a NaN reward
 bad input in one line)."""
 import pathlib
 
+import types
+
 import pytest
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
 
 from fvx import run
-from fvx.core import random
-from fvx.training import replay, tracking
+from fvx.core import flow, random
+from fvx.core.state import RoleState, TrainState
+from fvx.training import replay, tracking, validation
 from fvx_methods import diffusion_nft as nft
 from fvx_methods.library import rl
 
@@ -101,9 +105,69 @@ def test_the_plan_of_fastvideos_recipe_and_of_the_toy():
     got = nft.plan(toy.method, toy.data.batch_size)
     assert (len(got.train_sigmas), got.micro_batches, got.accumulation, got.updates_per_step) == (3, 2, 6, 1)
     assert torch.equal(got.train_sigmas, got.sigmas[:3]) and got.sigmas[0] == 1.0
+    assert toy.method.sampling.spacing == "even" and torch.equal(got.sigmas, validation.many_step_sigmas(4, 3.0))
     many = nft.plan(nft.DiffusionNFT(reward_fn={"world": 1.0}, num_batches_per_epoch=2, train_batch_size=2,
                                      num_inner_epochs=2, grad_accum=5, sampling=nft.Sampling(num_steps=4)), 8)
     assert (many.micro_batches, many.accumulation, many.updates_per_step) == (8, 15, 4)  # ceil(2 x 8 x 3 / 15)
+
+
+def set_timesteps(shift, steps):
+    """diffusers' scheduler after ``set_timesteps(steps)``: what FastVideo's RL sampler steps along."""
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
+    scheduler.set_timesteps(steps)
+    return scheduler
+
+
+def test_fastvideos_recipe_samples_trains_and_validates_on_the_schedulers_levels():
+    """FastVideo's sampler steps along FlowMatchEulerDiscreteScheduler(shift=8).set_timesteps(25); its student
+    trains on the first int(25 x 0.99) = 24 timesteps (the model sees the timestep, the noising uses t = timestep /
+    1000: both bitwise), every sample on each once per inner epoch; validation steps along set_timesteps(40)."""
+    from fvx.config import load_experiment
+
+    recipe = load_experiment(f"{EXPERIMENT}:wan21_t2v_1p3b_pick_clip")
+    got = nft.plan(recipe.method, recipe.data.batch_size)
+    sampler = set_timesteps(8.0, 25)
+    assert torch.equal(got.sigmas, sampler.sigmas[:-1]) and round(got.sigmas[-1].item(), 3) == 0.060
+    assert torch.equal(got.train_sigmas * 1000, sampler.timesteps[:24])  # micro_loss's model timestep t * 1000
+    assert torch.equal(got.train_sigmas, sampler.timesteps[:24] / 1000)  # FastVideo's noising t
+    seen: dict[int, list[float]] = {i: [] for i in range(4)}
+    inner = nft.Plan(got.sigmas, got.train_sigmas, micro_batches=2, accumulation=24, updates_per_step=1)
+    for rows, t, _ in nft.micro_steps(torch.zeros(4, 1, 1, 1, 1), torch.arange(4), random.key(0), inner, 0):
+        for row, level in zip(rows.tolist(), t.tolist()):
+            seen[row].append(level)
+    assert all(sorted(levels, reverse=True) == got.train_sigmas.tolist() for levels in seen.values())
+    state = TrainState(step=torch.zeros((), dtype=torch.int64), key=random.key(0),
+                       roles={nft.STUDENT: RoleState(params={}, opt_state=None)})
+    roles = types.SimpleNamespace(student=types.SimpleNamespace(apply=None), rewards={}, weights={})
+    (validated,) = nft.validate(state, {}, recipe.validation, roles=roles, config=recipe.method)
+    assert torch.equal(validated.sigmas, set_timesteps(8.0, 40).sigmas[:-1])
+
+
+def test_the_spacing_knob():
+    """``set_timesteps`` (the default, FastVideo's) against ``even`` (shift(1 - k / K)), and explicit sigmas as
+    given."""
+    assert torch.equal(nft.Sampling().schedule(8.0), flow.scheduler_sigmas(8.0, 25))
+    assert torch.equal(nft.Sampling(spacing="even").schedule(8.0), validation.many_step_sigmas(25, 8.0))
+    assert torch.equal(nft.Sampling(spacing="even", flow_shift=3.0).levels(4, 3.0), torch.tensor([1.0, 0.9, 0.75, 0.5]))
+    assert nft.Sampling(sigmas=(1.0, 0.5)).schedule(8.0).tolist() == [1.0, 0.5]
+
+
+def test_one_copy_of_each_prompt_with_one_batch_per_step_is_refused(tmp_path, capsys):
+    """With one sampling batch per step and one copy per prompt, every group is one sample: every advantage is 0
+    in every adv_mode (so r = 1/2 and the policy loss only pulls towards the old policy). With several batches a
+    group holds the copies of its prompt the step's batches draw: on the toy's 8 prompts, 4 batches of 8 draw every
+    prompt 4 times, which trains, and is kept."""
+    out = tmp_path / "run"
+    assert run.main([EXPERIMENT, "--out", str(out), "method.num_video_per_prompt=1",
+                     "method.num_batches_per_epoch=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "method.num_video_per_prompt=1 with method.num_batches_per_epoch=1" in err[0], err
+    assert not out.exists()
+    for mode in MODES:
+        assert not nft.clipped_advantages(rl.group_advantages(torch.tensor([0.3, 0.9]), [0, 1]), 5.0, mode).any()
+    nft.DiffusionNFT(reward_fn={"world": 1.0}, num_video_per_prompt=1, num_batches_per_epoch=4)
+    step = rl.k_repeat_batch_at(Rows(8), random.key(0), 0, batch_size=8, rank=0, world=1, repeats=1, batches=4)
+    assert sorted(step["index"].tolist()) == sorted(list(range(8)) * 4)
 
 
 class Rows:

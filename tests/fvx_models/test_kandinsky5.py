@@ -181,8 +181,8 @@ def test_exported_peft_adapters_load_with_the_kandinsky5_pipeline(tmp_path, targ
     base = adapted.base_params(random.key(0))
     adapters = trained_adapters(adapted, random.key(1))
     written = adapted.export_adapters(adapters, str(tmp_path), "peft")
-    assert [p.name for p in written.files.values()] == [lora_files.FILES["peft"]]
+    assert [p.name for p in written.files.values()] == [lora_files.PEFT_FILE]
     (transformer,) = native_modules(CASES["kandinsky5"], base).values()
     pipe = Kandinsky5T2VPipeline(transformer=transformer, vae=None, text_encoder=None, tokenizer=None,
                                  text_encoder_2=None, tokenizer_2=None, scheduler=FlowMatchEulerDiscreteScheduler())
-    assert_loaded_lora_matches(pipe, "kandinsky5", tmp_path, lora_files.FILES["peft"], adapted, base, adapters)
+    assert_loaded_lora_matches(pipe, "kandinsky5", tmp_path, lora_files.PEFT_FILE, adapted, base, adapters)

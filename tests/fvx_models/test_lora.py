@@ -121,15 +121,85 @@ def wan_pipeline(base):
                        scheduler=FlowMatchEulerDiscreteScheduler())
 
 
-@pytest.mark.parametrize("form", lora_files.FORMATS)
-def test_exported_adapters_load_with_diffusers_load_lora_weights(tiny, tmp_path, form):
+@pytest.mark.parametrize("form, name", [("peft", lora_files.PEFT_FILE), ("comfyui", "my_run_lora_comfyui.safetensors"),
+                                        ("musubi", "my_run_lora_musubi.safetensors")])
+def test_exported_adapters_load_with_diffusers_load_lora_weights(tiny, tmp_path, form, name):
     """diffusers reads all three layouts (PEFT's keys; ComfyUI's and musubi-tuner's through its own converters of
-    those formats), and its transformer then computes fvx's LoRA model."""
+    those formats), and its transformer then computes fvx's LoRA model. The original layouts' files are named after
+    the export (the run), the PEFT file keeps diffusers' name."""
     pytest.importorskip("peft")
     plain, adapted, base, adapters = tiny
-    written = adapted.export_adapters(adapters, str(tmp_path), form)
-    assert [p.name for p in written.files.values()] == [lora_files.FILES[form]]
-    assert_loaded_lora_matches(wan_pipeline(base), "wan", tmp_path, lora_files.FILES[form], adapted, base, adapters)
+    written = adapted.export_adapters(adapters, str(tmp_path), form, stem="my_run")
+    assert written.files == {"transformer": tmp_path / name}
+    assert_loaded_lora_matches(wan_pipeline(base), "wan", tmp_path, name, adapted, base, adapters)
+
+
+def test_the_peft_hint_says_comfyui_and_musubi_tuner_ignore_its_keys(tiny, tmp_path):
+    plain, adapted, base, adapters = tiny
+    written = adapted.export_adapters(adapters, str(tmp_path), "peft", stem="my_run")
+    assert written.how_to_load == (
+        f"pipe.load_lora_weights({str(tmp_path)!r})",
+        "not for ComfyUI or musubi-tuner: they ignore PEFT keys (transformer.<module>.lora_A/lora_B) and load nothing "
+        "from a PEFT file; export again with --lora --format comfyui (ComfyUI's LoraLoaderModelOnly) or --lora "
+        "--format musubi (musubi-tuner's wan_generate_video.py --lora_weight)")
+
+
+I2V_LORA = lora.LoRAConfig(rank=2, alpha=4.0, target_modules=("to_q", "to_out", "add_k_proj", "add_v_proj"))
+
+
+@pytest.fixture(scope="module")
+def tiny_i2v():
+    """Wan 2.1 I2V (tiny) with adapters on its attentions, the image cross-attention's k_img/v_img among them."""
+    adapted = WanConfig(preset="tiny-i2v", frozen_dtype="fp32", lora=I2V_LORA).build()
+    return adapted, adapted.base_params(random.key(0)), trained_adapters(adapted, random.key(1))
+
+
+def test_i2v_comfyui_adapters_load_with_diffusers_load_lora_weights(tiny_i2v, tmp_path):
+    """ComfyUI's file of Wan 2.1 I2V adapters (``cross_attn.k_img``/``v_img`` among them) loads with diffusers'
+    WanImageToVideoPipeline.load_lora_weights, whose transformer then computes fvx's LoRA model."""
+    pytest.importorskip("peft")
+    from diffusers import WanImageToVideoPipeline
+
+    adapted, base, adapters = tiny_i2v
+    written = adapted.export_adapters(adapters, str(tmp_path), "comfyui", stem="i2v")
+    assert "diffusion_model.blocks.0.cross_attn.k_img.lora_down.weight" in load_file(written.files["transformer"])
+    (transformer,) = native_modules(CASES["wan-i2v"], base).values()
+    pipe = WanImageToVideoPipeline(tokenizer=None, text_encoder=None, vae=None, image_processor=None,
+                                   image_encoder=None, transformer=transformer,
+                                   scheduler=FlowMatchEulerDiscreteScheduler())
+    pipe.load_lora_weights(str(tmp_path), weight_name=written.files["transformer"].name)
+    x, t, cond = inputs(adapted, random.key(2))
+    with torch.no_grad():
+        loaded = CASES["wan-i2v"].native({"transformer": pipe.transformer}, x, t, cond)
+    torch.testing.assert_close(loaded.float(), adapted.apply(role.with_trained(base, adapters), x, t, cond),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["comfyui", "musubi"])
+def test_i2v_adapters_on_the_image_embedder_key_the_modules_the_original_checkpoint_has(tmp_path, form):
+    """Adapters on every linear layer of Wan 2.1 I2V (the image embedder's ``img_emb.proj.1``/``.3`` too) are keyed
+    by the rule each tool looks LoRA keys up by, applied to the original checkpoint's weights (the whole export, which
+    diffusers' converter reads back: tests/fvx_models/test_original_layout.py): ComfyUI's ``diffusion_model.<key>``
+    (comfy/lora.py ``model_lora_keys_unet``), musubi-tuner's ``lora_unet_<key, dots as underscores>``
+    (``utils/lora_utils.py``); A, B and alpha as trained."""
+    config = lora.LoRAConfig(rank=2, alpha=4.0, target_modules=("to_", "add_", "ffn", "image_embedder", "proj_out"))
+    adapted = WanConfig(preset="tiny-i2v", frozen_dtype="fp32", lora=config).build()
+    base, adapters = adapted.base_params(random.key(0)), trained_adapters(adapted, random.key(1))
+    checkpoint = load_file(adapted.export(role.with_trained(base, adapters), str(tmp_path / "whole"),
+                                          form="comfyui").files["transformer"])
+    rule = {"comfyui": lambda key: f"diffusion_model.{key}", "musubi": lambda key: "lora_unet_" + key.replace(".", "_")}
+    looked_up = {rule[form](key.removesuffix(".weight")): key.removesuffix(".weight") for key in checkpoint
+                 if key.endswith(".weight")}
+    stored = load_file(adapted.export_adapters(adapters, str(tmp_path / form), form).files["transformer"])
+    stems = {key.rsplit(".", 2)[0] if key.endswith(".weight") else key.rsplit(".", 1)[0] for key in stored}
+    assert stems <= looked_up.keys()
+    assert {looked_up[stem] for stem in stems} >= {"img_emb.proj.1", "img_emb.proj.3", "blocks.0.cross_attn.k_img"}
+    assert len(stems) == len(adapted.export_adapters.args[0].modules)
+    stem = rule[form]("img_emb.proj.3")
+    name = "condition_embedder.image_embedder.ff.net.2"
+    assert torch.equal(stored[f"{stem}.lora_down.weight"], adapters[f"{name}.{lora.A}"])
+    assert torch.equal(stored[f"{stem}.lora_up.weight"], adapters[f"{name}.{lora.B}"])
+    assert stored[f"{stem}.alpha"].item() == 4.0
 
 
 @pytest.mark.parametrize("form, key", [("comfyui", "diffusion_model.blocks.1.cross_attn.o"),
@@ -240,14 +310,16 @@ def test_two_experts_export_one_peft_file_per_component_and_say_how_each_loads(t
         stored = load_file(path)
         assert stored and all(k.startswith("transformer.blocks.") for k in stored)
         assert all(torch.equal(t, adapters[expert + k[len("transformer."):]]) for k, t in stored.items())
-    assert written.how_to_load == (
+    calls, note = written.how_to_load[:2], written.how_to_load[2:]
+    assert calls == (
         f"pipe.load_lora_weights({str(tmp_path)!r})  # transformer: the high-noise expert",
         f"pipe.load_lora_weights({str(tmp_path)!r}, weight_name={second!r}, load_into_transformer_2=True)  "
         "# transformer_2: the low-noise expert")
+    assert len(note) == 1 and note[0].startswith("not for ComfyUI or musubi-tuner: they ignore PEFT keys")
     modules = native_modules(CASES["wan_moe"], base)
     pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=FlowMatchEulerDiscreteScheduler(),
                        boundary_ratio=config.boundary, **modules)
-    for line in written.how_to_load:
+    for line in calls:
         eval(line.split("  #")[0], {"pipe": pipe})  # the call as printed
     x, t, cond = inputs(model, random.key(2))  # one sample per expert
     with torch.no_grad():
@@ -255,3 +327,29 @@ def test_two_experts_export_one_peft_file_per_component_and_say_how_each_loads(t
                                          cond)
     torch.testing.assert_close(loaded, model.apply(role.with_trained(base, adapters), x, t, cond), rtol=1e-5,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["comfyui", "musubi"])
+def test_two_experts_original_layout_files_are_high_and_low_noise_with_musubi_tuners_flags(tmp_path, form):
+    """Wan 2.2 A14B: ``<run>_lora_<form>_high_noise`` holds the high-noise expert's (``transformer``) adapters,
+    ``..._low_noise`` the low-noise one's; the musubi hint gives musubi-tuner's ``wan_generate_video.py`` flag of each
+    (``--lora_weight_high_noise``, ``--lora_weight``)."""
+    from fvx_models.wan_moe import Wan22MoEConfig
+
+    model = Wan22MoEConfig(preset="tiny", lora=lora.LoRAConfig(rank=2, target_modules=("to_q",))).build()
+    adapters = trained_adapters(model, random.key(1))
+    written = model.export_adapters(adapters, str(tmp_path), form, stem="a14b")
+    high, low = (tmp_path / f"a14b_lora_{form}_{tag}.safetensors" for tag in ("high_noise", "low_noise"))
+    assert written.files == {"transformer": high, "transformer_2": low}
+    key = {"comfyui": "diffusion_model.blocks.0.self_attn.q", "musubi": "lora_unet_blocks_0_self_attn_q"}[form]
+    for path, expert in ((high, "transformer"), (low, "transformer_2")):
+        assert torch.equal(load_file(path)[f"{key}.lora_up.weight"], adapters[f"{expert}.blocks.0.attn1.to_q.{lora.B}"])
+    if form == "musubi":
+        assert written.how_to_load == (
+            f"musubi-tuner: wan_generate_video.py --lora_weight_high_noise {high} (transformer: the high-noise expert)",
+            f"musubi-tuner: wan_generate_video.py --lora_weight {low} (transformer_2: the low-noise expert)")
+    else:
+        assert written.how_to_load == tuple(
+            f"ComfyUI: put {path.name} in models/loras/ and apply it with a LoraLoaderModelOnly node ({which})"
+            for path, which in ((high, "transformer: the high-noise expert"),
+                                (low, "transformer_2: the low-noise expert")))

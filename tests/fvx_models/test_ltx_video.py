@@ -1,6 +1,7 @@
 """fvx_models.ltx_video against diffusers' LTXVideoTransformer3DModel and LTXPipeline (tiny preset): what is LTX-Video's
-own (the token sequence, the timestep and RoPE inputs, the frame rate, the VAE's latent statistics, the presets, the
-LoRA its pipeline loads, bad input); tests/fvx_models/test_families.py holds what every family shares."""
+own (the token sequence, the timestep and RoPE inputs, the frame rate, LTX-Video-Trainer's noise levels, the VAE's
+latent statistics, the presets, the LoRA its pipeline loads, bad input); tests/fvx_models/test_families.py holds what
+every family shares."""
 import json
 import math
 
@@ -11,7 +12,8 @@ from diffusers import (AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, L
 from safetensors.torch import save_file
 
 from fvx import run
-from fvx.core import grad, random
+from fvx.core import flow, grad, random
+from fvx_methods import finetune
 from fvx_models import build, diffusers_folder as dfolder, lora, lora_files, ltx_video
 from fvx_models.ltx_video import LTXVideoConfig
 
@@ -137,6 +139,65 @@ def test_shift_mu_is_the_pipelines_calculate_shift():
         assert math.isclose(ltx_video.shift_mu(tokens), calculate_shift(tokens, 1024, 4096, 0.95, 2.05))
 
 
+# -------------------------------------------------------------------------------------------------- noise levels
+
+
+def test_the_shifted_logit_normal_by_hand():
+    """LTX-Video-Trainer's ShiftedLogitNormalTimestepSampler: sigmoid(std z + mu), mu linear through (1024, 0.95) and
+    (4096, 2.05), unclamped, nothing stretched."""
+    z = torch.tensor([0.0, 1.0, -3.0, 4.0])
+    for tokens, std in ((1024, 1.0), (4032, 1.0), (9000, 0.5)):
+        mu = 0.95 + (2.05 - 0.95) * (tokens - 1024) / (4096 - 1024)
+        want = torch.tensor([1 / (1 + math.exp(-(std * float(v) + mu))) for v in z])
+        torch.testing.assert_close(ltx_video.shifted_logit_normal_sigma(z, tokens, std), want, rtol=0, atol=1e-6)
+    # 4032 tokens (the recipe's bucket): mu = 0.95 + 1.1 * 3008 / 3072 = 2.027083, sigmoid(mu) = 0.883611
+    assert float(ltx_video.shifted_logit_normal_sigma(z, 4032, 1.0)[0]) == pytest.approx(0.883611, abs=1e-6)
+
+
+def keys_of(n, seed=3):
+    return random.fold_in(random.key(seed), torch.arange(n))
+
+
+def test_the_sampler_draws_from_each_samples_key_at_the_latents_token_count():
+    keys = keys_of(16)
+    normal = torch.stack([random.normal(k, ()) for k in keys])
+    config = LTXVideoConfig(preset="tiny")
+    sigma, t = ltx_video.sigma_sampler(config, keys, torch.zeros(16, 8, 4, 16, 16))  # 1024 tokens
+    torch.testing.assert_close(sigma, ltx_video.shifted_logit_normal_sigma(normal, 1024, 1.0), rtol=0, atol=0)
+    assert sigma.dtype == torch.float32 and sigma.shape == (16,)
+    assert torch.equal(t, torch.round(1000 * sigma)) and not torch.equal(t, 1000 * sigma)  # the trainer's integers
+    more, _ = ltx_video.sigma_sampler(config, keys, torch.zeros(16, 8, 12, 14, 24))  # 4032 tokens
+    torch.testing.assert_close(more, ltx_video.shifted_logit_normal_sigma(normal, 4032, 1.0), rtol=0, atol=0)
+    narrow, _ = ltx_video.sigma_sampler(LTXVideoConfig(preset="tiny", timestep_std=0.5), keys,
+                                        torch.zeros(16, 8, 4, 16, 16))
+    torch.testing.assert_close(narrow, ltx_video.shifted_logit_normal_sigma(normal, 1024, 0.5), rtol=0, atol=0)
+    uniform, _ = ltx_video.sigma_sampler(LTXVideoConfig(preset="tiny", timestep_sampling="uniform"), keys,
+                                         torch.zeros(16, 8, 4, 16, 16))
+    torch.testing.assert_close(uniform, torch.stack([random.uniform(k, ()) for k in keys]), rtol=0, atol=0)
+    for b in range(16):  # a sample's level depends on its own key only
+        assert torch.equal(ltx_video.sigma_sampler(config, keys[b:b + 1], torch.zeros(1, 8, 4, 16, 16))[0][0],
+                           sigma[b])
+
+
+def test_fine_tuning_draws_its_levels_with_the_family_sampler(model, params):
+    batch = model.batch(raw_batch(model, random.key(5)))
+    method = finetune.Finetune()
+    loss, aux = finetune.loss_fn(params, batch, random.key(9), model=model, config=method)
+    x0 = model.normalize(batch["latents"].float())
+    _, t_keys = flow.per_sample_noise(random.key(9), batch["sample_index"], tuple(x0.shape[1:]), x0.device)
+    sigma, _ = ltx_video.sigma_sampler(LTXVideoConfig(preset="tiny"), t_keys, x0)
+    assert torch.isfinite(loss) and float(aux["sigma"]) == pytest.approx(float(sigma.mean()), abs=1e-7)
+    with pytest.raises(ValueError, match="method.weighting_scheme=logit_normal: model ltx_video:tiny draws its "
+                                         "training noise levels with its own sampler"):
+        finetune.Finetune(weighting_scheme="logit_normal").build({"student": model}, total_steps=1)
+
+
+def test_a_bad_timestep_std_is_refused_in_one_line():
+    for std in (math.inf, math.nan):
+        with pytest.raises(ValueError, match="ltx_video timestep_std must be a positive finite standard deviation"):
+            LTXVideoConfig(preset="tiny", timestep_std=std)
+
+
 # --------------------------------------------------------------------------------------------- latent statistics
 
 
@@ -217,6 +278,10 @@ def test_the_run_refuses_bad_knobs_in_one_line_and_writes_nothing(tmp_path, caps
     cases = [(["models.student.latents_stats=/nonexistent/vae"], "ltx_video latents_stats '/nonexistent/vae'"),
              (["models.student.fps=0"], "Expected `float` > 0.0 - at `$.models[...].fps`"),
              (["models.student.fps=inf"], "models.student.fps takes a finite number"),
+             (["models.student.timestep_std=0"], "Expected `float` > 0.0 - at `$.models[...].timestep_std`"),
+             (["models.student.timestep_sampling=gauss"],
+              "models.student.timestep_sampling must be one of 'shifted_logit_normal', 'uniform'"),
+             (["method.weighting_scheme=logit_normal"], "draws its training noise levels with its own sampler"),
              (["data.synthetic.text_dim=15"], "must be [B, L, 16], got [2, 8, 15]"),
              (["data.synthetic.latent_shape=[4,2,8,8]"],
               "batch latents of shape (2, 4, 2, 8, 8) do not fit model ltx_video:tiny")]

@@ -7,6 +7,8 @@
   ``$FVX_TEST_SIGNAL`` and sleeps: SIGKILL it mid-save, leaving the step's temporary folder behind.
 - ``FVX_TEST_PAUSE_AT_STEP=k`` (environment): step k touches ``$FVX_TEST_SIGNAL``, waits 3 s, then goes on: signal it
   mid-step.
+- ``FVX_TEST_PAUSE_IN_VALIDATION=1`` (environment): each validation touches ``$FVX_TEST_SIGNAL`` and waits 3 s first:
+  signal the start-of-run validation (``validation.every=...`` turns it on).
 """
 import os
 import pathlib
@@ -18,6 +20,7 @@ from fvx.core.optim_config import AdamWConfig
 from fvx.data.datasets import DataConfig, SyntheticConfig
 from fvx.storage import checkpoint, shard_files
 from fvx.storage.checkpoint_config import CheckpointConfig
+from fvx.training.callbacks import Callback
 from fvx.training.experiment import Experiment, RunConfig
 from fvx_methods.finetune import Finetune
 from fvx_models.wan import WanConfig
@@ -25,6 +28,7 @@ from fvx_models.wan import WanConfig
 HANG_AT_STEP = os.environ.get("FVX_TEST_HANG_AT_STEP")
 HANG_IN_SAVE = os.environ.get("FVX_TEST_HANG_IN_SAVE")
 PAUSE_AT_STEP = os.environ.get("FVX_TEST_PAUSE_AT_STEP")
+PAUSE_IN_VALIDATION = os.environ.get("FVX_TEST_PAUSE_IN_VALIDATION")
 
 
 def _signal_and_hang() -> None:
@@ -44,8 +48,7 @@ class FaultyFinetune(Finetune, tag="faulty_finetune"):
             if HANG_AT_STEP is not None and step == int(HANG_AT_STEP):
                 _signal_and_hang()
             if PAUSE_AT_STEP is not None and step == int(PAUSE_AT_STEP):
-                pathlib.Path(os.environ["FVX_TEST_SIGNAL"]).touch()
-                time.sleep(3)
+                _pause()
             if step == self.nan_at_step or (self.nan_from_step is not None and step >= self.nan_from_step):
                 batch = {**batch, "latents": batch["latents"] * float("nan")}
             return program.step_(state, frozen, batch)
@@ -67,6 +70,16 @@ if HANG_IN_SAVE is not None:
 class FaultyExperiment(Experiment):
     models: dict[str, WanConfig] = msgspec.field(default_factory=lambda: {"student": WanConfig()})
     method: FaultyFinetune = FaultyFinetune()
+
+    def callbacks(self):
+        if PAUSE_IN_VALIDATION is None:
+            return ()
+        return (Callback("pause", on_validation_begin=lambda context: _pause()),)
+
+
+def _pause() -> None:
+    pathlib.Path(os.environ["FVX_TEST_SIGNAL"]).touch()
+    time.sleep(3)
 
 
 config = FaultyExperiment(

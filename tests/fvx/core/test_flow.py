@@ -81,6 +81,36 @@ def test_self_forcing_grid_refuses_a_bad_length():
             flow.self_forcing_sigmas(5.0, n)
 
 
+@pytest.mark.parametrize("shift, n", [(8.0, 25), (8.0, 40), (3.0, 4), (3.0, 20), (5.0, 1), (1.0, 10), (3.3, 7)])
+def test_scheduler_levels_equal_diffusers_set_timesteps(shift, n):
+    """FlowMatchEulerDiscreteScheduler(shift).set_timesteps(n): its sigmas but the terminal 0, and its timesteps
+    1000 sigma, bit for bit."""
+    sched = FlowMatchEulerDiscreteScheduler(shift=shift)
+    sched.set_timesteps(n)
+    levels = flow.scheduler_sigmas(shift, n)
+    assert levels.shape == (n,) and levels.dtype == torch.float32
+    assert torch.equal(levels, sched.sigmas[:-1]) and sched.sigmas[-1].item() == 0.0
+    assert torch.equal(flow.to_timestep(levels), sched.timesteps)
+
+
+def test_scheduler_levels_shift_the_low_end_twice():
+    """Shift 8, 25 steps by hand in float64: u_k = 1 + k / 24 (g - 1) with g = shift(1 / 1000) (the training grid's
+    last level), levels shift(u_k); the last is shift(shift(0.001)) = 0.0602 (the once-shifted even levels end at
+    0.25)."""
+    def shift8(s):
+        return 8.0 * s / (1.0 + 7.0 * s)
+
+    grid_min = float(np.float32(shift8(0.001)))  # the scheduler's training grid is fp32
+    levels = flow.scheduler_sigmas(8.0, 25)
+    np.testing.assert_allclose(levels.numpy(), shift8(1.0 + np.arange(25) / 24 * (grid_min - 1.0)), rtol=2e-7, atol=0)
+    assert levels[0].item() == 1.0 and levels[-1].item() == pytest.approx(shift8(grid_min), rel=1e-6)
+    assert levels[-1].item() == pytest.approx(0.0602, abs=1e-4) and levels[-2].item() == pytest.approx(0.2931, abs=1e-4)
+    assert flow.scheduler_sigmas(3.0, 4)[-1].item() == pytest.approx(0.00893, abs=1e-5)  # shift 3 twice of 0.001
+    for n in (0, 2.0, True):
+        with pytest.raises(ValueError, match="positive int number of steps"):
+            flow.scheduler_sigmas(8.0, n)
+
+
 # ------------------------------------------------------------------------------------------------- path and conversions
 
 

@@ -80,11 +80,14 @@ def test_the_comfyui_format_writes_the_original_layout_and_says_how_to_load_it(r
     out = tmp_path / "comfy"
     assert run.main(["export", str(run_dir), "--format", "comfyui", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert f"at step 3 to {out} in float32: diffusion_model.safetensors" in printed
-    assert "load: ComfyUI: put diffusion_model.safetensors in models/diffusion_models/" in printed
-    back = convert_wan_transformer_to_diffusers(load_file(out / "diffusion_model.safetensors"))
+    assert f"at step 3 to {out} in float32: run.safetensors" in printed  # named after the run folder, runs/.../run
+    assert ("load: ComfyUI: put run.safetensors in models/diffusion_models/ and load it with a Load Diffusion Model "
+            f"node; musubi-tuner: wan_generate_video.py --dit {out / 'run.safetensors'}") in printed
+    back = convert_wan_transformer_to_diffusers(load_file(out / "run.safetensors"))
     want = stored(run_dir, 3, "params")
     assert back.keys() == want.keys() and all(torch.equal(back[n], want[n]) for n in want)
+    assert run.main(["export", str(run_dir), "--format", "comfyui", "--ema", "--out", str(tmp_path / "ema")]) == 0
+    assert [p.name for p in (tmp_path / "ema").glob("*.safetensors")] == ["run_ema.safetensors"]
 
 
 def test_export_refuses_a_folder_that_holds_something(run_dir, tmp_path, capsys):
@@ -175,10 +178,15 @@ def test_a_lora_run_saves_adapters_only_and_exports_every_format(lora_run, tmp_p
     adapters = stored(lora_run, 3, "params")
     assert adapters and all(".lora_" in name for name in adapters)
     assert run.main(["export", str(lora_run), "--lora", "--out", str(tmp_path / "peft")]) == 0
-    assert f"load: pipe.load_lora_weights({str(tmp_path / 'peft')!r})" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"load: pipe.load_lora_weights({str(tmp_path / 'peft')!r})" in printed
+    assert "load: not for ComfyUI or musubi-tuner: they ignore PEFT keys" in printed
     for form in ("comfyui", "musubi"):
         assert run.main(["export", str(lora_run), "--lora", "--format", form, "--out", str(tmp_path / form)]) == 0
-    assert "load: musubi-tuner: wan_generate_video.py --lora_weight" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "load: ComfyUI: put run_lora_comfyui.safetensors in models/loras/" in printed
+    musubi_file = tmp_path / "musubi" / "run_lora_musubi.safetensors"
+    assert f"load: musubi-tuner: wan_generate_video.py --lora_weight {musubi_file}\n" in printed
     assert run.main(["export", str(lora_run), "--out", str(tmp_path / "merged")]) == 0  # a LoRA role exports merged
     assert run.main(["export", str(lora_run), "--dtype", "bf16", "--out", str(tmp_path / "bf16")]) == 0
 
@@ -192,11 +200,12 @@ def test_a_lora_run_saves_adapters_only_and_exports_every_format(lora_run, tmp_p
                          "text_mask": torch.ones(1, 4), "sample_index": torch.arange(1)})
     x, t = batch["latents"], torch.tensor([400.0])
     want = model.apply(params, x, t, batch["cond"])
-    for form in ("peft", "comfyui"):  # diffusers reads musubi's layout only with FFN adapters: tests/fvx_models
+    files = {"peft": lora_files.PEFT_FILE, "comfyui": "run_lora_comfyui.safetensors"}
+    for form in files:  # diffusers reads musubi's layout only with FFN adapters: tests/fvx_models
         transformer = WanTransformer3DModel.from_pretrained(pathlib.Path(world_teacher) / "transformer")
         pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=FlowMatchEulerDiscreteScheduler(),
                            transformer=transformer)
-        pipe.load_lora_weights(str(tmp_path / form), weight_name=lora_files.FILES[form])
+        pipe.load_lora_weights(str(tmp_path / form), weight_name=files[form])
         with torch.no_grad():
             got = pipe.transformer(x, t, batch["cond"]["text"], return_dict=False)[0]
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

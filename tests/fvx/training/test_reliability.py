@@ -74,6 +74,28 @@ def test_a_signal_saves_the_step_in_flight_and_resume_is_the_uninterrupted_run(t
     assert_same_run(out, reference)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_the_start_of_run_validation_saves_step_0_and_resume_goes_on(tmp_path, signum):
+    out, flag = tmp_path / "run", tmp_path / "paused"
+    validated = ("validation.every=100", "validation.num_prompts=1", "validation.num_steps=2", "run.steps=2")
+    process = start(out, flag, *validated, FVX_TEST_PAUSE_IN_VALIDATION="1")
+    wait_for(flag, process)
+    process.send_signal(signum)
+    output = process.communicate(timeout=300)[0]
+    assert process.returncode == 128 + signum, output
+    assert f"interrupted at step 0 ({signal.Signals(signum).name}; a checkpoint of it is saved); resume with: " \
+           f"python -m fvx.run {EXPERIMENT} --out {out} --resume" in output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    with checkpoint.Checkpoints(out / run_folder.CHECKPOINTS) as checkpoints:
+        assert checkpoints.steps() == [0]
+    assert not (out / run_lock.LOCK_FILE).exists()
+    assert run.main([EXPERIMENT, "--out", str(out), "--resume", *validated]) == 0
+    with checkpoint.Checkpoints(out / run_folder.CHECKPOINTS) as checkpoints:
+        assert checkpoints.steps() == [0, 2]
+    assert [step for step, _ in tracking.read_scalars(out / "tb")["validation/model/latent_std"]][0] == 0
+
+
 def test_one_writer_per_run_folder_and_a_stale_lock_is_taken_over(tmp_path, capsys):
     out, flag = tmp_path / "run", tmp_path / "paused"
     first = start(out, flag, FVX_TEST_PAUSE_AT_STEP="1")

@@ -10,7 +10,7 @@ from PIL import Image
 from fvx import config as fconfig
 from fvx.core import random
 from fvx.data import datasets as data
-from fvx.training import tracking, validation
+from fvx.training import callbacks, tracking, validation
 from fvx.training.validation import ValidationConfig
 from fvx_models import cond as fcond
 from fvx_models.wan import WanConfig
@@ -319,3 +319,28 @@ def test_scores_go_into_the_captions_and_their_means_into_the_scalars():
     captions, scalars = validation.scored_captions(score, videos, ["red bars", "blue bars"])
     assert captions == ["world: 0.5 | avg: 1 | red bars", "world: 0.25 | avg: 0.5 | blue bars"]
     assert scalars == {"reward/world": 0.375, "reward/avg": 0.75}
+
+
+def test_a_fixed_sampler_is_sampled_at_the_first_validation_only_and_the_others_at_every_one(tmp_path, key, model):
+    """A frozen teacher's samples cannot change: the validation callback samples it once per launch."""
+    config = data.DataConfig(text_len=6, synthetic=data.SyntheticConfig(num_samples=4, latent_shape=(16, 1, 4, 4),
+                                                                        text_len=4, text_dim=32))
+    validator = validation.make_validator(ValidationConfig(every=2, num_prompts=1, num_steps=1),
+                                          data.open_dataset(config, key), model)
+    params, calls = model.init(random.key(1)), []
+
+    def counted(tag):
+        def apply(p, x, t, cond):
+            calls.append(tag)
+            return model.apply(p, x, t, cond)
+        return apply
+
+    def samplers_of(state, frozen, vconfig):
+        return [validation.Sampler(tag, counted(tag), params, validation.many_step_sigmas(1, 3.0), fixed=fixed)
+                for tag, fixed in (("student", False), ("teacher", True))]
+
+    hook = validation.callback(validator, samplers_of)
+    with tracking.open_tracker(tmp_path) as tracker:
+        for step in range(5):
+            hook.on_step_end(callbacks.Context(step, None, {}, {}, tracker, tmp_path))
+    assert calls == ["student", "teacher", "student", "student"]  # steps 0, 2, 4: validated; the teacher once

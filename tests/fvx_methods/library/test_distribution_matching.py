@@ -93,6 +93,16 @@ def test_score_timesteps_are_drawn_per_sample_in_their_window():
         assert t.min() >= 20 and t.max() <= 980
 
 
+def test_an_upside_down_score_window_is_refused_and_an_equal_one_is_one_level():
+    with pytest.raises(ValueError, match=r"^method.min_timestep_ratio = 0.7 is above method.max_timestep_ratio = 0.3: "
+                                         r"the score timesteps' window \[min, max\] is empty"):
+        dm.check_score_window(0.7, 0.3)
+    dm.check_score_window(0.5, 0.5)  # FastVideo's DMD2 rule, 0 <= min <= max <= 1, allows it
+    one_level = SCORE._replace(min_timestep_ratio=0.5, max_timestep_ratio=0.5)
+    t = dm.score_timesteps(random.key(0), torch.arange(16), one_level)
+    assert dm.score_window(one_level) == (500, 500) and set(t.tolist()) == {500.0}
+
+
 def test_denoising_timesteps_warp_to_training_grid_values():
     warped = dm.denoising_timesteps((1000, 750, 500, 250, 0), True, flow.training_sigmas(5.0))
     grid = flow.training_sigmas(5.0) * 1000

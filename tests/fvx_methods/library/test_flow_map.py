@@ -42,7 +42,7 @@ def test_the_sampler_lands_on_the_data_of_an_exact_flow_map(steps):
 
 
 def test_the_checks_are_one_line():
-    one_time = types.SimpleNamespace(two_time=False, name="wan:world")
+    one_time = types.SimpleNamespace(two_time=False, name="wan:world", two_time_refusal=None)
     with pytest.raises(ValueError, match=r"models.student \(wan:world\) has no r input; set "
                                          r"models.student.r_embedder=\{\}"):
         flow_map.check_two_time(one_time, "student", "MeanFlow")
