@@ -55,21 +55,27 @@ def wait_for(path: pathlib.Path, process: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_saves_the_step_in_flight_and_resume_is_the_uninterrupted_run(tmp_path, reference, signum):
-    out, flag = tmp_path / "run", tmp_path / "paused"
-    process = start(out, flag, FVX_TEST_PAUSE_AT_STEP="4")
+def stop_while_paused(out: pathlib.Path, flag: pathlib.Path, signum: int, step: int, *args: str, **env: str) -> None:
+    """Start a run that pauses where ``env`` says, send it ``signum`` there: it stops with the one line naming ``step``
+    (a checkpoint of it saved), no traceback, and its lock released."""
+    process = start(out, flag, *args, **env)
     wait_for(flag, process)
     process.send_signal(signum)
     output = process.communicate(timeout=300)[0]
     assert process.returncode == 128 + signum, output
-    assert f"interrupted at step 5 ({signal.Signals(signum).name}; a checkpoint of it is saved); resume with: " \
+    assert f"interrupted at step {step} ({signal.Signals(signum).name}; a checkpoint of it is saved); resume with: " \
            f"python -m fvx.run {EXPERIMENT} --out {out} --resume" in output
-    assert "Traceback" not in output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    assert not (out / run_lock.LOCK_FILE).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_the_step_in_flight_and_resume_is_the_uninterrupted_run(tmp_path, reference, signum):
+    out = tmp_path / "run"
+    stop_while_paused(out, tmp_path / "paused", signum, 5, FVX_TEST_PAUSE_AT_STEP="4")
     with checkpoint.Checkpoints(out / run_folder.CHECKPOINTS) as checkpoints:
         assert checkpoints.steps() == [2, 4, 5]  # step 4 (0-based) finished and was saved: checkpoint 5
-    assert not (out / run_lock.LOCK_FILE).exists()
     assert run.main([EXPERIMENT, "--out", str(out), "--resume"]) == 0
     assert_same_run(out, reference)
 
@@ -77,19 +83,11 @@ def test_a_signal_saves_the_step_in_flight_and_resume_is_the_uninterrupted_run(t
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_during_the_start_of_run_validation_saves_step_0_and_resume_goes_on(tmp_path, signum):
-    out, flag = tmp_path / "run", tmp_path / "paused"
+    out = tmp_path / "run"
     validated = ("validation.every=100", "validation.num_prompts=1", "validation.num_steps=2", "run.steps=2")
-    process = start(out, flag, *validated, FVX_TEST_PAUSE_IN_VALIDATION="1")
-    wait_for(flag, process)
-    process.send_signal(signum)
-    output = process.communicate(timeout=300)[0]
-    assert process.returncode == 128 + signum, output
-    assert f"interrupted at step 0 ({signal.Signals(signum).name}; a checkpoint of it is saved); resume with: " \
-           f"python -m fvx.run {EXPERIMENT} --out {out} --resume" in output
-    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    stop_while_paused(out, tmp_path / "paused", signum, 0, *validated, FVX_TEST_PAUSE_IN_VALIDATION="1")
     with checkpoint.Checkpoints(out / run_folder.CHECKPOINTS) as checkpoints:
         assert checkpoints.steps() == [0]
-    assert not (out / run_lock.LOCK_FILE).exists()
     assert run.main([EXPERIMENT, "--out", str(out), "--resume", *validated]) == 0
     with checkpoint.Checkpoints(out / run_folder.CHECKPOINTS) as checkpoints:
         assert checkpoints.steps() == [0, 2]
