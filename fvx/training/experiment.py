@@ -281,12 +281,14 @@ def check_skippable(config: Experiment) -> None:
 
 def check_cfg_dropout(config: Experiment, models: Mapping[str, Any]) -> None:
     """A ConfigError when the data drops text for classifier-free guidance (``data.cfg_rate``) but a model refuses to
-    train on such data (``Model.cfg_dropout_refusal``, a family's rule)."""
-    for name, model in models.items():
+    train on such data (``Model.cfg_dropout_refusal``, a family's rule); ``models`` by role, named by the model that
+    plays it."""
+    played = msgspec.structs.asdict(config.method.roles)
+    for role_name, model in models.items():
         refusal = getattr(model, "cfg_dropout_refusal", None)
         if config.data.cfg_rate > 0 and refusal is not None:
-            raise ConfigError(f"data.cfg_rate = {config.data.cfg_rate}: models.{name} ({model.name}) takes no CFG "
-                              f"dropout ({refusal}); set data.cfg_rate=0")
+            raise ConfigError(f"data.cfg_rate = {config.data.cfg_rate}: models.{played.get(role_name, role_name)} "
+                              f"({model.name}) takes no CFG dropout ({refusal}); set data.cfg_rate=0")
 
 
 def check_folders(config: Experiment) -> None:
