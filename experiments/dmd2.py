@@ -6,10 +6,10 @@ The default distils the teacher that `experiments/finetune_wan.py` trains on fvx
     python -m fvx.run experiments/finetune_wan.py && python -m fvx.run export runs/finetune_wan --out runs/teacher
     python -m fvx.run experiments/dmd2.py
 The student starts as a copy of the teacher, whose own one-step samples are blurred bars; its validation videos sharpen
-into the prompted bars and motion (the teacher's many-step samples, the target, are sampled once per launch: at step 0
-of a fresh run). Roles are models: `method.roles` names the model of `models` that plays each role (student and
-critic `student`, teacher `teacher`). FastVideo's recipe is the recipe `wan21_t2v_1p3b` (Wan 2.1 T2V 1.3B in every
-role, 4 ranks of batch 1); point its paths at local folders:
+towards the prompted bars and motion (the README gives the figures measured at 1 and 2 threads; the teacher's many-step
+samples, the target, are sampled once per launch: at step 0 of a fresh run). Roles are models: `method.roles` names the
+model of `models` that plays each role (student and critic `student`, teacher `teacher`). FastVideo's recipe is the
+recipe `wan21_t2v_1p3b` (Wan 2.1 T2V 1.3B in every role, 4 ranks of batch 1); point its paths at local folders:
     torchrun --nproc-per-node 4 -m fvx.run experiments/dmd2.py:wan21_t2v_1p3b \
         models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers models.teacher.path=/models/Wan2.1-T2V-1.3B-Diffusers \
         method.negative_prompt_path=/data/wan21_negative_prompt.safetensors data.path=/data/Wan-Syn_77x448x832_600k

@@ -79,10 +79,10 @@ def fastwan21_t2v_1p3b_vsa() -> FinetuneWanLoRA:
     """FastVideo's fine_tuning/wan/fast_t2v_lora_vsa.yaml: the FastWan 2.1 T2V 1.3B checkpoint (trained for VSA:
     ``models.student.attention=vsa``, sparsity 0.8 from the first step, its ``to_gate_compress`` gates in the base)
     with LoRA r 16, alpha 32 on to_q, to_k, to_v, to_out, full remat, training at shift 3 (``WanModel``'s default:
-    the YAML's ``pipeline.flow_shift: 8`` is the validation's, ``fastvideo/train/models/wan/wan.py:69,94``); AdamW lr 1e-5, betas (0.9,
-    0.999), weight decay 0.01, constant, clip 1; one rank of batch 1 with 5 gradient-accumulation steps, seed 42, 20
-    latent frames of 480x832, no CFG dropout; 10 steps, checkpoints every 5 (the newest 2); validation off (3 steps
-    at guidance 3 when turned on)."""
+    the YAML's ``pipeline.flow_shift: 8`` is the validation's, ``fastvideo/train/models/wan/wan.py:69,94``); AdamW
+    lr 1e-5, betas (0.9, 0.999), weight decay 0.01, constant, clip 1; one rank of batch 1 with 5
+    gradient-accumulation steps, seed 42, 20 latent frames of 480x832, no CFG dropout; 10 steps, checkpoints every 5
+    (the newest 2); validation off (3 steps at guidance 3 when turned on)."""
     base = wan21_t2v_1p3b()
     return msgspec.structs.replace(
         base, run=msgspec.structs.replace(base.run, output_dir="outputs/fast_wan_t2v_lora_vsa"),
