@@ -46,7 +46,7 @@ from fvx.data import datasets
 from fvx.distributed import processes, sequence_parallel
 from fvx.storage import checkpoint
 from fvx.training import callbacks as fcallbacks, dry_run, experiment, export, loop, replay, resume, run_folder
-from fvx.training import run_lock, tracking
+from fvx.training import config_checks, run_lock, tracking
 from fvx.training.interrupts import Interrupted
 
 USAGE = ("python -m fvx.run EXPERIMENT.py [a.b.c=value ...] [--out DIR] [--steps N] "
@@ -128,8 +128,8 @@ def print_fields(config: fconfig.Config, experiment_file: str) -> None:
 
 
 def _warn(config: fconfig.Config) -> None:
-    """The config's legal contradictions (fvx.training.experiment.config_warnings), one line each on stderr."""
-    for line in experiment.config_warnings(config):
+    """The config's legal contradictions (fvx.training.config_checks.config_warnings), one line each on stderr."""
+    for line in config_checks.config_warnings(config):
         print(f"warning: {line}", file=sys.stderr)
 
 

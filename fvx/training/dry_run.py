@@ -9,7 +9,7 @@ their frozen dtype), in how many micro-batches a rank's batch is differentiated 
 when it carries state across steps, its bytes per sample (``config.method.carried_bytes(models, latent_grid)``).
 
 Before it prints, the dry run refuses what the run refuses from the config and the skeletons alone, through the same
-functions (``fvx.training.experiment.check_models``, and the method's ``check_latent_frames(models, frames)`` on the
+functions (``fvx.training.config_checks.check_models``, and the method's ``check_latent_frames(models, frames)`` on the
 samples it estimates, when the experiment or ``--video`` gives them): nothing it accepts is refused by the run's checks
 of the config, the roles' models and the clip's length. What needs the files (the data's samples, a negative prompt,
 the weights) is checked by the run alone.
@@ -21,7 +21,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 from fvx.core.state import HeldRole
 from fvx.data import datasets
 from fvx.distributed import memory
-from fvx.training.experiment import build_models, check_models, run_keys
+from fvx.training.config_checks import check_models
+from fvx.training.experiment import build_models, run_keys
 
 
 class Plan(NamedTuple):

@@ -10,12 +10,7 @@ plays. :func:`prepare` builds it all, checks the first batch and restores a chec
 (``fvx.training.resume``), writing nothing: what the loop (``fvx.training.loop``) then runs.
 
 What can be refused from the config and the models' skeletons alone, before any file is read, is
-:func:`check_models`: the run (:func:`prepare`) and ``--dry-run`` (``fvx.training.dry_run``) both call it, so the dry
-run refuses what the run refuses. A method takes part through two optional hooks, which its own ``build`` and batch
-check call too: ``check_models(models)`` (its refusals of the roles' models: a student that is not block-causal, a
-second time input missing, a derivative mode the model cannot run) and ``check_latent_frames(models, frames)`` (its
-refusal of samples of ``frames`` latent frames: clips that are not whole blocks). :func:`config_warnings` are the
-contradictions that are legal (one line each, printed by ``fvx.run``).
+``fvx.training.config_checks``: the run (:func:`prepare`) and ``--dry-run`` both call it.
 
 Keys. ``(method_key, data_key) = split(key(run.seed))``: the method's (its state, frozen roles and steps) and the
 data's (sample order, synthetic samples, CFG dropout); nothing else about randomness exists, so a checkpoint holds
@@ -33,12 +28,11 @@ import torch
 
 from fvx.config import Config, ConfigError
 from fvx.core import random, role
-from fvx.core.optim_config import AdamWConfig
 from fvx.core.state import Program, TrainState
 from fvx.data import datasets
 from fvx.distributed import processes, sequence_parallel
 from fvx.storage.checkpoint_config import CheckpointConfig
-from fvx.training import callbacks as fcallbacks, resume, run_folder, run_lock, validation
+from fvx.training import callbacks as fcallbacks, config_checks, resume, run_folder, run_lock, validation
 from fvx.training.wandb_mirror import check_available, WandbConfig
 
 
@@ -268,133 +262,6 @@ def make_validator(config: Experiment, built: Setup, out: pathlib.Path) -> valid
                                      folder=out / "validation")
 
 
-def check_skippable(config: Experiment) -> None:
-    """A ConfigError when ``run.on_nonfinite=skip`` cannot skip a step: the method applies several optimizer updates
-    in one (its ``updates_per_step(data)``), and those before a non-finite one are already applied."""
-    updates = getattr(config.method, "updates_per_step", None)
-    count = 1 if updates is None else updates(config.data)
-    if config.run.on_nonfinite == "skip" and count > 1:
-        raise ConfigError(f"run.on_nonfinite=skip cannot skip a step of {type(config.method).__name__}: it applies "
-                          f"{count} optimizer updates per step and those before a non-finite one stay applied; use "
-                          "run.on_nonfinite=halt, or method settings that make one update per step")
-
-
-def check_cfg_dropout(config: Experiment, models: Mapping[str, Any]) -> None:
-    """A ConfigError when the data drops text for classifier-free guidance (``data.cfg_rate``) but a model refuses to
-    train on such data (``Model.cfg_dropout_refusal``, a family's rule); ``models`` by role, named by the model that
-    plays it."""
-    played = msgspec.structs.asdict(config.method.roles)
-    for role_name, model in models.items():
-        refusal = getattr(model, "cfg_dropout_refusal", None)
-        if config.data.cfg_rate > 0 and refusal is not None:
-            raise ConfigError(f"data.cfg_rate = {config.data.cfg_rate}: models.{played.get(role_name, role_name)} "
-                              f"({model.name}) takes no CFG dropout ({refusal}); set data.cfg_rate=0")
-
-
-def check_folders(config: Experiment) -> None:
-    """A ConfigError naming the field of a model's (or the VAE's) ``path`` that does not exist, before any weights
-    load: such a folder is often the export of an earlier run of this repository's scenarios; or that is a run folder
-    (or its checkpoints), which holds fvx's state, not a diffusers folder: the line gives the export command."""
-    fields = {f"models.{name}.path": getattr(model, "path", None) for name, model in config.models.items()}
-    fields["vae.path"] = getattr(getattr(config, "vae", None), "path", None)
-    for field, path in fields.items():
-        if path is not None and not pathlib.Path(path).exists():
-            raise ConfigError(f"{field} = {path!r} does not exist; when it is an earlier run's export, the experiment "
-                              "file's docstring gives the commands that make it")
-        run = None if path is None else run_folder_of(pathlib.Path(path))
-        if run is not None:
-            folder, step = run
-            raise ConfigError(f"{field} = {path!r} is an fvx run folder, not a diffusers folder; export it first: "
-                              f"python -m fvx.run export {folder}{'' if step is None else f' --step {step}'} "
-                              f"--out FOLDER, then set {field}=FOLDER")
-
-
-def run_folder_of(path: pathlib.Path) -> tuple[pathlib.Path, str | None] | None:
-    """``(run folder, checkpoint step or None)`` when ``path`` is a run folder (it holds ``run.json`` or
-    ``checkpoints/``: fvx.training.run_folder), its ``checkpoints/`` folder or one checkpoint in it; else None."""
-    def is_run(folder: pathlib.Path) -> bool:
-        return (folder / run_folder.RUN_FILE).is_file() or (folder / run_folder.CHECKPOINTS).is_dir()
-
-    if is_run(path):
-        return path, None
-    if path.name == run_folder.CHECKPOINTS and is_run(path.parent):
-        return path.parent, None
-    if path.parent.name == run_folder.CHECKPOINTS and is_run(path.parent.parent):
-        return path.parent.parent, path.name
-    return None
-
-
-def check_models(config: Experiment, models: Mapping[str, Any]) -> None:
-    """The refusals that need only the config and the roles' models (``build_models``: skeletons, no weight and no
-    file read), each a one-line ValueError: what ``run.on_nonfinite=skip`` cannot skip, a model no role plays, CFG
-    dropout a model refuses, a text-to-video model on image-to-video data, then the method's own (its optional
-    ``check_models(models)``: the module docstring). The run (:func:`prepare`) and ``--dry-run`` both call it."""
-    check_skippable(config)
-    check_all_models_play(config)
-    check_cfg_dropout(config, models)
-    check_image_input(config, models)
-    method_check = getattr(config.method, "check_models", None)
-    if method_check is not None:
-        method_check(models)
-
-
-def check_all_models_play(config: Experiment) -> None:
-    """A ConfigError naming each ``models.<name>`` that no ``method.roles.*`` names: it would be neither built nor
-    trained, which a typo in a role (or a forgotten one) makes silently."""
-    roles = msgspec.structs.asdict(config.method.roles)
-    unused = [name for name in config.models if name not in roles.values()]
-    if unused:
-        played = ", ".join(f"{role}={model}" for role, model in roles.items())
-        raise ConfigError(f"{', '.join(f'models.{name}' for name in unused)}: no role plays "
-                          f"{'it' if len(unused) == 1 else 'them'} (method.roles: {played}); name it in a role "
-                          "(method.roles.<role>=<name>) or leave it out of models")
-
-
-IMAGE_INPUT = "first_frame_latents"  # the tensor data.kind=i2v adds (fvx.data.datasets): the clip's first frame
-
-
-def check_image_input(config: Experiment, models: Mapping[str, Any]) -> None:
-    """A ConfigError when the data gives each clip's first frame (``data.kind=i2v``) but the model the data feeds (the
-    method's first held role) takes no image input: it would train text-to-video on the clips, the frame unread. The
-    line names the family's presets that take one."""
-    if config.data.kind != "i2v":
-        return
-    role_name = config.method.held_roles()[0].name
-    model = models[role_name]
-    if IMAGE_INPUT in model.cond:
-        return
-    name = msgspec.structs.asdict(config.method.roles)[role_name]
-    model_config = config.models[name]
-    family = model_config.family
-    presets = [preset for preset in family.presets if IMAGE_INPUT in image_spec(model_config, preset)]
-    fix = (f"use an image-to-video preset, models.{name}.preset=PRESET with PRESET one of {', '.join(presets)}"
-           if presets else
-           f"the {family.name} family has no image-to-video preset: use data.kind=t2v, or a family that has one")
-    raise ConfigError(f"data.kind=i2v gives each clip's first frame, but models.{name}.preset={model_config.preset} "
-                      f"({model.name}) takes no image input (it would train text-to-video, the frame unread); {fix}")
-
-
-def image_spec(model_config: Any, preset: str) -> Mapping[str, Any]:
-    """The cond spec of ``model_config`` on another ``preset`` of its family ({} when its other knobs do not fit that
-    preset)."""
-    try:
-        return model_config.family.cond_spec(msgspec.structs.replace(model_config, preset=preset))
-    except ValueError:
-        return {}
-
-
-def config_warnings(config: Experiment) -> list[str]:
-    """The contradictions a run may mean (printed as warnings, one line each, by the run and ``--dry-run``): each
-    optimizer of the method (``AdamWConfig`` fields) whose warmup does not end within the run's optimizer updates
-    (``run.steps`` times the method's ``updates_per_step``). Legal, as the schedule allows: a run launched short and
-    resumed with a larger ``run.steps`` finishes its warmup then (the warmup's ramp does not depend on the length)."""
-    updates = getattr(config.method, "updates_per_step", None)
-    span = config.run.steps * (1 if updates is None else updates(config.data))
-    optimizers = [(name, getattr(config.method, name)) for name in config.method.__struct_fields__
-                  if isinstance(getattr(config.method, name), AdamWConfig)]
-    return [line for name, optim in optimizers if (line := optim.warmup_warning(f"method.{name}", span))]
-
-
 def prepare(config: Experiment, *, resume_from: str | int | None = None, rank: int = 0, world: int = 1,
             mesh: Any = None) -> Prepared:
     """Build everything (on ``mesh`` when given), check the first batch against the method, load the frozen roles
@@ -408,12 +275,12 @@ def prepare(config: Experiment, *, resume_from: str | int | None = None, rank: i
         check_available()
     callbacks = fcallbacks.check(config.callbacks())
     models = build_models(config, mesh=mesh)
-    check_models(config, models)  # what --dry-run refuses too
+    config_checks.check_models(config, models)  # what --dry-run refuses too
     built = setup(config, mesh=mesh, callbacks=callbacks, models=models)
     first = batch_fn(config, built, rank=rank, world=world)(0)
     built.program.check(first)
     check_sequence_parallel(built, first)
-    check_folders(config)  # after the roles' and the data's checks, before any weights load
+    config_checks.check_folders(config)  # after the roles' and the data's checks, before any weights load
     validator = make_validator(config, built, out)
     state = initial_state(built, first)
     if resume_from is None:

@@ -472,6 +472,6 @@ class DistributionMatchingConfig(Config):
 
     def check_models(self, models: Mapping[str, Model]) -> None:
         """The refusals of the roles' models from their skeletons, before any file is read (:func:`program` and the
-        dry run, ``fvx.training.experiment.check_models``): the roles share the data's latent space; a method adds
+        dry run, ``fvx.training.config_checks.check_models``): the roles share the data's latent space; a method adds
         its own."""
         check_shared_data(models, data_role=STUDENT)

@@ -1,4 +1,4 @@
-"""``--dry-run`` refuses what the run refuses, with the same line (both through ``fvx.training.experiment.check_models``
+"""``--dry-run`` refuses what the run refuses, with the same line (both through ``fvx.training.config_checks.check_models``
 and the method's ``check_latent_frames``), and the contradictions that trained silently are refused (or warned) in one
 line by both, before the run folder exists (issue 40, item 7)."""
 import pathlib

@@ -7,7 +7,7 @@ import pytest
 
 from fvx import run
 from fvx.core import random
-from fvx.training import experiment
+from fvx.training import config_checks
 from fvx_models.wan import WanConfig
 
 EXPERIMENT = str(pathlib.Path(__file__).resolve().parents[3] / "experiments" / "finetune_wan.py")
@@ -36,7 +36,7 @@ def test_a_run_folder_as_a_model_path_gives_the_export_command(run_dir, tmp_path
         assert err == (f"fvx.run: error: models.student.path = {str(path)!r} is an fvx run folder, not a diffusers "
                        f"folder; export it first: python -m fvx.run {command}, then set models.student.path=FOLDER")
         assert not out.exists()
-    assert experiment.run_folder_of(run_dir / "exported") is None
+    assert config_checks.run_folder_of(run_dir / "exported") is None
 
 
 def test_a_loader_reading_a_run_folder_says_export_it_first(run_dir):
