@@ -98,6 +98,9 @@ class Family:
                                          (what ComfyUI and musubi-tuner load; None: it has none there); None: the
                                          family has no original layout in fvx
     component_notes                      component -> what it is, for a person choosing files (Wan 2.2's experts)
+    component_tags                       component -> what its original-layout export file is tagged with (Wan 2.2's
+                                         experts: ``high_noise``, ``low_noise``, as ComfyUI's and musubi-tuner's
+                                         files); a component without one is tagged by its name
     per_frame_timesteps                  ``apply`` also takes one timestep per latent frame, ``t [B, T]``
     bind(module, call) -> context        binds what one forward is asked to do (``call``, or None for a plain
                                          forward) to the skeleton for the duration of that forward (a causal
@@ -164,6 +167,7 @@ class Family:
     pipeline_files: Callable[[Any, Any], None] | None = None
     original_name: Callable[[str], str | None] | None = None
     component_notes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    component_tags: Mapping[str, str] = dataclasses.field(default_factory=dict)
     per_frame_timesteps: bool = False
     bind: Callable[[nn.Module, Any], Any] | None = None
     causal: Callable[[Any, Callable, nn.Module], Any] | None = None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import pathlib
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 from safetensors.torch import save_file
@@ -93,14 +93,14 @@ def formats(family) -> tuple[str, ...]:
     return FORMATS if family.original_name is not None else ("peft",)
 
 
-def file_name(form: str, components: Mapping[str, str], component: str, stem: str | None = None) -> str:
+def file_name(form: str, family: Any, component: str, stem: str | None = None) -> str:
     """The file of ``component``'s adapters in format ``form``: diffusers' names for ``peft``
     (``pytorch_lora_weights.safetensors``, ``pytorch_lora_weights_<component>.safetensors`` for the second expert),
     ``<stem>_lora_<form>[_high_noise|_low_noise].safetensors`` for the original layouts."""
     if form == "peft":
-        first = next(iter(components))
+        first = next(iter(family.components))
         return PEFT_FILE if component == first else PEFT_FILE.replace(".safetensors", f"_{component}.safetensors")
-    return original_layout.file_name((stem, "lora", form), components, component)
+    return original_layout.file_name((stem, "lora", form), family, component)
 
 
 def write(adapters: flora.Adapters, params: Mapping[str, torch.Tensor], folder: str | pathlib.Path,
@@ -109,11 +109,10 @@ def write(adapters: flora.Adapters, params: Mapping[str, torch.Tensor], folder: 
     ``diffusers_folder.staged`` writes), the original layouts' files named after ``stem`` (:func:`file_name`)."""
     if form not in FORMATS:
         raise ValueError(f"export --lora --format must be one of {', '.join(FORMATS)}, got {form!r}")
-    components = adapters.family.components
     written = {}
     with dfolder.staged(folder, f"export --lora --format {form}") as staging:
         for component, pairs in by_component(adapters, params).items():
-            name = file_name(form, components, component, stem)
+            name = file_name(form, adapters.family, component, stem)
             if form == "peft":
                 tensors, metadata = peft_file(adapters.config, pairs)
                 save_file(tensors, str(staging / name), metadata=metadata)
@@ -140,7 +139,7 @@ def how_to_load(form: str, written: Mapping[str, pathlib.Path], family) -> list[
             lines.append(f"ComfyUI: put {path.name} in models/loras/ and apply it with a LoraLoaderModelOnly node"
                          f"{which}")
         else:
-            flag = original_layout.musubi_flag("--lora_weight", family.components, component)
+            flag = original_layout.musubi_flag("--lora_weight", family, component)
             lines.append(f"musubi-tuner: wan_generate_video.py {flag} {path}{which}")
     if form == "peft" and family.original_name is not None:
         lines.append("not for ComfyUI or musubi-tuner: they ignore PEFT keys (transformer.<module>.lora_A/lora_B) and "

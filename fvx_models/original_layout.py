@@ -18,28 +18,24 @@ from fvx_models import diffusers_folder as dfolder
 from fvx_models.model import Written
 
 DEFAULT_STEM = "diffusion_model"  # the file's name when the caller gives none
-EXPERT_TAGS = {"transformer": "high_noise", "transformer_2": "low_noise"}
-"""The file tag of each expert of a two-expert pipeline: diffusers' Wan 2.2 A14B pipeline runs ``transformer`` on the
-high-noise steps and ``transformer_2`` on the low-noise ones; ComfyUI's and musubi-tuner's Wan 2.2 files say
-``high_noise`` / ``low_noise`` (Comfy-Org's ``wan2.2_t2v_high_noise_14B_fp16.safetensors``)."""
 
 
-def component_tag(components: Mapping[str, str], component: str) -> str:
-    """What tells ``component``'s file from the others': nothing for a model of one component, else its expert tag
-    (its own name for a component that is no expert)."""
-    return "" if len(components) == 1 else EXPERT_TAGS.get(component, component)
+def component_tag(family: Any, component: str) -> str:
+    """What tells ``component``'s file from the others': nothing for a model of one component, else its
+    ``Family.component_tags`` entry (Wan 2.2's ``high_noise``, ``low_noise``), or its own name."""
+    return "" if len(family.components) == 1 else family.component_tags.get(component, component)
 
 
-def file_name(parts: tuple[str | None, ...], components: Mapping[str, str], component: str) -> str:
+def file_name(parts: tuple[str | None, ...], family: Any, component: str) -> str:
     """``<parts>_<tag>.safetensors``: the non-empty ``parts`` and ``component``'s tag joined by ``_`` (a LoRA's files
     follow the same rule: ``<run>_lora_comfyui_high_noise.safetensors``)."""
-    return "_".join(part for part in (*parts, component_tag(components, component)) if part) + ".safetensors"
+    return "_".join(part for part in (*parts, component_tag(family, component)) if part) + ".safetensors"
 
 
-def musubi_flag(flag: str, components: Mapping[str, str], component: str) -> str:
+def musubi_flag(flag: str, family: Any, component: str) -> str:
     """musubi-tuner's ``wan_generate_video.py`` flag for ``component``'s file: ``flag`` (``--dit``, ``--lora_weight``)
     for a single model and for the low-noise expert, ``<flag>_high_noise`` for the high-noise expert."""
-    return flag + ("_high_noise" if component_tag(components, component) == "high_noise" else "")
+    return flag + ("_high_noise" if component_tag(family, component) == "high_noise" else "")
 
 
 def renamed(params: Mapping[str, torch.Tensor], family: Any, prefix: str, what: str) -> dict[str, torch.Tensor]:
@@ -64,7 +60,7 @@ def write(params: Mapping[str, torch.Tensor], folder: str | os.PathLike, family:
         for component, prefix in family.components.items():
             tensors = renamed({name: dfolder.exported(p, dtype_of(name)) for name, p in params.items()
                                if name.startswith(prefix)}, family, prefix, what)
-            file = file_name((stem or DEFAULT_STEM,), family.components, component)
+            file = file_name((stem or DEFAULT_STEM,), family, component)
             save_file(tensors, str(staging / file), metadata={"format": "pt"})
             files[component] = pathlib.Path(folder) / file
     return Written(files, tuple(how_to_load(files, family)))
@@ -76,7 +72,7 @@ def how_to_load(written: Mapping[str, pathlib.Path], family: Any) -> list[str]:
     lines = []
     for component, path in written.items():
         note = family.component_notes.get(component)
-        flag = musubi_flag("--dit", family.components, component)
+        flag = musubi_flag("--dit", family, component)
         lines.append(f"ComfyUI: put {path.name} in models/diffusion_models/ and load it with a Load Diffusion Model "
                      "node" + (f" ({component}: {note})" if note else "")
                      + f"; musubi-tuner: wan_generate_video.py {flag} {path}")

@@ -131,6 +131,7 @@ WAN_MOE = dataclasses.replace(
     pipeline_files=pipeline_files,
     step_ranges=step_ranges,
     component_notes={"transformer": "the high-noise expert", "transformer_2": "the low-noise expert"},
+    component_tags={"transformer": "high_noise", "transformer_2": "low_noise"},  # Comfy-Org's and musubi-tuner's names
     sequence_parallel=None,
     self_attention=tuple(f"{expert}.blocks.*.attn1" for expert in EXPERTS),
     whole_graph_refusal="its router splits the batch between the experts by timestep (data-dependent shapes)",
