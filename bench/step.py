@@ -360,7 +360,7 @@ def print_both_branches(rows: dict[str, dict[str, float]]) -> None:
 
 
 def rank_slice(batch: dict, rank: int, world: int) -> dict:
-    """Rank ``rank``'s contiguous rows of the global batch (as fvx.data.datasets.batch_at splits it)."""
+    """Rank ``rank``'s contiguous rows of the global batch (as fvx.data.batching.batch_at splits it)."""
     local = len(batch["sample_index"]) // world
     rows = slice(rank * local, (rank + 1) * local)
     return {name: {k: v[rows] for k, v in value.items()} if isinstance(value, dict) else value[rows]

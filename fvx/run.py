@@ -42,7 +42,7 @@ from typing import Sequence
 import torch.distributed
 
 from fvx import config as fconfig
-from fvx.data import datasets
+from fvx.data import parquet
 from fvx.distributed import processes, sequence_parallel
 from fvx.storage import checkpoint
 from fvx.training import callbacks as fcallbacks, dry_run, experiment, export, loop, replay, resume, run_folder
@@ -229,7 +229,7 @@ def train_here(args: argparse.Namespace, config: fconfig.Config, d: processes.Di
         again = f"python -m fvx.run {shlex.quote(args.experiment)} --out {shlex.quote(config.run.output_dir)} --resume"
         say(f"fvx.run: the run stopped: {error}; free space, then resume with: {again}", file=sys.stderr)
         return 1
-    except datasets.DataError as error:  # a bad sample met mid-run: the data, not the program
+    except parquet.DataError as error:  # a bad sample met mid-run: the data, not the program
         say(f"fvx.run: the run stopped: {error} (checkpoints saved before are intact; fix or drop the sample and "
             "continue with --resume)", file=sys.stderr)
         return 1

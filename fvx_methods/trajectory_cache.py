@@ -50,7 +50,7 @@ from tqdm import tqdm
 
 from fvx import config as fconfig
 from fvx.core import flow, random, role
-from fvx.data import datasets
+from fvx.data import batching, datasets, parquet
 from fvx.storage import files
 from fvx.training import validation
 from fvx.training.experiment import build_models, Experiment, run_keys
@@ -163,7 +163,7 @@ def read_sample(path: pathlib.Path) -> tuple[dict[str, torch.Tensor], str | None
         with safe_open(str(path), framework="pt") as handle:
             return {name: handle.get_tensor(name) for name in handle.keys()}, (handle.metadata() or {}).get("caption")
     except (SafetensorError, OSError) as error:
-        raise datasets.DataError(f"trajectory cache sample {str(path)!r} cannot be read: {error}") from None
+        raise parquet.DataError(f"trajectory cache sample {str(path)!r} cannot be read: {error}") from None
 
 
 def stale_temporaries(folder: pathlib.Path, indices: Sequence[int]) -> list[pathlib.Path]:
@@ -196,7 +196,7 @@ def teacher_identity(teacher: Model, params: Params | None = None) -> dict[str, 
     return identity
 
 
-def data_identity(dataset: datasets.Dataset, source: Any = None) -> dict[str, Any]:
+def data_identity(dataset: batching.Dataset, source: Any = None) -> dict[str, Any]:
     """``samples`` (the count), ``rows_sha256`` (the tensors of the first rows, as the dataset reads them) and,
     given the data config, ``source`` (where the data comes from)."""
     digest = hashlib.sha256()
@@ -361,7 +361,7 @@ def start(folder: pathlib.Path, record: Mapping[str, Any]) -> None:
     (folder / SAMPLES).mkdir(parents=True, exist_ok=True)
 
 
-def teacher_batch(teacher: Model, dataset: datasets.Dataset, indices: Sequence[int]) -> dict[str, Any]:
+def teacher_batch(teacher: Model, dataset: batching.Dataset, indices: Sequence[int]) -> dict[str, Any]:
     """Dataset rows ``indices`` as the teacher sees them (``sample_index`` = the dataset index), checked: latents
     that fit it (only their shape is used) and its cond."""
     batch = teacher.batch({**dataset.read(list(indices)), "sample_index": torch.tensor(list(indices))})
@@ -372,7 +372,7 @@ def teacher_batch(teacher: Model, dataset: datasets.Dataset, indices: Sequence[i
     return batch
 
 
-def compute_group(teacher: Model, velocity: flow.ApplyFn, params: Params, dataset: datasets.Dataset,
+def compute_group(teacher: Model, velocity: flow.ApplyFn, params: Params, dataset: batching.Dataset,
                   indices: Sequence[int], noise_key: torch.Tensor, trajectory: Trajectory,
                   on_step: Callable[[float], None] = lambda fraction: None) -> list[bytes]:
     """The files of the samples ``indices`` (one teacher batch), in order; ``on_step`` as :func:`integrate`'s."""

@@ -86,7 +86,7 @@ class Program(NamedTuple):
                                             None (nothing carried)
     batch_at(dataset, data_key, step, *, batch_size, rank, world) -> raw batch
                                             how step ``step`` reads this rank's data, a pure function of its
-                                            arguments; None: ``fvx.data.datasets.batch_at`` (an epoch's shuffled
+                                            arguments; None: ``fvx.data.batching.batch_at`` (an epoch's shuffled
                                             order). A method that samples its own prompts (RL's K-repeat
                                             groups) sets it
     """

@@ -29,7 +29,7 @@ import torch
 from fvx.config import Config, ConfigError
 from fvx.core import random, role
 from fvx.core.state import Program, TrainState
-from fvx.data import datasets
+from fvx.data import batching, datasets, parquet
 from fvx.distributed import processes, sequence_parallel
 from fvx.storage.checkpoint_config import CheckpointConfig
 from fvx.training import callbacks as fcallbacks, config_checks, resume, run_folder, run_lock, validation
@@ -215,13 +215,13 @@ def batch_fn(config: Experiment, built: Setup, *, rank: int = 0, world: int = 1)
     program's ``batch_at`` says): a pure function of the config's seed. Under sequence parallelism the slice is the
     data-parallel rank's (``rank // sp`` of ``world // sp``): the ranks of an SP group read the same samples."""
     rank, world = processes.data_rank(built.mesh, rank, world)
-    read = built.program.batch_at or datasets.batch_at
+    read = built.program.batch_at or batching.batch_at
 
     def at(step: int):
         try:
             raw = read(built.dataset, built.data_key, step, batch_size=config.data.batch_size, rank=rank, world=world)
-        except datasets.DataError as error:
-            raise datasets.DataError(f"step {step}: {error}") from None
+        except parquet.DataError as error:
+            raise parquet.DataError(f"step {step}: {error}") from None
         return built.program.model.batch(raw)
     return at
 

@@ -27,7 +27,7 @@ import msgspec
 from fvx import config as fconfig
 from fvx.core import tree
 from fvx.core.state import NONFINITE, TrainState
-from fvx.data import datasets
+from fvx.data import batching
 from fvx.distributed.processes import any_rank
 from fvx.storage import checkpoint_config
 from fvx.training import callbacks as fcallbacks, resume, run_folder, run_lock, tracking, validation
@@ -151,7 +151,7 @@ def run_steps(config: Experiment, built: Setup, state: TrainState, frozen: dict[
     ``after_step(state, metrics)`` (the callbacks' ``on_step_end``: validation); a failed background save is raised
     at the next step."""
     run, skips, last_save = config.run, Skips(nonfinite_skips), time.monotonic()
-    batches = datasets.Prefetcher(batch_fn(config, built, rank=rank, world=world), steps, depth=config.data.prefetch)
+    batches = batching.Prefetcher(batch_fn(config, built, rank=rank, world=world), steps, depth=config.data.prefetch)
     with batches, _progress_bar(config, steps, rank) as progress:
         for step, batch in batches:
             began = time.perf_counter()
@@ -169,7 +169,7 @@ def run_steps(config: Experiment, built: Setup, state: TrainState, frozen: dict[
             if (nonfinite and not skipped) or skips.in_a_row > run.max_consecutive_skips:
                 tracker.flush()
                 raise _halt(config, step, values, applied=not flagged, rank=rank, skips=skips,
-                            experiment=(meta or {}).get("experiment"), samples=datasets.suspects(batch, built.dataset))
+                            experiment=(meta or {}).get("experiment"), samples=batching.suspects(batch, built.dataset))
             if checkpoints is not None:
                 checkpoints.poll()
             timed = run.checkpoint.every_seconds is not None and \
@@ -195,7 +195,7 @@ def run_steps(config: Experiment, built: Setup, state: TrainState, frozen: dict[
 def _halt(config: Experiment, step: int, values: dict[str, float], *, applied: bool, rank: int, skips: Skips,
           experiment: str | None = None, samples: tuple[list[str], bool] = ([], False)) -> NonFiniteError:
     """Record the non-finite step in the run folder and make the error that stops the run; ``samples`` are the
-    step's suspects (``datasets.suspects``: its samples with non-finite data, else all it read)."""
+    step's suspects (``batching.suspects``: its samples with non-finite data, else all it read)."""
     out = config.run.output_dir
     command = f"python -m fvx.run replay {shlex.quote(out)} --step {step}"
     if fconfig.foreign_classes(config) and experiment is not None:  # their code (not only their values) decides

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fvx import config as fconfig, run
+from fvx.data import parquet
 from fvx.training import tracking
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -282,7 +283,7 @@ def test_a_bad_sample_met_mid_run_stops_with_one_line_naming_step_file_and_row(t
     samples = [{"latents": world.read([i])["latents"][0], "text": world.read([i])["text"][0], "caption": f"clip {i}"}
                for i in range(8)]
     path = tmp_path / "data.parquet"
-    data.write_parquet(path, samples, rows_per_group=2)
+    parquet.write_parquet(path, samples, rows_per_group=2)
     out = tmp_path / "run"
     args = [EXPERIMENT, "--out", str(out), "--steps", "8", *QUICK, f"data.path={path}", "data.world=null",
             "run.checkpoint.every=1", "run.checkpoint.async_save=false", "validation.every=0"]

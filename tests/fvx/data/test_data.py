@@ -11,7 +11,7 @@ import torch
 
 from fvx.config import ConfigError, validate
 from fvx.core import random
-from fvx.data import datasets as data
+from fvx.data import batching, datasets as data, parquet
 
 # FastVideo's pyarrow_schema_t2v / pyarrow_schema_text_only, written out independently of fvx.data.datasets.
 TENSOR = [("_bytes", pa.binary()), ("_shape", pa.list_(pa.int64())), ("_dtype", pa.string())]
@@ -57,9 +57,9 @@ def t2v_folder(tmp_path):
     """Three files (one nested; several row groups each) of 7 + 5 + 4 samples -> (root, samples in path order)."""
     root = tmp_path / "dataset"
     a, b, c = make_samples(1, 7), make_samples(2, 5), make_samples(3, 4)
-    data.write_parquet(root / "b.parquet", b, rows_per_group=2)
-    data.write_parquet(root / "a" / "z.parquet", a, rows_per_group=3)
-    data.write_parquet(root / "c.parquet", c, rows_per_group=4)
+    parquet.write_parquet(root / "b.parquet", b, rows_per_group=2)
+    parquet.write_parquet(root / "a" / "z.parquet", a, rows_per_group=3)
+    parquet.write_parquet(root / "c.parquet", c, rows_per_group=4)
     return root, a + b + c  # sorted paths: a/z, b, c
 
 
@@ -86,7 +86,7 @@ def test_write_then_read_round_trip_with_padding_and_cropping(t2v_folder):
 def test_num_latent_t_keeps_the_first_frames(tmp_path):
     samples = [{**sample, "latents": random.normal(random.key(i), (2, 5, 2, 3))}
                for i, sample in enumerate(make_samples(4, 3))]
-    data.write_parquet(tmp_path / "five.parquet", samples)
+    parquet.write_parquet(tmp_path / "five.parquet", samples)
     batch = open_parquet(tmp_path / "five.parquet", text_len=4, num_latent_t=3).read([2, 0])
     assert batch["latents"].shape == (2, 2, 3, 2, 3) and batch["latents"].is_contiguous()
     assert torch.equal(batch["latents"][0], samples[2]["latents"][:, :3])
@@ -106,7 +106,7 @@ def test_written_files_have_fastvideo_columns_and_types(t2v_folder, tmp_path):
     assert np.array_equal(raw, samples[12 + 1]["text"].numpy())
     assert table["num_frames"][0].as_py() == 1 and table["media_type"][0].as_py() == "video"
 
-    data.write_parquet(tmp_path / "t.parquet", make_samples(4, 2, latents=False), kind="text_only")
+    parquet.write_parquet(tmp_path / "t.parquet", make_samples(4, 2, latents=False), kind="text_only")
     assert [(f.name, f.type) for f in pq.read_schema(tmp_path / "t.parquet")] == FASTVIDEO_TEXT_ONLY
 
 
@@ -151,7 +151,7 @@ def test_text_only_kind_reads_text_only_and_t2v_files(tmp_path, t2v_folder):
     assert set(batch) == {"text", "text_mask", "cfg_dropped", "index", "caption"}
     assert torch.equal(batch["text"][0], expected_text(samples[4]["text"], 8)[0])
     text_samples = make_samples(5, 3, latents=False)
-    data.write_parquet(tmp_path / "t.parquet", text_samples, kind="text_only")
+    parquet.write_parquet(tmp_path / "t.parquet", text_samples, kind="text_only")
     batch = open_parquet(tmp_path / "t.parquet", kind="text_only", text_len=6).read([0, 2])
     assert "latents" not in batch and torch.equal(batch["text"][1], expected_text(text_samples[2]["text"], 6)[0])
 
@@ -162,7 +162,7 @@ def test_i2v_data_carries_first_frame_latents_and_the_image_embeddings_of_sample
     samples = [{"latents": torch.randn(4, 3, 2, 2), "text": torch.randn(3, 8),
                 "first_frame_latents": torch.randn(4, 3, 2, 2), "caption": f"clip {i}"} for i in range(3)]
     samples[2]["image_embeds"] = torch.randn(5, 6)
-    data.write_parquet(tmp_path / "i2v.parquet", samples, kind="i2v")
+    parquet.write_parquet(tmp_path / "i2v.parquet", samples, kind="i2v")
     schema = pq.read_schema(tmp_path / "i2v.parquet")
     assert {"first_frame_latent_bytes", "clip_feature_bytes", "clip_feature_shape"} <= set(schema.names)
     config = data.DataConfig(kind="i2v", path=str(tmp_path), text_len=4, num_latent_t=2)
@@ -171,7 +171,7 @@ def test_i2v_data_carries_first_frame_latents_and_the_image_embeddings_of_sample
     cropped = torch.stack([s["first_frame_latents"][:, :2] for s in samples[:2]])
     assert torch.equal(plain["first_frame_latents"], cropped)
     assert "image_embeds" not in plain and torch.equal(embedded["image_embeds"][0], samples[2]["image_embeds"])
-    with pytest.raises(data.DataError, match="row 1 has no clip_feature .* but .* row 2 has"):
+    with pytest.raises(parquet.DataError, match="row 1 has no clip_feature .* but .* row 2 has"):
         dataset.read([1, 2])
     with pytest.raises(ValueError, match="has no column 'first_frame_latent_bytes', which kind='i2v' needs"):
         data.open_dataset(data.DataConfig(kind="i2v", path=str(_t2v_file(tmp_path))), random.key(0))
@@ -179,7 +179,7 @@ def test_i2v_data_carries_first_frame_latents_and_the_image_embeddings_of_sample
 
 def _t2v_file(tmp_path):
     sample = {"latents": torch.randn(4, 1, 2, 2), "text": torch.randn(3, 8)}
-    return data.write_parquet(tmp_path / "t2v" / "a.parquet", [sample])
+    return parquet.write_parquet(tmp_path / "t2v" / "a.parquet", [sample])
 
 
 def test_the_toy_worlds_i2v_samples_give_the_first_frame_and_score_the_continuation():
@@ -202,8 +202,8 @@ def test_files_are_in_fastvideos_order_sorted_by_path_string(tmp_path):
     names = ["a-b/x.parquet", "a.parquet", "a/y.parquet"]
     parts = {name: make_samples(seed, count) for seed, (name, count) in enumerate(zip(names, (2, 3, 4)), start=1)}
     for name in reversed(names):
-        data.write_parquet(root / name, parts[name], rows_per_group=2)
-    assert [f.relative_to(root).as_posix() for f in data.find_parquet_files(root)] == names
+        parquet.write_parquet(root / name, parts[name], rows_per_group=2)
+    assert [f.relative_to(root).as_posix() for f in parquet.find_parquet_files(root)] == names
     assert [p.relative_to(root).as_posix() for p in sorted(root / n for n in names)] == [names[i] for i in (2, 0, 1)]
     dataset, samples = open_parquet(root, text_len=7), [s for name in names for s in parts[name]]
     batch = dataset.read(list(range(len(samples))))
@@ -230,18 +230,18 @@ def synthetic(num_samples=10, key=0, **fields):
 
 def test_batch_at_is_reproducible_and_follows_the_epoch_permutation():
     dataset, key = synthetic(10), random.key(7)
-    first = data.batch_at(dataset, key, 4, batch_size=3)
-    again = data.batch_at(dataset, key.clone(), 4, batch_size=3)
+    first = batching.batch_at(dataset, key, 4, batch_size=3)
+    again = batching.batch_at(dataset, key.clone(), 4, batch_size=3)
     assert all(torch.equal(first[k], again[k]) for k in ("text", "index", "sample_index"))
     for epoch in range(3):  # 3 steps per epoch; the 10th sample is dropped
         order = random.permutation(random.fold_in(key, epoch), 10)
-        seen = torch.cat([data.batch_at(dataset, key, 3 * epoch + s, batch_size=3)["index"] for s in range(3)])
+        seen = torch.cat([batching.batch_at(dataset, key, 3 * epoch + s, batch_size=3)["index"] for s in range(3)])
         assert torch.equal(seen, order[:9]) and len(set(seen.tolist())) == 9
-    epochs = [torch.cat([data.batch_at(dataset, key, 3 * e + s, batch_size=3)["index"] for s in range(3)])
+    epochs = [torch.cat([batching.batch_at(dataset, key, 3 * e + s, batch_size=3)["index"] for s in range(3)])
               for e in range(2)]
     assert not torch.equal(epochs[0], epochs[1])
-    assert not torch.equal(data.batch_at(dataset, random.key(8), 0, batch_size=9)["index"],
-                           data.batch_at(dataset, key, 0, batch_size=9)["index"])
+    assert not torch.equal(batching.batch_at(dataset, random.key(8), 0, batch_size=9)["index"],
+                           batching.batch_at(dataset, key, 0, batch_size=9)["index"])
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -249,9 +249,9 @@ def test_rank_slices_partition_the_global_batch(t2v_folder, world):
     root, _ = t2v_folder
     dataset, key = open_parquet(root, text_len=4), random.key(3)
     for step in (0, 5):
-        whole = data.batch_at(dataset, key, step, batch_size=4)
+        whole = batching.batch_at(dataset, key, step, batch_size=4)
         assert whole["sample_index"].tolist() == list(range(4 * step, 4 * step + 4))
-        parts = [data.batch_at(dataset, key, step, batch_size=4, rank=r, world=world) for r in range(world)]
+        parts = [batching.batch_at(dataset, key, step, batch_size=4, rank=r, world=world) for r in range(world)]
         for name in ("latents", "text", "text_mask", "index", "sample_index"):
             assert torch.equal(torch.cat([p[name] for p in parts]), whole[name]), name
         assert sum((p["caption"] for p in parts), []) == whole["caption"]
@@ -297,8 +297,8 @@ def prefetch_threads():
 @pytest.mark.parametrize("depth", [0, 1, 3])
 def test_prefetcher_yields_in_order_the_synchronous_batches(depth):
     dataset, key = synthetic(10), random.key(1)
-    fn = lambda step: data.batch_at(dataset, key, step, batch_size=2)  # noqa: E731
-    with data.Prefetcher(fn, range(2, 9), depth=depth) as batches:
+    fn = lambda step: batching.batch_at(dataset, key, step, batch_size=2)  # noqa: E731
+    with batching.Prefetcher(fn, range(2, 9), depth=depth) as batches:
         got = list(batches)
     assert [step for step, _ in got] == list(range(2, 9))
     for step, batch in got:
@@ -314,7 +314,7 @@ def failing(step):
 @pytest.mark.parametrize("depth", [0, 2])
 def test_prefetcher_raises_the_workers_exception_with_its_traceback(depth):
     before = prefetch_threads()
-    prefetcher = data.Prefetcher(failing, itertools.count(), depth=depth)
+    prefetcher = batching.Prefetcher(failing, itertools.count(), depth=depth)
     assert [next(prefetcher) for _ in range(3)] == [(0, 0), (1, 10), (2, 20)]
     with pytest.raises(RuntimeError, match="bad step 3") as error:
         next(prefetcher)
@@ -326,14 +326,14 @@ def test_prefetcher_raises_the_workers_exception_with_its_traceback(depth):
 
 def test_prefetcher_shuts_down_when_abandoned_early():
     before = prefetch_threads()
-    with data.Prefetcher(lambda step: step, itertools.count(), depth=2) as steps:
+    with batching.Prefetcher(lambda step: step, itertools.count(), depth=2) as steps:
         assert len(prefetch_threads() - before) == 1
         for step, _ in steps:
             if step == 4:
                 break
     assert prefetch_threads() == before
 
-    for step, _ in data.Prefetcher(lambda step: step, itertools.count(), depth=2):
+    for step, _ in batching.Prefetcher(lambda step: step, itertools.count(), depth=2):
         if step == 2:
             break  # the last reference goes away here
     gc.collect()
@@ -356,20 +356,20 @@ def test_bad_paths_are_named(tmp_path):
 
 
 def test_missing_column_names_the_column_and_the_file(tmp_path):
-    table = pq.read_table(data.write_parquet(tmp_path / "full.parquet", make_samples(0, 2)))
+    table = pq.read_table(parquet.write_parquet(tmp_path / "full.parquet", make_samples(0, 2)))
     pq.write_table(table.drop_columns(["text_embedding_shape"]), tmp_path / "cut.parquet")
     with pytest.raises(ValueError, match="cut.parquet.*'text_embedding_shape'"):
         open_parquet(tmp_path / "cut.parquet")
 
 
 def test_text_only_data_asked_for_latents_says_so(tmp_path):
-    data.write_parquet(tmp_path / "t.parquet", make_samples(0, 2, latents=False), kind="text_only")
+    parquet.write_parquet(tmp_path / "t.parquet", make_samples(0, 2, latents=False), kind="text_only")
     with pytest.raises(ValueError, match="t.parquet.*'vae_latent_bytes'.*kind='text_only'"):
         open_parquet(tmp_path, kind="t2v")
 
 
 def test_bytes_not_matching_the_shape_name_file_and_row(tmp_path):
-    table = pq.read_table(data.write_parquet(tmp_path / "ok.parquet", make_samples(0, 3)))
+    table = pq.read_table(parquet.write_parquet(tmp_path / "ok.parquet", make_samples(0, 3)))
     shapes = table["vae_latent_shape"].to_pylist()
     shapes[2] = [2, 1, 2, 4]
     table = table.set_column(table.schema.get_field_index("vae_latent_shape"), "vae_latent_shape",
@@ -384,30 +384,30 @@ def test_bytes_not_matching_the_shape_name_file_and_row(tmp_path):
 def test_write_parquet_rejects_kind_mismatches_without_writing(tmp_path):
     good, target = make_samples(0, 3), tmp_path / "out.parquet"
     with pytest.raises(ValueError, match="sample 0 has latents.*text_only"):
-        data.write_parquet(target, good, kind="text_only")
+        parquet.write_parquet(target, good, kind="text_only")
     with pytest.raises(ValueError, match="sample 1 has no 'latents'"):
-        data.write_parquet(target, [good[0], {"text": good[1]["text"]}])
+        parquet.write_parquet(target, [good[0], {"text": good[1]["text"]}])
     with pytest.raises(ValueError, match="kind must be one of"):
-        data.write_parquet(target, good, kind="v2v")
+        parquet.write_parquet(target, good, kind="v2v")
     with pytest.raises(ValueError, match="sample 0 has no 'first_frame_latents' tensor"):
-        data.write_parquet(target, good, kind="i2v")
+        parquet.write_parquet(target, good, kind="i2v")
     with pytest.raises(ValueError, match="sample 2: 'text' must have 2 dims"):
-        data.write_parquet(target, good[:2] + [{**good[2], "text": torch.zeros(3)}])
+        parquet.write_parquet(target, good[:2] + [{**good[2], "text": torch.zeros(3)}])
     with pytest.raises(ValueError, match="sample 0 has unknown field"):
-        data.write_parquet(target, [{**good[0], "prompt": "x"}])
+        parquet.write_parquet(target, [{**good[0], "prompt": "x"}])
     assert list(tmp_path.iterdir()) == []
 
 
 def test_batch_at_rejects_bad_sizes():
     dataset, key = synthetic(10), random.key(0)
     with pytest.raises(ValueError, match="batch_size 6 is not divisible by world size 4"):
-        data.batch_at(dataset, key, 0, batch_size=6, world=4)
+        batching.batch_at(dataset, key, 0, batch_size=6, world=4)
     with pytest.raises(ValueError, match="10 samples, fewer than one batch of 12"):
-        data.batch_at(dataset, key, 0, batch_size=12)
+        batching.batch_at(dataset, key, 0, batch_size=12)
     with pytest.raises(ValueError, match="rank"):
-        data.batch_at(dataset, key, 0, batch_size=4, rank=2, world=2)
+        batching.batch_at(dataset, key, 0, batch_size=4, rank=2, world=2)
     with pytest.raises(ValueError, match="step"):
-        data.batch_at(dataset, key, -1, batch_size=4)
+        batching.batch_at(dataset, key, -1, batch_size=4)
 
 
 @pytest.mark.parametrize("field, value", [("batch_size", 0), ("cfg_rate", 1.5), ("prefetch", -1), ("text_len", 0),
@@ -426,7 +426,7 @@ def test_prefetcher_computes_ahead_of_the_consumer():
         computed[step].set()
         return step
 
-    with data.Prefetcher(fn, range(4), depth=2) as steps:
+    with batching.Prefetcher(fn, range(4), depth=2) as steps:
         assert next(steps) == (0, 0)
         assert computed[1].wait(timeout=60) and computed[2].wait(timeout=60)  # before anyone asked for them
         assert list(steps) == [(1, 1), (2, 2), (3, 3)]

@@ -7,7 +7,7 @@ import torch
 
 from fvx.config import ConfigError, validate
 from fvx.core import random
-from fvx.data import datasets as data
+from fvx.data import datasets as data, parquet
 
 # FastVideo's pyarrow_schema_t2va (fastvideo/dataset/dataloader/schema.py), written out independently of fvx.
 TENSOR = [("_bytes", pa.binary()), ("_shape", pa.list_(pa.int64())), ("_dtype", pa.string())]
@@ -61,7 +61,7 @@ def hand_written(path, audio_bytes, audio_shapes):
 
 def test_write_then_read_round_trip_carries_audio_latents_and_sample_rates(tmp_path):
     samples = make_samples(5)
-    path = data.write_parquet(tmp_path / "av.parquet", samples, kind="t2va", rows_per_group=2)
+    path = parquet.write_parquet(tmp_path / "av.parquet", samples, kind="t2va", rows_per_group=2)
     assert [(f.name, f.type) for f in pq.read_schema(path)] == FASTVIDEO_T2VA
     table = pq.read_table(path)
     assert table["audio_latent_shape"][0].as_py() == [2, 32, 5] and table["audio_latent_dtype"][0].as_py() == "float32"
@@ -97,9 +97,9 @@ def one_line(error):
 
 
 def test_a_video_only_file_is_refused_naming_the_file(tmp_path):
-    path = data.write_parquet(tmp_path / "video.parquet", [{k: v for k, v in make_samples(1)[0].items()
+    path = parquet.write_parquet(tmp_path / "video.parquet", [{k: v for k, v in make_samples(1)[0].items()
                                                              if k not in ("audio_latents", "audio_sample_rate")}])
-    with pytest.raises(data.DataError, match="video.parquet' has no column 'audio_latent_bytes'") as error:
+    with pytest.raises(parquet.DataError, match="video.parquet' has no column 'audio_latent_bytes'") as error:
         open_t2va(path)
     assert "use kind='t2v'" in one_line(error)
 
@@ -109,17 +109,17 @@ def test_empty_audio_bytes_are_refused_naming_the_file_and_row(tmp_path):
     path = hand_written(tmp_path / "gap.parquet", [audio.tobytes(), b"", audio.tobytes()], [[2, 32, 3], [], [2, 32, 3]])
     dataset = open_t2va(path)
     assert dataset.read([0, 2])["audio_latents"].shape == (2, 2, 32, 3)
-    with pytest.raises(data.DataError, match="gap.parquet' row 1: audio_latent_bytes is empty") as error:
+    with pytest.raises(parquet.DataError, match="gap.parquet' row 1: audio_latent_bytes is empty") as error:
         dataset.read([1])
     one_line(error)
 
 
 def test_audio_latents_of_different_lengths_in_one_batch_are_refused_naming_both_rows(tmp_path):
-    data.write_parquet(tmp_path / "a.parquet", make_samples(2, length=5), kind="t2va")
-    data.write_parquet(tmp_path / "b.parquet", make_samples(2, length=7), kind="t2va")
+    parquet.write_parquet(tmp_path / "a.parquet", make_samples(2, length=5), kind="t2va")
+    parquet.write_parquet(tmp_path / "b.parquet", make_samples(2, length=7), kind="t2va")
     dataset = open_t2va(tmp_path)
     assert dataset.read([2, 3])["audio_latents"].shape == (2, 2, 32, 7)
-    with pytest.raises(data.DataError, match=r"differ in audio latent length: .*a.parquet' row 1 has \[2, 32, 5\], "
+    with pytest.raises(parquet.DataError, match=r"differ in audio latent length: .*a.parquet' row 1 has \[2, 32, 5\], "
                                              r".*b.parquet' row 0 has \[2, 32, 7\]") as error:
         dataset.read([1, 2])
     one_line(error)
@@ -128,13 +128,13 @@ def test_audio_latents_of_different_lengths_in_one_batch_are_refused_naming_both
 def test_writing_t2va_needs_audio_latents_and_a_positive_sample_rate(tmp_path):
     sample = make_samples(1)[0]
     with pytest.raises(ValueError, match="sample 0 has no 'audio_latents' tensor"):
-        data.write_parquet(tmp_path / "x.parquet", [{k: v for k, v in sample.items() if k != "audio_latents"}],
+        parquet.write_parquet(tmp_path / "x.parquet", [{k: v for k, v in sample.items() if k != "audio_latents"}],
                            kind="t2va")
     for rate in (None, 0, 16000.0, True):
         with pytest.raises(ValueError, match="sample 0: audio_sample_rate must be a positive int"):
-            data.write_parquet(tmp_path / "x.parquet", [{**sample, "audio_sample_rate": rate}], kind="t2va")
+            parquet.write_parquet(tmp_path / "x.parquet", [{**sample, "audio_sample_rate": rate}], kind="t2va")
     with pytest.raises(ValueError, match=r"'audio_latents' must have 3 dims, got shape \[2, 32\]"):
-        data.write_parquet(tmp_path / "x.parquet", [{**sample, "audio_latents": torch.zeros(2, 32)}], kind="t2va")
+        parquet.write_parquet(tmp_path / "x.parquet", [{**sample, "audio_latents": torch.zeros(2, 32)}], kind="t2va")
     assert not (tmp_path / "x.parquet").exists()
 
 

@@ -8,6 +8,7 @@ import torch
 
 from fvx import config as fconfig
 from fvx.core import random
+from fvx.data import batching
 from fvx.training import experiment
 from fvx_models.wan import WanConfig
 
@@ -35,7 +36,7 @@ def test_a_qat_student_leaves_the_teacher_and_critic_bit_for_bit_dense():
     program = program._replace(step_=experiment.in_attention_steps(program.step_, recorded, "student"))
     method_key, data_key = experiment.run_keys(config.run.seed)
     dataset = program.dataset(experiment.datasets.open_dataset(config.data, data_key))
-    batch = program.model.batch(experiment.datasets.batch_at(dataset, data_key, 0, batch_size=2))
+    batch = program.model.batch(batching.batch_at(dataset, data_key, 0, batch_size=2))
     state = program.init(method_key)._replace(carry=program.carry(batch))
     frozen = program.frozen(method_key)
     state, metrics = program.step_(state, frozen, batch)

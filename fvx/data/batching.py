@@ -1,0 +1,260 @@
+"""Batches as a pure function of (key, step): collation, the step's global batch and this rank's slice, prefetching.
+
+``batch_at(dataset, key, step, ...)`` picks the step's global batch from a per-epoch permutation drawn from
+``fold_in(key, epoch)`` (drop-last) and returns this rank's contiguous slice, plus the global sample index of each row,
+which methods fold into the step key for per-sample draws. Nothing is stateful, so resuming at step ``s`` needs only
+``s``. :class:`Prefetcher` computes upcoming batches in a background thread so loading overlaps the step. ``collate``
+stacks a dataset's samples into the batch dict ``fvx.data.datasets``' module docstring describes.
+"""
+from __future__ import annotations
+
+import functools
+import queue
+import threading
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from fvx.core import random, tree
+from fvx.data.parquet import DataError
+
+
+class Dataset(Protocol):
+    """``len(dataset)`` samples; ``read(indices)`` returns their collated batch (see the module docstring);
+    ``where(index)`` names sample ``index`` for a person (a parquet file and row)."""
+
+    def __len__(self) -> int: ...
+
+    def read(self, indices: Sequence[int]) -> dict[str, Any]: ...
+
+    def where(self, index: int) -> str: ...
+
+
+# ---------------------------------------------------------------------------------------------------------- collation
+
+
+def collate(samples: list[dict], indices: list[int], *, text_len: int, cfg_rate: float,
+             dropout_key: torch.Tensor, num_latent_t: int | None = None) -> dict[str, Any]:
+    """Stack samples (dicts of float32 arrays: latents [C,T,H,W], text [L,D]) into a batch; pad/crop text to
+    ``text_len`` with its mask; zero the text of CFG-dropped samples (the mask is kept, as FastVideo)."""
+    batch: dict[str, Any] = {}
+    for key in ("latents", "first_frame_latents"):
+        if samples and key in samples[0]:
+            _check_same(samples, key, lambda a: a.shape, "shape")
+            latents = np.stack([s[key] for s in samples])
+            if num_latent_t is not None:
+                if latents.shape[2] < num_latent_t:
+                    raise DataError(f"{samples[0]['where']}: {key} of {latents.shape[2]} frames "
+                                     f"({list(latents.shape[1:])}) are fewer than data.num_latent_t={num_latent_t}")
+                latents = latents[:, :, :num_latent_t]
+            batch[key] = torch.from_numpy(np.ascontiguousarray(latents))
+    if samples and "audio_latents" in samples[0]:
+        first = samples[0]
+        for sample in samples[1:]:
+            if sample["audio_latents"].shape != first["audio_latents"].shape:
+                what = "length" if sample["audio_latents"].shape[:-1] == first["audio_latents"].shape[:-1] else "shape"
+                raise DataError(f"samples in one batch differ in audio latent {what}: {first['where']} has "
+                                 f"{list(first['audio_latents'].shape)}, {sample['where']} has "
+                                 f"{list(sample['audio_latents'].shape)}")
+        batch["audio_latents"] = torch.from_numpy(np.stack([s["audio_latents"] for s in samples]))
+    if samples and "audio_sample_rate" in samples[0]:
+        batch["audio_sample_rate"] = torch.tensor([s["audio_sample_rate"] for s in samples], dtype=torch.int64)
+    having = [s for s in samples if "image_embeds" in s]
+    if having and len(having) != len(samples):
+        lacking = next(s for s in samples if "image_embeds" not in s)
+        raise DataError(f"{lacking['where']} has no clip_feature (image embeddings) but {having[0]['where']} has: "
+                         "the data mixes preprocessings")
+    if having:
+        _check_same(samples, "image_embeds", lambda a: a.shape, "shape")
+        batch["image_embeds"] = torch.from_numpy(np.stack([s["image_embeds"] for s in samples]))
+    _check_same(samples, "text", lambda a: a.shape[1:], "embedding width")
+    for sample in samples:
+        if sample["text"].ndim != 2:
+            raise DataError(f"{sample['where']}: text embedding must be [L, D], "
+                             f"got shape {list(sample['text'].shape)}")
+    width = samples[0]["text"].shape[1] if samples else 0
+    text = np.zeros((len(samples), text_len, width), dtype=np.float32)
+    mask = np.zeros((len(samples), text_len), dtype=np.float32)
+    dropped = cfg_dropped(dropout_key, indices, cfg_rate)
+    for row, (sample, blank) in enumerate(zip(samples, dropped)):
+        length = min(sample["text"].shape[0], text_len)
+        mask[row, :length] = 1.0
+        if not blank:
+            text[row, :length] = sample["text"][:length]
+    batch.update(text=torch.from_numpy(text), text_mask=torch.from_numpy(mask),
+                 cfg_dropped=torch.tensor(dropped, dtype=torch.bool), index=torch.tensor(indices, dtype=torch.int64))
+    if samples and "caption" in samples[0]:
+        batch["caption"] = [s["caption"] for s in samples]
+    return batch
+
+
+def _check_same(samples: list[dict], key: str, part: Callable[[np.ndarray], tuple], what: str) -> None:
+    first = samples[0] if samples else None
+    for sample in samples[1:]:
+        if part(sample[key]) != part(first[key]):
+            raise DataError(f"samples in one batch differ in {key} {what}: {first['where']} has "
+                             f"{list(first[key].shape)}, {sample['where']} has {list(sample[key].shape)}")
+
+
+def suspects(batch: Mapping[str, Any], dataset: Any) -> tuple[list[str], bool]:
+    """The samples of ``batch`` (its dataset ``index``) named by ``dataset.where``: those whose tensors hold a NaN or
+    Inf, and True; or every one of them, and False, when the batch's data is finite."""
+    index = batch.get("index")
+    if not isinstance(index, torch.Tensor) or index.dim() != 1:
+        return [], False
+    rows = len(index)
+    bad = torch.zeros(rows, dtype=torch.bool)
+    for leaf in tree.tensor_leaves(dict(batch)):
+        if leaf.is_floating_point() and leaf.dim() >= 1 and leaf.shape[0] == rows:
+            bad |= ~torch.isfinite(leaf.detach().reshape(rows, -1).float()).all(dim=1)
+    where = getattr(dataset, "where", lambda i: f"dataset sample {i}")
+    chosen = bad if bool(bad.any()) else torch.ones(rows, dtype=torch.bool)
+    return [where(int(i)) for i in index[chosen]], bool(bad.any())
+
+
+def cfg_dropped(dropout_key: torch.Tensor, indices: Sequence[int], cfg_rate: float) -> list[bool]:
+    """Whether each dataset index has its text dropped: ``uniform(fold_in(dropout_key, i)) < cfg_rate``."""
+    if cfg_rate <= 0.0:
+        return [False] * len(indices)
+    return [bool(random.uniform(random.fold_in(dropout_key, i), ()) < cfg_rate) for i in indices]
+
+
+# ---------------------------------------------------------------------------------------------------------- batching
+
+
+def batch_at(dataset: Dataset, key: torch.Tensor, step: int, *, batch_size: int, rank: int = 0,
+             world: int = 1) -> dict[str, Any]:
+    """This rank's part of global batch ``step``: a pure function of (dataset, key, step).
+
+    Epoch e = step // (len // batch_size) visits ``permutation(fold_in(key, e), len)`` in slices of ``batch_size``
+    (the remainder is dropped); rank r takes rows [r*b, (r+1)*b) of the slice, b = batch_size // world. Adds
+    ``sample_index`` [b] int64 = step * batch_size + r * b + arange(b), the same whatever the world size.
+    """
+    for name, value, low in (("step", step, 0), ("batch_size", batch_size, 1), ("world", world, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"batch_at: {name} must be an int >= {low}, got {value!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"batch_at: rank must be an int in [0, {world}), got {rank!r}")
+    if batch_size % world:
+        raise ValueError(f"batch_at: batch_size {batch_size} is not divisible by world size {world}")
+    steps_per_epoch = len(dataset) // batch_size
+    if steps_per_epoch == 0:
+        raise ValueError(f"batch_at: the dataset has {len(dataset)} samples, fewer than one batch of {batch_size}")
+    epoch, position = divmod(step, steps_per_epoch)
+    local = batch_size // world
+    start = position * batch_size + rank * local
+    order = _epoch_order(tuple(key.tolist()), epoch, len(dataset))
+    batch = dataset.read(order[start:start + local].tolist())
+    first = step * batch_size + rank * local
+    batch["sample_index"] = torch.arange(first, first + local, dtype=torch.int64)
+    return batch
+
+
+@functools.lru_cache(maxsize=2)
+def _epoch_order(key_words: tuple[int, int], epoch: int, length: int) -> torch.Tensor:
+    """The epoch's sample order, int64 [length] (memoised: every step of an epoch uses it; do not modify)."""
+    return random.permutation(random.fold_in(torch.tensor(key_words, dtype=torch.int64), epoch), length)
+
+
+# ------------------------------------------------------------------------------------------------------ prefetching
+
+
+class _Failure:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+_DONE = object()
+_POLL_S = 0.05  # how often a blocked worker checks for close()
+
+
+class Prefetcher:
+    """Iterate ``(step, fn(step))`` for ``step`` in ``steps``, computing up to ``depth`` results ahead in a background
+    thread (``depth=0``: computed on demand in the caller's thread).
+
+    An exception in ``fn`` is raised to the consumer, with its original traceback, when it reaches that step.
+    ``close()`` (or leaving a ``with`` block, or dropping the last reference) stops the worker and joins it.
+    """
+
+    def __init__(self, fn: Callable[[int], Any], steps: Iterable[int], depth: int = 2):
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+            raise ValueError(f"Prefetcher: depth must be an int >= 0, got {depth!r}")
+        self._fn, self._steps, self._closed = fn, iter(steps), False
+        self._thread: threading.Thread | None = None
+        if depth:
+            self._queue: queue.Queue = queue.Queue(maxsize=depth)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=_produce, args=(fn, self._steps, self._queue, self._stop),
+                                            name="fvx-prefetch", daemon=True)
+            self._thread.start()
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        return self
+
+    def __next__(self) -> tuple[int, Any]:
+        if self._closed:
+            raise StopIteration
+        if self._thread is None:
+            try:
+                step = next(self._steps)
+                return step, self._fn(step)
+            except BaseException:
+                self.close()
+                raise
+        item = self._queue.get()
+        if item is _DONE:
+            self.close()
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self.close()
+            raise item.error
+        return item
+
+    def close(self) -> None:
+        """Stop the worker, drop computed results and wait for the worker to finish its current step."""
+        self._closed = True
+        if self._thread is None:
+            return
+        self._stop.set()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_thread", None) is not None:
+            self.close()
+
+
+def _produce(fn: Callable[[int], Any], steps: Iterator[int], out: queue.Queue, stop: threading.Event) -> None:
+    """The worker: put (step, fn(step)) for each step, then _DONE, or a _Failure; return early once ``stop`` is set."""
+    try:
+        for step in steps:
+            if stop.is_set() or not _put(out, (step, fn(step)), stop):
+                return
+    except BaseException as error:  # handed to the consumer, who re-raises it
+        _put(out, _Failure(error), stop)
+        return
+    _put(out, _DONE, stop)
+
+
+def _put(out: queue.Queue, item: Any, stop: threading.Event) -> bool:
+    """Put ``item``, waiting for room; False if ``stop`` was set first."""
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=_POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False
+
