@@ -55,6 +55,7 @@ class ModelConfig(Config):
     model share its code."""
 
     family: ClassVar[Family]
+    encoders: ClassVar[Any] = None  # the family's fvx_models.encoders.Encoders (None: preprocessing refuses)
 
     preset: str = "tiny"
     path: str | None = None

@@ -27,6 +27,7 @@ from torch import nn
 from fvx.core import random
 from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder, wan_i2v, wan_sequence_parallel, wan_two_time
+from fvx_models import encoders as fencoders
 from fvx_models.build import ModelConfig
 from fvx_models.family import Family, Preset, require, skeleton_of
 from fvx_models.model import LatentSpace
@@ -289,6 +290,37 @@ WAN = Family(
 )
 
 
+def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
+    """UMT5's last hidden state at 512 tokens (``WanPipeline.encode_prompt``), each prompt's real tokens."""
+    embeds, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=TEXT_LEN,
+                                   device=pipe.text_encoder.device)
+    return fencoders.real_tokens(embeds, fencoders.token_mask(pipe.tokenizer, TEXT_LEN, prompts, clean=True))
+
+
+def encode_first_frame(pipe: Any, video: torch.Tensor) -> torch.Tensor:
+    """I2V's condition: the first frame then zero (mid-grey) frames, encoded (the mean) and normalised by the VAE's
+    latent statistics, as FastVideo's ``ImageVAEEncodingStage`` stores it."""
+    condition = torch.cat([video[:, :, :1], torch.zeros_like(video[:, :, 1:])], dim=2)
+    latents = fencoders.latent_mean(pipe.vae, condition).float()
+    shape = (1, -1, 1, 1, 1)
+    mean = torch.tensor(pipe.vae.config.latents_mean, device=latents.device).view(shape)
+    std = torch.tensor(pipe.vae.config.latents_std, device=latents.device).view(shape)
+    return (latents - mean) / std
+
+
+def encode_image(pipe: Any, frames: torch.Tensor) -> torch.Tensor:
+    """The CLIP image encoder's penultimate hidden states of the first frame (``WanImageToVideoPipeline.encode_image``)."""
+    return pipe.encode_image(fencoders.pil_images(frames), device=frames.device)
+
+
+TEXT_LEN = 512
+ENCODERS = fencoders.Encoders(
+    pipeline="WanPipeline", text=("tokenizer", "text_encoder"), encode_text=encode_text,
+    encode_video=lambda pipe, video: fencoders.latent_mean(pipe.vae, video), frame_step=4, pixel_multiple=16,
+    image=("image_processor", "image_encoder"), encode_image=encode_image, first_frame=encode_first_frame,
+    audio_refusal="Wan makes no sound")
+
+
 class WanConfig(ModelConfig, tag="wan"):
     """A Wan 2.1 T2V or I2V or Wan 2.2 TI2V-5B DiT (presets: tiny, tiny-deep, tiny-ti2v, tiny-i2v, world, world-i2v,
     wan2.1-t2v-1.3b, wan2.1-t2v-14b, wan2.2-ti2v-5b, wan2.1-i2v-14b-480p, wan2.1-i2v-14b-720p); the shared knobs are
@@ -297,6 +329,7 @@ class WanConfig(ModelConfig, tag="wan"):
     latent frame given (``fvx_models.wan_i2v``; presets with per-token timesteps)."""
 
     family = WAN
+    encoders = ENCODERS
     r_embedder: wan_two_time.REmbedder | None = None
     first_frame: bool = False
 

@@ -20,6 +20,7 @@ the default 4 frames at 16 fps and 4096 Hz) that ``toy_audio.AudioFrames`` decod
 """
 from __future__ import annotations
 
+import sys
 from typing import Annotated, Any, Callable, Literal, Sequence
 
 import msgspec
@@ -352,3 +353,95 @@ def _quality(videos: torch.Tensor, prompts: torch.Tensor, refs: torch.Tensor) ->
     nearest_prompt = mse.min(-1).values.argmin(-1)
     return {"nearest_mse": float(own.mean()), "hit_rate": float((own < HIT).float().mean()),
             "prompt_match": float((nearest_prompt == prompts).float().mean())}
+
+
+# ------------------------------------------------------------------------------------------- the world as media files
+
+
+class WorldEncoders:
+    """The world's "text encoder" (a prompt's caption -> its fixed embedding ``[text_len, text_dim]``) and its exact
+    codec: what ``preprocess`` encodes the clips of :func:`write_videos` with (``fvx.data.preprocess.Encoder``), so the
+    parquet it writes holds what the built-in dataset makes."""
+
+    frame_step, pixel_multiple = 1, 1
+
+    def __init__(self, config: WorldConfig):
+        self.config = config
+        text_key = random.key(config.seed)
+        self.texts = {caption(config, c, d): random.normal(random.fold_in(text_key, p),
+                                                           (config.text_len, config.text_dim))
+                      for p, (c, d) in enumerate(config.prompts)}
+
+    def identity(self) -> dict[str, Any]:
+        return {"model": "the toy world", "world": msgspec.to_builtins(self.config)}
+
+    def encode_text(self, prompts: list[str]) -> list[torch.Tensor]:
+        unknown = [p for p in prompts if p not in self.texts]
+        if unknown:
+            raise ValueError(f"the toy world's text encoder knows only its prompts ({', '.join(map(repr, self.texts))}),"
+                             f" not {unknown[0]!r}")
+        return [self.texts[p].clone() for p in prompts]
+
+    def encode_video(self, video: torch.Tensor) -> torch.Tensor:
+        return space_to_depth(video.float(), self.config.factor)
+
+    def encode_first_frame(self, video: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(first_frame_only(space_to_depth(video.float().numpy(), self.config.factor)))
+
+    def encode_image(self, frame: torch.Tensor) -> None:
+        return None
+
+    def encode_audio(self, waveform: torch.Tensor, rate: int) -> torch.Tensor:
+        raise ValueError("the toy world's media files carry no sound (its t2va data is built in)")
+
+
+def write_videos(config: WorldConfig, folder: str, seed: int = 0) -> list[str]:
+    """Write the world's ``num_samples`` clips as lossless mp4 files (RGB H.264, ``fps``) with caption files
+    (``world_NNNNN.mp4`` + ``.txt``), the layout ``preprocess --videos`` reads; returns the videos' names. Clip ``i``
+    is :meth:`WorldDataset.clip` ``(i)`` of the world drawn from ``key(seed)``."""
+    import pathlib
+
+    import av
+
+    out = pathlib.Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    world = WorldDataset(config, random.key(seed), kind="t2v", collate=lambda samples, indices: {})
+    names = []
+    for index in range(config.num_samples):
+        colour, direction = world.prompts[index % len(world.prompts)]
+        pixels = ((world.clip(index) + 1) * 127.5).round().clip(0, 255).astype(np.uint8)  # [3, T, H, W]
+        name = f"world_{index:05d}"
+        with av.open(str(out / f"{name}.mp4"), "w") as container:
+            stream = container.add_stream("libx264rgb", rate=config.fps, options={"crf": "0", "preset": "ultrafast"})
+            stream.width = stream.height = config.size
+            stream.pix_fmt = "rgb24"
+            for frame in pixels.transpose(1, 2, 3, 0):
+                container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
+            container.mux(stream.encode(None))
+        (out / f"{name}.txt").write_text(caption(config, colour, direction) + "\n")
+        names.append(f"{name}.mp4")
+    return names
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m fvx.data.toy_world", description=(
+        "The toy video world as files: write-videos DIR writes its clips as mp4 files with caption files, the input "
+        "`python -m fvx.run preprocess` reads"))
+    commands = parser.add_subparsers(dest="command", required=True)
+    write = commands.add_parser("write-videos", help="write the world's clips and captions into DIR")
+    write.add_argument("dir", help="the folder to write (created)")
+    write.add_argument("--samples", type=int, default=WorldConfig.num_samples, help="how many clips (default: %(default)s)")
+    write.add_argument("--seed", type=int, default=0, help="draws the clips' phases (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if args.samples <= 0:
+        print(f"error: --samples must be positive, got {args.samples}", file=sys.stderr)
+        return 2
+    names = write_videos(WorldConfig(num_samples=args.samples), args.dir, seed=args.seed)
+    print(f"wrote {len(names)} clips ({names[0]} ... {names[-1]}) with their captions to {args.dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""``preprocess``: a folder of videos (or images) and captions -> FastVideo's parquet of latents and text embeddings.
+
+Inputs (:func:`find_inputs`): FastVideo's merged layout (``videos/`` beside ``videos2caption.json``, a list of
+``{"path": ..., "cap": ...}``), or a folder of media files each beside a caption file of the same stem (``clip.mp4`` +
+``clip.txt``, musubi-tuner's and diffusion-pipe's convention; images are one-frame clips). Each clip is decoded
+(``fvx.data.media``), encoded by the model's encoders (the family's ``Encoders`` record, or the toy world's) and written
+as rows of ``fvx.data.parquet``'s schema for the data kind.
+
+Output folder ``DATASET``::
+
+    metadata.json                    what made it (model folder, family, kind, geometry, fvx version); the row count
+                                     once complete. A folder made for another model or geometry is refused.
+    combined_parquet_dataset/part_NNNNN.parquet   the encoded rows of inputs [N s, (N + 1) s), s = samples_per_file
+    .parts/part_NNNNN.json           a part is done: its row count and its skipped inputs (file and reason)
+    skipped.json                     every skipped input, once complete
+    COMPLETE                         written last
+
+Parts are the unit of work and of resumption: under torchrun rank ``r`` of ``w`` encodes parts ``r, r + w, ...``; a
+part is written atomically and marked done after; a run started again skips done parts, so a killed job ends with the
+files an uninterrupted one writes (a part's bytes depend on its inputs alone). The last rank to finish writes
+``skipped.json``, the count and ``COMPLETE``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+from typing import Annotated, Any, Callable, Protocol, Sequence
+
+import msgspec
+import torch
+
+from fvx.config import Config
+from fvx.data import media, parquet
+from fvx.storage import files
+
+PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
+PARTS, DONE, COMPLETE = "combined_parquet_dataset", ".parts", "COMPLETE"
+
+
+class PreprocessConfig(Config):
+    """How ``preprocess`` cuts clips (FastVideo's knobs; ``data.preprocess``): ``num_frames`` frames sampled at
+    ``train_fps`` (rounded down to the family's ``1 + k * frame_step``), ``max_height`` x ``max_width`` pixels (rounded
+    down to the family's pixel multiple; frames are scaled to cover it and centre-cropped); a video longer than
+    ``video_length_tolerance_range`` clips is skipped. ``buckets``: (height, width) pairs; each clip goes to the one
+    nearest its aspect ratio instead of ``max_height`` x ``max_width`` (a batch never mixes them). ``samples_per_file``
+    inputs a parquet file. ``audio_rate``: the Hz t2va audio is resampled to (None: the family's audio VAE's)."""
+
+    num_frames: PositiveInt = 81
+    train_fps: PositiveInt = 16
+    max_height: PositiveInt = 480
+    max_width: PositiveInt = 832
+    video_length_tolerance_range: Annotated[float, msgspec.Meta(gt=0.0)] = 5.0
+    samples_per_file: PositiveInt = 64
+    buckets: tuple[tuple[PositiveInt, PositiveInt], ...] | None = None
+    audio_rate: PositiveInt | None = None
+
+
+class Encoder(Protocol):
+    """What preprocessing encodes with (``fvx_models.encoders.Opened`` or the toy world's ``WorldEncoders``)."""
+
+    def encode_text(self, prompts: list[str]) -> list[torch.Tensor]: ...
+
+    def encode_video(self, video: torch.Tensor) -> torch.Tensor: ...
+
+    def encode_first_frame(self, video: torch.Tensor) -> torch.Tensor: ...
+
+    def encode_image(self, frame: torch.Tensor) -> torch.Tensor | None: ...
+
+    def encode_audio(self, waveform: torch.Tensor, rate: int) -> torch.Tensor: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Input:
+    """One input: its media file, caption (None: missing) and name (its path from the input root)."""
+
+    path: pathlib.Path
+    caption: str | None
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """Everything a preprocessing run needs: ``identity`` (what made the folder, checked on resume), the data
+    ``kind``, the cut ``config``, the family's ``frame_step`` and ``pixel_multiple``, the audio rate (t2va)."""
+
+    identity: dict[str, Any]
+    kind: str
+    config: PreprocessConfig
+    frame_step: int
+    pixel_multiple: int
+    audio_rate: int | None = None
+
+
+# ----------------------------------------------------------------------------------------------------------- inputs
+
+
+def find_inputs(root: pathlib.Path) -> list[Input]:
+    """Every input under ``root`` in a fixed order (by name): FastVideo's merged layout when ``root`` holds
+    ``videos2caption.json`` (a caption list gives its first), else media files with ``<stem>.txt`` captions."""
+    if not root.is_dir():
+        raise ValueError(f"--videos {str(root)!r} is not a folder")
+    listing = root / "videos2caption.json"
+    if listing.is_file():
+        return _merged_layout(root, listing)
+    found = sorted((p for p in root.rglob("*") if p.is_file() and media.is_media(p)),
+                   key=lambda p: p.relative_to(root).as_posix())
+    if not found:
+        raise ValueError(f"--videos {str(root)!r} holds no videos or images ({', '.join(media.VIDEO_SUFFIXES)}, "
+                         f"{', '.join(media.IMAGE_SUFFIXES)}) and no videos2caption.json")
+    inputs = []
+    for path in found:
+        text = path.with_suffix(".txt")
+        caption = text.read_text(encoding="utf-8", errors="replace").strip() if text.is_file() else None
+        inputs.append(Input(path, caption, path.relative_to(root).as_posix()))
+    return inputs
+
+
+def _merged_layout(root: pathlib.Path, listing: pathlib.Path) -> list[Input]:
+    try:
+        entries = json.loads(listing.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{str(listing)!r} is not readable JSON: {error}") from None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("path"), str)
+                                                for e in entries):
+        raise ValueError(f"{str(listing)!r} must be a JSON list of {{\"path\": ..., \"cap\": ...}} objects")
+    inputs = []
+    for entry in sorted(entries, key=lambda e: e["path"]):
+        cap = entry.get("cap")
+        cap = cap[0] if isinstance(cap, list) and cap else cap
+        caption = cap.strip() if isinstance(cap, str) else None
+        inputs.append(Input(root / "videos" / entry["path"], caption, entry["path"]))
+    return inputs
+
+
+# ------------------------------------------------------------------------------------------------------------ clips
+
+
+def cut(job: Job, item: Input) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The clip ``[3, T, H, W]`` in [-1, 1] of ``item`` and its metadata columns; a MediaError with the reason."""
+    if not item.caption:
+        raise media.MediaError("its caption is missing or empty" if item.caption is None
+                               else "its caption is empty")
+    if not item.path.is_file():
+        raise media.MediaError("the file does not exist")
+    config, image = job.config, media.is_image(item.path)
+    if image and job.kind in ("i2v", "t2va"):
+        raise media.MediaError(f"it is an image; kind {job.kind!r} needs videos")
+    if image:
+        frames, fps, duration, start = media.read_image(item.path), 0.0, 0.0, 0.0
+    else:
+        fps, duration = media.probe_video(item.path)
+        wanted = media.usable_frames(config.num_frames, job.frame_step)
+        indices = media.frame_indices(fps, duration, num_frames=wanted, train_fps=config.train_fps,
+                                      tolerance=config.video_length_tolerance_range)
+        video = media.read_video(item.path, indices.tolist())
+        if len(video.frames) < len(indices):
+            raise media.MediaError(f"it decodes to {len(video.frames)} of the {len(indices)} frames its header "
+                                   "promises")
+        order = {index: n for n, index in enumerate(sorted(set(indices.tolist())))}
+        frames = video.frames[[order[i] for i in indices.tolist()]]
+        start = 0.0
+    h0, w0 = frames.shape[1:3]
+    if config.buckets:
+        height, width = media.nearest_bucket(h0, w0, config.buckets)
+        height, width = media.target_size(height, width, height, width, job.pixel_multiple)
+    else:
+        height, width = media.target_size(h0, w0, config.max_height, config.max_width, job.pixel_multiple)
+    clip = media.resize_crop(frames, height, width)
+    meta = {"file_name": item.name, "caption": item.caption, "media_type": "image" if image else "video",
+            "width": width, "height": height, "num_frames": clip.shape[1],
+            "duration_sec": clip.shape[1] / config.train_fps if not image else 0.0,
+            "fps": float(config.train_fps) if not image else 0.0, "_start": start}
+    return clip, meta
+
+
+def encode_part(job: Job, encoder: Encoder, items: Sequence[Input]) -> tuple[list[dict], list[dict]]:
+    """The rows of ``items`` (``fvx.data.parquet.write_parquet``'s samples) and the skipped ones (name, reason)."""
+    cut_clips, skipped = [], []
+    for item in items:
+        try:
+            clip, meta = cut(job, item)
+            audio = None
+            if job.kind == "t2va":
+                audio = media.read_audio(item.path, job.audio_rate, meta["_start"], meta["num_frames"] / job.config.train_fps)
+            cut_clips.append((item, clip, meta, audio))
+        except media.MediaError as error:
+            skipped.append({"file": item.name, "reason": str(error)})
+    if not cut_clips:
+        return [], skipped
+    texts = encoder.encode_text([meta["caption"] for _, _, meta, _ in cut_clips])
+    rows = []
+    for (item, clip, meta, audio), text in zip(cut_clips, texts):
+        row = {"id": item.name, **{k: v for k, v in meta.items() if not k.startswith("_")},
+               "latents": encoder.encode_video(clip), "text": text}
+        if job.kind == "i2v":
+            row["first_frame_latents"] = encoder.encode_first_frame(clip)
+            image = encoder.encode_image((clip[:, 0] + 1) / 2)
+            if image is not None:
+                row["image_embeds"] = image
+        if job.kind == "t2va":
+            row["audio_latents"] = encoder.encode_audio(audio, job.audio_rate)
+            row["audio_sample_rate"] = job.audio_rate
+        rows.append(row)
+    return rows, skipped
+
+
+# ------------------------------------------------------------------------------------------------------------ output
+
+
+def check_folder(out: pathlib.Path, identity: dict[str, Any]) -> bool:
+    """Whether ``out`` is already complete; a ValueError when it was made for another model, family or geometry
+    (or is some other non-empty folder). Writes ``metadata.json`` for a new folder."""
+    path = out / "metadata.json"
+    if path.is_file():
+        try:
+            stored = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(f"--out {str(out)!r}: metadata.json is not readable JSON: {error}") from None
+        ours = {k: v for k, v in stored.items() if k not in ("count", "skipped")}
+        if ours != identity:
+            diff = sorted(k for k in set(ours) | set(identity) if ours.get(k) != identity.get(k))
+            first = diff[0]
+            raise ValueError(f"--out {str(out)!r} was made with {first}={ours.get(first)!r}, not "
+                             f"{identity.get(first)!r} (differing: {', '.join(diff)}); use another folder")
+        return (out / COMPLETE).is_file()
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"--out {str(out)!r} is a non-empty folder that preprocess did not make (no metadata.json)")
+    out.mkdir(parents=True, exist_ok=True)
+    files.write_json(path, identity)
+    return False
+
+
+def part_name(number: int) -> str:
+    return f"part_{number:05d}"
+
+
+def run(job: Job, encoder_factory: Callable[[], Encoder], inputs: Sequence[Input], out: pathlib.Path, *,
+        rank: int = 0, world: int = 1, log: Callable[[str], None] = print, progress: bool = False) -> dict[str, Any]:
+    """Encode this rank's parts of ``inputs`` into ``out`` (the module docstring); the last rank to finish completes
+    the folder. Returns {"rows", "skipped", "complete"}; the encoder is made only when a part is left to do."""
+    per_file = job.config.samples_per_file
+    parts = math.ceil(len(inputs) / per_file)
+    mine = [n for n in range(rank, parts, world) if not (out / DONE / f"{part_name(n)}.json").is_file()]
+    (out / PARTS).mkdir(parents=True, exist_ok=True)
+    (out / DONE).mkdir(exist_ok=True)
+    meter = Progress(sum(len(inputs[n * per_file:(n + 1) * per_file]) for n in mine), log, progress)
+    encoder = encoder_factory() if mine else None
+    for n in mine:
+        items = inputs[n * per_file:(n + 1) * per_file]
+        rows, skipped = encode_part(job, encoder, items)
+        for entry in skipped:
+            log(f"skipped {entry['file']}: {entry['reason']}")
+        if rows:
+            parquet.write_parquet(out / PARTS / f"{part_name(n)}.parquet", rows, kind=job.kind,
+                                  rows_per_group=per_file)
+        files.write_json(out / DONE / f"{part_name(n)}.json", {"rows": len(rows), "skipped": skipped})
+        meter.advance(len(items))
+    meter.close()
+    return finish(job, out, parts)
+
+
+def finish(job: Job, out: pathlib.Path, parts: int) -> dict[str, Any]:
+    """When every part is done: ``skipped.json``, the count in ``metadata.json`` and ``COMPLETE``."""
+    marks = [out / DONE / f"{part_name(n)}.json" for n in range(parts)]
+    if not all(m.is_file() for m in marks):
+        return {"rows": None, "skipped": None, "complete": False}
+    done = [json.loads(m.read_text()) for m in marks]
+    rows, skipped = sum(d["rows"] for d in done), [s for d in done for s in d["skipped"]]
+    files.write_json(out / "skipped.json", skipped)
+    if rows:
+        files.write_json(out / "metadata.json", {**job.identity, "count": rows})
+        files.write_json(out / COMPLETE, {"rows": rows, "skipped": len(skipped)})
+    return {"rows": rows, "skipped": skipped, "complete": bool(rows)}
+
+
+class Progress:
+    """Clips done, clips/s and time left: a bar on a terminal, else a line every 30 s."""
+
+    def __init__(self, total: int, log: Callable[[str], None], bar: bool, every_s: float = 30.0):
+        self.total, self.done, self.log, self.bar, self.every_s = total, 0, log, bar, every_s
+        self.start = self.last = time.monotonic()
+
+    def advance(self, count: int) -> None:
+        self.done += count
+        now = time.monotonic()
+        if self.bar or now - self.last >= self.every_s or self.done == self.total:
+            self.last = now
+            rate = self.done / max(now - self.start, 1e-9)
+            left = (self.total - self.done) / rate if rate else float("inf")
+            line = f"preprocess: {self.done}/{self.total} clips, {rate:.2f} clips/s, {left:.0f} s left"
+            if self.bar:
+                sys.stderr.write("\r" + line)
+                sys.stderr.flush()
+            else:
+                self.log(line)
+
+    def close(self) -> None:
+        if self.bar and self.total:
+            sys.stderr.write("\n")

@@ -1,0 +1,210 @@
+"""A family's data encoders: the VAE, text encoder(s) and image encoder its diffusers pipeline loads from a folder.
+
+A family spec declares one :class:`Encoders` record (its config's class variable ``encoders``): which diffusers
+pipeline class loads the components, which folder components each encoding needs, and how each is called, exactly as
+that pipeline calls it (its ``encode_prompt``; its VAE's ``encode``). ``preprocess`` (``fvx.data.preprocess``),
+``encode-prompts`` and ``sample`` open the same record with :meth:`Encoders.open`, which loads only the components asked
+for, as diffusers loads them (``Pipeline.from_pretrained(folder, <component>=None for the others)``), in one dtype.
+
+The tensors at this interface are what FastVideo's parquet stores (``fvx.data.parquet``), one sample at a time:
+a text embedding ``[L, D]`` (its real tokens only: the reader pads and masks), VAE latents ``[C, t, h, w]`` in the
+VAE's own scale (training normalises them), I2V's first-frame latents (normalised, as FastVideo stores them) and
+image features ``[N, D]``. Videos come in as ``[3, T, H, W]`` float in [-1, 1].
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any, Callable, Iterable
+
+import torch
+
+Part = str  # "text", "video", "image", "audio": what an opened record can encode
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoders:
+    """How a family encodes its data (the module docstring).
+
+    pipeline         the diffusers pipeline class whose ``from_pretrained`` loads the components and whose
+                     ``encode_prompt`` makes the text embedding (a folder whose ``model_index.json`` names another
+                     diffusers pipeline, e.g. the family's I2V one, loads with that)
+    text             the folder components text encoding needs (e.g. ``("tokenizer", "text_encoder")``)
+    encode_text(pipe, prompts) -> [[L, D], ...]   each prompt's text embedding as stored: the pipeline's
+                     ``encode_prompt`` output cut to its real tokens (packed as the family's data packs it)
+    video            the components video encoding needs
+    encode_video(pipe, video) -> latents   video ``[B, 3, T, H, W]`` in [-1, 1] -> ``[B, C, t, h, w]`` VAE latents,
+                     the posterior's mean (no draw), in the VAE's own scale
+    frame_step       clips hold ``1 + frame_step * k`` frames (the VAE's temporal compression; 1: any count)
+    pixel_multiple   heights and widths are multiples of this (the VAE's spatial compression times the DiT's patch)
+    image, encode_image(pipe, frames) -> [B, N, D]   I2V's image encoder (frames ``[B, 3, H, W]`` in [0, 1]) as the
+                     I2V pipeline calls it; empty / None: the family's I2V has none
+    first_frame(pipe, video) -> latents   I2V's condition latents ``[B, C, t, h, w]``: the first frame followed by zero
+                     frames, encoded and normalised as FastVideo stores them (default: the family has no I2V)
+    audio, encode_audio(pipe, waveform, rate) -> [B, C, F, A]   a joint model's audio latents from stereo waveforms
+                     ``[B, 2, S]`` at ``rate`` Hz; ``audio_refusal``: why there is none (one line)
+    """
+
+    pipeline: str
+    text: tuple[str, ...]
+    encode_text: Callable[[Any, list[str]], list[torch.Tensor]]
+    video: tuple[str, ...] = ("vae",)
+    encode_video: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+    frame_step: int = 4
+    pixel_multiple: int = 16
+    image: tuple[str, ...] = ()
+    encode_image: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+    first_frame: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+    audio: tuple[str, ...] = ()
+    encode_audio: Callable[[Any, torch.Tensor, int], torch.Tensor] | None = None
+    audio_refusal: str | None = None
+
+    def components(self, parts: Iterable[Part]) -> tuple[str, ...]:
+        """The folder components ``parts`` need, in a fixed order."""
+        needed: list[str] = []
+        for part in parts:
+            for name in {"text": self.text, "video": self.video, "image": self.image, "audio": self.audio}[part]:
+                if name not in needed:
+                    needed.append(name)
+        return tuple(needed)
+
+    def refusal(self, parts: Iterable[Part]) -> str | None:
+        """Why this family cannot encode ``parts`` (one line), or None."""
+        parts = set(parts)
+        if "image" in parts and self.first_frame is None:
+            return "it has no image-to-video encoding in fvx (no first-frame latents)"
+        if "audio" in parts and self.encode_audio is None:
+            return self.audio_refusal or "it encodes no audio"
+        if "video" in parts and self.encode_video is None:
+            return "it has no video encoder in fvx"
+        return None
+
+    def open(self, folder: str | pathlib.Path, parts: Iterable[Part], *, dtype: str = "fp32",
+             device: torch.device | str = "cpu", who: str = "the model folder") -> Opened:
+        """The components ``parts`` need, loaded from ``folder`` (a diffusers pipeline root) as diffusers loads them.
+
+        A ValueError (one line, naming the folder and the component) when the folder lacks one: checked from its
+        ``model_index.json`` and subfolders before any weight is read."""
+        parts = tuple(parts)
+        why = self.refusal(parts)
+        if why is not None:
+            raise ValueError(f"{who}: {why}")
+        needed = self.components(parts)
+        folder = pathlib.Path(folder)
+        index = _model_index(folder, who)
+        for name in needed:
+            if index.get(name) in (None, [None, None]) or not (folder / name).is_dir():
+                raise ValueError(f"{who} {str(folder)!r} has no {name!r} component (model_index.json and a "
+                                 f"{name}/ folder), which {', '.join(parts)} encoding needs")
+        import diffusers  # diffusers' pipelines import slowly: only when a folder is opened
+
+        named = index.get("_class_name")  # the folder's own pipeline (an I2V folder's loads its image encoder)
+        pipeline_class = getattr(diffusers, named if isinstance(named, str) and hasattr(diffusers, named)
+                                 else self.pipeline)
+        skipped = {name: None for name, value in index.items()
+                   if not name.startswith("_") and isinstance(value, list) and name not in needed}
+        pipe = pipeline_class.from_pretrained(folder, dtype=_DTYPES[dtype], **skipped)
+        for name in needed:
+            module = getattr(pipe, name, None)
+            if isinstance(module, torch.nn.Module):
+                module.requires_grad_(False).eval()
+        return Opened(self, pipe, needed, torch.device(device))
+
+
+@dataclasses.dataclass
+class Opened:
+    """An :class:`Encoders` record with its components loaded. Each encoding moves the components it needs to
+    ``device`` and the others back to the CPU, so one device holds one encoder at a time."""
+
+    encoders: Encoders
+    pipe: Any
+    components: tuple[str, ...]
+    device: torch.device
+
+    def _use(self, names: tuple[str, ...]) -> None:
+        for name in self.components:
+            module = getattr(self.pipe, name, None)
+            if isinstance(module, torch.nn.Module):
+                module.to(self.device if name in names else "cpu")
+
+    @torch.no_grad()
+    def encode_text(self, prompts: list[str]) -> list[torch.Tensor]:
+        """Each prompt's stored text embedding ``[L, D]`` fp32 on the CPU."""
+        self._use(self.encoders.text)
+        return [t.float().cpu() for t in self.encoders.encode_text(self.pipe, list(prompts))]
+
+    @torch.no_grad()
+    def encode_video(self, video: torch.Tensor) -> torch.Tensor:
+        """Latents ``[C, t, h, w]`` fp32 of one clip ``[3, T, H, W]`` in [-1, 1]."""
+        self._use(self.encoders.video)
+        vae = self.pipe.vae
+        x = video[None].to(self.device, vae.dtype)
+        return self.encoders.encode_video(self.pipe, x)[0].float().cpu()
+
+    @torch.no_grad()
+    def encode_first_frame(self, video: torch.Tensor) -> torch.Tensor:
+        """I2V's condition latents ``[C, t, h, w]`` of one clip ``[3, T, H, W]`` in [-1, 1]."""
+        self._use(self.encoders.video)
+        x = video[None].to(self.device, self.pipe.vae.dtype)
+        return self.encoders.first_frame(self.pipe, x)[0].float().cpu()
+
+    @torch.no_grad()
+    def encode_image(self, frame: torch.Tensor) -> torch.Tensor | None:
+        """I2V's image features ``[N, D]`` of a frame ``[3, H, W]`` in [0, 1]; None when the family has no image
+        encoder (FastVideo then stores empty bytes)."""
+        if self.encoders.encode_image is None:
+            return None
+        self._use(self.encoders.image)
+        return self.encoders.encode_image(self.pipe, frame[None].to(self.device))[0].float().cpu()
+
+    @torch.no_grad()
+    def encode_audio(self, waveform: torch.Tensor, rate: int) -> torch.Tensor:
+        """Audio latents ``[C, F, A]`` of a stereo waveform ``[2, S]`` at ``rate`` Hz."""
+        self._use(self.encoders.audio)
+        return self.encoders.encode_audio(self.pipe, waveform[None].to(self.device), rate)[0].float().cpu()
+
+
+def _model_index(folder: pathlib.Path, who: str) -> dict[str, Any]:
+    path = folder / "model_index.json"
+    if not path.is_file():
+        raise ValueError(f"{who} {str(folder)!r} is not a diffusers pipeline folder (it has no model_index.json)")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{who}: {str(path)!r} is not readable JSON: {error}") from None
+
+
+# ------------------------------------------------------------------------------------------- shared encoding steps
+
+
+def real_tokens(embeds: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    """Rows ``[L_i, D]`` of a padded ``[B, L, D]`` embedding: each prompt's tokens where ``mask`` ``[B, L]`` is set
+    (padding is the reader's job: it pads to ``data.text_len`` and masks)."""
+    return [e[m.bool()] for e, m in zip(embeds, mask)]
+
+
+def latent_mean(vae: Any, video: torch.Tensor) -> torch.Tensor:
+    """The mean (mode) of a diffusers VAE's posterior of ``video`` ``[B, 3, T, H, W]`` in [-1, 1]: no noise drawn."""
+    return vae.encode(video).latent_dist.mode()
+
+
+def token_mask(tokenizer: Any, max_length: int, prompts: list[str], *, clean: bool = False) -> torch.Tensor:
+    """The attention mask ``[B, max_length]`` a pipeline's ``encode_prompt`` tokenizes ``prompts`` with (padded to
+    ``max_length``, truncated; ``clean``: after diffusers' Wan ``prompt_clean``)."""
+    if clean:
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        prompts = [prompt_clean(p) for p in prompts]
+    return tokenizer(prompts, padding="max_length", max_length=max_length, truncation=True, add_special_tokens=True,
+                     return_attention_mask=True, return_tensors="pt").attention_mask
+
+
+def pil_images(frames: torch.Tensor) -> list[Any]:
+    """Frames ``[B, 3, H, W]`` in [0, 1] as RGB PIL images (the 8-bit pixels they were decoded from)."""
+    from PIL import Image
+
+    pixels = (frames.float() * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    return [Image.fromarray(p) for p in pixels]

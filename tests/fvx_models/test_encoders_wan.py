@@ -1,0 +1,84 @@
+"""Wan's encoders (fvx_models.encoders, the record in fvx_models.wan): a tiny random Wan I2V pipeline folder (UMT5,
+the Wan VAE, a CLIP vision encoder) saved locally, opened as preprocessing opens it, against diffusers' own calls."""
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
+
+from fvx_models import wan
+
+WORDS = ["<pad>", "</s>", "<unk>"] + [f"▁{w}" for w in "a red blue bars moving left right up down cat".split()]
+
+
+def tiny_t5_tokenizer() -> transformers.T5Tokenizer:
+    return transformers.T5Tokenizer(vocab=[(w, -float(i)) for i, w in enumerate(WORDS)], extra_ids=0)
+
+
+def tiny_wan_vae() -> AutoencoderKLWan:
+    torch.manual_seed(0)
+    return AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True],
+                            latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.5, 2.0, 1.0])
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    torch.manual_seed(0)
+    text = transformers.UMT5EncoderModel(transformers.UMT5Config(
+        vocab_size=len(WORDS), d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4, relative_attention_num_buckets=8))
+    vision = transformers.CLIPVisionModel(transformers.CLIPVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, image_size=32, patch_size=8))
+    processor = transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    pipe = WanImageToVideoPipeline(tokenizer=tiny_t5_tokenizer(), text_encoder=text, vae=tiny_wan_vae(),
+                                   scheduler=FlowMatchEulerDiscreteScheduler(), image_processor=processor, image_encoder=vision, transformer=None)
+    path = tmp_path_factory.mktemp("wan_i2v")
+    pipe.save_pretrained(path)
+    return path
+
+
+def test_text_is_the_pipelines_encode_prompt_cut_to_its_tokens(folder):
+    opened = wan.ENCODERS.open(folder, ["text"])
+    prompts = ["red bars moving left", "a   cat"]
+    rows = opened.encode_text(prompts)
+    full, _ = opened.pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=512)
+    assert [r.shape for r in rows] == [(5, 16), (3, 16)]  # 4 words + </s>; "a cat" + </s> (whitespace cleaned)
+    for row, padded in zip(rows, full):
+        assert torch.equal(row, padded[:len(row)]) and not padded[len(row):].any()
+
+
+def test_video_latents_are_the_vaes_posterior_mean(folder):
+    opened = wan.ENCODERS.open(folder, ["video"])
+    video = torch.rand(3, 5, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    latents = opened.encode_video(video)
+    expected = opened.pipe.vae.encode(video[None]).latent_dist.mean[0]
+    assert latents.shape == (4, 3, 16, 16) and torch.equal(latents, expected)
+
+
+def test_i2v_first_frame_and_clip_features_are_the_pipelines(folder):
+    opened = wan.ENCODERS.open(folder, ["video", "image"])
+    pixels = torch.randint(0, 256, (3, 5, 32, 32), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
+    video = pixels.float() / 255 * 2 - 1
+    condition = torch.cat([video[:, :1], torch.zeros(3, 4, 32, 32)], dim=1)
+    vae = opened.pipe.vae
+    mean = torch.tensor(vae.config.latents_mean).view(-1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(-1, 1, 1, 1)
+    expected = (vae.encode(condition[None]).latent_dist.mean[0] - mean) / std
+    assert torch.allclose(opened.encode_first_frame(video), expected, atol=1e-6, rtol=0)
+    from PIL import Image
+    image = Image.fromarray(pixels[:, 0].permute(1, 2, 0).numpy())
+    reference = opened.pipe.encode_image(image, device=torch.device("cpu"))[0]
+    features = opened.encode_image((video[:, 0] + 1) / 2)
+    assert features.shape == (17, 16) and torch.equal(features, reference)
+
+
+def test_a_folder_without_a_component_is_named_before_any_weight_loads(folder, tmp_path):
+    index = json.loads((folder / "model_index.json").read_text())
+    index["text_encoder"] = [None, None]
+    (tmp_path / "model_index.json").write_text(json.dumps(index))
+    shutil.copytree(folder / "tokenizer", tmp_path / "tokenizer")
+    with pytest.raises(ValueError, match="has no 'text_encoder' component"):
+        wan.ENCODERS.open(tmp_path, ["text"])
+    with pytest.raises(ValueError, match="is not a diffusers pipeline folder"):
+        wan.ENCODERS.open(tmp_path / "nowhere", ["video"])
