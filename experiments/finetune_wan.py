@@ -16,6 +16,7 @@ import msgspec
 from fvx.config import recipe
 from fvx.core.optim_config import AdamWConfig
 from fvx.data.datasets import DataConfig
+from fvx.data.preprocess import PreprocessConfig
 from fvx.data.toy_world import SpaceToDepth, WorldConfig
 from fvx.storage.checkpoint_config import CheckpointConfig
 from fvx.training.experiment import Experiment, RunConfig
@@ -34,7 +35,8 @@ class FinetuneWan(Experiment):
 
 config = FinetuneWan(
     run=RunConfig(seed=0, steps=800, output_dir="runs/finetune_wan", log_every=1),
-    data=DataConfig(batch_size=8, text_len=4, world=WorldConfig()),
+    data=DataConfig(batch_size=8, text_len=4, world=WorldConfig(),
+                    preprocess=PreprocessConfig(num_frames=4, train_fps=16, max_height=16, max_width=16)),
     models={"student": WanConfig(preset="world")},
     vae=SpaceToDepth(),
     validation=ValidationConfig(every=200, num_prompts=8, num_steps=20, display_scale=4),

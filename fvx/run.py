@@ -5,11 +5,15 @@
     torchrun --nproc_per_node N -m fvx.run EXPERIMENT.py [a.b=value ...] [--replicate R] [--sp P]
     python -m fvx.run replay RUN_DIR --step N [--experiment FILE]
     python -m fvx.run export RUN_DIR --out FOLDER [--step N] [--role ROLE] [--ema] [--lora] [--format F] [--dtype D]
+    python -m fvx.run preprocess EXPERIMENT.py[:recipe] --videos DIR --out DATASET [a.b=value ...]
+    python -m fvx.run encode-prompts EXPERIMENT.py[:recipe] PROMPTS.txt --out FILE.safetensors [a.b=value ...]
 
 ``--help`` after an experiment lists its config fields with their current values. ``--resume`` continues the run in
 ``--out`` from its newest checkpoint, from checkpoint STEP there, or from a checkpoint at PATH (a checkpoint folder,
 or a checkpoints or run folder: its newest). ``replay`` recomputes step N of a run and compares its metrics with the
 logged ones (fvx.training.replay). ``export`` writes a trained role as a diffusers folder (fvx.training.export).
+``preprocess`` encodes videos and captions into FastVideo's parquet, ``encode-prompts`` text into a cond file, with the
+experiment's model's encoders (fvx.training.preprocessing).
 
 ``--dry-run`` prints, per rank, each role's params, gradients, AdamW state and EMA bytes, the activations of one
 differentiated forward and the gathered params, for ``--world`` ranks (default: this launch's) at a ``--video`` of
@@ -45,7 +49,8 @@ from fvx import config as fconfig
 from fvx.data import parquet
 from fvx.distributed import processes, sequence_parallel
 from fvx.storage import checkpoint
-from fvx.training import callbacks as fcallbacks, dry_run, experiment, export, loop, replay, resume, run_folder
+from fvx.training import (callbacks as fcallbacks, dry_run, experiment, export, loop, preprocessing, replay, resume,
+                          run_folder)
 from fvx.training import config_checks, run_lock, tracking
 from fvx.training.interrupts import Interrupted
 
@@ -54,7 +59,10 @@ USAGE = ("python -m fvx.run EXPERIMENT.py [a.b.c=value ...] [--out DIR] [--steps
          "       python -m fvx.run EXPERIMENT.py [a.b.c=value ...] --dry-run [--world N] [--replicate R] [--video FxHxW]\n"
          "       python -m fvx.run replay RUN_DIR --step N [--experiment FILE]\n"
          "       python -m fvx.run export RUN_DIR --out FOLDER [--step N] [--role ROLE] [--ema] [--lora] [--format F]\n"
-         "                                [--dtype D]")
+         "                                [--dtype D]\n"
+         "       python -m fvx.run preprocess EXPERIMENT.py[:recipe] --videos DIR --out DATASET [a.b.c=value ...]\n"
+         "       python -m fvx.run encode-prompts EXPERIMENT.py[:recipe] PROMPTS.txt --out FILE.safetensors "
+         "[a.b.c=value ...]")
 BAD_INPUT = (fconfig.ConfigError, ValueError, FileNotFoundError)
 AUTO = "auto"  # --resume auto
 
@@ -353,7 +361,75 @@ def _print_pipeline_note(folder: pathlib.Path, base: str | None) -> None:
               + ") or pass them, or export again with --base /path/to/the/base/pipeline")
 
 
-COMMANDS = {"replay": replay_main, "export": export_main}
+def _experiment_config(experiment_file: str, overrides: list[str]) -> fconfig.Config:
+    """An experiment's config with dotted overrides applied (a sub-command's)."""
+    for item in overrides:
+        if "=" not in item:
+            raise fconfig.ConfigError(f"argument {item!r} is not an override of the form dotted.field=value")
+    config = fconfig.load_experiment(experiment_file)
+    if not isinstance(config, experiment.Experiment):
+        raise fconfig.ConfigError(f"experiment file {experiment_file!r}: `config` is a {type(config).__qualname__}, "
+                                  "expected a subclass of fvx.training.experiment.Experiment")
+    return fconfig.apply_overrides(config, overrides)
+
+
+def preprocess_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fvx.run preprocess", description=(
+        "Encode a folder of videos (or images) and captions into FastVideo's parquet with the experiment's model: its "
+        "VAE and text encoder(s) from models.student.path (the toy world's codec for the CPU defaults). Inputs: "
+        "videos/ beside videos2caption.json (FastVideo's layout), or media files each beside a caption file of the "
+        "same name (clip.mp4 + clip.txt). The clip geometry is data.preprocess.* (override it like any field). Under "
+        "torchrun each rank encodes its own parts; a run started again continues where it stopped. Train on it with "
+        "data.path=DATASET/combined_parquet_dataset."))
+    parser.add_argument("experiment", help="the experiment file (FILE.py or FILE.py:recipe)")
+    parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.preprocess.num_frames=33")
+    parser.add_argument("--videos", required=True, help="the input folder")
+    parser.add_argument("--out", required=True, help="the dataset folder to write (or to continue)")
+    args = parser.parse_intermixed_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        config = _experiment_config(args.experiment, args.overrides)
+        done = preprocessing.run_preprocess(config, args.videos, args.out, progress=sys.stderr.isatty())
+    except BAD_INPUT as error:
+        return _error(error, rank)
+    data = pathlib.Path(args.out) / "combined_parquet_dataset"
+    if done.get("already"):
+        print(f"{args.out} is already complete: {done['rows']} clips ({len(done['skipped'])} skipped); train on it "
+              f"with data.path={data}")
+        return 0
+    if done["rows"] is None:
+        print(f"rank {rank}: its parts are done; the last rank to finish completes {args.out}")
+        return 0
+    if not done["rows"]:
+        return _error(ValueError(f"no input could be encoded ({len(done['skipped'])} skipped, listed in "
+                                 f"{pathlib.Path(args.out) / 'skipped.json'})"), rank)
+    print(f"wrote {done['rows']} clips to {data} ({len(done['skipped'])} skipped"
+          + (f", listed in {pathlib.Path(args.out) / 'skipped.json'}" if done["skipped"] else "")
+          + f"); train on it with data.path={data}")
+    return 0
+
+
+def encode_prompts_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fvx.run encode-prompts", description=(
+        "Encode prompts (one a line) with the experiment's text encoder into a cond file: validation prompts "
+        "(validation.prompts_file) or a negative prompt (validation.negative_prompt_path, "
+        "method.negative_prompt_path)."))
+    parser.add_argument("experiment", help="the experiment file (FILE.py or FILE.py:recipe)")
+    parser.add_argument("prompts", help="a text file, one prompt a line")
+    parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. models.student.path=/models/x")
+    parser.add_argument("--out", required=True, help="the cond file to write (.safetensors)")
+    args = parser.parse_intermixed_args(argv)
+    try:
+        config = _experiment_config(args.experiment, args.overrides)
+        count, path = preprocessing.run_encode_prompts(config, args.prompts, args.out)
+    except BAD_INPUT as error:
+        return _error(error)
+    print(f"wrote {count} prompt{'s' if count != 1 else ''} to {path}")
+    return 0
+
+
+COMMANDS = {"replay": replay_main, "export": export_main, "preprocess": preprocess_main,
+            "encode-prompts": encode_prompts_main}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

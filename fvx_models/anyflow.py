@@ -92,9 +92,11 @@ ANYFLOW = Family(
 
 class AnyFlowConfig(ModelConfig, tag="anyflow"):
     """An AnyFlow flow-map DiT (presets: tiny, anyflow-wan2.1-t2v-1.3b, anyflow-wan2.1-t2v-14b): a two-time model;
-    the shared knobs are :class:`fvx_models.build.ModelConfig`'s."""
+    the shared knobs are :class:`fvx_models.build.ModelConfig`'s. Its data is Wan 2.1's (``AnyFlowPipeline``'s
+    ``encode_prompt`` is ``WanPipeline``'s, copied; the Wan 2.1 VAE): the encoders are Wan's record."""
 
     family = ANYFLOW
+    encoders = wan.ENCODERS
 
     @property
     def two_time(self) -> bool:

@@ -99,6 +99,13 @@ class ModelConfig(Config):
         """The :class:`Model` of this config: a skeleton built now, params sharded over ``mesh`` when given."""
         return build(self, mesh=mesh)
 
+    def write_cond_file(self, path: str | pathlib.Path, batch: Mapping[str, Any], captions: list[str]) -> None:
+        """A cond file (``fvx_models.cond``) of the family's text cond tensors made from a data ``batch`` (what
+        ``encode-prompts`` writes; the image condition of an I2V family is left out, as negative-prompt files lack
+        it), with the captions."""
+        cond = self.family.cond_from_batch(self, batch)
+        fcond.save(path, {name: t for name, t in cond.items() if name not in self.family.image_cond}, captions)
+
 
 # ---------------------------------------------------------------------------------------------------------- pieces
 

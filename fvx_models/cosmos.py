@@ -17,6 +17,10 @@ zeroes padded rows. The unconditional is FastVideo's: zero embeddings with a mas
 dropout for this model, and so does fvx (``cfg_dropout_refusal``). FastVideo passes ``fps=16`` to its own DiT, which
 ignores it (its Cosmos 2.5 pipeline config sets ``rope_enable_fps_modulation=False``); diffusers' module would scale
 the temporal RoPE by 24 / fps, so fvx passes no fps, as diffusers' pipeline does.
+
+Encoders (``ENCODERS``): the stored text is the pipeline's whole 512-token Reason1 embedding (padding rows included, as
+the DiT reads them; :func:`encode_text`), the stored latents the Wan VAE's posterior mean, unnormalised (the latent
+space normalises them). The pipeline's guardrail is not loaded (:class:`NoSafetyChecker`).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from diffusers.models.transformers import transformer_cosmos
 
 from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder, wan
+from fvx_models import encoders as fencoders
 from fvx_models.build import ModelConfig
 from fvx_models.family import Family, Preset, require, skeleton_of
 
@@ -171,9 +176,34 @@ COSMOS = Family(
 )
 
 
+TEXT_LEN = 512  # Cosmos2_5_PredictBasePipeline's max_sequence_length
+
+
+def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
+    """``Cosmos2_5_PredictBasePipeline.encode_prompt``: Reason1's hidden layers at 512 tokens, each normalised, then
+    concatenated, ``[512, 100352]`` per prompt, padding rows included: the pipeline runs Reason1 and the DiT without a
+    text mask, so the DiT reads the padded positions' embeddings (FastVideo stores the same)."""
+    embeds, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=TEXT_LEN,
+                                   device=pipe.text_encoder.device)
+    return list(embeds)
+
+
+class NoSafetyChecker:
+    """Given to the pipeline as its ``safety_checker``, which it would otherwise build (``cosmos_guardrail``, its own
+    models): encoding never calls it."""
+
+
+# The pipeline cannot be built without its VAE (its __init__ reads vae.config's latent statistics): text loads it too.
+ENCODERS = fencoders.Encoders(
+    pipeline="Cosmos2_5_PredictBasePipeline", text=("tokenizer", "text_encoder", "vae"), encode_text=encode_text,
+    encode_video=lambda pipe, video: fencoders.latent_mean(pipe.vae, video), frame_step=4, pixel_multiple=16,
+    stand_ins=(("safety_checker", NoSafetyChecker()),), audio_refusal="Cosmos Predict 2.5 makes no sound")
+
+
 class CosmosConfig(ModelConfig, tag="cosmos"):
     """A Cosmos Predict 2.5 DiT (presets: tiny, tiny-padded, cosmos-predict2.5-2b, cosmos-predict2.5-14b); the
     shared knobs are :class:`fvx_models.build.ModelConfig`'s. The released presets (and tiny-padded) concatenate the
     padding mask, which needs torchvision to run (not to build or dry-run)."""
 
     family = COSMOS
+    encoders = ENCODERS

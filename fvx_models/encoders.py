@@ -46,6 +46,10 @@ class Encoders:
                      frames, encoded and normalised as FastVideo stores them (default: the family has no I2V)
     audio, encode_audio(pipe, waveform, rate) -> [B, C, F, A]   a joint model's audio latents from stereo waveforms
                      ``[B, 2, S]`` at ``rate`` Hz; ``audio_refusal``: why there is none (one line)
+    stand_ins        ``(component, object)`` pairs given to ``from_pretrained`` in place of a component encoding never
+                     uses that the pipeline would build itself when given None (Cosmos 2.5's safety checker)
+    load(folder, components, dtype) -> pipe   loads ``components`` itself, for a pipeline whose ``from_pretrained``
+                     loads none (a diffusers modular pipeline: MiniMax-H3's); None: ``from_pretrained`` as above
     """
 
     pipeline: str
@@ -61,6 +65,8 @@ class Encoders:
     audio: tuple[str, ...] = ()
     encode_audio: Callable[[Any, torch.Tensor, int], torch.Tensor] | None = None
     audio_refusal: str | None = None
+    stand_ins: tuple[tuple[str, Any], ...] = ()
+    load: Callable[[pathlib.Path, tuple[str, ...], torch.dtype], Any] | None = None
 
     def components(self, parts: Iterable[Part]) -> tuple[str, ...]:
         """The folder components ``parts`` need, in a fixed order."""
@@ -82,23 +88,28 @@ class Encoders:
             return "it has no video encoder in fvx"
         return None
 
+    def check(self, folder: pathlib.Path, parts: tuple[Part, ...], who: str) -> dict[str, Any]:
+        """``folder``'s ``model_index.json`` after checking that the family can encode ``parts`` and that the folder
+        has every component they need; a one-line ValueError naming the first problem."""
+        why = self.refusal(parts)
+        if why is not None:
+            raise ValueError(f"{who}: the family cannot encode {', '.join(parts)}: {why}")
+        index = _model_index(folder, who)
+        for name in self.components(parts):
+            if index.get(name) in (None, [None, None]) or not (folder / name).is_dir():
+                raise ValueError(f"{who} {str(folder)!r} has no {name!r} component (in model_index.json and a "
+                                 f"{name}/ folder), which {', '.join(parts)} encoding needs")
+        return index
+
     def open(self, folder: str | pathlib.Path, parts: Iterable[Part], *, dtype: str = "fp32",
              device: torch.device | str = "cpu", who: str = "the model folder") -> Opened:
         """The components ``parts`` need, loaded from ``folder`` (a diffusers pipeline root) as diffusers loads them.
 
         A ValueError (one line, naming the folder and the component) when the folder lacks one: checked from its
         ``model_index.json`` and subfolders before any weight is read."""
-        parts = tuple(parts)
-        why = self.refusal(parts)
-        if why is not None:
-            raise ValueError(f"{who}: {why}")
+        parts, folder = tuple(parts), pathlib.Path(folder)
+        index = self.check(folder, parts, who)
         needed = self.components(parts)
-        folder = pathlib.Path(folder)
-        index = _model_index(folder, who)
-        for name in needed:
-            if index.get(name) in (None, [None, None]) or not (folder / name).is_dir():
-                raise ValueError(f"{who} {str(folder)!r} has no {name!r} component (model_index.json and a "
-                                 f"{name}/ folder), which {', '.join(parts)} encoding needs")
         import diffusers  # diffusers' pipelines import slowly: only when a folder is opened
 
         named = index.get("_class_name")  # the folder's own pipeline (an I2V folder's loads its image encoder)
@@ -106,7 +117,8 @@ class Encoders:
                                  else self.pipeline)
         skipped = {name: None for name, value in index.items()
                    if not name.startswith("_") and isinstance(value, list) and name not in needed}
-        pipe = pipeline_class.from_pretrained(folder, dtype=_DTYPES[dtype], **skipped)
+        pipe = (self.load(folder, needed, _DTYPES[dtype]) if self.load is not None else
+                pipeline_class.from_pretrained(folder, dtype=_DTYPES[dtype], **{**skipped, **dict(self.stand_ins)}))
         for name in needed:
             module = getattr(pipe, name, None)
             if isinstance(module, torch.nn.Module):
@@ -169,6 +181,8 @@ class Opened:
 
 def _model_index(folder: pathlib.Path, who: str) -> dict[str, Any]:
     path = folder / "model_index.json"
+    if not path.is_file() and (folder / "modular_model_index.json").is_file():  # a modular pipeline's only index
+        path = folder / "modular_model_index.json"
     if not path.is_file():
         raise ValueError(f"{who} {str(folder)!r} is not a diffusers pipeline folder (it has no model_index.json)")
     try:
@@ -208,3 +222,12 @@ def pil_images(frames: torch.Tensor) -> list[Any]:
 
     pixels = (frames.float() * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
     return [Image.fromarray(p) for p in pixels]
+
+
+def pipeline_normalized_latents(pipe: Any, video: torch.Tensor) -> torch.Tensor:
+    """The VAE's posterior mean of ``video`` ``[B, 3, T, H, W]`` in [-1, 1], normalised by its statistics as the
+    pipeline's ``_normalize_latents`` does (``(z - latents_mean) * scaling_factor / latents_std``): ``[B, C, t, h, w]``
+    in the DiT's scale (the LTX pipelines' static method: LTX-Video's and LTX-2's)."""
+    vae = pipe.vae
+    return pipe._normalize_latents(latent_mean(vae, video), vae.latents_mean, vae.latents_std,
+                                   vae.config.scaling_factor)

@@ -5,7 +5,8 @@ concatenated sequence) and the text token refiner's blocks (run over the text to
 text embedding ``text [B, L, 4096]`` with its mask ``text_mask [B, L]`` (valid tokens first, as the pipeline's
 tokenizer pads), and CLIP's pooled embedding ``pooled [B, 768]``. FastVideo's Hunyuan data packs the pooled vector as
 row 0 of ``text_embedding``, zero-padded to the LLaMA width (``../shared/spec/fastvideo_train.md`` §3.3): row 0 is
-``pooled``, rows 1: are ``text``.
+``pooled``, rows 1: are ``text``. ``ENCODERS`` makes those rows with diffusers' ``HunyuanVideoPipeline.encode_prompt``
+and stores the VAE's posterior mean unscaled.
 
 The DiT predicts the flow velocity (its pipeline steps ``FlowMatchEulerDiscreteScheduler``). It is
 guidance-distilled: it embeds a guidance scale, which its pipeline passes as ``guidance_scale * 1000``
@@ -27,6 +28,7 @@ from typing_extensions import Annotated
 
 from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder
+from fvx_models import encoders as fencoders
 from fvx_models.build import ModelConfig
 from fvx_models.family import Family, Preset, packed_pooled_cond, skeleton_of
 from fvx_models.model import LatentSpace
@@ -134,12 +136,42 @@ HUNYUAN_VIDEO = Family(
 )
 
 
+def pack_pooled(pooled: torch.Tensor, tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+    """FastVideo's packed text rows ``[1 + L_i, D]`` (HunyuanVideo's and Kandinsky 5's): row 0 each prompt's pooled CLIP
+    vector (``pooled [B, P]``) zero-padded to ``D``, then its tokens ``[L_i, D]``; what ``packed_pooled_cond`` unpacks."""
+    rows = []
+    for vector, text in zip(pooled, tokens):
+        if vector.shape[0] > text.shape[1]:
+            raise ValueError(f"the pooled CLIP vector ({vector.shape[0]} wide) does not fit in a row of the text "
+                             f"embedding ({text.shape[1]} wide)")
+        head = torch.nn.functional.pad(vector.to(text.dtype), (0, text.shape[1] - vector.shape[0]))
+        rows.append(torch.cat([head[None], text]))
+    return rows
+
+
+def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
+    """``HunyuanVideoPipeline.encode_prompt`` as its ``__call__`` calls it (the LLaMA's ``hidden_states[-3]`` of the
+    prompt in its video template, the 95 template tokens cropped, 256 tokens; CLIP's pooled output): each prompt's
+    real tokens after its pooled row, ``[1 + L_i, 4096]``."""
+    embeds, pooled, mask = pipe.encode_prompt(prompts, device=pipe.text_encoder.device)
+    return pack_pooled(pooled, fencoders.real_tokens(embeds, mask))
+
+
+ENCODERS = fencoders.Encoders(
+    pipeline="HunyuanVideoPipeline", text=("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2"),
+    encode_text=encode_text, encode_video=lambda pipe, video: fencoders.latent_mean(pipe.vae, video),
+    frame_step=4, pixel_multiple=16, audio_refusal="HunyuanVideo makes no sound")
+"""HunyuanVideo's encoders: the packed text rows above and the VAE's posterior mean, unscaled (``LATENTS`` applies the
+scaling factor in training); 4x temporal compression, 8x spatial times the DiT's 2x2 patch."""
+
+
 class HunyuanVideoConfig(ModelConfig, tag="hunyuan_video"):
     """A HunyuanVideo DiT (presets: tiny, hunyuanvideo-t2v). ``embedded_guidance``: the guidance scale the
     guidance-distilled DiT is told (its pipeline's ``guidance_scale``, passed as ``g * 1000``); required by every
     preset, which all embed guidance."""
 
     family = HUNYUAN_VIDEO
+    encoders = ENCODERS
 
     embedded_guidance: Annotated[float, msgspec.Meta(gt=0)] | None = 6.0
 

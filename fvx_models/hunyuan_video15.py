@@ -17,7 +17,9 @@ layout: a parquet tensor ``text_embedding_2`` (the valid ByT5 rows, none for a p
 ``text_embedding`` (zero-padded to 256 with its mask) into the batch entries ``text_2`` and ``text_mask_2``; fvx's
 parquet reader does not read that column yet (batches made by a script carry it).
 ``glyph_text=False`` runs on data without it: every prompt is taken to quote no text and the DiT gets the pipeline's
-empty ByT5 stream (then ``text_2``/``text_mask_2`` are not cond tensors).
+empty ByT5 stream (then ``text_2``/``text_mask_2`` are not cond tensors). Encoders: ``ENCODERS`` stores the Qwen
+stream's real tokens as ``text_embedding`` and the VAE's posterior mean unscaled as ``vae_latent`` (the latent space
+applies the scaling factor); ``GLYPH_ENCODERS`` makes the ByT5 rows ``text_embedding_2`` would hold.
 
 Unused params, measured (a forward and backward of the tiny model; tests/fvx_models/test_hunyuan_video15.py): the last
 block's text stream goes nowhere (its text output is dropped), so its ``attn.to_add_out`` and ``ff_context`` get no
@@ -31,6 +33,7 @@ graph (``compile=blocks`` does).
 """
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from typing import Any, Mapping
 
@@ -40,6 +43,7 @@ from torch import nn
 
 from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder
+from fvx_models import encoders as fencoders
 from fvx_models.build import ModelConfig
 from fvx_models.family import Family, Preset, require, skeleton_of
 from fvx_models.model import LatentSpace
@@ -207,6 +211,45 @@ HUNYUAN_VIDEO15 = Family(
 )
 
 
+def _placeholder_stream(prompts: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A one-token stand-in ``[B, 1, 1]`` and mask ``[B, 1]`` for the stream ``encode_prompt`` is not asked to make
+    (given, it skips that encoder)."""
+    return torch.zeros(len(prompts), 1, 1, device=device), torch.zeros(len(prompts), 1, device=device)
+
+
+def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
+    """The Qwen2.5-VL stream of ``HunyuanVideo15Pipeline.encode_prompt`` (its chat template, ``hidden_states[-3]``,
+    the 108 template tokens cropped, 1000 tokens), each prompt's real tokens ``[L_i, 3584]``: ``text``/``text_mask``."""
+    device = pipe.text_encoder.device
+    placeholder, placeholder_mask = _placeholder_stream(prompts, device)
+    embeds, mask, _, _ = pipe.encode_prompt(prompts, device=device, batch_size=len(prompts),
+                                            prompt_embeds_2=placeholder, prompt_embeds_mask_2=placeholder_mask)
+    return fencoders.real_tokens(embeds, mask)
+
+
+def encode_glyph_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
+    """The ByT5 glyph stream of ``HunyuanVideo15Pipeline.encode_prompt`` (the prompt's quoted text, 256 tokens), each
+    prompt's real tokens ``[n_i, 1472]`` (``n_i = 0`` for a prompt quoting none): ``text_2``/``text_mask_2``."""
+    device = pipe.text_encoder_2.device
+    placeholder, placeholder_mask = _placeholder_stream(prompts, device)
+    _, _, embeds, mask = pipe.encode_prompt(prompts, device=device, dtype=pipe.text_encoder_2.dtype,
+                                            batch_size=len(prompts), prompt_embeds=placeholder,
+                                            prompt_embeds_mask=placeholder_mask)
+    return fencoders.real_tokens(embeds, mask)
+
+
+# diffusers' HunyuanVideo15Pipeline cannot be built without its VAE (its __init__ reads vae.config when the attribute
+# exists, even as None), so each text record loads it too.
+ENCODERS = fencoders.Encoders(
+    pipeline="HunyuanVideo15Pipeline", text=("tokenizer", "text_encoder", "vae"), encode_text=encode_text,
+    encode_video=lambda pipe, video: fencoders.latent_mean(pipe.vae, video), frame_step=4, pixel_multiple=16,
+    audio_refusal="HunyuanVideo 1.5 makes no sound")
+GLYPH_ENCODERS = dataclasses.replace(ENCODERS, text=("tokenizer_2", "text_encoder_2", "vae"),
+                                     encode_text=encode_glyph_text)
+"""The ByT5 glyph stream as a record of its own: its ``encode_text`` makes what a ``text_embedding_2`` column holds
+(module docstring); fvx's preprocessing does not write that column yet."""
+
+
 class HunyuanVideo15Config(ModelConfig, tag="hunyuan_video15"):
     """A HunyuanVideo 1.5 text-to-video DiT (presets: tiny, hunyuanvideo1.5-480p-t2v, hunyuanvideo1.5-720p-t2v).
     ``glyph_text``: the ByT5 glyph-text stream is a cond pair ``text_2``/``text_mask_2`` read from the data (True), or
@@ -214,5 +257,6 @@ class HunyuanVideo15Config(ModelConfig, tag="hunyuan_video15"):
     then hold only ``text``/``text_mask``)."""
 
     family = HUNYUAN_VIDEO15
+    encoders = ENCODERS
 
     glyph_text: bool = True

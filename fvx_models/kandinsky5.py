@@ -10,7 +10,8 @@ latent space as ``fvx_models.hunyuan_video``); FastVideo trains it with flow shi
 Conditioning: the Qwen2.5-VL text embedding ``text [B, L, 3584]`` with its mask ``text_mask [B, L]`` (valid tokens
 first) and CLIP's pooled embedding ``pooled [B, 768]``. FastVideo's Kandinsky 5 data packs the pooled vector as row 0
 of ``text_embedding``, zero-padded to the Qwen width (``../shared/spec/fastvideo_train.md`` §3.3): row 0 is ``pooled``
-(its first ``in_text_dim2`` values), rows 1: are ``text``.
+(its first ``in_text_dim2`` values), rows 1: are ``text``. ``ENCODERS`` makes those rows with diffusers'
+``Kandinsky5T2VPipeline.encode_prompt`` and stores the VAE's posterior mean unscaled.
 
 The DiT has no text attention mask. As FastVideo's plugin (and the pipeline's tokenizer, which pads to the longest
 prompt) does, the text is cut to the batch's longest valid length (the count of valid tokens, at least 1) and
@@ -39,6 +40,7 @@ from torch import nn
 
 from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder, hunyuan_video
+from fvx_models import encoders as fencoders
 from fvx_models.build import ModelConfig
 from fvx_models.family import Family, Preset, packed_pooled_cond, skeleton_of
 
@@ -229,12 +231,36 @@ KANDINSKY5 = Family(
 )
 
 
+TEXT_LEN = 512  # Kandinsky5T2VPipeline's max_sequence_length: the Qwen tokens after its template
+
+
+def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
+    """``Kandinsky5T2VPipeline.encode_prompt`` as its ``__call__`` calls it (the Qwen2.5-VL's last hidden state of the
+    cleaned prompt in its template, the template's tokens cropped, 512 tokens; CLIP's pooled output): each prompt's
+    real tokens (its ``cu_seqlens`` length, on the side its tokenizer does not pad) after its pooled row,
+    ``[1 + L_i, 3584]``."""
+    embeds, pooled, cu_seqlens = pipe.encode_prompt(prompts, max_sequence_length=TEXT_LEN,
+                                                    device=pipe.text_encoder.device)
+    left = getattr(pipe.tokenizer, "tokenizer", pipe.tokenizer).padding_side == "left"
+    tokens = [e[len(e) - n:] if left else e[:n] for e, n in zip(embeds, cu_seqlens.diff().tolist())]
+    return hunyuan_video.pack_pooled(pooled, tokens)
+
+
+ENCODERS = fencoders.Encoders(
+    pipeline="Kandinsky5T2VPipeline", text=("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2"),
+    encode_text=encode_text, encode_video=lambda pipe, video: fencoders.latent_mean(pipe.vae, video),
+    frame_step=4, pixel_multiple=16, audio_refusal="Kandinsky 5 makes no sound")
+"""Kandinsky 5's encoders: the packed text rows above and the HunyuanVideo VAE's posterior mean, unscaled (``LATENTS``
+applies the scaling factor in training); 4x temporal compression, 8x spatial times the DiT's 2x2 patch."""
+
+
 class Kandinsky5Config(ModelConfig, tag="kandinsky5"):
     """A Kandinsky 5.0 DiT (presets: tiny, kandinsky5-t2v-lite, kandinsky5-t2v-pro). ``only_480p``: refuse latents
     outside FastVideo's 480p band (real presets; 480..854 px a side), as FastVideo's plugin does; False trains any
     size, the visual RoPE scale following diffusers' pipeline (1, 3.16, 3.16 beyond 480p)."""
 
     family = KANDINSKY5
+    encoders = ENCODERS
 
     only_480p: bool = True
 

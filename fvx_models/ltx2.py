@@ -29,11 +29,13 @@ FastVideo's LTX-2 data stores it: ``text [B, L, D]`` with ``text_mask [B, L]``, 
 FastVideo's Gemma ``max_sequence_length``). The connector replaces padding by learned registers, so its mask is all
 ones. D depends on the version: LTX-2.0's connector gives 3840-wide embeddings that the DiT projects
 (``caption_projection``, ``use_prompt_embeddings``) to its 4096; LTX-2.3's gives the DiT's own 4096 (per-modality
-projections in the connector, none in the DiT). A batch of the other width is a one-line error.
+projections in the connector, none in the DiT). A batch of the other width is a one-line error. fvx's preprocessing
+(:data:`ENCODERS`) stores it so: ``LTX2Pipeline.encode_prompt`` through the pipeline's connectors, all 1024 rows.
 
 Latents: the LTX-2 video VAE's 128 channels, 8x32x32 compression, identity statistics: FastVideo's LTX-2 VAE applies
 its per-channel statistics inside ``encode``, so its data's latents are already what the DiT takes (FastVideo: "no
-normalisation"). Training noise levels are FastVideo's (LTX-2 trainer's) stretched shifted logit-normal
+normalisation"); fvx's preprocessing stores the same (:data:`ENCODERS`: the posterior mean through the pipeline's
+``_normalize_latents``). Training noise levels are FastVideo's (LTX-2 trainer's) stretched shifted logit-normal
 (:func:`sigma_sampler`). Exports are ``LTX2Pipeline`` folders (``model_index.json``, ``scheduler/``, ``transformer/``);
 copy the VAEs, connectors, vocoder, text encoder and tokenizer from the base model.
 """
@@ -50,7 +52,7 @@ from typing_extensions import Annotated
 
 from fvx.core import random
 from fvx.distributed import memory
-from fvx_models import diffusers_folder as dfolder, wan
+from fvx_models import diffusers_folder as dfolder, encoders as fencoders, wan
 from fvx_models.build import ModelConfig
 from fvx_models.family import Family, Modality, Preset, require, skeleton_of
 from fvx_models.model import LatentSpace
@@ -304,6 +306,100 @@ LTX2 = Family(
 )
 
 
+# ------------------------------------------------------------------------------------------------------- encoders
+
+N_FFT = 1024  # LTX-2's audio STFT size (FastVideo's AudioEncoder n_fft, stft filter_length): not in diffusers' config
+LOG_FLOOR = 1e-5  # the mel magnitudes' floor before the log (FastVideo's AudioProcessor)
+RESAMPLE_ZEROS, RESAMPLE_ROLLOFF = 6, 0.99  # the windowed-sinc resampler's half-width (zero crossings) and cutoff
+
+
+def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
+    """Gemma-3's stacked hidden states at 1024 left-padded tokens (``LTX2Pipeline.encode_prompt``, no CFG) through the
+    text connectors as ``LTX2Pipeline.__call__`` runs them: each prompt's video-stream embedding ``[L_i, D]`` (D 3840
+    for LTX-2.0, 4096 for 2.3) cut by the connector's mask, which is all ones when it has learnable registers (the
+    released ones: every 1024 rows kept, padding replaced by registers)."""
+    embeds, mask, _, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=TEXT_LEN,
+                                            device=pipe.text_encoder.device)
+    video, _, video_mask = pipe.connectors(embeds, mask, padding_side=getattr(pipe.tokenizer, "padding_side", "left"))
+    return fencoders.real_tokens(video, video_mask)
+
+
+def resample(waveform: torch.Tensor, rate: int, target: int) -> torch.Tensor:
+    """``waveform [..., S]`` at ``rate`` Hz resampled to ``target`` Hz, ``[..., ceil(S target / rate)]``: a
+    Hann-windowed sinc with 6 zero crossings and cutoff 0.99 of the lower Nyquist (torchaudio's ``resample``
+    defaults, which FastVideo's LTX-2 audio preprocessing calls), in the waveform's dtype."""
+    if rate == target:
+        return waveform
+    g = math.gcd(rate, target)
+    up, down = target // g, rate // g  # output phases per block, input samples per block
+    cutoff = min(up, down) * RESAMPLE_ROLLOFF
+    half = math.ceil(RESAMPLE_ZEROS * down / cutoff)  # kernel half-width in input samples
+    taps = torch.arange(-half, half + down, dtype=waveform.dtype, device=waveform.device) / down
+    phases = -torch.arange(up, dtype=waveform.dtype, device=waveform.device)[:, None] / up
+    x = ((phases + taps) * cutoff).clamp(-RESAMPLE_ZEROS, RESAMPLE_ZEROS)  # [up, taps], in units of the cutoff
+    window = torch.cos(x * math.pi / RESAMPLE_ZEROS / 2) ** 2
+    x = x * math.pi
+    sinc = torch.where(x == 0, torch.ones_like(x), torch.sin(x) / x)
+    kernel = (sinc * (window * (cutoff / down)))[:, None]  # [up, 1, taps]
+    flat = waveform.reshape(-1, 1, waveform.shape[-1])
+    out = torch.nn.functional.conv1d(torch.nn.functional.pad(flat, (half, half + down)), kernel, stride=down)
+    length = math.ceil(up * waveform.shape[-1] / down)
+    return out.transpose(1, 2).reshape(flat.shape[0], -1)[:, :length].reshape(*waveform.shape[:-1], length)
+
+
+def mel_filters(rate: int, n_fft: int, bins: int, *, device: torch.device | None = None) -> torch.Tensor:
+    """Triangular mel filters ``[n_fft // 2 + 1, bins]`` over 0..rate/2 on the Slaney mel scale (linear below 1 kHz,
+    logarithmic above), each scaled to unit area (Slaney norm): torchaudio's ``melscale_fbanks(mel_scale="slaney",
+    norm="slaney")``, fp32."""
+    step, knee = 200.0 / 3, 1000.0  # Hz per mel below the knee
+    log_step = math.log(6.4) / 27.0
+    top = rate / 2
+    top_mel = top / step if top < knee else knee / step + math.log(top / knee) / log_step
+    mels = torch.linspace(0.0, top_mel, bins + 2, device=device)
+    edges = torch.where(mels >= knee / step, knee * torch.exp(log_step * (mels - knee / step)), step * mels)
+    freqs = torch.linspace(0, rate // 2, n_fft // 2 + 1, device=device)
+    gaps = edges[1:] - edges[:-1]
+    offsets = edges[None] - freqs[:, None]  # [freqs, bins + 2]
+    rising, falling = -offsets[:, :-2] / gaps[:-1], offsets[:, 2:] / gaps[1:]
+    filters = torch.minimum(rising, falling).clamp(min=0.0)
+    return filters * (2.0 / (edges[2:] - edges[:-2]))
+
+
+def log_mel(waveform: torch.Tensor, rate: int, hop: int, bins: int, n_fft: int = N_FFT) -> torch.Tensor:
+    """The log-magnitude mel spectrogram ``[B, ch, frames, bins]`` of ``waveform [B, ch, S]`` at ``rate`` Hz as
+    FastVideo's LTX-2 ``AudioProcessor`` makes it: a centred (reflect-padded) Hann STFT of ``n_fft``, hop ``hop``, its
+    magnitude through :func:`mel_filters`, ``log(max(., 1e-5))``; ``frames = S // hop + 1``."""
+    flat = waveform.reshape(-1, waveform.shape[-1])
+    window = torch.hann_window(n_fft, dtype=flat.dtype, device=flat.device)
+    spectrum = torch.stft(flat, n_fft, hop_length=hop, win_length=n_fft, window=window, center=True,
+                          pad_mode="reflect", normalized=False, onesided=True, return_complex=True).abs()
+    mel = spectrum.transpose(1, 2) @ mel_filters(rate, n_fft, bins, device=flat.device).to(flat.dtype)
+    return torch.log(mel.clamp(min=LOG_FLOOR)).reshape(*waveform.shape[:-1], *mel.shape[1:])
+
+
+def encode_audio(pipe: Any, waveform: torch.Tensor, rate: int) -> torch.Tensor:
+    """Audio latents ``[B, C, F, M]`` (8 channels, F latent frames, M = mel_bins / 4) of stereo ``waveform [B, 2, S]``
+    at ``rate`` Hz: resampled to the audio VAE's rate (fp32), :func:`log_mel`, the audio VAE's posterior mean,
+    normalised by its per-channel statistics as ``LTX2Pipeline`` normalises given audio latents (packed ``[B, F, C
+    M]``, ``_normalize_audio_latents``), unpacked: what FastVideo's LTX-2 audio encoder gives."""
+    vae = pipe.audio_vae
+    config = vae.config
+    wave = resample(waveform.float(), int(rate), int(config.sample_rate))
+    mel = log_mel(wave, config.sample_rate, config.mel_hop_length, config.mel_bins)
+    means = fencoders.latent_mean(vae, mel.to(vae.dtype))
+    frames, bins = means.shape[2], means.shape[3]
+    packed = pipe._normalize_audio_latents(pipe._pack_audio_latents(means), vae.latents_mean, vae.latents_std)
+    return pipe._unpack_audio_latents(packed, frames, num_mel_bins=bins)
+
+
+ENCODERS = fencoders.Encoders(
+    pipeline="LTX2Pipeline", text=("tokenizer", "text_encoder", "connectors"), encode_text=encode_text,
+    encode_video=fencoders.pipeline_normalized_latents, frame_step=VAE_STRIDE[0], pixel_multiple=VAE_STRIDE[1],
+    audio=("audio_vae",), encode_audio=encode_audio)
+"""LTX-2's encoders: the post-connector text embedding fvx trains on, and video and audio latents normalised by the
+VAEs' statistics (identity latent spaces), as FastVideo's LTX-2 VAEs normalise inside ``encode``."""
+
+
 class LTX2Config(ModelConfig, tag="ltx2"):
     """An LTX-2 DiT (presets: tiny, tiny-2.3, ltx-2, ltx-2.3), trained video-only. ``fps``: the frame rate of the
     training videos, which sets the temporal RoPE positions (FastVideo reads it from the data's ``info_list``, default
@@ -311,6 +407,7 @@ class LTX2Config(ModelConfig, tag="ltx2"):
     levels drawn from U(0.001, 1) instead of the shifted logit-normal (FastVideo's, default 0.1)."""
 
     family = LTX2
+    encoders = ENCODERS
 
     fps: Annotated[float, msgspec.Meta(gt=0)] = FPS
     train_audio: bool = False

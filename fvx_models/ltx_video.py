@@ -18,7 +18,8 @@ with them (``_normalize_latents``: ``(z - mean) * scaling_factor / std``; ``_den
 Which statistics apply depends on the data, so it is a config knob, ``latents_stats``:
   * None (default): identity (mean 0, std 1, scale 1), for data whose latents are already normalised, as
     Lightricks' LTX-Video-Trainer preprocessing stores them (``_normalize_latents(vae.encode(video).latent_dist
-    .sample(), vae.latents_mean, vae.latents_std)``, as diffusers' image-to-video pipelines normalise a given frame);
+    .sample(), vae.latents_mean, vae.latents_std)``, as diffusers' image-to-video pipelines normalise a given frame)
+    and as fvx's preprocessing stores them (:data:`ENCODERS`: the posterior mean, normalised the same way);
   * a local folder of the VAE (``vae/`` or the pipeline root holding it): the data holds raw VAE latents (what
     ``AutoencoderKLLTXVideo.encode`` gives); fvx reads ``latents_mean`` / ``latents_std`` from its safetensors and
     ``scaling_factor`` and the compression from its config.json, and normalises exactly as ``_normalize_latents``.
@@ -56,7 +57,7 @@ from typing_extensions import Annotated
 
 from fvx.core import random
 from fvx.distributed import memory
-from fvx_models import diffusers_folder as dfolder, wan
+from fvx_models import diffusers_folder as dfolder, encoders as fencoders, wan
 from fvx_models.build import ModelConfig
 from fvx_models.family import Family, Preset, require, skeleton_of
 from fvx_models.model import LatentSpace
@@ -274,6 +275,25 @@ LTX_VIDEO = Family(
 )
 
 
+# ------------------------------------------------------------------------------------------------------- encoders
+
+
+def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
+    """T5's last hidden state at 128 tokens (``LTXPipeline.encode_prompt``, no CFG), each prompt's real tokens
+    ``[L_i, 4096]`` (the pipeline's own mask: T5 runs unmasked, so the padded rows are cut, not zero)."""
+    embeds, mask, _, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=TEXT_LEN,
+                                            device=pipe.text_encoder.device)
+    return fencoders.real_tokens(embeds, mask)
+
+
+ENCODERS = fencoders.Encoders(
+    pipeline="LTXPipeline", text=("tokenizer", "text_encoder"), encode_text=encode_text,
+    encode_video=fencoders.pipeline_normalized_latents, frame_step=VAE_STRIDE[0], pixel_multiple=VAE_STRIDE[1],
+    audio_refusal="LTX-Video makes no sound")
+"""LTX-Video's encoders. Stored latents are normalised (``latents_stats`` None, the default): the posterior mean, not
+a draw, through ``_normalize_latents``, as LTX-Video-Trainer's preprocessing stores them (it draws a sample)."""
+
+
 class LTXVideoConfig(ModelConfig, tag="ltx_video"):
     """An LTX-Video DiT (presets: tiny, ltx-video-2b, ltx-video-13b). ``fps``: the frame rate of the training videos,
     which sets the temporal RoPE scale (``LTXPipeline``'s ``frame_rate``, default 25). ``latents_stats``: None when
@@ -285,6 +305,7 @@ class LTXVideoConfig(ModelConfig, tag="ltx_video"):
     (:func:`sigma_sampler`)."""
 
     family = LTX_VIDEO
+    encoders = ENCODERS
 
     fps: Annotated[float, msgspec.Meta(gt=0)] = FPS
     latents_stats: str | None = None

@@ -52,6 +52,7 @@ from torch import nn
 from fvx.core import flow
 from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder
+from fvx_models import encoders as fencoders
 from fvx_models.build import ModelConfig
 from fvx_models.family import Family, Modality, Preset, require, skeleton_of
 from fvx_models.model import LatentSpace
@@ -309,8 +310,108 @@ MINIMAX_H3 = Family(
 )
 
 
+# ---------------------------------------------------------------------------------------------------------- encoders
+
+LATENT_SEED = 42  # FastVideo's t2va preprocessing draws the video posterior under this seed (diffusers' keyframes too)
+VISION_PADS = ("<|image_pad|>", "<|video_pad|>")  # Qwen3-VL's vision placeholders: a t2va prompt holds none
+
+
+class TextPresentation:
+    """What diffusers' ``get_qwen3vl_prompt_embeds`` asks of Qwen3-VL's processor for a t2va prompt: Qwen-internal
+    token types, all text (``Qwen3VLProcessor.create_mm_token_type_ids`` of ids without a vision pad token), so the
+    processor (and the torchvision its video half needs) is not loaded; FastVideo's t2va conditioner takes none."""
+
+    @staticmethod
+    def create_mm_token_type_ids(batch: list[list[int]]) -> list[list[int]]:
+        return [[0] * len(ids) for ids in batch]
+
+
+def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
+    """Each prompt's Qwen3-VL hidden state after decoder layer 50 ``[L, 5120]``, as diffusers'
+    ``MiniMaxH3TextEncoderStep`` encodes a t2va prompt: the prompt verbatim (no template, no special tokens), one
+    conditioner call each; every row is a real token. A ValueError for a prompt holding a vision pad token."""
+    from diffusers.modular_pipelines.minimax_h3.encoders import get_qwen3vl_prompt_embeds
+
+    encoder, tokenizer = pipe.text_encoder, pipe.tokenizer
+    pads = {tokenizer.convert_tokens_to_ids(token) for token in VISION_PADS}
+    rows = []
+    for index, prompt in enumerate(prompts):
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if pads.intersection(ids):
+            raise ValueError(f"{NAME}: prompt {index} holds a Qwen3-VL vision token ({' or '.join(VISION_PADS)}); a "
+                             "t2va caption is text only")
+        rows.append(get_qwen3vl_prompt_embeds(encoder, TextPresentation(), ids, {},
+                                              text_encoder_layer=pipe.text_encoder_layer, device=encoder.device,
+                                              dtype=encoder.dtype)[0])
+    return rows
+
+
+def encode_video(pipe: Any, video: torch.Tensor) -> torch.Tensor:
+    """Video ``[B, 3, T, H, W]`` in [-1, 1] -> normalised latents ``[B, 24, t, h, w]`` as FastVideo's t2va
+    preprocessing stores them: ImageNet-normalised ``[0, 1]`` pixels, the posterior *sampled* under a fresh CPU
+    generator seeded :data:`LATENT_SEED` per clip, then ``(z - latents_mean) / latents_std``. A ValueError unless
+    ``T = 17 n + 5`` (the only lengths the pipeline makes; others would be padded with the last frame)."""
+    vae, frames = pipe.vae, video.shape[2]
+    chunk, kept = pipe.vae_frames_per_chunk, pipe.vae_latents_per_chunk
+    if frames % chunk != kept:
+        raise ValueError(f"{NAME}: clips must have {chunk} n + {kept} frames (the video VAE's chunks; FastVideo's 124 "
+                         f"at 24 fps), got {frames}: set data.preprocess.num_frames")
+    shape = (1, -1, 1, 1, 1)
+    pixel_mean = torch.tensor(pipe.pixel_mean, device=video.device).view(shape)
+    pixel_std = torch.tensor(pipe.pixel_std, device=video.device).view(shape)
+    pixels = (((video.float() + 1) / 2 - pixel_mean) / pixel_std).to(vae.dtype)
+    latents = torch.cat([vae.encode(clip).latent_dist.sample(generator=torch.Generator().manual_seed(LATENT_SEED))
+                         for clip in pixels.split(1)]).float()
+    mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(shape)
+    std = torch.tensor(vae.config.latents_std, device=latents.device).view(shape)
+    return (latents - mean) / std
+
+
+def encode_audio(pipe: Any, waveform: torch.Tensor, rate: int) -> torch.Tensor:
+    """Stereo waveforms ``[B, 2, S]`` at the audio VAE's rate -> normalised latents ``[B, 2, 32, A]``: each channel
+    through the mono VAE as a batch item, the posterior's mode, ``(z - latents_mean) / latents_std`` per feature
+    (diffusers' ``MiniMaxH3Ref2VAReferenceEncoderStep``, FastVideo's t2va preprocessing). A ValueError at another
+    rate."""
+    vae = pipe.audio_vae
+    if rate != vae.config.sampling_rate:
+        raise ValueError(f"{NAME}: the audio VAE takes {vae.config.sampling_rate} Hz audio, got {rate} Hz: set "
+                         f"data.preprocess.audio_rate={vae.config.sampling_rate}")
+    batch, channels, samples = waveform.shape
+    latents = vae.encode(waveform.reshape(batch * channels, 1, samples).to(vae.dtype)).latent_dist.mode().float()
+    mean = torch.tensor(vae.config.latents_mean, device=latents.device).view(1, -1, 1)
+    std = torch.tensor(vae.config.latents_std, device=latents.device).view(1, -1, 1)
+    return ((latents - mean) / std).reshape(batch, channels, *latents.shape[1:])
+
+
+VAES = ("vae", "audio_vae")
+
+
+def load_encoders(folder: pathlib.Path, components: tuple[str, ...], dtype: torch.dtype) -> Any:
+    """diffusers' ``MiniMaxH3ModularPipeline`` of ``folder`` with ``components`` loaded (a modular pipeline's
+    ``from_pretrained`` loads none): the text encoder in ``dtype``, the VAEs in fp32 (their released precision,
+    FastVideo's ``vae_precision``). A ValueError naming what diffusers could not load (it only logs why)."""
+    pipe = diffusers.MiniMaxH3ModularPipeline.from_pretrained(str(folder))
+    pipe.load_components(names=list(components), dtype={name: torch.float32 if name in VAES else dtype
+                                                        for name in components if name != "tokenizer"})
+    missing = [name for name in components if getattr(pipe, name, None) is None]
+    if missing:
+        raise ValueError(f"{NAME}: diffusers' MiniMaxH3ModularPipeline could not load {', '.join(missing)} from "
+                         f"{str(folder)!r} (its log says why)")
+    return pipe
+
+
+ENCODERS = fencoders.Encoders(
+    pipeline="MiniMaxH3ModularPipeline", text=("tokenizer", "text_encoder"), encode_text=encode_text,
+    encode_video=encode_video, frame_step=1, pixel_multiple=32, audio=("audio_vae",), encode_audio=encode_audio,
+    load=load_encoders)
+"""MiniMax-H3's encoders: normalised video and audio latents (its latent spaces are the identity), text at layer 50.
+``frame_step`` 1: clip lengths are ``17 n + 5``, which no ``1 + k step`` expresses; :func:`encode_video` refuses
+others. ``pixel_multiple`` 32: the VAE's 16 times the patch's 2 (the pipeline's ``canvas_multiple``)."""
+
+
 class MiniMaxH3Config(ModelConfig, tag="minimax_h3"):
     """A MiniMax-H3 joint video-and-audio DiT (presets: tiny, minimax-h3), trained on both modalities as FastVideo's
     t2va fine-tuning (module docstring)."""
 
     family = MINIMAX_H3
+    encoders = ENCODERS

@@ -79,8 +79,11 @@ SKYREELS_V2 = dataclasses.replace(
 
 class SkyReelsV2Config(ModelConfig, tag="skyreels_v2"):
     """A SkyReels-V2 DiT (presets: tiny, tiny-fps, skyreels-v2-t2v-14b, skyreels-v2-df-1.3b); ``fps`` is the frame
-    rate the models with a frame-rate embedding are told (16 or 24)."""
+    rate the models with a frame-rate embedding are told (16 or 24). Its data is Wan's: ``SkyReelsV2Pipeline``'s
+    ``encode_prompt`` is ``WanPipeline``'s (copied, 512 tokens) and its VAE the Wan 2.1 one, so the encoders are
+    Wan's record (a folder opens with the pipeline its ``model_index.json`` names)."""
 
     family = SKYREELS_V2
+    encoders = wan.ENCODERS
 
     fps: Literal[16, 24] = 24

@@ -286,9 +286,11 @@ class WanCausalConfig(ModelConfig, tag="wan_causal"):
     weights): latent frames in blocks of ``num_frames_per_block``, each attending to itself and earlier blocks
     within ``local_attn_size`` frames (-1: all) plus the first ``sink_size`` frames; ``block_attention`` "prefix" (one
     SDPA per block over its keys), "mask" (one masked SDPA) or "auto" (the mask for the cached chunks of a compiled
-    model, so a stream of any length compiles to one graph per grad mode; else prefix)."""
+    model, so a stream of any length compiles to one graph per grad mode; else prefix). Its data and folder are
+    Wan 2.1's: the encoders are Wan's record."""
 
     family = WAN_CAUSAL
+    encoders = wan.ENCODERS
 
     num_frames_per_block: Annotated[int, msgspec.Meta(ge=1)] = 3
     local_attn_size: int = -1

@@ -33,7 +33,8 @@ from fvx.config import Config, validate
 from fvx.core import random
 from fvx.data.batching import Dataset, collate as collate_samples
 from fvx.data.parquet import Kind, ParquetDataset, check_indices, check_kind, find_parquet_files
-from fvx.data.toy_world import WorldConfig, WorldDataset, first_frame_only
+from fvx.data.preprocess import PreprocessConfig
+from fvx.data.toy_world import JudgedByWorld, WorldConfig, WorldDataset, first_frame_only
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 
@@ -57,7 +58,9 @@ class DataConfig(Config):
 
     ``path``: a parquet file, or a folder searched recursively for ``*.parquet`` (in FastVideo's order: sorted by
     real-path string); None = the toy video world ``world`` when set (``fvx.data.toy_world``: shapes moving as the
-    prompt says, latents a codec decodes exactly), else ``synthetic`` (Gaussian noise latents). ``batch_size`` is global
+    prompt says, latents a codec decodes exactly), else ``synthetic`` (Gaussian noise latents); a ``path`` with
+    ``world`` set reads the files and lets the world score validation samples (its clips written as files and
+    preprocessed). ``preprocess``: how ``python -m fvx.run preprocess`` cuts clips for this data. ``batch_size`` is global
     (summed over ranks). ``text_len`` is the length text embeddings are padded or cropped to. ``cfg_rate``: the fraction
     of samples whose text embedding is zeroed (fixed per dataset index, as FastVideo). ``num_latent_t``: keep the first
     ``num_latent_t`` latent frames of every sample (FastVideo's ``data.num_latent_t``; None keeps them all; audio
@@ -76,6 +79,7 @@ class DataConfig(Config):
     prefetch: Annotated[int, msgspec.Meta(ge=0)] = 2
     synthetic: SyntheticConfig = SyntheticConfig()
     world: WorldConfig | None = None
+    preprocess: PreprocessConfig = PreprocessConfig()
 
 
 # ----------------------------------------------------------------------------------------------------------- datasets
@@ -95,7 +99,10 @@ def open_dataset(config: DataConfig, key: torch.Tensor) -> Dataset:
         return WorldDataset(config.world, samples_key, kind=config.kind, collate=collate)
     if config.path is None:
         return SyntheticDataset(config.synthetic, samples_key, kind=config.kind, collate=collate)
-    return ParquetDataset(find_parquet_files(config.path), kind=config.kind, collate=collate)
+    files = ParquetDataset(find_parquet_files(config.path), kind=config.kind, collate=collate)
+    if config.world is not None:  # files of the toy world (``write-videos`` -> ``preprocess``): the world judges
+        return JudgedByWorld(files, WorldDataset(config.world, samples_key, kind=config.kind, collate=collate))
+    return files
 
 
 

@@ -62,10 +62,15 @@ def read_video(path: pathlib.Path, wanted: Sequence[int] | None = None) -> Video
     except MediaError:
         raise
     except (av.error.FFmpegError, OSError, ValueError) as error:
-        raise MediaError(f"it does not decode as video: {error}") from None
+        raise MediaError(f"it does not decode as video: {_reason(error)}") from None
     if count == 0 or fps <= 0:
         raise MediaError("it holds no decodable frames" if count == 0 else "its frame rate is unknown")
     return Video(np.stack(frames) if frames else np.zeros((0, 0, 0, 3), np.uint8), fps, duration)
+
+
+def _reason(error: Exception) -> str:
+    """An FFmpeg error's reason without its errno and file name (the caller names the file)."""
+    return getattr(error, "strerror", None) or str(error)
 
 
 def _duration(container, stream, count: int, fps: float) -> float:
@@ -95,7 +100,7 @@ def probe_video(path: pathlib.Path) -> tuple[float, float]:
     except MediaError:
         raise
     except (av.error.FFmpegError, OSError, ValueError) as error:
-        raise MediaError(f"it does not decode as video: {error}") from None
+        raise MediaError(f"it does not decode as video: {_reason(error)}") from None
     if fps <= 0 or duration <= 0:
         raise MediaError("its frame rate or duration is unknown")
     return fps, duration
@@ -132,7 +137,7 @@ def read_audio(path: pathlib.Path, rate: int, start: float, duration: float) -> 
     except MediaError:
         raise
     except (av.error.FFmpegError, OSError, ValueError) as error:
-        raise MediaError(f"its audio track does not decode: {error}") from None
+        raise MediaError(f"its audio track does not decode: {_reason(error)}") from None
     if not chunks:
         raise MediaError("its audio track holds no samples")
     audio = np.concatenate(chunks, axis=1)
@@ -171,13 +176,12 @@ def usable_frames(count: int, step: int) -> int:
 # ------------------------------------------------------------------------------------------------ resize and crop
 
 
-def target_size(height: int, width: int, max_height: int, max_width: int, multiple: int) -> tuple[int, int]:
-    """The clip's (height, width): ``(max_height, max_width)`` rounded down to ``multiple``."""
-    h, w = (max_height // multiple) * multiple, (max_width // multiple) * multiple
-    if h <= 0 or w <= 0:
-        raise ValueError(f"max_height {max_height} and max_width {max_width} must be at least {multiple} "
-                         "(the family's pixel multiple)")
-    return h, w
+def check_size(height: int, width: int, multiple: int, what: str) -> None:
+    """A ValueError naming ``what`` unless ``height`` and ``width`` are positive multiples of ``multiple``."""
+    if height % multiple or width % multiple:
+        raise ValueError(f"{what} {height}x{width} is not a multiple of {multiple} in both sides (the family's VAE "
+                         f"compression times its patch); e.g. {max(multiple, height - height % multiple)}x"
+                         f"{max(multiple, width - width % multiple)}")
 
 
 def nearest_bucket(height: int, width: int, buckets: Sequence[tuple[int, int]]) -> tuple[int, int]:
@@ -186,16 +190,23 @@ def nearest_bucket(height: int, width: int, buckets: Sequence[tuple[int, int]]) 
     return min(buckets, key=lambda hw: abs(math.log(hw[0] / hw[1]) - ratio))
 
 
+def crop_box(height: int, width: int, target_height: int, target_width: int) -> tuple[int, int, int, int]:
+    """(top, left, crop height, crop width): the centred crop of a ``height x width`` frame to the target's aspect
+    ratio (FastVideo's ``CenterCropResizeVideo``: ``int`` of the kept side, ``round`` of the offsets)."""
+    ratio = target_height / target_width
+    if height / width > ratio:
+        crop_h, crop_w = int(width * ratio), width
+    else:
+        crop_h, crop_w = height, int(height / ratio)
+    return round((height - crop_h) / 2), round((width - crop_w) / 2), crop_h, crop_w
+
+
 def resize_crop(frames: np.ndarray, height: int, width: int) -> torch.Tensor:
-    """uint8 frames ``[T, H0, W0, 3]`` -> float32 ``[3, T, height, width]`` in [-1, 1]: scaled (bilinear, antialiased)
-    so the frame covers the target, then centre-cropped; pixel values rounded back to uint8 first, as FastVideo
-    stores them before ``/ 127.5 - 1``."""
-    t, h0, w0, _ = frames.shape
-    scale = max(height / h0, width / w0)
-    rh, rw = max(height, round(h0 * scale)), max(width, round(w0 * scale))
-    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).float()
-    if (rh, rw) != (h0, w0):
-        x = F.interpolate(x, size=(rh, rw), mode="bilinear", align_corners=False, antialias=True)
-    top, left = (rh - height) // 2, (rw - width) // 2
-    x = x[:, :, top:top + height, left:left + width].round().clamp(0, 255)
-    return (x / 127.5 - 1.0).permute(1, 0, 2, 3).contiguous()
+    """uint8 frames ``[T, H0, W0, 3]`` -> float32 ``[3, T, height, width]`` in [-1, 1]: centre-cropped to the target's
+    aspect ratio, then resized to exactly ``height x width`` (bilinear, ``align_corners=True``, antialiased, on the
+    uint8 pixels) and mapped by ``2 x / 255 - 1``, as FastVideo's preprocessing does."""
+    top, left, crop_h, crop_w = crop_box(frames.shape[1], frames.shape[2], height, width)
+    x = torch.from_numpy(np.ascontiguousarray(frames[:, top:top + crop_h, left:left + crop_w])).permute(0, 3, 1, 2)
+    if (crop_h, crop_w) != (height, width):
+        x = F.interpolate(x.contiguous(), size=(height, width), mode="bilinear", align_corners=True, antialias=True)
+    return ((x.float() / 255.0) * 2.0 - 1.0).clamp(-1.0, 1.0).permute(1, 0, 2, 3).contiguous()

@@ -33,7 +33,14 @@ _TENSORS: dict[str, tuple[tuple[str, str], ...]] = {
 # Tensor columns a kind reads when every file has them and a sample's are not empty (FastVideo's I2V preprocessing
 # writes empty bytes for a model without an image encoder).
 _OPTIONAL_TENSORS: dict[str, tuple[tuple[str, str], ...]] = {"i2v": (("clip_feature", "image_embeds"),)}
-_RANKS = {"latents": 4, "text": 2, "first_frame_latents": 4, "image_embeds": 2, "audio_latents": 3}  # stored dims
+# Tensor columns written, never read: the I2V validation image FastVideo stores (the clip's first frame, uint8 [3, H, W])
+_WRITE_ONLY: dict[str, tuple[tuple[str, str], ...]] = {"i2v": (("pil_image", "pil_image"),)}
+_RANKS = {"latents": 4, "text": 2, "first_frame_latents": 4, "image_embeds": 2, "audio_latents": 3,
+          "pil_image": 3}  # stored dims
+# The tensor columns of each kind in the order of FastVideo's schema (dataset/dataloader/schema.py)
+_ORDER = {"t2v": ("vae_latent", "text_embedding"), "text_only": ("text_embedding",),
+          "i2v": ("vae_latent", "text_embedding", "clip_feature", "first_frame_latent", "pil_image"),
+          "t2va": ("vae_latent", "audio_latent", "text_embedding")}
 _METADATA: dict[str, tuple[tuple[str, pa.DataType], ...]] = {
     "t2v": (
         ("file_name", pa.string()), ("caption", pa.string()), ("media_type", pa.string()), ("width", pa.int64()),
@@ -46,11 +53,11 @@ _METADATA["t2va"] = _METADATA["t2v"] + (("audio_sample_rate", pa.int64()),)
 
 
 def parquet_schema(kind: Kind) -> pa.Schema:
-    """The arrow schema FastVideo writes for ``kind`` (its ``pyarrow_schema_t2v``, ``_text_only``, ``_i2v`` or
-    ``_t2va``, less the I2V validation image ``pil_image``, which fvx does not read)."""
+    """The arrow schema FastVideo writes for ``kind``: its ``pyarrow_schema_t2v``, ``_text_only``, ``_i2v`` or
+    ``_t2va``, column for column."""
     check_kind(kind)
     fields = [pa.field("id", pa.string())]
-    for name, _ in _TENSORS[kind] + _OPTIONAL_TENSORS.get(kind, ()):
+    for name in _ORDER[kind]:
         fields += [
             pa.field(f"{name}_bytes", pa.binary()),
             pa.field(f"{name}_shape", pa.list_(pa.int64())),
@@ -279,7 +286,7 @@ def write_parquet(path: str | os.PathLike, samples: Sequence[dict[str, Any]], *,
     handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(handle)
     try:
-        pq.write_table(table, temp, row_group_size=rows_per_group)
+        pq.write_table(table, temp, row_group_size=rows_per_group, compression="zstd")
         os.replace(temp, path)
     except BaseException:
         pathlib.Path(temp).unlink(missing_ok=True)
@@ -292,7 +299,7 @@ def _record(sample: dict[str, Any], number: int, kind: Kind) -> dict[str, Any]:
     if not isinstance(sample, dict):
         raise TypeError(f"sample {number} must be a dict, got {type(sample).__name__}")
     tensors = {key: _RANKS[key] for _, key in _TENSORS[kind]}
-    optional = {key: _RANKS[key] for _, key in _OPTIONAL_TENSORS.get(kind, ())}
+    optional = {key: _RANKS[key] for _, key in _OPTIONAL_TENSORS.get(kind, ()) + _WRITE_ONLY.get(kind, ())}
     allowed = set(tensors) | set(optional) | {"id"} | {name for name, _ in _METADATA[kind]}
     if kind == "text_only" and "latents" in sample:
         raise ValueError(f"sample {number} has latents, but kind='text_only' stores none; use kind='t2v'")
@@ -307,7 +314,7 @@ def _record(sample: dict[str, Any], number: int, kind: Kind) -> dict[str, Any]:
     record = {"id": str(sample.get("id", f"sample_{number:06d}"))}
     for (column, key), ndim in zip(_TENSORS[kind], tensors.values()):
         record.update(_tensor_columns(column, _as_array(sample, key, ndim, number)))
-    for column, key in _OPTIONAL_TENSORS.get(kind, ()):
+    for column, key in _OPTIONAL_TENSORS.get(kind, ()) + _WRITE_ONLY.get(kind, ()):
         record.update(_tensor_columns(column, _as_array(sample, key, optional[key], number)) if key in sample
                       else {f"{column}_bytes": b"", f"{column}_shape": [], f"{column}_dtype": ""})
     metadata = {"caption": str(sample.get("caption", ""))}
@@ -328,6 +335,10 @@ def _as_array(sample: dict, key: str, ndim: int, number: int) -> np.ndarray:
     if key not in sample:
         raise ValueError(f"sample {number} has no {key!r} tensor")
     value = sample[key]
+    if key == "pil_image":
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != ndim:
+            raise TypeError(f"sample {number}: 'pil_image' must be a uint8 tensor [3, H, W]")
+        return value.detach().cpu().contiguous().numpy()
     if not isinstance(value, torch.Tensor) or not value.is_floating_point():
         raise TypeError(f"sample {number}: {key!r} must be a floating-point torch tensor, got {type(value).__name__}"
                         + (f" of {value.dtype}" if isinstance(value, torch.Tensor) else ""))
@@ -337,6 +348,6 @@ def _as_array(sample: dict, key: str, ndim: int, number: int) -> np.ndarray:
 
 
 def _tensor_columns(name: str, array: np.ndarray) -> dict[str, Any]:
-    return {f"{name}_bytes": array.tobytes(), f"{name}_shape": list(array.shape), f"{name}_dtype": "float32"}
+    return {f"{name}_bytes": array.tobytes(), f"{name}_shape": list(array.shape), f"{name}_dtype": str(array.dtype)}
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import pathlib
 import sys
 import time
@@ -40,6 +39,7 @@ from fvx.storage import files
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 PARTS, DONE, COMPLETE = "combined_parquet_dataset", ".parts", "COMPLETE"
+UNCHECKED = ("count", "fvx_version")  # metadata.json entries a resumed run may differ in
 
 
 class PreprocessConfig(Config):
@@ -141,69 +141,64 @@ def _merged_layout(root: pathlib.Path, listing: pathlib.Path) -> list[Input]:
 
 
 def cut(job: Job, item: Input) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The clip ``[3, T, H, W]`` in [-1, 1] of ``item`` and its metadata columns; a MediaError with the reason."""
+    """The clip ``[3, T, H, W]`` in [-1, 1] of ``item`` and its metadata columns (FastVideo's: ``file_name`` and ``id``
+    the input's path, the clip's size, the source fps, ``duration_sec`` the sampled frames over it); a MediaError with
+    the reason when it cannot be used."""
     if not item.caption:
-        raise media.MediaError("its caption is missing or empty" if item.caption is None
-                               else "its caption is empty")
+        raise media.MediaError("its caption is missing" if item.caption is None else "its caption is empty")
     if not item.path.is_file():
         raise media.MediaError("the file does not exist")
     config, image = job.config, media.is_image(item.path)
     if image and job.kind in ("i2v", "t2va"):
         raise media.MediaError(f"it is an image; kind {job.kind!r} needs videos")
     if image:
-        frames, fps, duration, start = media.read_image(item.path), 0.0, 0.0, 0.0
+        frames, fps = media.read_image(item.path), 0.0
     else:
         fps, duration = media.probe_video(item.path)
         wanted = media.usable_frames(config.num_frames, job.frame_step)
         indices = media.frame_indices(fps, duration, num_frames=wanted, train_fps=config.train_fps,
-                                      tolerance=config.video_length_tolerance_range)
-        video = media.read_video(item.path, indices.tolist())
-        if len(video.frames) < len(indices):
-            raise media.MediaError(f"it decodes to {len(video.frames)} of the {len(indices)} frames its header "
-                                   "promises")
-        order = {index: n for n, index in enumerate(sorted(set(indices.tolist())))}
-        frames = video.frames[[order[i] for i in indices.tolist()]]
-        start = 0.0
-    h0, w0 = frames.shape[1:3]
-    if config.buckets:
-        height, width = media.nearest_bucket(h0, w0, config.buckets)
-        height, width = media.target_size(height, width, height, width, job.pixel_multiple)
-    else:
-        height, width = media.target_size(h0, w0, config.max_height, config.max_width, job.pixel_multiple)
+                                      tolerance=config.video_length_tolerance_range).tolist()
+        video = media.read_video(item.path, indices)
+        distinct = sorted(set(indices))
+        if len(video.frames) < len(distinct):
+            raise media.MediaError(f"it decodes to {len(video.frames)} of the frames its header promises "
+                                   f"(frame {distinct[len(video.frames)]} is missing)")
+        frames = video.frames[[distinct.index(i) for i in indices]]
+    height, width = ((config.max_height, config.max_width) if not config.buckets
+                     else media.nearest_bucket(*frames.shape[1:3], config.buckets))
     clip = media.resize_crop(frames, height, width)
     meta = {"file_name": item.name, "caption": item.caption, "media_type": "image" if image else "video",
-            "width": width, "height": height, "num_frames": clip.shape[1],
-            "duration_sec": clip.shape[1] / config.train_fps if not image else 0.0,
-            "fps": float(config.train_fps) if not image else 0.0, "_start": start}
+            "width": width, "height": height, "duration_sec": clip.shape[1] / fps if fps else 0.0, "fps": fps}
     return clip, meta
 
 
 def encode_part(job: Job, encoder: Encoder, items: Sequence[Input]) -> tuple[list[dict], list[dict]]:
-    """The rows of ``items`` (``fvx.data.parquet.write_parquet``'s samples) and the skipped ones (name, reason)."""
-    cut_clips, skipped = [], []
+    """The rows of ``items`` (``fvx.data.parquet.write_parquet``'s samples) and the skipped ones (file, reason)."""
+    cuts, skipped = [], []
     for item in items:
         try:
             clip, meta = cut(job, item)
-            audio = None
-            if job.kind == "t2va":
-                audio = media.read_audio(item.path, job.audio_rate, meta["_start"], meta["num_frames"] / job.config.train_fps)
-            cut_clips.append((item, clip, meta, audio))
+            sound = None
+            if job.kind == "t2va":  # from the clip's start (its first frame is the video's), as long as the clip
+                sound = media.read_audio(item.path, job.audio_rate, 0.0, clip.shape[1] / job.config.train_fps)
+            cuts.append((item, clip, meta, sound))
         except media.MediaError as error:
             skipped.append({"file": item.name, "reason": str(error)})
-    if not cut_clips:
+    if not cuts:
         return [], skipped
-    texts = encoder.encode_text([meta["caption"] for _, _, meta, _ in cut_clips])
+    texts = encoder.encode_text([meta["caption"] for _, _, meta, _ in cuts])
     rows = []
-    for (item, clip, meta, audio), text in zip(cut_clips, texts):
-        row = {"id": item.name, **{k: v for k, v in meta.items() if not k.startswith("_")},
-               "latents": encoder.encode_video(clip), "text": text}
+    for (item, clip, meta, sound), text in zip(cuts, texts):
+        latents = encoder.encode_video(clip)
+        row = {"id": item.name, **meta, "num_frames": latents.shape[1], "latents": latents, "text": text}
         if job.kind == "i2v":
             row["first_frame_latents"] = encoder.encode_first_frame(clip)
+            row["pil_image"] = ((clip[:, 0] + 1) * 127.5).round().to(torch.uint8)
             image = encoder.encode_image((clip[:, 0] + 1) / 2)
             if image is not None:
                 row["image_embeds"] = image
         if job.kind == "t2va":
-            row["audio_latents"] = encoder.encode_audio(audio, job.audio_rate)
+            row["audio_latents"] = encoder.encode_audio(sound, job.audio_rate)
             row["audio_sample_rate"] = job.audio_rate
         rows.append(row)
     return rows, skipped
@@ -221,18 +216,25 @@ def check_folder(out: pathlib.Path, identity: dict[str, Any]) -> bool:
             stored = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as error:
             raise ValueError(f"--out {str(out)!r}: metadata.json is not readable JSON: {error}") from None
-        ours = {k: v for k, v in stored.items() if k not in ("count", "skipped")}
-        if ours != identity:
-            diff = sorted(k for k in set(ours) | set(identity) if ours.get(k) != identity.get(k))
+        ours = {k: v for k, v in stored.items() if k not in UNCHECKED}
+        theirs = {k: v for k, v in json.loads(json.dumps(identity)).items() if k not in UNCHECKED}  # as JSON has it
+        if ours != theirs:
+            diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
             first = diff[0]
             raise ValueError(f"--out {str(out)!r} was made with {first}={ours.get(first)!r}, not "
-                             f"{identity.get(first)!r} (differing: {', '.join(diff)}); use another folder")
+                             f"{theirs.get(first)!r} (differing: {', '.join(diff)}); use another folder")
         return (out / COMPLETE).is_file()
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"--out {str(out)!r} is a non-empty folder that preprocess did not make (no metadata.json)")
-    out.mkdir(parents=True, exist_ok=True)
-    files.write_json(path, identity)
+    foreign = [p.name for p in out.iterdir() if not _ours(p.name)] if out.is_dir() else []
+    if foreign:
+        raise ValueError(f"--out {str(out)!r} is a non-empty folder that preprocess did not make (it holds "
+                         f"{foreign[0]!r} and no metadata.json)")
+    files.write_json(path, identity)  # every rank of a launch writes the same bytes
     return False
+
+
+def _ours(name: str) -> bool:
+    """What a starting preprocess may have left in its folder before ``metadata.json`` (another rank at work)."""
+    return name in (PARTS, DONE) or name.startswith(".metadata.json.")
 
 
 def part_name(number: int) -> str:
@@ -276,6 +278,12 @@ def finish(job: Job, out: pathlib.Path, parts: int) -> dict[str, Any]:
         files.write_json(out / "metadata.json", {**job.identity, "count": rows})
         files.write_json(out / COMPLETE, {"rows": rows, "skipped": len(skipped)})
     return {"rows": rows, "skipped": skipped, "complete": bool(rows)}
+
+
+def summary(out: pathlib.Path) -> dict[str, Any]:
+    """A complete folder's rows and skipped inputs."""
+    return {"rows": json.loads((out / COMPLETE).read_text())["rows"],
+            "skipped": json.loads((out / "skipped.json").read_text()), "complete": True}
 
 
 class Progress:

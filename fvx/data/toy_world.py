@@ -277,15 +277,21 @@ class WorldDataset:
         world's length (a long streamed sample; bars only, whose every window is a true clip) is scored per window of
         the world's frames, ``window_i/<figure>``, and the figures are their means, so a person sees whether quality
         holds along the clip. Image-to-video data (kind "i2v") adds :meth:`continuation_mse`."""
+        return self.prompt_quality(videos, [int(i) % len(self.prompts) for i in indices], indices)
+
+    def prompt_quality(self, videos: torch.Tensor, prompt_ids: Sequence[int],
+                       indices: Sequence[int] | None = None) -> dict[str, float]:
+        """:meth:`sample_quality` of samples of the world's prompts ``prompt_ids`` (``indices``: their world samples,
+        for image-to-video's continuation score)."""
         refs = self.references()  # [P, S, 3, T, H, W]
         frames, shape = refs.shape[3], tuple(videos.shape[1:])
         long_clip = self.config.shape == "bars" and shape[1] > frames and shape[1] % frames == 0
         if shape[:1] + shape[2:] != tuple(refs.shape[2:3] + refs.shape[4:]) or not (shape[1] == frames or long_clip):
             raise ValueError(f"sample_quality: videos of shape {shape} are not the world's clips "
                              f"{tuple(refs.shape[2:])} (or, for bars, a whole number of them in time)")
-        prompts = torch.tensor([int(i) % len(self.prompts) for i in indices])
+        prompts = torch.tensor(list(prompt_ids))
         windows = [_quality(videos[:, :, w:w + frames], prompts, refs) for w in range(0, shape[1], frames)]
-        if self.kind == "i2v" and len(windows) == 1:
+        if self.kind == "i2v" and len(windows) == 1 and indices is not None:
             return {**windows[0], "continuation_mse": self.continuation_mse(videos, indices)}
         if len(windows) == 1:
             return windows[0]
@@ -356,6 +362,33 @@ def _quality(videos: torch.Tensor, prompts: torch.Tensor, refs: torch.Tensor) ->
 
 
 # ------------------------------------------------------------------------------------------- the world as media files
+
+
+class JudgedByWorld:
+    """A dataset (FastVideo parquet that ``preprocess`` made from :func:`write_videos`' files) whose validation
+    samples the world scores: ``sample_quality`` finds each sample's prompt from its caption, so a run on the files
+    logs the figures a run on the built-in world logs."""
+
+    def __init__(self, dataset: Any, world: WorldDataset):
+        self.dataset, self.world = dataset, world
+        self._prompt_of = {caption(world.config, c, d): p for p, (c, d) in enumerate(world.prompts)}
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def read(self, indices: Sequence[int]) -> dict[str, Any]:
+        return self.dataset.read(indices)
+
+    def where(self, index: int) -> str:
+        return self.dataset.where(index)
+
+    def sample_quality(self, videos: torch.Tensor, indices: Sequence[int]) -> dict[str, float]:
+        captions = self.dataset.read(indices).get("caption") or []
+        unknown = [c for c in captions if c not in self._prompt_of]
+        if unknown or len(captions) != len(indices):
+            raise ValueError(f"validation: the data's caption {unknown[0] if unknown else None!r} is none of the toy "
+                             "world's prompts, so the world cannot score its samples (data.world=null turns it off)")
+        return self.world.prompt_quality(videos, [self._prompt_of[c] for c in captions])
 
 
 class WorldEncoders:
@@ -432,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     write = commands.add_parser("write-videos", help="write the world's clips and captions into DIR")
     write.add_argument("dir", help="the folder to write (created)")
-    write.add_argument("--samples", type=int, default=WorldConfig.num_samples, help="how many clips (default: %(default)s)")
+    write.add_argument("--samples", type=int, default=WorldConfig().num_samples, help="how many clips (default: %(default)s)")
     write.add_argument("--seed", type=int, default=0, help="draws the clips' phases (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.samples <= 0:

@@ -1,0 +1,135 @@
+"""An experiment's encoders at work: ``preprocess`` (media -> FastVideo parquet) and ``encode-prompts`` (text -> a cond
+file), both with the model the experiment trains.
+
+The model is the experiment's student role (or its only model): its config's ``encoders`` record
+(``fvx_models.encoders``) opened on ``path``, its diffusers folder, in its ``compute_dtype``. An experiment whose model
+has no folder and whose data is the toy world (``data.world``) encodes with the world's own "text encoder" and exact
+codec (``fvx.data.toy_world.WorldEncoders``), so the whole path runs on a CPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from typing import Any, Callable
+
+import msgspec
+import torch
+
+import fvx
+from fvx.core import random
+from fvx.data import batching, media, preprocess
+from fvx.data.toy_world import WorldEncoders
+
+
+def model_role(config: Any) -> tuple[str, Any]:
+    """(role, model config) the experiment's data is encoded for: ``student`` if it has one, else its only model."""
+    models = dict(getattr(config, "models", {}) or {})
+    if "student" in models:
+        return "student", models["student"]
+    if len(models) == 1:
+        return next(iter(models.items()))
+    raise ValueError(f"the experiment has models {sorted(models)}: preprocess encodes for the 'student' role, which "
+                     "it lacks")
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def encoder_source(config: Any, parts: tuple[str, ...]) -> tuple[dict[str, Any], Callable[[], Any], int, int]:
+    """(identity, encoder factory, frame step, pixel multiple) for the experiment. Every problem (no encoders, no
+    folder, a component the folder lacks) raises a one-line ValueError here, before anything is read or written; the
+    factory loads the weights."""
+    role, model = model_role(config)
+    family, world = model.family.name, getattr(config.data, "world", None)
+    if model.path is None and world is not None:
+        cut = config.data.preprocess
+        if (cut.num_frames, cut.train_fps, cut.max_height, cut.max_width) != (world.frames, world.fps, world.size,
+                                                                             world.size):
+            raise ValueError(f"the toy world's clips are {world.frames} frames of {world.size}x{world.size} at "
+                             f"{world.fps} fps; set data.preprocess.num_frames={world.frames} train_fps={world.fps} "
+                             f"max_height={world.size} max_width={world.size}")
+        encoders = WorldEncoders(world)
+        return {**encoders.identity(), "family": family}, lambda: encoders, 1, 1
+    record = getattr(type(model), "encoders", None)
+    if record is None:
+        raise ValueError(f"models.{role}: family {family!r} has no encoders in fvx")
+    if model.path is None:
+        raise ValueError(f"models.{role}.path is not set: fvx encodes with the VAE and text encoder of the model's "
+                         "diffusers folder (e.g. models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers)")
+    folder, who = pathlib.Path(model.path), f"models.{role}.path"
+    record.check(folder, parts, who)
+
+    def factory() -> Any:
+        return record.open(folder, parts, dtype=model.compute_dtype, device=_device(), who=who)
+
+    identity = {"model": str(folder.resolve()), "family": family}
+    return identity, factory, record.frame_step, record.pixel_multiple
+
+
+def parts_of(kind: str) -> tuple[str, ...]:
+    """What a data kind encodes."""
+    return {"t2v": ("text", "video"), "i2v": ("text", "video", "image"), "t2va": ("text", "video", "audio"),
+            "text_only": ("text",)}[kind]
+
+
+def job_of(config: Any) -> tuple[preprocess.Job, Callable[[], Any]]:
+    """The preprocessing job of an experiment and its encoder factory; a ValueError for a config that cannot
+    preprocess (before any file is read)."""
+    data = config.data
+    if data.kind == "text_only":
+        raise ValueError("data.kind='text_only' has no media to preprocess: use encode-prompts for text")
+    cut = data.preprocess
+    identity, factory, frame_step, multiple = encoder_source(config, parts_of(data.kind))
+    media.check_size(cut.max_height, cut.max_width, multiple, "data.preprocess.max_height x max_width")
+    for height, width in cut.buckets or ():
+        media.check_size(height, width, multiple, "data.preprocess.buckets entry")
+    audio_rate = None
+    if data.kind == "t2va":
+        audio_rate = cut.audio_rate
+        if audio_rate is None:
+            raise ValueError("data.kind='t2va' needs data.preprocess.audio_rate (the audio VAE's sample rate, Hz)")
+    identity = {**identity, "kind": data.kind, "preprocess": msgspec.to_builtins(cut)}
+    return preprocess.Job(identity, data.kind, cut, frame_step, multiple, audio_rate), factory
+
+
+def run_preprocess(config: Any, videos: str, out: str, *, progress: bool) -> dict[str, Any]:
+    """``preprocess``: this process's parts (torchrun's RANK of WORLD_SIZE) of the inputs under ``videos`` into
+    ``out``; a ValueError (bad input) before anything is written."""
+    job, factory = job_of(config)
+    inputs = preprocess.find_inputs(pathlib.Path(videos))
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    folder = pathlib.Path(out)
+    job = dataclasses.replace(job, identity={**job.identity, "inputs": str(pathlib.Path(videos).resolve()),
+                                             "fvx_version": fvx.__version__})
+    if preprocess.check_folder(folder, job.identity):
+        return {"already": True, **preprocess.summary(folder)}
+    return preprocess.run(job, factory, inputs, folder, rank=rank, world=world, progress=progress)
+
+
+def run_encode_prompts(config: Any, prompts_file: str, out: str) -> tuple[int, pathlib.Path]:
+    """``encode-prompts``: every line of ``prompts_file`` (blank lines skipped) through the experiment's text encoder
+    into a cond file at ``out`` (the family's cond tensors ``[N, ...]`` at ``data.text_len``, the captions kept)."""
+    source = pathlib.Path(prompts_file)
+    if not source.is_file():
+        raise ValueError(f"prompts file {str(source)!r} does not exist")
+    prompts = [line.strip() for line in source.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"prompts file {str(source)!r} holds no prompts (one a line)")
+    target = pathlib.Path(out)
+    if target.suffix != ".safetensors":
+        raise ValueError(f"--out {str(target)!r} must end in .safetensors (a cond file)")
+    if not target.parent.is_dir():
+        raise ValueError(f"--out {str(target)!r}: folder {str(target.parent)!r} does not exist")
+    role, model = model_role(config)
+    _, factory, _, _ = encoder_source(config, ("text",))
+    rows = factory().encode_text(prompts)
+    samples = [{"text": row.numpy(), "where": f"prompt {n + 1}", "caption": prompt}
+               for n, (row, prompt) in enumerate(zip(rows, prompts))]
+    batch = batching.collate(samples, list(range(len(samples))), text_len=config.data.text_len, cfg_rate=0.0,
+                             dropout_key=random.key(0))
+    model.write_cond_file(target, batch, prompts)
+    return len(prompts), target

@@ -1,0 +1,72 @@
+"""The Wan variants' encoders: SkyReels-V2, AnyFlow and block-causal Wan encode as Wan (its record), Wan 2.2 A14B as Wan
+without the CLIP image encoder. Tiny random folders of the variants' own diffusers pipelines, opened as preprocessing
+opens them, against those pipelines' own ``encode_prompt``."""
+import pytest
+import torch
+import transformers
+from diffusers import (AnyFlowPipeline, AutoencoderKLWan, FlowMapEulerDiscreteScheduler,
+                       FlowMatchEulerDiscreteScheduler, SkyReelsV2Pipeline, UniPCMultistepScheduler,
+                       WanImageToVideoPipeline)
+
+from fvx_models import anyflow, skyreels_v2, wan, wan_causal, wan_moe
+
+WORDS = ["<pad>", "</s>", "<unk>"] + [f"▁{w}" for w in "a red blue bars moving left right up down cat".split()]
+
+
+def tiny_t5_tokenizer() -> transformers.T5Tokenizer:
+    return transformers.T5Tokenizer(vocab=[(w, -float(i)) for i, w in enumerate(WORDS)], extra_ids=0)
+
+
+def tiny_wan_vae() -> AutoencoderKLWan:
+    torch.manual_seed(0)
+    return AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True],
+                            latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.5, 2.0, 1.0])
+
+
+def tiny_umt5() -> transformers.UMT5EncoderModel:
+    torch.manual_seed(0)
+    return transformers.UMT5EncoderModel(transformers.UMT5Config(
+        vocab_size=len(WORDS), d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4, relative_attention_num_buckets=8))
+
+
+def test_the_variants_carry_wans_record_and_the_moe_drops_the_image_encoder():
+    for config in (skyreels_v2.SkyReelsV2Config, anyflow.AnyFlowConfig, wan_causal.WanCausalConfig):
+        assert config.encoders is wan.ENCODERS
+    moe = wan_moe.Wan22MoEConfig.encoders
+    assert moe is wan_moe.ENCODERS and moe.image == () and moe.encode_image is None
+    assert (moe.text, moe.encode_text, moe.video, moe.encode_video, moe.first_frame) == (
+        wan.ENCODERS.text, wan.ENCODERS.encode_text, wan.ENCODERS.video, wan.ENCODERS.encode_video,
+        wan.ENCODERS.first_frame)
+
+
+@pytest.mark.parametrize("pipeline, scheduler, config", [
+    (SkyReelsV2Pipeline, UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True),
+     skyreels_v2.SkyReelsV2Config),
+    (AnyFlowPipeline, FlowMapEulerDiscreteScheduler(), anyflow.AnyFlowConfig),
+], ids=["skyreels_v2", "anyflow"])
+def test_text_and_video_are_the_variant_pipelines_own(pipeline, scheduler, config, tmp_path):
+    pipeline(tokenizer=tiny_t5_tokenizer(), text_encoder=tiny_umt5(), vae=tiny_wan_vae(), scheduler=scheduler,
+             transformer=None).save_pretrained(tmp_path)
+    opened = config.encoders.open(tmp_path, ["text", "video"])
+    assert type(opened.pipe) is pipeline  # the folder's own pipeline class loads it
+    prompts = ["red bars moving left", "a   cat"]
+    rows = opened.encode_text(prompts)
+    full, _ = opened.pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=512)
+    assert [r.shape for r in rows] == [(5, 16), (3, 16)]
+    for row, padded in zip(rows, full):
+        assert torch.equal(row, padded[:len(row)]) and not padded[len(row):].any()
+    video = torch.rand(3, 5, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    assert torch.equal(opened.encode_video(video), opened.pipe.vae.encode(video[None]).latent_dist.mean[0])
+
+
+def test_a14b_i2v_folder_encodes_the_first_frame_without_clip(tmp_path):
+    WanImageToVideoPipeline(tokenizer=tiny_t5_tokenizer(), text_encoder=tiny_umt5(), vae=tiny_wan_vae(),
+                            scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), image_processor=None,
+                            image_encoder=None, transformer=None, transformer_2=None,
+                            boundary_ratio=0.9).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="has no 'image_processor' component"):
+        wan.ENCODERS.open(tmp_path, ["text", "video", "image"])  # Wan 2.1 I2V's record wants CLIP
+    opened = wan_moe.Wan22MoEConfig.encoders.open(tmp_path, ["text", "video", "image"])
+    video = torch.rand(3, 5, 32, 32, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    assert torch.equal(opened.encode_first_frame(video), wan.encode_first_frame(opened.pipe, video[None])[0])
+    assert opened.encode_image((video[:, 0] + 1) / 2) is None  # FastVideo stores no clip_feature
