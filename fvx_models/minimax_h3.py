@@ -25,7 +25,8 @@ features at 40 latents a second (800 samples at 32 kHz), stereo as 2 channels: `
 audio latents of the clip the video came from (:func:`audio_frames`). FastVideo's t2va data holds both normalised
 with the VAEs' statistics (its preprocessing stores ``vae.normalize_latents(...)`` and ``audio_vae.normalize_latents(
 posterior.mode())``), so both latent spaces here are the identity; the audio decoder (``fvx_models.minimax_h3_audio``)
-denormalises with the audio VAE's ``latents_mean``/``latents_std`` before decoding.
+denormalises with the audio VAE's ``latents_mean``/``latents_std`` before decoding. ``preprocess`` stores the same
+(:data:`ENCODERS`: the video posterior sampled under FastVideo's seed, the audio posterior's mode, both normalised).
 
 Conditioning: Qwen3-VL (layer 50) embeddings ``text [1, L, 5120]`` with ``text_mask [1, L]`` (FastVideo's fixture pads
 to 1024). Rules as FastVideo's plugin: batch 1 per rank (one packed document per sample), no CFG dropout (H3 training
@@ -319,7 +320,8 @@ VISION_PADS = ("<|image_pad|>", "<|video_pad|>")  # Qwen3-VL's vision placeholde
 class TextPresentation:
     """What diffusers' ``get_qwen3vl_prompt_embeds`` asks of Qwen3-VL's processor for a t2va prompt: Qwen-internal
     token types, all text (``Qwen3VLProcessor.create_mm_token_type_ids`` of ids without a vision pad token), so the
-    processor (and the torchvision its video half needs) is not loaded; FastVideo's t2va conditioner takes none."""
+    processor (and the torchvision its video half needs) is not loaded; FastVideo's t2va text uses the tokenizer
+    alone."""
 
     @staticmethod
     def create_mm_token_type_ids(batch: list[list[int]]) -> list[list[int]]:
@@ -333,7 +335,7 @@ def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
     from diffusers.modular_pipelines.minimax_h3.encoders import get_qwen3vl_prompt_embeds
 
     encoder, tokenizer = pipe.text_encoder, pipe.tokenizer
-    pads = {tokenizer.convert_tokens_to_ids(token) for token in VISION_PADS}
+    pads = {tokenizer.convert_tokens_to_ids(token) for token in VISION_PADS} - {None, tokenizer.unk_token_id}
     rows = []
     for index, prompt in enumerate(prompts):
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]

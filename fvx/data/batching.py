@@ -129,7 +129,9 @@ def batch_at(dataset: Dataset, key: torch.Tensor, step: int, *, batch_size: int,
 
     Epoch e = step // (len // batch_size) visits ``permutation(fold_in(key, e), len)`` in slices of ``batch_size``
     (the remainder is dropped); rank r takes rows [r*b, (r+1)*b) of the slice, b = batch_size // world. Adds
-    ``sample_index`` [b] int64 = step * batch_size + r * b + arange(b), the same whatever the world size.
+    ``sample_index`` [b] int64 = step * batch_size + r * b + arange(b), the same whatever the world size. A dataset
+    whose samples come in several shapes (``shape_groups()``: aspect-ratio buckets, images beside videos) is batched
+    by :func:`bucketed_order` instead, so a batch never mixes shapes.
     """
     for name, value, low in (("step", step, 0), ("batch_size", batch_size, 1), ("world", world, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -138,13 +140,18 @@ def batch_at(dataset: Dataset, key: torch.Tensor, step: int, *, batch_size: int,
         raise ValueError(f"batch_at: rank must be an int in [0, {world}), got {rank!r}")
     if batch_size % world:
         raise ValueError(f"batch_at: batch_size {batch_size} is not divisible by world size {world}")
-    steps_per_epoch = len(dataset) // batch_size
+    groups = getattr(dataset, "shape_groups", lambda: None)()
+    usable = len(dataset) if not groups or len(groups) == 1 else sum(len(g) - len(g) % batch_size for g in groups)
+    steps_per_epoch = usable // batch_size
     if steps_per_epoch == 0:
-        raise ValueError(f"batch_at: the dataset has {len(dataset)} samples, fewer than one batch of {batch_size}")
+        raise ValueError(f"batch_at: the dataset has {len(dataset)} samples, fewer than one batch of {batch_size}"
+                         + (" in any one shape" if usable < len(dataset) else ""))
     epoch, position = divmod(step, steps_per_epoch)
     local = batch_size // world
     start = position * batch_size + rank * local
-    order = _epoch_order(tuple(key.tolist()), epoch, len(dataset))
+    key_words = tuple(key.tolist())
+    order = (_epoch_order(key_words, epoch, len(dataset)) if not groups or len(groups) == 1
+             else _bucketed(key_words, epoch, tuple(map(tuple, groups)), batch_size))
     batch = dataset.read(order[start:start + local].tolist())
     first = step * batch_size + rank * local
     batch["sample_index"] = torch.arange(first, first + local, dtype=torch.int64)
@@ -155,6 +162,29 @@ def batch_at(dataset: Dataset, key: torch.Tensor, step: int, *, batch_size: int,
 def _epoch_order(key_words: tuple[int, int], epoch: int, length: int) -> torch.Tensor:
     """The epoch's sample order, int64 [length] (memoised: every step of an epoch uses it; do not modify)."""
     return random.permutation(random.fold_in(torch.tensor(key_words, dtype=torch.int64), epoch), length)
+
+
+@functools.lru_cache(maxsize=2)
+def _bucketed(key_words: tuple[int, int], epoch: int, groups: tuple[tuple[int, ...], ...],
+              batch_size: int) -> torch.Tensor:
+    return bucketed_order(torch.tensor(key_words, dtype=torch.int64), epoch, groups, batch_size)
+
+
+def bucketed_order(key: torch.Tensor, epoch: int, groups: Sequence[Sequence[int]], batch_size: int) -> torch.Tensor:
+    """An epoch's sample order, int64, whose every run of ``batch_size`` holds one group's samples: each group
+    (dataset indices of one shape) shuffled by ``fold_in(epoch key, g)`` and cut into whole batches (the remainder
+    dropped), then the batches of all groups shuffled by ``fold_in(epoch key, len(groups))``."""
+    epoch_key = random.fold_in(key, epoch)
+    batches = []
+    for number, group in enumerate(groups):
+        members = torch.tensor(list(group), dtype=torch.int64)
+        shuffled = members[random.permutation(random.fold_in(epoch_key, number), len(members))]
+        whole = len(members) - len(members) % batch_size
+        batches += list(shuffled[:whole].view(-1, batch_size))
+    if not batches:
+        return torch.zeros(0, dtype=torch.int64)
+    order = random.permutation(random.fold_in(epoch_key, len(groups)), len(batches))
+    return torch.cat([batches[int(i)] for i in order])
 
 
 # ------------------------------------------------------------------------------------------------------ prefetching

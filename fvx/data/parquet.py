@@ -110,6 +110,7 @@ class ParquetDataset:
         self._optional = [(name, key) for name, key in _OPTIONAL_TENSORS.get(kind, ())
                           if all(f"{name}_bytes" in names for names in schemas)]
         self._cache: collections.OrderedDict[tuple[int, int], pa.Table] = collections.OrderedDict()
+        self._shape_groups: list[list[int]] | None = None
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -119,6 +120,23 @@ class ParquetDataset:
         indices = check_indices(indices, len(self))
         with self._lock:
             return self._collate([self._sample(i) for i in indices], indices)
+
+    def shape_groups(self) -> list[list[int]]:
+        """The dataset's indices grouped by latent shape, groups in order of their first sample (one group when
+        every sample has one shape): read from the ``vae_latent_shape`` column alone, once."""
+        if self._shape_groups is None:
+            groups: dict[tuple, list[int]] = {}
+            if self.kind == "text_only":
+                groups[()] = list(range(self._length))
+            else:
+                index = 0
+                for path in self.files:
+                    shapes = pq.read_table(path, columns=["vae_latent_shape"]).column(0).to_pylist()
+                    for shape in shapes:
+                        groups.setdefault(tuple(shape or ()), []).append(index)
+                        index += 1
+            self._shape_groups = list(groups.values())
+        return self._shape_groups
 
     def where(self, index: int) -> str:
         file_number, _, _, row_in_file = self._locate(index)

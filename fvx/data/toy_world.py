@@ -382,6 +382,9 @@ class JudgedByWorld:
     def where(self, index: int) -> str:
         return self.dataset.where(index)
 
+    def shape_groups(self) -> list[list[int]]:
+        return self.dataset.shape_groups()
+
     def sample_quality(self, videos: torch.Tensor, indices: Sequence[int]) -> dict[str, float]:
         captions = self.dataset.read(indices).get("caption") or []
         unknown = [c for c in captions if c not in self._prompt_of]

@@ -31,29 +31,39 @@ def llama_tokenizer(vocab: dict, merges: list) -> transformers.LlamaTokenizerFas
     return tokenizer
 
 
-def tiny_llama_tokenizer() -> transformers.LlamaTokenizerFast:
-    """A BPE of the template's and prompts' words (one token each, ``▁``-words ranked first so no other word's merges
-    cut them), four word pairs of the template then joined so that its part before the prompt is CROP tokens."""
-    texts = [TEMPLATE.format(p) for p in PROMPTS]
-    vocab = {"<unk>": 0, **{s: i + 1 for i, s in enumerate(SPECIALS)}}
-    for char in sorted({c for t in texts for c in t.replace(" ", "▁")}):
-        vocab[char] = len(vocab)
-    chars = llama_tokenizer(vocab, [])
-    spelled = ["".join("\0" if c in SPECIALS else c for c in chars.convert_ids_to_tokens(chars(t).input_ids))
-               for t in texts]
-    words = sorted({w for s in spelled for w in re.findall(r"\n+|▁?[^▁\n\0]+", s)}, key=lambda w: (w[0] != "▁", w))
+def spelling_merges(words: list[str], vocab: dict) -> list[tuple[str, str]]:
+    """BPE merges that spell each of ``words`` as one token, letter by letter (added to ``vocab``), in their order."""
     merges = []
     for word in words:
         for k in range(2, len(word) + 1):
             if (word[:k - 1], word[k - 1]) not in merges:
                 merges.append((word[:k - 1], word[k - 1]))
                 vocab[word[:k]] = len(vocab)
-    by_word = llama_tokenizer(vocab, merges)
-    prefix = by_word.convert_ids_to_tokens(by_word(TEMPLATE.split("{}")[0]).input_ids)
-    joins = [(a, b) for a, b in zip(prefix[1::2], prefix[2::2])
-             if a[0] == b[0] == "▁" and prefix.count(a) == 1][:len(prefix) - CROP]
-    vocab.update({a + b: len(vocab) + i for i, (a, b) in enumerate(joins)})
-    return llama_tokenizer(vocab, merges + joins)
+    return merges
+
+
+def tiny_llama_tokenizer() -> transformers.LlamaTokenizerFast:
+    """A BPE of the template's and prompts' words, split as Llama 3 splits text (letters, digits, punctuation, a space
+    joining the next word), one token each, ``▁``-words ranked first (no other word's merges then cut one); the
+    longest words of the template's part before the prompt are cut in two until that part is CROP tokens long."""
+    texts, head = [TEMPLATE.format(p) for p in PROMPTS], TEMPLATE.split("{}")[0]
+    vocab = {"<unk>": 0, **{s: i + 1 for i, s in enumerate(SPECIALS)}}
+    for char in sorted({c for t in texts for c in t.replace(" ", "▁")}):
+        vocab[char] = len(vocab)
+    letters = llama_tokenizer(vocab, [])
+
+    def words(text: str) -> list[str]:
+        spelled = letters.convert_ids_to_tokens(letters(text).input_ids)
+        spelled = "".join("\0" if t in SPECIALS else t for t in spelled)  # \0: no word spans a special token
+        return re.findall(r"\n+|▁?[^\W\d_]+|▁?\d|[^\w▁\n\0]", spelled)
+
+    whole = sorted({w for t in texts for w in words(t)}, key=lambda w: (w[0] != "▁", w))
+    trial = dict(vocab)
+    short = CROP - len(llama_tokenizer(trial, spelling_merges(whole, trial))(head).input_ids)
+    cut = sorted({w for w in words(head) if words(head).count(w) == 1}, key=lambda w: (-len(w), w))[:short]
+    halves = [half for w in cut for half in (w[:len(w) // 2], w[len(w) // 2:])]
+    merges = spelling_merges([w for w in whole if w not in cut] + halves, vocab)
+    return llama_tokenizer(vocab, merges)
 
 
 def tiny_clip_tokenizer() -> transformers.CLIPTokenizer:

@@ -19,7 +19,7 @@ RATE = 160  # the tiny audio VAE's: a hop of 4 samples, 40 latents a second as r
 
 
 def tiny_tokenizer() -> transformers.Qwen2TokenizerFast:
-    """Qwen2's byte-level tokenizer over printable ASCII (no merges: a token a character) and Qwen-VL's vision tokens."""
+    """Qwen2's byte-level tokenizer over printable ASCII (no merges: a token a character), Qwen-VL's vision tokens."""
     vocab = {token: i for i, token in enumerate(dict.fromkeys(SPECIAL + [chr(c) for c in range(33, 127)] + ["Ġ"]))}
     tokenizer = transformers.Qwen2TokenizerFast(vocab=vocab, merges=[])
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL[1:]})

@@ -5,37 +5,14 @@ import shutil
 
 import pytest
 import torch
-import transformers
-from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
 
+import tiny_wan_pipeline
 from fvx_models import wan
-
-WORDS = ["<pad>", "</s>", "<unk>"] + [f"▁{w}" for w in "a red blue bars moving left right up down cat".split()]
-
-
-def tiny_t5_tokenizer() -> transformers.T5Tokenizer:
-    return transformers.T5Tokenizer(vocab=[(w, -float(i)) for i, w in enumerate(WORDS)], extra_ids=0)
-
-
-def tiny_wan_vae() -> AutoencoderKLWan:
-    torch.manual_seed(0)
-    return AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True],
-                            latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.5, 2.0, 1.0])
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    torch.manual_seed(0)
-    text = transformers.UMT5EncoderModel(transformers.UMT5Config(
-        vocab_size=len(WORDS), d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4, relative_attention_num_buckets=8))
-    vision = transformers.CLIPVisionModel(transformers.CLIPVisionConfig(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, image_size=32, patch_size=8))
-    processor = transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    pipe = WanImageToVideoPipeline(tokenizer=tiny_t5_tokenizer(), text_encoder=text, vae=tiny_wan_vae(),
-                                   scheduler=FlowMatchEulerDiscreteScheduler(), image_processor=processor, image_encoder=vision, transformer=None)
-    path = tmp_path_factory.mktemp("wan_i2v")
-    pipe.save_pretrained(path)
-    return path
+    return tiny_wan_pipeline.save(tmp_path_factory.mktemp("wan_i2v"))
 
 
 def test_text_is_the_pipelines_encode_prompt_cut_to_its_tokens(folder):

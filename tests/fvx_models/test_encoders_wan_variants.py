@@ -26,7 +26,8 @@ def tiny_wan_vae() -> AutoencoderKLWan:
 def tiny_umt5() -> transformers.UMT5EncoderModel:
     torch.manual_seed(0)
     return transformers.UMT5EncoderModel(transformers.UMT5Config(
-        vocab_size=len(WORDS), d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4, relative_attention_num_buckets=8))
+        vocab_size=len(WORDS), d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8))
 
 
 def test_the_variants_carry_wans_record_and_the_moe_drops_the_image_encoder():

@@ -1,0 +1,107 @@
+"""preprocess with a real (tiny) Wan I2V pipeline folder: image-to-video rows equal the pipeline's own calls on the
+decoded, cropped frames; clips of two aspect ratios go to their buckets; a folder lacking a component is refused first."""
+import json
+import pathlib
+
+import av
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import tiny_wan_pipeline
+from fvx import config as fconfig, run
+from fvx.data import media, preprocess
+from fvx.training import preprocessing
+from fvx_models import wan
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+EXPERIMENT = str(ROOT / "experiments" / "finetune_wan_i2v.py")
+
+
+def write_clip(path: pathlib.Path, frames: np.ndarray, fps: int = 16) -> None:
+    """uint8 frames [T, H, W, 3] as a lossless RGB H.264 file."""
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264rgb", rate=fps, options={"crf": "0"})
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt = "rgb24"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode(None))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tiny_wan_pipeline.save(tmp_path_factory.mktemp("wan_i2v"))
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    root, rng = tmp_path_factory.mktemp("clips"), np.random.default_rng(0)
+    for name, (h, w) in (("wide", (24, 40)), ("tall", (40, 24)), ("wide2", (32, 48))):
+        frames = rng.integers(0, 256, (7, h, w, 3), dtype=np.uint8)
+        write_clip(root / f"{name}.mp4", frames)
+        (root / f"{name}.txt").write_text(f"red bars moving {'left' if 'wide' in name else 'up'}\n")
+    return root
+
+
+def config_of(folder, **overrides):
+    items = {"models.student.path": str(folder), "models.student.preset": "tiny-i2v", "data.world": "null",
+             "data.preprocess.num_frames": 5, "data.preprocess.max_height": 16, "data.preprocess.max_width": 32,
+             "data.preprocess.samples_per_file": 2, **overrides}
+    return fconfig.apply_overrides(fconfig.load_experiment(EXPERIMENT), [f"{k}={v}" for k, v in items.items()])
+
+
+def test_i2v_rows_are_the_pipelines_calls_on_the_cut_frames(folder, clips, tmp_path):
+    done = preprocessing.run_preprocess(config_of(folder), str(clips), str(tmp_path / "ds"), progress=False)
+    assert done["rows"] == 3 and done["skipped"] == []
+    rows = [r for f in sorted((tmp_path / "ds" / preprocess.PARTS).glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+    assert [r["id"] for r in rows] == ["tall.mp4", "wide.mp4", "wide2.mp4"]
+    opened = wan.ENCODERS.open(folder, ["text", "video", "image"])
+    video = media.read_video(clips / "tall.mp4")
+    clip = media.resize_crop(video.frames[:5], 16, 32)  # 16 fps at 16 fps: frames 0-4
+    row = rows[0]
+
+    def tensor(name):
+        return torch.from_numpy(np.frombuffer(row[f"{name}_bytes"], np.dtype(row[f"{name}_dtype"])).reshape(
+            row[f"{name}_shape"]).copy())
+
+    assert torch.equal(tensor("vae_latent"), opened.pipe.vae.encode(clip[None]).latent_dist.mean[0])
+    assert torch.allclose(tensor("first_frame_latent"), wan.encode_first_frame(opened.pipe, clip[None])[0], atol=1e-6)
+    image = opened.pipe.encode_image(media_image(clip), device=torch.device("cpu"))[0]
+    assert torch.equal(tensor("clip_feature"), image)
+    assert torch.equal(tensor("pil_image"), ((clip[:, 0] + 1) * 127.5).round().to(torch.uint8))
+    full, _ = opened.pipe.encode_prompt(["red bars moving up"], do_classifier_free_guidance=False,
+                                        max_sequence_length=512)
+    assert torch.equal(tensor("text_embedding"), full[0, :5])
+    assert (row["width"], row["height"], row["num_frames"], row["fps"]) == (32, 16, 3, 16.0)
+    assert json.loads((tmp_path / "ds" / "metadata.json").read_text())["model"] == str(folder.resolve())
+
+
+def media_image(clip):
+    from PIL import Image
+    return Image.fromarray(((clip[:, 0] + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy())
+
+
+def test_clips_go_to_the_bucket_nearest_their_aspect_ratio(folder, clips, tmp_path):
+    config = config_of(folder, **{"data.kind": "t2v", "data.preprocess.buckets": "[[16,32],[32,16]]"})
+    preprocessing.run_preprocess(config, str(clips), str(tmp_path / "ds"), progress=False)
+    rows = [r for f in sorted((tmp_path / "ds" / preprocess.PARTS).glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+    assert {r["id"]: (r["height"], r["width"]) for r in rows} == {"tall.mp4": (32, 16), "wide.mp4": (16, 32),
+                                                                   "wide2.mp4": (16, 32)}
+    assert {r["id"]: r["vae_latent_shape"] for r in rows}["tall.mp4"] == [4, 3, 16, 8]
+
+
+def test_a_folder_without_its_image_encoder_is_refused_before_anything_is_written(folder, clips, tmp_path, capsys):
+    import shutil
+    broken = tmp_path / "model"
+    shutil.copytree(folder, broken)
+    shutil.rmtree(broken / "image_encoder")
+    code = run.main(["preprocess", EXPERIMENT, "--videos", str(clips), "--out", str(tmp_path / "ds"),
+                     f"models.student.path={broken}", "models.student.preset=tiny-i2v", "data.world=null"])
+    assert code == 2 and "has no 'image_encoder' component" in capsys.readouterr().err
+    assert not (tmp_path / "ds").exists()
+    code = run.main(["preprocess", EXPERIMENT, "--videos", str(clips), "--out", str(tmp_path / "ds"),
+                     f"models.student.path={folder}", "models.student.preset=tiny-i2v", "data.world=null",
+                     "data.preprocess.max_width=30"])
+    assert code == 2 and "480x30 is not a multiple of 16" in capsys.readouterr().err
