@@ -38,7 +38,8 @@ class Encoders:
     video            the components video encoding needs
     encode_video(pipe, video) -> latents   video ``[B, 3, T, H, W]`` in [-1, 1] -> ``[B, C, t, h, w]`` VAE latents,
                      the posterior's mean (no draw), in the VAE's own scale
-    frame_step       clips hold ``1 + frame_step * k`` frames (the VAE's temporal compression; 1: any count)
+    frame_step       clips hold ``frame_base + frame_step * k`` frames (the VAE's temporal compression; 1: any
+                     count); ``frame_base`` 1 but for a family whose clips start otherwise (MiniMax-H3's 17 n + 5)
     pixel_multiple   heights and widths are multiples of this (the VAE's spatial compression times the DiT's patch)
     image, encode_image(pipe, frames) -> [B, N, D]   I2V's image encoder (frames ``[B, 3, H, W]`` in [0, 1]) as the
                      I2V pipeline calls it; empty / None: the family's I2V has none
@@ -58,6 +59,7 @@ class Encoders:
     video: tuple[str, ...] = ("vae",)
     encode_video: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
     frame_step: int = 4
+    frame_base: int = 1
     pixel_multiple: int = 16
     image: tuple[str, ...] = ()
     encode_image: Callable[[Any, torch.Tensor], torch.Tensor] | None = None

@@ -18,6 +18,7 @@ DiT uses the literal 6016.0, bf16's rounding of it (``embedded_guidance=6.016`` 
 """
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Any, Mapping
 
@@ -158,10 +159,25 @@ def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
     return pack_pooled(pooled, fencoders.real_tokens(embeds, mask))
 
 
+def load_pipeline(folder: pathlib.Path, components: tuple[str, ...], dtype: torch.dtype) -> Any:
+    """``HunyuanVideoPipeline.from_pretrained(folder)`` with only ``components`` loaded, the LLaMA's tokenizer read as
+    its ``tokenizer.json`` declares it: transformers 5's ``LlamaTokenizerFast`` (which ``model_index.json`` names)
+    rebuilds the byte-level Llama 3 tokenizer as a SentencePiece one, which drops its spaces and pads on the left."""
+    import diffusers
+    import transformers
+
+    index = json.loads((folder / "model_index.json").read_text())
+    given: dict[str, Any] = {name: None for name, value in index.items()
+                             if not name.startswith("_") and isinstance(value, list) and name not in components}
+    if "tokenizer" in components and (folder / "tokenizer" / "tokenizer.json").is_file():
+        given["tokenizer"] = transformers.PreTrainedTokenizerFast.from_pretrained(folder / "tokenizer")
+    return diffusers.HunyuanVideoPipeline.from_pretrained(folder, dtype=dtype, **given)
+
+
 ENCODERS = fencoders.Encoders(
     pipeline="HunyuanVideoPipeline", text=("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2"),
     encode_text=encode_text, encode_video=lambda pipe, video: fencoders.latent_mean(pipe.vae, video),
-    frame_step=4, pixel_multiple=16, audio_refusal="HunyuanVideo makes no sound")
+    frame_step=4, pixel_multiple=16, audio_refusal="HunyuanVideo makes no sound", load=load_pipeline)
 """HunyuanVideo's encoders: the packed text rows above and the VAE's posterior mean, unscaled (``LATENTS`` applies the
 scaling factor in training); 4x temporal compression, 8x spatial times the DiT's 2x2 patch."""
 

@@ -168,9 +168,9 @@ def frame_indices(fps: float, duration: float, *, num_frames: int, train_fps: fl
     return indices[:num_frames]
 
 
-def usable_frames(count: int, step: int) -> int:
-    """The largest ``1 + step * k <= count``: the frames a VAE of temporal compression ``step`` takes."""
-    return 1 + step * ((count - 1) // step) if count >= 1 else 0
+def usable_frames(count: int, step: int, base: int = 1) -> int:
+    """The largest ``base + step * k <= count``: the frames a VAE of temporal compression ``step`` takes (0: none)."""
+    return base + step * ((count - base) // step) if count >= base else 0
 
 
 # ------------------------------------------------------------------------------------------------ resize and crop

@@ -44,7 +44,7 @@ UNCHECKED = ("count", "fvx_version")  # metadata.json entries a resumed run may 
 
 class PreprocessConfig(Config):
     """How ``preprocess`` cuts clips (FastVideo's knobs; ``data.preprocess``): ``num_frames`` frames sampled at
-    ``train_fps`` (rounded down to the family's ``1 + k * frame_step``), ``max_height`` x ``max_width`` pixels (rounded
+    ``train_fps`` (rounded down to the family's ``frame_base + k * frame_step``), ``max_height`` x ``max_width`` pixels (rounded
     down to the family's pixel multiple; frames are scaled to cover it and centre-cropped); a video longer than
     ``video_length_tolerance_range`` clips is skipped. ``buckets``: (height, width) pairs; each clip goes to the one
     nearest its aspect ratio instead of ``max_height`` x ``max_width`` (a batch never mixes them). ``samples_per_file``
@@ -86,7 +86,8 @@ class Input:
 @dataclasses.dataclass(frozen=True)
 class Job:
     """Everything a preprocessing run needs: ``identity`` (what made the folder, checked on resume), the data
-    ``kind``, the cut ``config``, the family's ``frame_step`` and ``pixel_multiple``, the audio rate (t2va)."""
+    ``kind``, the cut ``config``, the family's ``frame_step`` and ``pixel_multiple``, the audio rate (t2va), the
+    family's ``frame_base``."""
 
     identity: dict[str, Any]
     kind: str
@@ -94,6 +95,7 @@ class Job:
     frame_step: int
     pixel_multiple: int
     audio_rate: int | None = None
+    frame_base: int = 1
 
 
 # ----------------------------------------------------------------------------------------------------------- inputs
@@ -155,7 +157,7 @@ def cut(job: Job, item: Input) -> tuple[torch.Tensor, dict[str, Any]]:
         frames, fps = media.read_image(item.path), 0.0
     else:
         fps, duration = media.probe_video(item.path)
-        wanted = media.usable_frames(config.num_frames, job.frame_step)
+        wanted = media.usable_frames(config.num_frames, job.frame_step, job.frame_base)
         indices = media.frame_indices(fps, duration, num_frames=wanted, train_fps=config.train_fps,
                                       tolerance=config.video_length_tolerance_range).tolist()
         video = media.read_video(item.path, indices)

@@ -399,7 +399,6 @@ class WorldEncoders:
     codec: what ``preprocess`` encodes the clips of :func:`write_videos` with (``fvx.data.preprocess.Encoder``), so the
     parquet it writes holds what the built-in dataset makes."""
 
-    frame_step, pixel_multiple = 1, 1
 
     def __init__(self, config: WorldConfig):
         self.config = config

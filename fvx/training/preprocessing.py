@@ -39,8 +39,8 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def encoder_source(config: Any, parts: tuple[str, ...]) -> tuple[dict[str, Any], Callable[[], Any], int, int]:
-    """(identity, encoder factory, frame step, pixel multiple) for the experiment. Every problem (no encoders, no
+def encoder_source(config: Any, parts: tuple[str, ...]) -> tuple[dict[str, Any], Callable[[], Any], tuple[int, int], int]:
+    """(identity, encoder factory, (frame base, frame step), pixel multiple) for the experiment. Every problem (no encoders, no
     folder, a component the folder lacks) raises a one-line ValueError here, before anything is read or written; the
     factory loads the weights."""
     role, model = model_role(config)
@@ -53,7 +53,7 @@ def encoder_source(config: Any, parts: tuple[str, ...]) -> tuple[dict[str, Any],
                              f"{world.fps} fps; set data.preprocess.num_frames={world.frames} train_fps={world.fps} "
                              f"max_height={world.size} max_width={world.size}")
         encoders = WorldEncoders(world)
-        return {**encoders.identity(), "family": family}, lambda: encoders, 1, 1
+        return {**encoders.identity(), "family": family}, lambda: encoders, (1, 1), 1
     record = getattr(type(model), "encoders", None)
     if record is None:
         raise ValueError(f"models.{role}: family {family!r} has no encoders in fvx")
@@ -67,7 +67,7 @@ def encoder_source(config: Any, parts: tuple[str, ...]) -> tuple[dict[str, Any],
         return record.open(folder, parts, dtype=model.compute_dtype, device=_device(), who=who)
 
     identity = {"model": str(folder.resolve()), "family": family}
-    return identity, factory, record.frame_step, record.pixel_multiple
+    return identity, factory, (record.frame_base, record.frame_step), record.pixel_multiple
 
 
 def parts_of(kind: str) -> tuple[str, ...]:
@@ -83,8 +83,11 @@ def job_of(config: Any) -> tuple[preprocess.Job, Callable[[], Any]]:
     if data.kind == "text_only":
         raise ValueError("data.kind='text_only' has no media to preprocess: use encode-prompts for text")
     cut = data.preprocess
-    identity, factory, frame_step, multiple = encoder_source(config, parts_of(data.kind))
+    identity, factory, (frame_base, frame_step), multiple = encoder_source(config, parts_of(data.kind))
     media.check_size(cut.max_height, cut.max_width, multiple, "data.preprocess.max_height x max_width")
+    if media.usable_frames(cut.num_frames, frame_step, frame_base) == 0:
+        raise ValueError(f"data.preprocess.num_frames={cut.num_frames} is shorter than the family's shortest clip "
+                         f"({frame_base} frames)")
     for height, width in cut.buckets or ():
         media.check_size(height, width, multiple, "data.preprocess.buckets entry")
     audio_rate = None
@@ -93,7 +96,7 @@ def job_of(config: Any) -> tuple[preprocess.Job, Callable[[], Any]]:
         if audio_rate is None:
             raise ValueError("data.kind='t2va' needs data.preprocess.audio_rate (the audio VAE's sample rate, Hz)")
     identity = {**identity, "kind": data.kind, "preprocess": msgspec.to_builtins(cut)}
-    return preprocess.Job(identity, data.kind, cut, frame_step, multiple, audio_rate), factory
+    return preprocess.Job(identity, data.kind, cut, frame_step, multiple, audio_rate, frame_base), factory
 
 
 def run_preprocess(config: Any, videos: str, out: str, *, progress: bool) -> dict[str, Any]:
