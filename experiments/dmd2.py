@@ -22,6 +22,7 @@ import msgspec
 from fvx.config import recipe
 from fvx.core.optim_config import AdamWConfig
 from fvx.data.datasets import DataConfig
+from fvx.data.preprocess import PreprocessConfig
 from fvx.data.toy_world import SpaceToDepth, WorldConfig
 from fvx.storage.checkpoint_config import CheckpointConfig
 from fvx.training.experiment import Experiment, RunConfig
@@ -40,6 +41,11 @@ class DMD2Wan(Experiment):
 
 
 TEACHER = "runs/teacher"  # experiments/finetune_wan.py's run, exported (module docstring)
+# No FastVideo script writes Wan-Syn_77x448x832: its name's 77 frames (20 latent) of 448x832, at Wan's 16 fps
+WAN_SYN = PreprocessConfig(num_frames=77, train_fps=16, max_height=448, max_width=832)
+# examples/training/finetune/wan_t2v_1.3B/mixkit/preprocess_mixkit_data.sh (its tolerance: FastVideo's default, 2)
+MIXKIT = PreprocessConfig(num_frames=77, train_fps=16, max_height=480, max_width=832, video_length_tolerance_range=2.0,
+                          samples_per_file=8)
 
 config = DMD2Wan(
     run=RunConfig(seed=0, steps=400, output_dir="runs/dmd2", log_every=1),
@@ -78,7 +84,13 @@ def wan21_t2v_1p3b() -> DMD2Wan:
     (critic), betas (0, 0.999), weight decay 0.01, constant, clip 1; EMA 0.98 from the start; global batch 4 (4 ranks
     of 1), 20 latent frames of 448x832; checkpoints every 20 steps, the newest 3 kept; validation every 50 steps, the
     student's 4 steps converting with the shift-8 grid's levels as FastVideo's DMD validation stage (``sampling_shift``;
-    its rollout trains on the models' shift-3 grid)."""
+    its rollout trains on the models' shift-3 grid). No FastVideo script writes Wan-Syn: ``data.preprocess`` cuts its
+    77 frames of 448x832 at 16 fps. The negative prompt is FastVideo's default for Wan 2.1 T2V 1.3B
+    (fastvideo/pipelines/basic/wan/presets.py:15):
+        python -m fvx.run preprocess experiments/dmd2.py:wan21_t2v_1p3b --videos /data/my_clips --out /data/my_dataset \\
+            models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers
+        python -m fvx.run encode-prompts experiments/dmd2.py:wan21_t2v_1p3b experiments/prompts/wan21_negative.txt \\
+            --out data/wan21_negative_prompt.safetensors models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers"""
     wan = WanConfig(preset="wan2.1-t2v-1.3b", path="models/Wan2.1-T2V-1.3B-Diffusers", compute_dtype="bf16",
                     remat=True, compile="blocks")
     adamw = AdamWConfig(lr=2e-6, betas=(0.0, 0.999), weight_decay=0.01, max_grad_norm=1.0, schedule="constant")
@@ -86,7 +98,7 @@ def wan21_t2v_1p3b() -> DMD2Wan:
         run=RunConfig(seed=1000, steps=4000, output_dir="outputs/wan2.1_dmd2_4steps",
                       checkpoint=CheckpointConfig(every=20, keep_latest=3)),
         data=DataConfig(path="data/Wan-Syn_77x448x832_600k", batch_size=4, text_len=512, cfg_rate=0.0,
-                        num_latent_t=20),
+                        num_latent_t=20, preprocess=WAN_SYN),
         models={"student": wan, "teacher": wan},
         validation=ValidationConfig(every=50, num_prompts=4),
         method=DMD2(rollout_mode="simulate", denoising_steps=(1000, 750, 500, 250), generator_update_interval=5,
@@ -121,7 +133,11 @@ def wan21_t2v_1p3b_attn_qad() -> DMD2Wan:
     is installed, the same attention); rollout from the data's latents over [1000, 757, 522], the student updated
     every 5th step, score timesteps in [0.02, 0.98], guidance 3 (the legacy ``cond + 2 (cond - uncond)``); AdamW lr
     2e-6, betas (0.9, 0.999), weight decay 0.01, constant, clip 1, for both; 4 ranks of batch 1, 20 latent frames of
-    480x832; 2000 steps, checkpoints every 500 (the newest 3); validation every 200 steps (the student's 3 steps):
+    480x832; 2000 steps, checkpoints every 500 (the newest 3); validation every 200 steps (the student's 3 steps).
+    Data as ``finetune_wan.py:wan21_t2v_1p3b_attn_qat``'s (mixkit/preprocess_mixkit_data.sh's cut); the negative prompt
+    as ``wan21_t2v_1p3b``'s (the same file):
+        python -m fvx.run encode-prompts experiments/dmd2.py:wan21_t2v_1p3b_attn_qad experiments/prompts/wan21_negative.txt \\
+            --out data/wan21_negative_prompt.safetensors models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers
         torchrun --nproc-per-node 4 -m fvx.run experiments/dmd2.py:wan21_t2v_1p3b_attn_qad"""
     wan = WanConfig(preset="wan2.1-t2v-1.3b", path="models/Wan2.1-T2V-1.3B-Diffusers", compute_dtype="bf16",
                     remat=True)
@@ -130,7 +146,7 @@ def wan21_t2v_1p3b_attn_qad() -> DMD2Wan:
         run=RunConfig(seed=1000, steps=2000, output_dir="checkpoints/wan_t2v_distill_dmd_qat",
                       checkpoint=CheckpointConfig(every=500, keep_latest=3)),
         data=DataConfig(path="data/HD-Mixkit-Finetune-Wan/combined_parquet_dataset", batch_size=4, text_len=512,
-                        cfg_rate=0.0, num_latent_t=20),
+                        cfg_rate=0.0, num_latent_t=20, preprocess=MIXKIT),
         models={"student": msgspec.structs.replace(wan, path="checkpoints/wan_t2v_qat_finetune/diffusers",
                                                    attention="qat"),
                 "critic": wan, "teacher": wan},

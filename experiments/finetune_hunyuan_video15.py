@@ -19,6 +19,7 @@ import msgspec
 from fvx.config import recipe
 from fvx.core.optim_config import AdamWConfig
 from fvx.data.datasets import DataConfig, SyntheticConfig
+from fvx.data.preprocess import PreprocessConfig
 from fvx.storage.checkpoint_config import CheckpointConfig
 from fvx.training.experiment import Experiment, RunConfig
 from fvx.training.validation import ValidationConfig
@@ -51,11 +52,16 @@ def release_480p_t2v() -> FinetuneHunyuanVideo15:
     1; logit-normal(0, 1) timesteps through flow shift 3; batch 1 per rank (the release runs 8 GPUs as one 8-way
     sequence-parallel group, global batch 1; fvx has no sequence parallelism for this family, so 8 ranks of 1); 10000
     steps, checkpoints every 1000 (all kept), seed 42; validation every 100 steps from step 0, one prompt, 50 steps at
-    flow shift 5 and the pipeline's guidance 6. Text-to-video only (the release mixes in 30% image-to-video)."""
+    flow shift 5 and the pipeline's guidance 6. Text-to-video only (the release mixes in 30% image-to-video). No
+    FastVideo script makes its data: ``data.preprocess`` cuts the 480p model's own clip, 121 frames (31 latent) of
+    480x848 at 24 fps (FastVideo's hunyuan15_t2v_480p preset, diffusers' 16:9 default at 480p):
+        python -m fvx.run preprocess experiments/finetune_hunyuan_video15.py:release_480p_t2v --videos /data/my_clips \\
+            --out /data/my_dataset models.student.path=/models/HunyuanVideo-1.5-Diffusers-480p_t2v"""
     return FinetuneHunyuanVideo15(
         run=RunConfig(seed=42, steps=10000, output_dir="outputs/hunyuan_video15_480p_t2v", log_every=10,
                       checkpoint=CheckpointConfig(every=1000, keep_latest=None)),
-        data=DataConfig(path="data/preprocessed", batch_size=8, text_len=1000, cfg_rate=0.0),
+        data=DataConfig(path="data/preprocessed", batch_size=8, text_len=1000, cfg_rate=0.0,
+                        preprocess=PreprocessConfig(num_frames=121, train_fps=24, max_height=480, max_width=848)),
         models={"student": HunyuanVideo15Config(preset="hunyuanvideo1.5-480p-t2v",
                                                 path="models/HunyuanVideo-1.5-Diffusers-480p_t2v",
                                                 compute_dtype="bf16", remat=True, glyph_text=False)},

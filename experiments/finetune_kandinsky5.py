@@ -20,6 +20,7 @@ import msgspec
 from fvx.config import recipe
 from fvx.core.optim_config import AdamWConfig
 from fvx.data.datasets import DataConfig, SyntheticConfig
+from fvx.data.preprocess import PreprocessConfig
 from fvx.storage.checkpoint_config import CheckpointConfig
 from fvx.training.experiment import Experiment, RunConfig
 from fvx.training.validation import ValidationConfig
@@ -49,12 +50,21 @@ def kandinsky5_t2v_480p_qat() -> FinetuneKandinsky5:
     of 512x768, CFG dropout 0.1, data seed 1000; full activation checkpointing, bf16; 2000 steps, checkpoints every
     500 (the newest 3 kept); validation every 250 steps, 25 steps at guidance 6 against the negative prompt, flow
     shift 5; Attn-QAT (its FASTVIDEO_ATTENTION_BACKEND=ATTN_QAT_TRAIN: ``attention=qat``, fake-quantized NVFP4
-    attention in every attention module)."""
+    attention in every attention module). Its data is cut as FastVideo's preprocess_kandinsky5_overfit.py sets (121
+    frames of 512x768 at 24 fps; that script stretches the first 121 native frames, fvx resamples, scales and crops);
+    the negative prompt is FastVideo's default for the model (fastvideo/pipelines/basic/kandinsky5/presets.py:6):
+        python -m fvx.run preprocess experiments/finetune_kandinsky5.py:kandinsky5_t2v_480p_qat \\
+            --videos /data/my_clips --out /data/my_dataset \\
+            models.student.path=/models/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers
+        python -m fvx.run encode-prompts experiments/finetune_kandinsky5.py:kandinsky5_t2v_480p_qat \\
+            experiments/prompts/kandinsky5_negative.txt --out data/kandinsky5_negative_prompt.safetensors \\
+            models.student.path=/models/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers"""
     return FinetuneKandinsky5(
         run=RunConfig(seed=1000, steps=2000, output_dir="outputs/kandinsky5_t2v_qat_finetune",
                       checkpoint=CheckpointConfig(every=500, keep_latest=3)),
         data=DataConfig(path="data/kandinsky5_overfit_preprocessed", batch_size=8, text_len=513, cfg_rate=0.1,
-                        num_latent_t=31),
+                        num_latent_t=31,
+                        preprocess=PreprocessConfig(num_frames=121, train_fps=24, max_height=512, max_width=768)),
         models={"student": Kandinsky5Config(preset="kandinsky5-t2v-lite",
                                             path="models/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers",
                                             compute_dtype="bf16", remat=True, attention="qat")},

@@ -27,6 +27,7 @@ import msgspec
 from fvx.config import recipe
 from fvx.core.optim_config import AdamWConfig
 from fvx.data.datasets import DataConfig
+from fvx.data.preprocess import PreprocessConfig
 from fvx.data.toy_world import SpaceToDepth, WorldConfig
 from fvx.storage.checkpoint_config import CheckpointConfig
 from fvx.training.experiment import Experiment, RunConfig
@@ -41,6 +42,9 @@ MU = ltx2.shift_mu(math.prod(LATENTS[1:]))  # 4290 tokens -> 2.13: the pipeline'
 LORA = LoRAConfig(rank=16, alpha=32.0, target_modules=("to_q", "to_k", "to_v", "to_out"))
 CHECKPOINTS = {"2.0": "models/LTX2-Distilled-Diffusers", "2.3": "models/LTX-2.3-Distilled-Diffusers"}
 PRESETS = {"2.0": "ltx-2", "2.3": "ltx-2.3"}
+# fastvideo/pipelines/preprocess/preprocess_ltx2_overfit.py's NUM_FRAMES, MAX_HEIGHT, MAX_WIDTH, TRAIN_FPS (the YAMLs'
+# reference; examples/training/finetune/ltx2/preprocess_ltx2_data_t2v_new.sh's 121 frames of 1088x1920 are not these)
+CUT = PreprocessConfig(num_frames=81, train_fps=24, max_height=480, max_width=832)
 
 
 class FinetuneLTX2(Experiment):
@@ -64,7 +68,10 @@ def _fastvideo(version: str, *, lora: bool = False, overfit: bool = False) -> Fi
     frames of 480x832 (11 latent frames), no CFG dropout, full gradient checkpointing; AdamW lr 5e-5 (1e-4 for the
     LoRA: r 16, alpha 32 on to_q/to_k/to_v/to_out), betas (0.9, 0.999), no weight decay, constant, clip 1; 2000 steps,
     a checkpoint every 500 (the newest 2 kept); validation every 250 steps, 8 steps at guidance 1 (the distilled
-    checkpoint's). The overfit recipe: 300 steps, validation every 50, no periodic checkpoints."""
+    checkpoint's). The overfit recipe: 300 steps, validation every 50, no periodic checkpoints. Data: 81 frames of
+    480x832 at 24 fps, as FastVideo's preprocess_ltx2_overfit.py (the YAMLs' reference) cuts them, e.g.
+        python -m fvx.run preprocess experiments/finetune_ltx2.py:ltx2_t2v --videos /data/my_clips \\
+            --out /data/my_dataset models.student.path=/models/LTX2-Distilled-Diffusers"""
     name = {"2.0": "ltx2", "2.3": "ltx2_3"}[version]
     return FinetuneLTX2(
         run=RunConfig(seed=42, steps=300 if overfit else 2000,
@@ -73,7 +80,7 @@ def _fastvideo(version: str, *, lora: bool = False, overfit: bool = False) -> Fi
                       checkpoint=CheckpointConfig(every=0, keep_latest=1) if overfit else
                       CheckpointConfig(every=500, keep_latest=2)),
         data=DataConfig(path=f"data/{name}_overfit_preprocessed" if overfit else "data/your_dataset_preprocessed",
-                        batch_size=4, text_len=ltx2.TEXT_LEN, cfg_rate=0.0, num_latent_t=LATENTS[1]),
+                        batch_size=4, text_len=ltx2.TEXT_LEN, cfg_rate=0.0, num_latent_t=LATENTS[1], preprocess=CUT),
         models={"student": LTX2Config(preset=PRESETS[version], path=CHECKPOINTS[version], compute_dtype="bf16",
                                       remat=True, lora=LORA if lora else None)},
         validation=ValidationConfig(every=50 if overfit else 250, num_prompts=4, latent_shape=LATENTS, num_steps=8,
@@ -91,29 +98,33 @@ def ltx2_t2v() -> FinetuneLTX2:
 
 @recipe
 def ltx2_t2v_lora() -> FinetuneLTX2:
-    """FastVideo's fine_tuning/ltx2/t2v_lora.yaml: LoRA on the video branch (the audio branch gets no adapters)."""
+    """FastVideo's fine_tuning/ltx2/t2v_lora.yaml: LoRA on the video branch (the audio branch gets no adapters); data
+    as :func:`_fastvideo`'s."""
     return _fastvideo("2.0", lora=True)
 
 
 @recipe
 def ltx2_3_t2v() -> FinetuneLTX2:
-    """FastVideo's fine_tuning/ltx2_3/t2v.yaml: LTX-2.3."""
+    """FastVideo's fine_tuning/ltx2_3/t2v.yaml: LTX-2.3; data cut as :func:`_fastvideo`'s, encoded by LTX-2.3's own
+    text encoder:
+        python -m fvx.run preprocess experiments/finetune_ltx2.py:ltx2_3_t2v --videos /data/my_clips \\
+            --out /data/my_dataset models.student.path=/models/LTX-2.3-Distilled-Diffusers"""
     return _fastvideo("2.3")
 
 
 @recipe
 def ltx2_3_t2v_lora() -> FinetuneLTX2:
-    """FastVideo's fine_tuning/ltx2_3/t2v_lora.yaml."""
+    """FastVideo's fine_tuning/ltx2_3/t2v_lora.yaml; data as ``ltx2_3_t2v``'s."""
     return _fastvideo("2.3", lora=True)
 
 
 @recipe
 def ltx2_overfit() -> FinetuneLTX2:
-    """FastVideo's configs/overfit_ltx2_t2v.yaml."""
+    """FastVideo's configs/overfit_ltx2_t2v.yaml; data as :func:`_fastvideo`'s (preprocess_ltx2_overfit.py's cut)."""
     return _fastvideo("2.0", overfit=True)
 
 
 @recipe
 def ltx2_3_overfit() -> FinetuneLTX2:
-    """FastVideo's configs/overfit_ltx2_3_t2v.yaml."""
+    """FastVideo's configs/overfit_ltx2_3_t2v.yaml; data as ``ltx2_3_t2v``'s."""
     return _fastvideo("2.3", overfit=True)

@@ -27,6 +27,7 @@ import msgspec
 from fvx.config import recipe
 from fvx.core.optim_config import AdamWConfig
 from fvx.data.datasets import DataConfig, SyntheticConfig
+from fvx.data.preprocess import PreprocessConfig
 from fvx.storage.checkpoint_config import CheckpointConfig
 from fvx.training.experiment import Experiment, RunConfig
 from fvx.training.validation import ValidationConfig
@@ -72,12 +73,17 @@ def ltxv_2b_lora() -> FinetuneLTXVideo:
     ``fps``: the pipeline's 25 (LTX-Video-Trainer reads each clip's; set ``models.student.fps`` to your clips'). Not
     carried over: its first-frame conditioning of 10% of the samples (fvx trains text-to-video) and its negative
     validation prompt (give one as a cond file: ``validation.cfg_uncond=negative_prompt
-    validation.negative_prompt_path=...``)."""
+    validation.negative_prompt_path=...``). No FastVideo script: ``data.preprocess`` cuts the bucket, 89 frames (12
+    latent) of 448x768, at the pipeline's 25 fps:
+        python -m fvx.run preprocess experiments/finetune_ltx_video.py:ltxv_2b_lora --videos /data/my_clips \\
+            --out /data/my_dataset models.student.path=/models/LTX-Video"""
     return FinetuneLTXVideo(
         run=RunConfig(seed=42, steps=1500, output_dir="outputs/ltxv_lora",
                       checkpoint=CheckpointConfig(every=250, keep_latest=None)),
         data=DataConfig(path="data/ltxv_preprocessed", batch_size=1, text_len=256, cfg_rate=0.0,
-                        num_latent_t=LATENT_BUCKET[1]),
+                        num_latent_t=LATENT_BUCKET[1],
+                        preprocess=PreprocessConfig(num_frames=BUCKET[0], train_fps=25, max_height=BUCKET[1],
+                                                    max_width=BUCKET[2])),
         models={"student": LTXVideoConfig(preset="ltx-video-2b", path="models/LTX-Video", compute_dtype="bf16",
                                           frozen_dtype="bf16", remat=False, lora=TRAINER_LORA)},
         validation=ValidationConfig(every=100, num_prompts=2, latent_shape=LATENT_BUCKET, num_steps=50,

@@ -21,6 +21,7 @@ import msgspec
 from fvx.config import recipe
 from fvx.core.optim_config import AdamWConfig
 from fvx.data.datasets import DataConfig
+from fvx.data.preprocess import PreprocessConfig
 from fvx.data.toy_audio import AudioFrames
 from fvx.data.toy_world import SpaceToDepth, WorldConfig
 from fvx.storage.checkpoint_config import CheckpointConfig
@@ -32,6 +33,9 @@ from fvx_models.minimax_h3 import MiniMaxH3Config
 from fvx_models.minimax_h3_audio import MiniMaxH3AudioDecoder
 
 OVERFIT_LATENTS = (24, 37, 48, 84)  # 124 frames of 768x1344: 5 n + 2 = 37 latent frames, 768 / 16, 1344 / 16
+# fastvideo/pipelines/preprocess/preprocess_minimax_h3_overfit.py's NUM_FRAMES (124 = 17 n + 5, n = 7), VIDEO_HEIGHT,
+# VIDEO_WIDTH, AUDIO_SAMPLE_RATE at MINIMAX_H3_FPS (24)
+OVERFIT_CUT = PreprocessConfig(num_frames=124, train_fps=24, max_height=768, max_width=1344, audio_rate=32000)
 
 
 class FinetuneMiniMaxH3(Experiment):
@@ -61,12 +65,17 @@ def minimax_h3_t2va_overfit() -> FinetuneMiniMaxH3:
     50 steps at guidance 1 (the released model is guidance-distilled), seed 42. FastVideo runs it on 64 GPUs as 8
     sequence-parallel groups of 8 (HSDP 8 x 8), one sample per group: a global batch of 8. fvx has no sequence
     parallelism for MiniMax-H3's packed sequence, so the recipe is 8 ranks of one sample each (the same global batch
-    of 8, the dataset's one record repeated), params sharded over the 8."""
+    of 8, the dataset's one record repeated), params sharded over the 8. Its data is cut as FastVideo's
+    preprocess_minimax_h3_overfit.py sets (124 frames of 768x1344 at 24 fps, audio at 32 kHz; that script resizes
+    without cropping, fvx scales to cover and crops):
+        python -m fvx.run preprocess experiments/finetune_minimax_h3.py:minimax_h3_t2va_overfit \\
+            --videos /data/my_clips --out /data/my_dataset models.student.path=/models/MiniMax-H3"""
     return FinetuneMiniMaxH3(
         run=RunConfig(seed=42, steps=400, output_dir="runs/minimax_h3_t2va_crush_smol_single_sample_overfit",
                       checkpoint=CheckpointConfig(every=20, keep_latest=2)),
         data=DataConfig(path="data/crush-smol_h3_t2va_single_sample_preprocessed", kind="t2va", batch_size=8,
-                        text_len=minimax_h3.TEXT_LEN, cfg_rate=0.0, num_latent_t=OVERFIT_LATENTS[1]),
+                        text_len=minimax_h3.TEXT_LEN, cfg_rate=0.0, num_latent_t=OVERFIT_LATENTS[1],
+                        preprocess=OVERFIT_CUT),
         models={"student": MiniMaxH3Config(preset="minimax-h3", path="data/models/MiniMax-H3", compute_dtype="bf16",
                                            remat=True)},
         audio_vae=MiniMaxH3AudioDecoder(path="data/models/MiniMax-H3"),

@@ -26,6 +26,12 @@ from fvx_models.attention.config import VSAConfig
 from fvx_models.wan import WanConfig
 from fvx_models.wan_vae import WanVAEConfig
 
+# No FastVideo script writes data/preprocessed or Wan-Syn: the YAMLs' 77 frames (20 latent) of 448x832 at Wan's 16 fps
+WAN_448 = PreprocessConfig(num_frames=77, train_fps=16, max_height=448, max_width=832)
+# examples/training/finetune/wan_t2v_1.3B/mixkit/preprocess_mixkit_data.sh (its tolerance: FastVideo's default, 2)
+MIXKIT = PreprocessConfig(num_frames=77, train_fps=16, max_height=480, max_width=832, video_length_tolerance_range=2.0,
+                          samples_per_file=8)
+
 
 class FinetuneWan(Experiment):
     models: dict[str, WanConfig] = msgspec.field(default_factory=lambda: {"student": WanConfig()})
@@ -48,11 +54,15 @@ config = FinetuneWan(
 def wan21_t2v_1p3b() -> FinetuneWan:
     """FastVideo's fine_tuning/wan/t2v.yaml: Wan 2.1 T2V 1.3B, AdamW lr 1e-6, betas (0.9, 0.999), weight decay 0.01,
     constant, clip 1; global batch 8 (8 data-parallel ranks of 1), 20 latent frames of 448x832; 4000 steps,
-    checkpoints every 100 (the newest 3 kept); validation every 100 steps, 50 steps at guidance 5."""
+    checkpoints every 100 (the newest 3 kept); validation every 100 steps, 50 steps at guidance 5. No FastVideo script
+    writes its data: ``data.preprocess`` cuts the YAML's 77 frames of 448x832 at Wan's 16 fps:
+        python -m fvx.run preprocess experiments/finetune_wan.py:wan21_t2v_1p3b --videos /data/my_clips \\
+            --out /data/my_dataset models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers"""
     return FinetuneWan(
         run=RunConfig(seed=1000, steps=4000, output_dir="outputs/wan_finetune",
                       checkpoint=CheckpointConfig(every=100, keep_latest=3)),
-        data=DataConfig(path="data/preprocessed", batch_size=8, text_len=512, cfg_rate=0.0, num_latent_t=20),
+        data=DataConfig(path="data/preprocessed", batch_size=8, text_len=512, cfg_rate=0.0, num_latent_t=20,
+                        preprocess=WAN_448),
         models={"student": WanConfig(preset="wan2.1-t2v-1.3b", path="models/Wan2.1-T2V-1.3B-Diffusers",
                                      compute_dtype="bf16", remat=True)},
         validation=ValidationConfig(every=100, num_prompts=4, num_steps=50, flow_shift=3.0, guidance_scale=5.0),
@@ -64,8 +74,9 @@ def wan21_t2v_1p3b() -> FinetuneWan:
 @recipe
 def wan21_t2v_1p3b_vsa() -> FinetuneWan:
     """FastVideo's fine_tuning/wan/t2v_vsa.yaml: ``wan21_t2v_1p3b`` with Video Sparse Attention at sparsity 0.9 from
-    the first step (the gates start at zero: the dense checkpoint starts as itself), the Wan-Syn 77x448x832 latents,
-    validation every 50 steps (4 prompts, 50 steps at guidance 5)."""
+    the first step (the gates start at zero: the dense checkpoint starts as itself), the Wan-Syn 77x448x832 latents
+    (no FastVideo script; ``data.preprocess`` as the base's: 77 frames of 448x832 at 16 fps), validation every 50
+    steps (4 prompts, 50 steps at guidance 5)."""
     base = wan21_t2v_1p3b()
     return msgspec.structs.replace(
         base, run=msgspec.structs.replace(base.run, output_dir="outputs/phase3.4_wan2.1_finetune_vsa_0.9_v3"),
@@ -98,14 +109,17 @@ def wan21_t2v_1p3b_attn_qat() -> FinetuneWan:
     ``models.student.flow_shift``, so FastVideo's ``WanModel`` keeps its default 3.0, ``fastvideo/train/models/wan/
     wan.py:69,94``; its ``pipeline.flow_shift: 1`` is the validation's), 20 latent frames of 480x832
     from the HD-Mixkit latents; AdamW lr 1e-6, betas (0.9, 0.999), weight decay 0.01, constant, clip 1; 4000 steps,
-    checkpoints every 500 (all kept); validation every 50 steps (50 steps at guidance 5):
+    checkpoints every 500 (all kept); validation every 50 steps (50 steps at guidance 5). Its data is cut as
+    FastVideo's mixkit/preprocess_mixkit_data.sh does (77 frames of 480x832 at 16 fps, 8 a file):
+        python -m fvx.run preprocess experiments/finetune_wan.py:wan21_t2v_1p3b_attn_qat --videos /data/my_clips \\
+            --out /data/my_dataset models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers
         torchrun --nproc-per-node 4 -m fvx.run experiments/finetune_wan.py:wan21_t2v_1p3b_attn_qat --sp 4"""
     base = wan21_t2v_1p3b()
     return msgspec.structs.replace(
         base, run=RunConfig(seed=1000, steps=4000, output_dir="checkpoints/wan_t2v_qat_finetune",
                             checkpoint=CheckpointConfig(every=500, keep_latest=None)),
         data=DataConfig(path="data/HD-Mixkit-Finetune-Wan/combined_parquet_dataset", batch_size=1, text_len=512,
-                        cfg_rate=0.1, num_latent_t=20),
+                        cfg_rate=0.1, num_latent_t=20, preprocess=MIXKIT),
         models={"student": msgspec.structs.replace(base.models["student"], attention="qat")},
         validation=ValidationConfig(every=50, num_prompts=4, num_steps=50, flow_shift=1.0, guidance_scale=5.0),
         method=msgspec.structs.replace(base.method, flow_shift=3.0))

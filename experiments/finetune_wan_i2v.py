@@ -22,6 +22,7 @@ import msgspec
 from fvx.config import recipe
 from fvx.core.optim_config import AdamWConfig
 from fvx.data.datasets import DataConfig
+from fvx.data.preprocess import PreprocessConfig
 from fvx.data.toy_world import SpaceToDepth, WorldConfig
 from fvx.storage.checkpoint_config import CheckpointConfig
 from fvx.training.experiment import Experiment, RunConfig
@@ -30,6 +31,10 @@ from fvx_methods.finetune import Finetune
 from fvx_models.lora import LoRAConfig
 from fvx_models.wan import WanConfig
 from fvx_models.wan_vae import WanVAEConfig
+
+# examples/training/finetune/wan_i2v_14B_480p/crush_smol/preprocess_wan_data_i2v.sh
+CRUSH_SMOL_I2V = PreprocessConfig(num_frames=77, train_fps=16, max_height=480, max_width=832,
+                                  video_length_tolerance_range=5.0, samples_per_file=8)
 
 
 class FinetuneWanI2V(Experiment):
@@ -53,7 +58,7 @@ def _wan21_i2v_14b_480p(lora: LoRAConfig | None, output_dir: str) -> FinetuneWan
         run=RunConfig(seed=42, steps=2000, output_dir=output_dir,
                       checkpoint=CheckpointConfig(every=1000, keep_latest=3)),
         data=DataConfig(kind="i2v", path="data/crush-smol_processed_i2v/combined_parquet_dataset", batch_size=1,
-                        text_len=512, cfg_rate=0.1, num_latent_t=8),
+                        text_len=512, cfg_rate=0.1, num_latent_t=8, preprocess=CRUSH_SMOL_I2V),
         models={"student": WanConfig(preset="wan2.1-i2v-14b-480p", path="models/Wan2.1-I2V-14B-480P-Diffusers",
                                      compute_dtype="bf16", remat=True, lora=lora)},
         validation=ValidationConfig(every=100, num_prompts=4, num_steps=40, flow_shift=3.0, guidance_scale=6.0),
@@ -73,12 +78,16 @@ def wan21_i2v_14b_480p() -> FinetuneWanI2V:
     wan_i2v_training_pipeline.py``) builds a shift-3 scheduler, but ``TrainingPipeline.train`` replaces it by
     diffusers' ``FlowMatchEulerDiscreteScheduler()`` (shift 1) before the first step (``training_pipeline.py:536``),
     and the uniform ``u`` indexes that (``_sample_timesteps``). Its ``ema_start_step 0`` and ``num_euler_timesteps``
-    are for its distillation pipelines and have no effect on fine-tuning."""
+    are for its distillation pipelines and have no effect on fine-tuning. Its data is cut as FastVideo's
+    crush_smol/preprocess_wan_data_i2v.sh does (77 frames of 480x832 at 16 fps, 8 a file):
+        python -m fvx.run preprocess experiments/finetune_wan_i2v.py:wan21_i2v_14b_480p --videos /data/my_clips \\
+            --out /data/my_dataset models.student.path=/models/Wan2.1-I2V-14B-480P-Diffusers"""
     return _wan21_i2v_14b_480p(None, "checkpoints/wan_i2v_finetune")
 
 
 @recipe
 def wan21_i2v_14b_480p_lora() -> FinetuneWanI2V:
     """FastVideo's .../wan_i2v_14B_480p/crush_smol/finetune_i2v_lora.sh: the full recipe with LoRA rank 32 (alpha
-    the rank, FastVideo's default) on FastVideo's default targets, 4 ranks in one SP group (``--sp 4``)."""
+    the rank, FastVideo's default) on FastVideo's default targets, 4 ranks in one SP group (``--sp 4``); the same data
+    (``preprocess`` as the full recipe's)."""
     return _wan21_i2v_14b_480p(LoRAConfig(rank=32), "checkpoints/wan_i2v_finetune_lora")

@@ -19,6 +19,7 @@ import msgspec
 from fvx.config import recipe
 from fvx.core.optim_config import AdamWConfig
 from fvx.data.datasets import DataConfig
+from fvx.data.preprocess import PreprocessConfig
 from fvx.data.toy_world import SpaceToDepth, WorldConfig
 from fvx.storage.checkpoint_config import CheckpointConfig
 from fvx.training.experiment import Experiment, RunConfig
@@ -31,6 +32,9 @@ from fvx_models.wan_vae import WanVAEConfig
 
 TEACHER = "runs/teacher"  # experiments/finetune_wan.py's run, exported (module docstring)
 T2V_LORA = LoRAConfig(rank=16, alpha=32.0, target_modules=("to_q", "to_k", "to_v", "to_out"))
+# examples/training/finetune/wan_t2v_1.3B/crush_smol/preprocess_wan_data_t2v.sh
+CRUSH_SMOL_T2V = PreprocessConfig(num_frames=77, train_fps=16, max_height=480, max_width=832,
+                                  video_length_tolerance_range=5.0, samples_per_file=8)
 
 
 class FinetuneWanLoRA(Experiment):
@@ -59,12 +63,15 @@ def wan21_t2v_1p3b() -> FinetuneWanLoRA:
     5: micro-batches of one sample), seed 42, 20 latent frames of 480x832, no CFG dropout; 10 steps, checkpoints
     every 5 (the newest 2 kept); validation off (the YAML's every_steps 0; 5 steps at guidance 5 when turned on with
     ``validation.every``). FastVideo also logs to W&B project fastvideo (``run.wandb.project=fastvideo
-    run.wandb.name=wan_t2v_lora_debug``, needs wandb); its 2 data workers have no fvx knob."""
+    run.wandb.name=wan_t2v_lora_debug``, needs wandb); its 2 data workers have no fvx knob. Its data is cut as
+    FastVideo's crush_smol/preprocess_wan_data_t2v.sh does (77 frames of 480x832 at 16 fps, 8 a file):
+        python -m fvx.run preprocess experiments/finetune_wan_lora.py:wan21_t2v_1p3b --videos /data/my_clips \\
+            --out /data/my_dataset models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers"""
     return FinetuneWanLoRA(
         run=RunConfig(seed=42, steps=10, output_dir="outputs/wan_t2v_lora_debug",
                       checkpoint=CheckpointConfig(every=5, keep_latest=2)),
         data=DataConfig(path="data/crush-smol_processed_t2v/combined_parquet_dataset", batch_size=5, text_len=512,
-                        cfg_rate=0.0, num_latent_t=20),
+                        cfg_rate=0.0, num_latent_t=20, preprocess=CRUSH_SMOL_T2V),
         models={"student": WanConfig(preset="wan2.1-t2v-1.3b", path="models/Wan2.1-T2V-1.3B-Diffusers",
                                      compute_dtype="bf16", remat=True, lora=T2V_LORA)},
         validation=ValidationConfig(every=0, num_steps=5, flow_shift=3.0, guidance_scale=5.0),
@@ -82,7 +89,8 @@ def fastwan21_t2v_1p3b_vsa() -> FinetuneWanLoRA:
     the YAML's ``pipeline.flow_shift: 8`` is the validation's, ``fastvideo/train/models/wan/wan.py:69,94``); AdamW
     lr 1e-5, betas (0.9, 0.999), weight decay 0.01, constant, clip 1; one rank of batch 1 with 5
     gradient-accumulation steps, seed 42, 20 latent frames of 480x832, no CFG dropout; 10 steps, checkpoints every 5
-    (the newest 2); validation off (3 steps at guidance 3 when turned on)."""
+    (the newest 2); validation off (3 steps at guidance 3 when turned on). The same crush-smol data (``preprocess`` as
+    ``wan21_t2v_1p3b``'s)."""
     base = wan21_t2v_1p3b()
     return msgspec.structs.replace(
         base, run=msgspec.structs.replace(base.run, output_dir="outputs/fast_wan_t2v_lora_vsa"),

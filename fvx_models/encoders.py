@@ -35,6 +35,9 @@ class Encoders:
     text             the folder components text encoding needs (e.g. ``("tokenizer", "text_encoder")``)
     encode_text(pipe, prompts) -> [[L, D], ...]   each prompt's text embedding as stored: the pipeline's
                      ``encode_prompt`` output cut to its real tokens (packed as the family's data packs it)
+    text_2, encode_text_2(pipe, prompts) -> [[L2, D2], ...]   a second text stream the family's DiT reads beside the
+                     first (HunyuanVideo 1.5's ByT5 glyph text), stored in fvx's ``text_embedding_2`` column; empty /
+                     None: the family has one stream
     video            the components video encoding needs
     encode_video(pipe, video) -> latents   video ``[B, 3, T, H, W]`` in [-1, 1] -> ``[B, C, t, h, w]`` VAE latents,
                      the posterior's mean (no draw), in the VAE's own scale
@@ -56,6 +59,8 @@ class Encoders:
     pipeline: str
     text: tuple[str, ...]
     encode_text: Callable[[Any, list[str]], list[torch.Tensor]]
+    text_2: tuple[str, ...] = ()
+    encode_text_2: Callable[[Any, list[str]], list[torch.Tensor]] | None = None
     video: tuple[str, ...] = ("vae",)
     encode_video: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
     frame_step: int = 4
@@ -74,7 +79,8 @@ class Encoders:
         """The folder components ``parts`` need, in a fixed order."""
         needed: list[str] = []
         for part in parts:
-            for name in {"text": self.text, "video": self.video, "image": self.image, "audio": self.audio}[part]:
+            for name in {"text": self.text + self.text_2, "video": self.video, "image": self.image,
+                         "audio": self.audio}[part]:
                 if name not in needed:
                     needed.append(name)
         return tuple(needed)
@@ -149,6 +155,14 @@ class Opened:
         """Each prompt's stored text embedding ``[L, D]`` fp32 on the CPU."""
         self._use(self.encoders.text)
         return [t.float().cpu() for t in self.encoders.encode_text(self.pipe, list(prompts))]
+
+    @torch.no_grad()
+    def encode_text_2(self, prompts: list[str]) -> list[torch.Tensor] | None:
+        """Each prompt's second text stream ``[L2, D2]`` fp32 on the CPU; None when the family has one stream."""
+        if self.encoders.encode_text_2 is None:
+            return None
+        self._use(self.encoders.text_2 + tuple(n for n in self.encoders.text if n not in self.encoders.text_2))
+        return [t.float().cpu() for t in self.encoders.encode_text_2(self.pipe, list(prompts))]
 
     @torch.no_grad()
     def encode_video(self, video: torch.Tensor) -> torch.Tensor:

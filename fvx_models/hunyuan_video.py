@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import pathlib
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import msgspec
 import torch
@@ -159,25 +159,41 @@ def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
     return pack_pooled(pooled, fencoders.real_tokens(embeds, mask))
 
 
-def load_pipeline(folder: pathlib.Path, components: tuple[str, ...], dtype: torch.dtype) -> Any:
-    """``HunyuanVideoPipeline.from_pretrained(folder)`` with only ``components`` loaded, the LLaMA's tokenizer read as
-    its ``tokenizer.json`` declares it: transformers 5's ``LlamaTokenizerFast`` (which ``model_index.json`` names)
-    rebuilds the byte-level Llama 3 tokenizer as a SentencePiece one, which drops its spaces and pads on the left."""
-    import diffusers
+def loader(pipeline: str, tokenizer: Callable[[pathlib.Path], Any]) -> Callable[..., Any]:
+    """An ``Encoders.load``: diffusers' ``pipeline.from_pretrained(folder)`` with only the ``components`` asked for
+    (the others None, as ``Encoders.open`` passes them), its ``tokenizer`` component then made by ``tokenizer(folder /
+    "tokenizer")``: for a folder whose tokenizer diffusers' own loading does not give as the pipeline was written for
+    (set afterwards: ``from_pretrained`` refuses an object of another kind than ``model_index.json`` names)."""
+    def load(folder: pathlib.Path, components: tuple[str, ...], dtype: torch.dtype) -> Any:
+        import diffusers
+
+        index = json.loads((folder / "model_index.json").read_text())
+        skipped = {name: None for name, value in index.items()
+                   if not name.startswith("_") and isinstance(value, list) and name not in components}
+        pipe = getattr(diffusers, pipeline).from_pretrained(folder, dtype=dtype, **{**skipped, "tokenizer": None})
+        if "tokenizer" in components:
+            pipe.tokenizer = tokenizer(folder / "tokenizer")
+        return pipe
+
+    return load
+
+
+def llama_tokenizer(path: pathlib.Path) -> Any:
+    """The LLaMA's tokenizer as its ``tokenizer.json`` declares it: transformers 5's ``LlamaTokenizerFast`` (which
+    ``model_index.json`` names) rebuilds HunyuanVideo's byte-level Llama 3 tokenizer as a SentencePiece one, which
+    drops the spaces and pads on the left (transformers 4 read the file as it is)."""
     import transformers
 
-    index = json.loads((folder / "model_index.json").read_text())
-    given: dict[str, Any] = {name: None for name, value in index.items()
-                             if not name.startswith("_") and isinstance(value, list) and name not in components}
-    if "tokenizer" in components and (folder / "tokenizer" / "tokenizer.json").is_file():
-        given["tokenizer"] = transformers.PreTrainedTokenizerFast.from_pretrained(folder / "tokenizer")
-    return diffusers.HunyuanVideoPipeline.from_pretrained(folder, dtype=dtype, **given)
+    if (path / "tokenizer.json").is_file():
+        return transformers.PreTrainedTokenizerFast.from_pretrained(path)
+    return transformers.LlamaTokenizerFast.from_pretrained(path)
 
 
 ENCODERS = fencoders.Encoders(
     pipeline="HunyuanVideoPipeline", text=("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2"),
     encode_text=encode_text, encode_video=lambda pipe, video: fencoders.latent_mean(pipe.vae, video),
-    frame_step=4, pixel_multiple=16, audio_refusal="HunyuanVideo makes no sound", load=load_pipeline)
+    frame_step=4, pixel_multiple=16, audio_refusal="HunyuanVideo makes no sound",
+    load=loader("HunyuanVideoPipeline", llama_tokenizer))
 """HunyuanVideo's encoders: the packed text rows above and the VAE's posterior mean, unscaled (``LATENTS`` applies the
 scaling factor in training); 4x temporal compression, 8x spatial times the DiT's 2x2 patch."""
 

@@ -14,12 +14,12 @@ with ``text_mask [B, L]``, and the ByT5 glyph-text embedding ``text_2 [B, 256, 1
 it). The DiT zeroes the padded tokens of both streams, so only the masks matter at padded positions. FastVideo has no
 training layout for HunyuanVideo 1.5: its data holds one text embedding. The ByT5 stream is an extension of that
 layout: a parquet tensor ``text_embedding_2`` (the valid ByT5 rows, none for a prompt quoting no text) collated like
-``text_embedding`` (zero-padded to 256 with its mask) into the batch entries ``text_2`` and ``text_mask_2``; fvx's
-parquet reader does not read that column yet (batches made by a script carry it).
+``text_embedding`` (zero-padded to ``data.text_2_len``, 256 for the presets, with its mask) into the batch entries
+``text_2`` and ``text_mask_2``.
 ``glyph_text=False`` runs on data without it: every prompt is taken to quote no text and the DiT gets the pipeline's
 empty ByT5 stream (then ``text_2``/``text_mask_2`` are not cond tensors). Encoders: ``ENCODERS`` stores the Qwen
 stream's real tokens as ``text_embedding`` and the VAE's posterior mean unscaled as ``vae_latent`` (the latent space
-applies the scaling factor); ``GLYPH_ENCODERS`` makes the ByT5 rows ``text_embedding_2`` would hold.
+applies the scaling factor); its second stream, the ByT5 rows, goes to ``text_embedding_2``.
 
 Unused params, measured (a forward and backward of the tiny model; tests/fvx_models/test_hunyuan_video15.py): the last
 block's text stream goes nowhere (its text output is dropped), so its ``attn.to_add_out`` and ``ff_context`` get no
@@ -33,7 +33,6 @@ graph (``compile=blocks`` does).
 """
 from __future__ import annotations
 
-import dataclasses
 import pathlib
 from typing import Any, Mapping
 
@@ -242,12 +241,11 @@ def encode_glyph_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
 # exists, even as None), so each text record loads it too.
 ENCODERS = fencoders.Encoders(
     pipeline="HunyuanVideo15Pipeline", text=("tokenizer", "text_encoder", "vae"), encode_text=encode_text,
+    text_2=("tokenizer_2", "text_encoder_2"), encode_text_2=encode_glyph_text,
     encode_video=lambda pipe, video: fencoders.latent_mean(pipe.vae, video), frame_step=4, pixel_multiple=16,
     audio_refusal="HunyuanVideo 1.5 makes no sound")
-GLYPH_ENCODERS = dataclasses.replace(ENCODERS, text=("tokenizer_2", "text_encoder_2", "vae"),
-                                     encode_text=encode_glyph_text)
-"""The ByT5 glyph stream as a record of its own: its ``encode_text`` makes what a ``text_embedding_2`` column holds
-(module docstring); fvx's preprocessing does not write that column yet."""
+"""HunyuanVideo 1.5's encoders: the Qwen stream as ``text_embedding``, the ByT5 glyph stream as fvx's
+``text_embedding_2`` (read back as ``text_2``/``text_mask_2`` with ``data.text_2_len``, e.g. the presets' 256)."""
 
 
 class HunyuanVideo15Config(ModelConfig, tag="hunyuan_video15"):

@@ -246,10 +246,20 @@ def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
     return hunyuan_video.pack_pooled(pooled, tokens)
 
 
+def qwen_tokenizer(path: pathlib.Path) -> Any:
+    """The ``Qwen2VLProcessor``'s tokenizer, loaded as the processor loads it (``AutoTokenizer``): the pipeline calls
+    the processor on text alone, which it hands to this tokenizer unchanged, and transformers 5 builds the processor
+    itself only with torchvision (its video processor's)."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(path)
+
+
 ENCODERS = fencoders.Encoders(
     pipeline="Kandinsky5T2VPipeline", text=("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2"),
     encode_text=encode_text, encode_video=lambda pipe, video: fencoders.latent_mean(pipe.vae, video),
-    frame_step=4, pixel_multiple=16, audio_refusal="Kandinsky 5 makes no sound")
+    frame_step=4, pixel_multiple=16, audio_refusal="Kandinsky 5 makes no sound",
+    load=hunyuan_video.loader("Kandinsky5T2VPipeline", qwen_tokenizer))
 """Kandinsky 5's encoders: the packed text rows above and the HunyuanVideo VAE's posterior mean, unscaled (``LATENTS``
 applies the scaling factor in training); 4x temporal compression, 8x spatial times the DiT's 2x2 patch."""
 

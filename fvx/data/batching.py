@@ -35,7 +35,8 @@ class Dataset(Protocol):
 
 
 def collate(samples: list[dict], indices: list[int], *, text_len: int, cfg_rate: float,
-             dropout_key: torch.Tensor, num_latent_t: int | None = None) -> dict[str, Any]:
+             dropout_key: torch.Tensor, num_latent_t: int | None = None, text_2_len: int | None = None
+             ) -> dict[str, Any]:
     """Stack samples (dicts of float32 arrays: latents [C,T,H,W], text [L,D]) into a batch; pad/crop text to
     ``text_len`` with its mask; zero the text of CFG-dropped samples (the mask is kept, as FastVideo)."""
     batch: dict[str, Any] = {}
@@ -84,9 +85,23 @@ def collate(samples: list[dict], indices: list[int], *, text_len: int, cfg_rate:
             text[row, :length] = sample["text"][:length]
     batch.update(text=torch.from_numpy(text), text_mask=torch.from_numpy(mask),
                  cfg_dropped=torch.tensor(dropped, dtype=torch.bool), index=torch.tensor(indices, dtype=torch.int64))
+    if text_2_len is not None and samples and "text_2" in samples[0]:
+        batch.update(_second_text(samples, dropped, text_2_len))
     if samples and "caption" in samples[0]:
         batch["caption"] = [s["caption"] for s in samples]
     return batch
+
+
+def _second_text(samples: list[dict], dropped: list[bool], length: int) -> dict[str, torch.Tensor]:
+    """``text_2 [B, length, D2]`` and ``text_mask_2``: each sample's second stream padded or cropped; a CFG-dropped
+    sample's is empty (zeros, mask 0), as the pipelines encode a prompt with nothing in that stream."""
+    _check_same(samples, "text_2", lambda a: a.shape[1:], "second-stream width")
+    text = np.zeros((len(samples), length, samples[0]["text_2"].shape[1]), dtype=np.float32)
+    mask = np.zeros((len(samples), length), dtype=np.float32)
+    for row, (sample, blank) in enumerate(zip(samples, dropped)):
+        count = 0 if blank else min(sample["text_2"].shape[0], length)
+        text[row, :count], mask[row, :count] = sample["text_2"][:count], 1.0
+    return {"text_2": torch.from_numpy(text), "text_mask_2": torch.from_numpy(mask)}
 
 
 def _check_same(samples: list[dict], key: str, part: Callable[[np.ndarray], tuple], what: str) -> None:

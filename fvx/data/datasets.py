@@ -16,6 +16,8 @@ Batch dict (torch tensors except ``caption``)::
     audio_sample_rate [B] int64            (kind "t2va", when every file has the column: the waveform's rate, Hz)
     text         [B, text_len, D] float32  (text_embedding, zero-padded or cropped; zeroed for CFG-dropped samples)
     text_mask    [B, text_len] float32     (1 = real token; not changed by CFG dropout)
+    text_2, text_mask_2  [B, L2, D2], [B, L2]   (with data.text_2_len: text_embedding_2, a second text stream, fvx's
+                                            column beside FastVideo's; empty for CFG-dropped samples)
     cfg_dropped  [B] bool                  (whether CFG dropout blanked the sample's text)
     index        [B] int64                 (dataset indices)
     caption      list[str]                 (when every file has a caption column)
@@ -66,7 +68,9 @@ class DataConfig(Config):
     ``num_latent_t`` latent frames of every sample (FastVideo's ``data.num_latent_t``; None keeps them all; audio
     latents are kept whole). ``kind``: what a sample holds (the module docstring): "t2v" video latents and text,
     "text_only", "i2v" adds the first frame, "t2va" adds audio latents (parquet, ``synthetic.audio_shape`` or the
-    world's tones).
+    world's tones). ``text_2_len``: read a second text stream (the parquet's ``text_embedding_2``, HunyuanVideo 1.5's
+    ByT5 glyph text) padded or cropped to this length as ``text_2``/``text_mask_2`` (None: not read; a CFG-dropped
+    sample's is empty).
     ``prefetch``: batches computed ahead in a background thread (0 = synchronous).
     """
 
@@ -76,6 +80,7 @@ class DataConfig(Config):
     text_len: PositiveInt = 512
     cfg_rate: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     num_latent_t: PositiveInt | None = None
+    text_2_len: PositiveInt | None = None
     prefetch: Annotated[int, msgspec.Meta(ge=0)] = 2
     synthetic: SyntheticConfig = SyntheticConfig()
     world: WorldConfig | None = None
@@ -93,13 +98,14 @@ def open_dataset(config: DataConfig, key: torch.Tensor) -> Dataset:
     """
     config = validate(config)
     samples_key, dropout_key = random.split(key, 2)
-    collate = functools.partial(collate_samples, text_len=config.text_len, cfg_rate=config.cfg_rate, dropout_key=dropout_key,
-                                num_latent_t=config.num_latent_t)
+    collate = functools.partial(collate_samples, text_len=config.text_len, cfg_rate=config.cfg_rate,
+                                dropout_key=dropout_key, num_latent_t=config.num_latent_t, text_2_len=config.text_2_len)
     if config.path is None and config.world is not None:
         return WorldDataset(config.world, samples_key, kind=config.kind, collate=collate)
     if config.path is None:
         return SyntheticDataset(config.synthetic, samples_key, kind=config.kind, collate=collate)
-    files = ParquetDataset(find_parquet_files(config.path), kind=config.kind, collate=collate)
+    files = ParquetDataset(find_parquet_files(config.path), kind=config.kind, collate=collate,
+                           second_text=config.text_2_len is not None)
     if config.world is not None:  # files of the toy world (``write-videos`` -> ``preprocess``): the world judges
         return JudgedByWorld(files, WorldDataset(config.world, samples_key, kind=config.kind, collate=collate))
     return files

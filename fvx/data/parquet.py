@@ -37,6 +37,9 @@ _OPTIONAL_TENSORS: dict[str, tuple[tuple[str, str], ...]] = {"i2v": (("clip_feat
 _WRITE_ONLY: dict[str, tuple[tuple[str, str], ...]] = {"i2v": (("pil_image", "pil_image"),)}
 _RANKS = {"latents": 4, "text": 2, "first_frame_latents": 4, "image_embeds": 2, "audio_latents": 3,
           "pil_image": 3}  # stored dims
+# fvx's one column beyond FastVideo's schema: a family's second text stream (HunyuanVideo 1.5's ByT5 glyph text),
+# [L2, D2] real tokens, written after FastVideo's columns when the encoders make it and read when data.text_2_len is set
+SECOND_TEXT = ("text_embedding_2", "text_2")
 # The tensor columns of each kind in the order of FastVideo's schema (dataset/dataloader/schema.py)
 _ORDER = {"t2v": ("vae_latent", "text_embedding"), "text_only": ("text_embedding",),
           "i2v": ("vae_latent", "text_embedding", "clip_feature", "first_frame_latent", "pil_image"),
@@ -52,19 +55,22 @@ _METADATA["i2v"] = _METADATA["t2v"]
 _METADATA["t2va"] = _METADATA["t2v"] + (("audio_sample_rate", pa.int64()),)
 
 
-def parquet_schema(kind: Kind) -> pa.Schema:
+def parquet_schema(kind: Kind, second_text: bool = False) -> pa.Schema:
     """The arrow schema FastVideo writes for ``kind``: its ``pyarrow_schema_t2v``, ``_text_only``, ``_i2v`` or
-    ``_t2va``, column for column."""
+    ``_t2va``, column for column; ``second_text`` appends fvx's ``text_embedding_2`` triple (:data:`SECOND_TEXT`)."""
     check_kind(kind)
     fields = [pa.field("id", pa.string())]
-    for name in _ORDER[kind]:
+    for name in _ORDER[kind] + ((SECOND_TEXT[0],) if second_text else ()):
         fields += [
             pa.field(f"{name}_bytes", pa.binary()),
             pa.field(f"{name}_shape", pa.list_(pa.int64())),
             pa.field(f"{name}_dtype", pa.string()),
         ]
-    fields += [pa.field(name, dtype) for name, dtype in _METADATA[kind]]
-    return pa.schema(fields)
+    metadata = [pa.field(name, dtype) for name, dtype in _METADATA[kind]]
+    if second_text:  # after FastVideo's columns, so its readers see their schema first
+        fields, extra = fields[:-3], fields[-3:]
+        return pa.schema(fields + metadata + extra)
+    return pa.schema(fields + metadata)
 
 
 def check_kind(kind: Any) -> None:
@@ -86,7 +92,7 @@ class ParquetDataset:
     row groups read on demand (only the needed columns) and kept in a small LRU cache. Thread-safe."""
 
     def __init__(self, files: Sequence[str | os.PathLike], *, kind: Kind, collate: Callable[..., dict],
-                 cache_groups: int = 4):
+                 cache_groups: int = 4, second_text: bool = False):
         check_kind(kind)
         self.files = [pathlib.Path(f) for f in files]
         self.kind, self._collate, self._cache_groups = kind, collate, cache_groups
@@ -107,6 +113,14 @@ class ParquetDataset:
         self.has_captions = all("caption" in names for names in schemas)
         self.has_sample_rates = kind == "t2va" and all("audio_sample_rate" in names for names in schemas)
         self._columns = _columns_to_read(kind, schemas)
+        self.second_text = second_text
+        if second_text:
+            lacking = [str(f) for f, names in zip(self.files, schemas) if f"{SECOND_TEXT[0]}_bytes" not in names]
+            if lacking:
+                raise ValueError(f"{lacking[0]!r} has no column '{SECOND_TEXT[0]}_bytes' (a second text stream, "
+                                 "which data.text_2_len asks for): preprocess it with a family whose encoders make one, "
+                                 "or unset data.text_2_len")
+            self._columns += [f"{SECOND_TEXT[0]}_{part}" for part in ("bytes", "shape")]
         self._optional = [(name, key) for name, key in _OPTIONAL_TENSORS.get(kind, ())
                           if all(f"{name}_bytes" in names for names in schemas)]
         self._cache: collections.OrderedDict[tuple[int, int], pa.Table] = collections.OrderedDict()
@@ -158,6 +172,8 @@ class ParquetDataset:
             sample["audio_latents"] = _audio(sample["audio_latents"], where)
         if self.has_sample_rates:
             sample["audio_sample_rate"] = int(table.column("audio_sample_rate")[row].as_py() or 0)
+        if self.second_text:
+            sample[SECOND_TEXT[1]] = _decode(table, SECOND_TEXT[0], row, where)
         for name, key in self._optional:
             if table.column(f"{name}_shape")[row].as_py():  # empty when the preprocessing had no such encoder
                 sample[key] = _decode(table, name, row, where)
@@ -291,15 +307,22 @@ def write_parquet(path: str | os.PathLike, samples: Sequence[dict[str, Any]], *,
 
     Each sample: ``latents`` [C, T, H, W] (not text_only) and ``text`` [L, D] tensors, optional ``id`` and metadata
     (``caption``, and except for text_only ``file_name, media_type, width, height, num_frames, duration_sec, fps``);
-    i2v adds ``first_frame_latents`` [C, T, H, W] (and optional ``image_embeds`` [N, D]); t2va adds ``audio_latents``
-    [C, F, A] (e.g. [2, 32, A]) and ``audio_sample_rate`` (a positive int, Hz). Tensors are stored as float32.
+    i2v adds ``first_frame_latents`` [C, T, H, W] (and optional ``image_embeds`` [N, D] and ``pil_image``, uint8
+    [3, H, W]); t2va adds ``audio_latents`` [C, F, A] (e.g. [2, 32, A]) and ``audio_sample_rate`` (a positive int,
+    Hz); any kind may add ``text_2`` [L2, D2] (:data:`SECOND_TEXT`). Tensors are stored as float32 (``pil_image`` as
+    uint8).
     Everything is checked before anything is written.
     """
     check_kind(kind)
     if isinstance(rows_per_group, bool) or not isinstance(rows_per_group, int) or rows_per_group <= 0:
         raise ValueError(f"rows_per_group must be a positive int, got {rows_per_group!r}")
     path = pathlib.Path(path)
-    table = pa.Table.from_pylist([_record(s, i, kind) for i, s in enumerate(samples)], schema=parquet_schema(kind))
+    second = [SECOND_TEXT[1] in s for s in samples if isinstance(s, dict)]
+    if any(second) and not all(second):
+        raise ValueError(f"sample {second.index(False)} has no {SECOND_TEXT[1]!r} but sample {second.index(True)} has: "
+                         "every sample of a file has the second text stream or none does")
+    table = pa.Table.from_pylist([_record(s, i, kind) for i, s in enumerate(samples)],
+                                 schema=parquet_schema(kind, second_text=any(second)))
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(handle)
@@ -318,7 +341,7 @@ def _record(sample: dict[str, Any], number: int, kind: Kind) -> dict[str, Any]:
         raise TypeError(f"sample {number} must be a dict, got {type(sample).__name__}")
     tensors = {key: _RANKS[key] for _, key in _TENSORS[kind]}
     optional = {key: _RANKS[key] for _, key in _OPTIONAL_TENSORS.get(kind, ()) + _WRITE_ONLY.get(kind, ())}
-    allowed = set(tensors) | set(optional) | {"id"} | {name for name, _ in _METADATA[kind]}
+    allowed = set(tensors) | set(optional) | {"id", SECOND_TEXT[1]} | {name for name, _ in _METADATA[kind]}
     if kind == "text_only" and "latents" in sample:
         raise ValueError(f"sample {number} has latents, but kind='text_only' stores none; use kind='t2v'")
     if kind == "t2va":
@@ -332,6 +355,8 @@ def _record(sample: dict[str, Any], number: int, kind: Kind) -> dict[str, Any]:
     record = {"id": str(sample.get("id", f"sample_{number:06d}"))}
     for (column, key), ndim in zip(_TENSORS[kind], tensors.values()):
         record.update(_tensor_columns(column, _as_array(sample, key, ndim, number)))
+    if SECOND_TEXT[1] in sample:
+        record.update(_tensor_columns(SECOND_TEXT[0], _as_array(sample, SECOND_TEXT[1], 2, number)))
     for column, key in _OPTIONAL_TENSORS.get(kind, ()) + _WRITE_ONLY.get(kind, ()):
         record.update(_tensor_columns(column, _as_array(sample, key, optional[key], number)) if key in sample
                       else {f"{column}_bytes": b"", f"{column}_shape": [], f"{column}_dtype": ""})

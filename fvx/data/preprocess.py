@@ -65,6 +65,8 @@ class Encoder(Protocol):
 
     def encode_text(self, prompts: list[str]) -> list[torch.Tensor]: ...
 
+    def encode_text_2(self, prompts: list[str]) -> list[torch.Tensor] | None: ...
+
     def encode_video(self, video: torch.Tensor) -> torch.Tensor: ...
 
     def encode_first_frame(self, video: torch.Tensor) -> torch.Tensor: ...
@@ -188,11 +190,14 @@ def encode_part(job: Job, encoder: Encoder, items: Sequence[Input]) -> tuple[lis
             skipped.append({"file": item.name, "reason": str(error)})
     if not cuts:
         return [], skipped
-    texts = encoder.encode_text([meta["caption"] for _, _, meta, _ in cuts])
+    captions = [meta["caption"] for _, _, meta, _ in cuts]
+    texts, seconds = encoder.encode_text(captions), encoder.encode_text_2(captions)
     rows = []
-    for (item, clip, meta, sound), text in zip(cuts, texts):
+    for number, ((item, clip, meta, sound), text) in enumerate(zip(cuts, texts)):
         latents = encoder.encode_video(clip)
         row = {"id": item.name, **meta, "num_frames": latents.shape[1], "latents": latents, "text": text}
+        if seconds is not None:
+            row["text_2"] = seconds[number]
         if job.kind == "i2v":
             row["first_frame_latents"] = encoder.encode_first_frame(clip)
             row["pil_image"] = ((clip[:, 0] + 1) * 127.5).round().to(torch.uint8)

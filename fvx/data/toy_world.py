@@ -417,6 +417,9 @@ class WorldEncoders:
                              f" not {unknown[0]!r}")
         return [self.texts[p].clone() for p in prompts]
 
+    def encode_text_2(self, prompts: list[str]) -> None:
+        return None
+
     def encode_video(self, video: torch.Tensor) -> torch.Tensor:
         return space_to_depth(video.float(), self.config.factor)
 

@@ -115,7 +115,8 @@ def run_preprocess(config: Any, videos: str, out: str, *, progress: bool) -> dic
 
 def run_encode_prompts(config: Any, prompts_file: str, out: str) -> tuple[int, pathlib.Path]:
     """``encode-prompts``: every line of ``prompts_file`` (blank lines skipped) through the experiment's text encoder
-    into a cond file at ``out`` (the family's cond tensors ``[N, ...]`` at ``data.text_len``, the captions kept)."""
+    into a cond file at ``out`` (the family's cond tensors ``[N, ...]`` at ``data.text_len``, a second text stream at
+    ``data.text_2_len``, the captions kept)."""
     source = pathlib.Path(prompts_file)
     if not source.is_file():
         raise ValueError(f"prompts file {str(source)!r} does not exist")
@@ -129,10 +130,13 @@ def run_encode_prompts(config: Any, prompts_file: str, out: str) -> tuple[int, p
         raise ValueError(f"--out {str(target)!r}: folder {str(target.parent)!r} does not exist")
     role, model = model_role(config)
     _, factory, _, _ = encoder_source(config, ("text",))
-    rows = factory().encode_text(prompts)
+    encoder = factory()
+    rows, seconds = encoder.encode_text(prompts), encoder.encode_text_2(prompts)
     samples = [{"text": row.numpy(), "where": f"prompt {n + 1}", "caption": prompt}
                for n, (row, prompt) in enumerate(zip(rows, prompts))]
+    for sample, second in zip(samples, seconds or ()):
+        sample["text_2"] = second.numpy()
     batch = batching.collate(samples, list(range(len(samples))), text_len=config.data.text_len, cfg_rate=0.0,
-                             dropout_key=random.key(0))
+                             dropout_key=random.key(0), text_2_len=config.data.text_2_len)
     model.write_cond_file(target, batch, prompts)
     return len(prompts), target

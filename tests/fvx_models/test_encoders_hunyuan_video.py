@@ -1,13 +1,15 @@
 """HunyuanVideo's encoders (fvx_models.encoders, the record in fvx_models.hunyuan_video): a tiny random
 HunyuanVideoPipeline folder (a LLaMA, CLIP's text model, the HunyuanVideo VAE) saved locally, opened as preprocessing
-opens it, against diffusers' own calls. The LLaMA tokenizer is built here so that the pipeline's video template takes
-exactly its 95 cropped tokens, as on the real one: the rows kept are the prompt's own tokens and the closing
-<|eot_id|>."""
+opens it, against diffusers' own calls.
+
+The LLaMA's tokenizer is a byte-level BPE split as Llama 3 splits text, in a folder laid out as the real one
+(``tokenizer.json``, named ``LlamaTokenizerFast``), built so that the pipeline's video template takes exactly its 95
+cropped tokens: the rows kept are the prompt's own tokens and the closing <|eot_id|>."""
 import json
-import re
 import shutil
 
 import pytest
+import tokenizers
 import torch
 import transformers
 from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline
@@ -21,14 +23,22 @@ from fvx_models.hunyuan_video import HunyuanVideoConfig
 PROMPTS = ["red bars moving left", "a cat"]
 TEMPLATE, CROP = DEFAULT_PROMPT_TEMPLATE["template"], DEFAULT_PROMPT_TEMPLATE["crop_start"]
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
-def llama_tokenizer(vocab: dict, merges: list) -> transformers.LlamaTokenizerFast:
-    tokenizer = transformers.LlamaTokenizerFast(
-        vocab=vocab, merges=merges, bos_token=SPECIALS[0], eos_token=SPECIALS[1], pad_token=SPECIALS[1],
-        unk_token="<unk>", add_bos_token=True, padding_side="right")
-    tokenizer.add_special_tokens({"additional_special_tokens": SPECIALS[2:]})
-    return tokenizer
+def llama3_tokenizer(vocab: dict, merges: list) -> transformers.PreTrainedTokenizerFast:
+    """A byte-level BPE with Llama 3's pre-tokenizer and its <|begin_of_text|> first, padding on the right."""
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=merges))
+    backend.add_special_tokens(SPECIALS)
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
+        tokenizers.pre_tokenizers.Split(tokenizers.Regex(LLAMA3_SPLIT), "isolated"),
+        tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = tokenizers.decoders.ByteLevel()
+    backend.post_processor = tokenizers.processors.TemplateProcessing(single=f"{SPECIALS[0]} $A",
+                                                                      special_tokens=[(SPECIALS[0], 0)])
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=SPECIALS[0],
+                                                eos_token=SPECIALS[1], pad_token=SPECIALS[1])
 
 
 def spelling_merges(words: list[str], vocab: dict) -> list[tuple[str, str]]:
@@ -42,28 +52,26 @@ def spelling_merges(words: list[str], vocab: dict) -> list[tuple[str, str]]:
     return merges
 
 
-def tiny_llama_tokenizer() -> transformers.LlamaTokenizerFast:
-    """A BPE of the template's and prompts' words, split as Llama 3 splits text (letters, digits, punctuation, a space
-    joining the next word), one token each, ``▁``-words ranked first (no other word's merges then cut one); the
-    longest words of the template's part before the prompt are cut in two until that part is CROP tokens long."""
+def tiny_llama_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """The template's and prompts' words (Llama 3's pre-tokenizer splits them) one token each, ``Ġ``-words ranked
+    first (no other word's merges then cut one); the longest words of the template's part before the prompt are cut
+    in two until that part is CROP tokens long, as Llama 3's vocabulary makes it."""
     texts, head = [TEMPLATE.format(p) for p in PROMPTS], TEMPLATE.split("{}")[0]
-    vocab = {"<unk>": 0, **{s: i + 1 for i, s in enumerate(SPECIALS)}}
-    for char in sorted({c for t in texts for c in t.replace(" ", "▁")}):
-        vocab[char] = len(vocab)
-    letters = llama_tokenizer(vocab, [])
+    letters = llama3_tokenizer({s: i for i, s in enumerate(SPECIALS)}, [])
 
     def words(text: str) -> list[str]:
-        spelled = letters.convert_ids_to_tokens(letters(text).input_ids)
-        spelled = "".join("\0" if t in SPECIALS else t for t in spelled)  # \0: no word spans a special token
-        return re.findall(r"\n+|▁?[^\W\d_]+|▁?\d|[^\w▁\n\0]", spelled)
+        parts = [text]
+        for special in SPECIALS:
+            parts = [p for part in parts for p in part.split(special)]
+        return [w for part in parts for w, _ in letters.backend_tokenizer.pre_tokenizer.pre_tokenize_str(part)]
 
-    whole = sorted({w for t in texts for w in words(t)}, key=lambda w: (w[0] != "▁", w))
+    whole = sorted({w for t in texts for w in words(t)}, key=lambda w: (w[0] != "Ġ", w))
+    vocab = {s: i for i, s in enumerate(SPECIALS + sorted({c for w in whole for c in w}))}
     trial = dict(vocab)
-    short = CROP - len(llama_tokenizer(trial, spelling_merges(whole, trial))(head).input_ids)
+    short = CROP - len(llama3_tokenizer(trial, spelling_merges(whole, trial))(head).input_ids)
     cut = sorted({w for w in words(head) if words(head).count(w) == 1}, key=lambda w: (-len(w), w))[:short]
     halves = [half for w in cut for half in (w[:len(w) // 2], w[len(w) // 2:])]
-    merges = spelling_merges([w for w in whole if w not in cut] + halves, vocab)
-    return llama_tokenizer(vocab, merges)
+    return llama3_tokenizer(vocab, spelling_merges([w for w in whole if w not in cut] + halves, vocab))
 
 
 def tiny_clip_tokenizer() -> transformers.CLIPTokenizer:
@@ -95,14 +103,21 @@ def folder(tmp_path_factory):
                                 tokenizer_2=clip_tokenizer)
     path = tmp_path_factory.mktemp("hunyuan_video")
     pipe.save_pretrained(path)
+    for file, key in ((path / "model_index.json", "tokenizer"), (path / "tokenizer" / "tokenizer_config.json", None)):
+        config = json.loads(file.read_text())  # named as the real folder names its Llama 3 tokenizer
+        config.update({key: ["transformers", "LlamaTokenizerFast"]} if key else {"tokenizer_class": "LlamaTokenizerFast"})
+        file.write_text(json.dumps(config))
     return path
 
 
-def test_the_template_takes_its_cropped_tokens(folder):
-    tokenizer = transformers.LlamaTokenizerFast.from_pretrained(folder / "tokenizer")
-    assert len(tokenizer(TEMPLATE.split("{}")[0]).input_ids) == CROP
-    tokens = tokenizer.convert_ids_to_tokens(tokenizer(TEMPLATE.format(PROMPTS[0])).input_ids)
-    assert tokens[CROP:] == ["red", "▁bars", "▁moving", "▁left", "<|eot_id|>"]
+def test_the_llama_tokenizer_is_read_as_its_tokenizer_json_and_the_template_takes_its_cropped_tokens(folder):
+    tokenizer = hunyuan_video.ENCODERS.open(folder, ["text"]).pipe.tokenizer
+    reference = tokenizers.Tokenizer.from_file(str(folder / "tokenizer" / "tokenizer.json"))
+    texts = [TEMPLATE.split("{}")[0]] + [TEMPLATE.format(p) for p in PROMPTS]
+    assert [tokenizer(t).input_ids for t in texts] == [reference.encode(t).ids for t in texts]
+    assert len(tokenizer(texts[0]).input_ids) == CROP and tokenizer.padding_side == "right"
+    assert tokenizer.convert_ids_to_tokens(tokenizer(texts[1]).input_ids)[CROP:] == [
+        "red", "Ġbars", "Ġmoving", "Ġleft", "<|eot_id|>"]
 
 
 def test_text_is_the_pooled_row_then_the_pipelines_tokens(folder):

@@ -73,7 +73,7 @@ def test_text_is_the_qwen_stream_cut_to_its_tokens(folder, reference):
 
 def test_the_glyph_stream_is_the_byt5_rows_of_the_quoted_text(folder, reference):
     pipe, (_, _, embeds_2, mask_2) = reference
-    rows = hunyuan_video15.GLYPH_ENCODERS.open(folder, ["text"]).encode_text(PROMPTS)
+    rows = hunyuan_video15.ENCODERS.open(folder, ["text"]).encode_text_2(PROMPTS)
     quoted = pipe.tokenizer_2('Text "OPEN". Text "shop". ').input_ids  # the pipeline's glyph text, its </s> included
     assert [r.shape for r in rows] == [(0, 24), (len(quoted), 24)]  # the first prompt quotes nothing
     assert not mask_2[0].any() and torch.equal(rows[1], embeds_2[1, :len(quoted)])

@@ -7,7 +7,8 @@ takes exactly the tokens it crops, as on the real one: the rows kept are the pro
 The real folder's ``tokenizer`` is a ``Qwen2VLProcessor``, which transformers 5 builds only with torchvision (its
 video processor's base class); torchvision is not installed here. The pipeline calls it on text alone, which a
 processor hands to its tokenizer unchanged (``ProcessorMixin.__call__``: no image or video placeholders to expand), so
-this folder holds the Qwen2 tokenizer itself as ``tokenizer``; the last test checks that claim where torchvision is."""
+the record loads that tokenizer itself (``kandinsky5.qwen_tokenizer``) and this folder, named as the real one, holds
+only the tokenizer's files; the last test checks the claim where torchvision is."""
 import json
 import shutil
 
@@ -98,11 +99,15 @@ def folder(tmp_path_factory):
                                  scheduler=FlowMatchEulerDiscreteScheduler())
     path = tmp_path_factory.mktemp("kandinsky5")
     pipe.save_pretrained(path)
+    index = json.loads((path / "model_index.json").read_text())
+    index["tokenizer"] = ["transformers", "Qwen2VLProcessor"]  # as the real folder names it
+    (path / "model_index.json").write_text(json.dumps(index))
     return path
 
 
-def test_the_template_takes_its_cropped_tokens(folder):
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder / "tokenizer")
+def test_the_qwen_tokenizer_is_the_folders_and_the_template_takes_its_cropped_tokens(folder):
+    tokenizer = kandinsky5.ENCODERS.open(folder, ["text"]).pipe.tokenizer
+    assert type(tokenizer) is transformers.Qwen2Tokenizer and tokenizer.padding_side == "right"
     assert len(tokenizer(TEMPLATE.split("{}")[0]).input_ids) == CROP
     tokens = tokenizer.convert_ids_to_tokens(tokenizer(TEMPLATE.format(PROMPTS[0])).input_ids)
     assert tokens[CROP:] == ["red", "Ġbars", "Ġmoving", "Ġleft", "<|im_end|>"]

@@ -46,3 +46,27 @@ def test_an_i2v_row_reads_back_exactly_and_stores_its_first_frame_as_uint8(tmp_p
     batch = parquet.ParquetDataset([path], kind="i2v", collate=collate).read([0])
     for key in ("latents", "text", "first_frame_latents", "image_embeds"):
         assert torch.equal(batch[key][0], sample[key])
+
+
+def test_a_second_text_stream_is_written_after_fastvideos_columns_and_read_back_padded(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    rows = [{"latents": torch.randn(4, 1, 2, 2, generator=g), "text": torch.randn(3, 8, generator=g),
+             "text_2": torch.randn(n, 6, generator=g)} for n in (2, 0, 5)]
+    path = parquet.write_parquet(tmp_path / "two.parquet", rows)
+    names = pq.read_schema(path).names
+    assert names[:len(FASTVIDEO["t2v"])] == [name for name, _ in FASTVIDEO["t2v"]]
+    assert names[len(FASTVIDEO["t2v"]):] == ["text_embedding_2_bytes", "text_embedding_2_shape", "text_embedding_2_dtype"]
+    collate = lambda samples, indices: batching.collate(samples, indices, text_len=3, cfg_rate=0.5,  # noqa: E731
+                                                        dropout_key=random.key(0), text_2_len=4)
+    batch = parquet.ParquetDataset([path], kind="t2v", collate=collate, second_text=True).read([0, 1, 2])
+    assert batch["text_2"].shape == (3, 4, 6)
+    for row, (sample, dropped) in enumerate(zip(rows, batch["cfg_dropped"].tolist())):
+        kept = 0 if dropped else min(len(sample["text_2"]), 4)
+        assert batch["text_mask_2"][row].tolist() == [1.0] * kept + [0.0] * (4 - kept)
+        assert torch.equal(batch["text_2"][row, :kept], sample["text_2"][:kept]) and not batch["text_2"][row, kept:].any()
+    assert batch["cfg_dropped"].any() and not batch["cfg_dropped"].all()  # both cases seen with this key
+    parquet.write_parquet(tmp_path / "one.parquet", [{k: v for k, v in rows[0].items() if k != "text_2"}])
+    with pytest.raises(ValueError, match="one.parquet' has no column 'text_embedding_2_bytes'"):
+        parquet.ParquetDataset([tmp_path / "one.parquet"], kind="t2v", collate=collate, second_text=True)
+    with pytest.raises(ValueError, match="sample 1 has no 'text_2' but sample 0 has"):
+        parquet.write_parquet(tmp_path / "mixed.parquet", [rows[0], {k: v for k, v in rows[1].items() if k != "text_2"}])
