@@ -22,6 +22,7 @@ import msgspec
 from fvx.config import recipe
 from fvx.core.optim_config import AdamWConfig
 from fvx.data.datasets import DataConfig
+from fvx.data.preprocess import PreprocessConfig
 from fvx.data.toy_world import SpaceToDepth, WorldConfig
 from fvx.storage.checkpoint_config import CheckpointConfig
 from fvx.training.experiment import Experiment, RunConfig
@@ -70,13 +71,20 @@ def wan21_t2v_1p3b() -> AnyFlowWan:
     guidance 3.0 on the negative prompt, score timesteps shifted by 5 (``pipeline.flow_shift``); AdamW lr 2e-6
     (student) and 8e-6 (critic), betas (0, 0.999), weight decay 0.01, constant, clip 1; global batch 8 (8 ranks of
     1), 21 latent frames of 480x832, remat; 4000 steps, checkpoints every 500 (the newest 3 kept), no validation (the
-    YAML has none). Its ``attn_kind: vsa`` waits for the attention issue; ``dmd_score_r_value`` is unused there."""
+    YAML has none). Its ``attn_kind: vsa`` waits for the attention issue; ``dmd_score_r_value`` is unused there. No
+    FastVideo script writes its data: ``data.preprocess`` cuts the YAML's 81 frames (21 latent) of 480x832 at Wan's
+    16 fps. The negative prompt is FastVideo's default for Wan 2.1 T2V (fastvideo/pipelines/basic/wan/presets.py:15):
+        python -m fvx.run preprocess experiments/anyflow.py:wan21_t2v_1p3b --videos /data/my_clips \\
+            --out /data/my_dataset models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers
+        python -m fvx.run encode-prompts experiments/anyflow.py:wan21_t2v_1p3b experiments/prompts/wan21_negative.txt \\
+            --out data/wan21_negative_prompt.safetensors models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers"""
     wan = dict(compute_dtype="bf16", remat=True)
     adamw = AdamWConfig(lr=2e-6, betas=(0.0, 0.999), weight_decay=0.01, max_grad_norm=1.0, schedule="constant")
     return AnyFlowWan(
         run=RunConfig(seed=1000, steps=4000, output_dir="outputs/wan2.1_anyflow_onpolicy",
                       checkpoint=CheckpointConfig(every=500, keep_latest=3)),
-        data=DataConfig(path="data/preprocessed", batch_size=8, text_len=512, cfg_rate=0.0, num_latent_t=21),
+        data=DataConfig(path="data/preprocessed", batch_size=8, text_len=512, cfg_rate=0.0, num_latent_t=21,
+                        preprocess=PreprocessConfig(num_frames=81, train_fps=16, max_height=480, max_width=832)),
         models={"student": WanConfig(preset="wan2.1-t2v-1.3b", path="models/anyflow_pretrained",
                                      r_embedder=REmbedder(fusion="gated", gate=0.25, delta="r"), **wan),
                 "teacher": WanConfig(preset="wan2.1-t2v-14b", path="models/Wan2.1-T2V-14B-Diffusers", **wan),

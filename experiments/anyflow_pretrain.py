@@ -20,6 +20,7 @@ import msgspec
 from fvx.config import recipe
 from fvx.core.optim_config import AdamWConfig
 from fvx.data.datasets import DataConfig
+from fvx.data.preprocess import PreprocessConfig
 from fvx.data.toy_world import SpaceToDepth, WorldConfig
 from fvx.storage.checkpoint_config import CheckpointConfig
 from fvx.training.experiment import Experiment, RunConfig
@@ -55,11 +56,20 @@ def wan21_t2v_1p3b() -> AnyFlowPretrainWan:
     """FastVideo's anyflow_pretrain_t2v.yaml: Wan 2.1 T2V 1.3B with the gated r embedder (gate 0.25, delta r);
     diffusion ratio 0.5, consistency ratio 0.25, epsilon 5, beta08 weights, fused guidance 3.0, time shift 5
     (``pipeline.flow_shift``); AdamW lr 5e-5, betas (0.9, 0.999), no weight decay, constant, clip 1; global batch 32
-    (8 ranks of 4), 21 latent frames of 480x832, remat; 6000 steps, checkpoints every 500 (the newest 3 kept)."""
+    (8 ranks of 4), 21 latent frames of 480x832, remat; 6000 steps, checkpoints every 500 (the newest 3 kept). No
+    FastVideo script writes its data: ``data.preprocess`` cuts the YAML's 81 frames (21 latent) of 480x832 at Wan's
+    16 fps. The negative prompt is FastVideo's default for Wan 2.1 T2V 1.3B (fastvideo/pipelines/basic/wan/
+    presets.py:15):
+        python -m fvx.run preprocess experiments/anyflow_pretrain.py:wan21_t2v_1p3b --videos /data/my_clips \\
+            --out /data/my_dataset models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers
+        python -m fvx.run encode-prompts experiments/anyflow_pretrain.py:wan21_t2v_1p3b \\
+            experiments/prompts/wan21_negative.txt --out data/wan21_negative_prompt.safetensors \\
+            models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers"""
     return AnyFlowPretrainWan(
         run=RunConfig(seed=1000, steps=6000, output_dir="outputs/wan2.1_anyflow_pretrain",
                       checkpoint=CheckpointConfig(every=500, keep_latest=3)),
-        data=DataConfig(path="data/preprocessed", batch_size=32, text_len=512, cfg_rate=0.0, num_latent_t=21),
+        data=DataConfig(path="data/preprocessed", batch_size=32, text_len=512, cfg_rate=0.0, num_latent_t=21,
+                        preprocess=PreprocessConfig(num_frames=81, train_fps=16, max_height=480, max_width=832)),
         models={"student": WanConfig(preset="wan2.1-t2v-1.3b", path="models/Wan2.1-T2V-1.3B-Diffusers",
                                      compute_dtype="bf16", remat=True,
                                      r_embedder=REmbedder(fusion="gated", gate=0.25, delta="r"))},

@@ -27,6 +27,7 @@ import msgspec
 from fvx.config import recipe
 from fvx.core.optim_config import AdamWConfig
 from fvx.data.datasets import DataConfig
+from fvx.data.preprocess import PreprocessConfig
 from fvx.data.toy_world import SpaceToDepth, WorldConfig
 from fvx.storage.checkpoint_config import CheckpointConfig
 from fvx.training.experiment import Experiment, RunConfig
@@ -45,6 +46,9 @@ class CausalCDWan(Experiment):
 
 
 TEACHER = "runs/teacher"  # experiments/finetune_wan.py's run, exported (module docstring)
+# No FastVideo script writes Wan-Syn_77x448x832: the recipe's 18 latent frames (the YAML's 69 frames) of 448x832, at
+# Wan's 16 fps (Wan-Syn's own 77-frame clips serve too: data.num_latent_t keeps the first 18)
+WAN_SYN_18 = PreprocessConfig(num_frames=69, train_fps=16, max_height=448, max_width=832)
 
 config = CausalCDWan(
     run=RunConfig(seed=0, steps=300, output_dir="runs/causal_cd_t2v", log_every=1),
@@ -71,14 +75,20 @@ def wan21_t2v_1p3b() -> CausalCDWan:
     validation callback). The negative prompt is a cond file fvx reads (``method.negative_prompt_path``; FastVideo
     encodes its pipeline's default negative prompt at start). FastVideo also logs to W&B project distillation_wan_r
     (``run.wandb.project=distillation_wan_r run.wandb.name=wan2.1_causal_cd_shift5``, needs wandb); its 4 data workers
-    have no fvx knob."""
+    have no fvx knob. No FastVideo script writes Wan-Syn: ``data.preprocess`` cuts 69 frames of 448x832 at 16 fps.
+    The negative prompt is FastVideo's default for Wan 2.1 T2V (fastvideo/pipelines/basic/wan/presets.py:15):
+        python -m fvx.run preprocess experiments/causal_cd_t2v.py:wan21_t2v_1p3b --videos /data/my_clips \\
+            --out /data/my_dataset models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers
+        python -m fvx.run encode-prompts experiments/causal_cd_t2v.py:wan21_t2v_1p3b \\
+            experiments/prompts/wan21_negative.txt --out data/wan21_negative_prompt.safetensors \\
+            models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers"""
     wan = WanCausalConfig(preset="wan2.1-t2v-1.3b", path="models/Wan2.1-T2V-1.3B-Diffusers", num_frames_per_block=3,
                           local_attn_size=-1, sink_size=0, compute_dtype="bf16")
     return CausalCDWan(
         run=RunConfig(seed=1000, steps=3000, output_dir="outputs/wan2.1_causal_cd",
                       checkpoint=CheckpointConfig(every=1000, keep_latest=3)),
         data=DataConfig(path="data/Wan-Syn_77x448x832_600k", batch_size=8, text_len=512, cfg_rate=0.0,
-                        num_latent_t=18),
+                        num_latent_t=18, preprocess=WAN_SYN_18),
         models={"student": msgspec.structs.replace(wan, remat=True), "teacher": wan},
         validation=ValidationConfig(every=0),
         method=CausalCD(roles=CausalCDRoles(student="student", teacher="teacher", ema="student"), discrete_steps=48,

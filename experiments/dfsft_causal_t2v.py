@@ -20,6 +20,7 @@ import msgspec
 from fvx.config import recipe
 from fvx.core.optim_config import AdamWConfig
 from fvx.data.datasets import DataConfig
+from fvx.data.preprocess import PreprocessConfig
 from fvx.data.toy_world import SpaceToDepth, WorldConfig
 from fvx.storage.checkpoint_config import CheckpointConfig
 from fvx.training.experiment import Experiment, RunConfig
@@ -27,6 +28,11 @@ from fvx.training.validation import ValidationConfig
 from fvx_methods.dfsft import DFSFT
 from fvx_models.wan_causal import WanCausalConfig
 from fvx_models.wan_vae import WanVAEConfig
+
+
+# No FastVideo script writes Wan-Syn_77x448x832: the recipe's 18 latent frames (the YAML's 69 frames) of 448x832, at
+# Wan's 16 fps (Wan-Syn's own 77-frame clips serve too: data.num_latent_t keeps the first 18)
+WAN_SYN_18 = PreprocessConfig(num_frames=69, train_fps=16, max_height=448, max_width=832)
 
 
 class DFSFTWanCausal(Experiment):
@@ -51,7 +57,7 @@ def fastvideo_recipe(frames_per_block: int, output_dir: str) -> DFSFTWanCausal:
         run=RunConfig(seed=1000, steps=4000, output_dir=output_dir,
                       checkpoint=CheckpointConfig(every=1000, keep_latest=3)),
         data=DataConfig(path="data/Wan-Syn_77x448x832_600k", batch_size=8, text_len=512, cfg_rate=0.0,
-                        num_latent_t=18),
+                        num_latent_t=18, preprocess=WAN_SYN_18),
         models={"student": WanCausalConfig(preset="wan2.1-t2v-1.3b", path="models/Wan2.1-T2V-1.3B-Diffusers",
                                            num_frames_per_block=frames_per_block, compute_dtype="bf16", remat=True)},
         validation=ValidationConfig(every=50, num_prompts=4, num_steps=40, flow_shift=5.0, guidance_scale=6.0),
@@ -68,12 +74,15 @@ def wan21_t2v_1p3b() -> DFSFTWanCausal:
     global batch 8 (8 ranks of 1), 18 latent frames (69 frames) of 448x832; 4000 steps, checkpoints every 1000 (the
     newest 3 kept). Timesteps come from the model's shift-3 training grid (spec §0.4); the pipeline's shift 5 is the
     validation schedule's (40 steps at guidance 6, every 50; the streaming sampler keeps a KV cache per CFG branch).
-    FastVideo's recipe does not fix the data's 18 latent frames to whole chunks; fvx checks it."""
+    FastVideo's recipe does not fix the data's 18 latent frames to whole chunks; fvx checks it. No FastVideo script
+    writes Wan-Syn: ``data.preprocess`` cuts 69 frames of 448x832 at 16 fps:
+        python -m fvx.run preprocess experiments/dfsft_causal_t2v.py:wan21_t2v_1p3b --videos /data/my_clips \\
+            --out /data/my_dataset models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers"""
     return fastvideo_recipe(3, "outputs/wan2.1_causal_dfsft")
 
 
 @recipe
 def framewise() -> DFSFTWanCausal:
     """FastVideo's dfsft_causal_t2v_framewise.yaml: as ``wan21_t2v_1p3b`` but every latent frame is a block and a
-    chunk of its own (each frame draws its own noise level)."""
+    chunk of its own (each frame draws its own noise level). The same data (``preprocess`` as ``wan21_t2v_1p3b``'s)."""
     return fastvideo_recipe(1, "outputs/wan2.1_causal_dfsft_framewise")

@@ -87,8 +87,8 @@ def wan21_t2v_1p3b() -> DMD2Wan:
     its rollout trains on the models' shift-3 grid). No FastVideo script writes Wan-Syn: ``data.preprocess`` cuts its
     77 frames of 448x832 at 16 fps. The negative prompt is FastVideo's default for Wan 2.1 T2V 1.3B
     (fastvideo/pipelines/basic/wan/presets.py:15):
-        python -m fvx.run preprocess experiments/dmd2.py:wan21_t2v_1p3b --videos /data/my_clips --out /data/my_dataset \\
-            models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers
+        python -m fvx.run preprocess experiments/dmd2.py:wan21_t2v_1p3b --videos /data/my_clips \\
+            --out /data/my_dataset models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers
         python -m fvx.run encode-prompts experiments/dmd2.py:wan21_t2v_1p3b experiments/prompts/wan21_negative.txt \\
             --out data/wan21_negative_prompt.safetensors models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers"""
     wan = WanConfig(preset="wan2.1-t2v-1.3b", path="models/Wan2.1-T2V-1.3B-Diffusers", compute_dtype="bf16",
@@ -134,10 +134,13 @@ def wan21_t2v_1p3b_attn_qad() -> DMD2Wan:
     every 5th step, score timesteps in [0.02, 0.98], guidance 3 (the legacy ``cond + 2 (cond - uncond)``); AdamW lr
     2e-6, betas (0.9, 0.999), weight decay 0.01, constant, clip 1, for both; 4 ranks of batch 1, 20 latent frames of
     480x832; 2000 steps, checkpoints every 500 (the newest 3); validation every 200 steps (the student's 3 steps).
-    Data as ``finetune_wan.py:wan21_t2v_1p3b_attn_qat``'s (mixkit/preprocess_mixkit_data.sh's cut); the negative prompt
-    as ``wan21_t2v_1p3b``'s (the same file):
-        python -m fvx.run encode-prompts experiments/dmd2.py:wan21_t2v_1p3b_attn_qad experiments/prompts/wan21_negative.txt \\
-            --out data/wan21_negative_prompt.safetensors models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers
+    Data cut as FastVideo's mixkit/preprocess_mixkit_data.sh does (77 frames of 480x832 at 16 fps, 8 a file); the
+    negative prompt is ``wan21_t2v_1p3b``'s (the same file, FastVideo's default for Wan 2.1 T2V 1.3B):
+        python -m fvx.run preprocess experiments/dmd2.py:wan21_t2v_1p3b_attn_qad --videos /data/my_clips \\
+            --out /data/my_dataset models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers
+        python -m fvx.run encode-prompts experiments/dmd2.py:wan21_t2v_1p3b_attn_qad \\
+            experiments/prompts/wan21_negative.txt --out data/wan21_negative_prompt.safetensors \\
+            models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers
         torchrun --nproc-per-node 4 -m fvx.run experiments/dmd2.py:wan21_t2v_1p3b_attn_qad"""
     wan = WanConfig(preset="wan2.1-t2v-1.3b", path="models/Wan2.1-T2V-1.3B-Diffusers", compute_dtype="bf16",
                     remat=True)

@@ -26,6 +26,7 @@ import msgspec
 from fvx.config import recipe
 from fvx.core.optim_config import AdamWConfig
 from fvx.data.datasets import DataConfig
+from fvx.data.preprocess import PreprocessConfig
 from fvx.data.toy_world import SpaceToDepth, WorldConfig
 from fvx.storage.checkpoint_config import CheckpointConfig
 from fvx.training.experiment import Experiment, RunConfig
@@ -46,6 +47,9 @@ class KDWanCausal(Experiment):
 
 
 TEACHER = "runs/teacher"  # experiments/finetune_wan.py's run, exported (module docstring)
+# No FastVideo script writes Wan-Syn_77x448x832: the recipe's 18 latent frames (the YAML's 69 frames) of 448x832, at
+# Wan's 16 fps (Wan-Syn's own 77-frame clips serve too: data.num_latent_t keeps the first 18)
+WAN_SYN_18 = PreprocessConfig(num_frames=69, train_fps=16, max_height=448, max_width=832)
 
 config = KDWanCausal(
     run=RunConfig(seed=0, steps=300, output_dir="runs/kd_causal_t2v", log_every=1),
@@ -72,12 +76,15 @@ def wan21_t2v_1p3b() -> KDWanCausal:
     frames are 6 blocks of 3 and a short last block of 2, which fvx refuses (docs/design.md, block-causal Wan), so
     the recipe trains on the first 18 (6 whole blocks); its cache is therefore its own (FastVideo shares the t2v
     recipe's 20-frame cache). FastVideo also logs to W&B project kd-wan (``run.wandb.project=kd-wan
-    run.wandb.name=wan2.1_causal_kd_ode_init``, needs wandb); its 4 data workers have no fvx knob."""
+    run.wandb.name=wan2.1_causal_kd_ode_init``, needs wandb); its 4 data workers have no fvx knob. No FastVideo script
+    writes Wan-Syn: ``data.preprocess`` cuts the recipe's 69 frames (18 latent) of 448x832 at 16 fps:
+        python -m fvx.run preprocess experiments/kd_causal_t2v.py:wan21_t2v_1p3b --videos /data/my_clips \\
+            --out /data/my_dataset models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers"""
     return KDWanCausal(
         run=RunConfig(seed=1000, steps=10000, output_dir="outputs/wan2.1_causal_kd_ode_init",
                       checkpoint=CheckpointConfig(every=1000, keep_latest=3)),
         data=DataConfig(path="data/Wan-Syn_77x448x832_600k", batch_size=16, text_len=512, cfg_rate=0.0,
-                        num_latent_t=18),
+                        num_latent_t=18, preprocess=WAN_SYN_18),
         models={"student": WanCausalConfig(preset="wan2.1-t2v-1.3b", path="models/SFWan2.1-T2V-1.3B-Diffusers",
                                            num_frames_per_block=3, compute_dtype="bf16", remat=True),
                 "teacher": WanConfig(preset="wan2.1-t2v-14b", path="models/Wan2.1-T2V-14B-Diffusers",

@@ -27,6 +27,7 @@ import msgspec
 from fvx.config import recipe
 from fvx.core.optim_config import AdamWConfig
 from fvx.data.datasets import DataConfig
+from fvx.data.preprocess import PreprocessConfig
 from fvx.data.toy_world import SpaceToDepth, WorldConfig
 from fvx.storage.checkpoint_config import CheckpointConfig
 from fvx.training.experiment import Experiment, RunConfig
@@ -46,6 +47,8 @@ class KDWan(Experiment):
 
 
 TEACHER = "runs/teacher"  # experiments/finetune_wan.py's run, exported (module docstring)
+# No FastVideo script writes Wan-Syn_77x448x832: its name's 77 frames (20 latent) of 448x832, at Wan's 16 fps
+WAN_SYN = PreprocessConfig(num_frames=77, train_fps=16, max_height=448, max_width=832)
 
 config = KDWan(
     run=RunConfig(seed=0, steps=300, output_dir="runs/kd_t2v", log_every=1),
@@ -69,12 +72,15 @@ def wan21_t2v_1p3b() -> KDWan:
     teacher_guidance_scale 3.5 is parsed but never applied by FastVideo (its rollout calls the teacher
     conditionally only), and fvx applies the knob, so 1 reproduces FastVideo's cache. FastVideo also logs to W&B
     project kd-wan (``run.wandb.project=kd-wan run.wandb.name=wan2.1_kd_ode_init``, needs wandb); its 4 data
-    workers have no fvx knob (``data.prefetch`` reads ahead in a thread)."""
+    workers have no fvx knob (``data.prefetch`` reads ahead in a thread). No FastVideo script writes Wan-Syn:
+    ``data.preprocess`` cuts its 77 frames of 448x832 at 16 fps:
+        python -m fvx.run preprocess experiments/kd_t2v.py:wan21_t2v_1p3b --videos /data/my_clips \\
+            --out /data/my_dataset models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers"""
     return KDWan(
         run=RunConfig(seed=1000, steps=10000, output_dir="outputs/wan2.1_kd_ode_init",
                       checkpoint=CheckpointConfig(every=1000, keep_latest=3)),
         data=DataConfig(path="data/Wan-Syn_77x448x832_600k", batch_size=16, text_len=512, cfg_rate=0.0,
-                        num_latent_t=20),
+                        num_latent_t=20, preprocess=WAN_SYN),
         models={"student": WanConfig(preset="wan2.1-t2v-1.3b", path="models/Wan2.1-T2V-1.3B-Diffusers",
                                      compute_dtype="bf16", remat=True, compile="blocks"),
                 "teacher": WanConfig(preset="wan2.1-t2v-14b", path="models/Wan2.1-T2V-14B-Diffusers",

@@ -24,13 +24,14 @@ point its paths at local folders, the student at the ODE-init export:
     torchrun --nproc-per-node 8 -m fvx.run experiments/self_forcing_causal_t2v.py:wan21_t2v_1p3b \
         models.student.path=/models/SFWan2.1-T2V-1.3B-ode-init models.teacher.path=/models/Wan2.1-T2V-14B-Diffusers \
         models.critic.path=/models/Wan2.1-T2V-1.3B-Diffusers data.path=/data/vidprom_16k_umt5_text_embed \
-        method.negative_prompt_path=/data/wan21_negative_prompt.safetensors
+        method.negative_prompt_path=/data/sfwan21_negative_prompt.safetensors
 """
 import msgspec
 
 from fvx.config import recipe
 from fvx.core.optim_config import AdamWConfig
 from fvx.data.datasets import DataConfig
+from fvx.data.preprocess import PreprocessConfig
 from fvx.data.toy_world import SpaceToDepth, WorldConfig
 from fvx.storage.checkpoint_config import CheckpointConfig
 from fvx.training.experiment import Experiment, RunConfig
@@ -51,6 +52,11 @@ class SelfForcingWanCausal(Experiment):
 
 TEACHER = "runs/teacher"  # experiments/finetune_wan.py's run, exported (the README's main command)
 STUDENT = "runs/kd_causal_student"  # experiments/kd_causal_t2v.py's run, exported (module docstring)
+# No FastVideo script writes Wan-Syn_77x448x832: its name's 77 frames (20 latent) of 448x832, at Wan's 16 fps
+WAN_SYN = PreprocessConfig(num_frames=77, train_fps=16, max_height=448, max_width=832)
+# FastVideo encodes the default negative prompt of its student's init_from, wlsaidhi/SFWan2.1-T2V-1.3B-Diffusers:
+# preset sf_wan_t2v_1_3b, Wan's Chinese text (fastvideo/pipelines/basic/wan/presets.py:23,307)
+NEGATIVE = "data/sfwan21_negative_prompt.safetensors"
 
 config = SelfForcingWanCausal(
     run=RunConfig(seed=0, steps=400, output_dir="runs/self_forcing_causal_t2v", log_every=1),
@@ -87,7 +93,11 @@ def wan21_t2v_1p3b() -> SelfForcingWanCausal:
     g (cond - uncond)``, the YAML's note: Self-Forcing's ``cond + 3 (cond - uncond)``); AdamW lr 2e-6 (student) and
     4e-7 (critic), betas (0, 0.999), weight decay 0.01, constant, clip 1; EMA 0.99 from step 200; global batch 8 (8
     ranks of 1), 21 latent frames of 480x832; 4000 steps, checkpoints every 1000 (the newest 3 kept), validation every
-    50 steps (the student's 4 steps, streamed)."""
+    50 steps (the student's 4 steps, streamed). Its data is FastVideo's text-only parquet (fvx's ``preprocess`` makes
+    none); the negative prompt is FastVideo's default for its SFWan init_from (``NEGATIVE``):
+        python -m fvx.run encode-prompts experiments/self_forcing_causal_t2v.py:wan21_t2v_1p3b \\
+            experiments/prompts/sfwan21_negative.txt --out data/sfwan21_negative_prompt.safetensors \\
+            models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers"""
     adamw = AdamWConfig(lr=2e-6, betas=(0.0, 0.999), weight_decay=0.01, max_grad_norm=1.0, schedule="constant")
     return SelfForcingWanCausal(
         run=RunConfig(seed=1000, steps=4000, output_dir="outputs/wan2.1_causal_self_forcing",
@@ -101,7 +111,7 @@ def wan21_t2v_1p3b() -> SelfForcingWanCausal:
             denoising_steps=(1000, 750, 500, 250), warp_denoising_step=True, flow_shift=5.0, chunk_size=3,
             student_sample_type="sde", same_step_across_blocks=True, context_noise=0.0, start_gradient_frame=0,
             generator_update_interval=5, guidance_scale=4.0, cfg_uncond="negative_prompt",
-            negative_prompt_path="data/wan21_negative_prompt.safetensors", latent_shape=(16, 21, 60, 104),
+            negative_prompt_path=NEGATIVE, latent_shape=(16, 21, 60, 104),
             optim=adamw, critic_optim=msgspec.structs.replace(adamw, lr=4e-7), ema_decay=0.99, ema_start_step=200),
     )
 
@@ -116,7 +126,10 @@ def wan21_t2v_1p3b_vsa() -> SelfForcingWanCausal:
     FastVideo's VSA backend for every role: the causal student's attention takes flash or SDPA only and runs dense
     (docs/design.md), so here too; the critic runs VSA in the dense view FastVideo gives it, its gates trained from
     zero (``vsa.sparsity`` 0.9 and the YAML's unused decay 0.03 per step recorded on it); the 14B teacher's zero gates
-    make its dense view plain attention, which it runs."""
+    make its dense view plain attention, which it runs. No FastVideo script writes Wan-Syn: ``data.preprocess`` cuts
+    its 77 frames of 448x832 at 16 fps; the negative prompt is ``wan21_t2v_1p3b``'s (the same file):
+        python -m fvx.run preprocess experiments/self_forcing_causal_t2v.py:wan21_t2v_1p3b_vsa \\
+            --videos /data/my_clips --out /data/my_dataset models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers"""
     base = wan21_t2v_1p3b()
     adamw = AdamWConfig(lr=1e-5, betas=(0.0, 0.999), weight_decay=0.01, max_grad_norm=1.0, schedule="constant")
     models = fastvideo_models()
@@ -125,7 +138,7 @@ def wan21_t2v_1p3b_vsa() -> SelfForcingWanCausal:
     return msgspec.structs.replace(
         base, run=msgspec.structs.replace(base.run, output_dir="outputs/wan2.1_causal_self_forcing_vsa_0.9"),
         data=DataConfig(path="data/Wan-Syn_77x448x832_600k", batch_size=8, text_len=512, cfg_rate=0.0,
-                        num_latent_t=20),
+                        num_latent_t=20, preprocess=WAN_SYN),
         models=models,
         method=msgspec.structs.replace(
             base.method, warp_denoising_step=False, same_step_across_blocks=False, guidance_scale=4.5,

@@ -20,6 +20,7 @@ import msgspec
 from fvx.config import recipe
 from fvx.core.optim_config import AdamWConfig
 from fvx.data.datasets import DataConfig
+from fvx.data.preprocess import PreprocessConfig
 from fvx.data.toy_world import SpaceToDepth, WorldConfig
 from fvx.storage.checkpoint_config import CheckpointConfig
 from fvx.training.experiment import Experiment, RunConfig
@@ -27,6 +28,11 @@ from fvx.training.validation import ValidationConfig
 from fvx_methods.dfsft import DFSFT
 from fvx_models.wan_causal import WanCausalConfig
 from fvx_models.wan_vae import WanVAEConfig
+
+
+# No FastVideo script writes Wan-Syn_77x448x832: the recipe's 18 latent frames (the YAML's 69 frames) of 448x832, at
+# Wan's 16 fps (Wan-Syn's own 77-frame clips serve too: data.num_latent_t keeps the first 18)
+WAN_SYN_18 = PreprocessConfig(num_frames=69, train_fps=16, max_height=448, max_width=832)
 
 
 class TFSFTWanCausal(Experiment):
@@ -53,12 +59,14 @@ def wan21_t2v_1p3b() -> TFSFTWanCausal:
     constant, clip 1; global batch 8 (8 ranks of 1), 18 latent frames (69 frames) of 448x832; 4000 steps,
     checkpoints every 1000 (the newest 3 kept). Timesteps on the model's shift-3 grid; the pipeline's shift 5 is the
     validation schedule's (40 steps at guidance 6, every 50; the streaming sampler keeps a KV cache per CFG
-    branch)."""
+    branch). No FastVideo script writes Wan-Syn: ``data.preprocess`` cuts 69 frames of 448x832 at 16 fps:
+        python -m fvx.run preprocess experiments/tfsft_causal_t2v.py:wan21_t2v_1p3b --videos /data/my_clips \\
+            --out /data/my_dataset models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers"""
     return TFSFTWanCausal(
         run=RunConfig(seed=1000, steps=4000, output_dir="outputs/wan2.1_causal_tfsft",
                       checkpoint=CheckpointConfig(every=1000, keep_latest=3)),
         data=DataConfig(path="data/Wan-Syn_77x448x832_600k", batch_size=8, text_len=512, cfg_rate=0.0,
-                        num_latent_t=18),
+                        num_latent_t=18, preprocess=WAN_SYN_18),
         models={"student": WanCausalConfig(preset="wan2.1-t2v-1.3b", path="models/Wan2.1-T2V-1.3B-Diffusers",
                                            num_frames_per_block=3, local_attn_size=-1, sink_size=0,
                                            compute_dtype="bf16", remat=True)},

@@ -160,17 +160,20 @@ def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
 
 
 def loader(pipeline: str, tokenizer: Callable[[pathlib.Path], Any]) -> Callable[..., Any]:
-    """An ``Encoders.load``: diffusers' ``pipeline.from_pretrained(folder)`` with only the ``components`` asked for
-    (the others None, as ``Encoders.open`` passes them), its ``tokenizer`` component then made by ``tokenizer(folder /
-    "tokenizer")``: for a folder whose tokenizer diffusers' own loading does not give as the pipeline was written for
-    (set afterwards: ``from_pretrained`` refuses an object of another kind than ``model_index.json`` names)."""
+    """An ``Encoders.load``: the folder's diffusers pipeline (``pipeline`` unless its ``model_index.json`` names
+    another) loaded with only the ``components`` asked for, as ``Encoders.open`` loads it, its ``tokenizer`` then made
+    by ``tokenizer(folder / "tokenizer")``: for a folder whose tokenizer diffusers' own loading does not give as the
+    pipeline was written for (set afterwards: ``from_pretrained`` refuses an object of another kind than
+    ``model_index.json`` names)."""
     def load(folder: pathlib.Path, components: tuple[str, ...], dtype: torch.dtype) -> Any:
         import diffusers
 
         index = json.loads((folder / "model_index.json").read_text())
+        named = index.get("_class_name")
+        pipeline_class = getattr(diffusers, named if isinstance(named, str) and hasattr(diffusers, named) else pipeline)
         skipped = {name: None for name, value in index.items()
                    if not name.startswith("_") and isinstance(value, list) and name not in components}
-        pipe = getattr(diffusers, pipeline).from_pretrained(folder, dtype=dtype, **{**skipped, "tokenizer": None})
+        pipe = pipeline_class.from_pretrained(folder, dtype=dtype, **{**skipped, "tokenizer": None})
         if "tokenizer" in components:
             pipe.tokenizer = tokenizer(folder / "tokenizer")
         return pipe

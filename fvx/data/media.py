@@ -106,6 +106,19 @@ def probe_video(path: pathlib.Path) -> tuple[float, float]:
     return fps, duration
 
 
+def write_video(path: pathlib.Path, frames: np.ndarray, fps: int) -> None:
+    """uint8 frames ``[T, H, W, 3]`` as a lossless mp4 (RGB H.264, ``crf`` 0) at ``fps``: decodes to the same pixels."""
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264rgb", rate=fps, options={"crf": "0", "preset": "ultrafast"})
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt = "rgb24"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
+        container.mux(stream.encode(None))
+
+
 def read_image(path: pathlib.Path) -> np.ndarray:
     """An image file as uint8 ``[1, H, W, 3]`` (RGB); a MediaError when it does not decode."""
     from PIL import Image, UnidentifiedImageError

@@ -439,7 +439,7 @@ def write_videos(config: WorldConfig, folder: str, seed: int = 0) -> list[str]:
     is :meth:`WorldDataset.clip` ``(i)`` of the world drawn from ``key(seed)``."""
     import pathlib
 
-    import av
+    from fvx.data import media
 
     out = pathlib.Path(folder)
     out.mkdir(parents=True, exist_ok=True)
@@ -449,13 +449,7 @@ def write_videos(config: WorldConfig, folder: str, seed: int = 0) -> list[str]:
         colour, direction = world.prompts[index % len(world.prompts)]
         pixels = ((world.clip(index) + 1) * 127.5).round().clip(0, 255).astype(np.uint8)  # [3, T, H, W]
         name = f"world_{index:05d}"
-        with av.open(str(out / f"{name}.mp4"), "w") as container:
-            stream = container.add_stream("libx264rgb", rate=config.fps, options={"crf": "0", "preset": "ultrafast"})
-            stream.width = stream.height = config.size
-            stream.pix_fmt = "rgb24"
-            for frame in pixels.transpose(1, 2, 3, 0):
-                container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
-            container.mux(stream.encode(None))
+        media.write_video(out / f"{name}.mp4", pixels.transpose(1, 2, 3, 0), config.fps)
         (out / f"{name}.txt").write_text(caption(config, colour, direction) + "\n")
         names.append(f"{name}.mp4")
     return names

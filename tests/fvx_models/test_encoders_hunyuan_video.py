@@ -103,10 +103,9 @@ def folder(tmp_path_factory):
                                 tokenizer_2=clip_tokenizer)
     path = tmp_path_factory.mktemp("hunyuan_video")
     pipe.save_pretrained(path)
-    for file, key in ((path / "model_index.json", "tokenizer"), (path / "tokenizer" / "tokenizer_config.json", None)):
-        config = json.loads(file.read_text())  # named as the real folder names its Llama 3 tokenizer
-        config.update({key: ["transformers", "LlamaTokenizerFast"]} if key else {"tokenizer_class": "LlamaTokenizerFast"})
-        file.write_text(json.dumps(config))
+    for file, key, value in ((path / "model_index.json", "tokenizer", ["transformers", "LlamaTokenizerFast"]),
+                             (path / "tokenizer" / "tokenizer_config.json", "tokenizer_class", "LlamaTokenizerFast")):
+        file.write_text(json.dumps({**json.loads(file.read_text()), key: value}))  # as the real folder names it
     return path
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from fvx.data import media
+from media_files import write_with_sound
 
 
 def test_frames_are_every_fps_over_train_fps_th_from_the_start():
@@ -52,30 +53,6 @@ def test_nearest_bucket_by_aspect_ratio():
 def test_sizes_the_family_cannot_take_are_refused():
     with pytest.raises(ValueError, match="480x830 is not a multiple of 16"):
         media.check_size(480, 830, 16, "data.preprocess.max_height x max_width")
-
-
-def write_with_sound(path, seconds=1.0, fps=16, rate=8000, pitch=440.0, sound=True):
-    """A grey clip with (``sound``) a stereo sine track, as an mp4 (H.264 + AAC)."""
-    import av
-    with av.open(str(path), "w") as container:
-        video = container.add_stream("libx264", rate=fps)
-        video.width = video.height = 16
-        video.pix_fmt = "yuv420p"
-        audio = container.add_stream("aac", rate=rate, layout="stereo") if sound else None
-        for _ in range(int(seconds * fps)):
-            frame = av.VideoFrame.from_ndarray(np.full((16, 16, 3), 128, np.uint8), format="rgb24")
-            container.mux(video.encode(frame))
-        container.mux(video.encode(None))
-        if sound:
-            t = np.arange(int(seconds * rate)) / rate
-            wave = np.stack([np.sin(2 * np.pi * pitch * t)] * 2).astype(np.float32) * 0.5
-            chunk = 1024
-            for start in range(0, wave.shape[1], chunk):
-                frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(wave[:, start:start + chunk]), format="fltp",
-                                                   layout="stereo")
-                frame.sample_rate, frame.pts = rate, start
-                container.mux(audio.encode(frame))
-            container.mux(audio.encode(None))
 
 
 def test_the_audio_track_is_read_as_stereo_at_the_asked_rate(tmp_path):

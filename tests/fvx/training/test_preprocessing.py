@@ -3,13 +3,13 @@ decoded, cropped frames; clips of two aspect ratios go to their buckets; a folde
 import json
 import pathlib
 
-import av
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
 
 import tiny_wan_pipeline
+from media_files import write_with_sound
 from fvx import config as fconfig, run
 from fvx.data import media, preprocess
 from fvx.training import preprocessing
@@ -17,17 +17,6 @@ from fvx_models import wan
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 EXPERIMENT = str(ROOT / "experiments" / "finetune_wan_i2v.py")
-
-
-def write_clip(path: pathlib.Path, frames: np.ndarray, fps: int = 16) -> None:
-    """uint8 frames [T, H, W, 3] as a lossless RGB H.264 file."""
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("libx264rgb", rate=fps, options={"crf": "0"})
-        stream.height, stream.width = frames.shape[1:3]
-        stream.pix_fmt = "rgb24"
-        for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode(None))
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +29,7 @@ def clips(tmp_path_factory):
     root, rng = tmp_path_factory.mktemp("clips"), np.random.default_rng(0)
     for name, (h, w) in (("wide", (24, 40)), ("tall", (40, 24)), ("wide2", (32, 48))):
         frames = rng.integers(0, 256, (7, h, w, 3), dtype=np.uint8)
-        write_clip(root / f"{name}.mp4", frames)
+        media.write_video(root / f"{name}.mp4", frames, 16)
         (root / f"{name}.txt").write_text(f"red bars moving {'left' if 'wide' in name else 'up'}\n")
     return root
 
@@ -105,3 +94,38 @@ def test_a_folder_without_its_image_encoder_is_refused_before_anything_is_writte
                      f"models.student.path={folder}", "models.student.preset=tiny-i2v", "data.world=null",
                      "data.preprocess.max_width=30"])
     assert code == 2 and "480x30 is not a multiple of 16" in capsys.readouterr().err
+
+
+class Recorder:
+    """An encoder (fvx.data.preprocess.Encoder) that returns marks of what it was given."""
+
+    def __init__(self):
+        self.sounds = []
+
+    def encode_text(self, prompts):
+        return [torch.full((2, 3), float(len(p))) for p in prompts]
+
+    def encode_text_2(self, prompts):
+        return None
+
+    def encode_video(self, video):
+        return video[:1, :, :2, :2].clone()
+
+    def encode_audio(self, waveform, rate):
+        self.sounds.append((waveform, rate))
+        return torch.zeros(2, 32, 1)
+
+
+def test_t2va_takes_the_clips_own_sound_from_its_start_for_its_length(tmp_path):
+    write_with_sound(tmp_path / "a.mp4", seconds=1.0, fps=16, rate=8000)
+    (tmp_path / "a.txt").write_text("a tone")
+    write_with_sound(tmp_path / "b.mp4", sound=False)
+    (tmp_path / "b.txt").write_text("silence")
+    cut = preprocess.PreprocessConfig(num_frames=8, train_fps=16, max_height=16, max_width=16)
+    job = preprocess.Job({}, "t2va", cut, 1, 16, audio_rate=16000)
+    encoder = Recorder()
+    rows, skipped = preprocess.encode_part(job, encoder, preprocess.find_inputs(tmp_path))
+    assert [r["id"] for r in rows] == ["a.mp4"] and rows[0]["audio_sample_rate"] == 16000
+    assert skipped == [{"file": "b.mp4", "reason": "it has no audio track"}]
+    (sound, rate), = encoder.sounds
+    assert rate == 16000 and torch.equal(sound, media.read_audio(tmp_path / "a.mp4", 16000, 0.0, 0.5))
