@@ -54,6 +54,10 @@ class Encoders:
                      uses that the pipeline would build itself when given None (Cosmos 2.5's safety checker)
     load(folder, components, dtype) -> pipe   loads ``components`` itself, for a pipeline whose ``from_pretrained``
                      loads none (a diffusers modular pipeline: MiniMax-H3's); None: ``from_pretrained`` as above
+    own_loaders      ``(component, load(path))`` pairs: components fvx loads itself from their subfolder, where the
+                     class ``model_index.json`` names does not load them as the pipeline was written for
+                     (HunyuanVideo's Llama 3 tokenizer under transformers 5; Kandinsky 5's processor, whose text call
+                     is its tokenizer's, without torchvision)
     """
 
     pipeline: str
@@ -74,6 +78,7 @@ class Encoders:
     audio_refusal: str | None = None
     stand_ins: tuple[tuple[str, Any], ...] = ()
     load: Callable[[pathlib.Path, tuple[str, ...], torch.dtype], Any] | None = None
+    own_loaders: tuple[tuple[str, Callable[[pathlib.Path], Any]], ...] = ()
 
     def components(self, parts: Iterable[Part]) -> tuple[str, ...]:
         """The folder components ``parts`` need, in a fixed order."""
@@ -123,10 +128,14 @@ class Encoders:
         named = index.get("_class_name")  # the folder's own pipeline (an I2V folder's loads its image encoder)
         pipeline_class = getattr(diffusers, named if isinstance(named, str) and hasattr(diffusers, named)
                                  else self.pipeline)
+        own = dict(self.own_loaders)
         skipped = {name: None for name, value in index.items()
-                   if not name.startswith("_") and isinstance(value, list) and name not in needed}
+                   if not name.startswith("_") and isinstance(value, list) and (name not in needed or name in own)}
         pipe = (self.load(folder, needed, _DTYPES[dtype]) if self.load is not None else
                 pipeline_class.from_pretrained(folder, dtype=_DTYPES[dtype], **{**skipped, **dict(self.stand_ins)}))
+        for name, load in own.items():  # set afterwards: from_pretrained refuses an object of another class
+            if name in needed:
+                setattr(pipe, name, load(folder / name))
         for name in needed:
             module = getattr(pipe, name, None)
             if isinstance(module, torch.nn.Module):

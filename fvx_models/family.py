@@ -231,6 +231,21 @@ def packed_pooled_cond(batch: Mapping[str, Any], pooled_dim: int, family: str, w
     return {"text": text[:, 1:], "text_mask": mask[:, 1:], "pooled": text[:, 0, :pooled_dim]}
 
 
+def pack_pooled(pooled: torch.Tensor, tokens: list[torch.Tensor]) -> list[torch.Tensor]:
+    """FastVideo's packed text rows ``[1 + L_i, D]`` (HunyuanVideo's and Kandinsky 5's): row 0 each prompt's pooled
+    CLIP vector (``pooled [B, P]``) zero-padded to ``D``, then its tokens ``[L_i, D]``; :func:`packed_pooled_cond` unpacks
+    them."""
+    rows = []
+    for vector, text in zip(pooled, tokens):
+        if vector.shape[0] > text.shape[1]:
+            raise ValueError(f"the pooled CLIP vector ({vector.shape[0]} wide) does not fit in a row of the text "
+                             f"embedding ({text.shape[1]} wide)")
+        head = torch.nn.functional.pad(vector.to(text.dtype), (0, text.shape[1] - vector.shape[0]))
+        rows.append(torch.cat([head[None], text]))
+    return rows
+
+
+
 # ------------------------------------------------------------------------------------------------------------ init
 
 

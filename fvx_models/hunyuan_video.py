@@ -18,9 +18,8 @@ DiT uses the literal 6016.0, bf16's rounding of it (``embedded_guidance=6.016`` 
 """
 from __future__ import annotations
 
-import json
 import pathlib
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import msgspec
 import torch
@@ -31,7 +30,7 @@ from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder
 from fvx_models import encoders as fencoders
 from fvx_models.build import ModelConfig
-from fvx_models.family import Family, Preset, packed_pooled_cond, skeleton_of
+from fvx_models.family import Family, Preset, pack_pooled, packed_pooled_cond, skeleton_of
 from fvx_models.model import LatentSpace
 
 SCALING_FACTOR = 0.476986  # AutoencoderKLHunyuanVideo's scaling_factor
@@ -137,48 +136,12 @@ HUNYUAN_VIDEO = Family(
 )
 
 
-def pack_pooled(pooled: torch.Tensor, tokens: list[torch.Tensor]) -> list[torch.Tensor]:
-    """FastVideo's packed text rows ``[1 + L_i, D]`` (HunyuanVideo's and Kandinsky 5's): row 0 each prompt's pooled
-    CLIP vector (``pooled [B, P]``) zero-padded to ``D``, then its tokens ``[L_i, D]``; ``packed_pooled_cond`` unpacks
-    them."""
-    rows = []
-    for vector, text in zip(pooled, tokens):
-        if vector.shape[0] > text.shape[1]:
-            raise ValueError(f"the pooled CLIP vector ({vector.shape[0]} wide) does not fit in a row of the text "
-                             f"embedding ({text.shape[1]} wide)")
-        head = torch.nn.functional.pad(vector.to(text.dtype), (0, text.shape[1] - vector.shape[0]))
-        rows.append(torch.cat([head[None], text]))
-    return rows
-
-
 def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
     """``HunyuanVideoPipeline.encode_prompt`` as its ``__call__`` calls it (the LLaMA's ``hidden_states[-3]`` of the
     prompt in its video template, the 95 template tokens cropped, 256 tokens; CLIP's pooled output): each prompt's
     real tokens after its pooled row, ``[1 + L_i, 4096]``."""
     embeds, pooled, mask = pipe.encode_prompt(prompts, device=pipe.text_encoder.device)
     return pack_pooled(pooled, fencoders.real_tokens(embeds, mask))
-
-
-def loader(pipeline: str, tokenizer: Callable[[pathlib.Path], Any]) -> Callable[..., Any]:
-    """An ``Encoders.load``: the folder's diffusers pipeline (``pipeline`` unless its ``model_index.json`` names
-    another) loaded with only the ``components`` asked for, as ``Encoders.open`` loads it, its ``tokenizer`` then made
-    by ``tokenizer(folder / "tokenizer")``: for a folder whose tokenizer diffusers' own loading does not give as the
-    pipeline was written for (set afterwards: ``from_pretrained`` refuses an object of another kind than
-    ``model_index.json`` names)."""
-    def load(folder: pathlib.Path, components: tuple[str, ...], dtype: torch.dtype) -> Any:
-        import diffusers
-
-        index = json.loads((folder / "model_index.json").read_text())
-        named = index.get("_class_name")
-        pipeline_class = getattr(diffusers, named if isinstance(named, str) and hasattr(diffusers, named) else pipeline)
-        skipped = {name: None for name, value in index.items()
-                   if not name.startswith("_") and isinstance(value, list) and name not in components}
-        pipe = pipeline_class.from_pretrained(folder, dtype=dtype, **{**skipped, "tokenizer": None})
-        if "tokenizer" in components:
-            pipe.tokenizer = tokenizer(folder / "tokenizer")
-        return pipe
-
-    return load
 
 
 def llama_tokenizer(path: pathlib.Path) -> Any:
@@ -196,7 +159,7 @@ ENCODERS = fencoders.Encoders(
     pipeline="HunyuanVideoPipeline", text=("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2"),
     encode_text=encode_text, encode_video=lambda pipe, video: fencoders.latent_mean(pipe.vae, video),
     frame_step=4, pixel_multiple=16, audio_refusal="HunyuanVideo makes no sound",
-    load=loader("HunyuanVideoPipeline", llama_tokenizer))
+    own_loaders=(("tokenizer", llama_tokenizer),))
 """HunyuanVideo's encoders: the packed text rows above and the VAE's posterior mean, unscaled (``LATENTS`` applies the
 scaling factor in training); 4x temporal compression, 8x spatial times the DiT's 2x2 patch."""
 

@@ -42,7 +42,7 @@ from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder, hunyuan_video
 from fvx_models import encoders as fencoders
 from fvx_models.build import ModelConfig
-from fvx_models.family import Family, Preset, packed_pooled_cond, skeleton_of
+from fvx_models.family import Family, Preset, pack_pooled, packed_pooled_cond, skeleton_of
 
 LATENTS = hunyuan_video.LATENTS  # Kandinsky 5 decodes with HunyuanVideo's VAE: 16 channels x 0.476986, (4, 8, 8)
 FLOW_SHIFT = 5.0  # FastVideo's Kandinsky5Model default and its recipes' pipeline.flow_shift
@@ -243,7 +243,7 @@ def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
                                                     device=pipe.text_encoder.device)
     left = getattr(pipe.tokenizer, "tokenizer", pipe.tokenizer).padding_side == "left"
     tokens = [e[len(e) - n:] if left else e[:n] for e, n in zip(embeds, cu_seqlens.diff().tolist())]
-    return hunyuan_video.pack_pooled(pooled, tokens)
+    return pack_pooled(pooled, tokens)
 
 
 def qwen_tokenizer(path: pathlib.Path) -> Any:
@@ -259,7 +259,7 @@ ENCODERS = fencoders.Encoders(
     pipeline="Kandinsky5T2VPipeline", text=("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2"),
     encode_text=encode_text, encode_video=lambda pipe, video: fencoders.latent_mean(pipe.vae, video),
     frame_step=4, pixel_multiple=16, audio_refusal="Kandinsky 5 makes no sound",
-    load=hunyuan_video.loader("Kandinsky5T2VPipeline", qwen_tokenizer))
+    own_loaders=(("tokenizer", qwen_tokenizer),))
 """Kandinsky 5's encoders: the packed text rows above and the HunyuanVideo VAE's posterior mean, unscaled (``LATENTS``
 applies the scaling factor in training); 4x temporal compression, 8x spatial times the DiT's 2x2 patch."""
 
