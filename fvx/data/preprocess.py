@@ -124,6 +124,17 @@ def find_inputs(root: pathlib.Path) -> list[Input]:
     return inputs
 
 
+def find_prompts(path: pathlib.Path) -> list[Input]:
+    """The prompts of a text file, one a line (blank lines skipped), as the inputs of text-only data (FastVideo's
+    text-only preprocessing: its ``text_prompt_N`` names)."""
+    if not path.is_file():
+        raise ValueError(f"prompts file {str(path)!r} does not exist (data.kind='text_only' reads prompts, one a line)")
+    lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"prompts file {str(path)!r} holds no prompts")
+    return [Input(path, line, f"text_prompt_{n}") for n, line in enumerate(lines)]
+
+
 def _merged_layout(root: pathlib.Path, listing: pathlib.Path) -> list[Input]:
     try:
         entries = json.loads(listing.read_text())
@@ -178,6 +189,9 @@ def cut(job: Job, item: Input) -> tuple[torch.Tensor, dict[str, Any]]:
 
 def encode_part(job: Job, encoder: Encoder, items: Sequence[Input]) -> tuple[list[dict], list[dict]]:
     """The rows of ``items`` (``fvx.data.parquet.write_parquet``'s samples) and the skipped ones (file, reason)."""
+    if job.kind == "text_only":
+        texts = encoder.encode_text([item.caption for item in items])
+        return [{"id": item.name, "caption": item.caption, "text": text} for item, text in zip(items, texts)], []
     cuts, skipped = [], []
     for item in items:
         try:

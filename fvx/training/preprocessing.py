@@ -79,10 +79,11 @@ def parts_of(kind: str) -> tuple[str, ...]:
 def job_of(config: Any) -> tuple[preprocess.Job, Callable[[], Any]]:
     """The preprocessing job of an experiment and its encoder factory; a ValueError for a config that cannot
     preprocess (before any file is read)."""
-    data = config.data
-    if data.kind == "text_only":
-        raise ValueError("data.kind='text_only' has no media to preprocess: use encode-prompts for text")
-    cut = data.preprocess
+    data, cut = config.data, config.data.preprocess
+    if data.kind == "text_only":  # prompts only: FastVideo's text-only preprocessing
+        identity, factory, _, _ = encoder_source(config, ("text",))
+        identity = {**identity, "kind": data.kind, "samples_per_file": cut.samples_per_file}
+        return preprocess.Job(identity, data.kind, cut, 1, 1), factory
     identity, factory, (frame_base, frame_step), multiple = encoder_source(config, parts_of(data.kind))
     media.check_size(cut.max_height, cut.max_width, multiple, "data.preprocess.max_height x max_width")
     if media.usable_frames(cut.num_frames, frame_step, frame_base) == 0:
@@ -100,10 +101,12 @@ def job_of(config: Any) -> tuple[preprocess.Job, Callable[[], Any]]:
 
 
 def run_preprocess(config: Any, videos: str, out: str, *, progress: bool) -> dict[str, Any]:
-    """``preprocess``: this process's parts (torchrun's RANK of WORLD_SIZE) of the inputs under ``videos`` into
-    ``out``; a ValueError (bad input) before anything is written."""
+    """``preprocess``: this process's parts (torchrun's RANK of WORLD_SIZE) of the inputs under ``videos`` (a
+    folder; for ``data.kind=text_only`` a prompts file, one a line) into ``out``; a ValueError (bad input) before
+    anything is written."""
     job, factory = job_of(config)
-    inputs = preprocess.find_inputs(pathlib.Path(videos))
+    source = pathlib.Path(videos)
+    inputs = preprocess.find_prompts(source) if job.kind == "text_only" else preprocess.find_inputs(source)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     folder = pathlib.Path(out)
     job = dataclasses.replace(job, identity={**job.identity, "inputs": str(pathlib.Path(videos).resolve()),
@@ -126,8 +129,8 @@ def run_encode_prompts(config: Any, prompts_file: str, out: str) -> tuple[int, p
     target = pathlib.Path(out)
     if target.suffix != ".safetensors":
         raise ValueError(f"--out {str(target)!r} must end in .safetensors (a cond file)")
-    if not target.parent.is_dir():
-        raise ValueError(f"--out {str(target)!r}: folder {str(target.parent)!r} does not exist")
+    if target.parent.exists() and not target.parent.is_dir():
+        raise ValueError(f"--out {str(target)!r}: {str(target.parent)!r} is not a folder")
     role, model = model_role(config)
     _, factory, _, _ = encoder_source(config, ("text",))
     encoder = factory()
@@ -138,5 +141,6 @@ def run_encode_prompts(config: Any, prompts_file: str, out: str) -> tuple[int, p
         sample["text_2"] = second.numpy()
     batch = batching.collate(samples, list(range(len(samples))), text_len=config.data.text_len, cfg_rate=0.0,
                              dropout_key=random.key(0), text_2_len=config.data.text_2_len)
+    target.parent.mkdir(parents=True, exist_ok=True)
     model.write_cond_file(target, batch, prompts)
     return len(prompts), target

@@ -186,3 +186,17 @@ def test_encode_prompts_writes_a_cond_file_validation_reads(tmp_path):
     assert torch.equal(cond["text"][0], torch.from_numpy(world.texts[1]))
     assert torch.equal(cond["text"][1], torch.from_numpy(world.texts[7]))
     assert np.array_equal(cond["text_mask"].numpy(), np.ones((2, 4), np.float32))
+
+
+def test_text_only_data_from_a_prompts_file(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("red bars moving left\n\nblue bars moving up\nred bars moving down\n")
+    config = config_of(**{"data.kind": "text_only"})
+    done = preprocessing.run_preprocess(config, str(prompts), str(tmp_path / "ds"), progress=False)
+    assert done["rows"] == 3
+    data = datasets.open_dataset(datasets.DataConfig(path=str(tmp_path / "ds" / preprocess.PARTS), kind="text_only",
+                                                     text_len=4), random.key(0))
+    world = WorldDataset(WORLD, random.key(0), kind="t2v", collate=lambda samples, indices: samples)
+    batch = data.read([0, 1, 2])
+    assert batch["caption"] == ["red bars moving left", "blue bars moving up", "red bars moving down"]
+    assert torch.equal(batch["text"], torch.from_numpy(np.stack([world.texts[i] for i in (1, 7, 2)])))
