@@ -296,14 +296,14 @@ def throughput(work: pathlib.Path, setup: Setup, videos: pathlib.Path, repeats: 
     first = outs("fvx")
     fvx_steady(job, opened, videos, first)
     diff = agreement(first, plain_loop(pipe, setup, videos, None))
-    gpu_peak = {}
-    if cuda:
-        for name, fn in (("fvx", lambda: fvx_steady(job, opened, videos, outs("fvx"))),
-                         ("plain", lambda: plain_loop(pipe, setup, videos, outs("plain", ".parquet")))):
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            fn()
-            gpu_peak[name] = torch.cuda.max_memory_allocated() / 2**30
+    gpu_peak, swap = {}, 0.0
+    if cuda:  # each from its weights on the CPU; fvx brings one encoder at a time, plain moves the pipe over
+        opened._use(())
+        pipe.to("cpu")
+        gpu_peak["fvx"] = cuda_peak(lambda: fvx_steady(job, opened, videos, outs("fvx")))
+        gpu_peak["plain"] = cuda_peak(lambda: plain_loop(pipe.to(setup.device), setup, videos,
+                                                         outs("plain", ".parquet")))
+        swap = timed(lambda: (opened._use(opened.encoders.text), opened._use(opened.encoders.video)), sync)
     phases: dict[str, float] = {}
     probe = timed(lambda: [media.probe_video(p) for p in sorted(videos.glob("*.mp4"))])
     times = alternate({"fvx": lambda: fvx_steady(job, opened, videos, outs("fvx")),
@@ -318,8 +318,19 @@ def throughput(work: pathlib.Path, setup: Setup, videos: pathlib.Path, repeats: 
             "fvx": lambda: fvx_end_to_end(config, videos, outs("fvx")),
             "plain": lambda: plain_loop(plain_pipeline(folder, setup), setup, videos, outs("plain", ".parquet"))},
             repeats=1, warmup=0)
-    return {"times": times, "load": load, "end_to_end": end_to_end, "diff": diff, "gpu_peak": gpu_peak,
+    return {"times": times, "load": load, "end_to_end": end_to_end, "diff": diff, "gpu_peak": gpu_peak, "swap": swap,
             "phases": {k: v / repeats for k, v in phases.items()}, "probe": probe}
+
+
+def cuda_peak(fn: Callable[[], object]) -> float:
+    """GiB of GPU memory ``fn`` allocates at its peak above what was allocated before it."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def peak_child(case: str, work: pathlib.Path, setup_name: str, clips: int, parts: int | None) -> dict[str, float]:
@@ -365,6 +376,9 @@ def report(setup: Setup, clips: int, result: dict[str, Any]) -> float:
     per_clip = {k: 1000 * v / clips for k, v in result["phases"].items()}
     print("plain loop, ms per clip: " + ", ".join(f"{k} {v:.1f}" for k, v in per_clip.items()) +
           f"; fvx's extra header probe (media.probe_video) {1000 * result['probe'] / clips:.1f} ms per clip")
+    if result["swap"]:
+        print(f"fvx moves the text encoder to the GPU and the VAE off it, then back, once per part (samples_per_file "
+              f"clips; every run here): {result['swap']:.2f} s")
     if result["end_to_end"]:
         e2e = result["end_to_end"]
         print(f"end to end (folder loaded in the run): fvx {e2e['fvx']:.2f} s, plain {e2e['plain']:.2f} s, "
