@@ -282,16 +282,17 @@ class Outs:
 
 def throughput(work: pathlib.Path, setup: Setup, videos: pathlib.Path, repeats: int) -> dict[str, Any]:
     """Steady-state seconds per run of fvx and of the plain loop (median of ``repeats`` alternating, after one run
-    each whose outputs are compared), the plain loop's phases, the load times, end to end, GPU peaks."""
+    each whose outputs are compared), the plain loop's phases per run, load times, GPU peaks and fvx's swap."""
     folder, outs, cuda = work / "wan", Outs(work / "out"), setup.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    (work / "out").mkdir(exist_ok=True)
-    config = fvx_config(folder, setup)
-    job, factory = preprocessing.job_of(config)
+    job, factory = preprocessing.job_of(fvx_config(folder, setup))
     holder: dict[str, Any] = {}
     load = {"fvx": timed(lambda: holder.update(opened=factory()), sync),  # on the CPU: moved on first use
             "plain": timed(lambda: holder.update(pipe=plain_pipeline(folder, setup)), sync)}
-    opened, pipe = holder["opened"], holder["pipe"]
+    opened, pipe = holder.pop("opened"), holder.pop("pipe")
+
+    def fvx() -> None:
+        fvx_steady(job, opened, videos, outs("fvx"))
 
     first = outs("fvx")
     fvx_steady(job, opened, videos, first)
@@ -300,26 +301,24 @@ def throughput(work: pathlib.Path, setup: Setup, videos: pathlib.Path, repeats: 
     if cuda:  # each from its weights on the CPU; fvx brings one encoder at a time, plain moves the pipe over
         opened._use(())
         pipe.to("cpu")
-        gpu_peak["fvx"] = cuda_peak(lambda: fvx_steady(job, opened, videos, outs("fvx")))
+        gpu_peak["fvx"] = cuda_peak(fvx)
         gpu_peak["plain"] = cuda_peak(lambda: plain_loop(pipe.to(setup.device), setup, videos,
                                                          outs("plain", ".parquet")))
         swap = timed(lambda: (opened._use(opened.encoders.text), opened._use(opened.encoders.video)), sync)
     phases: dict[str, float] = {}
     probe = timed(lambda: [media.probe_video(p) for p in sorted(videos.glob("*.mp4"))])
-    times = alternate({"fvx": lambda: fvx_steady(job, opened, videos, outs("fvx")),
-                       "plain": lambda: plain_loop(pipe, setup, videos, outs("plain", ".parquet"), phases)},
+    times = alternate({"fvx": fvx, "plain": lambda: plain_loop(pipe, setup, videos, outs("plain", ".parquet"), phases)},
                       repeats=repeats, warmup=0, sync=sync)
-    del opened, pipe, holder
-    if cuda:
-        torch.cuda.empty_cache()
-    end_to_end = {}
-    if not cuda:  # loading a 9 GB text encoder twice more is not worth the device time
-        end_to_end = alternate({
-            "fvx": lambda: fvx_end_to_end(config, videos, outs("fvx")),
-            "plain": lambda: plain_loop(plain_pipeline(folder, setup), setup, videos, outs("plain", ".parquet"))},
-            repeats=1, warmup=0)
-    return {"times": times, "load": load, "end_to_end": end_to_end, "diff": diff, "gpu_peak": gpu_peak, "swap": swap,
+    return {"times": times, "load": load, "diff": diff, "gpu_peak": gpu_peak, "swap": swap,
             "phases": {k: v / repeats for k, v in phases.items()}, "probe": probe}
+
+
+def end_to_end(work: pathlib.Path, setup: Setup, videos: pathlib.Path) -> dict[str, float]:
+    """Seconds of one run each with the folder loaded in it: ``run_preprocess``; the plain pipeline's load + loop."""
+    outs, config = Outs(work / "out"), fvx_config(work / "wan", setup)
+    return alternate({"fvx": lambda: fvx_end_to_end(config, videos, outs("fvx")),
+                      "plain": lambda: plain_loop(plain_pipeline(work / "wan", setup), setup, videos,
+                                                  outs("plain", ".parquet"))}, repeats=1, warmup=0)
 
 
 def cuda_peak(fn: Callable[[], object]) -> float:
@@ -379,7 +378,7 @@ def report(setup: Setup, clips: int, result: dict[str, Any]) -> float:
     if result["swap"]:
         print(f"fvx moves the text encoder to the GPU and the VAE off it, then back, once per part (samples_per_file "
               f"clips; every run here): {result['swap']:.2f} s")
-    if result["end_to_end"]:
+    if "end_to_end" in result:
         e2e = result["end_to_end"]
         print(f"end to end (folder loaded in the run): fvx {e2e['fvx']:.2f} s, plain {e2e['plain']:.2f} s, "
               f"fvx/plain clips/s {e2e['plain'] / e2e['fvx']:.3f}")
@@ -438,7 +437,11 @@ def main() -> None:
         (work / "out").mkdir()
         print(f"set-up {time.perf_counter() - start:.1f} s: text encoder {setup.text}, VAE base_dim "
               f"{setup.vae['base_dim']} dim_mult {setup.vae['dim_mult']} num_res_blocks {setup.vae['num_res_blocks']}")
-        ratio = report(setup, clips, throughput(work, setup, subset(work / "videos", clips), repeats))
+        videos = subset(work / "videos", clips)
+        result = throughput(work, setup, videos, repeats)
+        if not args.check:  # loading a 9 GB text encoder twice more is not worth the device time
+            result["end_to_end"] = end_to_end(work, setup, videos)
+        ratio = report(setup, clips, result)
         if not check:
             memory(work, setup_name, clips)
     print(f"fvx / plain clips/s {ratio:.3f} (goal >= {GOAL})")

@@ -6,9 +6,10 @@ section 4, "Preprocessing"); every function but the decoders is pure and tested 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import pathlib
-from typing import NamedTuple, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -22,14 +23,6 @@ class MediaError(ValueError):
     """A file cannot be used as a clip; the message is the reason (the caller names the file)."""
 
 
-class Video(NamedTuple):
-    """A decoded video: ``frames`` uint8 ``[N, H, W, 3]``, its frame rate (Hz) and duration (s)."""
-
-    frames: np.ndarray
-    fps: float
-    duration: float
-
-
 def is_image(path: pathlib.Path) -> bool:
     return path.suffix.lower() in IMAGE_SUFFIXES
 
@@ -38,9 +31,9 @@ def is_media(path: pathlib.Path) -> bool:
     return path.suffix.lower() in VIDEO_SUFFIXES + IMAGE_SUFFIXES
 
 
-def read_video(path: pathlib.Path, wanted: Sequence[int] | None = None) -> Video:
-    """The frames of ``path``'s first video stream (only those in ``wanted`` when given, by decode order), its fps
-    and duration; a MediaError when it does not decode."""
+@contextlib.contextmanager
+def _video_stream(path: pathlib.Path) -> Iterator[tuple[Any, Any, float]]:
+    """(container, first video stream, its fps) of ``path``; FFmpeg's errors as a MediaError with the reason."""
     import av  # the .[data] extra
 
     try:
@@ -48,24 +41,9 @@ def read_video(path: pathlib.Path, wanted: Sequence[int] | None = None) -> Video
             if not container.streams.video:
                 raise MediaError("it has no video stream")
             stream = container.streams.video[0]
-            fps = float(stream.average_rate or stream.guessed_rate or 0)
-            keep = None if wanted is None else set(wanted)
-            last = None if wanted is None else max(wanted, default=-1)
-            frames, count = [], 0
-            for frame in container.decode(stream):
-                if keep is None or count in keep:
-                    frames.append(frame.to_ndarray(format="rgb24"))
-                count += 1
-                if last is not None and count > last:
-                    break
-            duration = _duration(container, stream, count, fps)
-    except MediaError:
-        raise
+            yield container, stream, float(stream.average_rate or stream.guessed_rate or 0)
     except (av.error.FFmpegError, OSError, ValueError) as error:
         raise MediaError(f"it does not decode as video: {_reason(error)}") from None
-    if count == 0 or fps <= 0:
-        raise MediaError("it holds no decodable frames" if count == 0 else "its frame rate is unknown")
-    return Video(np.stack(frames) if frames else np.zeros((0, 0, 0, 3), np.uint8), fps, duration)
 
 
 def _reason(error: Exception) -> str:
@@ -73,37 +51,37 @@ def _reason(error: Exception) -> str:
     return getattr(error, "strerror", None) or str(error)
 
 
-def _duration(container, stream, count: int, fps: float) -> float:
-    if stream.duration is not None and stream.time_base is not None:
-        return float(stream.duration * stream.time_base)
-    if container.duration is not None:
-        return container.duration / 1_000_000
-    return count / fps if fps else 0.0
-
-
 def probe_video(path: pathlib.Path) -> tuple[float, float]:
     """(fps, duration in s) of ``path``'s first video stream from its header; a MediaError when it has none."""
-    import av
-
-    try:
-        with av.open(str(path)) as container:
-            if not container.streams.video:
-                raise MediaError("it has no video stream")
-            stream = container.streams.video[0]
-            fps = float(stream.average_rate or stream.guessed_rate or 0)
-            if stream.duration is not None and stream.time_base is not None:
-                duration = float(stream.duration * stream.time_base)
-            elif container.duration is not None:
-                duration = container.duration / 1_000_000
-            else:
-                duration = float(stream.frames) / fps if fps and stream.frames else 0.0
-    except MediaError:
-        raise
-    except (av.error.FFmpegError, OSError, ValueError) as error:
-        raise MediaError(f"it does not decode as video: {_reason(error)}") from None
+    with _video_stream(path) as (container, stream, fps):
+        if stream.duration is not None and stream.time_base is not None:
+            duration = float(stream.duration * stream.time_base)
+        elif container.duration is not None:
+            duration = container.duration / 1_000_000
+        else:
+            duration = float(stream.frames) / fps if fps and stream.frames else 0.0
     if fps <= 0 or duration <= 0:
         raise MediaError("its frame rate or duration is unknown")
     return fps, duration
+
+
+def read_frames(path: pathlib.Path, indices: Sequence[int]) -> np.ndarray:
+    """uint8 frames ``[len(indices), H, W, 3]`` (RGB) of ``path``'s first video stream, frame ``indices[i]`` (in
+    decode order; repeats allowed) at ``i``, decoding no further than the last; a MediaError when one is missing."""
+    indices = list(indices)
+    wanted, frames = set(indices), {}
+    last = max(wanted, default=-1)
+    with _video_stream(path) as (container, stream, _):
+        for number, frame in enumerate(container.decode(stream)):
+            if number > last:
+                break
+            if number in wanted:
+                frames[number] = frame.to_ndarray(format="rgb24")
+    missing = sorted(wanted - set(frames))
+    if missing:
+        raise MediaError(f"it decodes to {len(frames)} of the frames its header promises (frame {missing[0]} is "
+                         "missing)")
+    return np.stack([frames[i] for i in indices])
 
 
 def write_video(path: pathlib.Path, frames: np.ndarray, fps: int) -> None:

@@ -44,11 +44,12 @@ UNCHECKED = ("count", "fvx_version")  # metadata.json entries a resumed run may 
 
 class PreprocessConfig(Config):
     """How ``preprocess`` cuts clips (FastVideo's knobs; ``data.preprocess``): ``num_frames`` frames sampled at
-    ``train_fps`` (rounded down to the family's ``frame_base + k * frame_step``), ``max_height`` x ``max_width`` pixels (rounded
-    down to the family's pixel multiple; frames are scaled to cover it and centre-cropped); a video longer than
-    ``video_length_tolerance_range`` clips is skipped. ``buckets``: (height, width) pairs; each clip goes to the one
-    nearest its aspect ratio instead of ``max_height`` x ``max_width`` (a batch never mixes them). ``samples_per_file``
-    inputs a parquet file. ``audio_rate``: the Hz t2va audio is resampled to (None: the family's audio VAE's)."""
+    ``train_fps`` from the start (rounded down to the family's ``frame_base + k * frame_step``); frames centre-cropped
+    to the aspect ratio of ``max_height`` x ``max_width`` and resized to it (multiples of the family's pixel multiple,
+    else refused); a video longer than ``video_length_tolerance_range`` clips, or shorter than one, is skipped (5.0,
+    what FastVideo's example scripts pass). ``buckets``: (height, width) pairs; each clip goes to the one nearest its
+    aspect ratio instead (a batch never mixes them). ``samples_per_file``: inputs a parquet file. ``audio_rate``: the Hz
+    a t2va clip's sound is resampled to (the family's audio VAE's; t2va needs it)."""
 
     num_frames: PositiveInt = 81
     train_fps: PositiveInt = 16
@@ -173,12 +174,7 @@ def cut(job: Job, item: Input) -> tuple[torch.Tensor, dict[str, Any]]:
         wanted = media.usable_frames(config.num_frames, job.frame_step, job.frame_base)
         indices = media.frame_indices(fps, duration, num_frames=wanted, train_fps=config.train_fps,
                                       tolerance=config.video_length_tolerance_range).tolist()
-        video = media.read_video(item.path, indices)
-        distinct = sorted(set(indices))
-        if len(video.frames) < len(distinct):
-            raise media.MediaError(f"it decodes to {len(video.frames)} of the frames its header promises "
-                                   f"(frame {distinct[len(video.frames)]} is missing)")
-        frames = video.frames[[distinct.index(i) for i in indices]]
+        frames = media.read_frames(item.path, indices)
     height, width = ((config.max_height, config.max_width) if not config.buckets
                      else media.nearest_bucket(*frames.shape[1:3], config.buckets))
     clip = media.resize_crop(frames, height, width)

@@ -47,8 +47,7 @@ def test_i2v_rows_are_the_pipelines_calls_on_the_cut_frames(folder, clips, tmp_p
     rows = [r for f in sorted((tmp_path / "ds" / preprocess.PARTS).glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
     assert [r["id"] for r in rows] == ["tall.mp4", "wide.mp4", "wide2.mp4"]
     opened = wan.ENCODERS.open(folder, ["text", "video", "image"])
-    video = media.read_video(clips / "tall.mp4")
-    clip = media.resize_crop(video.frames[:5], 16, 32)  # 16 fps at 16 fps: frames 0-4
+    clip = media.resize_crop(media.read_frames(clips / "tall.mp4", range(5)), 16, 32)  # 16 fps at 16 fps: frames 0-4
     row = rows[0]
 
     def tensor(name):
