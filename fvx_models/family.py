@@ -233,8 +233,8 @@ def packed_pooled_cond(batch: Mapping[str, Any], pooled_dim: int, family: str, w
 
 def pack_pooled(pooled: torch.Tensor, tokens: list[torch.Tensor]) -> list[torch.Tensor]:
     """FastVideo's packed text rows ``[1 + L_i, D]`` (HunyuanVideo's and Kandinsky 5's): row 0 each prompt's pooled
-    CLIP vector (``pooled [B, P]``) zero-padded to ``D``, then its tokens ``[L_i, D]``; :func:`packed_pooled_cond` unpacks
-    them."""
+    CLIP vector (``pooled [B, P]``) zero-padded to ``D``, then its tokens ``[L_i, D]``; :func:`packed_pooled_cond`
+    unpacks them."""
     rows = []
     for vector, text in zip(pooled, tokens):
         if vector.shape[0] > text.shape[1]:

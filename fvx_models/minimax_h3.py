@@ -404,11 +404,12 @@ def load_encoders(folder: pathlib.Path, components: tuple[str, ...], dtype: torc
 
 ENCODERS = fencoders.Encoders(
     pipeline="MiniMaxH3ModularPipeline", text=("tokenizer", "text_encoder"), encode_text=encode_text,
-    encode_video=encode_video, frame_step=17, frame_base=5, pixel_multiple=32, audio=("audio_vae",), encode_audio=encode_audio,
-    load=load_encoders)
+    encode_video=encode_video, frame_step=17, frame_base=5, pixel_multiple=32, audio=("audio_vae",),
+    encode_audio=encode_audio, load=load_encoders)
 """MiniMax-H3's encoders: normalised video and audio latents (its latent spaces are the identity), text at layer 50.
 Clip lengths are ``17 n + 5`` (``frame_base`` 5, ``frame_step`` 17; preprocess cuts clips to the longest such
-length); :func:`encode_video` refuses others. ``pixel_multiple`` 32: the VAE's 16 times the patch's 2 (the pipeline's ``canvas_multiple``)."""
+length); :func:`encode_video` refuses others. ``pixel_multiple`` 32: the VAE's 16 times the patch's 2 (the
+pipeline's ``canvas_multiple``)."""
 
 
 class MiniMaxH3Config(ModelConfig, tag="minimax_h3"):

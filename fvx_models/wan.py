@@ -309,7 +309,8 @@ def encode_first_frame(pipe: Any, video: torch.Tensor) -> torch.Tensor:
 
 
 def encode_image(pipe: Any, frames: torch.Tensor) -> torch.Tensor:
-    """The CLIP image encoder's penultimate hidden states of the first frame (``WanImageToVideoPipeline.encode_image``)."""
+    """The CLIP image encoder's penultimate hidden states of the first frame
+    (``WanImageToVideoPipeline.encode_image``)."""
     return pipe.encode_image(fencoders.pil_images(frames), device=frames.device)
 
 

@@ -62,11 +62,11 @@ class DataConfig(Config):
     real-path string); None = the toy video world ``world`` when set (``fvx.data.toy_world``: shapes moving as the
     prompt says, latents a codec decodes exactly), else ``synthetic`` (Gaussian noise latents); a ``path`` with
     ``world`` set reads the files and lets the world score validation samples (its clips written as files and
-    preprocessed). ``preprocess``: how ``python -m fvx.run preprocess`` cuts clips for this data. ``batch_size`` is global
-    (summed over ranks). ``text_len`` is the length text embeddings are padded or cropped to. ``cfg_rate``: the fraction
-    of samples whose text embedding is zeroed (fixed per dataset index, as FastVideo). ``num_latent_t``: keep the first
-    ``num_latent_t`` latent frames of every sample (FastVideo's ``data.num_latent_t``; None keeps them all; audio
-    latents are kept whole). ``kind``: what a sample holds (the module docstring): "t2v" video latents and text,
+    preprocessed). ``preprocess``: how ``python -m fvx.run preprocess`` cuts clips for this data. ``batch_size`` is
+    global (summed over ranks). ``text_len`` is the length text embeddings are padded or cropped to. ``cfg_rate``: the
+    fraction of samples whose text embedding is zeroed (fixed per dataset index, as FastVideo). ``num_latent_t``: keep
+    the first ``num_latent_t`` latent frames of every sample (FastVideo's ``data.num_latent_t``; None keeps them all;
+    audio latents are kept whole). ``kind``: what a sample holds (the module docstring): "t2v" video latents and text,
     "text_only", "i2v" adds the first frame, "t2va" adds audio latents (parquet, ``synthetic.audio_shape`` or the
     world's tones). ``text_2_len``: read a second text stream (the parquet's ``text_embedding_2``, HunyuanVideo 1.5's
     ByT5 glyph text) padded or cropped to this length as ``text_2``/``text_mask_2`` (None: not read; a CFG-dropped

@@ -33,7 +33,7 @@ _TENSORS: dict[str, tuple[tuple[str, str], ...]] = {
 # Tensor columns a kind reads when every file has them and a sample's are not empty (FastVideo's I2V preprocessing
 # writes empty bytes for a model without an image encoder).
 _OPTIONAL_TENSORS: dict[str, tuple[tuple[str, str], ...]] = {"i2v": (("clip_feature", "image_embeds"),)}
-# Tensor columns written, never read: the I2V validation image FastVideo stores (the clip's first frame, uint8 [3, H, W])
+# Tensor columns written, never read: the I2V validation image FastVideo stores (the first frame, uint8 [3, H, W])
 _WRITE_ONLY: dict[str, tuple[tuple[str, str], ...]] = {"i2v": (("pil_image", "pil_image"),)}
 _RANKS = {"latents": 4, "text": 2, "first_frame_latents": 4, "image_embeds": 2, "audio_latents": 3,
           "pil_image": 3}  # stored dims
@@ -118,8 +118,8 @@ class ParquetDataset:
             lacking = [str(f) for f, names in zip(self.files, schemas) if f"{SECOND_TEXT[0]}_bytes" not in names]
             if lacking:
                 raise ValueError(f"{lacking[0]!r} has no column '{SECOND_TEXT[0]}_bytes' (a second text stream, "
-                                 "which data.text_2_len asks for): preprocess it with a family whose encoders make one, "
-                                 "or unset data.text_2_len")
+                                 "which data.text_2_len asks for): preprocess it with a family whose encoders make "
+                                 "one, or unset data.text_2_len")
             self._columns += [f"{SECOND_TEXT[0]}_{part}" for part in ("bytes", "shape")]
         self._optional = [(name, key) for name, key in _OPTIONAL_TENSORS.get(kind, ())
                           if all(f"{name}_bytes" in names for names in schemas)]

@@ -400,6 +400,8 @@ class WorldEncoders:
     parquet it writes holds what the built-in dataset makes."""
 
 
+    MODEL = "the toy world"
+
     def __init__(self, config: WorldConfig):
         self.config = config
         text_key = random.key(config.seed)
@@ -408,13 +410,13 @@ class WorldEncoders:
                       for p, (c, d) in enumerate(config.prompts)}
 
     def identity(self) -> dict[str, Any]:
-        return {"model": "the toy world", "world": msgspec.to_builtins(self.config)}
+        return {"model": self.MODEL, "world": msgspec.to_builtins(self.config)}
 
     def encode_text(self, prompts: list[str]) -> list[torch.Tensor]:
         unknown = [p for p in prompts if p not in self.texts]
         if unknown:
-            raise ValueError(f"the toy world's text encoder knows only its prompts ({', '.join(map(repr, self.texts))}),"
-                             f" not {unknown[0]!r}")
+            known = ", ".join(map(repr, self.texts))
+            raise ValueError(f"the toy world's text encoder knows only its prompts ({known}), not {unknown[0]!r}")
         return [self.texts[p].clone() for p in prompts]
 
     def encode_text_2(self, prompts: list[str]) -> None:
@@ -464,7 +466,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     write = commands.add_parser("write-videos", help="write the world's clips and captions into DIR")
     write.add_argument("dir", help="the folder to write (created)")
-    write.add_argument("--samples", type=int, default=WorldConfig().num_samples, help="how many clips (default: %(default)s)")
+    write.add_argument("--samples", type=int, default=WorldConfig().num_samples,
+                       help="how many clips (default: %(default)s)")
     write.add_argument("--seed", type=int, default=0, help="draws the clips' phases (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.samples <= 0:

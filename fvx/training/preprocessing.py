@@ -39,19 +39,16 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def encoder_source(config: Any, parts: tuple[str, ...]) -> tuple[dict[str, Any], Callable[[], Any], tuple[int, int], int]:
-    """(identity, encoder factory, (frame base, frame step), pixel multiple) for the experiment. Every problem (no encoders, no
-    folder, a component the folder lacks) raises a one-line ValueError here, before anything is read or written; the
-    factory loads the weights."""
+Source = tuple[dict[str, Any], Callable[[], Any], tuple[int, int], int]  # identity, factory, frame rule, multiple
+
+
+def encoder_source(config: Any, parts: tuple[str, ...]) -> Source:
+    """(identity, encoder factory, (frame base, frame step), pixel multiple) for the experiment. Every problem (no
+    encoders, no folder, a component the folder lacks) raises a one-line ValueError here, before anything is read or
+    written; the factory loads the weights."""
     role, model = model_role(config)
     family, world = model.family.name, getattr(config.data, "world", None)
     if model.path is None and world is not None:
-        cut = config.data.preprocess
-        if (cut.num_frames, cut.train_fps, cut.max_height, cut.max_width) != (world.frames, world.fps, world.size,
-                                                                             world.size):
-            raise ValueError(f"the toy world's clips are {world.frames} frames of {world.size}x{world.size} at "
-                             f"{world.fps} fps; set data.preprocess.num_frames={world.frames} train_fps={world.fps} "
-                             f"max_height={world.size} max_width={world.size}")
         encoders = WorldEncoders(world)
         return {**encoders.identity(), "family": family}, lambda: encoders, (1, 1), 1
     record = getattr(type(model), "encoders", None)
@@ -85,6 +82,12 @@ def job_of(config: Any) -> tuple[preprocess.Job, Callable[[], Any]]:
         identity = {**identity, "kind": data.kind, "samples_per_file": cut.samples_per_file}
         return preprocess.Job(identity, data.kind, cut, 1, 1), factory
     identity, factory, (frame_base, frame_step), multiple = encoder_source(config, parts_of(data.kind))
+    world = data.world if identity.get("model") == WorldEncoders.MODEL else None
+    if world is not None and (cut.num_frames, cut.train_fps, cut.max_height, cut.max_width) != (
+            world.frames, world.fps, world.size, world.size):
+        raise ValueError(f"the toy world's clips are {world.frames} frames of {world.size}x{world.size} at "
+                         f"{world.fps} fps; set data.preprocess.num_frames={world.frames} train_fps={world.fps} "
+                         f"max_height={world.size} max_width={world.size}")
     media.check_size(cut.max_height, cut.max_width, multiple, "data.preprocess.max_height x max_width")
     if media.usable_frames(cut.num_frames, frame_step, frame_base) == 0:
         raise ValueError(f"data.preprocess.num_frames={cut.num_frames} is shorter than the family's shortest clip "

@@ -17,7 +17,8 @@ def save(path: pathlib.Path) -> pathlib.Path:
     """The pipeline (transformer left out) saved at ``path``: a 4-channel VAE of 2x time and space compression."""
     torch.manual_seed(0)
     text = transformers.UMT5EncoderModel(transformers.UMT5Config(
-        vocab_size=len(WORDS), d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4, relative_attention_num_buckets=8))
+        vocab_size=len(WORDS), d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8))
     vision = transformers.CLIPVisionModel(transformers.CLIPVisionConfig(
         hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, image_size=32, patch_size=8))
     processor = transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
