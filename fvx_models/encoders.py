@@ -20,6 +20,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from fvx_models import diffusers_folder as dfolder
+
 Part = str  # "text", "video", "image", "audio": what an opened record can encode
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -112,6 +114,8 @@ class Encoders:
             if index.get(name) in (None, [None, None]) or not (folder / name).is_dir():
                 raise ValueError(f"{who} {str(folder)!r} has no {name!r} component (in model_index.json and a "
                                  f"{name}/ folder), which {', '.join(parts)} encoding needs")
+        if "video" in parts and "vae" in self.video:
+            _require_encoder_weights(folder / "vae", who)
         return index
 
     def open(self, folder: str | pathlib.Path, parts: Iterable[Part], *, dtype: str = "fp32",
@@ -202,6 +206,17 @@ class Opened:
         """Audio latents ``[C, F, A]`` of a stereo waveform ``[2, S]`` at ``rate`` Hz."""
         self._use(self.encoders.audio)
         return self.encoders.encode_audio(self.pipe, waveform[None].to(self.device), rate)[0].float().cpu()
+
+
+def _require_encoder_weights(vae: pathlib.Path, who: str) -> None:
+    """A ValueError unless the VAE folder's safetensors hold its encoder (``encoder.*``): a decoder-only VAE (as some
+    exports ship) would otherwise load with a randomly initialised encoder and only a warning."""
+    files = sorted(vae.glob("*.safetensors"))
+    if not files:
+        return  # another weight format: diffusers reports what it cannot load
+    if not any(name.startswith("encoder.") for name in dfolder.stored_shapes(files, who)):
+        raise ValueError(f"{who}: the VAE in {str(vae)!r} has no encoder weights (encoder.*; a decoder-only VAE), "
+                         "which video encoding needs")
 
 
 def _model_index(folder: pathlib.Path, who: str) -> dict[str, Any]:

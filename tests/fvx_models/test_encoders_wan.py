@@ -59,3 +59,13 @@ def test_a_folder_without_a_component_is_named_before_any_weight_loads(folder, t
         wan.ENCODERS.open(tmp_path, ["text"])
     with pytest.raises(ValueError, match="is not a diffusers pipeline folder"):
         wan.ENCODERS.open(tmp_path / "nowhere", ["video"])
+
+
+def test_a_decoder_only_vae_is_refused_before_it_loads(folder, tmp_path):
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(folder, tmp_path / "model")
+    weights = tmp_path / "model" / "vae" / "diffusion_pytorch_model.safetensors"
+    save_file({k: v for k, v in load_file(weights).items() if not k.startswith("encoder.")}, weights)
+    with pytest.raises(ValueError, match="has no encoder weights \\(encoder.\\*; a decoder-only VAE\\)"):
+        wan.ENCODERS.open(tmp_path / "model", ["video"])
+    wan.ENCODERS.open(tmp_path / "model", ["text"])  # text needs no VAE
