@@ -403,6 +403,17 @@ def memory(work: pathlib.Path, setup_name: str, clips: int) -> None:
               f"{up[1] / up[0]:8.2f}")
 
 
+def quiet() -> None:
+    """No loading bars or dtype warnings from diffusers and transformers in the report."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clips", type=int, default=None, help="clips per run (default: 6 on a CPU, 4 under --check)")
@@ -415,6 +426,7 @@ def main() -> None:
     parser.add_argument("--setup", default="cpu", help=argparse.SUPPRESS)
     parser.add_argument("--parts", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    quiet()
     if args.peak:
         peak_in_this_process(args.peak, pathlib.Path(args.work), SETUPS[args.setup], args.clips, args.parts)
         return
@@ -435,8 +447,9 @@ def main() -> None:
         build_folder(work / "wan", setup)
         write_clips(work / "videos", clips if check else 4 * clips, setup)
         (work / "out").mkdir()
-        print(f"set-up {time.perf_counter() - start:.1f} s: text encoder {setup.text}, VAE base_dim "
-              f"{setup.vae['base_dim']} dim_mult {setup.vae['dim_mult']} num_res_blocks {setup.vae['num_res_blocks']}")
+        print(f"load average {os.getloadavg()[0]:.2f}; set-up {time.perf_counter() - start:.1f} s: text encoder "
+              f"{setup.text}, VAE base_dim {setup.vae['base_dim']} dim_mult {setup.vae['dim_mult']} "
+              f"num_res_blocks {setup.vae['num_res_blocks']}")
         videos = subset(work / "videos", clips)
         result = throughput(work, setup, videos, repeats)
         if not args.check:  # loading a 9 GB text encoder twice more is not worth the device time
@@ -444,7 +457,7 @@ def main() -> None:
         ratio = report(setup, clips, result)
         if not check:
             memory(work, setup_name, clips)
-    print(f"fvx / plain clips/s {ratio:.3f} (goal >= {GOAL})")
+    print(f"fvx / plain clips/s {ratio:.3f} (goal >= {GOAL}); load average {os.getloadavg()[0]:.2f}")
     if check and ratio < GOAL:
         sys.exit(f"check FAILED: fvx's preprocess runs at {ratio:.3f}x the plain loop's clips/s, below {GOAL}")
 

@@ -1,29 +1,15 @@
 """Cosmos Predict 2.5's encoders (fvx_models.encoders, the record in fvx_models.cosmos): a tiny random
 Cosmos2_5_PredictBasePipeline folder (a Qwen2.5-VL model with a byte-level tokenizer and chat template built here, the
 Wan VAE, no safety checker) saved locally, opened as preprocessing opens it, against the pipeline's own calls."""
-import json
-import shutil
-
 import pytest
 import torch
 import transformers
 from diffusers import AutoencoderKLWan, Cosmos2_5_PredictBasePipeline, UniPCMultistepScheduler
-from tokenizers.pre_tokenizers import ByteLevel
 
+import encoder_checks
 from fvx_models import cosmos
 
-# A Qwen-style chat template (typed-text contents, as the pipeline passes them) over a tokenizer of single bytes
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% for c in m.content %}{{ c.text }}{% endfor %}"
-                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 PROMPTS = ["red bars moving left", "a cat"]
-
-
-def byte_qwen_tokenizer() -> transformers.Qwen2Tokenizer:
-    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
-    tokenizer = transformers.Qwen2Tokenizer(vocab=vocab, merges=[],
-                                            additional_special_tokens=["<|im_start|>", "<|im_end|>"])
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
 
 
 def tiny_reason1(tokenizer) -> transformers.Qwen2_5_VLForConditionalGeneration:
@@ -40,7 +26,7 @@ def tiny_reason1(tokenizer) -> transformers.Qwen2_5_VLForConditionalGeneration:
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     torch.manual_seed(0)
-    tokenizer = byte_qwen_tokenizer()
+    tokenizer = encoder_checks.byte_qwen_tokenizer()  # the pipeline passes typed-text contents
     vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True],
                            latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.5, 2.0, 1.0])
     pipe = Cosmos2_5_PredictBasePipeline(text_encoder=tiny_reason1(tokenizer), tokenizer=tokenizer, transformer=None,
@@ -63,20 +49,12 @@ def test_text_is_the_pipelines_whole_reason1_embedding(folder):
 
 
 def test_video_latents_are_the_vaes_posterior_mean_unnormalised(folder):
-    opened = cosmos.ENCODERS.open(folder, ["video"])
-    video = torch.rand(3, 5, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
-    latents = opened.encode_video(video)
-    expected = opened.pipe.vae.encode(video[None]).latent_dist.mean[0]
-    assert latents.shape == (4, 3, 16, 16) and torch.equal(latents, expected)
+    encoder_checks.assert_video_latents_are_the_posterior_mean(cosmos.ENCODERS, folder, (3, 5, 32, 32), (4, 3, 16, 16))
     assert cosmos.ENCODERS.frame_step == 4 and cosmos.ENCODERS.pixel_multiple == 16
     assert cosmos.CosmosConfig.encoders is cosmos.ENCODERS
 
 
 def test_the_folder_opens_without_the_guardrail_and_refuses_a_missing_text_encoder(folder, tmp_path):
     assert isinstance(cosmos.ENCODERS.open(folder, ["video"]).pipe.safety_checker, cosmos.NoSafetyChecker)
-    index = json.loads((folder / "model_index.json").read_text())
-    index["text_encoder"] = [None, None]
-    (tmp_path / "model_index.json").write_text(json.dumps(index))
-    shutil.copytree(folder / "tokenizer", tmp_path / "tokenizer")
-    with pytest.raises(ValueError, match=r"has no 'text_encoder' component [^\n]*, which text encoding needs$"):
-        cosmos.ENCODERS.open(tmp_path, ["text"])
+    encoder_checks.assert_refused_without(cosmos.ENCODERS, folder, tmp_path, "text_encoder", ("tokenizer",),
+                                          r"has no 'text_encoder' component [^\n]*, which text encoding needs$")

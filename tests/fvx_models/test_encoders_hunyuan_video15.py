@@ -1,31 +1,16 @@
 """HunyuanVideo 1.5's encoders (fvx_models.encoders, the records in fvx_models.hunyuan_video15): a tiny random
 HunyuanVideo15Pipeline folder (a Qwen2.5-VL text model with a byte-level tokenizer and chat template built here, ByT5,
 the HunyuanVideo 1.5 VAE) saved locally, opened as preprocessing opens it, against the pipeline's own calls."""
-import json
-import shutil
-
 import pytest
 import torch
 import transformers
 from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler,
                        HunyuanVideo15Pipeline)
-from tokenizers.pre_tokenizers import ByteLevel
 
+import encoder_checks
 from fvx_models import hunyuan_video15
 
-# A Qwen-style chat template (string or typed-text contents) over a tokenizer of single bytes: every character a token
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}"
-                 "{% else %}{% for c in m.content %}{{ c.text }}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 PROMPTS = ["red bars moving left", 'a sign reads "OPEN" and \u201cshop\u201d']
-
-
-def byte_qwen_tokenizer() -> transformers.Qwen2Tokenizer:
-    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
-    tokenizer = transformers.Qwen2Tokenizer(vocab=vocab, merges=[],
-                                            additional_special_tokens=["<|im_start|>", "<|im_end|>"])
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
 
 
 def tiny_qwen(tokenizer) -> transformers.Qwen2_5_VLTextModel:
@@ -39,7 +24,7 @@ def tiny_qwen(tokenizer) -> transformers.Qwen2_5_VLTextModel:
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     torch.manual_seed(0)
-    tokenizer = byte_qwen_tokenizer()
+    tokenizer = encoder_checks.byte_qwen_tokenizer()
     byt5 = transformers.T5EncoderModel(transformers.T5Config(
         vocab_size=384, d_model=24, d_kv=4, d_ff=32, num_layers=2, num_heads=4, relative_attention_num_buckets=8))
     vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1)
@@ -81,21 +66,14 @@ def test_the_glyph_stream_is_the_byt5_rows_of_the_quoted_text(folder, reference)
 
 
 def test_video_latents_are_the_vaes_posterior_mean_unscaled(folder):
-    opened = hunyuan_video15.ENCODERS.open(folder, ["video"])
-    video = torch.rand(3, 5, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
-    latents = opened.encode_video(video)
-    expected = opened.pipe.vae.encode(video[None]).latent_dist.mean[0]
-    assert latents.shape == (4, 2, 2, 2) and torch.equal(latents, expected)
+    encoder_checks.assert_video_latents_are_the_posterior_mean(hunyuan_video15.ENCODERS, folder, (3, 5, 32, 32),
+                                                               (4, 2, 2, 2))
     assert hunyuan_video15.ENCODERS.frame_step == 4 and hunyuan_video15.ENCODERS.pixel_multiple == 16
     assert hunyuan_video15.HunyuanVideo15Config.encoders is hunyuan_video15.ENCODERS
 
 
 def test_a_folder_without_the_text_encoder_is_refused_in_one_line(folder, tmp_path):
-    index = json.loads((folder / "model_index.json").read_text())
-    index["text_encoder"] = [None, None]
-    (tmp_path / "model_index.json").write_text(json.dumps(index))
-    shutil.copytree(folder / "tokenizer", tmp_path / "tokenizer")
-    with pytest.raises(ValueError, match=r"has no 'text_encoder' component [^\n]*, which text encoding needs$"):
-        hunyuan_video15.ENCODERS.open(tmp_path, ["text"])
+    encoder_checks.assert_refused_without(hunyuan_video15.ENCODERS, folder, tmp_path, "text_encoder", ("tokenizer",),
+                                          r"has no 'text_encoder' component [^\n]*, which text encoding needs$")
     with pytest.raises(ValueError, match="cannot encode image|no image-to-video"):
         hunyuan_video15.ENCODERS.open(folder, ["image"])

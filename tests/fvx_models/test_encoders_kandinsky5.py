@@ -10,15 +10,13 @@ processor hands to its tokenizer unchanged (``ProcessorMixin.__call__``: no imag
 the record loads that tokenizer itself (``kandinsky5.qwen_tokenizer``) and this folder, named as the real one, holds
 only the tokenizer's files; the last test checks the claim where torchvision is."""
 import json
-import shutil
 
 import pytest
 import torch
 import transformers
-from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, Kandinsky5T2VPipeline
+from diffusers import FlowMatchEulerDiscreteScheduler, Kandinsky5T2VPipeline
 
-from fvx.core import random
-from fvx.data import batching
+import encoder_checks
 from fvx_models import kandinsky5
 from fvx_models.kandinsky5 import Kandinsky5Config
 
@@ -35,45 +33,12 @@ def qwen_tokenizer(vocab: dict, merges: list) -> transformers.Qwen2Tokenizer:
     return tokenizer
 
 
-def spelling_merges(words: list[str], vocab: dict) -> list[tuple[str, str]]:
-    """BPE merges that spell each of ``words`` as one token, letter by letter (added to ``vocab``), in their order."""
-    merges = []
-    for word in words:
-        for k in range(2, len(word) + 1):
-            if (word[:k - 1], word[k - 1]) not in merges:
-                merges.append((word[:k - 1], word[k - 1]))
-                vocab[word[:k]] = len(vocab)
-    return merges
-
-
 def tiny_qwen_tokenizer() -> transformers.Qwen2Tokenizer:
-    """A byte-level BPE of the template's and prompts' words (Qwen's own pre-tokenizer splits them), one token each,
-    ``Ġ``-words ranked first (no other word's merges then cut one); the longest words of the template's part before
-    the prompt are cut in two until that part is CROP tokens long, as Qwen's vocabulary makes it."""
-    texts, head = [TEMPLATE.format(p.replace("   ", " ")) for p in PROMPTS], TEMPLATE.split("{}")[0]
-    letters = qwen_tokenizer({SPECIALS[0]: 0}, [])
-
-    def words(text: str) -> list[str]:
-        parts = [text]
-        for special in SPECIALS[1:]:
-            parts = [p for part in parts for p in part.split(special)]
-        return [w for part in parts for w, _ in letters.backend_tokenizer.pre_tokenizer.pre_tokenize_str(part)]
-
-    whole = sorted({w for t in texts for w in words(t)}, key=lambda w: (w[0] != "Ġ", w))
-    vocab = {SPECIALS[0]: 0, **{c: i + 1 for i, c in enumerate(sorted({c for w in whole for c in w}))}}
-    trial = dict(vocab)
-    short = CROP - len(qwen_tokenizer(trial, spelling_merges(whole, trial))(head).input_ids)
-    cut = sorted({w for w in words(head) if words(head).count(w) == 1}, key=lambda w: (-len(w), w))[:short]
-    halves = [half for w in cut for half in (w[:len(w) // 2], w[len(w) // 2:])]
-    return qwen_tokenizer(vocab, spelling_merges([w for w in whole if w not in cut] + halves, vocab))
-
-
-def tiny_clip_tokenizer() -> transformers.CLIPTokenizer:
-    """CLIP's BPE over single letters (a word's last one with ``</w>``)."""
-    letters = sorted(set("".join(PROMPTS).replace(" ", "")))
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    vocab.update({t: len(vocab) + i for i, t in enumerate(letters + [c + "</w>" for c in letters])})
-    return transformers.CLIPTokenizer(vocab=vocab, merges=[])
+    """A byte-level BPE of the template's and the cleaned prompts' words (Qwen's own pre-tokenizer splits them), one
+    token each, the template's part before the prompt CROP tokens long, as Qwen's vocabulary makes it."""
+    return encoder_checks.template_cropping_tokenizer(
+        qwen_tokenizer, {SPECIALS[0]: 0}, SPECIALS[1:], [TEMPLATE.format(p.replace("   ", " ")) for p in PROMPTS],
+        TEMPLATE.split("{}")[0], CROP)
 
 
 def tiny_qwen(vocab_size: int) -> transformers.Qwen2_5_VLForConditionalGeneration:
@@ -88,12 +53,9 @@ def tiny_qwen(vocab_size: int) -> transformers.Qwen2_5_VLForConditionalGeneratio
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     torch.manual_seed(0)
-    tokenizer, clip_tokenizer = tiny_qwen_tokenizer(), tiny_clip_tokenizer()
-    clip = transformers.CLIPTextModel(transformers.CLIPTextConfig(
-        vocab_size=len(clip_tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1))
-    vae = AutoencoderKLHunyuanVideo(latent_channels=4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
-                                    norm_num_groups=4)
+    tokenizer, clip_tokenizer = tiny_qwen_tokenizer(), encoder_checks.tiny_clip_tokenizer(PROMPTS)
+    clip = encoder_checks.tiny_clip_text(len(clip_tokenizer))
+    vae = encoder_checks.tiny_hunyuan_vae()
     pipe = Kandinsky5T2VPipeline(transformer=None, vae=vae, text_encoder=tiny_qwen(len(tokenizer)),
                                  tokenizer=tokenizer, text_encoder_2=clip, tokenizer_2=clip_tokenizer,
                                  scheduler=FlowMatchEulerDiscreteScheduler())
@@ -133,16 +95,12 @@ def test_text_is_the_pooled_row_then_the_pipelines_tokens(folder, side):
     assert embeds.shape == (2, 5, 32) and pooled.shape == (2, 16) and cu_seqlens.diff().tolist() == lengths
     expected = real_tokens(opened.pipe, embeds)
     assert [len(t) for t in expected] == lengths
-    for row, tokens, p in zip(rows, expected, pooled):
-        assert row.shape == (1 + len(tokens), 32)
-        assert torch.equal(row[0, :16], p) and not row[0, 16:].any()
-        assert torch.equal(row[1:], tokens)
+    encoder_checks.assert_pooled_row_then_tokens(rows, pooled, expected)
 
 
 def test_training_reads_the_stored_rows_back_as_the_pipelines_conditioning(folder):
     opened = kandinsky5.ENCODERS.open(folder, ["text"])
-    samples = [{"text": row.numpy(), "where": f"row {i}"} for i, row in enumerate(opened.encode_text(PROMPTS))]
-    batch = batching.collate(samples, [0, 1], text_len=9, cfg_rate=0.0, dropout_key=random.key(0))
+    batch = encoder_checks.collate_stored_rows(opened.encode_text(PROMPTS), text_len=9)
     cond = kandinsky5.cond_from_batch(Kandinsky5Config(preset="tiny"), batch)
     embeds, pooled, _ = opened.pipe.encode_prompt(PROMPTS, max_sequence_length=512, device=torch.device("cpu"))
     mask = torch.tensor([[1.0] * 5 + [0.0] * 3, [1.0] * 3 + [0.0] * 5])
@@ -151,21 +109,14 @@ def test_training_reads_the_stored_rows_back_as_the_pipelines_conditioning(folde
 
 
 def test_video_latents_are_the_vaes_posterior_mean(folder):
-    opened = kandinsky5.ENCODERS.open(folder, ["video"])
-    video = torch.rand(3, 5, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
-    latents = opened.encode_video(video)
-    expected = opened.pipe.vae.encode(video[None]).latent_dist.mean[0]
-    assert latents.shape == (4, 2, 4, 4) and torch.equal(latents, expected)
+    encoder_checks.assert_video_latents_are_the_posterior_mean(kandinsky5.ENCODERS, folder, (3, 5, 32, 32),
+                                                               (4, 2, 4, 4))
 
 
 def test_a_folder_without_a_text_encoder_is_refused_in_one_line(folder, tmp_path):
-    index = json.loads((folder / "model_index.json").read_text())
-    index["text_encoder"] = [None, None]
-    (tmp_path / "model_index.json").write_text(json.dumps(index))
-    for name in ("tokenizer", "tokenizer_2", "text_encoder_2"):
-        shutil.copytree(folder / name, tmp_path / name)
-    with pytest.raises(ValueError, match=r"has no 'text_encoder' component[^\n]*$"):
-        kandinsky5.ENCODERS.open(tmp_path, ["text"])
+    encoder_checks.assert_refused_without(kandinsky5.ENCODERS, folder, tmp_path, "text_encoder",
+                                          ("tokenizer", "tokenizer_2", "text_encoder_2"),
+                                          r"has no 'text_encoder' component[^\n]*$")
 
 
 def test_a_qwen2vl_processor_tokenizes_text_as_its_tokenizer(folder):

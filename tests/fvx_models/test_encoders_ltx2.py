@@ -2,9 +2,7 @@
 tower, the LTX-2.0 text connectors, the LTX-2 video VAE and audio VAE, with drawn latent statistics) saved locally,
 opened as preprocessing opens it, against diffusers' own calls; the log-mel front end against an independent NumPy
 reference."""
-import json
 import math
-import shutil
 
 import numpy as np
 import pytest
@@ -13,6 +11,7 @@ import transformers
 from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler, LTX2Pipeline
 from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
 
+import encoder_checks
 from fvx_models import ltx2
 from fvx_models.ltx2 import LTX2Config
 
@@ -56,9 +55,7 @@ def tiny_video_vae() -> AutoencoderKLLTX2Video:
         spatio_temporal_scaling=(True, True, False, False), decoder_spatio_temporal_scaling=(True, True, False),
         decoder_inject_noise=(False,) * 4, upsample_residual=(False,) * 3, upsample_factor=(1, 1, 1), patch_size=1,
         downsample_type=("spatiotemporal", "spatiotemporal", "spatial", "spatial"), scaling_factor=0.8)
-    vae.latents_mean.copy_(torch.linspace(-0.5, 0.5, 8))
-    vae.latents_std.copy_(torch.linspace(0.5, 2.0, 8))
-    return vae
+    return encoder_checks.draw_latent_statistics(vae)
 
 
 def tiny_audio_vae() -> AutoencoderKLLTX2Audio:
@@ -126,11 +123,9 @@ def test_ltx_2_3_text_is_its_video_projection_4096_wide_in_the_real_model(opened
 
 
 def test_video_latents_are_the_posterior_mean_normalised_as_the_pipeline_normalises(opened):
-    video = torch.rand(3, 9, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    video = encoder_checks.random_clip((3, 9, 32, 32))
     latents = opened.encode_video(video)
-    vae = opened.pipe.vae
-    mean = vae.encode(video[None]).latent_dist.mean[0]
-    expected = (mean - vae.latents_mean.view(-1, 1, 1, 1)) * 0.8 / vae.latents_std.view(-1, 1, 1, 1)
+    expected = encoder_checks.ltx_normalised_mean(opened.pipe.vae, video, 0.8)
     assert latents.shape == (8, 3, 8, 8) and torch.allclose(latents, expected, atol=1e-6, rtol=0)
     assert torch.equal(LTX2Config(preset="tiny").spec.latents.normalize(latents[None])[0], latents)  # identity
 
@@ -194,11 +189,5 @@ def test_audio_latents_are_the_audio_vaes_mean_of_the_log_mel_normalised_per_pac
 
 
 def test_a_folder_without_the_text_encoder_is_named_before_any_weight_loads(folder, tmp_path):
-    index = json.loads((folder / "model_index.json").read_text())
-    index["text_encoder"] = [None, None]
-    (tmp_path / "model_index.json").write_text(json.dumps(index))
-    for name in ("tokenizer", "connectors"):
-        shutil.copytree(folder / name, tmp_path / name)
-    with pytest.raises(ValueError, match="has no 'text_encoder' component") as error:
-        ltx2.ENCODERS.open(tmp_path, ["text"])
-    assert "\n" not in str(error.value)
+    encoder_checks.assert_refused_without(ltx2.ENCODERS, folder, tmp_path, "text_encoder", ("tokenizer", "connectors"),
+                                          "has no 'text_encoder' component")

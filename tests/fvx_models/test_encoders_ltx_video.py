@@ -1,21 +1,14 @@
 """LTX-Video's encoders (the record in fvx_models.ltx_video): a tiny random LTXPipeline folder (T5, the LTX VAE with
 drawn latent statistics) saved locally, opened as preprocessing opens it, against diffusers' own calls."""
-import json
-import shutil
-
 import pytest
 import torch
 import transformers
 from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline
 
+import encoder_checks
 from fvx_models import ltx_video
 from fvx_models.ltx_video import LTXVideoConfig
-
-WORDS = ["<pad>", "</s>", "<unk>"] + [f"▁{w}" for w in "a red blue bars moving left right up down cat".split()]
-
-
-def tiny_t5_tokenizer() -> transformers.T5Tokenizer:
-    return transformers.T5Tokenizer(vocab=[(w, -float(i)) for i, w in enumerate(WORDS)], extra_ids=0)
+from tiny_wan_pipeline import WORDS, tiny_t5_tokenizer
 
 
 def tiny_ltx_vae() -> AutoencoderKLLTXVideo:
@@ -27,9 +20,7 @@ def tiny_ltx_vae() -> AutoencoderKLLTXVideo:
                                 spatio_temporal_scaling=(True, True, False, False),
                                 decoder_spatio_temporal_scaling=(True, True, False, False), patch_size=1,
                                 scaling_factor=0.7)
-    vae.latents_mean.copy_(torch.linspace(-0.5, 0.5, 8))
-    vae.latents_std.copy_(torch.linspace(0.5, 2.0, 8))
-    return vae
+    return encoder_checks.draw_latent_statistics(vae)
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +57,9 @@ def test_text_is_the_pipelines_encode_prompt_cut_to_its_tokens(folder):
 
 def test_video_latents_are_the_posterior_mean_normalised_as_the_pipeline_normalises(folder):
     opened = ltx_video.ENCODERS.open(folder, ["video"])
-    video = torch.rand(3, 9, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    video = encoder_checks.random_clip((3, 9, 32, 32))
     latents = opened.encode_video(video)
-    vae = opened.pipe.vae
-    mean = vae.encode(video[None]).latent_dist.mean[0]
-    expected = (mean - vae.latents_mean.view(-1, 1, 1, 1)) * 0.7 / vae.latents_std.view(-1, 1, 1, 1)
+    expected = encoder_checks.ltx_normalised_mean(opened.pipe.vae, video, 0.7)
     assert latents.shape == (8, 3, 8, 8) and torch.allclose(latents, expected, atol=1e-6, rtol=0)
     # what the default config (latents_stats None: identity statistics) trains on as it is
     space = LTXVideoConfig(preset="tiny").spec.latents
@@ -78,10 +67,5 @@ def test_video_latents_are_the_posterior_mean_normalised_as_the_pipeline_normali
 
 
 def test_a_folder_without_the_text_encoder_is_named_before_any_weight_loads(folder, tmp_path):
-    index = json.loads((folder / "model_index.json").read_text())
-    index["text_encoder"] = [None, None]
-    (tmp_path / "model_index.json").write_text(json.dumps(index))
-    shutil.copytree(folder / "tokenizer", tmp_path / "tokenizer")
-    with pytest.raises(ValueError, match="has no 'text_encoder' component") as error:
-        ltx_video.ENCODERS.open(tmp_path, ["text"])
-    assert "\n" not in str(error.value)
+    encoder_checks.assert_refused_without(ltx_video.ENCODERS, folder, tmp_path, "text_encoder", ("tokenizer",),
+                                          "has no 'text_encoder' component")

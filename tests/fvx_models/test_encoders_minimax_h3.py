@@ -2,15 +2,13 @@
 modular MiniMax-H3 pipeline (a Qwen3-VL conditioner of 51 layers, the fewest that have a layer 50; the video and
 audio VAEs), saved by diffusers itself (only ``modular_model_index.json``), opened as preprocessing opens it, against
 diffusers' own blocks and calls."""
-import json
-import shutil
-
 import pytest
 import torch
 import transformers
 from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3ModularPipeline
 from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3TextEncoderStep, encode_vae_condition
 
+import encoder_checks
 from fvx_models import minimax_h3
 
 SPECIAL = ["<|endoftext|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -123,9 +121,5 @@ def test_audio_latents_are_the_normalised_mode_of_each_channel(folder):
 
 
 def test_a_folder_without_the_text_encoder_is_refused_before_any_weight_loads(folder, tmp_path):
-    index = json.loads((folder / "modular_model_index.json").read_text())
-    index["text_encoder"] = [None, None, index["text_encoder"][2]]
-    (tmp_path / "modular_model_index.json").write_text(json.dumps(index))
-    shutil.copytree(folder / "tokenizer", tmp_path / "tokenizer")
-    with pytest.raises(ValueError, match="has no 'text_encoder' component"):
-        minimax_h3.ENCODERS.open(tmp_path, ["text"])
+    encoder_checks.assert_refused_without(minimax_h3.ENCODERS, folder, tmp_path, "text_encoder", ("tokenizer",),
+                                          "has no 'text_encoder' component", index_file="modular_model_index.json")

@@ -1,11 +1,11 @@
 """Wan's encoders (fvx_models.encoders, the record in fvx_models.wan): a tiny random Wan I2V pipeline folder (UMT5,
 the Wan VAE, a CLIP vision encoder) saved locally, opened as preprocessing opens it, against diffusers' own calls."""
-import json
 import shutil
 
 import pytest
 import torch
 
+import encoder_checks
 import tiny_wan_pipeline
 from fvx_models import wan
 
@@ -16,21 +16,11 @@ def folder(tmp_path_factory):
 
 
 def test_text_is_the_pipelines_encode_prompt_cut_to_its_tokens(folder):
-    opened = wan.ENCODERS.open(folder, ["text"])
-    prompts = ["red bars moving left", "a   cat"]
-    rows = opened.encode_text(prompts)
-    full, _ = opened.pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=512)
-    assert [r.shape for r in rows] == [(5, 16), (3, 16)]  # 4 words + </s>; "a cat" + </s> (whitespace cleaned)
-    for row, padded in zip(rows, full):
-        assert torch.equal(row, padded[:len(row)]) and not padded[len(row):].any()
+    encoder_checks.assert_text_is_the_pipelines_encode_prompt_cut_to_its_tokens(wan.ENCODERS.open(folder, ["text"]))
 
 
 def test_video_latents_are_the_vaes_posterior_mean(folder):
-    opened = wan.ENCODERS.open(folder, ["video"])
-    video = torch.rand(3, 5, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
-    latents = opened.encode_video(video)
-    expected = opened.pipe.vae.encode(video[None]).latent_dist.mean[0]
-    assert latents.shape == (4, 3, 16, 16) and torch.equal(latents, expected)
+    encoder_checks.assert_video_latents_are_the_posterior_mean(wan.ENCODERS, folder, (3, 5, 32, 32), (4, 3, 16, 16))
 
 
 def test_i2v_first_frame_and_clip_features_are_the_pipelines(folder):
@@ -51,12 +41,8 @@ def test_i2v_first_frame_and_clip_features_are_the_pipelines(folder):
 
 
 def test_a_folder_without_a_component_is_named_before_any_weight_loads(folder, tmp_path):
-    index = json.loads((folder / "model_index.json").read_text())
-    index["text_encoder"] = [None, None]
-    (tmp_path / "model_index.json").write_text(json.dumps(index))
-    shutil.copytree(folder / "tokenizer", tmp_path / "tokenizer")
-    with pytest.raises(ValueError, match="has no 'text_encoder' component"):
-        wan.ENCODERS.open(tmp_path, ["text"])
+    encoder_checks.assert_refused_without(wan.ENCODERS, folder, tmp_path, "text_encoder", ("tokenizer",),
+                                          "has no 'text_encoder' component")
     with pytest.raises(ValueError, match="is not a diffusers pipeline folder"):
         wan.ENCODERS.open(tmp_path / "nowhere", ["video"])
 

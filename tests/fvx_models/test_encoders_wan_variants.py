@@ -8,13 +8,9 @@ from diffusers import (AnyFlowPipeline, AutoencoderKLWan, FlowMapEulerDiscreteSc
                        FlowMatchEulerDiscreteScheduler, SkyReelsV2Pipeline, UniPCMultistepScheduler,
                        WanImageToVideoPipeline)
 
+import encoder_checks
 from fvx_models import anyflow, skyreels_v2, wan, wan_causal, wan_moe
-
-WORDS = ["<pad>", "</s>", "<unk>"] + [f"▁{w}" for w in "a red blue bars moving left right up down cat".split()]
-
-
-def tiny_t5_tokenizer() -> transformers.T5Tokenizer:
-    return transformers.T5Tokenizer(vocab=[(w, -float(i)) for i, w in enumerate(WORDS)], extra_ids=0)
+from tiny_wan_pipeline import WORDS, tiny_t5_tokenizer
 
 
 def tiny_wan_vae() -> AutoencoderKLWan:
@@ -50,13 +46,8 @@ def test_text_and_video_are_the_variant_pipelines_own(pipeline, scheduler, confi
              transformer=None).save_pretrained(tmp_path)
     opened = config.encoders.open(tmp_path, ["text", "video"])
     assert type(opened.pipe) is pipeline  # the folder's own pipeline class loads it
-    prompts = ["red bars moving left", "a   cat"]
-    rows = opened.encode_text(prompts)
-    full, _ = opened.pipe.encode_prompt(prompts, do_classifier_free_guidance=False, max_sequence_length=512)
-    assert [r.shape for r in rows] == [(5, 16), (3, 16)]
-    for row, padded in zip(rows, full):
-        assert torch.equal(row, padded[:len(row)]) and not padded[len(row):].any()
-    video = torch.rand(3, 5, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    encoder_checks.assert_text_is_the_pipelines_encode_prompt_cut_to_its_tokens(opened)
+    video = encoder_checks.random_clip((3, 5, 32, 32))
     assert torch.equal(opened.encode_video(video), opened.pipe.vae.encode(video[None]).latent_dist.mean[0])
 
 
@@ -68,6 +59,6 @@ def test_a14b_i2v_folder_encodes_the_first_frame_without_clip(tmp_path):
     with pytest.raises(ValueError, match="has no 'image_processor' component"):
         wan.ENCODERS.open(tmp_path, ["text", "video", "image"])  # Wan 2.1 I2V's record wants CLIP
     opened = wan_moe.Wan22MoEConfig.encoders.open(tmp_path, ["text", "video", "image"])
-    video = torch.rand(3, 5, 32, 32, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    video = encoder_checks.random_clip((3, 5, 32, 32), seed=2)
     assert torch.equal(opened.encode_first_frame(video), wan.encode_first_frame(opened.pipe, video[None])[0])
     assert opened.encode_image((video[:, 0] + 1) / 2) is None  # FastVideo stores no clip_feature

@@ -15,7 +15,7 @@ from tokenizers.pre_tokenizers import ByteLevel
 from fvx.core import random
 from fvx.data import batching
 
-# --------------------------------------------------------------------------------------------- checks every record
+# ------------------------------------------------------------------------------------------------- checks every record
 
 
 def random_clip(shape: tuple[int, ...], seed: int = 1) -> torch.Tensor:
@@ -59,7 +59,7 @@ def assert_text_is_the_pipelines_encode_prompt_cut_to_its_tokens(opened) -> None
         assert torch.equal(row, padded[:len(row)]) and not padded[len(row):].any()
 
 
-# ------------------------------------------------------------------------ Qwen's byte-level tokenizer, chat template
+# -------------------------------------------------------------------------- Qwen's byte-level tokenizer, chat template
 
 # A Qwen-style chat template (string or typed-text contents) over a tokenizer of single bytes: every character a token
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}"
@@ -76,7 +76,7 @@ def byte_qwen_tokenizer() -> transformers.Qwen2Tokenizer:
     return tokenizer
 
 
-# ------------------------------------------- a prompt template's cropped tokens (HunyuanVideo's LLaMA, Kandinsky 5's Qwen)
+# --------------------------------------- a prompt template's cropped tokens (HunyuanVideo's LLaMA, Kandinsky 5's Qwen)
 
 
 def spelling_merges(words: list[str], vocab: dict) -> list[tuple[str, str]]:
@@ -113,7 +113,7 @@ def template_cropping_tokenizer(make: Callable[[dict, list], transformers.PreTra
     return make(vocab, spelling_merges([w for w in whole if w not in cut] + halves, vocab))
 
 
-# ------------------------------------------------------- CLIP's pooled text and the HunyuanVideo VAE (HunyuanVideo, Kandinsky 5)
+# --------------------------------------------- CLIP's pooled text and the HunyuanVideo VAE (HunyuanVideo, Kandinsky 5)
 
 
 def tiny_clip_tokenizer(prompts: list[str]) -> transformers.CLIPTokenizer:
@@ -138,7 +138,7 @@ def tiny_hunyuan_vae() -> AutoencoderKLHunyuanVideo:
 
 
 def assert_pooled_row_then_tokens(rows: list[torch.Tensor], pooled: torch.Tensor, tokens: list[torch.Tensor]) -> None:
-    """Each stored row ``[1 + n, D]`` is its pooled vector ``[P]`` zero-padded to D, then its n token rows ``[n, D]``."""
+    """Each stored row ``[1 + n, D]`` is its pooled vector ``[P]`` zero-padded to D, then its token rows ``[n, D]``."""
     for row, p, t in zip(rows, pooled, tokens):
         assert row.shape == (1 + len(t), t.shape[-1])
         assert torch.equal(row[0, :len(p)], p) and not row[0, len(p):].any()
@@ -152,7 +152,7 @@ def collate_stored_rows(rows: list[torch.Tensor], text_len: int) -> dict:
                             dropout_key=random.key(0))
 
 
-# ----------------------------------------------------------------------------------- LTX's latents (LTX-Video, LTX-2)
+# ------------------------------------------------------------------------------------ LTX's latents (LTX-Video, LTX-2)
 
 
 def draw_latent_statistics(vae):
