@@ -92,7 +92,7 @@ def test_the_model_interface_imports_no_family(name):
 
 # Families added as one spec file each (issue 29): nothing else imports them, so adding one changed no other file of
 # the package. The core changes that came with them serve contract points every family may use, not a family: the
-# data kind "i2v" (fvx/data/datasets.py, FastVideo's pyarrow_schema_i2v) and the toy world's image-to-video task
+# data kind "i2v" (fvx/data/parquet.py, FastVideo's pyarrow_schema_i2v) and the toy world's image-to-video task
 # (fvx/data/toy_world.py), and Model.cfg_dropout_refusal checked before weights load (fvx/training/experiment.py).
 SPEC_FILE_FAMILIES = ("cosmos", "ltx_video", "hunyuan_video15", "kandinsky5")
 
