@@ -314,11 +314,12 @@ def throughput(work: pathlib.Path, setup: Setup, videos: pathlib.Path, repeats: 
 
 
 def end_to_end(work: pathlib.Path, setup: Setup, videos: pathlib.Path) -> dict[str, float]:
-    """Seconds of one run each with the folder loaded in it: ``run_preprocess``; the plain pipeline's load + loop."""
+    """Median seconds of two alternating runs with the folder loaded in each: ``run_preprocess``; the plain
+    pipeline's load and loop."""
     outs, config = Outs(work / "out"), fvx_config(work / "wan", setup)
     return alternate({"fvx": lambda: fvx_end_to_end(config, videos, outs("fvx")),
                       "plain": lambda: plain_loop(plain_pipeline(work / "wan", setup), setup, videos,
-                                                  outs("plain", ".parquet"))}, repeats=1, warmup=0)
+                                                  outs("plain", ".parquet"))}, repeats=2, warmup=0)
 
 
 def cuda_peak(fn: Callable[[], object]) -> float:

@@ -405,7 +405,8 @@ def preprocess_main(argv: Sequence[str]) -> int:
                                  f"{pathlib.Path(args.out) / 'skipped.json'})"), rank)
     print(f"wrote {done['rows']} clips to {data} ({len(done['skipped'])} skipped"
           + (f", listed in {pathlib.Path(args.out) / 'skipped.json'}" if done["skipped"] else "")
-          + f"); train on it with data.path={data}")
+          + f"); train on it with data.path={data}"
+          + (" data.batch_by_shape=true" if config.data.preprocess.buckets else ""))
     return 0
 
 

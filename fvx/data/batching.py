@@ -42,7 +42,8 @@ def collate(samples: list[dict], indices: list[int], *, text_len: int, cfg_rate:
     batch: dict[str, Any] = {}
     for key in ("latents", "first_frame_latents"):
         if samples and key in samples[0]:
-            _check_same(samples, key, lambda a: a.shape, "shape")
+            _check_same(samples, key, lambda a: a.shape, "shape",
+                        " (data of several shapes, e.g. preprocessed with buckets: set data.batch_by_shape=true)")
             latents = np.stack([s[key] for s in samples])
             if num_latent_t is not None:
                 if latents.shape[2] < num_latent_t:
@@ -104,12 +105,13 @@ def _second_text(samples: list[dict], dropped: list[bool], length: int) -> dict[
     return {"text_2": torch.from_numpy(text), "text_mask_2": torch.from_numpy(mask)}
 
 
-def _check_same(samples: list[dict], key: str, part: Callable[[np.ndarray], tuple], what: str) -> None:
+def _check_same(samples: list[dict], key: str, part: Callable[[np.ndarray], tuple], what: str,
+                hint: str = "") -> None:
     first = samples[0] if samples else None
     for sample in samples[1:]:
         if part(sample[key]) != part(first[key]):
             raise DataError(f"samples in one batch differ in {key} {what}: {first['where']} has "
-                             f"{list(first[key].shape)}, {sample['where']} has {list(sample[key].shape)}")
+                             f"{list(first[key].shape)}, {sample['where']} has {list(sample[key].shape)}{hint}")
 
 
 def suspects(batch: Mapping[str, Any], dataset: Any) -> tuple[list[str], bool]:
@@ -145,8 +147,9 @@ def batch_at(dataset: Dataset, key: torch.Tensor, step: int, *, batch_size: int,
     Epoch e = step // (len // batch_size) visits ``permutation(fold_in(key, e), len)`` in slices of ``batch_size``
     (the remainder is dropped); rank r takes rows [r*b, (r+1)*b) of the slice, b = batch_size // world. Adds
     ``sample_index`` [b] int64 = step * batch_size + r * b + arange(b), the same whatever the world size. A dataset
-    whose samples come in several shapes (``shape_groups()``: aspect-ratio buckets, images beside videos) is batched
-    by :func:`bucketed_order` instead, so a batch never mixes shapes.
+    batched by shape (``shape_groups()`` not None: ``data.batch_by_shape``, for aspect-ratio buckets or images beside
+    videos) whose samples come in several shapes is batched by :func:`bucketed_order` instead, so a batch never mixes
+    shapes.
     """
     for name, value, low in (("step", step, 0), ("batch_size", batch_size, 1), ("world", world, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:

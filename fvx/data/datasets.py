@@ -70,7 +70,9 @@ class DataConfig(Config):
     "text_only", "i2v" adds the first frame, "t2va" adds audio latents (parquet, ``synthetic.audio_shape`` or the
     world's tones). ``text_2_len``: read a second text stream (the parquet's ``text_embedding_2``, HunyuanVideo 1.5's
     ByT5 glyph text) padded or cropped to this length as ``text_2``/``text_mask_2`` (None: not read; a CFG-dropped
-    sample's is empty).
+    sample's is empty). ``batch_by_shape``: batch each latent shape apart (parquet data preprocessed with
+    ``preprocess.buckets``, or images beside videos), so a batch never mixes shapes; off, a batch of mixed shapes is an
+    error naming the samples.
     ``prefetch``: batches computed ahead in a background thread (0 = synchronous).
     """
 
@@ -81,6 +83,7 @@ class DataConfig(Config):
     cfg_rate: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
     num_latent_t: PositiveInt | None = None
     text_2_len: PositiveInt | None = None
+    batch_by_shape: bool = False
     prefetch: Annotated[int, msgspec.Meta(ge=0)] = 2
     synthetic: SyntheticConfig = SyntheticConfig()
     world: WorldConfig | None = None
@@ -105,7 +108,7 @@ def open_dataset(config: DataConfig, key: torch.Tensor) -> Dataset:
     if config.path is None:
         return SyntheticDataset(config.synthetic, samples_key, kind=config.kind, collate=collate)
     files = ParquetDataset(find_parquet_files(config.path), kind=config.kind, collate=collate,
-                           second_text=config.text_2_len is not None)
+                           second_text=config.text_2_len is not None, by_shape=config.batch_by_shape)
     if config.world is not None:  # files of the toy world (``write-videos`` -> ``preprocess``): the world judges
         return JudgedByWorld(files, WorldDataset(config.world, samples_key, kind=config.kind, collate=collate))
     return files

@@ -92,7 +92,7 @@ class ParquetDataset:
     row groups read on demand (only the needed columns) and kept in a small LRU cache. Thread-safe."""
 
     def __init__(self, files: Sequence[str | os.PathLike], *, kind: Kind, collate: Callable[..., dict],
-                 cache_groups: int = 4, second_text: bool = False):
+                 cache_groups: int = 4, second_text: bool = False, by_shape: bool = False):
         check_kind(kind)
         self.files = [pathlib.Path(f) for f in files]
         self.kind, self._collate, self._cache_groups = kind, collate, cache_groups
@@ -113,7 +113,7 @@ class ParquetDataset:
         self.has_captions = all("caption" in names for names in schemas)
         self.has_sample_rates = kind == "t2va" and all("audio_sample_rate" in names for names in schemas)
         self._columns = _columns_to_read(kind, schemas)
-        self.second_text = second_text
+        self.second_text, self.by_shape = second_text, by_shape
         if second_text:
             lacking = [str(f) for f, names in zip(self.files, schemas) if f"{SECOND_TEXT[0]}_bytes" not in names]
             if lacking:
@@ -135,9 +135,11 @@ class ParquetDataset:
         with self._lock:
             return self._collate([self._sample(i) for i in indices], indices)
 
-    def shape_groups(self) -> list[list[int]]:
-        """The dataset's indices grouped by latent shape, groups in order of their first sample (one group when
-        every sample has one shape): read from the ``vae_latent_shape`` column alone, once."""
+    def shape_groups(self) -> list[list[int]] | None:
+        """With ``by_shape``: the dataset's indices grouped by latent shape, groups in order of their first sample
+        (one group when every sample has one shape), read from the ``vae_latent_shape`` column alone, once; else None."""
+        if not self.by_shape:
+            return None
         if self._shape_groups is None:
             groups: dict[tuple, list[int]] = {}
             if self.kind == "text_only":

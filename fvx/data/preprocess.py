@@ -183,42 +183,49 @@ def cut(job: Job, item: Input) -> tuple[torch.Tensor, dict[str, Any]]:
     return clip, meta
 
 
+TEXT_BATCH = 8  # captions a text encoder call takes: its activations stay small whatever samples_per_file is
+
+
 def encode_part(job: Job, encoder: Encoder, items: Sequence[Input]) -> tuple[list[dict], list[dict]]:
-    """The rows of ``items`` (``fvx.data.parquet.write_parquet``'s samples) and the skipped ones (file, reason)."""
-    if job.kind == "text_only":
-        texts = encoder.encode_text([item.caption for item in items])
-        return [{"id": item.name, "caption": item.caption, "text": text} for item, text in zip(items, texts)], []
-    cuts, skipped = [], []
+    """The rows of ``items`` (``fvx.data.parquet.write_parquet``'s samples) and the skipped ones (file, reason).
+    Each clip is encoded as soon as it is cut, so a part holds latents, never its clips' pixels; then the captions,
+    :data:`TEXT_BATCH` at a time."""
+    rows, skipped = [], []
     for item in items:
         try:
-            clip, meta = cut(job, item)
-            sound = None
-            if job.kind == "t2va":  # from the clip's start (its first frame is the video's), as long as the clip
-                sound = media.read_audio(item.path, job.audio_rate, 0.0, clip.shape[1] / job.config.train_fps)
-            cuts.append((item, clip, meta, sound))
+            rows.append(encode_media(job, encoder, item) if job.kind != "text_only"
+                        else {"id": item.name, "caption": item.caption})
         except media.MediaError as error:
             skipped.append({"file": item.name, "reason": str(error)})
-    if not cuts:
-        return [], skipped
-    captions = [meta["caption"] for _, _, meta, _ in cuts]
-    texts, seconds = encoder.encode_text(captions), encoder.encode_text_2(captions)
-    rows = []
-    for number, ((item, clip, meta, sound), text) in enumerate(zip(cuts, texts)):
-        latents = encoder.encode_video(clip)
-        row = {"id": item.name, **meta, "num_frames": latents.shape[1], "latents": latents, "text": text}
-        if seconds is not None:
-            row["text_2"] = seconds[number]
-        if job.kind == "i2v":
-            row["first_frame_latents"] = encoder.encode_first_frame(clip)
-            row["pil_image"] = ((clip[:, 0] + 1) * 127.5).round().to(torch.uint8)
-            image = encoder.encode_image((clip[:, 0] + 1) / 2)
-            if image is not None:
-                row["image_embeds"] = image
-        if job.kind == "t2va":
-            row["audio_latents"] = encoder.encode_audio(sound, job.audio_rate)
-            row["audio_sample_rate"] = job.audio_rate
-        rows.append(row)
+    for start in range(0, len(rows), TEXT_BATCH):
+        batch = rows[start:start + TEXT_BATCH]
+        captions = [row["caption"] for row in batch]
+        seconds = encoder.encode_text_2(captions)
+        for number, (row, text) in enumerate(zip(batch, encoder.encode_text(captions))):
+            row["text"] = text
+            if seconds is not None:
+                row["text_2"] = seconds[number]
     return rows, skipped
+
+
+def encode_media(job: Job, encoder: Encoder, item: Input) -> dict[str, Any]:
+    """One clip's row but its text: cut, encoded (its first frame, image features and sound per the kind)."""
+    clip, meta = cut(job, item)
+    sound = None
+    if job.kind == "t2va":  # from the clip's start (its first frame is the video's), as long as the clip
+        sound = media.read_audio(item.path, job.audio_rate, 0.0, clip.shape[1] / job.config.train_fps)
+    latents = encoder.encode_video(clip)
+    row = {"id": item.name, **meta, "num_frames": latents.shape[1], "latents": latents}
+    if job.kind == "i2v":
+        row["first_frame_latents"] = encoder.encode_first_frame(clip)
+        row["pil_image"] = ((clip[:, 0] + 1) * 127.5).round().to(torch.uint8)
+        image = encoder.encode_image((clip[:, 0] + 1) / 2)
+        if image is not None:
+            row["image_embeds"] = image
+    if job.kind == "t2va":
+        row["audio_latents"] = encoder.encode_audio(sound, job.audio_rate)
+        row["audio_sample_rate"] = job.audio_rate
+    return row
 
 
 # ------------------------------------------------------------------------------------------------------------ output

@@ -382,7 +382,7 @@ class JudgedByWorld:
     def where(self, index: int) -> str:
         return self.dataset.where(index)
 
-    def shape_groups(self) -> list[list[int]]:
+    def shape_groups(self) -> list[list[int]] | None:
         return self.dataset.shape_groups()
 
     def sample_quality(self, videos: torch.Tensor, indices: Sequence[int]) -> dict[str, float]:

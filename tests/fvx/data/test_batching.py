@@ -27,7 +27,7 @@ def open_mixed(tmp_path):
     parquet.write_parquet(tmp_path / "a.parquet", samples(7, (4, 2, 3, 5), "wide") + samples(5, (4, 2, 5, 3), "tall"))
     parquet.write_parquet(tmp_path / "b.parquet", samples(4, (4, 1, 3, 5), "image") + samples(3, (4, 2, 3, 5), "wide"))
     collate = lambda s, i: batching.collate(s, i, text_len=3, cfg_rate=0.0, dropout_key=random.key(0))  # noqa: E731
-    return parquet.ParquetDataset(parquet.find_parquet_files(tmp_path), kind="t2v", collate=collate)
+    return parquet.ParquetDataset(parquet.find_parquet_files(tmp_path), kind="t2v", collate=collate, by_shape=True)
 
 
 def test_a_batch_never_mixes_shapes_and_an_epoch_visits_each_whole_batch_once(tmp_path):
@@ -45,6 +45,16 @@ def test_a_batch_never_mixes_shapes_and_an_epoch_visits_each_whole_batch_once(tm
     assert torch.equal(torch.cat(parts), batching.batch_at(dataset, key, 4, batch_size=2)["index"])
     assert torch.equal(batching.batch_at(dataset, key, 5, batch_size=2)["index"],
                        batching.batch_at(dataset, key.clone(), 5, batch_size=2)["index"])
+
+
+def test_without_batch_by_shape_a_mixed_batch_is_an_error_that_says_what_to_set(tmp_path):
+    dataset = open_mixed(tmp_path)
+    dataset.by_shape = False
+    assert dataset.shape_groups() is None
+    with pytest.raises(parquet.DataError, match=r"differ in latents shape: .* \(data of several shapes, e\.g\. "
+                                                r"preprocessed with buckets: set data\.batch_by_shape=true\)"):
+        for step in range(4):
+            batching.batch_at(dataset, random.key(3), step, batch_size=4)
 
 
 def test_bucketed_order_by_hand():
