@@ -103,7 +103,7 @@ def read_image(path: pathlib.Path) -> np.ndarray:
 
     try:
         with Image.open(path) as image:
-            return np.asarray(image.convert("RGB"))[None]
+            return np.array(image.convert("RGB"))[None]
     except (UnidentifiedImageError, OSError, ValueError) as error:
         raise MediaError(f"it does not decode as an image: {error}") from None
 

@@ -200,3 +200,14 @@ def test_text_only_data_from_a_prompts_file(tmp_path):
     batch = data.read([0, 1, 2])
     assert batch["caption"] == ["red bars moving left", "blue bars moving up", "red bars moving down"]
     assert torch.equal(batch["text"], torch.from_numpy(np.stack([world.texts[i] for i in (1, 7, 2)])))
+
+
+def test_a_negative_prompt_file_from_encode_prompts_is_what_validation_loads(tmp_path):
+    (tmp_path / "negative.txt").write_text("blue bars moving right\n")
+    out = tmp_path / "made" / "negative.safetensors"  # its folder is made
+    assert run.main(["encode-prompts", EXPERIMENT, str(tmp_path / "negative.txt"), "--out", str(out)]) == 0
+    model = config_of().models["student"].build()
+    negative = model.load_negative(str(out), "validation.negative_prompt_path")
+    world = WorldDataset(WORLD, random.key(0), kind="t2v", collate=lambda samples, indices: samples)
+    assert torch.equal(negative["text"][0], torch.from_numpy(world.texts[4]))
+

@@ -80,6 +80,22 @@ def test_clips_go_to_the_bucket_nearest_their_aspect_ratio(folder, clips, tmp_pa
     assert {r["id"]: r["vae_latent_shape"] for r in rows}["tall.mp4"] == [4, 3, 16, 8]
 
 
+def test_an_image_is_a_one_frame_clip(folder, tmp_path):
+    from PIL import Image
+    (tmp_path / "in").mkdir()
+    pixels = np.random.default_rng(1).integers(0, 256, (24, 40, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "in" / "still.png")
+    (tmp_path / "in" / "still.txt").write_text("a cat\n")
+    config = config_of(folder, **{"data.kind": "t2v"})
+    assert preprocessing.run_preprocess(config, str(tmp_path / "in"), str(tmp_path / "ds"), progress=False)["rows"] == 1
+    row = pq.read_table(tmp_path / "ds" / preprocess.PARTS / "part_00000.parquet").to_pylist()[0]
+    opened = wan.ENCODERS.open(folder, ["video"])
+    clip = media.resize_crop(pixels[None], 16, 32)
+    expected = opened.pipe.vae.encode(clip[None]).latent_dist.mean[0]
+    assert row["media_type"] == "image" and row["vae_latent_shape"] == list(expected.shape) == [4, 1, 8, 16]
+    assert np.array_equal(np.frombuffer(row["vae_latent_bytes"], np.float32).reshape(expected.shape), expected.numpy())
+
+
 def test_a_folder_without_its_image_encoder_is_refused_before_anything_is_written(folder, clips, tmp_path, capsys):
     import shutil
     broken = tmp_path / "model"
