@@ -97,9 +97,6 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def overrides_of(args: argparse.Namespace) -> list[str]:
     """The overrides, then ``--out`` and ``--steps`` as overrides, in the order they apply."""
     overrides = list(args.overrides)
-    for item in overrides:
-        if "=" not in item:
-            raise fconfig.ConfigError(f"argument {item!r} is not an override of the form dotted.field=value")
     for flag, value, field in (("--out", args.out, "run.output_dir"), ("--steps", args.steps, "run.steps")):
         if value is None:
             continue
@@ -112,13 +109,18 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
 
 def resolve_config(args: argparse.Namespace) -> fconfig.Config:
     """The experiment's config with the overrides, then ``--out`` and ``--steps``, applied and validated."""
-    overrides = overrides_of(args)
-    config = fconfig.load_experiment(args.experiment)
+    return experiment_config(args.experiment, overrides_of(args))
+
+
+def experiment_config(experiment_file: str, overrides: list[str]) -> fconfig.Config:
+    """An experiment file's config with dotted overrides applied (the training command's and the sub-commands')."""
+    for item in overrides:
+        if "=" not in item:
+            raise fconfig.ConfigError(f"argument {item!r} is not an override of the form dotted.field=value")
+    config = fconfig.load_experiment(experiment_file)
     if not isinstance(config, experiment.Experiment):
-        raise fconfig.ConfigError(
-            f"experiment file {args.experiment!r}: `config` is a {type(config).__qualname__}, "
-            "expected a subclass of fvx.training.experiment.Experiment"
-        )
+        raise fconfig.ConfigError(f"experiment file {experiment_file!r}: `config` is a {type(config).__qualname__}, "
+                                  "expected a subclass of fvx.training.experiment.Experiment")
     return fconfig.apply_overrides(config, overrides)
 
 
@@ -361,18 +363,6 @@ def _print_pipeline_note(folder: pathlib.Path, base: str | None) -> None:
               + ") or pass them, or export again with --base /path/to/the/base/pipeline")
 
 
-def _experiment_config(experiment_file: str, overrides: list[str]) -> fconfig.Config:
-    """An experiment's config with dotted overrides applied (a sub-command's)."""
-    for item in overrides:
-        if "=" not in item:
-            raise fconfig.ConfigError(f"argument {item!r} is not an override of the form dotted.field=value")
-    config = fconfig.load_experiment(experiment_file)
-    if not isinstance(config, experiment.Experiment):
-        raise fconfig.ConfigError(f"experiment file {experiment_file!r}: `config` is a {type(config).__qualname__}, "
-                                  "expected a subclass of fvx.training.experiment.Experiment")
-    return fconfig.apply_overrides(config, overrides)
-
-
 def preprocess_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m fvx.run preprocess", description=(
         "Encode a folder of videos (or images) and captions into FastVideo's parquet with the experiment's model: its "
@@ -388,7 +378,7 @@ def preprocess_main(argv: Sequence[str]) -> int:
     args = parser.parse_intermixed_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     try:
-        config = _experiment_config(args.experiment, args.overrides)
+        config = experiment_config(args.experiment, args.overrides)
         done = preprocessing.run_preprocess(config, args.videos, args.out, progress=sys.stderr.isatty())
     except BAD_INPUT as error:
         return _error(error, rank)
@@ -421,7 +411,7 @@ def encode_prompts_main(argv: Sequence[str]) -> int:
     parser.add_argument("--out", required=True, help="the cond file to write (.safetensors)")
     args = parser.parse_intermixed_args(argv)
     try:
-        config = _experiment_config(args.experiment, args.overrides)
+        config = experiment_config(args.experiment, args.overrides)
         count, path = preprocessing.run_encode_prompts(config, args.prompts, args.out)
     except BAD_INPUT as error:
         return _error(error)
