@@ -8,6 +8,7 @@ stacks a dataset's samples into the batch dict ``fvx.data.datasets``' module doc
 """
 from __future__ import annotations
 
+import collections
 import functools
 import queue
 import threading
@@ -169,7 +170,7 @@ def batch_at(dataset: Dataset, key: torch.Tensor, step: int, *, batch_size: int,
     start = position * batch_size + rank * local
     key_words = tuple(key.tolist())
     order = (_epoch_order(key_words, epoch, len(dataset)) if not groups or len(groups) == 1
-             else _bucketed(key_words, epoch, tuple(map(tuple, groups)), batch_size))
+             else _bucketed(key_words, epoch, groups, batch_size))
     batch = dataset.read(order[start:start + local].tolist())
     first = step * batch_size + rank * local
     batch["sample_index"] = torch.arange(first, first + local, dtype=torch.int64)
@@ -182,10 +183,21 @@ def _epoch_order(key_words: tuple[int, int], epoch: int, length: int) -> torch.T
     return random.permutation(random.fold_in(torch.tensor(key_words, dtype=torch.int64), epoch), length)
 
 
-@functools.lru_cache(maxsize=2)
-def _bucketed(key_words: tuple[int, int], epoch: int, groups: tuple[tuple[int, ...], ...],
+_BUCKETED: collections.OrderedDict = collections.OrderedDict()  # the last epochs' bucketed orders
+
+
+def _bucketed(key_words: tuple[int, int], epoch: int, groups: Sequence[Sequence[int]],
               batch_size: int) -> torch.Tensor:
-    return bucketed_order(torch.tensor(key_words, dtype=torch.int64), epoch, groups, batch_size)
+    """:func:`bucketed_order`, memoised for the dataset's (cached, unchanging) ``groups`` object by identity: hashing
+    every index at every step would cost O(samples) a step."""
+    cache_key = (key_words, epoch, id(groups), batch_size)
+    hit = _BUCKETED.get(cache_key)
+    if hit is None or hit[0] is not groups:
+        hit = (groups, bucketed_order(torch.tensor(key_words, dtype=torch.int64), epoch, groups, batch_size))
+        _BUCKETED[cache_key] = hit
+        while len(_BUCKETED) > 2:
+            _BUCKETED.popitem(last=False)
+    return hit[1]
 
 
 def bucketed_order(key: torch.Tensor, epoch: int, groups: Sequence[Sequence[int]], batch_size: int) -> torch.Tensor:
