@@ -211,3 +211,21 @@ def test_a_negative_prompt_file_from_encode_prompts_is_what_validation_loads(tmp
     world = WorldDataset(WORLD, random.key(0), kind="t2v", collate=lambda samples, indices: samples)
     assert torch.equal(negative["text"][0], torch.from_numpy(world.texts[4]))
 
+
+
+def test_fastvideos_merged_layout_is_read_with_its_first_caption(videos, tmp_path):
+    root = tmp_path / "merged"
+    (root / "videos").mkdir(parents=True)
+    for name in ("world_00001.mp4", "world_00006.mp4"):
+        shutil.copy(videos / name, root / "videos" / name)
+    listing = [{"path": "world_00006.mp4", "cap": ["blue bars moving down", "ignored"]},
+               {"path": "world_00001.mp4", "cap": "red bars moving left"}, {"path": "gone.mp4", "cap": "x"}]
+    (root / "videos2caption.json").write_text(json.dumps(listing))
+    inputs = preprocess.find_inputs(root)
+    assert [(i.name, i.caption) for i in inputs] == [("gone.mp4", "x"), ("world_00001.mp4", "red bars moving left"),
+                                                     ("world_00006.mp4", "blue bars moving down")]
+    done = preprocessing.run_preprocess(config_of(), str(root), str(tmp_path / "ds"), progress=False)
+    assert done["rows"] == 2 and done["skipped"] == [{"file": "gone.mp4", "reason": "the file does not exist"}]
+    (root / "videos2caption.json").write_text('{"path": "a.mp4"}')
+    with pytest.raises(ValueError, match="must be a JSON list of"):
+        preprocess.find_inputs(root)
