@@ -22,7 +22,7 @@ import torch
 
 from fvx_models import diffusers_folder as dfolder
 
-Part = str  # "text", "video", "image", "audio": what an opened record can encode
+Part = str  # "text", "video", "first_frame", "image", "audio": what an opened record can encode
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -48,6 +48,8 @@ class Encoders:
     pixel_multiple   heights and widths are multiples of this (the VAE's spatial compression times the DiT's patch)
     image, encode_image(pipe, frames) -> [B, N, D]   I2V's image encoder (frames ``[B, 3, H, W]`` in [0, 1]) as the
                      I2V pipeline calls it; empty / None: the family's I2V has none
+    image_wanted(config) -> bool   whether a model of ``config`` reads image features (Wan 2.1 I2V's CLIP embedding;
+                     not Wan 2.2's I2V, whose folders have no image encoder: FastVideo then stores empty bytes)
     first_frame(pipe, video) -> latents   I2V's condition latents ``[B, C, t, h, w]``: the first frame followed by zero
                      frames, encoded and normalised as FastVideo stores them (default: the family has no I2V)
     audio, encode_audio(pipe, waveform, rate) -> [B, C, F, A]   a joint model's audio latents from stereo waveforms
@@ -74,6 +76,7 @@ class Encoders:
     pixel_multiple: int = 16
     image: tuple[str, ...] = ()
     encode_image: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+    image_wanted: Callable[[Any], bool] = lambda config: True
     first_frame: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
     audio: tuple[str, ...] = ()
     encode_audio: Callable[[Any, torch.Tensor, int], torch.Tensor] | None = None
@@ -86,8 +89,8 @@ class Encoders:
         """The folder components ``parts`` need, in a fixed order."""
         needed: list[str] = []
         for part in parts:
-            for name in {"text": self.text + self.text_2, "video": self.video, "image": self.image,
-                         "audio": self.audio}[part]:
+            for name in {"text": self.text + self.text_2, "video": self.video, "first_frame": self.video,
+                         "image": self.image, "audio": self.audio}[part]:
                 if name not in needed:
                     needed.append(name)
         return tuple(needed)
@@ -95,8 +98,10 @@ class Encoders:
     def refusal(self, parts: Iterable[Part]) -> str | None:
         """Why this family cannot encode ``parts`` (one line), or None."""
         parts = set(parts)
-        if "image" in parts and self.first_frame is None:
+        if "first_frame" in parts and self.first_frame is None:
             return "it has no image-to-video encoding in fvx (no first-frame latents)"
+        if "image" in parts and self.encode_image is None:
+            return "it has no image encoder in fvx"
         if "audio" in parts and self.encode_audio is None:
             return self.audio_refusal or "it encodes no audio"
         if "video" in parts and self.encode_video is None:
@@ -144,7 +149,7 @@ class Encoders:
             module = getattr(pipe, name, None)
             if isinstance(module, torch.nn.Module):
                 module.requires_grad_(False).eval()
-        return Opened(self, pipe, needed, torch.device(device))
+        return Opened(self, pipe, needed, torch.device(device), parts)
 
 
 @dataclasses.dataclass
@@ -156,6 +161,7 @@ class Opened:
     pipe: Any
     components: tuple[str, ...]
     device: torch.device
+    parts: tuple[Part, ...] = ()
 
     def _use(self, names: tuple[str, ...]) -> None:
         for name in self.components:
@@ -194,9 +200,9 @@ class Opened:
 
     @torch.no_grad()
     def encode_image(self, frame: torch.Tensor) -> torch.Tensor | None:
-        """I2V's image features ``[N, D]`` of a frame ``[3, H, W]`` in [0, 1]; None when the family has no image
-        encoder (FastVideo then stores empty bytes)."""
-        if self.encoders.encode_image is None:
+        """I2V's image features ``[N, D]`` of a frame ``[3, H, W]`` in [0, 1]; None when the image encoder was not
+        opened (the model reads no image features: FastVideo then stores empty bytes)."""
+        if self.encoders.encode_image is None or "image" not in self.parts:
             return None
         self._use(self.encoders.image)
         return self.encoders.encode_image(self.pipe, frame[None].to(self.device))[0].float().cpu()

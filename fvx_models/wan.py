@@ -319,7 +319,10 @@ ENCODERS = fencoders.Encoders(
     pipeline="WanPipeline", text=("tokenizer", "text_encoder"), encode_text=encode_text,
     encode_video=lambda pipe, video: fencoders.latent_mean(pipe.vae, video), frame_step=4, pixel_multiple=16,
     image=("image_processor", "image_encoder"), encode_image=encode_image, first_frame=encode_first_frame,
-    audio_refusal="Wan makes no sound")
+    image_wanted=lambda config: bool(config.spec.kwargs.get("image_dim")), audio_refusal="Wan makes no sound")
+"""Wan's encoders (every Wan-layout family's: SkyReels-V2, AnyFlow, block-causal Wan, Wan 2.2 A14B): UMT5 at 512
+tokens, the VAE's posterior mean, I2V's normalised first frame, and the CLIP image features of a model that reads them
+(Wan 2.1 I2V's ``image_dim``; Wan 2.2's I2V folders have no image encoder)."""
 
 
 class WanConfig(ModelConfig, tag="wan"):

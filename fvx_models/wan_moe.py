@@ -139,12 +139,6 @@ WAN_MOE = dataclasses.replace(
 """Wan's spec with two experts: their components, one unit group of both experts' blocks, the router's inputs, one
 expert's timestep range per training step and the two-expert pipeline; no sequence parallelism."""
 
-ENCODERS = dataclasses.replace(wan.ENCODERS, image=(), encode_image=None)
-"""Wan's encoders (UMT5 at 512 tokens, the Wan 2.1 VAE's mean, I2V's normalised first frame) without the CLIP image
-encoder: the A14B I2V experts take the first frame in the ``concat`` form only and its folder has no image encoder
-(FastVideo then stores no ``clip_feature``)."""
-
-
 class Wan22MoEConfig(ModelConfig, tag="wan_moe"):
     """Wan 2.2 A14B's two experts (presets: tiny, tiny-i2v, wan2.2-t2v-a14b, wan2.2-i2v-a14b): ``boundary_ratio``
     routes a call to ``transformer`` when ``t >= 1000 boundary_ratio`` (None: the preset's pipeline's, 0.875 for T2V
@@ -152,7 +146,7 @@ class Wan22MoEConfig(ModelConfig, tag="wan_moe"):
     one of the trainable experts per step (:func:`step_ranges`)."""
 
     family = WAN_MOE
-    encoders = ENCODERS
+    encoders = wan.ENCODERS  # its I2V experts read no image features: the first frame in the ``concat`` form only
 
     boundary_ratio: Annotated[float, msgspec.Meta(gt=0, lt=1)] | None = None
     trainable: tuple[Literal["transformer", "transformer_2"], ...] = EXPERTS

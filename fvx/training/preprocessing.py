@@ -58,6 +58,8 @@ def encoder_source(config: Any, parts: tuple[str, ...]) -> Source:
         raise ValueError(f"models.{role}.path is not set: fvx encodes with the VAE and text encoder of the model's "
                          "diffusers folder (e.g. models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers)")
     folder, who = pathlib.Path(model.path), f"models.{role}.path"
+    if "image" in parts and not record.image_wanted(model):
+        parts = tuple(part for part in parts if part != "image")  # the model reads no image features
     record.check(folder, parts, who)
 
     def factory() -> Any:
@@ -69,8 +71,8 @@ def encoder_source(config: Any, parts: tuple[str, ...]) -> Source:
 
 def parts_of(kind: str) -> tuple[str, ...]:
     """What a data kind encodes."""
-    return {"t2v": ("text", "video"), "i2v": ("text", "video", "image"), "t2va": ("text", "video", "audio"),
-            "text_only": ("text",)}[kind]
+    return {"t2v": ("text", "video"), "i2v": ("text", "video", "first_frame", "image"),
+            "t2va": ("text", "video", "audio"), "text_only": ("text",)}[kind]
 
 
 def job_of(config: Any) -> tuple[preprocess.Job, Callable[[], Any]]:

@@ -76,4 +76,4 @@ def test_a_folder_without_the_text_encoder_is_refused_in_one_line(folder, tmp_pa
     encoder_checks.assert_refused_without(hunyuan_video15.ENCODERS, folder, tmp_path, "text_encoder", ("tokenizer",),
                                           r"has no 'text_encoder' component [^\n]*, which text encoding needs$")
     with pytest.raises(ValueError, match="cannot encode image|no image-to-video"):
-        hunyuan_video15.ENCODERS.open(folder, ["image"])
+        hunyuan_video15.ENCODERS.open(folder, ["first_frame"])

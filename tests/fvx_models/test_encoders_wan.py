@@ -24,7 +24,7 @@ def test_video_latents_are_the_vaes_posterior_mean(folder):
 
 
 def test_i2v_first_frame_and_clip_features_are_the_pipelines(folder):
-    opened = wan.ENCODERS.open(folder, ["video", "image"])
+    opened = wan.ENCODERS.open(folder, ["video", "first_frame", "image"])
     pixels = torch.randint(0, 256, (3, 5, 32, 32), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
     video = pixels.float() / 255 * 2 - 1
     condition = torch.cat([video[:, :1], torch.zeros(3, 4, 32, 32)], dim=1)

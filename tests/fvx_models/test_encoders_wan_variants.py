@@ -26,14 +26,15 @@ def tiny_umt5() -> transformers.UMT5EncoderModel:
         relative_attention_num_buckets=8))
 
 
-def test_the_variants_carry_wans_record_and_the_moe_drops_the_image_encoder():
-    for config in (skyreels_v2.SkyReelsV2Config, anyflow.AnyFlowConfig, wan_causal.WanCausalConfig):
+def test_the_variants_carry_wans_record_and_only_wan21_i2v_wants_image_features():
+    for config in (skyreels_v2.SkyReelsV2Config, anyflow.AnyFlowConfig, wan_causal.WanCausalConfig,
+                   wan_moe.Wan22MoEConfig):
         assert config.encoders is wan.ENCODERS
-    moe = wan_moe.Wan22MoEConfig.encoders
-    assert moe is wan_moe.ENCODERS and moe.image == () and moe.encode_image is None
-    assert (moe.text, moe.encode_text, moe.video, moe.encode_video, moe.first_frame) == (
-        wan.ENCODERS.text, wan.ENCODERS.encode_text, wan.ENCODERS.video, wan.ENCODERS.encode_video,
-        wan.ENCODERS.first_frame)
+    wanted = {preset: wan.ENCODERS.image_wanted(wan.WanConfig(preset=preset))
+              for preset in ("tiny-i2v", "wan2.1-i2v-14b-480p", "world-i2v", "wan2.2-ti2v-5b", "tiny")}
+    assert wanted == {"tiny-i2v": True, "wan2.1-i2v-14b-480p": True, "world-i2v": False, "wan2.2-ti2v-5b": False,
+                      "tiny": False}
+    assert not wan.ENCODERS.image_wanted(wan_moe.Wan22MoEConfig(preset="wan2.2-i2v-a14b"))
 
 
 @pytest.mark.parametrize("pipeline, scheduler, config", [
@@ -57,8 +58,8 @@ def test_a14b_i2v_folder_encodes_the_first_frame_without_clip(tmp_path):
                             image_encoder=None, transformer=None, transformer_2=None,
                             boundary_ratio=0.9).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="has no 'image_processor' component"):
-        wan.ENCODERS.open(tmp_path, ["text", "video", "image"])  # Wan 2.1 I2V's record wants CLIP
-    opened = wan_moe.Wan22MoEConfig.encoders.open(tmp_path, ["text", "video", "image"])
+        wan.ENCODERS.open(tmp_path, ["text", "video", "first_frame", "image"])  # as for Wan 2.1 I2V, which wants CLIP
+    opened = wan_moe.Wan22MoEConfig.encoders.open(tmp_path, ["text", "video", "first_frame"])  # preprocess's parts
     video = encoder_checks.random_clip((3, 5, 32, 32), seed=2)
     assert torch.equal(opened.encode_first_frame(video), wan.encode_first_frame(opened.pipe, video[None])[0])
     assert opened.encode_image((video[:, 0] + 1) / 2) is None  # FastVideo stores no clip_feature

@@ -46,7 +46,7 @@ def test_i2v_rows_are_the_pipelines_calls_on_the_cut_frames(folder, clips, tmp_p
     assert done["rows"] == 3 and done["skipped"] == []
     rows = [r for f in sorted((tmp_path / "ds" / preprocess.PARTS).glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
     assert [r["id"] for r in rows] == ["tall.mp4", "wide.mp4", "wide2.mp4"]
-    opened = wan.ENCODERS.open(folder, ["text", "video", "image"])
+    opened = wan.ENCODERS.open(folder, ["text", "video", "first_frame", "image"])
     clip = media.resize_crop(media.read_frames(clips / "tall.mp4", range(5)), 16, 32)  # 16 fps at 16 fps: frames 0-4
     row = rows[0]
 
@@ -96,7 +96,7 @@ def test_an_image_is_a_one_frame_clip(folder, tmp_path):
     assert np.array_equal(np.frombuffer(row["vae_latent_bytes"], np.float32).reshape(expected.shape), expected.numpy())
 
 
-def test_a_folder_without_its_image_encoder_is_refused_before_anything_is_written(folder, clips, tmp_path, capsys):
+def test_a_folder_without_the_image_encoder_its_model_reads_is_refused_before_anything_is_written(folder, clips, tmp_path, capsys):
     import shutil
     broken = tmp_path / "model"
     shutil.copytree(folder, broken)
@@ -109,6 +109,11 @@ def test_a_folder_without_its_image_encoder_is_refused_before_anything_is_writte
                      f"models.student.path={folder}", "models.student.preset=tiny-i2v", "data.world=null",
                      "data.preprocess.max_width=30"])
     assert code == 2 and "480x30 is not a multiple of 16" in capsys.readouterr().err
+    # a model that reads no image features (Wan 2.2's I2V) needs no image encoder: its clip_feature is left empty
+    config = config_of(broken, **{"models.student.preset": "tiny"})
+    assert preprocessing.run_preprocess(config, str(clips), str(tmp_path / "ds2"), progress=False)["rows"] == 3
+    row = pq.read_table(tmp_path / "ds2" / preprocess.PARTS / "part_00000.parquet").to_pylist()[0]
+    assert (row["clip_feature_bytes"], row["clip_feature_shape"]) == (b"", []) and row["first_frame_latent_shape"]
 
 
 class Recorder:
