@@ -233,32 +233,34 @@ def encode_media(job: Job, encoder: Encoder, item: Input) -> dict[str, Any]:
 
 def check_folder(out: pathlib.Path, identity: dict[str, Any]) -> bool:
     """Whether ``out`` is already complete; a ValueError when it was made for another model, family or geometry
-    (or is some other non-empty folder). Writes ``metadata.json`` for a new folder."""
+    (or is some other non-empty folder). Writes ``metadata.json`` for a new folder (every rank of a launch writes the
+    same bytes, atomically, so ranks that start together agree whichever writes first)."""
     path = out / "metadata.json"
-    if path.is_file():
-        try:
-            stored = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as error:
-            raise ValueError(f"--out {str(out)!r}: metadata.json is not readable JSON: {error}") from None
-        ours = {k: v for k, v in stored.items() if k not in UNCHECKED}
-        theirs = {k: v for k, v in json.loads(json.dumps(identity)).items() if k not in UNCHECKED}  # as JSON has it
-        if ours != theirs:
-            diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
-            first = diff[0]
-            raise ValueError(f"--out {str(out)!r} was made with {first}={ours.get(first)!r}, not "
-                             f"{theirs.get(first)!r} (differing: {', '.join(diff)}); use another folder")
-        return (out / COMPLETE).is_file()
-    foreign = [p.name for p in out.iterdir() if not _ours(p.name)] if out.is_dir() else []
-    if foreign:
-        raise ValueError(f"--out {str(out)!r} is a non-empty folder that preprocess did not make (it holds "
-                         f"{foreign[0]!r} and no metadata.json)")
-    files.write_json(path, identity)  # every rank of a launch writes the same bytes
-    return False
+    if not path.is_file():
+        foreign = [p.name for p in out.iterdir() if not _ours(p.name)] if out.is_dir() else []
+        if foreign:
+            raise ValueError(f"--out {str(out)!r} is a non-empty folder that preprocess did not make (it holds "
+                             f"{foreign[0]!r} and no metadata.json)")
+        if not path.is_file():  # another rank may have written it since
+            files.write_json(path, identity)
+            return False
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"--out {str(out)!r}: metadata.json is not readable JSON: {error}") from None
+    ours = {k: v for k, v in stored.items() if k not in UNCHECKED}
+    theirs = {k: v for k, v in json.loads(json.dumps(identity)).items() if k not in UNCHECKED}  # as JSON has it
+    if ours != theirs:
+        diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+        first = diff[0]
+        raise ValueError(f"--out {str(out)!r} was made with {first}={ours.get(first)!r}, not "
+                         f"{theirs.get(first)!r} (differing: {', '.join(diff)}); use another folder")
+    return (out / COMPLETE).is_file()
 
 
 def _ours(name: str) -> bool:
-    """What a starting preprocess may have left in its folder before ``metadata.json`` (another rank at work)."""
-    return name in (PARTS, DONE) or name.startswith(".metadata.json.")
+    """What preprocess itself writes in its folder (another rank of the launch may be at work)."""
+    return name in (PARTS, DONE, "metadata.json", "skipped.json", COMPLETE) or name.startswith(".metadata.json.")
 
 
 def part_name(number: int) -> str:
