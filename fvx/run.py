@@ -109,19 +109,7 @@ def overrides_of(args: argparse.Namespace) -> list[str]:
 
 def resolve_config(args: argparse.Namespace) -> fconfig.Config:
     """The experiment's config with the overrides, then ``--out`` and ``--steps``, applied and validated."""
-    return experiment_config(args.experiment, overrides_of(args))
-
-
-def experiment_config(experiment_file: str, overrides: list[str]) -> fconfig.Config:
-    """An experiment file's config with dotted overrides applied (the training command's and the sub-commands')."""
-    for item in overrides:
-        if "=" not in item:
-            raise fconfig.ConfigError(f"argument {item!r} is not an override of the form dotted.field=value")
-    config = fconfig.load_experiment(experiment_file)
-    if not isinstance(config, experiment.Experiment):
-        raise fconfig.ConfigError(f"experiment file {experiment_file!r}: `config` is a {type(config).__qualname__}, "
-                                  "expected a subclass of fvx.training.experiment.Experiment")
-    return fconfig.apply_overrides(config, overrides)
+    return experiment.load_config(args.experiment, overrides_of(args))
 
 
 def print_fields(config: fconfig.Config, experiment_file: str) -> None:
@@ -378,8 +366,8 @@ def preprocess_main(argv: Sequence[str]) -> int:
     args = parser.parse_intermixed_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     try:
-        config = experiment_config(args.experiment, args.overrides)
-        done = preprocessing.run_preprocess(config, args.videos, args.out, progress=sys.stderr.isatty())
+        config = experiment.load_config(args.experiment, args.overrides)
+        done = preprocessing.run_preprocess(config, args.videos, args.out, progress=True)
     except BAD_INPUT as error:
         return _error(error, rank)
     data = pathlib.Path(args.out) / "combined_parquet_dataset"
@@ -411,7 +399,7 @@ def encode_prompts_main(argv: Sequence[str]) -> int:
     parser.add_argument("--out", required=True, help="the cond file to write (.safetensors)")
     args = parser.parse_intermixed_args(argv)
     try:
-        config = experiment_config(args.experiment, args.overrides)
+        config = experiment.load_config(args.experiment, args.overrides)
         count, path = preprocessing.run_encode_prompts(config, args.prompts, args.out)
     except BAD_INPUT as error:
         return _error(error)

@@ -46,14 +46,13 @@ import msgspec
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
-from tqdm import tqdm
 
 from fvx import config as fconfig
 from fvx.core import flow, random, role
 from fvx.data import batching, datasets, parquet
 from fvx.storage import files
-from fvx.training import validation
-from fvx.training.experiment import build_models, Experiment, run_keys
+from fvx.training import progress, validation
+from fvx.training.experiment import build_models, load_config, run_keys
 from fvx_models.model import check_shared_data, Model, Params
 
 FORMAT = 1
@@ -443,15 +442,11 @@ def build(config: Any, *, batch: int | None = None, rank: int = 0, world: int = 
     return Build(written, found, len(dataset), complete)
 
 
-def _progress(samples: int, show: bool) -> tqdm:
-    """The build's progress in samples (moving with every ODE step), their rate and what is left, when ``show``: a bar
-    on a terminal, a line about every 30 s in a log."""
-    shown = dict(total=samples, desc="teacher ODE", unit="sample",
-                 bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total} samples [{elapsed}<{remaining}, "
-                            "{rate_fmt}]")  # whole samples done, though the bar moves with each ODE step
-    if not show or sys.stderr.isatty():
-        return tqdm(**shown, dynamic_ncols=True, disable=not show)
-    return tqdm(**shown, mininterval=30, ncols=100, ascii=True, file=sys.stdout)
+def _progress(samples: int, show: bool) -> Any:
+    """The build's progress in samples (moving with every ODE step), their rate and what is left, when ``show``."""
+    return progress.bar(samples, desc="teacher ODE", unit="sample", show=show,
+                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total} samples [{elapsed}<{remaining}, "
+                                   "{rate_fmt}]")  # whole samples done, though the bar moves with each ODE step
 
 
 # ------------------------------------------------------------------------------------------------- the command line
@@ -475,25 +470,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)
 
 
-def resolve(experiment: str, overrides: Sequence[str]) -> Any:
-    """The experiment's config with the overrides applied, or a ConfigError naming the culprit."""
-    for item in overrides:
-        if "=" not in item:
-            raise fconfig.ConfigError(f"argument {item!r} is not an override of the form dotted.field=value")
-    config = fconfig.load_experiment(experiment)
-    if not isinstance(config, Experiment):
-        raise fconfig.ConfigError(f"experiment file {experiment!r}: `config` is a {type(config).__qualname__}, "
-                                  "expected a subclass of fvx.training.experiment.Experiment")
-    return fconfig.apply_overrides(config, overrides)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit status: 0 built (or already complete); 2 bad input (one line on stderr, nothing written)."""
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     began = time.perf_counter()
     try:
-        config = resolve(args.experiment, args.overrides)
+        config = load_config(args.experiment, args.overrides)
         for line in fconfig.repeated(args.overrides) if rank == 0 else ():
             print(f"note: {line}", file=sys.stderr)
         done = build(config, batch=args.batch, rank=rank, world=world, progress=True)

@@ -180,7 +180,7 @@ class Opened:
         """Each prompt's second text stream ``[L2, D2]`` fp32 on the CPU; None when the family has one stream."""
         if self.encoders.encode_text_2 is None:
             return None
-        self._use(self.encoders.text_2 + tuple(n for n in self.encoders.text if n not in self.encoders.text_2))
+        self._use(self.encoders.text_2)
         return [t.float().cpu() for t in self.encoders.encode_text_2(self.pipe, list(prompts))]
 
     @torch.no_grad()

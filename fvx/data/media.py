@@ -1,8 +1,9 @@
 """Reading media for preprocessing: video frames (PyAV), images, audio tracks; frame sampling, resizing and cropping.
 
-A clip leaves here as ``[3, T, H, W]`` float32 in [-1, 1] (``uint8 / 127.5 - 1``, as FastVideo's preprocessing makes
+A clip leaves here as ``[3, T, H, W]`` float32 in [-1, 1] (``2 uint8 / 255 - 1``, as FastVideo's preprocessing makes
 pixel values). Which frames, and how they are resized and cropped, follow FastVideo's preprocessing (docs/design.md
-section 4, "Preprocessing"); every function but the decoders is pure and tested against hand-computed indices.
+section 2, "Preprocessing"); every function but the decoders and the writer is pure and tested against hand-computed
+indices.
 """
 from __future__ import annotations
 

@@ -26,12 +26,11 @@ import dataclasses
 import json
 import math
 import pathlib
-import sys
-import time
 from typing import Annotated, Any, Callable, Protocol, Sequence
 
 import msgspec
 import torch
+from tqdm import tqdm
 
 from fvx.config import Config
 from fvx.data import media, parquet
@@ -268,15 +267,17 @@ def part_name(number: int) -> str:
 
 
 def run(job: Job, encoder_factory: Callable[[], Encoder], inputs: Sequence[Input], out: pathlib.Path, *,
-        rank: int = 0, world: int = 1, log: Callable[[str], None] = print, progress: bool = False) -> dict[str, Any]:
-    """Encode this rank's parts of ``inputs`` into ``out`` (the module docstring); the last rank to finish completes
-    the folder. Returns {"rows", "skipped", "complete"}; the encoder is made only when a part is left to do."""
+        rank: int = 0, world: int = 1, log: Callable[[str], None] = print,
+        bar: Callable[[int], Any] = lambda total: tqdm(total=total, disable=True)) -> dict[str, Any]:
+    """Encode this rank's parts of ``inputs`` into ``out`` (the module docstring), counting clips on ``bar(total)``
+    (a tqdm); the last rank to finish completes the folder. Returns {"rows", "skipped", "complete"}; the encoder is
+    made only when a part is left to do."""
     per_file = job.config.samples_per_file
     parts = math.ceil(len(inputs) / per_file)
     mine = [n for n in range(rank, parts, world) if not (out / DONE / f"{part_name(n)}.json").is_file()]
     (out / PARTS).mkdir(parents=True, exist_ok=True)
     (out / DONE).mkdir(exist_ok=True)
-    meter = Progress(sum(len(inputs[n * per_file:(n + 1) * per_file]) for n in mine), log, progress)
+    meter = bar(sum(len(inputs[n * per_file:(n + 1) * per_file]) for n in mine))
     encoder = encoder_factory() if mine else None
     for n in mine:
         items = inputs[n * per_file:(n + 1) * per_file]
@@ -287,7 +288,7 @@ def run(job: Job, encoder_factory: Callable[[], Encoder], inputs: Sequence[Input
             parquet.write_parquet(out / PARTS / f"{part_name(n)}.parquet", rows, kind=job.kind,
                                   rows_per_group=per_file)
         files.write_json(out / DONE / f"{part_name(n)}.json", {"rows": len(rows), "skipped": skipped})
-        meter.advance(len(items))
+        meter.update(len(items))
     meter.close()
     return finish(job, out, parts)
 
@@ -310,29 +311,3 @@ def summary(out: pathlib.Path) -> dict[str, Any]:
     """A complete folder's rows and skipped inputs."""
     return {"rows": json.loads((out / COMPLETE).read_text())["rows"],
             "skipped": json.loads((out / "skipped.json").read_text()), "complete": True}
-
-
-class Progress:
-    """Clips done, clips/s and time left: a bar on a terminal, else a line every 30 s."""
-
-    def __init__(self, total: int, log: Callable[[str], None], bar: bool, every_s: float = 30.0):
-        self.total, self.done, self.log, self.bar, self.every_s = total, 0, log, bar, every_s
-        self.start = self.last = time.monotonic()
-
-    def advance(self, count: int) -> None:
-        self.done += count
-        now = time.monotonic()
-        if self.bar or now - self.last >= self.every_s or self.done == self.total:
-            self.last = now
-            rate = self.done / max(now - self.start, 1e-9)
-            left = (self.total - self.done) / rate if rate else float("inf")
-            line = f"preprocess: {self.done}/{self.total} clips, {rate:.2f} clips/s, {left:.0f} s left"
-            if self.bar:
-                sys.stderr.write("\r" + line)
-                sys.stderr.flush()
-            else:
-                self.log(line)
-
-    def close(self) -> None:
-        if self.bar and self.total:
-            sys.stderr.write("\n")

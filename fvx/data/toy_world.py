@@ -400,8 +400,6 @@ class WorldEncoders:
     parquet it writes holds what the built-in dataset makes."""
 
 
-    MODEL = "the toy world"
-
     def __init__(self, config: WorldConfig):
         self.config = config
         text_key = random.key(config.seed)
@@ -410,7 +408,7 @@ class WorldEncoders:
                       for p, (c, d) in enumerate(config.prompts)}
 
     def identity(self) -> dict[str, Any]:
-        return {"model": self.MODEL, "world": msgspec.to_builtins(self.config)}
+        return {"model": "the toy world", "world": msgspec.to_builtins(self.config)}
 
     def encode_text(self, prompts: list[str]) -> list[torch.Tensor]:
         unknown = [p for p in prompts if p not in self.texts]

@@ -21,11 +21,12 @@ from __future__ import annotations
 import contextlib
 import math
 import pathlib
-from typing import Annotated, Any, Callable, Literal, Mapping, NamedTuple
+from typing import Annotated, Any, Callable, Literal, Mapping, NamedTuple, Sequence
 
 import msgspec
 import torch
 
+from fvx import config as fconfig
 from fvx.config import Config, ConfigError
 from fvx.core import random, role
 from fvx.core.state import Program, TrainState
@@ -105,6 +106,19 @@ class Prepared(NamedTuple):
     validator: validation.Validator | None = None  # the run's fixed validation prompts and noise (None: off)
     resumed_from: pathlib.Path | None = None  # the checkpoint folder the state came from
     config_changes: tuple[str, ...] = ()  # "field: checkpoint value -> this run's value", where they differ
+
+
+def load_config(experiment_file: str, overrides: Sequence[str]) -> Experiment:
+    """An experiment file's config (``FILE.py`` or ``FILE.py:recipe``) with dotted overrides applied; a ConfigError
+    naming the culprit (an argument that is no override, a ``config`` that is no :class:`Experiment`)."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"argument {item!r} is not an override of the form dotted.field=value")
+    config = fconfig.load_experiment(experiment_file)
+    if not isinstance(config, Experiment):
+        raise ConfigError(f"experiment file {experiment_file!r}: `config` is a {type(config).__qualname__}, "
+                          "expected a subclass of fvx.training.experiment.Experiment")
+    return fconfig.apply_overrides(config, list(overrides))
 
 
 def run_keys(seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ import fvx
 from fvx.core import random
 from fvx.data import batching, media, preprocess
 from fvx.data.toy_world import WorldEncoders
+from fvx.training import progress as fprogress
 
 
 def model_role(config: Any) -> tuple[str, Any]:
@@ -84,7 +85,7 @@ def job_of(config: Any) -> tuple[preprocess.Job, Callable[[], Any]]:
         identity = {**identity, "kind": data.kind, "samples_per_file": cut.samples_per_file}
         return preprocess.Job(identity, data.kind, cut, 1, 1), factory
     identity, factory, (frame_base, frame_step), multiple = encoder_source(config, parts_of(data.kind))
-    world = data.world if identity.get("model") == WorldEncoders.MODEL else None
+    world = data.world if model_role(config)[1].path is None else None  # the toy world's encoders (encoder_source)
     if world is not None and (cut.num_frames, cut.train_fps, cut.max_height, cut.max_width) != (
             world.frames, world.fps, world.size, world.size):
         raise ValueError(f"the toy world's clips are {world.frames} frames of {world.size}x{world.size} at "
@@ -118,7 +119,8 @@ def run_preprocess(config: Any, videos: str, out: str, *, progress: bool) -> dic
                                              "fvx_version": fvx.__version__})
     if preprocess.check_folder(folder, job.identity):
         return {"already": True, **preprocess.summary(folder)}
-    return preprocess.run(job, factory, inputs, folder, rank=rank, world=world, progress=progress)
+    return preprocess.run(job, factory, inputs, folder, rank=rank, world=world,
+                          bar=lambda total: fprogress.bar(total, desc="preprocess", unit="clip", show=progress))
 
 
 def run_encode_prompts(config: Any, prompts_file: str, out: str) -> tuple[int, pathlib.Path]:

@@ -223,10 +223,11 @@ def test_every_experiment_trains_two_steps_and_validates(tmp_path, experiment, w
     teacher = [f"models.{name}.path={world_teacher}" for name, model in config.models.items()  # README runs' exports
                if str(getattr(model, "path", None) or "").startswith("runs/")]
     if experiment.startswith("kd_"):  # KD trains on its teacher's trajectory cache: build a tiny one first
+        from fvx.training.experiment import load_config
         from fvx_methods import trajectory_cache
 
         teacher = [*teacher, f"method.cache={tmp_path / 'cache'}", "data.world.num_samples=4", "method.teacher_steps=2"]
-        trajectory_cache.build(trajectory_cache.resolve(str(EXPERIMENTS / experiment), teacher), batch=4)
+        trajectory_cache.build(load_config(str(EXPERIMENTS / experiment), teacher), batch=4)
     if experiment == "diffusion_nft.py":  # groups of 2 in the batch of 2, one sampling batch a step
         teacher = [*teacher, "method.num_video_per_prompt=2", "method.num_batches_per_epoch=1"]
     if experiment == "finetune_minimax_h3.py":  # one sample per forward: the batch of 2 in 2 micro-batches

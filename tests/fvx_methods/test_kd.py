@@ -187,7 +187,7 @@ def tiny(teacher, cache, *extra):
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory, world_teacher):
     folder = tmp_path_factory.mktemp("kd") / "cache"
-    assert tc.build(tc.resolve(EXPERIMENT, tiny(world_teacher, folder)), batch=4).complete
+    assert tc.build(experiment.load_config(EXPERIMENT, tiny(world_teacher, folder)), batch=4).complete
     return folder
 
 

@@ -33,7 +33,7 @@ def tiny(teacher, *extra):
 
 
 def build(folder, teacher, *extra, batch=2, **kwargs):
-    config = tc.resolve(EXPERIMENT, tiny(teacher, f"method.cache={folder}", *extra))
+    config = experiment.load_config(EXPERIMENT, tiny(teacher, f"method.cache={folder}", *extra))
     return tc.build(config, batch=batch, **kwargs)
 
 
@@ -69,7 +69,7 @@ def teacher_of(config):
 
 
 def test_the_states_sit_exactly_at_the_t_list_times_of_the_teachers_euler_ode(tmp_path, world_teacher, reference):
-    config = tc.resolve(EXPERIMENT, tiny(world_teacher, f"method.cache={tmp_path}"))
+    config = experiment.load_config(EXPERIMENT, tiny(world_teacher, f"method.cache={tmp_path}"))
     levels, positions = tc.ode_levels(tc.trajectory_of(config))
     torch.testing.assert_close(levels, torch.tensor(hand_levels(3, SHIFT, [999, 624])), rtol=1e-6, atol=0)
     assert [levels[p].item() for p in positions] == (torch.tensor([999, 624]) / torch.tensor(1000.0)).tolist()
@@ -101,7 +101,7 @@ def test_guidance_is_applied_with_the_unconditional_cond(tmp_path, world_teacher
              "method.cfg_uncond=zero", "data.world.num_samples=2"]
     folder = tmp_path / "guided"
     build(folder, world_teacher, *extra)
-    config = tc.resolve(EXPERIMENT, tiny(world_teacher, f"method.cache={folder}", *extra))
+    config = experiment.load_config(EXPERIMENT, tiny(world_teacher, f"method.cache={folder}", *extra))
     model, params = teacher_of(config)
     batch = model.batch({**data.open_dataset(config.data, experiment.run_keys(0)[1]).read([1]),
                          "sample_index": torch.tensor([1])})
