@@ -36,7 +36,8 @@ from fvx.core import random
 from fvx.data.batching import Dataset, collate as collate_samples
 from fvx.data.parquet import Kind, ParquetDataset, check_indices, check_kind, find_parquet_files
 from fvx.data.preprocess import PreprocessConfig
-from fvx.data.toy_world import JudgedByWorld, WorldConfig, WorldDataset, first_frame_only
+from fvx.data.toy_world import WorldConfig, WorldDataset, first_frame_only
+from fvx.data.toy_world_files import JudgedByWorld
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 

@@ -361,98 +361,7 @@ def _quality(videos: torch.Tensor, prompts: torch.Tensor, refs: torch.Tensor) ->
             "prompt_match": float((nearest_prompt == prompts).float().mean())}
 
 
-# ------------------------------------------------------------------------------------------- the world as media files
-
-
-class JudgedByWorld:
-    """A dataset (FastVideo parquet that ``preprocess`` made from :func:`write_videos`' files) whose validation
-    samples the world scores: ``sample_quality`` finds each sample's prompt from its caption, so a run on the files
-    logs the figures a run on the built-in world logs."""
-
-    def __init__(self, dataset: Any, world: WorldDataset):
-        self.dataset, self.world = dataset, world
-        self._prompt_of = {caption(world.config, c, d): p for p, (c, d) in enumerate(world.prompts)}
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def read(self, indices: Sequence[int]) -> dict[str, Any]:
-        return self.dataset.read(indices)
-
-    def where(self, index: int) -> str:
-        return self.dataset.where(index)
-
-    def shape_groups(self) -> list[list[int]] | None:
-        return self.dataset.shape_groups()
-
-    def sample_quality(self, videos: torch.Tensor, indices: Sequence[int]) -> dict[str, float]:
-        captions = self.dataset.read(indices).get("caption") or []
-        unknown = [c for c in captions if c not in self._prompt_of]
-        if unknown or len(captions) != len(indices):
-            raise ValueError(f"validation: the data's caption {unknown[0] if unknown else None!r} is none of the toy "
-                             "world's prompts, so the world cannot score its samples (data.world=null turns it off)")
-        return self.world.prompt_quality(videos, [self._prompt_of[c] for c in captions])
-
-
-class WorldEncoders:
-    """The world's "text encoder" (a prompt's caption -> its fixed embedding ``[text_len, text_dim]``) and its exact
-    codec: what ``preprocess`` encodes the clips of :func:`write_videos` with (``fvx.data.preprocess.Encoder``), so the
-    parquet it writes holds what the built-in dataset makes."""
-
-
-    def __init__(self, config: WorldConfig):
-        self.config = config
-        text_key = random.key(config.seed)
-        self.texts = {caption(config, c, d): random.normal(random.fold_in(text_key, p),
-                                                           (config.text_len, config.text_dim))
-                      for p, (c, d) in enumerate(config.prompts)}
-
-    def identity(self) -> dict[str, Any]:
-        return {"model": "the toy world", "world": msgspec.to_builtins(self.config)}
-
-    def encode_text(self, prompts: list[str]) -> list[torch.Tensor]:
-        unknown = [p for p in prompts if p not in self.texts]
-        if unknown:
-            known = ", ".join(map(repr, self.texts))
-            raise ValueError(f"the toy world's text encoder knows only its prompts ({known}), not {unknown[0]!r}")
-        return [self.texts[p].clone() for p in prompts]
-
-    def encode_text_2(self, prompts: list[str]) -> None:
-        return None
-
-    def encode_video(self, video: torch.Tensor) -> torch.Tensor:
-        return space_to_depth(video.float(), self.config.factor)
-
-    def encode_first_frame(self, video: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(first_frame_only(space_to_depth(video.float().numpy(), self.config.factor)))
-
-    def encode_image(self, frame: torch.Tensor) -> None:
-        return None
-
-    def encode_audio(self, waveform: torch.Tensor, rate: int) -> torch.Tensor:
-        raise ValueError("the toy world's media files carry no sound (its t2va data is built in)")
-
-
-def write_videos(config: WorldConfig, folder: str, seed: int = 0) -> list[str]:
-    """Write the world's ``num_samples`` clips as lossless mp4 files (RGB H.264, ``fps``) with caption files
-    (``world_NNNNN.mp4`` + ``.txt``), the layout ``preprocess --videos`` reads; returns the videos' names. Clip ``i``
-    is :meth:`WorldDataset.clip` ``(i)`` of the world drawn from ``key(seed)``."""
-    import pathlib
-
-    from fvx.data import media
-
-    out = pathlib.Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    world = WorldDataset(config, random.key(seed), kind="t2v", collate=lambda samples, indices: {})
-    names = []
-    for index in range(config.num_samples):
-        colour, direction = world.prompts[index % len(world.prompts)]
-        pixels = ((world.clip(index) + 1) * 127.5).round().clip(0, 255).astype(np.uint8)  # [3, T, H, W]
-        name = f"world_{index:05d}"
-        media.write_video(out / f"{name}.mp4", pixels.transpose(1, 2, 3, 0), config.fps)
-        (out / f"{name}.txt").write_text(caption(config, colour, direction) + "\n")
-        names.append(f"{name}.mp4")
-    return names
+# ------------------------------------------------------------------------------------------- the command line
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -471,6 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.samples <= 0:
         print(f"error: --samples must be positive, got {args.samples}", file=sys.stderr)
         return 2
+    from fvx.data.toy_world_files import write_videos
+
     names = write_videos(WorldConfig(num_samples=args.samples), args.dir, seed=args.seed)
     print(f"wrote {len(names)} clips ({names[0]} ... {names[-1]}) with their captions to {args.dir}")
     return 0

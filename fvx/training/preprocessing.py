@@ -4,7 +4,7 @@ file), both with the model the experiment trains.
 The model is the experiment's student role (or its only model): its config's ``encoders`` record
 (``fvx_models.encoders``) opened on ``path``, its diffusers folder, in its ``compute_dtype``. An experiment whose model
 has no folder and whose data is the toy world (``data.world``) encodes with the world's own "text encoder" and exact
-codec (``fvx.data.toy_world.WorldEncoders``), so the whole path runs on a CPU.
+codec (``fvx.data.toy_world_files.WorldEncoders``), so the whole path runs on a CPU.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 import fvx
 from fvx.core import random
 from fvx.data import batching, media, preprocess
-from fvx.data.toy_world import WorldEncoders
+from fvx.data.toy_world_files import WorldEncoders
 from fvx.training import progress as fprogress
 
 

@@ -14,7 +14,8 @@ import torch
 from fvx import config as fconfig, run
 from fvx.core import random
 from fvx.data import datasets, parquet, preprocess
-from fvx.data.toy_world import WorldConfig, WorldDataset, caption, space_to_depth, write_videos
+from fvx.data.toy_world import WorldConfig, WorldDataset, caption, space_to_depth
+from fvx.data.toy_world_files import write_videos
 from fvx.training import preprocessing
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
