@@ -298,8 +298,9 @@ def test_two_process_fine_tuning_of_every_family_equals_one_process_on_half_the_
     results, _ = run2
     losses, local_bytes, whole = results["families"][name]
     want, _, _ = worker.family_run(name)
-    for got, expected in zip(losses, want):
-        assert math.isclose(got, expected, rel_tol=REL), (name, losses, want)
+    # the first loss is before any update (REL); later ones follow AdamW steps, which grow the rounding (ADAM_REL)
+    for step, (got, expected) in enumerate(zip(losses, want)):
+        assert math.isclose(got, expected, rel_tol=REL if step == 0 else ADAM_REL), (name, losses, want)
     assert abs(2 * local_bytes - whole) <= 0.01 * whole, (local_bytes, whole)  # half, up to padding and the counts
 
 
