@@ -7,13 +7,15 @@
     python -m fvx.run export RUN_DIR --out FOLDER [--step N] [--role ROLE] [--ema] [--lora] [--format F] [--dtype D]
     python -m fvx.run preprocess EXPERIMENT.py[:recipe] --videos DIR --out DATASET [a.b=value ...]
     python -m fvx.run encode-prompts EXPERIMENT.py[:recipe] PROMPTS.txt --out FILE.safetensors [a.b=value ...]
+    python -m fvx.run sample RUN_DIR|EXPORT (--prompt TEXT ... | --prompts FILE) [--out DIR] [options]
 
 ``--help`` after an experiment lists its config fields with their current values. ``--resume`` continues the run in
 ``--out`` from its newest checkpoint, from checkpoint STEP there, or from a checkpoint at PATH (a checkpoint folder,
 or a checkpoints or run folder: its newest). ``replay`` recomputes step N of a run and compares its metrics with the
 logged ones (fvx.training.replay). ``export`` writes a trained role as a diffusers folder (fvx.training.export).
 ``preprocess`` encodes videos and captions into FastVideo's parquet, ``encode-prompts`` text into a cond file, with the
-experiment's model's encoders (fvx.training.preprocessing).
+experiment's model's encoders (fvx.training.preprocessing). ``sample`` makes videos from prompts with a run's trained
+role or an export, with the sampler the run validates it with (fvx.training.sampling).
 
 ``--dry-run`` prints, per rank, each role's params, gradients, AdamW state and EMA bytes, the activations of one
 differentiated forward and the gathered params, for ``--world`` ranks (default: this launch's) at a ``--video`` of
@@ -50,7 +52,7 @@ from fvx.data import parquet
 from fvx.distributed import processes, sequence_parallel
 from fvx.storage import checkpoint
 from fvx.training import (callbacks as fcallbacks, dry_run, experiment, export, loop, preprocessing, replay, resume,
-                          run_folder)
+                          run_folder, sampling)
 from fvx.training import config_checks, run_lock, tracking
 from fvx.training.interrupts import Interrupted
 
@@ -62,7 +64,8 @@ USAGE = ("python -m fvx.run EXPERIMENT.py [a.b.c=value ...] [--out DIR] [--steps
          "                                [--dtype D]\n"
          "       python -m fvx.run preprocess EXPERIMENT.py[:recipe] --videos DIR --out DATASET [a.b.c=value ...]\n"
          "       python -m fvx.run encode-prompts EXPERIMENT.py[:recipe] PROMPTS.txt --out FILE.safetensors "
-         "[a.b.c=value ...]")
+         "[a.b.c=value ...]\n"
+         "       python -m fvx.run sample RUN_DIR|EXPORT (--prompt TEXT ... | --prompts FILE) [--out DIR] [options]")
 BAD_INPUT = (fconfig.ConfigError, ValueError, FileNotFoundError)
 AUTO = "auto"  # --resume auto
 
@@ -407,8 +410,74 @@ def encode_prompts_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def sample_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fvx.run sample", description=(
+        "Make videos from prompts with a trained model: a run folder's role (its newest checkpoint, or --step) or an "
+        "exported folder, sampled as the run validates it (a fine-tuned model's guided many-step ODE, a DMD2 "
+        "student's few steps, a flow map's jumps, a causal student streamed block by block for any --frames). "
+        "Writes <prompt>_<seed>.mp4 per video (and .gif with --gif) and samples.json, which records how to make each "
+        "again. Under torchrun each rank makes its share of the videos into one folder."))
+    parser.add_argument("source", help="a run folder, or a folder `export` wrote")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides of the run's config, e.g. "
+                                                     "models.student.local_attn_size=6 (a streaming model's window)")
+    parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
+    parser.add_argument("--prompts", help="a text file, one prompt a line")
+    parser.add_argument("--out", help="the folder to write (default: samples/<source>_step<N>)")
+    parser.add_argument("--step", type=int, help="a run folder's checkpoint (default: the newest)")
+    parser.add_argument("--role", help="a run folder's trained role (default: its only one, or the student)")
+    parser.add_argument("--ema", action="store_true", help="sample the role's EMA params")
+    parser.add_argument("--base", help="a diffusers pipeline folder of the base model whose text encoder and VAE to "
+                                       "use (default: the model's own folder)")
+    parser.add_argument("--seed", type=int, default=0, help="video i gets seed SEED + i (default 0)")
+    parser.add_argument("--num-per-prompt", type=int, default=1, help="videos per prompt (default 1)")
+    parser.add_argument("--batch-size", type=int, default=1, help="videos sampled together (default 1)")
+    parser.add_argument("--frames", type=int, help="frames per video (default: the run's validation clips)")
+    parser.add_argument("--height", type=int, help="height in pixels (default: the run's)")
+    parser.add_argument("--width", type=int, help="width in pixels (default: the run's)")
+    parser.add_argument("--steps", type=int, help="many-step samplers: the number of steps (default: the run's "
+                                                   "validation.num_steps)")
+    parser.add_argument("--guidance", type=float, help="classifier-free guidance scale of guided samplers (default: "
+                                                       "the run's validation.guidance_scale)")
+    parser.add_argument("--shift", type=float, help="the schedule's shift (default: validation.flow_shift)")
+    parser.add_argument("--schedule", choices=sampling.SCHEDULES, help="many-step levels: fvx (FastVideo's evenly "
+                        "spaced, shifted) or diffusers (FlowMatchEulerDiscreteScheduler's, as its pipelines sample)")
+    parser.add_argument("--negative-prompt", help="the unconditional prompt of guided sampling (default: the run's "
+                                                  "validation.cfg_uncond)")
+    parser.add_argument("--jumps", type=int, help="a flow-map student: the number of jumps")
+    parser.add_argument("--image", help="image-to-video: the first frame")
+    parser.add_argument("--gif", action="store_true", help="also write a GIF of each video")
+    parser.add_argument("--scale", type=int, default=1, help="enlarge the written videos N times (nearest)")
+    parser.add_argument("--fps", type=float, help="frames per second of the files (default: validation.fps)")
+    args = parser.parse_intermixed_args(argv)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        if args.prompt and args.prompts:
+            raise ValueError("give --prompt or --prompts, not both")
+        prompts = tuple(args.prompt) if args.prompt else (
+            sampling.read_prompts_file(args.prompts) if args.prompts else ())
+        if any(not prompt.strip() for prompt in prompts):
+            raise ValueError("--prompt is empty")
+        request = sampling.Request(
+            args.source, prompts, tuple(args.overrides), out=args.out, step=args.step, role=args.role, ema=args.ema, base=args.base,
+            seed=args.seed, num_per_prompt=args.num_per_prompt, batch_size=args.batch_size, frames=args.frames,
+            height=args.height, width=args.width, steps=args.steps, guidance=args.guidance, shift=args.shift,
+            schedule=args.schedule, negative_prompt=args.negative_prompt, jumps=args.jumps, image=args.image,
+            gif=args.gif, scale=args.scale, fps=args.fps)
+        done = sampling.run_sample(request, rank=rank, world=world, progress=sys.stderr.isatty())
+    except BAD_INPUT as error:
+        return _error(error, rank)
+    for video in done["videos"]:
+        score = video.get("world_score")
+        print(f"{video['files'][0]}: {video['prompt']!r}, seed {video['seed']}"
+              + ("" if score is None else ", the toy world's score: "
+                 + ", ".join(f"{name} {value:.3g}" for name, value in score.items())))
+    print(f"{len(done['videos'])} video{'s' if len(done['videos']) != 1 else ''} from {done['where']} "
+          f"({done['sampler']}) in {done['folder']}; how each was made: {done['folder'] / sampling.SAMPLES}")
+    return 0
+
+
 COMMANDS = {"replay": replay_main, "export": export_main, "preprocess": preprocess_main,
-            "encode-prompts": encode_prompts_main}
+            "encode-prompts": encode_prompts_main, "sample": sample_main}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

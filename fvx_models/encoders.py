@@ -22,7 +22,7 @@ import torch
 
 from fvx_models import diffusers_folder as dfolder
 
-Part = str  # "text", "video", "first_frame", "image", "audio": what an opened record can encode
+Part = str  # "text", "video", "first_frame", "image", "audio", "decode": what an opened record can encode (decode)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -43,6 +43,9 @@ class Encoders:
     video            the components video encoding needs
     encode_video(pipe, video) -> latents   video ``[B, 3, T, H, W]`` in [-1, 1] -> ``[B, C, t, h, w]`` VAE latents,
                      the posterior's mean (no draw), in the VAE's own scale
+    decode_video(pipe, latents) -> video   VAE latents ``[B, C, t, h, w]`` in its own scale (a model's
+                     ``denormalize`` undoes the DiT's scaling) -> video ``[B, 3, T, H, W]`` in [-1, 1] (default: the
+                     pipeline's ``vae.decode(latents).sample``)
     frame_step       clips hold ``frame_base + frame_step * k`` frames (the VAE's temporal compression; 1: any
                      count); ``frame_base`` 1 but for a family whose clips start otherwise (MiniMax-H3's 17 n + 5)
     pixel_multiple   heights and widths are multiples of this (the VAE's spatial compression times the DiT's patch)
@@ -71,6 +74,7 @@ class Encoders:
     encode_text_2: Callable[[Any, list[str]], list[torch.Tensor]] | None = None
     video: tuple[str, ...] = ("vae",)
     encode_video: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+    decode_video: Callable[[Any, torch.Tensor], torch.Tensor] = lambda pipe, latents: pipe.vae.decode(latents).sample
     frame_step: int = 4
     frame_base: int = 1
     pixel_multiple: int = 16
@@ -90,7 +94,7 @@ class Encoders:
         needed: list[str] = []
         for part in parts:
             for name in {"text": self.text + self.text_2, "video": self.video, "first_frame": self.video,
-                         "image": self.image, "audio": self.audio}[part]:
+                         "image": self.image, "audio": self.audio, "decode": self.video}[part]:
                 if name not in needed:
                     needed.append(name)
         return tuple(needed)
@@ -190,6 +194,13 @@ class Opened:
         vae = self.pipe.vae
         x = video[None].to(self.device, vae.dtype)
         return self.encoders.encode_video(self.pipe, x)[0].float().cpu()
+
+    @torch.no_grad()
+    def decode_video(self, latents: torch.Tensor) -> torch.Tensor:
+        """Videos ``[B, 3, T, H, W]`` fp32 in [0, 1] on the CPU of VAE latents ``[B, C, t, h, w]`` in its own scale."""
+        self._use(self.encoders.video)
+        x = latents.to(self.device, self.pipe.vae.dtype)
+        return (self.encoders.decode_video(self.pipe, x).float().cpu() / 2 + 0.5).clamp(0, 1)
 
     @torch.no_grad()
     def encode_first_frame(self, video: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Reading media for preprocessing: video frames (PyAV), images, audio tracks; frame sampling, resizing and cropping.
+"""Media files: reading them for preprocessing (video frames with PyAV, images, audio tracks; frame sampling, resizing
+and cropping) and writing videos (lossless mp4 for data, playable mp4 with sound and GIF for people).
 
 A clip leaves here as ``[3, T, H, W]`` float32 in [-1, 1] (``2 uint8 / 255 - 1``, as FastVideo's preprocessing makes
 pixel values). Which frames, and how they are resized and cropped, follow FastVideo's preprocessing (docs/design.md
@@ -8,6 +9,8 @@ indices.
 from __future__ import annotations
 
 import contextlib
+import fractions
+import io
 import math
 import pathlib
 from typing import Any, Iterator, Sequence
@@ -96,6 +99,46 @@ def write_video(path: pathlib.Path, frames: np.ndarray, fps: int) -> None:
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
         container.mux(stream.encode(None))
+
+
+def write_mp4(path: pathlib.Path, frames: np.ndarray, fps: float, audio: np.ndarray | None = None,
+              sample_rate: int | None = None) -> None:
+    """uint8 frames ``[T, H, W, 3]`` as an mp4 every player shows: H.264 in yuv420p (``crf`` 17, odd sizes padded by
+    a repeated edge), with ``audio`` ``[C, S]`` float in [-1, 1] at ``sample_rate`` as an AAC track when given."""
+    import av
+
+    height, width = frames.shape[1:3]
+    padded = np.pad(frames, ((0, 0), (0, height % 2), (0, width % 2), (0, 0)), mode="edge")
+    rate = fractions.Fraction(fps).limit_denominator(1001)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=rate, options={"crf": "17", "preset": "medium"})
+        stream.height, stream.width = padded.shape[1:3]
+        stream.pix_fmt = "yuv420p"
+        sound = None
+        if audio is not None:
+            sound = container.add_stream("aac", rate=int(sample_rate))
+            sound.layout = "stereo" if audio.shape[0] == 2 else "mono"
+        for frame in padded:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
+        container.mux(stream.encode(None))
+        if sound is not None:
+            planes = np.ascontiguousarray(np.clip(audio, -1.0, 1.0).astype(np.float32))
+            chunk = av.AudioFrame.from_ndarray(planes, format="fltp", layout=sound.layout.name)
+            chunk.sample_rate = int(sample_rate)
+            container.mux(sound.encode(chunk))
+            container.mux(sound.encode(None))
+
+
+def gif_bytes(frames: np.ndarray, fps: float) -> bytes:
+    """uint8 frames ``[T, H, W, C]`` as a looping animated GIF. GIF delays are whole 1/100 s (16 fps plays at 60 ms a
+    frame), and Pillow merges identical consecutive frames into one longer frame."""
+    from PIL import Image
+
+    images = [Image.fromarray(frame[..., 0] if frame.shape[-1] == 1 else frame) for frame in frames]
+    buffer = io.BytesIO()
+    images[0].save(buffer, format="GIF", save_all=True, append_images=images[1:],
+                   duration=max(1, round(1000.0 / fps)), loop=0)
+    return buffer.getvalue()
 
 
 def read_image(path: pathlib.Path) -> np.ndarray:

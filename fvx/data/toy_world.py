@@ -279,6 +279,16 @@ class WorldDataset:
         holds along the clip. Image-to-video data (kind "i2v") adds :meth:`continuation_mse`."""
         return self.prompt_quality(videos, [int(i) % len(self.prompts) for i in indices], indices)
 
+    def caption_quality(self, videos: torch.Tensor, captions: Sequence[str]) -> dict[str, float]:
+        """:meth:`prompt_quality` of videos made from ``captions``, the world's prompts' captions (a ValueError names
+        one that is none of them)."""
+        ids = {caption(self.config, c, d): p for p, (c, d) in enumerate(self.prompts)}
+        unknown = [c for c in captions if c not in ids]
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is none of the toy world's prompts ({', '.join(map(repr, ids))}), so "
+                             "the world cannot score it")
+        return self.prompt_quality(videos, [ids[c] for c in captions])
+
     def prompt_quality(self, videos: torch.Tensor, prompt_ids: Sequence[int],
                        indices: Sequence[int] | None = None) -> dict[str, float]:
         """:meth:`sample_quality` of samples of the world's prompts ``prompt_ids`` (``indices``: their world samples,

@@ -22,7 +22,6 @@ class JudgedByWorld:
 
     def __init__(self, dataset: Any, world: WorldDataset):
         self.dataset, self.world = dataset, world
-        self._prompt_of = {caption(world.config, c, d): p for p, (c, d) in enumerate(world.prompts)}
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -38,11 +37,16 @@ class JudgedByWorld:
 
     def sample_quality(self, videos: torch.Tensor, indices: Sequence[int]) -> dict[str, float]:
         captions = self.dataset.read(indices).get("caption") or []
-        unknown = [c for c in captions if c not in self._prompt_of]
-        if unknown or len(captions) != len(indices):
-            raise ValueError(f"validation: the data's caption {unknown[0] if unknown else None!r} is none of the toy "
-                             "world's prompts, so the world cannot score its samples (data.world=null turns it off)")
-        return self.world.prompt_quality(videos, [self._prompt_of[c] for c in captions])
+        if len(captions) != len(indices):
+            raise ValueError("validation: the data has no captions, so the toy world cannot score its samples "
+                             "(data.world=null turns it off)")
+        try:
+            return self.world.caption_quality(videos, captions)
+        except ValueError as error:
+            raise ValueError(f"validation: {error} (data.world=null turns it off)") from None
+
+    def caption_quality(self, videos: torch.Tensor, captions: Sequence[str]) -> dict[str, float]:
+        return self.world.caption_quality(videos, captions)
 
 
 class WorldEncoders:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import msgspec
 
@@ -47,6 +47,41 @@ class Exported(NamedTuple):
     sampling: dict | None = None  # how the method samples the role (``method.sampling(role)``), when it says
 
 
+class RoleCheckpoint(NamedTuple):
+    """A trained role in a run's checkpoint: the run's config, the step, the role, its built model, and ``read()``,
+    which loads its trained params (its EMA params when asked)."""
+
+    config: Any
+    step: int
+    role: str
+    model: Any
+    read: Callable[[], Any]
+
+
+def role_checkpoint(run_dir: str | os.PathLike, *, step: int | None = None, role: str | None = None,
+                    ema: bool = False, who: str = "export") -> RoleCheckpoint:
+    """Role ``role`` (default: the run's only trained role, or ``student``) of checkpoint ``step`` (default: the
+    newest) of the run in ``run_dir``; a ValueError (or CheckpointError) naming what is missing, read before any
+    weight is: no checkpoint, no such step or role, no EMA."""
+    run_dir = pathlib.Path(run_dir)
+    config = run_folder.load_run(run_dir)
+    with checkpoint.Checkpoints(run_dir / run_folder.CHECKPOINTS) as checkpoints:
+        steps = checkpoints.steps()
+        if not steps:
+            raise checkpoint.CheckpointError(f"{who}: the run in {str(run_dir)!r} has no checkpoint")
+        step = steps[-1] if step is None else step
+        layout = checkpoints.layout(step)  # a CheckpointError lists the steps when there is no such one
+    role = _choose_role(layout, role, run_dir, who)
+    if ema and _has_no_tensors(layout["roles"][role].get("ema")):
+        raise ValueError(f"{who} --ema: role {role!r} of the run in {str(run_dir)!r} keeps no EMA params")
+
+    def read() -> Any:
+        with checkpoint.Checkpoints(run_dir / run_folder.CHECKPOINTS) as checkpoints:
+            return checkpoints.read(step, ("roles", role, "ema" if ema else "params"))
+
+    return RoleCheckpoint(config, step, role, role_configs(config)[role].build(), read)
+
+
 def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None, role: str | None = None,
            ema: bool = False, base: str | os.PathLike | None = None, adapters: bool = False, form: str | None = None,
            dtype: str | None = None) -> Exported:
@@ -61,20 +96,11 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | No
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"export: {str(out)!r} already exists and is not an empty folder")
     form = form or ("peft" if adapters else "diffusers")
-    config = run_folder.load_run(run_dir)
-    with checkpoint.Checkpoints(run_dir / run_folder.CHECKPOINTS) as checkpoints:
-        steps = checkpoints.steps()
-        if not steps:
-            raise checkpoint.CheckpointError(f"export: the run in {str(run_dir)!r} has no checkpoint")
-        step = steps[-1] if step is None else step
-        layout = checkpoints.layout(step)  # a CheckpointError lists the steps when there is no such one
-        role = _choose_role(layout, role, run_dir)
-        model = role_configs(config)[role].build()
-        _check_request(model, role, adapters, form, dtype, base)
-        base_index = None if base is None else _pipeline_index(pathlib.Path(base))
-        if ema and _has_no_tensors(layout["roles"][role].get("ema")):
-            raise ValueError(f"export --ema: role {role!r} of the run in {str(run_dir)!r} keeps no EMA params")
-        trained = checkpoints.read(step, ("roles", role, "ema" if ema else "params"))
+    saved = role_checkpoint(run_dir, step=step, role=role, ema=ema, who="export")
+    config, step, role, model = saved.config, saved.step, saved.role, saved.model
+    _check_request(model, role, adapters, form, dtype, base)
+    base_index = None if base is None else _pipeline_index(pathlib.Path(base))
+    trained = saved.read()
     sampling_of = getattr(config.method, "sampling", None)
     sampling = None if sampling_of is None else sampling_of(role)
     stem = file_stem(run_dir, ema)
@@ -170,17 +196,17 @@ def _link_base(base: pathlib.Path, base_index: dict, out: pathlib.Path) -> None:
     (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _choose_role(layout: dict, role: str | None, run_dir: pathlib.Path) -> str:
+def _choose_role(layout: dict, role: str | None, run_dir: pathlib.Path, who: str) -> str:
     trained = sorted(layout.get("roles") or {})
     if role is None and "student" in trained:
         return "student"
     if role is None:
         if len(trained) != 1:
-            raise ValueError(f"export: the run in {str(run_dir)!r} trains roles {', '.join(trained)}; choose one with "
+            raise ValueError(f"{who}: the run in {str(run_dir)!r} trains roles {', '.join(trained)}; choose one with "
                              "--role")
         return trained[0]
     if role not in trained:
-        raise ValueError(f"export: the run in {str(run_dir)!r} did not train role {role!r}; trained roles: "
+        raise ValueError(f"{who}: the run in {str(run_dir)!r} did not train role {role!r}; trained roles: "
                          f"{', '.join(trained) or 'none'}")
     return role
 

@@ -34,7 +34,8 @@ def model_role(config: Any) -> tuple[str, Any]:
                      "it lacks")
 
 
-def _device() -> torch.device:
+def device() -> torch.device:
+    """This process's device: its CUDA device (LOCAL_RANK) when there is one, else the CPU."""
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
@@ -43,31 +44,73 @@ def _device() -> torch.device:
 Source = tuple[dict[str, Any], Callable[[], Any], tuple[int, int], int]  # identity, factory, frame rule, multiple
 
 
-def encoder_source(config: Any, parts: tuple[str, ...]) -> Source:
-    """(identity, encoder factory, (frame base, frame step), pixel multiple) for the experiment. Every problem (no
-    encoders, no folder, a component the folder lacks) raises a one-line ValueError here, before anything is read or
-    written; the factory loads the weights."""
-    role, model = model_role(config)
+def encoder_source(config: Any, parts: tuple[str, ...], *, role: str | None = None,
+                   base: str | None = None) -> Source:
+    """(identity, encoder factory, (frame base, frame step), pixel multiple) for the experiment's ``role`` (default:
+    :func:`model_role`'s) from ``base`` (a diffusers pipeline folder) or its model's ``path``; the toy world's
+    encoders when the data is the world's and no folder holds the parts. Every problem (no encoders, no folder, a
+    component the folder lacks) raises a one-line ValueError here, before anything is read or written; the factory
+    loads the weights."""
+    role, model = model_role(config) if role is None else (role, _role_model(config, role))
     family, world = model.family.name, getattr(config.data, "world", None)
-    if model.path is None and world is not None:
+    record = getattr(type(model), "encoders", None)
+    folder, who = ((pathlib.Path(base), "--base") if base is not None else
+                   (None if model.path is None else pathlib.Path(model.path), f"models.{role}.path"))
+    if world is not None and base is None and (folder is None or not _holds(record, folder, parts)):
         encoders = WorldEncoders(world)
         return {**encoders.identity(), "family": family}, lambda: encoders, (1, 1), 1
-    record = getattr(type(model), "encoders", None)
     if record is None:
         raise ValueError(f"models.{role}: family {family!r} has no encoders in fvx")
-    if model.path is None:
+    if folder is None:
         raise ValueError(f"models.{role}.path is not set: fvx encodes with the VAE and text encoder of the model's "
                          "diffusers folder (e.g. models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers)")
-    folder, who = pathlib.Path(model.path), f"models.{role}.path"
     if "image" in parts and not record.image_wanted(model):
         parts = tuple(part for part in parts if part != "image")  # the model reads no image features
     record.check(folder, parts, who)
 
     def factory() -> Any:
-        return record.open(folder, parts, dtype=model.compute_dtype, device=_device(), who=who)
+        return record.open(folder, parts, dtype=model.compute_dtype, device=device(), who=who)
 
     identity = {"model": str(folder.resolve()), "family": family}
     return identity, factory, (record.frame_base, record.frame_step), record.pixel_multiple
+
+
+def _role_model(config: Any, role: str) -> Any:
+    return config.models[msgspec.structs.asdict(config.method.roles)[role]]
+
+
+def _holds(record: Any, folder: pathlib.Path, parts: tuple[str, ...]) -> bool:
+    """Whether ``folder`` has the components ``record`` needs for ``parts``."""
+    if record is None:
+        return False
+    try:
+        record.check(folder, parts, "")
+    except ValueError:
+        return False
+    return True
+
+
+def text_encoder(config: Any, role: str, base: str | None) -> Callable[[], Any]:
+    """The factory of ``role``'s text encoder (:func:`encoder_source`)."""
+    return encoder_source(config, ("text",), role=role, base=base)[1]
+
+
+def video_decoder(config: Any, role: str, base: str | None) -> Callable[[], Any]:
+    """The factory of ``role``'s family VAE, opened to decode (``Opened.decode_video``), from ``base`` or the
+    model's folder; a ValueError when neither holds one."""
+    return encoder_source(config, ("decode",), role=role, base=base)[1]
+
+
+def encoded_prompts(config: Any, encoder: Any, prompts: list[str]) -> dict[str, Any]:
+    """``prompts`` through ``encoder`` as a raw batch (``text`` at ``data.text_len``, a second stream at
+    ``data.text_2_len``, the captions), what a dataset's ``read`` gives a model's ``batch``."""
+    rows, seconds = encoder.encode_text(prompts), encoder.encode_text_2(prompts)
+    samples = [{"text": row.numpy(), "where": f"prompt {n + 1}", "caption": prompt}
+               for n, (row, prompt) in enumerate(zip(rows, prompts))]
+    for sample, second in zip(samples, seconds or ()):
+        sample["text_2"] = second.numpy()
+    return batching.collate(samples, list(range(len(samples))), text_len=config.data.text_len, cfg_rate=0.0,
+                            dropout_key=random.key(0), text_2_len=config.data.text_2_len)
 
 
 def parts_of(kind: str) -> tuple[str, ...]:
@@ -138,16 +181,8 @@ def run_encode_prompts(config: Any, prompts_file: str, out: str) -> tuple[int, p
         raise ValueError(f"--out {str(target)!r} must end in .safetensors (a cond file)")
     if target.parent.exists() and not target.parent.is_dir():
         raise ValueError(f"--out {str(target)!r}: {str(target.parent)!r} is not a folder")
-    role, model = model_role(config)
-    _, factory, _, _ = encoder_source(config, ("text",))
-    encoder = factory()
-    rows, seconds = encoder.encode_text(prompts), encoder.encode_text_2(prompts)
-    samples = [{"text": row.numpy(), "where": f"prompt {n + 1}", "caption": prompt}
-               for n, (row, prompt) in enumerate(zip(rows, prompts))]
-    for sample, second in zip(samples, seconds or ()):
-        sample["text_2"] = second.numpy()
-    batch = batching.collate(samples, list(range(len(samples))), text_len=config.data.text_len, cfg_rate=0.0,
-                             dropout_key=random.key(0), text_2_len=config.data.text_2_len)
+    _, model = model_role(config)
+    batch = encoded_prompts(config, encoder_source(config, ("text",))[1](), prompts)
     target.parent.mkdir(parents=True, exist_ok=True)
     model.write_cond_file(target, batch, prompts)
     return len(prompts), target

@@ -36,6 +36,7 @@ from tensorboard.plugins.hparams.summary_v2 import hparams_pb
 from tensorboard.summary.writer.record_writer import RecordWriter, masked_crc32c
 from torch.utils.tensorboard import SummaryWriter
 
+from fvx.data import media
 from fvx.training import wav
 
 Metric = float | torch.Tensor
@@ -156,16 +157,6 @@ def _pil(hwc: np.ndarray) -> Image.Image:
 def _png_bytes(hwc: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     _pil(hwc).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def _gif_bytes(thwc: np.ndarray, fps: float) -> bytes:
-    """Looping animated GIF. GIF delays are whole 1/100 s (16 fps plays at 60 ms a frame), and Pillow merges identical
-    consecutive frames into one longer frame."""
-    images = [_pil(frame) for frame in thwc]
-    buffer = io.BytesIO()
-    images[0].save(buffer, format="GIF", save_all=True, append_images=images[1:],
-                   duration=max(1, round(1000.0 / fps)), loop=0)
     return buffer.getvalue()
 
 
@@ -319,7 +310,7 @@ class Tracker:
         if self._open_writer() is None:
             return []
         thwc = _to_uint8_last(frames, channels_first)
-        gif = _gif_bytes(thwc, fps)
+        gif = media.gif_bytes(thwc, fps)
         self._emit(_image_summary(tag, gif, thwc.shape[1:]), step)
         for mirror in self._mirrors:
             mirror.video(step, tag, thwc, fps)

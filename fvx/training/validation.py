@@ -48,8 +48,10 @@ class ValidationConfig(Config):
     step 0 (FastVideo's ``run_at_start``). Prompts: the first ``num_prompts`` of ``prompts_file`` (see the module
     docstring) or, without one, of the dataset (skipping samples whose text CFG dropout blanked). ``latent_shape``
     ``[C, T, H, W]`` to sample (default: the dataset's). ``num_steps`` and ``flow_shift`` give the many-step ODE
-    schedule (:func:`many_step_sigmas`) for models validated without a schedule of their own (fine-tuning, a DMD2
-    teacher). ``guidance_scale`` is the classifier-free guidance ``uncond + g (cond - uncond)`` of the models a method
+    schedule for models validated without a schedule of their own (fine-tuning, a DMD2 teacher): ``schedule``
+    ``fvx``, FastVideo's evenly spaced levels (:func:`many_step_sigmas`), or ``diffusers``, the levels of diffusers'
+    ``FlowMatchEulerDiscreteScheduler(shift=flow_shift)`` (``flow.scheduler_sigmas``), which its pipelines sample
+    with (:func:`schedule_sigmas`). ``guidance_scale`` is the classifier-free guidance ``uncond + g (cond - uncond)`` of the models a method
     samples with guidance (fine-tuning; FastVideo's t2v recipe validates at 5), the unconditional cond being
     ``cfg_uncond``'s: the cond file ``negative_prompt_path`` (``negative_prompt``), the family's zero cond, or the
     cond itself (``keep``). ``display_scale`` enlarges the logged videos (nearest neighbour; tiny clips). ``seed``
@@ -63,6 +65,7 @@ class ValidationConfig(Config):
     latent_shape: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt] | None = None
     num_steps: PositiveInt = 20
     flow_shift: PositiveFloat = 3.0
+    schedule: Literal["fvx", "diffusers"] = "fvx"
     guidance_scale: float = 1.0
     cfg_uncond: Literal["negative_prompt", "zero", "keep"] = "zero"
     negative_prompt_path: str | None = None
@@ -140,6 +143,13 @@ def many_step_sigmas(num_steps: int, shift: float) -> torch.Tensor:
         raise ValueError(f"num_steps must be an int >= 1, got {num_steps!r}")
     steps = [flow.NUM_TRAIN_TIMESTEPS * (num_steps - k) / num_steps for k in range(num_steps)]
     return flow.denoising_sigmas(steps, shift=shift, warp=True)
+
+
+def schedule_sigmas(config: ValidationConfig) -> torch.Tensor:
+    """The many-step levels ``[K]`` of ``config``: ``num_steps`` at ``flow_shift`` as ``schedule`` lays them out."""
+    if config.schedule == "diffusers":
+        return flow.scheduler_sigmas(config.flow_shift, config.num_steps)
+    return many_step_sigmas(config.num_steps, config.flow_shift)
 
 
 # ---------------------------------------------------------------------------------------------------------- prompts

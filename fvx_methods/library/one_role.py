@@ -161,7 +161,7 @@ def many_step_samplers(model: Model, draw: Any = None) -> Samplers:
     ``validation.flow_shift``) at the validation's classifier-free guidance, tagged ``model`` (``model_ema``);
     ``draw`` samples otherwise (a causal model block by block: ``fvx_models.streaming.draw``)."""
     def samplers(params: Params, is_ema: bool, config: validation.ValidationConfig) -> list[validation.Sampler]:
-        sigmas = validation.many_step_sigmas(config.num_steps, config.flow_shift)
+        sigmas = validation.schedule_sigmas(config)
         if model.joint:
             sigmas = model.joint_sigmas(sigmas)
         apply = model.apply if model.one_sample is None else validation.one_at_a_time(model.apply)

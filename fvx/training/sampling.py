@@ -1,0 +1,468 @@
+"""The ``sample`` command: prompts in, videos a person can watch out, from a run folder or an exported folder.
+
+The sampler is the one the run validates the role with (the method's ``Program.validate``: a fine-tuned model's
+guided many-step ODE, a DMD2 student's few-step SDE, a flow map's jumps, a causal student streamed block by block on
+its KV cache), so ``sample`` and validation share one code path; the request only changes validation's knobs (steps,
+guidance, shift, schedule, negative prompt) and the latent shape. Prompts go through the family's text encoder
+(``fvx_models.encoders``; the toy world's own for the CPU defaults), the latents through the experiment's ``vae`` or the
+family's VAE from the base folder.
+
+Keys. Video ``i`` (prompt ``i // n``, repeat ``i % n``) has the seed ``seed + i``; its noise is
+``normal(fold_in(split(key(seed + i))[0], 0))`` and its sampler key ``fold_in(split(key(seed + i))[1], 0)`` (what
+validation draws for its first prompt with that seed), so a video does not depend on the others in its batch, and
+``samples.json`` beside the files says how to make any of them again.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import msgspec
+import torch
+
+from fvx import config as fconfig
+from fvx.core import random, tree
+from fvx.core.state import RoleState, TrainState
+from fvx.data import datasets, media
+from fvx.storage import files
+from fvx.training import export as fexport, preprocessing, progress as fprogress, run_folder, tracking, validation
+from fvx.training.experiment import build_models, role_configs, run_keys
+
+SAMPLES = "samples.json"
+SCHEDULES = ("fvx", "diffusers")
+
+
+class Request(NamedTuple):
+    """What ``sample`` is asked for (the command's options; None: as the run validates)."""
+
+    source: str
+    prompts: tuple[str, ...]
+    overrides: tuple[str, ...] = ()  # dotted overrides of the run's config (e.g. a streaming model's window)
+    out: str | None = None
+    step: int | None = None
+    role: str | None = None
+    ema: bool = False
+    base: str | None = None
+    seed: int = 0
+    num_per_prompt: int = 1
+    batch_size: int = 1
+    frames: int | None = None
+    height: int | None = None
+    width: int | None = None
+    steps: int | None = None
+    guidance: float | None = None
+    shift: float | None = None
+    schedule: str | None = None
+    negative_prompt: str | None = None
+    jumps: int | None = None
+    image: str | None = None
+    gif: bool = False
+    scale: int = 1
+    fps: float | None = None
+
+
+class Source(NamedTuple):
+    """The model to sample: the run's config (an export's weights in place of its role's model), the role, its
+    checkpoint step and EMA flag, where it came from (for people), and ``weights()``, which loads its whole params."""
+
+    config: Any
+    role: str
+    step: int
+    ema: bool
+    where: str
+    weights: Callable[[], Any]
+
+
+class Video(NamedTuple):
+    """One video to make: its prompt (index and text), seed and file stem."""
+
+    prompt_index: int
+    prompt: str
+    seed: int
+    stem: str
+
+
+# ----------------------------------------------------------------------------------------------------------- input
+
+
+def read_prompts_file(path: str) -> tuple[str, ...]:
+    """The prompts of a text file, one a line (blank lines skipped); a ValueError when it is missing, not UTF-8
+    text, or holds none."""
+    source = pathlib.Path(path)
+    if not source.is_file():
+        raise ValueError(f"--prompts {str(source)!r} does not exist")
+    try:
+        text = source.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"--prompts {str(source)!r} is not UTF-8 text (one prompt a line)") from None
+    prompts = tuple(line.strip() for line in text.splitlines() if line.strip())
+    if not prompts or "\x00" in text:
+        raise ValueError(f"--prompts {str(source)!r} " + ("is not text" if "\x00" in text else
+                                                          "holds no prompts (one a line)"))
+    return prompts
+
+
+def open_source(request: Request) -> Source:
+    """The run folder (its checkpoint ``request.step``, default the newest; ``role``; ``ema``) or exported folder
+    (``fvx_export.json``: its run's config, the exported weights) ``request.source`` names; a ValueError naming what
+    is missing, before any weight loads."""
+    folder = pathlib.Path(request.source)
+    if not folder.is_dir():
+        raise ValueError(f"sample: {str(folder)!r} is neither a run folder nor an exported folder (no such folder)")
+    if (folder / fexport.MANIFEST).is_file():
+        return _export_source(folder, request)
+    if not (folder / run_folder.CHECKPOINTS).is_dir() and not (folder / "run.json").is_file():
+        raise ValueError(f"sample: {str(folder)!r} is neither a run folder (run.json, checkpoints/) nor an exported "
+                         f"folder ({fexport.MANIFEST})")
+    saved = fexport.role_checkpoint(folder, step=request.step, role=request.role, ema=request.ema, who="sample")
+    config = fconfig.apply_overrides(saved.config, list(request.overrides))
+
+    def weights() -> Any:
+        return fexport.role_params(config, saved.role, saved.model, saved.read())
+
+    where = f"run {folder}, step {saved.step}, role {saved.role}" + (" (EMA)" if request.ema else "")
+    return Source(config, saved.role, saved.step, request.ema, where, weights)
+
+
+def _export_source(folder: pathlib.Path, request: Request) -> Source:
+    manifest = json.loads((folder / fexport.MANIFEST).read_text())
+    given = [flag for flag, value in (("--step", request.step), ("--role", request.role),
+                                      ("--ema", request.ema or None)) if value is not None]
+    if given:
+        raise ValueError(f"sample: {str(folder)!r} is an export of one role at one step; {given[0]} is for a run "
+                         "folder")
+    if manifest.get("adapters") or manifest.get("format") != "diffusers":
+        raise ValueError(f"sample: {str(folder)!r} holds {'adapters' if manifest.get('adapters') else 'the ' + str(manifest.get('format')) + ' layout'}"
+                         f"; sample the run folder ({manifest.get('run')}) or a diffusers export of whole weights")
+    run = pathlib.Path(manifest["run"])
+    if not (run / "run.json").is_file():
+        raise ValueError(f"sample: the export {str(folder)!r} was made from run {str(run)!r}, whose config (run.json) "
+                         "sample reads to know the model and its sampler; that run folder is gone")
+    config, role = fconfig.apply_overrides(run_folder.load_run(run), list(request.overrides)), manifest["role"]
+    name = msgspec.structs.asdict(config.method.roles)[role]
+    model = config.models[name]
+    changes = {"path": str(folder)} | ({"lora": None} if getattr(model, "lora", None) is not None else {})
+    config = msgspec.structs.replace(config, models={**config.models,
+                                                     name: msgspec.structs.replace(model, **changes)})
+    built = role_configs(config)[role].build()
+    where = f"export {folder} (run {run}, step {manifest['step']}, role {role}{', EMA' if manifest['ema'] else ''})"
+    return Source(config, role, int(manifest["step"]), bool(manifest["ema"]), where, lambda: built.load(str(folder)))
+
+
+# ----------------------------------------------------------------------------------------------------------- plan
+
+
+def validation_config(config: Any, request: Request, shape: tuple[int, int, int, int]) -> validation.ValidationConfig:
+    """The run's validation knobs with the request's steps, guidance, shift, schedule and latent shape on top."""
+    if request.schedule is not None and request.schedule not in SCHEDULES:
+        raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {request.schedule!r}")
+    changes = {name: value for name, value in (("num_steps", request.steps), ("guidance_scale", request.guidance),
+                                                ("flow_shift", request.shift), ("schedule", request.schedule))
+               if value is not None}
+    for flag, value in (("--steps", request.steps), ("--shift", request.shift)):
+        if value is not None and value <= 0:
+            raise ValueError(f"{flag} must be positive, got {value}")
+    return msgspec.structs.replace(config.validation, latent_shape=shape, **changes)
+
+
+def latent_shape(config: Any, model: Any, request: Request) -> tuple[int, int, int, int]:
+    """``[C, T, H, W]`` to sample: the run's validation shape (or its data's), with ``--frames``, ``--height`` and
+    ``--width`` (pixels) converted through the VAE's compression; a ValueError for a size the family cannot make."""
+    if None in (request.frames, request.height, request.width):
+        channels, frames, height, width = _default_shape(config, request)
+    else:
+        channels, frames, height, width = model.latents.channels, 1, 1, 1
+    stride_t, stride_h, stride_w = model.latents.vae_stride
+    if request.frames is not None:
+        if request.frames < 1 or (request.frames - 1) % stride_t:
+            raise ValueError(f"--frames {request.frames}: {model.name} makes 1 + {stride_t} k frames "
+                             f"(its VAE's {stride_t}x temporal compression), e.g. {1 + stride_t * max(1, frames - 1)}")
+        frames = (request.frames - 1) // stride_t + 1
+    for flag, value, stride, patch in (("--height", request.height, stride_h, model.patch_size[1]),
+                                       ("--width", request.width, stride_w, model.patch_size[2])):
+        if value is not None and (value < 1 or value % (stride * patch)):
+            raise ValueError(f"{flag} {value} must be a positive multiple of {stride * patch} ({model.name}: the "
+                             f"VAE's {stride}x and the patch's {patch}x)")
+    height = height if request.height is None else request.height // stride_h
+    width = width if request.width is None else request.width // stride_w
+    return channels, frames, height, width
+
+
+def _default_shape(config: Any, request: Request) -> tuple[int, int, int, int]:
+    if config.validation.latent_shape is not None:
+        return tuple(config.validation.latent_shape)
+    dataset, why = open_data(config)
+    if dataset is not None:
+        try:
+            return validation.latent_shape(config.validation, dataset)
+        except ValueError as error:
+            why = str(error)
+    raise ValueError(f"sample: the run's data, whose first clip's shape is the default, cannot be read ({why}); give "
+                     "validation.latent_shape in the run, or --frames, --height and --width") from None
+
+
+def open_data(config: Any) -> tuple[Any, str | None]:
+    """(the run's dataset, None), or (None, why it cannot be opened here)."""
+    try:
+        return datasets.open_dataset(config.data, run_keys(config.run.seed)[1]), None
+    except (ValueError, OSError) as error:
+        return None, str(error)
+
+
+def _trained_shape(config: Any, asked: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+    """The latent shape the run trained on (its data's first clip; ``asked`` when its data is not here)."""
+    try:
+        return _default_shape(config, Request(source="", prompts=()))
+    except ValueError:
+        return asked
+
+
+def check_length(model: Any, shape: tuple[int, int, int, int], trained: tuple[int, int, int, int]) -> str | None:
+    """A warning (or None) for a bidirectional model asked for more latent frames than it was trained on; a
+    streaming model makes any whole number of its blocks (a ValueError otherwise)."""
+    if model.causal is not None:
+        size, stride = model.causal.frames_per_block, model.latents.vae_stride[0]
+        if shape[1] % size:
+            fits = 1 + stride * (-(-shape[1] // size) * size - 1)
+            raise ValueError(f"--frames: {model.name} streams blocks of {size} latent frames, and "
+                             f"{1 + stride * (shape[1] - 1)} frames make {shape[1]}: not whole blocks (e.g. --frames "
+                             f"{fits})")
+        return None
+    if shape[1] > trained[1]:
+        return (f"{model.name} is bidirectional and was trained on {trained[1]} latent frames; {shape[1]} attend "
+                "beyond what it saw (a streaming student makes any length)")
+    return None
+
+
+def videos(prompts: Sequence[str], num_per_prompt: int, seed: int) -> list[Video]:
+    """Every video to make, in order: each prompt ``num_per_prompt`` times, video ``i`` with seed ``seed + i``,
+    named ``<prompt slug>_<seed>``."""
+    if num_per_prompt < 1:
+        raise ValueError(f"--num-per-prompt must be >= 1, got {num_per_prompt}")
+    out = []
+    for p, prompt in enumerate(prompts):
+        for r in range(num_per_prompt):
+            index = p * num_per_prompt + r
+            out.append(Video(p, prompt, seed + index, f"{tracking.slug(prompt) or 'prompt'}_{seed + index}"))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------- the model
+
+
+class _OneRole(dict):
+    """The frozen params of the one role ``sample`` draws: its base (empty: its params are whole); a method's
+    validation asks for other roles' (a teacher's) only to sample them, which ``sample`` does not."""
+
+    def __missing__(self, key: str) -> None:
+        return None
+
+
+def sampler_of(source: Source, models: Mapping[str, Any], params: Any, vcfg: validation.ValidationConfig,
+               jumps: int | None) -> validation.Sampler:
+    """The sampler the run's method validates ``source.role`` with (its ``Program.validate``), for ``params``."""
+    config, method = source.config, source.config.method
+    changes = {"validate_teacher": False} if hasattr(method, "validate_teacher") else {}
+    if jumps is not None:
+        changes.update(_jump_changes(method, models[source.role], jumps))
+    method = msgspec.structs.replace(method, **changes)
+    needed = {name: getattr(config, name, None) for name in getattr(method, "needs", ())}
+    program = method.build(models, total_steps=config.run.steps, **needed)
+    state = TrainState(step=torch.zeros((), dtype=torch.int64), key=random.key(0),
+                       roles={source.role: RoleState(params, None, None)})
+    entries = [entry for entry in program.validate(state, _OneRole(), vcfg) if not entry.fixed]
+    if not entries:
+        raise ValueError(f"sample: method {type(method).__name__} validates no sampler of role {source.role!r}")
+    return next((entry for entry in entries if jumps is not None and entry.tag.endswith(f"{jumps}step")), entries[0])
+
+
+def _jump_changes(method: Any, model: Any, jumps: int) -> dict[str, Any]:
+    if jumps < 1:
+        raise ValueError(f"--jumps must be >= 1, got {jumps}")
+    if not model.two_time:
+        raise ValueError(f"--jumps {jumps}: {model.name} has no second time input (not a flow map); it samples "
+                         "with --steps")
+    if hasattr(method, "sample_steps"):
+        return {"sample_steps": (jumps,)}
+    if hasattr(method, "student_sample_steps"):
+        return {"student_sample_steps": jumps}
+    raise ValueError(f"--jumps: method {type(method).__name__} samples its student on its own schedule")
+
+
+# --------------------------------------------------------------------------------------------------------- sampling
+
+
+def noise_and_keys(seeds: Sequence[int], shape: Any) -> tuple[Any, torch.Tensor]:
+    """``(noise [N, ...], sampler keys [N, 2])`` of videos with ``seeds`` (module docstring); a joint model's
+    ``shape`` is a dict of shapes and its noise a dict."""
+    rows, keys = [], []
+    for seed in seeds:
+        noise_key, sampler_key = random.split(random.key(seed))
+        rows.append(validation.fixed_noise(noise_key, {name: (1, *part) for name, part in shape.items()}
+                                           if isinstance(shape, Mapping) else (1, *shape)))
+        keys.append(validation.prompt_keys(sampler_key, 1)[0])
+    if isinstance(shape, Mapping):
+        return {name: torch.cat([row[name] for row in rows]) for name in shape}, torch.stack(keys)
+    return torch.cat(rows), torch.stack(keys)
+
+
+def encoded_cond(config: Any, model: Any, encoder: Any, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+    """The model's cond ``{name: [N, ...]}`` of ``prompts`` through ``encoder`` (as encode-prompts stores them)."""
+    raw = preprocessing.encoded_prompts(config, encoder, list(prompts))
+    return {name: tensor.float() for name, tensor in model.batch(raw)["cond"].items()}
+
+
+def draw(sampler: validation.Sampler, noise: Any, cond: Any, keys: torch.Tensor,
+         uncond: Callable[[Any], Any] | None, guidance_scale: float) -> Any:
+    """The latents of one batch as validation draws them (``validation.sample_videos``), guided when the sampler is."""
+    apply_fn, guidance = sampler.apply, None
+    if sampler.guided and uncond is not None:
+        apply_fn = validation.guided(sampler.apply, uncond, guidance_scale)
+        guidance = (uncond, guidance_scale)
+    latents, _ = validation.sample_videos(apply_fn, sampler.params, noise, sampler.sigmas, cond, key=keys,
+                                          sampler=sampler.sampler, draw=sampler.draw, guidance=guidance)
+    return latents
+
+
+# ----------------------------------------------------------------------------------------------------------- output
+
+
+def write_video(folder: pathlib.Path, stem: str, video: torch.Tensor, fps: float, *, gif: bool, scale: int,
+                sound: tuple[torch.Tensor, int] | None = None) -> list[pathlib.Path]:
+    """One decoded video ``[3, T, H, W]`` in [0, 1] as ``<stem>.mp4`` (with its sound ``(waveform [C, S], rate)``
+    as a track and a ``.wav``), and with ``gif`` a ``.gif``, upscaled ``scale`` times (nearest)."""
+    if scale > 1:
+        video = video.repeat_interleave(scale, dim=-1).repeat_interleave(scale, dim=-2)
+    frames = video.float().clamp(0, 1).mul(255).round().to(torch.uint8).permute(1, 2, 3, 0).cpu().numpy()
+    paths = [folder / f"{stem}.mp4"]
+    audio = None if sound is None else (sound[0].float().clamp(-1, 1).cpu().numpy(), sound[1])
+    media.write_mp4(paths[0], frames, fps, *(audio or ()))
+    if gif:
+        paths.append(folder / f"{stem}.gif")
+        paths[-1].write_bytes(media.gif_bytes(frames, fps))
+    if audio is not None:
+        from fvx.training import wav
+        paths.append(wav.write_wav(folder / f"{stem}.wav", audio[0], audio[1]))
+    return paths
+
+
+def merge_samples(folder: pathlib.Path, rank: int, world: int, record: dict[str, Any]) -> bool:
+    """Write this rank's entries; the last rank to finish merges every rank's into ``samples.json`` (True)."""
+    parts = folder / ".samples"
+    parts.mkdir(exist_ok=True)
+    files.write_json(parts / f"rank_{rank}.json", record)
+    found = sorted(parts.glob("rank_*.json"))
+    if len(found) < world:
+        return False
+    records = [json.loads(path.read_text()) for path in found]
+    merged = {**records[0], "videos": sorted((v for r in records for v in r["videos"]), key=lambda v: v["index"])}
+    files.write_json(folder / SAMPLES, merged)
+    return True
+
+
+def default_out(request: Request, source: Source) -> pathlib.Path:
+    """``samples/<source folder's name>_step<N>``."""
+    return pathlib.Path("samples") / f"{pathlib.Path(request.source).resolve().name}_step{source.step}"
+
+
+def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: bool = True,
+               say: Callable[[str], None] = print) -> dict[str, Any]:
+    """``sample``: every check first (a ValueError, nothing written), then this rank's videos (video ``i`` on rank
+    ``i mod world``) into the output folder, and ``samples.json`` once every rank is done."""
+    if not request.prompts:
+        raise ValueError("sample: give --prompt TEXT or --prompts FILE")
+    if request.batch_size < 1 or request.scale < 1:
+        raise ValueError("--batch-size and --scale must be >= 1")
+    source = open_source(request)
+    config = source.config
+    model = role_configs(config)[source.role].build()
+    if getattr(model, "joint", False):
+        raise ValueError(f"sample: {model.name} denoises video and audio together; sampling joint models is not "
+                         "in fvx yet (validation logs their sound)")
+    if request.image is not None:
+        raise ValueError(f"--image: image-to-video sampling is not in fvx yet ({model.name})")
+    shape = latent_shape(config, model, request)
+    warning = check_length(model, shape, _trained_shape(config, shape))
+    if warning is not None:
+        say(f"warning: {warning}")
+    vcfg = validation_config(config, request, shape)
+    encoder_factory = preprocessing.text_encoder(config, source.role, request.base)
+    decode = _decoder(config, source.role, request.base)
+    todo = videos(request.prompts, request.num_per_prompt, request.seed)
+    out = pathlib.Path(request.out) if request.out is not None else default_out(request, source)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a file, not a folder")
+    mine = todo[rank::world]
+
+    device = preprocessing.device()
+    encoder = encoder_factory()  # the text encoder first, then freed: it and the DiT are never held together
+    cond = tree.to_device(encoded_cond(config, model, encoder, request.prompts), device)
+    uncond = _uncond(config, model, encoder, request.negative_prompt, vcfg, device)
+    del encoder
+    models = build_models(config)
+    params = tree.to_device(source.weights(), device)
+    sampler = sampler_of(source, models, params, vcfg, request.jumps)
+    data_model = models[source.role]
+    decoder = decode()
+    judge = getattr(open_data(config)[0], "caption_quality", None)  # the toy world scores its own prompts
+    out.mkdir(parents=True, exist_ok=True)
+    fps = request.fps or config.validation.fps
+    entries, made = [], []
+    bar = fprogress.bar(len(mine), desc="sample", unit="video", show=progress)
+    for start in range(0, len(mine), request.batch_size):
+        batch = mine[start:start + request.batch_size]
+        noise, keys = tree.to_device(noise_and_keys([v.seed for v in batch], shape), device)
+        rows = torch.tensor([v.prompt_index for v in batch], device=device)
+        latents = draw(sampler, noise, {name: t[rows] for name, t in cond.items()}, keys, uncond,
+                       vcfg.guidance_scale)
+        with torch.no_grad():
+            video = decoder(data_model.denormalize(latents)).cpu()
+        made.append(latents.cpu())
+        for i, item in enumerate(batch):
+            paths = write_video(out, item.stem, video[i], fps, gif=request.gif, scale=request.scale)
+            entries.append({"index": todo.index(item), "prompt": item.prompt, "seed": item.seed,
+                            "files": [path.name for path in paths]})
+            if judge is not None:
+                entries[-1]["world_score"] = judge(video[i:i + 1], [item.prompt])
+        bar.update(len(batch))
+    bar.close()
+    record = _record(request, source, model, sampler, vcfg, entries, shape, fps, device)
+    merge_samples(out, rank, world, record)
+    return {"folder": out, "videos": entries, "sampler": sampler.tag, "where": source.where,
+            "latents": torch.cat(made) if made else None}
+
+
+def _uncond(config: Any, model: Any, encoder: Any, negative_prompt: str | None, vcfg: validation.ValidationConfig,
+            device: torch.device) -> Callable[[Any], Any]:
+    """The unconditional cond of guided sampling: ``--negative-prompt`` encoded, else the run's validation's."""
+    if negative_prompt is not None:
+        negative = tree.to_device(encoded_cond(config, model, encoder, [negative_prompt]), device)
+        return lambda cond: model.uncond(cond, "negative_prompt", negative)
+    negative = (None if vcfg.negative_prompt_path is None
+                else tree.to_device(model.load_negative(vcfg.negative_prompt_path, "validation.negative_prompt_path"),
+                                    device))
+    return lambda cond: model.uncond(cond, vcfg.cfg_uncond, negative)
+
+
+def _decoder(config: Any, role: str, base: str | None) -> Callable[[], Callable[[torch.Tensor], torch.Tensor]]:
+    """A factory of the decoder: the experiment's ``vae`` (validation's), else the family's VAE from the base
+    folder; a ValueError when neither exists (before any weight loads)."""
+    if getattr(config, "vae", None) is not None:
+        return lambda: config.build_vae().decode
+    factory = preprocessing.video_decoder(config, role, base)
+    return lambda: factory().decode_video
+
+
+def _record(request: Request, source: Source, model: Any, sampler: validation.Sampler,
+            vcfg: validation.ValidationConfig, entries: list[dict[str, Any]], shape: tuple[int, ...],
+            fps: float, device: torch.device) -> dict[str, Any]:
+    """``samples.json``: what every video was made with, enough to make it again."""
+    return {
+        "source": str(pathlib.Path(request.source).absolute()), "where": source.where, "step": source.step,
+        "role": source.role, "ema": source.ema, "model": model.name, "sampler": sampler.tag,
+        "kind": sampler.sampler, "steps": vcfg.num_steps, "guidance": vcfg.guidance_scale if sampler.guided else None,
+        "shift": vcfg.flow_shift, "schedule": vcfg.schedule, "negative_prompt": request.negative_prompt,
+        "jumps": request.jumps, "latent_shape": list(shape), "fps": fps, "batch_size": request.batch_size,
+        "base": request.base, "overrides": list(request.overrides), "device": str(device), "videos": entries,
+    }

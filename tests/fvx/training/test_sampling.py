@@ -1,0 +1,184 @@
+"""``python -m fvx.run sample``: videos from prompts with a run's trained role or an export, on the toy world."""
+import json
+import pathlib
+
+import pytest
+import torch
+
+from fvx import run
+from fvx.data import media
+from fvx.training import experiment, run_folder, sampling, validation
+from fvx.training.experiment import build_models
+
+RED_RIGHT = "red bars moving right"
+QUICK = ["run.progress=false", "validation.every=0", "data.batch_size=4", "run.checkpoint.final=true"]
+
+
+def train(out: pathlib.Path, experiment_file: str, steps: int, *overrides: str) -> pathlib.Path:
+    assert run.main([experiment_file, "--out", str(out), "--steps", str(steps), *QUICK, *overrides]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def finetuned(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("finetuned") / "run", "experiments/finetune_wan.py", 3,
+                 "method.optim.warmup_steps=1")
+
+
+@pytest.fixture(scope="module")
+def causal(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("causal") / "run", "experiments/dfsft_causal_t2v.py", 2)
+
+
+def sample(source, out, *args) -> int:
+    return run.main(["sample", str(source), "--out", str(out), *map(str, args)])
+
+
+def frames_of(path: pathlib.Path) -> torch.Tensor:
+    """Every frame of an mp4, ``[T, H, W, 3]`` uint8."""
+    count = round(media.probe_video(path)[0] * media.probe_video(path)[1])
+    return torch.from_numpy(media.read_frames(path, range(count)))
+
+
+def test_a_run_samples_into_named_files_and_a_record(finetuned, tmp_path, capsys):
+    out = tmp_path / "samples"
+    assert sample(finetuned, out, "--prompt", RED_RIGHT, "--prompt", "blue bars moving left", "--num-per-prompt", 2,
+                  "--gif", "--scale", 2) == 0
+    record = json.loads((out / sampling.SAMPLES).read_text())
+    assert [(v["prompt"], v["seed"]) for v in record["videos"]] == [
+        (RED_RIGHT, 0), (RED_RIGHT, 1), ("blue bars moving left", 2), ("blue bars moving left", 3)]
+    assert record["videos"][0]["files"] == ["red-bars-moving-right_0.mp4", "red-bars-moving-right_0.gif"]
+    assert (record["step"], record["role"], record["sampler"], record["kind"]) == (3, "student", "model", "ode")
+    assert record["steps"] == 20 and record["latent_shape"] == [192, 4, 2, 2]
+    video = frames_of(out / "red-bars-moving-right_0.mp4")
+    assert video.shape == (4, 32, 32, 3)  # the world's 4 frames of 16x16, twice as large
+    assert set(record["videos"][0]["world_score"]) >= {"nearest_mse", "hit_rate", "prompt_match"}
+    printed = capsys.readouterr().out
+    assert "red-bars-moving-right_0.mp4: 'red bars moving right', seed 0, the toy world's score" in printed
+
+
+def test_one_seed_makes_the_same_video_and_the_record_makes_it_again(finetuned, tmp_path):
+    """Two runs with one seed write identical frames; the record's prompt and seed alone make video 3 again."""
+    args = ("--prompt", RED_RIGHT, "--prompt", "blue bars moving up", "--num-per-prompt", 2, "--steps", 4)
+    assert sample(finetuned, tmp_path / "a", *args) == 0 and sample(finetuned, tmp_path / "b", *args) == 0
+    for name in ("red-bars-moving-right_1.mp4", "blue-bars-moving-up_3.mp4"):
+        assert torch.equal(frames_of(tmp_path / "a" / name), frames_of(tmp_path / "b" / name))
+    chosen = json.loads((tmp_path / "a" / sampling.SAMPLES).read_text())["videos"][3]
+    assert sample(finetuned, tmp_path / "c", "--prompt", chosen["prompt"], "--seed", chosen["seed"], "--steps", 4) == 0
+    again = tmp_path / "c" / f"blue-bars-moving-up_{chosen['seed']}.mp4"
+    assert torch.equal(frames_of(again), frames_of(tmp_path / "a" / chosen["files"][0]))
+
+
+def test_a_video_is_validations_sample_of_its_seed(causal, tmp_path):
+    """The streaming student's clip from ``sample`` (seed s) is the clip validation streams for its first prompt with
+    validation.seed = s: one code path."""
+    config = run_folder.load_run(causal)
+    built = experiment.setup(config)
+    state = experiment.initial_state(built, experiment.batch_fn(config, built)(0))
+    saved = sampling.fexport.role_checkpoint(causal, role="student")
+    state = state._replace(roles={"student": state.roles["student"]._replace(params=saved.read())})
+    vcfg = config.validation.__class__(seed=7, num_prompts=1, every=1)
+    validator = validation.make_validator(vcfg, built.dataset, built.program.model)
+    entry = built.program.validate(state, experiment.frozen_params(built), vcfg)[0]
+    want, _ = validation.sample_videos(entry.apply, entry.params, validator.noise, entry.sigmas,
+                                       validator.prompts.cond, key=validator.keys, sampler=entry.sampler,
+                                       draw=entry.draw)
+    done = sampling.run_sample(sampling.Request(str(causal), (validator.prompts.captions[0],), out=str(tmp_path),
+                                                seed=7), progress=False, say=lambda line: None)
+    torch.testing.assert_close(done["latents"], want, rtol=0, atol=0)
+
+
+def test_a_stream_three_times_longer_keeps_its_window(causal, tmp_path):
+    """With a window, a 3x longer stream samples on a cache of the same size (the ring of its window and sink)."""
+    window = ("models.student.local_attn_size=4",)
+    done = sampling.run_sample(sampling.Request(str(causal), (RED_RIGHT,), window, out=str(tmp_path), frames=12),
+                               progress=False, say=lambda line: None)
+    assert done["latents"].shape[2] == 12
+    model = build_models(sampling.open_source(sampling.Request(str(causal), (), window)).config)["student"]
+    assert len(model.causal.empty_cache(12).slots) == len(model.causal.empty_cache(4).slots) == 4 - 2
+    record = json.loads((tmp_path / sampling.SAMPLES).read_text())
+    assert record["overrides"] == list(window) and "window_1/prompt_match" in record["videos"][0]["world_score"]
+
+
+def test_ranks_share_the_videos_and_the_last_writes_the_record(finetuned, tmp_path):
+    request = sampling.Request(str(finetuned), (RED_RIGHT, "blue bars moving left", "blue bars moving up"),
+                               out=str(tmp_path), steps=2)
+    first = sampling.run_sample(request, rank=1, world=2, progress=False)
+    assert [v["index"] for v in first["videos"]] == [1] and not (tmp_path / sampling.SAMPLES).exists()
+    second = sampling.run_sample(request, rank=0, world=2, progress=False)
+    assert [v["index"] for v in second["videos"]] == [0, 2]
+    record = json.loads((tmp_path / sampling.SAMPLES).read_text())
+    assert [v["seed"] for v in record["videos"]] == [0, 1, 2]
+
+
+def test_an_export_samples_as_its_run(finetuned, tmp_path):
+    assert run.main(["export", str(finetuned), "--out", str(tmp_path / "export")]) == 0
+    args = ("--prompt", RED_RIGHT, "--steps", 3)
+    assert sample(finetuned, tmp_path / "a", *args) == 0 and sample(tmp_path / "export", tmp_path / "b", *args) == 0
+    name = "red-bars-moving-right_0.mp4"
+    assert torch.equal(frames_of(tmp_path / "a" / name), frames_of(tmp_path / "b" / name))
+    assert json.loads((tmp_path / "b" / sampling.SAMPLES).read_text())["where"].startswith("export ")
+
+
+def test_a_distilled_student_samples_its_few_steps(world_teacher, tmp_path):
+    out = train(tmp_path / "dmd2", "experiments/dmd2.py", 1, f"models.student.path={world_teacher}",
+                f"models.teacher.path={world_teacher}", "method.generator_update_interval=1")
+    done = sampling.run_sample(sampling.Request(str(out), (RED_RIGHT,), out=str(tmp_path / "s")), progress=False)
+    record = json.loads((tmp_path / "s" / sampling.SAMPLES).read_text())
+    assert done["sampler"] == "student" and record["kind"] == "sde" and record["guidance"] is None
+
+
+def test_a_flow_map_samples_in_the_jumps_asked(world_teacher, tmp_path):
+    out = train(tmp_path / "meanflow", "experiments/meanflow.py", 1, f"models.student.path={world_teacher}")
+    one = sampling.run_sample(sampling.Request(str(out), (RED_RIGHT,), out=str(tmp_path / "one"), jumps=1),
+                              progress=False)
+    three = sampling.run_sample(sampling.Request(str(out), (RED_RIGHT,), out=str(tmp_path / "three"), jumps=3),
+                                progress=False)
+    assert (one["sampler"], three["sampler"]) == ("student_1step", "student_3step")
+    assert not torch.equal(one["latents"], three["latents"])
+
+
+def bad(capsys, *argv) -> str:
+    assert run.main(["sample", *map(str, argv)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_bad_input_is_one_line_before_anything_is_written(finetuned, causal, tmp_path, capsys):
+    out = tmp_path / "out"
+    (tmp_path / "empty.txt").write_text("\n\n")
+    (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00\x01")
+    (tmp_path / "fresh").mkdir()
+    for argv, message in [
+        ((finetuned, "--prompts", tmp_path / "empty.txt"), "holds no prompts"),
+        ((finetuned, "--prompts", tmp_path / "binary.txt"), "is not UTF-8 text"),
+        ((finetuned,), "give --prompt TEXT or --prompts FILE"),
+        ((tmp_path / "nowhere", "--prompt", RED_RIGHT), "no such folder"),
+        ((tmp_path / "fresh", "--prompt", RED_RIGHT), "neither a run folder"),
+        ((finetuned, "--prompt", "a purple cat"), "knows only its prompts"),
+        ((finetuned, "--prompt", RED_RIGHT, "--jumps", 2), "has no second time input"),
+        ((finetuned, "--prompt", RED_RIGHT, "--step", 9), "9"),
+        ((finetuned, "--prompt", RED_RIGHT, "--ema"), "keeps no EMA params"),
+        ((finetuned, "--prompt", RED_RIGHT, "--image", tmp_path / "x.png"), "--image"),
+        ((causal, "--prompt", RED_RIGHT, "--frames", 5), "not whole blocks (e.g. --frames 6)"),
+        ((finetuned, "--prompt", RED_RIGHT, "--base", tmp_path / "fresh"), "model_index.json"),
+    ]:
+        assert message in bad(capsys, *argv, "--out", out), argv
+        assert not out.exists()
+
+
+def test_a_longer_clip_than_a_bidirectional_model_saw_is_warned(finetuned, tmp_path, capsys):
+    assert sample(finetuned, tmp_path, "--prompt", RED_RIGHT, "--frames", 8, "--steps", 2) == 0
+    assert "was trained on 4 latent frames; 8 attend beyond what it saw" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # trains the toy teacher for 300 steps (about 30 s)
+def test_the_toy_teacher_draws_the_typed_prompt(tmp_path):
+    """The README's teacher, briefly trained, sampled from the typed prompt: the world's own score finds its clips
+    nearest the prompt's true ones more often than any other prompt's."""
+    out = train(tmp_path / "teacher", "experiments/finetune_wan.py", 300, "data.batch_size=8")
+    done = sampling.run_sample(sampling.Request(str(out), (RED_RIGHT,), out=str(tmp_path / "s"), num_per_prompt=8),
+                               progress=False)
+    match = sum(v["world_score"]["prompt_match"] for v in done["videos"]) / 8
+    assert match >= 0.25, [v["world_score"] for v in done["videos"]]  # chance: 1 in 8; 6 in 8 measured
