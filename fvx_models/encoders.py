@@ -153,6 +153,8 @@ class Encoders:
             module = getattr(pipe, name, None)
             if isinstance(module, torch.nn.Module):
                 module.requires_grad_(False).eval()
+        if "decode" in parts and hasattr(getattr(pipe, "vae", None), "enable_tiling"):
+            pipe.vae.enable_tiling()  # diffusers' VAEs tile only frames larger than a tile: large videos
         return Opened(self, pipe, needed, torch.device(device), parts)
 
 

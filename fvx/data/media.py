@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+AAC_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000, 64000, 88200, 96000)  # an mp4's sound
 VIDEO_SUFFIXES = (".mp4", ".mov", ".webm", ".mkv", ".avi", ".m4v", ".gif")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
@@ -104,7 +105,8 @@ def write_video(path: pathlib.Path, frames: np.ndarray, fps: int) -> None:
 def write_mp4(path: pathlib.Path, frames: np.ndarray, fps: float, audio: np.ndarray | None = None,
               sample_rate: int | None = None) -> None:
     """uint8 frames ``[T, H, W, 3]`` as an mp4 every player shows: H.264 in yuv420p (``crf`` 17, odd sizes padded by
-    a repeated edge), with ``audio`` ``[C, S]`` float in [-1, 1] at ``sample_rate`` as an AAC track when given."""
+    a repeated edge), with ``audio`` ``[C, S]`` float in [-1, 1] at ``sample_rate`` as an AAC track when given
+    (resampled to the next rate AAC has when it has not this one)."""
     import av
 
     height, width = frames.shape[1:3]
@@ -116,7 +118,8 @@ def write_mp4(path: pathlib.Path, frames: np.ndarray, fps: float, audio: np.ndar
         stream.pix_fmt = "yuv420p"
         sound = None
         if audio is not None:
-            sound = container.add_stream("aac", rate=int(sample_rate))
+            track_rate = min((r for r in AAC_RATES if r >= sample_rate), default=AAC_RATES[-1])
+            sound = container.add_stream("aac", rate=track_rate)
             sound.layout = "stereo" if audio.shape[0] == 2 else "mono"
         for frame in padded:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
@@ -125,7 +128,9 @@ def write_mp4(path: pathlib.Path, frames: np.ndarray, fps: float, audio: np.ndar
             planes = np.ascontiguousarray(np.clip(audio, -1.0, 1.0).astype(np.float32))
             chunk = av.AudioFrame.from_ndarray(planes, format="fltp", layout=sound.layout.name)
             chunk.sample_rate = int(sample_rate)
-            container.mux(sound.encode(chunk))
+            resampler = av.AudioResampler(format="fltp", layout=sound.layout.name, rate=track_rate)
+            for part in [*resampler.resample(chunk), *resampler.resample(None)]:
+                container.mux(sound.encode(part))
             container.mux(sound.encode(None))
 
 

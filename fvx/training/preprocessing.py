@@ -63,7 +63,8 @@ def encoder_source(config: Any, parts: tuple[str, ...], *, role: str | None = No
         raise ValueError(f"models.{role}: family {family!r} has no encoders in fvx")
     if folder is None:
         raise ValueError(f"models.{role}.path is not set: fvx encodes with the VAE and text encoder of the model's "
-                         "diffusers folder (e.g. models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers)")
+                         "diffusers folder (e.g. models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers; sample: "
+                         "--base FOLDER)")
     if "image" in parts and not record.image_wanted(model):
         parts = tuple(part for part in parts if part != "image")  # the model reads no image features
     record.check(folder, parts, who)
@@ -90,9 +91,11 @@ def _holds(record: Any, folder: pathlib.Path, parts: tuple[str, ...]) -> bool:
     return True
 
 
-def text_encoder(config: Any, role: str, base: str | None) -> Callable[[], Any]:
-    """The factory of ``role``'s text encoder (:func:`encoder_source`)."""
-    return encoder_source(config, ("text",), role=role, base=base)[1]
+def prompt_encoder(config: Any, role: str, base: str | None, image_to_video: bool) -> Callable[[], Any]:
+    """The factory of ``role``'s text encoder (:func:`encoder_source`), with the first-frame and image encoders of an
+    image-to-video model."""
+    parts = ("text", "first_frame", "image") if image_to_video else ("text",)
+    return encoder_source(config, parts, role=role, base=base)[1]
 
 
 def video_decoder(config: Any, role: str, base: str | None) -> Callable[[], Any]:
@@ -101,11 +104,13 @@ def video_decoder(config: Any, role: str, base: str | None) -> Callable[[], Any]
     return encoder_source(config, ("decode",), role=role, base=base)[1]
 
 
-def encoded_prompts(config: Any, encoder: Any, prompts: list[str]) -> dict[str, Any]:
+def encoded_prompts(config: Any, encoder: Any, prompts: list[str], extra: dict[str, Any] | None = None
+                    ) -> dict[str, Any]:
     """``prompts`` through ``encoder`` as a raw batch (``text`` at ``data.text_len``, a second stream at
-    ``data.text_2_len``, the captions), what a dataset's ``read`` gives a model's ``batch``."""
+    ``data.text_2_len``, the captions, and ``extra`` in every sample: an image-to-video condition), what a dataset's
+    ``read`` gives a model's ``batch``."""
     rows, seconds = encoder.encode_text(prompts), encoder.encode_text_2(prompts)
-    samples = [{"text": row.numpy(), "where": f"prompt {n + 1}", "caption": prompt}
+    samples = [{"text": row.numpy(), "where": f"prompt {n + 1}", "caption": prompt, **(extra or {})}
                for n, (row, prompt) in enumerate(zip(rows, prompts))]
     for sample, second in zip(samples, seconds or ()):
         sample["text_2"] = second.numpy()

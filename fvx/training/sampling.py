@@ -307,10 +307,45 @@ def noise_and_keys(seeds: Sequence[int], shape: Any) -> tuple[Any, torch.Tensor]
     return torch.cat(rows), torch.stack(keys)
 
 
-def encoded_cond(config: Any, model: Any, encoder: Any, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
-    """The model's cond ``{name: [N, ...]}`` of ``prompts`` through ``encoder`` (as encode-prompts stores them)."""
-    raw = preprocessing.encoded_prompts(config, encoder, list(prompts))
+def encoded_cond(config: Any, model: Any, encoder: Any, prompts: Sequence[str],
+                 image: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """The model's cond ``{name: [N, ...]}`` of ``prompts`` through ``encoder`` (as encode-prompts stores them), with
+    ``image``'s condition (:func:`image_condition`) in every row."""
+    raw = preprocessing.encoded_prompts(config, encoder, list(prompts), image)
     return {name: tensor.float() for name, tensor in model.batch(raw)["cond"].items()}
+
+
+def read_first_frame(path: str | None, image_to_video: bool, model: Any) -> Any:
+    """The ``--image`` file as uint8 ``[1, H, W, 3]``; a ValueError when it is missing for an image-to-video model,
+    given to a text-to-video one, or does not decode."""
+    if path is None:
+        if image_to_video:
+            raise ValueError(f"sample: {model.name} makes videos from an image (the run's data.kind=i2v): give --image")
+        return None
+    if not image_to_video:
+        raise ValueError(f"--image: {model.name} makes videos from text only (the run's data.kind="
+                         f"{'t2v' if not image_to_video else 'i2v'}); drop --image")
+    if not pathlib.Path(path).is_file():
+        raise ValueError(f"--image {path!r} does not exist")
+    try:
+        return media.read_image(pathlib.Path(path))
+    except media.MediaError as error:
+        raise ValueError(f"--image {path!r}: {error}") from None
+
+
+def image_condition(encoder: Any, image: Any, shape: tuple[int, int, int, int], model: Any) -> dict[str, Any]:
+    """An image-to-video condition as the data stores it: the image centre-cropped and resized to the video's pixel
+    size, as the first of its frames (the rest zeros), encoded (``first_frame_latents``), and its image features
+    (``image_embeds``) when the model reads them."""
+    stride_t, stride_h, stride_w = model.latents.vae_stride
+    frames, height, width = 1 + stride_t * (shape[1] - 1), shape[2] * stride_h, shape[3] * stride_w
+    first = media.resize_crop(image, height, width)  # [3, 1, H, W] in [-1, 1]
+    clip = torch.cat([first, torch.zeros(3, frames - 1, height, width)], dim=1)
+    extra = {"first_frame_latents": encoder.encode_first_frame(clip).numpy()}
+    features = encoder.encode_image((first[:, 0] + 1) / 2)
+    if features is not None:
+        extra["image_embeds"] = features.numpy()
+    return extra
 
 
 def draw(sampler: validation.Sampler, noise: Any, cond: Any, keys: torch.Tensor,
@@ -366,10 +401,24 @@ def default_out(request: Request, source: Source) -> pathlib.Path:
     return pathlib.Path("samples") / f"{pathlib.Path(request.source).resolve().name}_step{source.step}"
 
 
-def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: bool = True,
-               say: Callable[[str], None] = print) -> dict[str, Any]:
-    """``sample``: every check first (a ValueError, nothing written), then this rank's videos (video ``i`` on rank
-    ``i mod world``) into the output folder, and ``samples.json`` once every rank is done."""
+class Plan(NamedTuple):
+    """A checked request: what ``sample`` loads and makes (nothing loaded yet)."""
+
+    request: Request
+    source: Source
+    model: Any  # the sampled role's model, built (no weights)
+    shape: Any  # [C, T, H, W] of the video latents, or a joint model's {modality: shape}
+    vcfg: validation.ValidationConfig
+    image: Any  # the --image pixels, uint8 [1, H, W, 3], or None
+    encoder: Callable[[], Any]
+    decoder: Callable[[], Callable[[torch.Tensor], torch.Tensor]]
+    sound: Callable[[], Any] | None  # a joint model's audio decoder (``decode``, ``sample_rate``), or None
+    out: pathlib.Path
+    todo: list[Video]
+
+
+def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
+    """Every check of a request, before any weight loads: a one-line ValueError naming the culprit."""
     if not request.prompts:
         raise ValueError("sample: give --prompt TEXT or --prompts FILE")
     if request.batch_size < 1 or request.scale < 1:
@@ -377,60 +426,90 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
     source = open_source(request)
     config = source.config
     model = role_configs(config)[source.role].build()
-    if getattr(model, "joint", False):
-        raise ValueError(f"sample: {model.name} denoises video and audio together; sampling joint models is not "
-                         "in fvx yet (validation logs their sound)")
-    if request.image is not None:
-        raise ValueError(f"--image: image-to-video sampling is not in fvx yet ({model.name})")
+    image_to_video = config.data.kind == "i2v"
+    image = read_first_frame(request.image, image_to_video, model)
     shape = latent_shape(config, model, request)
     warning = check_length(model, shape, _trained_shape(config, shape))
     if warning is not None:
         say(f"warning: {warning}")
     vcfg = validation_config(config, request, shape)
-    encoder_factory = preprocessing.text_encoder(config, source.role, request.base)
-    decode = _decoder(config, source.role, request.base)
-    todo = videos(request.prompts, request.num_per_prompt, request.seed)
+    if model.joint:
+        shape = validation.latent_shapes(vcfg, open_data(config)[0], model)
     out = pathlib.Path(request.out) if request.out is not None else default_out(request, source)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {str(out)!r} is a file, not a folder")
-    mine = todo[rank::world]
+    sound = (lambda: config.build_audio_vae()) if model.joint and getattr(config, "audio_vae", None) else None
+    return Plan(request, source, model, shape, vcfg, image,
+                preprocessing.prompt_encoder(config, source.role, request.base, image_to_video),
+                _decoder(config, source.role, request.base), sound, out,
+                videos(request.prompts, request.num_per_prompt, request.seed))
 
-    device = preprocessing.device()
-    encoder = encoder_factory()  # the text encoder first, then freed: it and the DiT are never held together
-    cond = tree.to_device(encoded_cond(config, model, encoder, request.prompts), device)
-    uncond = _uncond(config, model, encoder, request.negative_prompt, vcfg, device)
+
+def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: bool = True,
+               say: Callable[[str], None] = print) -> dict[str, Any]:
+    """``sample``: :func:`plan`, then this rank's videos (video ``i`` on rank ``i mod world``) into the output
+    folder, and ``samples.json`` once every rank is done. Returns the folder, the entries, and this rank's latents
+    and decoded frames."""
+    p = plan(request, say)
+    config, device = p.source.config, preprocessing.device()
+    encoder = p.encoder()  # the text encoder first, then freed: it and the DiT are never held together
+    given = None if p.image is None else image_condition(encoder, p.image, _video_shape(p.shape), p.model)
+    cond = tree.to_device(encoded_cond(config, p.model, encoder, request.prompts, given), device)
+    uncond = _uncond(config, p.model, encoder, request.negative_prompt, p.vcfg, device)
     del encoder
     models = build_models(config)
-    params = tree.to_device(source.weights(), device)
-    sampler = sampler_of(source, models, params, vcfg, request.jumps)
-    data_model = models[source.role]
-    decoder = decode()
+    sampler = sampler_of(p.source, models, tree.to_device(p.source.weights(), device), p.vcfg, request.jumps)
+    model, decoder, sound = models[p.source.role], p.decoder(), None if p.sound is None else p.sound()
     judge = getattr(open_data(config)[0], "caption_quality", None)  # the toy world scores its own prompts
-    out.mkdir(parents=True, exist_ok=True)
+    p.out.mkdir(parents=True, exist_ok=True)
     fps = request.fps or config.validation.fps
-    entries, made = [], []
+    mine, entries, made = p.todo[rank::world], [], []
     bar = fprogress.bar(len(mine), desc="sample", unit="video", show=progress)
     for start in range(0, len(mine), request.batch_size):
         batch = mine[start:start + request.batch_size]
-        noise, keys = tree.to_device(noise_and_keys([v.seed for v in batch], shape), device)
+        noise, keys = tree.to_device(noise_and_keys([v.seed for v in batch], p.shape), device)
         rows = torch.tensor([v.prompt_index for v in batch], device=device)
         latents = draw(sampler, noise, {name: t[rows] for name, t in cond.items()}, keys, uncond,
-                       vcfg.guidance_scale)
-        with torch.no_grad():
-            video = decoder(data_model.denormalize(latents)).cpu()
-        made.append(latents.cpu())
+                       p.vcfg.guidance_scale)
+        video, waveforms = decoded(model, decoder, sound, latents)
+        made.append((tree.to_device(latents, "cpu"), video))
         for i, item in enumerate(batch):
-            paths = write_video(out, item.stem, video[i], fps, gif=request.gif, scale=request.scale)
-            entries.append({"index": todo.index(item), "prompt": item.prompt, "seed": item.seed,
+            audio = None if waveforms is None else (waveforms[i], sound.sample_rate)
+            paths = write_video(p.out, item.stem, video[i], fps, gif=request.gif, scale=request.scale, sound=audio)
+            entries.append({"index": p.todo.index(item), "prompt": item.prompt, "seed": item.seed,
                             "files": [path.name for path in paths]})
             if judge is not None:
                 entries[-1]["world_score"] = judge(video[i:i + 1], [item.prompt])
         bar.update(len(batch))
     bar.close()
-    record = _record(request, source, model, sampler, vcfg, entries, shape, fps, device)
-    merge_samples(out, rank, world, record)
-    return {"folder": out, "videos": entries, "sampler": sampler.tag, "where": source.where,
-            "latents": torch.cat(made) if made else None}
+    merge_samples(p.out, rank, world, _record(p, sampler, entries, fps, device))
+    return {"folder": p.out, "videos": entries, "sampler": sampler.tag, "where": p.source.where,
+            "latents": _cat([m[0] for m in made]), "frames": _cat([m[1] for m in made])}
+
+
+def decoded(model: Any, decoder: Callable[[torch.Tensor], torch.Tensor], sound: Any,
+            latents: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(video ``[N, 3, T, H, W]`` in [0, 1], waveforms ``[N, C, S]`` in [-1, 1] or None) on the CPU of sampled
+    latents (a joint model's dict: its video, and its audio when there is a ``sound`` decoder)."""
+    with torch.no_grad():
+        clean = model.denormalize(latents)
+        video = decoder(clean["video"] if isinstance(clean, Mapping) else clean).float().cpu()
+        waveforms = None
+        if sound is not None and isinstance(clean, Mapping):
+            waveforms = sound.decode(clean["audio"]).float().clamp(-1, 1).cpu()
+    return video, waveforms
+
+
+def _video_shape(shape: Any) -> tuple[int, int, int, int]:
+    return shape["video"] if isinstance(shape, Mapping) else shape
+
+
+def _cat(parts: list[Any]) -> Any:
+    if not parts:
+        return None
+    if isinstance(parts[0], Mapping):
+        return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+    return torch.cat(parts)
 
 
 def _uncond(config: Any, model: Any, encoder: Any, negative_prompt: str | None, vcfg: validation.ValidationConfig,
@@ -454,15 +533,18 @@ def _decoder(config: Any, role: str, base: str | None) -> Callable[[], Callable[
     return lambda: factory().decode_video
 
 
-def _record(request: Request, source: Source, model: Any, sampler: validation.Sampler,
-            vcfg: validation.ValidationConfig, entries: list[dict[str, Any]], shape: tuple[int, ...],
-            fps: float, device: torch.device) -> dict[str, Any]:
+def _record(p: Plan, sampler: validation.Sampler, entries: list[dict[str, Any]], fps: float,
+            device: torch.device) -> dict[str, Any]:
     """``samples.json``: what every video was made with, enough to make it again."""
+    request, source, vcfg = p.request, p.source, p.vcfg
+    shape = ({name: list(part) for name, part in p.shape.items()} if isinstance(p.shape, Mapping)
+             else list(p.shape))
     return {
         "source": str(pathlib.Path(request.source).absolute()), "where": source.where, "step": source.step,
-        "role": source.role, "ema": source.ema, "model": model.name, "sampler": sampler.tag,
+        "role": source.role, "ema": source.ema, "model": p.model.name, "sampler": sampler.tag,
         "kind": sampler.sampler, "steps": vcfg.num_steps, "guidance": vcfg.guidance_scale if sampler.guided else None,
         "shift": vcfg.flow_shift, "schedule": vcfg.schedule, "negative_prompt": request.negative_prompt,
-        "jumps": request.jumps, "latent_shape": list(shape), "fps": fps, "batch_size": request.batch_size,
-        "base": request.base, "overrides": list(request.overrides), "device": str(device), "videos": entries,
+        "jumps": request.jumps, "latent_shape": shape, "fps": fps, "batch_size": request.batch_size,
+        "base": request.base, "image": None if request.image is None else str(pathlib.Path(request.image).absolute()),
+        "overrides": list(request.overrides), "device": str(device), "videos": entries,
     }

@@ -28,3 +28,20 @@ def save(path: pathlib.Path) -> pathlib.Path:
                             scheduler=FlowMatchEulerDiscreteScheduler(), image_processor=processor,
                             image_encoder=vision, transformer=None).save_pretrained(path)
     return path
+
+
+def save_t2v(path: pathlib.Path) -> pathlib.Path:
+    """A whole tiny Wan T2V pipeline at ``path`` whose parts fit the ``tiny`` DiT preset: UMT5 of width 32, the tiny
+    Wan VAE (16 channels, 4x compression, statistics 0 and 1) and a random ``tiny`` transformer."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    from fvx_models import wan, wan_vae
+
+    torch.manual_seed(0)
+    text = transformers.UMT5EncoderModel(transformers.UMT5Config(
+        vocab_size=len(WORDS), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8))
+    WanPipeline(tokenizer=tiny_t5_tokenizer(), text_encoder=text, vae=AutoencoderKLWan(**wan_vae.PRESETS["tiny"]),
+                scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+                transformer=WanTransformer3DModel(**wan.TINY)).save_pretrained(path)
+    return path

@@ -1,12 +1,14 @@
-"""The ``sample`` command's many-step sampler against each family's diffusers pipeline: the same tiny random DiT
-(exported by fvx, loaded back with ``from_pretrained``), the same initial latents, prompt embeddings, steps,
-scheduler settings and guidance give the same latents (CPU fp32). The fvx side is exactly what ``sample`` runs for a
-fine-tuned model: ``one_role.many_step_samplers(model)`` at a ``ValidationConfig``, drawn by ``sampling.draw`` with
-the noise and keys of ``sampling.noise_and_keys`` and ``--negative-prompt``'s unconditional cond. Each pipeline is
-built with only its transformer and scheduler (no text encoder: embeddings go in as ``prompt_embeds``) and returns
+"""The ``sample`` command's many-step sampler against each family's diffusers pipeline: a tiny random DiT, exported
+by fvx (its ``transformer/`` and ``scheduler/`` loaded back with ``from_pretrained``), sampled from the same initial
+latents, prompt embeddings, steps, scheduler settings and guidance, gives the same latents (CPU fp32; bitwise today,
+asserted to 1e-6). The fvx side is what ``sample`` runs for a fine-tuned model: ``one_role.many_step_samplers(model)``
+at a ``ValidationConfig``, drawn by ``sampling.draw`` with the noise and keys of ``sampling.noise_and_keys`` and
+``--negative-prompt``'s unconditional cond. Each pipeline gets only its transformer and scheduler (embeddings go in
+as ``prompt_embeds``; a stand-in where ``__init__`` or the call needs a VAE or an image encoder) and returns
 ``output_type="latent"``. Where a pipeline differs by construction (HunyuanVideo's and LTX's own sigma spacing,
-HunyuanVideo's embedded guidance, Cosmos 2.5's UniPC and ``cond + g (cond - uncond)``), the test names the settings
-under which the two agree; /work/notes/sample_parity.md (docs/design.md) has the details."""
+HunyuanVideo's embedded guidance, LTX's terminal stretch, Cosmos 2.5's UniPC and ``cond + g (cond - uncond)``), a
+test names the settings under which the two agree and another shows the gap; docs/design.md has the details."""
+import json
 import math
 import types
 
@@ -18,6 +20,7 @@ from diffusers import (AutoencoderKLWan, CosmosTransformer3DModel, FlowMatchEule
                        Kandinsky5Transformer3DModel, LTXPipeline, LTXVideoTransformer3DModel,
                        UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel)
 from diffusers.pipelines.cosmos.pipeline_cosmos2_5_predict import Cosmos2_5_PredictBasePipeline
+from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
 
 from fvx.core import flow, random
 from fvx.training import sampling
@@ -32,25 +35,35 @@ from fvx_models.wan import WanConfig
 
 from family_cases import inputs  # noqa: E402
 
-STEPS, SHIFT, GUIDANCE = 3, 3.0, 4.0
+STEPS, GUIDANCE = 3, 4.0
 SEEDS = (0, 1)  # two videos: a batch of two prompts, the second's text padded
-TOL = dict(rtol=1e-4, atol=1e-4)
+TIGHT = dict(rtol=0.0, atol=1e-6)  # equal bit for bit on CPU today; 1e-6 leaves room for kernels' summation order
 
 
-def loaded(config, cls, tmp_path_factory):
-    """(fvx model, its params, the diffusers transformer fvx's export of them loads as)."""
-    model = config.build()
-    params = model.init(random.key(0))
-    folder = tmp_path_factory.mktemp(model.name)
-    model.export(params, str(folder))
-    module = cls.from_pretrained(str(folder), subfolder="transformer").eval()
-    assert module.dtype == torch.float32
-    return model, params, module
+class Exported:
+    """A tiny random model, its params, and fvx's diffusers export of them: the transformer and scheduler as the
+    pipeline's ``from_pretrained`` loads them."""
+
+    def __init__(self, config, transformer_cls, pipeline_cls, tmp_path_factory):
+        self.model = config.build()
+        self.params = self.model.init(random.key(0))
+        folder = tmp_path_factory.mktemp(self.model.name.replace(":", "_"))
+        self.model.export(self.params, str(folder))
+        assert json.loads((folder / "model_index.json").read_text())["_class_name"] == pipeline_cls.__name__
+        self.transformer = transformer_cls.from_pretrained(str(folder), subfolder="transformer").eval()
+        assert self.transformer.dtype == torch.float32
+        self.scheduler_config = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
+
+    def scheduler(self, **changes):
+        """A fresh copy of the exported scheduler (its class from the folder), with ``changes`` to its config."""
+        cls = {"FlowMatchEulerDiscreteScheduler": FlowMatchEulerDiscreteScheduler,
+               "UniPCMultistepScheduler": UniPCMultistepScheduler}[self.scheduler_config["_class_name"]]
+        return cls.from_config({**self.scheduler_config, **changes})
 
 
 def prompts(model, frames=2, size=4, batch=len(SEEDS)):
     """(noise [N, C, T, H, W] and sampler keys as ``sample`` draws them for SEEDS, the prompts' cond [N, ...] (the
-    last row's text padded), a one-row negative-prompt cond)."""
+    last row's text padded), a one-row negative-prompt cond (its text padded too))."""
     shape = (model.latents.channels, frames, size, size)
     noise, keys = sampling.noise_and_keys(SEEDS[:batch], shape)
     _, _, cond = inputs(model, random.key(1), batch=batch, frames=frames, size=size)
@@ -59,14 +72,15 @@ def prompts(model, frames=2, size=4, batch=len(SEEDS)):
     return noise, keys, cond, negative
 
 
-def fvx_sample(model, params, noise, keys, cond, negative, *, steps=STEPS, shift=SHIFT, guidance=GUIDANCE,
-               schedule="diffusers"):
+def fvx_sample(model, params, noise, keys, cond, negative, *, shift, guidance=GUIDANCE, schedule="diffusers"):
     """What ``sample --steps --shift --guidance --schedule --negative-prompt`` draws for a fine-tuned model."""
-    vcfg = ValidationConfig(num_steps=steps, flow_shift=shift, guidance_scale=guidance, schedule=schedule)
+    vcfg = ValidationConfig(num_steps=STEPS, flow_shift=shift, guidance_scale=guidance, schedule=schedule)
     sampler = one_role.many_step_samplers(model)(params, False, vcfg)[0]
     assert sampler.guided and sampler.sampler == "ode" and sampler.draw is None
     uncond = lambda c: model.uncond(c, "negative_prompt", negative)  # noqa: E731  (sampling._uncond's)
-    return sampling.draw(sampler, noise, cond, keys, uncond, vcfg.guidance_scale)
+    latents = sampling.draw(sampler, noise, cond, keys, uncond, vcfg.guidance_scale)
+    assert (latents - noise).abs().max() > 0.1  # the steps moved the latents
+    return latents
 
 
 def rows(negative, count):
@@ -83,48 +97,41 @@ def quiet(pipe):
     return pipe
 
 
+def video_size(noise, temporal, spatial):
+    """The pipeline's ``num_frames``, ``height`` and ``width`` of latents ``[N, C, T, H, W]``."""
+    _, _, frames, height, width = noise.shape
+    return dict(num_frames=temporal * (frames - 1) + 1, height=spatial * height, width=spatial * width)
+
+
 # ------------------------------------------------------------------------------------------------------------- Wan
 
 
 @pytest.fixture(scope="module")
 def wan(tmp_path_factory):
-    return loaded(WanConfig(preset="tiny"), WanTransformer3DModel, tmp_path_factory)
-
-
-def wan_pipeline_latents(module, noise, cond, negative, guidance, steps=STEPS, shift=SHIFT):
-    """WanPipeline: no VAE (its scale factors default to 4 and 8), latents in the DiT's scale as they are."""
-    pipe = quiet(WanPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=module,
-                             scheduler=FlowMatchEulerDiscreteScheduler(shift=shift)))
-    _, _, frames, height, width = noise.shape
-    with torch.no_grad():
-        return pipe(prompt_embeds=masked(cond), negative_prompt_embeds=masked(rows(negative, noise.shape[0])),
-                    latents=noise.clone(), num_inference_steps=steps, guidance_scale=guidance,
-                    height=8 * height, width=8 * width, num_frames=4 * (frames - 1) + 1, output_type="latent",
-                    return_dict=False)[0]
+    return Exported(WanConfig(preset="tiny"), WanTransformer3DModel, WanPipeline, tmp_path_factory)
 
 
 @pytest.mark.parametrize("guidance", [GUIDANCE, 1.0])
 def test_wan_t2v_equals_wan_pipeline(wan, guidance):
-    model, params, module = wan
-    noise, keys, cond, negative = prompts(model)
-    want = wan_pipeline_latents(module, noise, cond, negative, guidance)
-    got = fvx_sample(model, params, noise, keys, cond, negative, guidance=guidance)
-    assert (got - noise).abs().max() > 0.1  # the steps moved the latents
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
-def test_the_diffusers_schedule_is_the_pipelines_and_fvxs_default_is_not(wan):
-    """``--schedule diffusers`` is what makes the match: the default ``fvx`` levels (evenly spaced, shifted once)
-    differ from ``FlowMatchEulerDiscreteScheduler.set_timesteps`` (spaced to its smallest level, shifted twice at the
-    low end), and so do the latents."""
-    model, params, module = wan
-    noise, keys, cond, negative = prompts(model)
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=SHIFT)
-    scheduler.set_timesteps(STEPS)
-    assert torch.equal(flow.scheduler_sigmas(SHIFT, STEPS), scheduler.sigmas[:-1])
-    want = wan_pipeline_latents(module, noise, cond, negative, GUIDANCE)
-    other = fvx_sample(model, params, noise, keys, cond, negative, schedule="fvx")
-    assert (other - want).abs().max() > 1e-3
+    """WanPipeline on the exported scheduler (FlowMatchEuler, shift 3) is ``--schedule diffusers --shift 3``; no VAE
+    (its strides default to 4 and 8), latents in the DiT's scale as they are; no CFG at guidance 1 on either side."""
+    noise, keys, cond, negative = prompts(wan.model)
+    scheduler = wan.scheduler()
+    pipe = quiet(WanPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=wan.transformer,
+                             scheduler=scheduler))
+    with torch.no_grad():
+        want = pipe(prompt_embeds=masked(cond), negative_prompt_embeds=masked(rows(negative, noise.shape[0])),
+                    latents=noise.clone(), num_inference_steps=STEPS, guidance_scale=guidance,
+                    output_type="latent", return_dict=False, **video_size(noise, 4, 8))[0]
+    shift = scheduler.config.shift
+    got = fvx_sample(wan.model, wan.params, noise, keys, cond, negative, shift=shift, guidance=guidance)
+    torch.testing.assert_close(got, want, **TIGHT)
+    assert torch.equal(flow.scheduler_sigmas(shift, STEPS), scheduler.sigmas[:-1])
+    # fvx's default levels (evenly spaced, shifted once) are not the scheduler's (spaced to its smallest training
+    # level, so shifted twice at the low end): --schedule diffusers is what makes the match
+    other = fvx_sample(wan.model, wan.params, noise, keys, cond, negative, shift=shift, guidance=guidance,
+                       schedule="fvx")
+    assert (other - want).abs().max() > 1e-2
 
 
 # --------------------------------------------------------------------------------------------------- HunyuanVideo
@@ -132,53 +139,54 @@ def test_the_diffusers_schedule_is_the_pipelines_and_fvxs_default_is_not(wan):
 
 @pytest.fixture(scope="module")
 def hunyuan(tmp_path_factory):
-    return loaded(HunyuanVideoConfig(preset="tiny"), HunyuanVideoTransformer3DModel, tmp_path_factory)
+    return Exported(HunyuanVideoConfig(preset="tiny"), HunyuanVideoTransformer3DModel, HunyuanVideoPipeline,
+                    tmp_path_factory)
 
 
-def hunyuan_pipeline_latents(module, noise, cond, negative, *, true_cfg_scale, embedded, sigmas=None):
-    """HunyuanVideoPipeline: ``guidance_scale`` is the distilled guidance the DiT embeds (``g * 1000``), classifier-
-    free guidance is ``true_cfg_scale`` with the negative embeddings; its sigmas are its own (``sigmas=None``:
-    ``linspace(1, 0, K + 1)[:-1]``, then the scheduler's shift)."""
-    pipe = quiet(HunyuanVideoPipeline(text_encoder=None, tokenizer=None, transformer=module, vae=None,
-                                      scheduler=FlowMatchEulerDiscreteScheduler(shift=SHIFT), text_encoder_2=None,
-                                      tokenizer_2=None))
-    _, _, frames, height, width = noise.shape
+def hunyuan_pipeline_latents(exported, noise, cond, negative, *, true_cfg_scale, embedded, sigmas=None):
+    """HunyuanVideoPipeline (no VAE: strides 4 and 8): ``guidance_scale`` is the distilled guidance the DiT embeds
+    (``g * 1000``), classifier-free guidance is ``true_cfg_scale`` with the negative embeddings (none at 1); its
+    sigmas are its own (``sigmas=None``: ``linspace(1, 0, K + 1)[:-1]``, then the scheduler's shift)."""
+    pipe = quiet(HunyuanVideoPipeline(text_encoder=None, tokenizer=None, transformer=exported.transformer, vae=None,
+                                      scheduler=exported.scheduler(), text_encoder_2=None, tokenizer_2=None))
     neg = rows(negative, noise.shape[0])
     with torch.no_grad():
         return pipe(prompt_embeds=cond["text"], prompt_attention_mask=cond["text_mask"],
                     pooled_prompt_embeds=cond["pooled"], negative_prompt_embeds=neg["text"],
                     negative_prompt_attention_mask=neg["text_mask"], negative_pooled_prompt_embeds=neg["pooled"],
                     latents=noise.clone(), num_inference_steps=STEPS, sigmas=sigmas, guidance_scale=embedded,
-                    true_cfg_scale=true_cfg_scale, height=8 * height, width=8 * width,
-                    num_frames=4 * (frames - 1) + 1, output_type="latent", return_dict=False)[0]
+                    true_cfg_scale=true_cfg_scale, output_type="latent", return_dict=False,
+                    **video_size(noise, 4, 8))[0]
 
 
 @pytest.mark.parametrize("guidance", [GUIDANCE, 1.0])
 def test_hunyuan_video_equals_its_pipeline_with_true_cfg_on_fvx_levels(hunyuan, guidance):
-    """The pipeline's own levels are fvx's default schedule (``--schedule fvx``); its ``guidance_scale`` must be the
-    model's ``embedded_guidance`` (6) and fvx's ``--guidance`` is its ``true_cfg_scale``."""
-    model, params, module = hunyuan
-    noise, keys, cond, negative = prompts(model)
+    """The pipeline's own levels are fvx's default schedule (``--schedule fvx``, shift 7 as exported); its
+    ``guidance_scale`` must be the model's ``embedded_guidance`` (6) and fvx's ``--guidance`` is its
+    ``true_cfg_scale``."""
+    noise, keys, cond, negative = prompts(hunyuan.model)
     embedded = HunyuanVideoConfig(preset="tiny").embedded_guidance
-    want = hunyuan_pipeline_latents(module, noise, cond, negative, true_cfg_scale=guidance, embedded=embedded)
-    got = fvx_sample(model, params, noise, keys, cond, negative, guidance=guidance, schedule="fvx")
-    assert (got - noise).abs().max() > 0.1
-    torch.testing.assert_close(got, want, **TOL)
+    want = hunyuan_pipeline_latents(hunyuan, noise, cond, negative, true_cfg_scale=guidance, embedded=embedded)
+    shift = hunyuan.scheduler_config["shift"]
+    got = fvx_sample(hunyuan.model, hunyuan.params, noise, keys, cond, negative, shift=shift, guidance=guidance,
+                     schedule="fvx")
+    torch.testing.assert_close(got, want, **TIGHT)
+    other = fvx_sample(hunyuan.model, hunyuan.params, noise, keys, cond, negative, shift=shift, guidance=guidance)
+    assert (other - want).abs().max() > 1e-2  # --schedule diffusers is not the pipeline's default
 
 
-def test_hunyuan_video_with_the_diffusers_schedule_given_as_the_pipelines_sigmas(hunyuan):
+def test_hunyuan_video_on_the_diffusers_schedule_and_its_embedded_guidance(hunyuan):
     """``--schedule diffusers`` matches when the pipeline is handed the scheduler's default levels before its shift
-    (``linspace(1, shift(1 / 1000), K)``), and a different embedded guidance gives different latents (it is not
-    classifier-free guidance)."""
-    model, params, module = hunyuan
-    noise, keys, cond, negative = prompts(model)
-    low = float(flow.training_sigmas(SHIFT)[-1])
-    sigmas = list(np.linspace(1.0, low, STEPS))
-    want = hunyuan_pipeline_latents(module, noise, cond, negative, true_cfg_scale=GUIDANCE, embedded=6.0,
+    (``sigmas=linspace(1, shift(1 / 1000), K)``); a different embedded guidance gives different latents (it is an
+    input of the distilled DiT, fixed by fvx's config, not classifier-free guidance)."""
+    noise, keys, cond, negative = prompts(hunyuan.model)
+    shift = hunyuan.scheduler_config["shift"]
+    sigmas = list(np.linspace(1.0, hunyuan.scheduler().sigma_min, STEPS))  # the shifted grid's lowest level
+    want = hunyuan_pipeline_latents(hunyuan, noise, cond, negative, true_cfg_scale=GUIDANCE, embedded=6.0,
                                     sigmas=sigmas)
-    got = fvx_sample(model, params, noise, keys, cond, negative, schedule="diffusers")
-    torch.testing.assert_close(got, want, **TOL)
-    other = hunyuan_pipeline_latents(module, noise, cond, negative, true_cfg_scale=GUIDANCE, embedded=3.0,
+    got = fvx_sample(hunyuan.model, hunyuan.params, noise, keys, cond, negative, shift=shift)
+    torch.testing.assert_close(got, want, **TIGHT)
+    other = hunyuan_pipeline_latents(hunyuan, noise, cond, negative, true_cfg_scale=GUIDANCE, embedded=3.0,
                                      sigmas=sigmas)
     assert (other - want).abs().max() > 1e-3
 
@@ -187,7 +195,7 @@ def test_hunyuan_video_with_the_diffusers_schedule_given_as_the_pipelines_sigmas
 
 
 class NoSafetyChecker:
-    """The pipeline moves its checker to the device; text-to-world with embeddings checks nothing else."""
+    """The pipeline moves its checker to the device; text to world from embeddings checks nothing else."""
 
     def to(self, *args, **kwargs):
         return self
@@ -195,47 +203,45 @@ class NoSafetyChecker:
 
 @pytest.fixture(scope="module")
 def cosmos(tmp_path_factory):
-    return loaded(CosmosConfig(preset="tiny"), CosmosTransformer3DModel, tmp_path_factory)
+    return Exported(CosmosConfig(preset="tiny"), CosmosTransformer3DModel, Cosmos2_5_PredictBasePipeline,
+                    tmp_path_factory)
 
 
-def cosmos_pipeline_latents(module, noise, cond, negative, guidance, scheduler):
+def cosmos_pipeline_latents(exported, noise, cond, negative, guidance, scheduler):
     """Cosmos2_5_PredictBasePipeline, text to world: the tiny Wan VAE (its ``__init__`` reads the VAE's latent
     statistics and strides; nothing is encoded or decoded), ``guidance_scale`` its ``cond + g (cond - uncond)``."""
     vae = AutoencoderKLWan(**wan_vae.PRESETS["tiny"])
-    pipe = quiet(Cosmos2_5_PredictBasePipeline(text_encoder=None, tokenizer=None, transformer=module, vae=vae,
-                                               scheduler=scheduler, safety_checker=NoSafetyChecker()))
-    _, _, frames, height, width = noise.shape
+    pipe = quiet(Cosmos2_5_PredictBasePipeline(text_encoder=None, tokenizer=None, transformer=exported.transformer,
+                                               vae=vae, scheduler=scheduler, safety_checker=NoSafetyChecker()))
     with torch.no_grad():
         return pipe(prompt_embeds=cond["text"], negative_prompt_embeds=rows(negative, noise.shape[0])["text"],
-                    latents=noise.clone(), num_inference_steps=STEPS, guidance_scale=guidance,
-                    height=pipe.vae_scale_factor_spatial * height, width=pipe.vae_scale_factor_spatial * width,
-                    num_frames=pipe.vae_scale_factor_temporal * (frames - 1) + 1, output_type="latent",
-                    return_dict=False)[0]
+                    latents=noise.clone(), num_inference_steps=STEPS, guidance_scale=guidance, output_type="latent",
+                    return_dict=False,
+                    **video_size(noise, pipe.vae_scale_factor_temporal, pipe.vae_scale_factor_spatial))[0]
 
 
 @pytest.mark.parametrize("guidance", [GUIDANCE, 1.0])
 def test_cosmos_equals_its_pipeline_stepped_by_flow_match_euler(cosmos, guidance):
     """The pipeline's loop reads only ``scheduler.sigmas`` and ``scheduler.step``, so it runs on
-    ``FlowMatchEulerDiscreteScheduler``; its guidance ``g_p`` is fvx's ``g = g_p + 1`` (none at ``g_p <= 1``)."""
-    model, params, module = cosmos
-    noise, keys, cond, negative = prompts(model)
-    want = cosmos_pipeline_latents(module, noise, cond, negative, guidance - 1.0,
-                                   FlowMatchEulerDiscreteScheduler(shift=SHIFT))
-    got = fvx_sample(model, params, noise, keys, cond, negative, guidance=guidance)
-    assert (got - noise).abs().max() > 0.1
-    torch.testing.assert_close(got, want, **TOL)
+    ``FlowMatchEulerDiscreteScheduler`` (shift 3 here); its guidance ``g_p`` is fvx's ``g = g_p + 1`` (none at
+    ``g_p <= 1``)."""
+    noise, keys, cond, negative = prompts(cosmos.model)
+    want = cosmos_pipeline_latents(cosmos, noise, cond, negative, guidance - 1.0,
+                                   FlowMatchEulerDiscreteScheduler(shift=3.0))
+    got = fvx_sample(cosmos.model, cosmos.params, noise, keys, cond, negative, shift=3.0, guidance=guidance)
+    torch.testing.assert_close(got, want, **TIGHT)
 
 
-def test_cosmos_with_its_released_unipc_scheduler_is_another_solver(cosmos):
-    """The released scheduler (UniPC, Karras flow sigmas 200..0.01, shift 1, as fvx exports it) is a multistep
-    predictor-corrector on other levels: an Euler sampler cannot reproduce it, only approach it as steps grow."""
-    model, params, module = cosmos
-    noise, keys, cond, negative = prompts(model)
-    unipc = UniPCMultistepScheduler(use_karras_sigmas=True, use_flow_sigmas=True, prediction_type="flow_prediction",
-                                    flow_shift=1.0, sigma_max=200.0, sigma_min=0.01)
-    want = cosmos_pipeline_latents(module, noise, cond, negative, GUIDANCE - 1.0, unipc)
-    got = fvx_sample(model, params, noise, keys, cond, negative, shift=1.0)
-    assert (got - want).abs().max() > 1e-3
+@pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")  # inside diffusers' UniPC
+def test_cosmos_with_its_exported_unipc_scheduler_is_another_solver(cosmos):
+    """The exported (released) scheduler, UniPC on Karras flow sigmas 200..0.01 (levels 0.995..0.0099), is a
+    multistep predictor-corrector on levels no flow shift lays out: an Euler sampler cannot reproduce it."""
+    noise, keys, cond, negative = prompts(cosmos.model)
+    unipc = cosmos.scheduler()
+    assert isinstance(unipc, UniPCMultistepScheduler) and unipc.config.use_karras_sigmas
+    want = cosmos_pipeline_latents(cosmos, noise, cond, negative, GUIDANCE - 1.0, unipc)
+    got = fvx_sample(cosmos.model, cosmos.params, noise, keys, cond, negative, shift=unipc.config.flow_shift)
+    assert (got - want).abs().max() > 1e-2
 
 
 # ------------------------------------------------------------------------------------------------------ LTX-Video
@@ -243,51 +249,52 @@ def test_cosmos_with_its_released_unipc_scheduler_is_another_solver(cosmos):
 
 @pytest.fixture(scope="module")
 def ltx(tmp_path_factory):
-    return loaded(LTXVideoConfig(preset="tiny"), LTXVideoTransformer3DModel, tmp_path_factory)
+    return Exported(LTXVideoConfig(preset="tiny"), LTXVideoTransformer3DModel, LTXPipeline, tmp_path_factory)
 
 
-def ltx_pipeline_latents(module, noise, cond, negative, guidance, scheduler):
-    """LTXPipeline: no VAE (compression 8 x 32 x 32, frame rate 25, the RoPE scale fvx uses), latents packed to tokens
-    in and out (``_pack_latents`` / ``_unpack_latents``, patch 1); its sigmas are its own, ``linspace(1, 1 / K, K)``
-    then the scheduler's shift (``mu`` from the token count, used only by a dynamic-shift scheduler)."""
-    pipe = quiet(LTXPipeline(scheduler=scheduler, vae=None, text_encoder=None, tokenizer=None, transformer=module))
+def ltx_pipeline_latents(exported, noise, cond, negative, guidance, scheduler):
+    """LTXPipeline: no VAE (compression 8 x 32 x 32, frame rate 25: the RoPE scale fvx uses), latents packed to tokens
+    in and out (``_pack_latents`` / ``_unpack_latents``, patch 1), CFG as one batch ``[uncond | cond]``; its sigmas
+    are its own, ``linspace(1, 1 / K, K)`` then the scheduler's shift (``mu`` of the token count when dynamic)."""
+    pipe = quiet(LTXPipeline(scheduler=scheduler, vae=None, text_encoder=None, tokenizer=None,
+                             transformer=exported.transformer))
     _, _, frames, height, width = noise.shape
     neg = rows(negative, noise.shape[0])
     with torch.no_grad():
         out = pipe(prompt_embeds=cond["text"], prompt_attention_mask=cond["text_mask"],
                    negative_prompt_embeds=neg["text"], negative_prompt_attention_mask=neg["text_mask"],
                    latents=LTXPipeline._pack_latents(noise.clone()), num_inference_steps=STEPS,
-                   guidance_scale=guidance, height=32 * height, width=32 * width, num_frames=8 * (frames - 1) + 1,
-                   output_type="latent", return_dict=False)[0]
+                   guidance_scale=guidance, output_type="latent", return_dict=False, **video_size(noise, 8, 32))[0]
     return LTXPipeline._unpack_latents(out, frames, height, width)
 
 
 @pytest.mark.parametrize("guidance", [GUIDANCE, 1.0])
-def test_ltx_video_equals_its_pipeline_with_a_static_shift_on_fvx_levels(ltx, guidance):
-    """With a static-shift scheduler (LTX-Video 0.9.5 / 0.9.7 release ``use_dynamic_shifting=False``, shift 1;
-    here 3), the pipeline's levels are fvx's default schedule (``--schedule fvx``)."""
-    model, params, module = ltx
-    noise, keys, cond, negative = prompts(model)
-    want = ltx_pipeline_latents(module, noise, cond, negative, guidance, FlowMatchEulerDiscreteScheduler(shift=SHIFT))
-    got = fvx_sample(model, params, noise, keys, cond, negative, guidance=guidance, schedule="fvx")
-    assert (got - noise).abs().max() > 0.1
-    torch.testing.assert_close(got, want, **TOL)
+def test_ltx_video_with_a_static_shift_equals_its_pipeline_on_fvx_levels(ltx, guidance):
+    """With a static-shift scheduler (as fvx exports the 13B preset: ``use_dynamic_shifting=False``; shift 3 here),
+    the pipeline's levels are fvx's default schedule (``--schedule fvx``)."""
+    noise, keys, cond, negative = prompts(ltx.model)
+    scheduler = ltx.scheduler(use_dynamic_shifting=False, shift_terminal=None, shift=3.0)
+    want = ltx_pipeline_latents(ltx, noise, cond, negative, guidance, scheduler)
+    got = fvx_sample(ltx.model, ltx.params, noise, keys, cond, negative, shift=3.0, guidance=guidance,
+                     schedule="fvx")
+    torch.testing.assert_close(got, want, **TIGHT)
 
 
-def test_ltx_video_dynamic_shift_is_a_static_shift_of_e_to_the_mu(ltx):
-    """A dynamic (exponential) shift without a terminal stretch is the static shift ``e^mu``, ``mu`` the pipeline's
-    ``calculate_shift`` of the token count: ``--shift e^mu --schedule fvx`` matches. The 0.9.0 / 0.9.1 releases'
-    scheduler also stretches the levels to end at ``shift_terminal=0.1``, which neither fvx schedule lays out."""
-    model, params, module = ltx
-    noise, keys, cond, negative = prompts(model)
-    bounds = dict(base_shift=0.95, max_shift=2.05, base_image_seq_len=1024, max_image_seq_len=4096)
-    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, **bounds)
-    tokens = math.prod(noise.shape[2:])
-    slope = (bounds["max_shift"] - bounds["base_shift"]) / (bounds["max_image_seq_len"] - bounds["base_image_seq_len"])
-    mu = bounds["base_shift"] + slope * (tokens - bounds["base_image_seq_len"])
-    want = ltx_pipeline_latents(module, noise, cond, negative, GUIDANCE, scheduler)
-    got = fvx_sample(model, params, noise, keys, cond, negative, shift=math.exp(mu), schedule="fvx")
-    torch.testing.assert_close(got, want, **TOL)
+def test_ltx_video_dynamic_shift_is_e_to_the_mu_and_its_terminal_stretch_is_not_fvxs(ltx):
+    """The exported (0.9.0 / 0.9.1) scheduler shifts dynamically, ``exp`` type: at one token count that is the
+    static shift ``e^mu`` (``mu``: the pipeline's ``calculate_shift``), so without its terminal stretch
+    ``--shift e^mu --schedule fvx`` matches; the stretch (levels rescaled to end at ``shift_terminal=0.1``) is a
+    layout neither fvx schedule has."""
+    noise, keys, cond, negative = prompts(ltx.model)
+    config = ltx.scheduler_config
+    assert config["use_dynamic_shifting"] and config["time_shift_type"] == "exponential"
+    mu = calculate_shift(math.prod(noise.shape[2:]), config["base_image_seq_len"], config["max_image_seq_len"],
+                         config["base_shift"], config["max_shift"])
+    got = fvx_sample(ltx.model, ltx.params, noise, keys, cond, negative, shift=math.exp(mu), schedule="fvx")
+    want = ltx_pipeline_latents(ltx, noise, cond, negative, GUIDANCE, ltx.scheduler(shift_terminal=None))
+    torch.testing.assert_close(got, want, rtol=0.0, atol=1e-5)  # e^mu through float64 vs the scheduler's fp32
+    stretched = ltx_pipeline_latents(ltx, noise, cond, negative, GUIDANCE, ltx.scheduler())
+    assert config["shift_terminal"] == 0.1 and (stretched - got).abs().max() > 1e-2
 
 
 # ----------------------------------------------------------------------------------------------------- Kandinsky 5
@@ -295,7 +302,8 @@ def test_ltx_video_dynamic_shift_is_a_static_shift_of_e_to_the_mu(ltx):
 
 @pytest.fixture(scope="module")
 def kandinsky(tmp_path_factory):
-    return loaded(Kandinsky5Config(preset="tiny"), Kandinsky5Transformer3DModel, tmp_path_factory)
+    return Exported(Kandinsky5Config(preset="tiny"), Kandinsky5Transformer3DModel, Kandinsky5T2VPipeline,
+                    tmp_path_factory)
 
 
 def packed_text(cond):
@@ -307,29 +315,25 @@ def packed_text(cond):
 
 
 def test_kandinsky5_equals_its_pipeline(kandinsky):
-    """Kandinsky5T2VPipeline: no VAE (strides 4 and 8), channels-last latents ``[x | zeros | zero mask]`` in (its
-    ``prepare_latents`` keeps given latents as they are) and the first C channels out."""
-    model, params, module = kandinsky
-    noise, keys, cond, negative = prompts(model)
-    pipe = quiet(Kandinsky5T2VPipeline(transformer=module, vae=None, text_encoder=None, tokenizer=None,
-                                       text_encoder_2=None, tokenizer_2=None,
-                                       scheduler=FlowMatchEulerDiscreteScheduler(shift=SHIFT)))
-    n, _, frames, height, width = noise.shape
+    """Kandinsky5T2VPipeline on the exported scheduler (FlowMatchEuler, shift 5): no VAE (strides 4 and 8),
+    channels-last latents ``[x | zeros | zero mask]`` in (its ``prepare_latents`` keeps given latents as they are),
+    the first C channels out; the text rows cut to the longest valid one, their lengths as ``cu_seqlens``."""
+    noise, keys, cond, negative = prompts(kandinsky.model)
+    scheduler = kandinsky.scheduler()
+    pipe = quiet(Kandinsky5T2VPipeline(transformer=kandinsky.transformer, vae=None, text_encoder=None,
+                                       tokenizer=None, text_encoder_2=None, tokenizer_2=None, scheduler=scheduler))
     x = noise.permute(0, 2, 3, 4, 1)
     x = torch.cat([x, torch.zeros_like(x), torch.zeros_like(x[..., :1])], dim=-1)
     text, cu = packed_text(cond)
-    neg = rows(negative, n)
+    neg = rows(negative, noise.shape[0])
     neg_text, neg_cu = packed_text(neg)
     with torch.no_grad():
         out = pipe(prompt_embeds_qwen=text, prompt_embeds_clip=cond["pooled"], prompt_cu_seqlens=cu,
                    negative_prompt_embeds_qwen=neg_text, negative_prompt_embeds_clip=neg["pooled"],
                    negative_prompt_cu_seqlens=neg_cu, latents=x, num_inference_steps=STEPS, guidance_scale=GUIDANCE,
-                   height=8 * height, width=8 * width, num_frames=4 * (frames - 1) + 1, output_type="latent",
-                   return_dict=False)[0]
-    want = out.permute(0, 4, 1, 2, 3)
-    got = fvx_sample(model, params, noise, keys, cond, negative)
-    assert (got - noise).abs().max() > 0.1
-    torch.testing.assert_close(got, want, **TOL)
+                   output_type="latent", return_dict=False, **video_size(noise, 4, 8))[0]
+    got = fvx_sample(kandinsky.model, kandinsky.params, noise, keys, cond, negative, shift=scheduler.config.shift)
+    torch.testing.assert_close(got, out.permute(0, 4, 1, 2, 3), **TIGHT)
 
 
 # ------------------------------------------------------------------------------------------------------- Wan I2V
@@ -370,7 +374,7 @@ class GivenImageEncoder(StandIn):
 
 
 class Pixels(dict):
-    """What an image processor returns (a ``BatchFeature``): keyword arguments of the encoder, movable."""
+    """What an image processor returns (a ``BatchFeature``): the encoder's keyword arguments, movable."""
 
     def to(self, device):
         return self
@@ -378,33 +382,30 @@ class Pixels(dict):
 
 @pytest.fixture(scope="module")
 def wan_i2v(tmp_path_factory):
-    return loaded(WanConfig(preset="tiny-i2v"), WanTransformer3DModel, tmp_path_factory)
+    return Exported(WanConfig(preset="tiny-i2v"), WanTransformer3DModel, WanImageToVideoPipeline, tmp_path_factory)
 
 
 def test_wan_i2v_equals_wan_image_to_video_pipeline(wan_i2v):
-    """WanImageToVideoPipeline, one video (it encodes one image for the batch, and takes ``image_embeds`` only
-    without an ``image``, which it needs for the condition): stand-ins for its VAE and CLIP that give the cond's
+    """WanImageToVideoPipeline, one video (it encodes one image for the whole batch, and refuses ``image_embeds``
+    with an ``image``, which it needs for the condition latents): stand-ins for its VAE and CLIP give the cond's
     ``first_frame_latents`` (fvx's data: the first frame's latents, then zeros) and ``image_embeds``; the text
-    zero-padded to the 512 tokens of its T5 (as fvx's model pads it)."""
-    model, params, module = wan_i2v
-    noise, keys, cond, negative = prompts(model, batch=1)
+    zero-padded to its T5's 512 tokens (as fvx's model pads it); the image kept in the unconditional pass."""
+    noise, keys, cond, negative = prompts(wan_i2v.model, batch=1)
     cond["first_frame_latents"][:, :, 1:] = 0
+    scheduler = wan_i2v.scheduler()
     pipe = quiet(WanImageToVideoPipeline(tokenizer=None, text_encoder=None,
                                          image_encoder=GivenImageEncoder(cond["image_embeds"]),
                                          image_processor=lambda images, return_tensors: Pixels(pixel_values=images),
-                                         transformer=module,
-                                         vae=GivenLatentsVAE(cond["first_frame_latents"]),
-                                         scheduler=FlowMatchEulerDiscreteScheduler(shift=SHIFT)))
-    _, _, frames, height, width = noise.shape
+                                         transformer=wan_i2v.transformer,
+                                         vae=GivenLatentsVAE(cond["first_frame_latents"]), scheduler=scheduler))
 
     def padded(c):
         return torch.nn.functional.pad(masked(c), (0, 0, 0, 512 - c["text"].shape[1]))
 
+    size = video_size(noise, 4, 8)
     with torch.no_grad():
-        want = pipe(image=torch.zeros(1, 3, 8 * height, 8 * width), prompt_embeds=padded(cond),
-                    negative_prompt_embeds=padded(negative),
-                    latents=noise.clone(), num_inference_steps=STEPS, guidance_scale=GUIDANCE, height=8 * height,
-                    width=8 * width, num_frames=4 * (frames - 1) + 1, output_type="latent", return_dict=False)[0]
-    got = fvx_sample(model, params, noise, keys, cond, negative)
-    assert (got - noise).abs().max() > 0.1
-    torch.testing.assert_close(got, want, **TOL)
+        want = pipe(image=torch.zeros(1, 3, size["height"], size["width"]), prompt_embeds=padded(cond),
+                    negative_prompt_embeds=padded(negative), latents=noise.clone(), num_inference_steps=STEPS,
+                    guidance_scale=GUIDANCE, output_type="latent", return_dict=False, **size)[0]
+    got = fvx_sample(wan_i2v.model, wan_i2v.params, noise, keys, cond, negative, shift=scheduler.config.shift)
+    torch.testing.assert_close(got, want, **TIGHT)
