@@ -472,7 +472,7 @@ def sample_main(argv: Sequence[str]) -> int:
               + ("" if score is None else ", the toy world's score: "
                  + ", ".join(f"{name} {value:.3g}" for name, value in score.items())))
     print(f"{len(done['videos'])} video{'s' if len(done['videos']) != 1 else ''} from {done['where']} "
-          f"({done['sampler']}) in {done['folder']}; how each was made: {done['folder'] / sampling.SAMPLES}")
+          f"(its {done['sampler']!r} sampler) in {done['folder']}; how each was made: {done['folder'] / sampling.SAMPLES}")
     return 0
 
 

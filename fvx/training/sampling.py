@@ -425,6 +425,10 @@ def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
         raise ValueError("--batch-size and --scale must be >= 1")
     source = open_source(request)
     config = source.config
+    validated = config.method.held_roles()[0].name
+    if source.role != validated:
+        raise ValueError(f"sample: role {source.role!r} is not the model the method validates and samples "
+                         f"({validated!r}); export it and train or sample it as a model of its own")
     model = role_configs(config)[source.role].build()
     image_to_video = config.data.kind == "i2v"
     image = read_first_frame(request.image, image_to_video, model)

@@ -1,9 +1,11 @@
 """``python -m fvx.run sample``: videos from prompts with a run's trained role or an export, on the toy world."""
 import json
 import pathlib
+import shutil
 
 import pytest
 import torch
+from PIL import Image
 
 from fvx import run
 from fvx.data import media
@@ -150,22 +152,73 @@ def test_bad_input_is_one_line_before_anything_is_written(finetuned, causal, tmp
     (tmp_path / "empty.txt").write_text("\n\n")
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00\x01")
     (tmp_path / "fresh").mkdir()
+    shutil.copytree(finetuned, tmp_path / "unsaved", ignore=shutil.ignore_patterns("checkpoints"))
     for argv, message in [
         ((finetuned, "--prompts", tmp_path / "empty.txt"), "holds no prompts"),
         ((finetuned, "--prompts", tmp_path / "binary.txt"), "is not UTF-8 text"),
         ((finetuned,), "give --prompt TEXT or --prompts FILE"),
         ((tmp_path / "nowhere", "--prompt", RED_RIGHT), "no such folder"),
         ((tmp_path / "fresh", "--prompt", RED_RIGHT), "neither a run folder"),
+        ((tmp_path / "unsaved", "--prompt", RED_RIGHT), "has no checkpoint"),
         ((finetuned, "--prompt", "a purple cat"), "knows only its prompts"),
         ((finetuned, "--prompt", RED_RIGHT, "--jumps", 2), "has no second time input"),
         ((finetuned, "--prompt", RED_RIGHT, "--step", 9), "9"),
         ((finetuned, "--prompt", RED_RIGHT, "--ema"), "keeps no EMA params"),
-        ((finetuned, "--prompt", RED_RIGHT, "--image", tmp_path / "x.png"), "--image"),
+        ((finetuned, "--prompt", RED_RIGHT, "--image", tmp_path / "x.png"), "from text only"),
         ((causal, "--prompt", RED_RIGHT, "--frames", 5), "not whole blocks (e.g. --frames 6)"),
         ((finetuned, "--prompt", RED_RIGHT, "--base", tmp_path / "fresh"), "model_index.json"),
     ]:
         assert message in bad(capsys, *argv, "--out", out), argv
         assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def image_to_video(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("i2v") / "run", "experiments/finetune_wan_i2v.py", 2)
+
+
+def test_an_image_to_video_model_starts_from_the_image(image_to_video, tmp_path):
+    """The first frame of world clip 0, written as a PNG and given as --image, conditions the sample exactly as the
+    dataset's own first-frame latents condition validation's sample of that clip (the world's codec is exact)."""
+    config = run_folder.load_run(image_to_video)
+    built = experiment.setup(config)
+    state = experiment.initial_state(built, experiment.batch_fn(config, built)(0))
+    saved = sampling.fexport.role_checkpoint(image_to_video, role="student")
+    state = state._replace(roles={"student": state.roles["student"]._replace(params=saved.read())})
+    vcfg = config.validation.__class__(seed=3, num_prompts=1, every=1)
+    validator = validation.make_validator(vcfg, built.dataset, built.program.model)
+    entry = built.program.validate(state, experiment.frozen_params(built), vcfg)[0]
+    want, _ = validation.sample_videos(entry.apply, entry.params, validator.noise, entry.sigmas,
+                                       validator.prompts.cond, key=validator.keys, sampler=entry.sampler)
+    clip = built.dataset.read([validator.prompts.indices[0]])["latents"]  # the world's codec: pixels by depth
+    pixels = torch.nn.functional.pixel_shuffle(clip[0, :, 0][None], config.data.world.factor)[0]
+    image = tmp_path / "first.png"
+    Image.fromarray(((pixels + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()).save(image)
+    done = sampling.run_sample(sampling.Request(str(image_to_video), (validator.prompts.captions[0],),
+                                                out=str(tmp_path / "s"), seed=3, image=str(image)), progress=False)
+    torch.testing.assert_close(done["latents"], want, rtol=0, atol=0)
+
+
+def test_image_to_video_needs_a_decodable_image(image_to_video, tmp_path, capsys):
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    out = tmp_path / "out"
+    assert "give --image" in bad(capsys, image_to_video, "--prompt", RED_RIGHT, "--out", out)
+    assert "does not decode as an image" in bad(capsys, image_to_video, "--prompt", RED_RIGHT, "--image",
+                                                tmp_path / "broken.png", "--out", out)
+    assert "does not exist" in bad(capsys, image_to_video, "--prompt", RED_RIGHT, "--image", tmp_path / "no.png",
+                                   "--out", out)
+    assert not out.exists()
+
+
+def test_a_model_with_sound_writes_it_beside_and_into_its_video(tmp_path):
+    out = train(tmp_path / "run", "experiments/finetune_minimax_h3.py", 1)
+    done = sampling.run_sample(sampling.Request(str(out), (RED_RIGHT,), out=str(tmp_path / "s"), steps=2),
+                               progress=False)
+    assert done["videos"][0]["files"] == ["red-bars-moving-right_0.mp4", "red-bars-moving-right_0.wav"]
+    assert set(done["latents"]) == {"video", "audio"}
+    import av
+    with av.open(str(tmp_path / "s" / "red-bars-moving-right_0.mp4")) as container:
+        assert sorted(stream.type for stream in container.streams) == ["audio", "video"]
 
 
 def test_a_longer_clip_than_a_bidirectional_model_saw_is_warned(finetuned, tmp_path, capsys):
