@@ -383,16 +383,22 @@ def write_video(folder: pathlib.Path, stem: str, video: torch.Tensor, fps: float
 
 
 def merge_samples(folder: pathlib.Path, rank: int, world: int, record: dict[str, Any]) -> bool:
-    """Write this rank's entries; the last rank to finish merges every rank's into ``samples.json`` (True)."""
+    """Write this rank's entries; the last of the ``world`` ranks of one request to finish merges them into
+    ``samples.json`` (True). A rank's file left by another request (other settings, or another world size) is not
+    merged."""
     parts = folder / ".samples"
     parts.mkdir(exist_ok=True)
-    files.write_json(parts / f"rank_{rank}.json", record)
-    found = sorted(parts.glob("rank_*.json"))
-    if len(found) < world:
-        return False
-    records = [json.loads(path.read_text()) for path in found]
-    merged = {**records[0], "videos": sorted((v for r in records for v in r["videos"]), key=lambda v: v["index"])}
-    files.write_json(folder / SAMPLES, merged)
+    files.write_json(parts / f"rank_{rank}_of_{world}.json", record)
+    header = {name: value for name, value in record.items() if name != "videos"}
+    records = []
+    for other in range(world):
+        path = parts / f"rank_{other}_of_{world}.json"
+        found = json.loads(path.read_text()) if path.is_file() else None
+        if found is None or {name: value for name, value in found.items() if name != "videos"} != header:
+            return False
+        records.append(found)
+    videos = sorted((video for found in records for video in found["videos"]), key=lambda video: video["index"])
+    files.write_json(folder / SAMPLES, {**record, "videos": videos})
     return True
 
 
@@ -550,5 +556,5 @@ def _record(p: Plan, sampler: validation.Sampler, entries: list[dict[str, Any]],
         "shift": vcfg.flow_shift, "schedule": vcfg.schedule, "negative_prompt": request.negative_prompt,
         "jumps": request.jumps, "latent_shape": shape, "fps": fps, "batch_size": request.batch_size,
         "base": request.base, "image": None if request.image is None else str(pathlib.Path(request.image).absolute()),
-        "overrides": list(request.overrides), "device": str(device), "videos": entries,
+        "overrides": list(request.overrides), "device": device.type, "videos": entries,
     }
