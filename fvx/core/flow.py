@@ -106,6 +106,17 @@ def scheduler_sigmas(shift: float, num_steps: int, num_train_timesteps: int = NU
     return shift_sigma(timesteps / num_train_timesteps, shift).to(device=device, dtype=torch.float32)
 
 
+def stretch_to_terminal(sigmas: torch.Tensor, terminal: float) -> torch.Tensor:
+    """Descending levels ``[K]`` rescaled in ``1 - sigma`` so the last is ``terminal``, the first kept (LTX-Video's
+    schedule; diffusers' ``shift_terminal``): ``1 - (1 - sigma) (1 - terminal) / (1 - sigma_last)``."""
+    if not 0.0 < terminal < 1.0:
+        raise ValueError(f"the terminal level must be in (0, 1), got {terminal}")
+    distance = 1 - sigmas
+    if float(distance[-1]) <= 0:
+        raise ValueError("stretching to a terminal level needs a last level below 1")
+    return 1 - distance * ((1 - terminal) / distance[-1])
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The noising path and its conversions
 

@@ -54,6 +54,7 @@ class Request(NamedTuple):
     guidance: float | None = None
     shift: float | None = None
     schedule: str | None = None
+    shift_terminal: float | None = None
     negative_prompt: str | None = None
     jumps: int | None = None
     image: str | None = None
@@ -158,11 +159,14 @@ def validation_config(config: Any, request: Request, shape: tuple[int, int, int,
     if request.schedule is not None and request.schedule not in SCHEDULES:
         raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {request.schedule!r}")
     changes = {name: value for name, value in (("num_steps", request.steps), ("guidance_scale", request.guidance),
-                                                ("flow_shift", request.shift), ("schedule", request.schedule))
+                                                ("flow_shift", request.shift), ("schedule", request.schedule),
+                                                ("shift_terminal", request.shift_terminal))
                if value is not None}
     for flag, value in (("--steps", request.steps), ("--shift", request.shift)):
         if value is not None and value <= 0:
             raise ValueError(f"{flag} must be positive, got {value}")
+    if request.shift_terminal is not None and not 0 < request.shift_terminal < 1:
+        raise ValueError(f"--shift-terminal must be in (0, 1), got {request.shift_terminal}")
     return msgspec.structs.replace(config.validation, latent_shape=shape, **changes)
 
 
@@ -553,7 +557,7 @@ def _record(p: Plan, sampler: validation.Sampler, entries: list[dict[str, Any]],
         "source": str(pathlib.Path(request.source).absolute()), "where": source.where, "step": source.step,
         "role": source.role, "ema": source.ema, "model": p.model.name, "sampler": sampler.tag,
         "kind": sampler.sampler, "steps": vcfg.num_steps, "guidance": vcfg.guidance_scale if sampler.guided else None,
-        "shift": vcfg.flow_shift, "schedule": vcfg.schedule, "negative_prompt": request.negative_prompt,
+        "shift": vcfg.flow_shift, "schedule": vcfg.schedule, "shift_terminal": vcfg.shift_terminal, "negative_prompt": request.negative_prompt,
         "jumps": request.jumps, "latent_shape": shape, "fps": fps, "batch_size": request.batch_size,
         "base": request.base, "image": None if request.image is None else str(pathlib.Path(request.image).absolute()),
         "overrides": list(request.overrides), "device": device.type, "videos": entries,

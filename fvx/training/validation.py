@@ -51,7 +51,7 @@ class ValidationConfig(Config):
     schedule for models validated without a schedule of their own (fine-tuning, a DMD2 teacher): ``schedule``
     ``fvx``, FastVideo's evenly spaced levels (:func:`many_step_sigmas`), or ``diffusers``, the levels of diffusers'
     ``FlowMatchEulerDiscreteScheduler(shift=flow_shift)`` (``flow.scheduler_sigmas``), which its pipelines sample
-    with (:func:`schedule_sigmas`). ``guidance_scale`` is the classifier-free guidance ``uncond + g (cond - uncond)`` of the models a method
+    with, stretched to end at ``shift_terminal`` when set (LTX-Video's schedulers; :func:`schedule_sigmas`). ``guidance_scale`` is the classifier-free guidance ``uncond + g (cond - uncond)`` of the models a method
     samples with guidance (fine-tuning; FastVideo's t2v recipe validates at 5), the unconditional cond being
     ``cfg_uncond``'s: the cond file ``negative_prompt_path`` (``negative_prompt``), the family's zero cond, or the
     cond itself (``keep``). ``display_scale`` enlarges the logged videos (nearest neighbour; tiny clips). ``seed``
@@ -66,6 +66,7 @@ class ValidationConfig(Config):
     num_steps: PositiveInt = 20
     flow_shift: PositiveFloat = 3.0
     schedule: Literal["fvx", "diffusers"] = "fvx"
+    shift_terminal: Annotated[float, msgspec.Meta(gt=0, lt=1)] | None = None
     guidance_scale: float = 1.0
     cfg_uncond: Literal["negative_prompt", "zero", "keep"] = "zero"
     negative_prompt_path: str | None = None
@@ -146,10 +147,11 @@ def many_step_sigmas(num_steps: int, shift: float) -> torch.Tensor:
 
 
 def schedule_sigmas(config: ValidationConfig) -> torch.Tensor:
-    """The many-step levels ``[K]`` of ``config``: ``num_steps`` at ``flow_shift`` as ``schedule`` lays them out."""
-    if config.schedule == "diffusers":
-        return flow.scheduler_sigmas(config.flow_shift, config.num_steps)
-    return many_step_sigmas(config.num_steps, config.flow_shift)
+    """The many-step levels ``[K]`` of ``config``: ``num_steps`` at ``flow_shift`` as ``schedule`` lays them out,
+    stretched to ``shift_terminal`` when set."""
+    sigmas = (flow.scheduler_sigmas(config.flow_shift, config.num_steps) if config.schedule == "diffusers"
+              else many_step_sigmas(config.num_steps, config.flow_shift))
+    return sigmas if config.shift_terminal is None else flow.stretch_to_terminal(sigmas, config.shift_terminal)
 
 
 # ---------------------------------------------------------------------------------------------------------- prompts

@@ -399,3 +399,17 @@ def test_sampler_keeps_noise_dtype(key):
 def test_sampler_schedule_errors(key, sigmas, match):
     with pytest.raises(ValueError, match=match):
         flow.euler_sample(lambda p, x, t, c: x, None, _normal(key), sigmas)
+
+
+@pytest.mark.parametrize("terminal", [0.1, 0.05])
+def test_a_terminal_stretch_is_diffusers_shift_terminal(terminal):
+    """``stretch_to_terminal``: the first level kept, the last ``terminal``, as FlowMatchEulerDiscreteScheduler's
+    ``shift_terminal`` stretches them (LTX-Video's released schedulers)."""
+    levels = flow.scheduler_sigmas(3.0, 6)
+    stretched = flow.stretch_to_terminal(levels, terminal)
+    want = FlowMatchEulerDiscreteScheduler(shift_terminal=terminal).stretch_shift_to_terminal(levels)
+    torch.testing.assert_close(stretched, want, rtol=0, atol=1e-7)
+    assert stretched[0].item() == 1.0 and stretched[-1].item() == pytest.approx(terminal, abs=1e-7)
+    for bad in (0.0, 1.0, -0.5):
+        with pytest.raises(ValueError, match="terminal level must be in"):
+            flow.stretch_to_terminal(levels, bad)

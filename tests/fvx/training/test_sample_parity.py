@@ -72,9 +72,12 @@ def prompts(model, frames=2, size=4, batch=len(SEEDS)):
     return noise, keys, cond, negative
 
 
-def fvx_sample(model, params, noise, keys, cond, negative, *, shift, guidance=GUIDANCE, schedule="diffusers"):
-    """What ``sample --steps --shift --guidance --schedule --negative-prompt`` draws for a fine-tuned model."""
-    vcfg = ValidationConfig(num_steps=STEPS, flow_shift=shift, guidance_scale=guidance, schedule=schedule)
+def fvx_sample(model, params, noise, keys, cond, negative, *, shift, guidance=GUIDANCE, schedule="diffusers",
+               shift_terminal=None):
+    """What ``sample --steps --shift --guidance --schedule --shift-terminal --negative-prompt`` draws for a
+    fine-tuned model."""
+    vcfg = ValidationConfig(num_steps=STEPS, flow_shift=shift, guidance_scale=guidance, schedule=schedule,
+                            shift_terminal=shift_terminal)
     sampler = one_role.many_step_samplers(model)(params, False, vcfg)[0]
     assert sampler.guided and sampler.sampler == "ode" and sampler.draw is None
     uncond = lambda c: model.uncond(c, "negative_prompt", negative)  # noqa: E731  (sampling._uncond's)
@@ -280,21 +283,24 @@ def test_ltx_video_with_a_static_shift_equals_its_pipeline_on_fvx_levels(ltx, gu
     torch.testing.assert_close(got, want, **TIGHT)
 
 
-def test_ltx_video_dynamic_shift_is_e_to_the_mu_and_its_terminal_stretch_is_not_fvxs(ltx):
+def test_ltx_video_dynamic_shift_is_e_to_the_mu_and_its_terminal_stretch_is_shift_terminal(ltx):
     """The exported (0.9.0 / 0.9.1) scheduler shifts dynamically, ``exp`` type: at one token count that is the
-    static shift ``e^mu`` (``mu``: the pipeline's ``calculate_shift``), so without its terminal stretch
-    ``--shift e^mu --schedule fvx`` matches; the stretch (levels rescaled to end at ``shift_terminal=0.1``) is a
-    layout neither fvx schedule has."""
+    static shift ``e^mu`` (``mu``: the pipeline's ``calculate_shift``), and it stretches its levels to end at
+    ``shift_terminal=0.1``: ``--shift e^mu --schedule fvx --shift-terminal 0.1`` is the pipeline as released."""
     noise, keys, cond, negative = prompts(ltx.model)
     config = ltx.scheduler_config
     assert config["use_dynamic_shifting"] and config["time_shift_type"] == "exponential"
+    assert config["shift_terminal"] == 0.1
     mu = calculate_shift(math.prod(noise.shape[2:]), config["base_image_seq_len"], config["max_image_seq_len"],
                          config["base_shift"], config["max_shift"])
     got = fvx_sample(ltx.model, ltx.params, noise, keys, cond, negative, shift=math.exp(mu), schedule="fvx")
     want = ltx_pipeline_latents(ltx, noise, cond, negative, GUIDANCE, ltx.scheduler(shift_terminal=None))
     torch.testing.assert_close(got, want, rtol=0.0, atol=1e-5)  # e^mu through float64 vs the scheduler's fp32
-    stretched = ltx_pipeline_latents(ltx, noise, cond, negative, GUIDANCE, ltx.scheduler())
-    assert config["shift_terminal"] == 0.1 and (stretched - got).abs().max() > 1e-2
+    stretched = fvx_sample(ltx.model, ltx.params, noise, keys, cond, negative, shift=math.exp(mu), schedule="fvx",
+                           shift_terminal=0.1)
+    released = ltx_pipeline_latents(ltx, noise, cond, negative, GUIDANCE, ltx.scheduler())
+    torch.testing.assert_close(stretched, released, rtol=0.0, atol=1e-5)
+    assert (released - got).abs().max() > 1e-2
 
 
 # ----------------------------------------------------------------------------------------------------- Kandinsky 5
