@@ -24,7 +24,7 @@ def train(out: pathlib.Path, experiment_file: str, steps: int, *overrides: str) 
 @pytest.fixture(scope="module")
 def finetuned(tmp_path_factory):
     return train(tmp_path_factory.mktemp("finetuned") / "run", "experiments/finetune_wan.py", 3,
-                 "method.optim.warmup_steps=1")
+                 "method.optim.warmup_steps=1", "run.checkpoint.every=2")
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +102,15 @@ def test_a_stream_three_times_longer_keeps_its_window(causal, tmp_path):
     assert record["overrides"] == list(window) and "window_1/prompt_match" in record["videos"][0]["world_score"]
 
 
+def test_an_earlier_checkpoint_samples_its_own_params(finetuned, tmp_path):
+    newest = sampling.run_sample(sampling.Request(str(finetuned), (RED_RIGHT,), out=str(tmp_path / "a"), steps=2),
+                                 progress=False)
+    earlier = sampling.run_sample(sampling.Request(str(finetuned), (RED_RIGHT,), out=str(tmp_path / "b"), steps=2,
+                                                   step=2), progress=False)
+    steps = [json.loads((tmp_path / name / sampling.SAMPLES).read_text())["step"] for name in "ab"]
+    assert steps == [3, 2] and not torch.equal(newest["latents"], earlier["latents"])
+
+
 def test_ranks_share_the_videos_and_the_last_writes_the_record(finetuned, tmp_path):
     request = sampling.Request(str(finetuned), (RED_RIGHT, "blue bars moving left", "blue bars moving up"),
                                out=str(tmp_path), steps=2)
@@ -128,6 +137,9 @@ def test_a_distilled_student_samples_its_few_steps(world_teacher, tmp_path):
     done = sampling.run_sample(sampling.Request(str(out), (RED_RIGHT,), out=str(tmp_path / "s")), progress=False)
     record = json.loads((tmp_path / "s" / sampling.SAMPLES).read_text())
     assert done["sampler"] == "student" and record["kind"] == "sde" and record["guidance"] is None
+    ema = sampling.run_sample(sampling.Request(str(out), (RED_RIGHT,), out=str(tmp_path / "e"), ema=True),
+                              progress=False)
+    assert ema["where"].endswith("(EMA)") and json.loads((tmp_path / "e" / sampling.SAMPLES).read_text())["ema"]
 
 
 def test_a_flow_map_samples_in_the_jumps_asked(world_teacher, tmp_path):
