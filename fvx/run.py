@@ -460,21 +460,23 @@ def sample_main(argv: Sequence[str]) -> int:
         if any(not prompt.strip() for prompt in prompts):
             raise ValueError("--prompt is empty")
         request = sampling.Request(
-            args.source, prompts, tuple(args.overrides), out=args.out, step=args.step, role=args.role, ema=args.ema, base=args.base,
-            seed=args.seed, num_per_prompt=args.num_per_prompt, batch_size=args.batch_size, frames=args.frames,
-            height=args.height, width=args.width, steps=args.steps, guidance=args.guidance, shift=args.shift,
-            schedule=args.schedule, shift_terminal=args.shift_terminal, negative_prompt=args.negative_prompt, jumps=args.jumps, image=args.image,
-            gif=args.gif, scale=args.scale, fps=args.fps)
+            args.source, prompts, tuple(args.overrides), out=args.out, step=args.step, role=args.role, ema=args.ema,
+            base=args.base, seed=args.seed, num_per_prompt=args.num_per_prompt, batch_size=args.batch_size,
+            frames=args.frames, height=args.height, width=args.width, steps=args.steps, guidance=args.guidance,
+            shift=args.shift, schedule=args.schedule, shift_terminal=args.shift_terminal,
+            negative_prompt=args.negative_prompt, jumps=args.jumps, image=args.image, gif=args.gif, scale=args.scale,
+            fps=args.fps)
         done = sampling.run_sample(request, rank=rank, world=world, progress=sys.stderr.isatty())
     except BAD_INPUT as error:
         return _error(error, rank)
     for video in done["videos"]:
-        score = video.get("world_score")
+        score = {name: value for name, value in video.get("world_score", {}).items() if "/" not in name}
         print(f"{video['files'][0]}: {video['prompt']!r}, seed {video['seed']}"
-              + ("" if score is None else ", the toy world's score: "
+              + ("" if not score else ", the toy world's score: "
                  + ", ".join(f"{name} {value:.3g}" for name, value in score.items())))
-    print(f"{len(done['videos'])} video{'s' if len(done['videos']) != 1 else ''} from {done['where']} "
-          f"(its {done['sampler']!r} sampler) in {done['folder']}; how each was made: {done['folder'] / sampling.SAMPLES}")
+    count = len(done["videos"])
+    print(f"{count} video{'s' if count != 1 else ''} from {done['where']} (its {done['sampler']!r} sampler) in "
+          f"{done['folder']}; how each was made: {done['folder'] / sampling.SAMPLES}")
     return 0
 
 

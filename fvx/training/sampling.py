@@ -134,8 +134,9 @@ def _export_source(folder: pathlib.Path, request: Request) -> Source:
         raise ValueError(f"sample: {str(folder)!r} is an export of one role at one step; {given[0]} is for a run "
                          "folder")
     if manifest.get("adapters") or manifest.get("format") != "diffusers":
-        raise ValueError(f"sample: {str(folder)!r} holds {'adapters' if manifest.get('adapters') else 'the ' + str(manifest.get('format')) + ' layout'}"
-                         f"; sample the run folder ({manifest.get('run')}) or a diffusers export of whole weights")
+        what = "adapters" if manifest.get("adapters") else f"the {manifest.get('format')} layout"
+        raise ValueError(f"sample: {str(folder)!r} holds {what}; sample the run folder ({manifest.get('run')}) or a "
+                         "diffusers export of whole weights")
     run = pathlib.Path(manifest["run"])
     if not (run / "run.json").is_file():
         raise ValueError(f"sample: the export {str(folder)!r} was made from run {str(run)!r}, whose config (run.json) "
@@ -557,8 +558,8 @@ def _record(p: Plan, sampler: validation.Sampler, entries: list[dict[str, Any]],
         "source": str(pathlib.Path(request.source).absolute()), "where": source.where, "step": source.step,
         "role": source.role, "ema": source.ema, "model": p.model.name, "sampler": sampler.tag,
         "kind": sampler.sampler, "steps": vcfg.num_steps, "guidance": vcfg.guidance_scale if sampler.guided else None,
-        "shift": vcfg.flow_shift, "schedule": vcfg.schedule, "shift_terminal": vcfg.shift_terminal, "negative_prompt": request.negative_prompt,
-        "jumps": request.jumps, "latent_shape": shape, "fps": fps, "batch_size": request.batch_size,
+        "shift": vcfg.flow_shift, "schedule": vcfg.schedule, "shift_terminal": vcfg.shift_terminal,
+        "negative_prompt": request.negative_prompt, "jumps": request.jumps, "latent_shape": shape, "fps": fps, "batch_size": request.batch_size,
         "base": request.base, "image": None if request.image is None else str(pathlib.Path(request.image).absolute()),
         "overrides": list(request.overrides), "device": device.type, "videos": entries,
     }

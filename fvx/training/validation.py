@@ -51,8 +51,9 @@ class ValidationConfig(Config):
     schedule for models validated without a schedule of their own (fine-tuning, a DMD2 teacher): ``schedule``
     ``fvx``, FastVideo's evenly spaced levels (:func:`many_step_sigmas`), or ``diffusers``, the levels of diffusers'
     ``FlowMatchEulerDiscreteScheduler(shift=flow_shift)`` (``flow.scheduler_sigmas``), which its pipelines sample
-    with, stretched to end at ``shift_terminal`` when set (LTX-Video's schedulers; :func:`schedule_sigmas`). ``guidance_scale`` is the classifier-free guidance ``uncond + g (cond - uncond)`` of the models a method
-    samples with guidance (fine-tuning; FastVideo's t2v recipe validates at 5), the unconditional cond being
+    with, stretched to end at ``shift_terminal`` when set (LTX-Video's schedulers; :func:`schedule_sigmas`).
+    ``guidance_scale`` is the classifier-free guidance ``uncond + g (cond - uncond)`` of the models a method samples
+    with guidance (fine-tuning; FastVideo's t2v recipe validates at 5), the unconditional cond being
     ``cfg_uncond``'s: the cond file ``negative_prompt_path`` (``negative_prompt``), the family's zero cond, or the
     cond itself (``keep``). ``display_scale`` enlarges the logged videos (nearest neighbour; tiny clips). ``seed``
     fixes the noise, independently of the run's seed.
