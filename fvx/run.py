@@ -441,6 +441,8 @@ def sample_main(argv: Sequence[str]) -> int:
     parser.add_argument("--shift", type=float, help="the schedule's shift (default: validation.flow_shift)")
     parser.add_argument("--schedule", choices=sampling.SCHEDULES, help="many-step levels: fvx (FastVideo's evenly "
                         "spaced, shifted) or diffusers (FlowMatchEulerDiscreteScheduler's, as its pipelines sample)")
+    parser.add_argument("--solver", choices=sampling.SOLVERS, help="many-step samplers: euler (default) or unipc "
+                        "(UniPCMultistepScheduler's flow configuration, which Wan's and Cosmos' folders ship)")
     parser.add_argument("--shift-terminal", type=float, help="stretch the levels to end at this one (LTX-Video's "
                                                              "schedulers: 0.1 for 0.9.0/0.9.1)")
     parser.add_argument("--negative-prompt", help="the unconditional prompt of guided sampling (default: the run's "
@@ -463,7 +465,7 @@ def sample_main(argv: Sequence[str]) -> int:
             args.source, prompts, tuple(args.overrides), out=args.out, step=args.step, role=args.role, ema=args.ema,
             base=args.base, seed=args.seed, num_per_prompt=args.num_per_prompt, batch_size=args.batch_size,
             frames=args.frames, height=args.height, width=args.width, steps=args.steps, guidance=args.guidance,
-            shift=args.shift, schedule=args.schedule, shift_terminal=args.shift_terminal,
+            shift=args.shift, schedule=args.schedule, shift_terminal=args.shift_terminal, solver=args.solver,
             negative_prompt=args.negative_prompt, jumps=args.jumps, image=args.image, gif=args.gif, scale=args.scale,
             fps=args.fps)
         done = sampling.run_sample(request, rank=rank, world=world, progress=sys.stderr.isatty())

@@ -31,6 +31,7 @@ from fvx.training.experiment import build_models, role_configs, run_keys
 
 SAMPLES = "samples.json"
 SCHEDULES = ("fvx", "diffusers")
+SOLVERS = ("euler", "unipc")
 
 
 class Request(NamedTuple):
@@ -55,6 +56,7 @@ class Request(NamedTuple):
     shift: float | None = None
     schedule: str | None = None
     shift_terminal: float | None = None
+    solver: str | None = None
     negative_prompt: str | None = None
     jumps: int | None = None
     image: str | None = None
@@ -159,9 +161,12 @@ def validation_config(config: Any, request: Request, shape: tuple[int, int, int,
     """The run's validation knobs with the request's steps, guidance, shift, schedule and latent shape on top."""
     if request.schedule is not None and request.schedule not in SCHEDULES:
         raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {request.schedule!r}")
+    if request.solver is not None and request.solver not in SOLVERS:
+        raise ValueError(f"--solver must be one of {', '.join(SOLVERS)}, got {request.solver!r}")
     changes = {name: value for name, value in (("num_steps", request.steps), ("guidance_scale", request.guidance),
                                                 ("flow_shift", request.shift), ("schedule", request.schedule),
-                                                ("shift_terminal", request.shift_terminal))
+                                                ("shift_terminal", request.shift_terminal),
+                                                ("solver", request.solver))
                if value is not None}
     for flag, value in (("--steps", request.steps), ("--shift", request.shift)):
         if value is not None and value <= 0:
@@ -280,6 +285,20 @@ def sampler_of(source: Source, models: Mapping[str, Any], params: Any, vcfg: val
     if not entries:
         raise ValueError(f"sample: method {type(method).__name__} validates no sampler of role {source.role!r}")
     return next((entry for entry in entries if jumps is not None and entry.tag.endswith(f"{jumps}step")), entries[0])
+
+
+def unused_options(request: Request, sampler: validation.Sampler) -> list[str]:
+    """What the request sets that ``sampler`` does not read (a few-step student keeps its own schedule; an unguided
+    sampler takes no guidance), one line each."""
+    many_step = sampler.tag.startswith("model")
+    given = [(flag, value is not None and value is not False) for flag, value in (
+        ("--steps", request.steps), ("--shift", request.shift), ("--schedule", request.schedule),
+        ("--shift-terminal", request.shift_terminal), ("--solver", request.solver))]
+    lines = [f"{flag} does not apply: the {sampler.tag!r} sampler keeps the schedule it was trained for"
+             for flag, set_ in given if set_ and not many_step]
+    if not sampler.guided and (request.guidance is not None or request.negative_prompt is not None):
+        lines.append(f"--guidance and --negative-prompt do not apply: the {sampler.tag!r} sampler is unguided")
+    return lines
 
 
 def _jump_changes(method: Any, model: Any, jumps: int) -> dict[str, Any]:
@@ -418,6 +437,8 @@ class Plan(NamedTuple):
     request: Request
     source: Source
     model: Any  # the sampled role's model, built (no weights)
+    models: dict[str, Any]  # role -> built model (no weights)
+    sampler: validation.Sampler  # the run's validation sampler of the role, its params still to load
     shape: Any  # [C, T, H, W] of the video latents, or a joint model's {modality: shape}
     vcfg: validation.ValidationConfig
     image: Any  # the --image pixels, uint8 [1, H, W, 3], or None
@@ -450,11 +471,19 @@ def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
     vcfg = validation_config(config, request, shape)
     if model.joint:
         shape = validation.latent_shapes(vcfg, open_data(config)[0], model)
+    if vcfg.solver == "unipc" and (model.joint or model.causal is not None):
+        raise ValueError(f"--solver unipc: {model.name} " + ("streams block by block" if model.causal is not None
+                                                             else "denoises several modalities") +
+                         ", which fvx samples with Euler steps only")
+    models = build_models(config)
+    sampler = sampler_of(source, models, {}, vcfg, request.jumps)  # its params come with the weights
+    for line in unused_options(request, sampler):
+        say(f"warning: {line}")
     out = pathlib.Path(request.out) if request.out is not None else default_out(request, source)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {str(out)!r} is a file, not a folder")
     sound = (lambda: config.build_audio_vae()) if model.joint and getattr(config, "audio_vae", None) else None
-    return Plan(request, source, model, shape, vcfg, image,
+    return Plan(request, source, model, models, sampler, shape, vcfg, image,
                 preprocessing.prompt_encoder(config, source.role, request.base, image_to_video),
                 _decoder(config, source.role, request.base), sound, out,
                 videos(request.prompts, request.num_per_prompt, request.seed))
@@ -472,9 +501,8 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
     cond = tree.to_device(encoded_cond(config, p.model, encoder, request.prompts, given), device)
     uncond = _uncond(config, p.model, encoder, request.negative_prompt, p.vcfg, device)
     del encoder
-    models = build_models(config)
-    sampler = sampler_of(p.source, models, tree.to_device(p.source.weights(), device), p.vcfg, request.jumps)
-    model, decoder, sound = models[p.source.role], p.decoder(), None if p.sound is None else p.sound()
+    sampler = p.sampler._replace(params=tree.to_device(p.source.weights(), device))
+    model, decoder, sound = p.models[p.source.role], p.decoder(), None if p.sound is None else p.sound()
     judge = getattr(open_data(config)[0], "caption_quality", None)  # the toy world scores its own prompts
     p.out.mkdir(parents=True, exist_ok=True)
     fps = request.fps or config.validation.fps
@@ -559,7 +587,7 @@ def _record(p: Plan, sampler: validation.Sampler, entries: list[dict[str, Any]],
         "role": source.role, "ema": source.ema, "model": p.model.name, "sampler": sampler.tag,
         "kind": sampler.sampler, "steps": vcfg.num_steps, "guidance": vcfg.guidance_scale if sampler.guided else None,
         "shift": vcfg.flow_shift, "schedule": vcfg.schedule, "shift_terminal": vcfg.shift_terminal,
-        "negative_prompt": request.negative_prompt, "jumps": request.jumps, "latent_shape": shape, "fps": fps, "batch_size": request.batch_size,
+        "solver": vcfg.solver if p.sampler.tag.startswith("model") else None, "negative_prompt": request.negative_prompt, "jumps": request.jumps, "latent_shape": shape, "fps": fps, "batch_size": request.batch_size,
         "base": request.base, "image": None if request.image is None else str(pathlib.Path(request.image).absolute()),
         "overrides": list(request.overrides), "device": device.type, "videos": entries,
     }

@@ -31,7 +31,7 @@ import msgspec
 import torch
 
 from fvx.config import Config
-from fvx.core import flow, random, role
+from fvx.core import flow, random, role, unipc
 from fvx.training import callbacks as fcallbacks
 from fvx.training.tracking import Tracker
 
@@ -51,7 +51,10 @@ class ValidationConfig(Config):
     schedule for models validated without a schedule of their own (fine-tuning, a DMD2 teacher): ``schedule``
     ``fvx``, FastVideo's evenly spaced levels (:func:`many_step_sigmas`), or ``diffusers``, the levels of diffusers'
     ``FlowMatchEulerDiscreteScheduler(shift=flow_shift)`` (``flow.scheduler_sigmas``), which its pipelines sample
-    with, stretched to end at ``shift_terminal`` when set (LTX-Video's schedulers; :func:`schedule_sigmas`).
+    with, stretched to end at ``shift_terminal`` when set (LTX-Video's schedulers; :func:`schedule_sigmas`);
+    ``solver`` ``euler`` steps along them, ``unipc`` is diffusers' ``UniPCMultistepScheduler`` in the flow
+    configuration Wan's, SkyReels-V2's and Cosmos 2.5's folders ship, on its own levels (``fvx.core.unipc``;
+    :func:`many_step_draw`).
     ``guidance_scale`` is the classifier-free guidance ``uncond + g (cond - uncond)`` of the models a method samples
     with guidance (fine-tuning; FastVideo's t2v recipe validates at 5), the unconditional cond being
     ``cfg_uncond``'s: the cond file ``negative_prompt_path`` (``negative_prompt``), the family's zero cond, or the
@@ -68,6 +71,7 @@ class ValidationConfig(Config):
     flow_shift: PositiveFloat = 3.0
     schedule: Literal["fvx", "diffusers"] = "fvx"
     shift_terminal: Annotated[float, msgspec.Meta(gt=0, lt=1)] | None = None
+    solver: Literal["euler", "unipc"] = "euler"
     guidance_scale: float = 1.0
     cfg_uncond: Literal["negative_prompt", "zero", "keep"] = "zero"
     negative_prompt_path: str | None = None
@@ -149,10 +153,28 @@ def many_step_sigmas(num_steps: int, shift: float) -> torch.Tensor:
 
 def schedule_sigmas(config: ValidationConfig) -> torch.Tensor:
     """The many-step levels ``[K]`` of ``config``: ``num_steps`` at ``flow_shift`` as ``schedule`` lays them out,
-    stretched to ``shift_terminal`` when set."""
+    stretched to ``shift_terminal`` when set; UniPC's own levels for ``solver="unipc"``."""
+    if config.solver == "unipc":
+        return unipc.unipc_sigmas(config.num_steps, config.flow_shift)
     sigmas = (flow.scheduler_sigmas(config.flow_shift, config.num_steps) if config.schedule == "diffusers"
               else many_step_sigmas(config.num_steps, config.flow_shift))
     return sigmas if config.shift_terminal is None else flow.stretch_to_terminal(sigmas, config.shift_terminal)
+
+
+def many_step_draw(config: ValidationConfig, apply_fn: flow.ApplyFn) -> Callable[..., torch.Tensor] | None:
+    """A :class:`Sampler`'s ``draw`` for ``config.solver``: None for Euler (``flow.sample`` on the sampler's
+    levels), else UniPC on its levels, the model called at the scheduler's timesteps as the pipelines call it, guided
+    when ``guidance`` is given."""
+    if config.solver == "euler":
+        return None
+    sigmas = unipc.unipc_sigmas(config.num_steps, config.flow_shift)
+    timesteps = unipc.unipc_timesteps(config.num_steps, config.flow_shift)
+
+    def draw(params: Any, noise: torch.Tensor, cond: Any, key: torch.Tensor, guidance: Any = None) -> torch.Tensor:
+        apply = apply_fn if guidance is None else guided(apply_fn, guidance[0], guidance[1])
+        return unipc.unipc_sample(apply, params, noise, sigmas.to(noise.device), cond=cond, timesteps=timesteps)
+
+    return draw
 
 
 # ---------------------------------------------------------------------------------------------------------- prompts

@@ -412,7 +412,8 @@ def teacher_sampler(roles: Roles, teacher_params: Params, config: DistributionMa
 
     guided = validation.guided(roles.teacher.apply, uncond, config.guidance_scale)
     sigmas = validation.schedule_sigmas(validation_config)
-    return validation.Sampler("teacher", guided, teacher_params, sigmas, "ode", fixed=True)
+    return validation.Sampler("teacher", guided, teacher_params, sigmas, "ode", fixed=True,
+                              draw=validation.many_step_draw(validation_config, guided))
 
 
 # ------------------------------------------------------------------------------------------------------- the config

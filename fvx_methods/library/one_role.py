@@ -165,6 +165,6 @@ def many_step_samplers(model: Model, draw: Any = None) -> Samplers:
         if model.joint:
             sigmas = model.joint_sigmas(sigmas)
         apply = model.apply if model.one_sample is None else validation.one_at_a_time(model.apply)
-        return [validation.Sampler("model_ema" if is_ema else "model", apply, params, sigmas, "ode",
-                                   guided=True, draw=None if draw is None else draw(sigmas))]
+        return [validation.Sampler("model_ema" if is_ema else "model", apply, params, sigmas, "ode", guided=True,
+                                   draw=validation.many_step_draw(config, apply) if draw is None else draw(sigmas))]
     return samplers

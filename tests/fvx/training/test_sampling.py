@@ -137,8 +137,11 @@ def test_a_distilled_student_samples_its_few_steps(world_teacher, tmp_path):
     done = sampling.run_sample(sampling.Request(str(out), (RED_RIGHT,), out=str(tmp_path / "s")), progress=False)
     record = json.loads((tmp_path / "s" / sampling.SAMPLES).read_text())
     assert done["sampler"] == "student" and record["kind"] == "sde" and record["guidance"] is None
-    ema = sampling.run_sample(sampling.Request(str(out), (RED_RIGHT,), out=str(tmp_path / "e"), ema=True),
-                              progress=False)
+    said = []
+    ema = sampling.run_sample(sampling.Request(str(out), (RED_RIGHT,), out=str(tmp_path / "e"), ema=True, steps=9,
+                                               guidance=3.0), progress=False, say=said.append)
+    assert said == ["warning: --steps does not apply: the 'student' sampler keeps the schedule it was trained for",
+                    "warning: --guidance and --negative-prompt do not apply: the 'student' sampler is unguided"]
     assert ema["where"].endswith("(EMA)") and json.loads((tmp_path / "e" / sampling.SAMPLES).read_text())["ema"]
 
 
@@ -178,6 +181,7 @@ def test_bad_input_is_one_line_before_anything_is_written(finetuned, causal, tmp
         ((finetuned, "--prompt", RED_RIGHT, "--ema"), "keeps no EMA params"),
         ((finetuned, "--prompt", RED_RIGHT, "--image", tmp_path / "x.png"), "from text only"),
         ((causal, "--prompt", RED_RIGHT, "--frames", 5), "not whole blocks (e.g. --frames 6)"),
+        ((causal, "--prompt", RED_RIGHT, "--solver", "unipc"), "streams block by block"),
         ((finetuned, "--prompt", RED_RIGHT, "--base", tmp_path / "fresh"), "model_index.json"),
     ]:
         assert message in bad(capsys, *argv, "--out", out), argv

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
+from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
 import tiny_wan_pipeline
 from fvx import run
@@ -44,6 +44,22 @@ def test_sample_is_the_diffusers_pipelines_video(wan_run, tmp_path):
     torch.testing.assert_close(done["latents"], latents, rtol=1e-4, atol=1e-4)
     video = torch.from_numpy(pipe(**call, output_type="np").frames).permute(0, 4, 1, 2, 3)  # [B, 3, T, H, W]
     torch.testing.assert_close(done["frames"], video, rtol=1e-4, atol=1e-4)
+
+
+def test_unipc_is_the_released_wan_pipelines_sampler(wan_run, tmp_path):
+    """``--solver unipc`` is WanPipeline with the scheduler Wan's released folders ship (UniPC, flow prediction,
+    flow_shift 3)."""
+    source, export = wan_run
+    request = sampling.Request(str(source), (PROMPT,), out=str(tmp_path), steps=4, guidance=5.0, shift=3.0,
+                               solver="unipc", negative_prompt="", seed=2)
+    done = sampling.run_sample(request, progress=False)
+    noise, _ = sampling.noise_and_keys([2], (16, 2, 4, 4))
+    pipe = DiffusionPipeline.from_pretrained(export)
+    pipe.scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    latents = pipe(prompt=PROMPT, negative_prompt="", latents=noise, num_inference_steps=4, guidance_scale=5.0,
+                   height=16, width=16, num_frames=5, max_sequence_length=TEXT_LEN, output_type="latent").frames
+    torch.testing.assert_close(done["latents"], latents, rtol=1e-4, atol=1e-4)
+    assert json.loads((tmp_path / sampling.SAMPLES).read_text())["solver"] == "unipc"
 
 
 def test_the_family_vae_decodes_into_a_watchable_file(wan_run, tmp_path):
