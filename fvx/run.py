@@ -443,6 +443,8 @@ def sample_main(argv: Sequence[str]) -> int:
                         "spaced, shifted) or diffusers (FlowMatchEulerDiscreteScheduler's, as its pipelines sample)")
     parser.add_argument("--solver", choices=sampling.SOLVERS, help="many-step samplers: euler (default) or unipc "
                         "(UniPCMultistepScheduler's flow configuration, which Wan's and Cosmos' folders ship)")
+    parser.add_argument("--karras", help="with --solver unipc: SIGMA_MIN,SIGMA_MAX, UniPC on Karras' levels "
+                                         "(Cosmos 2.5's released scheduler: 0.01,200)")
     parser.add_argument("--shift-terminal", type=float, help="stretch the levels to end at this one (LTX-Video's "
                                                              "schedulers: 0.1 for 0.9.0/0.9.1)")
     parser.add_argument("--negative-prompt", help="the unconditional prompt of guided sampling (default: the run's "
@@ -466,6 +468,7 @@ def sample_main(argv: Sequence[str]) -> int:
             base=args.base, seed=args.seed, num_per_prompt=args.num_per_prompt, batch_size=args.batch_size,
             frames=args.frames, height=args.height, width=args.width, steps=args.steps, guidance=args.guidance,
             shift=args.shift, schedule=args.schedule, shift_terminal=args.shift_terminal, solver=args.solver,
+            karras=None if args.karras is None else _karras(args.karras),
             negative_prompt=args.negative_prompt, jumps=args.jumps, image=args.image, gif=args.gif, scale=args.scale,
             fps=args.fps)
         done = sampling.run_sample(request, rank=rank, world=world, progress=sys.stderr.isatty())
@@ -480,6 +483,15 @@ def sample_main(argv: Sequence[str]) -> int:
     print(f"{count} video{'s' if count != 1 else ''} from {done['where']} (its {done['sampler']!r} sampler) in "
           f"{done['folder']}; how each was made: {done['folder'] / sampling.SAMPLES}")
     return 0
+
+
+def _karras(text: str) -> tuple[float, float]:
+    """``--karras SIGMA_MIN,SIGMA_MAX``; a ValueError naming the flag."""
+    try:
+        low, high = (float(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--karras takes SIGMA_MIN,SIGMA_MAX (e.g. 0.01,200), got {text!r}") from None
+    return low, high
 
 
 COMMANDS = {"replay": replay_main, "export": export_main, "preprocess": preprocess_main,

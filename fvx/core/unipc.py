@@ -41,31 +41,46 @@ ApplyFn = Callable[[Any, torch.Tensor, torch.Tensor, Any], torch.Tensor]
 # The scheduler's levels and timesteps
 
 
-def unipc_sigmas(num_steps: int, shift: float) -> torch.Tensor:
+def unipc_sigmas(num_steps: int, shift: float, karras: tuple[float, float] | None = None) -> torch.Tensor:
     """The ``K`` levels ``[K]`` fp32, descending, of ``UniPCMultistepScheduler(use_flow_sigmas=True,
     flow_shift=shift).set_timesteps(K)`` (its ``sigmas[:-1]``): ``shift_sigma(linspace(1, 1 / N, K + 1)[:-1])``
-    in float64, the first lowered by 1e-6 when it is 1 (always), then rounded to fp32 once."""
-    return _levels64(num_steps, shift).to(torch.float32)
+    in float64, the first lowered by 1e-6 when it is 1 (always), then rounded to fp32 once. ``karras=(sigma_min,
+    sigma_max)``: the scheduler with ``use_karras_sigmas=True`` (Cosmos 2.5's), Karras' rho-7 spacing of the EDM
+    sigmas ``s`` mapped to ``s / (s + 1)`` (no shift)."""
+    return _levels64(num_steps, shift, karras).to(torch.float32)
 
 
-def unipc_timesteps(num_steps: int, shift: float) -> torch.Tensor:
+def unipc_timesteps(num_steps: int, shift: float, karras: tuple[float, float] | None = None) -> torch.Tensor:
     """The model timesteps ``[K]`` fp32 the scheduler's pipelines pass: its int64 ``timesteps``, ``trunc(N sigma)``
     of the float64 levels (999 at the first level, not 1000 sigma = 999.999). Pass as ``unipc_sample(timesteps=)``."""
-    return torch.trunc(_levels64(num_steps, shift) * NUM_TRAIN_TIMESTEPS).to(torch.float32)
+    return torch.trunc(_levels64(num_steps, shift, karras) * NUM_TRAIN_TIMESTEPS).to(torch.float32)
 
 
-def _levels64(num_steps: int, shift: float) -> torch.Tensor:
+def _levels64(num_steps: int, shift: float, karras: tuple[float, float] | None = None) -> torch.Tensor:
     """:func:`unipc_sigmas` before the rounding to fp32 ``[K]`` float64 (numpy's ``linspace``: ``start + k step``)."""
     if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
         raise ValueError(f"UniPC needs a positive int number of steps, got {num_steps!r}")
     if isinstance(shift, bool) or not isinstance(shift, (int, float)) or not shift > 0:
         raise ValueError(f"UniPC's flow shift must be a number > 0, got {shift!r}")
+    if karras is not None:
+        return _karras_levels64(num_steps, *karras)
     step = (1 / NUM_TRAIN_TIMESTEPS - 1) / num_steps
     even = torch.arange(num_steps, dtype=torch.float64) * step + 1.0
     levels = flow.shift_sigma(even, float(shift))
     if abs(levels[0].item() - 1) < FIRST_LEVEL_NUDGE:
         levels = torch.cat([levels[:1] - FIRST_LEVEL_NUDGE, levels[1:]])
     return levels
+
+
+def _karras_levels64(num_steps: int, sigma_min: float, sigma_max: float) -> torch.Tensor:
+    """Karras' levels ``(s_max^(1/7) + k / (K - 1) (s_min^(1/7) - s_max^(1/7)))^7`` as flow levels ``s / (s + 1)``
+    ``[K]`` float64."""
+    if not 0 < sigma_min < sigma_max:
+        raise ValueError(f"Karras levels need 0 < sigma_min < sigma_max, got {sigma_min} and {sigma_max}")
+    ramp = torch.linspace(0, 1, num_steps, dtype=torch.float64)
+    low, high = sigma_min ** (1 / 7.0), sigma_max ** (1 / 7.0)
+    sigmas = (high + ramp * (low - high)) ** 7.0
+    return sigmas / (sigmas + 1)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ class Request(NamedTuple):
     schedule: str | None = None
     shift_terminal: float | None = None
     solver: str | None = None
+    karras: tuple[float, float] | None = None
     negative_prompt: str | None = None
     jumps: int | None = None
     image: str | None = None
@@ -166,7 +167,7 @@ def validation_config(config: Any, request: Request, shape: tuple[int, int, int,
     changes = {name: value for name, value in (("num_steps", request.steps), ("guidance_scale", request.guidance),
                                                 ("flow_shift", request.shift), ("schedule", request.schedule),
                                                 ("shift_terminal", request.shift_terminal),
-                                                ("solver", request.solver))
+                                                ("solver", request.solver), ("karras", request.karras))
                if value is not None}
     for flag, value in (("--steps", request.steps), ("--shift", request.shift)):
         if value is not None and value <= 0:
@@ -293,7 +294,7 @@ def unused_options(request: Request, sampler: validation.Sampler) -> list[str]:
     many_step = sampler.tag.startswith("model")
     given = [(flag, value is not None and value is not False) for flag, value in (
         ("--steps", request.steps), ("--shift", request.shift), ("--schedule", request.schedule),
-        ("--shift-terminal", request.shift_terminal), ("--solver", request.solver))]
+        ("--shift-terminal", request.shift_terminal), ("--solver", request.solver), ("--karras", request.karras))]
     lines = [f"{flag} does not apply: the {sampler.tag!r} sampler keeps the schedule it was trained for"
              for flag, set_ in given if set_ and not many_step]
     if not sampler.guided and (request.guidance is not None or request.negative_prompt is not None):
@@ -587,7 +588,8 @@ def _record(p: Plan, sampler: validation.Sampler, entries: list[dict[str, Any]],
         "role": source.role, "ema": source.ema, "model": p.model.name, "sampler": sampler.tag,
         "kind": sampler.sampler, "steps": vcfg.num_steps, "guidance": vcfg.guidance_scale if sampler.guided else None,
         "shift": vcfg.flow_shift, "schedule": vcfg.schedule, "shift_terminal": vcfg.shift_terminal,
-        "solver": vcfg.solver if p.sampler.tag.startswith("model") else None, "negative_prompt": request.negative_prompt, "jumps": request.jumps, "latent_shape": shape, "fps": fps, "batch_size": request.batch_size,
+        "solver": vcfg.solver if p.sampler.tag.startswith("model") else None, "karras": vcfg.karras,
+        "negative_prompt": request.negative_prompt, "jumps": request.jumps, "latent_shape": shape, "fps": fps, "batch_size": request.batch_size,
         "base": request.base, "image": None if request.image is None else str(pathlib.Path(request.image).absolute()),
         "overrides": list(request.overrides), "device": device.type, "videos": entries,
     }

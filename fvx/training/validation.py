@@ -54,7 +54,8 @@ class ValidationConfig(Config):
     with, stretched to end at ``shift_terminal`` when set (LTX-Video's schedulers; :func:`schedule_sigmas`);
     ``solver`` ``euler`` steps along them, ``unipc`` is diffusers' ``UniPCMultistepScheduler`` in the flow
     configuration Wan's, SkyReels-V2's and Cosmos 2.5's folders ship, on its own levels (``fvx.core.unipc``;
-    :func:`many_step_draw`).
+    :func:`many_step_draw`), Karras' levels between ``karras = (sigma_min, sigma_max)`` when set (Cosmos 2.5's
+    (0.01, 200)).
     ``guidance_scale`` is the classifier-free guidance ``uncond + g (cond - uncond)`` of the models a method samples
     with guidance (fine-tuning; FastVideo's t2v recipe validates at 5), the unconditional cond being
     ``cfg_uncond``'s: the cond file ``negative_prompt_path`` (``negative_prompt``), the family's zero cond, or the
@@ -72,6 +73,7 @@ class ValidationConfig(Config):
     schedule: Literal["fvx", "diffusers"] = "fvx"
     shift_terminal: Annotated[float, msgspec.Meta(gt=0, lt=1)] | None = None
     solver: Literal["euler", "unipc"] = "euler"
+    karras: tuple[PositiveFloat, PositiveFloat] | None = None
     guidance_scale: float = 1.0
     cfg_uncond: Literal["negative_prompt", "zero", "keep"] = "zero"
     negative_prompt_path: str | None = None
@@ -80,6 +82,9 @@ class ValidationConfig(Config):
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.karras is not None and (self.solver != "unipc" or not self.karras[0] < self.karras[1]):
+            raise ValueError(f"validation.karras = {self.karras}: Karras levels (sigma_min < sigma_max) are UniPC's; "
+                             "set validation.solver=unipc")
         if not math.isfinite(self.guidance_scale):
             raise ValueError(f"validation.guidance_scale must be finite, got {self.guidance_scale}")
         if self.guidance_scale != 1.0 and self.cfg_uncond == "negative_prompt" and self.negative_prompt_path is None:
@@ -155,7 +160,7 @@ def schedule_sigmas(config: ValidationConfig) -> torch.Tensor:
     """The many-step levels ``[K]`` of ``config``: ``num_steps`` at ``flow_shift`` as ``schedule`` lays them out,
     stretched to ``shift_terminal`` when set; UniPC's own levels for ``solver="unipc"``."""
     if config.solver == "unipc":
-        return unipc.unipc_sigmas(config.num_steps, config.flow_shift)
+        return unipc.unipc_sigmas(config.num_steps, config.flow_shift, config.karras)
     sigmas = (flow.scheduler_sigmas(config.flow_shift, config.num_steps) if config.schedule == "diffusers"
               else many_step_sigmas(config.num_steps, config.flow_shift))
     return sigmas if config.shift_terminal is None else flow.stretch_to_terminal(sigmas, config.shift_terminal)
@@ -163,12 +168,14 @@ def schedule_sigmas(config: ValidationConfig) -> torch.Tensor:
 
 def many_step_draw(config: ValidationConfig, apply_fn: flow.ApplyFn) -> Callable[..., torch.Tensor] | None:
     """A :class:`Sampler`'s ``draw`` for ``config.solver``: None for Euler (``flow.sample`` on the sampler's
-    levels), else UniPC on its levels, the model called at the scheduler's timesteps as the pipelines call it, guided
-    when ``guidance`` is given."""
+    levels), else UniPC on its levels, guided when ``guidance`` is given, the model called as the pipelines call it:
+    at the scheduler's int timesteps (Wan's), or on Karras levels at the level itself (Cosmos 2.5's passes
+    ``sigmas[i]``; fvx's ``1000 sigma``)."""
     if config.solver == "euler":
         return None
-    sigmas = unipc.unipc_sigmas(config.num_steps, config.flow_shift)
-    timesteps = unipc.unipc_timesteps(config.num_steps, config.flow_shift)
+    sigmas = unipc.unipc_sigmas(config.num_steps, config.flow_shift, config.karras)
+    timesteps = (None if config.karras is not None
+                 else unipc.unipc_timesteps(config.num_steps, config.flow_shift, config.karras))
 
     def draw(params: Any, noise: torch.Tensor, cond: Any, key: torch.Tensor, guidance: Any = None) -> torch.Tensor:
         apply = apply_fn if guidance is None else guided(apply_fn, guidance[0], guidance[1])

@@ -192,3 +192,15 @@ def test_tiny_wan_against_its_exported_or_released_scheduler(tmp_path):
                              timesteps=unipc.unipc_timesteps(4, shift))
     assert torch.equal(got, want), (got - want).abs().max().item()
     assert not torch.equal(got, noise)
+
+
+@pytest.mark.parametrize("num_steps", [1, 2, 4, 9, 35])
+def test_karras_levels_are_the_schedulers(num_steps):
+    """``karras=(0.01, 200)``: the levels and timesteps of Cosmos 2.5's released UniPC (Karras flow sigmas)."""
+    scheduler = UniPCMultistepScheduler(use_karras_sigmas=True, use_flow_sigmas=True, prediction_type="flow_prediction",
+                                        sigma_min=0.01, sigma_max=200.0, flow_shift=1.0)
+    scheduler.set_timesteps(num_steps)
+    assert torch.equal(unipc.unipc_sigmas(num_steps, 1.0, (0.01, 200.0)), scheduler.sigmas[:-1])
+    assert torch.equal(unipc.unipc_timesteps(num_steps, 1.0, (0.01, 200.0)), scheduler.timesteps.float())
+    with pytest.raises(ValueError, match="sigma_min < sigma_max"):
+        unipc.unipc_sigmas(num_steps, 1.0, (200.0, 0.01))

@@ -22,7 +22,7 @@ from diffusers import (AutoencoderKLWan, CosmosTransformer3DModel, FlowMatchEule
 from diffusers.pipelines.cosmos.pipeline_cosmos2_5_predict import Cosmos2_5_PredictBasePipeline
 from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
 
-from fvx.core import flow, random
+from fvx.core import flow, random, unipc as fvx_unipc
 from fvx.training import sampling
 from fvx.training.validation import ValidationConfig
 from fvx_methods.library import one_role
@@ -73,13 +73,13 @@ def prompts(model, frames=2, size=4, batch=len(SEEDS)):
 
 
 def fvx_sample(model, params, noise, keys, cond, negative, *, shift, guidance=GUIDANCE, schedule="diffusers",
-               shift_terminal=None):
-    """What ``sample --steps --shift --guidance --schedule --shift-terminal --negative-prompt`` draws for a
-    fine-tuned model."""
+               shift_terminal=None, solver="euler", karras=None):
+    """What ``sample --steps --shift --guidance --schedule --shift-terminal --solver --karras --negative-prompt``
+    draws for a fine-tuned model."""
     vcfg = ValidationConfig(num_steps=STEPS, flow_shift=shift, guidance_scale=guidance, schedule=schedule,
-                            shift_terminal=shift_terminal)
+                            shift_terminal=shift_terminal, solver=solver, karras=karras)
     sampler = one_role.many_step_samplers(model)(params, False, vcfg)[0]
-    assert sampler.guided and sampler.sampler == "ode" and sampler.draw is None
+    assert sampler.guided and sampler.sampler == "ode" and (sampler.draw is None) == (solver == "euler")
     uncond = lambda c: model.uncond(c, "negative_prompt", negative)  # noqa: E731  (sampling._uncond's)
     latents = sampling.draw(sampler, noise, cond, keys, uncond, vcfg.guidance_scale)
     assert (latents - noise).abs().max() > 0.1  # the steps moved the latents
@@ -236,15 +236,20 @@ def test_cosmos_equals_its_pipeline_stepped_by_flow_match_euler(cosmos, guidance
 
 
 @pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")  # inside diffusers' UniPC
-def test_cosmos_with_its_exported_unipc_scheduler_is_another_solver(cosmos):
-    """The exported (released) scheduler, UniPC on Karras flow sigmas 200..0.01 (levels 0.995..0.0099), is a
-    multistep predictor-corrector on levels no flow shift lays out: an Euler sampler cannot reproduce it."""
+def test_cosmos_with_its_exported_unipc_scheduler_is_unipc_on_karras_levels(cosmos):
+    """The exported (released) scheduler, UniPC on Karras flow sigmas 200..0.01 (levels 0.995..0.0099), is
+    ``--solver unipc --karras 0.01,200``; an Euler sampler does not reproduce it."""
     noise, keys, cond, negative = prompts(cosmos.model)
     unipc = cosmos.scheduler()
     assert isinstance(unipc, UniPCMultistepScheduler) and unipc.config.use_karras_sigmas
     want = cosmos_pipeline_latents(cosmos, noise, cond, negative, GUIDANCE - 1.0, unipc)
-    got = fvx_sample(cosmos.model, cosmos.params, noise, keys, cond, negative, shift=unipc.config.flow_shift)
-    assert (got - want).abs().max() > 1e-2
+    karras = (unipc.config.sigma_min, unipc.config.sigma_max)
+    got = fvx_sample(cosmos.model, cosmos.params, noise, keys, cond, negative, shift=unipc.config.flow_shift,
+                     solver="unipc", karras=karras)
+    torch.testing.assert_close(got, want, rtol=0.0, atol=1e-5)  # the CFG sum's order, through UniPC's multistep
+    assert torch.equal(unipc.sigmas[:-1], fvx_unipc.unipc_sigmas(STEPS, 1.0, karras))
+    euler = fvx_sample(cosmos.model, cosmos.params, noise, keys, cond, negative, shift=unipc.config.flow_shift)
+    assert (euler - want).abs().max() > 1e-2
 
 
 # ------------------------------------------------------------------------------------------------------ LTX-Video

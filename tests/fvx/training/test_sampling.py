@@ -182,6 +182,8 @@ def test_bad_input_is_one_line_before_anything_is_written(finetuned, causal, tmp
         ((finetuned, "--prompt", RED_RIGHT, "--image", tmp_path / "x.png"), "from text only"),
         ((causal, "--prompt", RED_RIGHT, "--frames", 5), "not whole blocks (e.g. --frames 6)"),
         ((causal, "--prompt", RED_RIGHT, "--solver", "unipc"), "streams block by block"),
+        ((finetuned, "--prompt", RED_RIGHT, "--karras", "0.01,200"), "set validation.solver=unipc"),
+        ((finetuned, "--prompt", RED_RIGHT, "--karras", "low"), "--karras takes SIGMA_MIN,SIGMA_MAX"),
         ((finetuned, "--prompt", RED_RIGHT, "--base", tmp_path / "fresh"), "model_index.json"),
     ]:
         assert message in bad(capsys, *argv, "--out", out), argv
