@@ -25,13 +25,13 @@ def wan_run(tmp_path_factory):
                      f"models.student.path={folder}", f"data.text_len={TEXT_LEN}", "data.batch_size=2",
                      "validation.latent_shape=[16,2,4,4]", "run.checkpoint.final=true"]) == 0
     assert run.main(["export", str(out), "--out", str(root / "export"), "--base", str(folder)]) == 0
-    return out, root / "export"
+    return out, root / "export", folder
 
 
 def test_sample_is_the_diffusers_pipelines_video(wan_run, tmp_path):
     """``--schedule diffusers --negative-prompt ""`` is WanPipeline with FlowMatchEulerDiscreteScheduler(shift):
     the same latents from the same noise, and the same decoded frames."""
-    source, export = wan_run
+    source, export, _ = wan_run
     request = sampling.Request(str(source), (PROMPT,), out=str(tmp_path / "s"), steps=3, guidance=4.0, shift=3.0,
                                schedule="diffusers", negative_prompt="", seed=5)
     done = sampling.run_sample(request, progress=False)
@@ -49,7 +49,7 @@ def test_sample_is_the_diffusers_pipelines_video(wan_run, tmp_path):
 def test_unipc_is_the_released_wan_pipelines_sampler(wan_run, tmp_path):
     """``--solver unipc`` is WanPipeline with the scheduler Wan's released folders ship (UniPC, flow prediction,
     flow_shift 3)."""
-    source, export = wan_run
+    source, export, _ = wan_run
     request = sampling.Request(str(source), (PROMPT,), out=str(tmp_path), steps=4, guidance=5.0, shift=3.0,
                                solver="unipc", negative_prompt="", seed=2)
     done = sampling.run_sample(request, progress=False)
@@ -63,7 +63,7 @@ def test_unipc_is_the_released_wan_pipelines_sampler(wan_run, tmp_path):
 
 
 def test_the_family_vae_decodes_into_a_watchable_file(wan_run, tmp_path):
-    source, _ = wan_run
+    source, _, _ = wan_run
     assert run.main(["sample", str(source), "--prompt", PROMPT, "--out", str(tmp_path), "--frames", "9",
                      "--height", "32", "--width", "16", "--steps", "2"]) == 0
     record = json.loads((tmp_path / sampling.SAMPLES).read_text())
@@ -72,7 +72,20 @@ def test_the_family_vae_decodes_into_a_watchable_file(wan_run, tmp_path):
 
 
 def test_frames_the_vae_cannot_make_are_refused(wan_run, tmp_path, capsys):
-    source, _ = wan_run
+    source, _, _ = wan_run
     assert run.main(["sample", str(source), "--prompt", PROMPT, "--out", str(tmp_path / "x"), "--frames", "8"]) == 2
     assert "makes 1 + 4 k frames" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_wan22_a14b_samples_with_both_experts_from_a_base_folders_encoders(wan_run, tmp_path):
+    """A run without a model folder (random tiny A14B on synthetic data) takes its text encoder and VAE from --base;
+    its apply routes each step to the expert of its timestep."""
+    _, _, folder = wan_run
+    out = tmp_path / "a14b"
+    assert run.main(["experiments/finetune_wan22_a14b.py", "--out", str(out), "--steps", "1", "run.progress=false",
+                     "validation.every=0", "run.checkpoint.final=true"]) == 0
+    assert run.main(["sample", str(out), "--prompt", PROMPT, "--out", str(tmp_path / "s"), "--steps", "3",
+                     "--base", str(folder)]) == 0
+    record = json.loads((tmp_path / "s" / sampling.SAMPLES).read_text())
+    assert record["base"] == str(folder) and (tmp_path / "s" / "a-red-cat-moving-left_0.mp4").is_file()
