@@ -71,20 +71,27 @@ def test_one_seed_makes_the_same_video_and_the_record_makes_it_again(finetuned, 
     assert torch.equal(frames_of(again), frames_of(tmp_path / "a" / chosen["files"][0]))
 
 
+def validations_sample(run_dir: pathlib.Path, *, seed: int):
+    """(the latents validation samples for its first prompt with ``validation.seed = seed`` from the run's newest
+    checkpoint, the validator, the run's setup)."""
+    config = run_folder.load_run(run_dir)
+    built = experiment.setup(config)
+    state = experiment.initial_state(built, experiment.batch_fn(config, built)(0))
+    saved = sampling.fexport.role_checkpoint(run_dir, role="student")
+    state = state._replace(roles={"student": state.roles["student"]._replace(params=saved.read())})
+    vcfg = config.validation.__class__(seed=seed, num_prompts=1, every=1)
+    validator = validation.make_validator(vcfg, built.dataset, built.program.model)
+    entry = built.program.validate(state, experiment.frozen_params(built), vcfg)[0]
+    latents, _ = validation.sample_videos(entry.apply, entry.params, validator.noise, entry.sigmas,
+                                          validator.prompts.cond, key=validator.keys, sampler=entry.sampler,
+                                          draw=entry.draw)
+    return latents, validator, built
+
+
 def test_a_video_is_validations_sample_of_its_seed(causal, tmp_path):
     """The streaming student's clip from ``sample`` (seed s) is the clip validation streams for its first prompt with
     validation.seed = s: one code path."""
-    config = run_folder.load_run(causal)
-    built = experiment.setup(config)
-    state = experiment.initial_state(built, experiment.batch_fn(config, built)(0))
-    saved = sampling.fexport.role_checkpoint(causal, role="student")
-    state = state._replace(roles={"student": state.roles["student"]._replace(params=saved.read())})
-    vcfg = config.validation.__class__(seed=7, num_prompts=1, every=1)
-    validator = validation.make_validator(vcfg, built.dataset, built.program.model)
-    entry = built.program.validate(state, experiment.frozen_params(built), vcfg)[0]
-    want, _ = validation.sample_videos(entry.apply, entry.params, validator.noise, entry.sigmas,
-                                       validator.prompts.cond, key=validator.keys, sampler=entry.sampler,
-                                       draw=entry.draw)
+    want, validator, _ = validations_sample(causal, seed=7)
     done = sampling.run_sample(sampling.Request(str(causal), (validator.prompts.captions[0],), out=str(tmp_path),
                                                 seed=7), progress=False, say=lambda line: None)
     torch.testing.assert_close(done["latents"], want, rtol=0, atol=0)
@@ -198,16 +205,8 @@ def image_to_video(tmp_path_factory):
 def test_an_image_to_video_model_starts_from_the_image(image_to_video, tmp_path):
     """The first frame of world clip 0, written as a PNG and given as --image, conditions the sample exactly as the
     dataset's own first-frame latents condition validation's sample of that clip (the world's codec is exact)."""
+    want, validator, built = validations_sample(image_to_video, seed=3)
     config = run_folder.load_run(image_to_video)
-    built = experiment.setup(config)
-    state = experiment.initial_state(built, experiment.batch_fn(config, built)(0))
-    saved = sampling.fexport.role_checkpoint(image_to_video, role="student")
-    state = state._replace(roles={"student": state.roles["student"]._replace(params=saved.read())})
-    vcfg = config.validation.__class__(seed=3, num_prompts=1, every=1)
-    validator = validation.make_validator(vcfg, built.dataset, built.program.model)
-    entry = built.program.validate(state, experiment.frozen_params(built), vcfg)[0]
-    want, _ = validation.sample_videos(entry.apply, entry.params, validator.noise, entry.sigmas,
-                                       validator.prompts.cond, key=validator.keys, sampler=entry.sampler)
     clip = built.dataset.read([validator.prompts.indices[0]])["latents"]  # the world's codec: pixels by depth
     pixels = torch.nn.functional.pixel_shuffle(clip[0, :, 0][None], config.data.world.factor)[0]
     image = tmp_path / "first.png"
