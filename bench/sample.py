@@ -21,7 +21,7 @@ latents), globally and with ``models.student.local_attn_size=4`` (``sampling.Req
 block (all blocks; the first 3 and the last 3, each the sum of its ``Causal.apply_cached`` calls), the KV cache's slots
 and MB per guidance branch, and the peak resident memory a stream adds.
 
-    python bench/sample.py [--repeats 3] [--steps 8] [--compile] [--skip-wan] [--skip-stream]   # CPU, ~3 min
+    python bench/sample.py [--repeats 5] [--steps 10] [--compile] [--skip-wan] [--skip-stream]   # CPU, ~3 min
     python bench/sample.py --check [--steps 50] [--compile]   # a GPU: Wan 2.1 1.3B's DiT, 81x480x832, bf16
 ``--check``: the DiT of ``models.student.preset=wan2.1-t2v-1.3b`` (random weights, one copy: fvx samples its fp32
 params in bf16 compute as ``sample`` does, the pipeline holds them in bf16) on a random 512-token prompt and negative
@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import pathlib
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -235,8 +237,8 @@ def diffusers_end_to_end(export: pathlib.Path, noise: torch.Tensor, steps: int, 
 
 
 def measure_wan(work: pathlib.Path, steps: int, repeats: int, compiled: bool) -> dict[str, Any]:
-    """Seconds per video of every case (medians of ``repeats`` alternating calls after one warm-up call each, whose
-    peak resident memory above the memory before it is kept), the fvx parts, the two paths' difference."""
+    """Seconds per video of every case (medians of ``repeats`` alternating calls after one warm-up call each), the
+    fvx parts, the two paths' difference, the peak resident memory of each end to end (a fresh process each)."""
     run, export = wan_run(work)
     folders = Folders(work / "samples")
     prep = prepare(wan_request(run, None, steps))
@@ -262,12 +264,8 @@ def measure_wan(work: pathlib.Path, steps: int, repeats: int, compiled: bool) ->
         cases["fvx blocks"] = lambda: fvx_steady(blocks)
         cases["diffusers compiled"] = lambda: diffusers_call(pipe_compiled, prep.noise, steps)
         first = {"fvx blocks": timed(cases["fvx blocks"]), "diffusers compiled": timed(cases["diffusers compiled"])}
-    peaks = {}
-    for name, fn in cases.items():  # the warm-up
-        reset_peak_rss()
-        base = current_rss_bytes()
+    for fn in cases.values():  # the warm-up
         fn()
-        peaks[name] = (peak_rss_bytes() - base) / 2**20
     parts = dict(prep.phases)
     with torch.no_grad():
         parts["draw"] = timed(lambda: parts.update(latents=fvx_draw(prep)))
@@ -278,6 +276,7 @@ def measure_wan(work: pathlib.Path, steps: int, repeats: int, compiled: bool) ->
         out.mkdir(parents=True)
         parts["write mp4"] = timed(lambda: sampling.write_video(out, "video", video[0][0], fps, gif=False, scale=1))
     times = alternate(cases, repeats=repeats, warmup=0)
+    peaks = {name: peak_child(work, name, steps) for name in ("fvx e2e", "diffusers e2e")}
     return {"times": times, "first": first, "peaks": peaks, "parts": parts, "diff": diff, "steps": steps,
             "shape": list(prep.plan.shape)}
 
@@ -285,6 +284,7 @@ def measure_wan(work: pathlib.Path, steps: int, repeats: int, compiled: bool) ->
 class StreamCase(NamedTuple):
     label: str
     frames: int
+    window: int | None
     prep: Prepared
     slots: int
     cache_mb: float
@@ -321,11 +321,12 @@ def stream_case(run: pathlib.Path, multiple: int, window: int | None, steps: int
     branches = 2 if prep.sampler.guided and prep.plan.vcfg.guidance_scale != 1.0 else 1
     cache_mb = causal.cache_bytes(frames, (1, channels, causal.frames_per_block, height, width)) / 2**20
     label = f"{multiple}x, " + ("global" if window is None else f"window {window}")
-    return StreamCase(label, frames, prep, len(causal.empty_cache(frames).slots), cache_mb * branches, runs)
+    return StreamCase(label, frames, window, prep, len(causal.empty_cache(frames).slots), cache_mb * branches, runs)
 
 
 def measure_stream(work: pathlib.Path, steps: int, repeats: int) -> list[dict[str, Any]]:
-    """Per case: seconds per block (all, the first 3, the last 3), slots, cache MB, peak resident MB of a stream."""
+    """Per case: seconds per block (all, the first 3, the last 3), slots, cache MB, the peak resident memory of one
+    stream (a fresh process each)."""
     run = stream_run(work)
     cases = [stream_case(run, m, w, steps) for w in (None, WINDOW) for m in STREAM_LENGTHS]
 
@@ -335,23 +336,53 @@ def measure_stream(work: pathlib.Path, steps: int, repeats: int) -> list[dict[st
             fvx_draw(case.prep)
         return go
 
-    peaks = {}
-    for case in cases:  # the warm-up
-        reset_peak_rss()
-        base = current_rss_bytes()
-        streamed(case)()
-        peaks[case.label] = (peak_rss_bytes() - base) / 2**20
-    times = alternate({case.label: streamed(case) for case in cases}, repeats=repeats, warmup=0)
+    times = alternate({case.label: streamed(case) for case in cases}, repeats=repeats, warmup=1)
+    peaks = {case.label: peak_child(work, "stream", steps, case.frames // STREAM_TRAINED, case.window)
+             for case in cases}
     rows = []
     for case in cases:
-        timed_runs = case.runs[1:]
+        timed_runs = case.runs[1:]  # after the warm-up
         blocks = sorted(timed_runs[0])
         per_block = [statistics.median(r[b] for r in timed_runs) for b in blocks]
         rows.append({"label": case.label, "frames": case.frames, "blocks": len(blocks),
                      "per_block": times[case.label] / len(blocks), "first": statistics.mean(per_block[:3]),
                      "last": statistics.mean(per_block[-3:]), "slots": case.slots, "cache_mb": case.cache_mb,
-                     "peak_mb": peaks[case.label]})
+                     "peak": peaks[case.label]})
     return rows
+
+
+def peak_child(work: pathlib.Path, case: str, steps: int, multiple: int = 1, window: int | None = None
+               ) -> dict[str, float]:
+    """Resident MB of a fresh process running ``case`` once on the runs in ``work``: after its imports (a stream:
+    after ``prepare``) and at its peak."""
+    command = [sys.executable, __file__, "--peak", case, "--work", str(work), "--steps", str(steps),
+               "--stream-steps", str(steps), "--multiple", str(multiple)] + (
+                   [] if window is None else ["--window", str(window)])
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"--peak {case} failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def peak_in_this_process(case: str, work: pathlib.Path, steps: int, multiple: int, window: int | None) -> None:
+    import av  # noqa: F401  (both paths' imports before the baseline)
+    import diffusers  # noqa: F401
+
+    if case == "stream":
+        case_ = stream_case(work / "stream", multiple, window, steps)
+        case_.runs.append({})
+        base = current_rss_bytes()
+        reset_peak_rss()
+        fvx_draw(case_.prep)
+    else:
+        base = current_rss_bytes()
+        out = pathlib.Path(tempfile.mkdtemp(dir=work))
+        if case == "fvx e2e":
+            sampling.run_sample(wan_request(work / "run", out, steps), progress=False, say=lambda line: None)
+        else:
+            noise, _ = sampling.noise_and_keys([0], (16, (VIDEO[0] - 1) // 4 + 1, VIDEO[1] // 4, VIDEO[2] // 4))
+            diffusers_end_to_end(work / "export", noise, steps, out, 16.0)
+    print(json.dumps({"peak_mb": peak_rss_bytes() / 2**20, "base_mb": base / 2**20}))
 
 
 # ---------------------------------------------------------------------------------------------------- report
@@ -362,9 +393,9 @@ def report_wan(result: dict[str, Any]) -> None:
     print(f"Wan: DiT {PRESET} ({wan.PRESETS[PRESET].kwargs['num_layers']} blocks, width 384), latents "
           f"{result['shape']} ({VIDEO[0]}x{VIDEO[1]}x{VIDEO[2]}), {result['steps']} steps, guidance {GUIDANCE}, fp32 on "
           f"cpu, {torch.get_num_threads()} threads; max |fvx - diffusers| of the decoded video {result['diff']:.1e}")
-    print(f"{'':20} {'s/video':>8} {'x diffusers':>12} {'peak MB':>8}")
+    print(f"{'':20} {'s/video':>8} {'x diffusers':>12}")
     for name, seconds in times.items():
-        print(f"{name:20} {seconds:8.3f} {seconds / base:12.3f} {result['peaks'][name]:8.0f}")
+        print(f"{name:20} {seconds:8.3f} {seconds / base:12.3f}")
     print("ratios fvx/diffusers: steady (draw + decode) vs the pipeline call "
           f"{times['fvx steady'] / base:.3f}; the DiT loop (draw vs output_type=latent) "
           f"{times['fvx draw'] / times['diffusers lat']:.3f}; end to end {times['fvx e2e'] / times['diffusers e2e']:.3f}"
@@ -374,17 +405,21 @@ def report_wan(result: dict[str, Any]) -> None:
               f"{times['fvx blocks'] / times['diffusers compiled']:.3f}; first call (compiling): "
               + ", ".join(f"{k} {v:.1f} s" for k, v in result["first"].items()))
     print("fvx parts, ms: " + ", ".join(f"{k} {1000 * v:.0f}" for k, v in result["parts"].items()))
+    print("peak resident MB end to end, a fresh process each: after imports -> peak (above): " + ", ".join(
+        f"{k} {m['base_mb']:.0f} -> {m['peak_mb']:.0f} ({m['peak_mb'] - m['base_mb']:.0f})"
+        for k, m in result["peaks"].items()))
 
 
 def report_stream(rows: list[dict[str, Any]], steps: int) -> None:
     print(f"Streaming: {STREAM_PRESET} (blocks of 2 latent frames, trained on {STREAM_TRAINED}), {STREAM_SIDE}x"
           f"{STREAM_SIDE} pixels (8x8 latents), {steps} steps a block; s/block = the whole stream's median / blocks; "
-          "first/last 3 = the mean of those blocks' median seconds in apply_cached")
+          "first/last 3 = the mean of those blocks' median seconds in apply_cached; peak: resident MB a stream adds "
+          "to its prepared process (weights loaded, a fresh process each)")
     print(f"{'':18} {'frames':>6} {'blocks':>6} {'s/block':>8} {'first 3':>8} {'last 3':>8} {'slots':>6} "
           f"{'cache MB':>8} {'peak MB':>8}")
     for r in rows:
         print(f"{r['label']:18} {r['frames']:6d} {r['blocks']:6d} {r['per_block']:8.4f} {r['first']:8.4f} "
-              f"{r['last']:8.4f} {r['slots']:6d} {r['cache_mb']:8.3f} {r['peak_mb']:8.0f}")
+              f"{r['last']:8.4f} {r['slots']:6d} {r['cache_mb']:8.3f} {r['peak']['peak_mb'] - r['peak']['base_mb']:8.1f}")
 
 
 # ----------------------------------------------------------------------------------------------------- --check
@@ -395,10 +430,12 @@ class CheckSetup(NamedTuple):
     shape: tuple[int, int, int, int]
     text_len: int
     device: str
+    dtype: str  # fvx's compute dtype, the pipeline transformer's dtype
 
 
-CHECKS = {"gpu": CheckSetup("wan2.1-t2v-1.3b", (16, 21, 60, 104), 512, "cuda"),  # 81x480x832 under the 2.1 VAE
-          "gpu-on-cpu": CheckSetup(PRESET, (16, 2, 8, 8), 16, "cpu")}  # --check's path at CPU sizes (hidden flag)
+CHECKS = {"gpu": CheckSetup("wan2.1-t2v-1.3b", (16, 21, 60, 104), 512, "cuda", "bf16"),  # 81x480x832, 2.1 VAE
+          # --check's path at CPU sizes in fp32 (a hidden flag): the two must agree to float rounding
+          "gpu-on-cpu": CheckSetup(PRESET, (16, 2, 8, 8), 16, "cpu", "fp32")}
 
 
 def check(setup: CheckSetup, steps: int, compiled: bool) -> None:
@@ -413,25 +450,31 @@ def check(setup: CheckSetup, steps: int, compiled: bool) -> None:
         module = WanTransformer3DModel(**kwargs)
         text = torch.randn(2, setup.text_len, kwargs["text_dim"])  # the prompt's and the negative prompt's
     params = {name: p.detach().clone() for name, p in module.named_parameters()}  # fp32, as sample loads them
-    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=module.to(torch.bfloat16),
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[setup.dtype]
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=module.to(dtype),
                        scheduler=FlowMatchEulerDiscreteScheduler(shift=SHIFT))
     pipe.set_progress_bar_config(disable=True)
     noise, keys = tree.to_device(sampling.noise_and_keys([0], setup.shape), device)
     mask = torch.ones(1, setup.text_len, device=device)
     cond, negative = {"text": text[:1], "text_mask": mask}, {"text": text[1:], "text_mask": mask}
 
-    def fvx_sampler(n: int, compile_mode: str = "none"):
+    def fvx_samplers(compile_mode: str = "none") -> tuple[Callable[[], torch.Tensor], ...]:
+        """fvx's sampling of 2 steps (the warm-up) and of ``steps``, one built model for both."""
         config = fconfig.apply_overrides(fconfig.load_experiment(FINETUNE), [
-            f"models.student.preset={setup.preset}", "models.student.compute_dtype=bf16", "data.world=null",
+            f"models.student.preset={setup.preset}", f"models.student.compute_dtype={setup.dtype}", "data.world=null",
             "vae=null", f"data.text_len={setup.text_len}", f"models.student.compile={compile_mode}"])
         source = sampling.Source(config, "student", 0, False, "random weights", lambda: params)
-        vcfg = sampling.validation_config(config, sampling.Request("", (), steps=n, guidance=GUIDANCE, shift=SHIFT,
-                                                                   schedule="diffusers"), setup.shape)
         models = build_models(config)
         model = models["student"]
-        sampler = sampling.sampler_of(source, models, params, vcfg, None)
         uncond = lambda c: model.uncond(c, "negative_prompt", negative)  # noqa: E731
-        return lambda: sampling.draw(sampler, noise, cond, keys, uncond, GUIDANCE)
+
+        def draw(n: int) -> Callable[[], torch.Tensor]:
+            vcfg = sampling.validation_config(config, sampling.Request("", (), steps=n, guidance=GUIDANCE,
+                                                                       shift=SHIFT, schedule="diffusers"), setup.shape)
+            sampler = sampling.sampler_of(source, models, params, vcfg, None)
+            return lambda: sampling.draw(sampler, noise, cond, keys, uncond, GUIDANCE)
+
+        return draw(2), draw(steps)
 
     def pipe_loop(n: int) -> Callable[[], torch.Tensor]:
         return lambda: pipe(prompt_embeds=text[:1], negative_prompt_embeds=text[1:], latents=noise,
@@ -440,7 +483,8 @@ def check(setup: CheckSetup, steps: int, compiled: bool) -> None:
                             output_type="latent").frames
 
     def measure(cases: dict[str, tuple[Callable[[], Any], Callable[[], Any]]]) -> dict[str, dict[str, float]]:
-        """Per case (a 2-step warm-up call, the timed call): seconds, peak GiB above before, the latents."""
+        """Per case (a 2-step warm-up call, the timed call): seconds, the warm-up's, the latents (printed with the
+        peak GPU memory above the memory before)."""
         out = {}
         for name, (warm, full) in cases.items():
             first = timed(warm, sync)
@@ -449,25 +493,26 @@ def check(setup: CheckSetup, steps: int, compiled: bool) -> None:
             base = torch.cuda.memory_allocated() if cuda else 0
             held: list[torch.Tensor] = []
             seconds = timed(lambda: held.append(full()), sync)
-            peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else float("nan")
-            out[name] = {"s": seconds, "first": first, "peak": peak, "latents": held[0].float()}
-            print(f"  {name:20} {seconds:8.2f} s ({seconds / steps:.3f} s/step; warm-up {first:.1f} s), peak "
-                  f"{peak:.2f} GiB", flush=True)
+            peak = f", peak {(torch.cuda.max_memory_allocated() - base) / 2**30:.2f} GiB" if cuda else ""
+            out[name] = {"s": seconds, "first": first, "latents": held[0].float()}
+            print(f"  {name:20} {seconds:8.2f} s ({seconds / steps:.3f} s/step; warm-up {first:.1f} s){peak}",
+                  flush=True)
         return out
 
-    print(f"--check: {setup.preset} DiT, latents {list(setup.shape)}, {steps} steps, guidance {GUIDANCE}, bf16 on "
-          f"{setup.device}" + (f" ({torch.cuda.get_device_name()})" if cuda else ""), flush=True)
+    print(f"--check: {setup.preset} DiT, latents {list(setup.shape)}, {steps} steps, guidance {GUIDANCE}, "
+          f"{setup.dtype} on {setup.device}" + (f" ({torch.cuda.get_device_name()})" if cuda else ""), flush=True)
     with torch.no_grad():
-        result = measure({"fvx": (fvx_sampler(2), fvx_sampler(steps)), "diffusers": (pipe_loop(2), pipe_loop(steps))})
+        result = measure({"fvx": fvx_samplers(), "diffusers": (pipe_loop(2), pipe_loop(steps))})
         if compiled:
             pipe.transformer.compile()
-            result |= measure({"fvx blocks": (fvx_sampler(2, "blocks"), fvx_sampler(steps, "blocks")),
+            result |= measure({"fvx blocks": fvx_samplers("blocks"),
                                "diffusers compiled": (pipe_loop(2), pipe_loop(steps))})
     ours, theirs = result["fvx"]["latents"], result["diffusers"]["latents"]
     relative = float((ours - theirs).norm() / theirs.norm())
     ratio = result["fvx"]["s"] / result["diffusers"]["s"]
     print(f"fvx / diffusers seconds per video {ratio:.3f} (goal <= {GOAL_EAGER}); |fvx - diffusers| / |diffusers| of "
-          f"the latents {relative:.2e} (bf16; diffusers keeps its latents in bf16 between steps)")
+          f"the latents {relative:.2e}" + (" (diffusers keeps its latents in bf16 between steps)"
+                                           if setup.dtype == "bf16" else ""))
     failed = [f"fvx eager is {ratio:.3f}x the pipeline"] if ratio > GOAL_EAGER else []
     if compiled:
         blocks = result["fvx blocks"]["s"]
@@ -494,16 +539,23 @@ def quiet() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3, help="timed calls per case (medians)")
-    parser.add_argument("--steps", type=int, default=None, help="sampling steps (default: 8 on a CPU, 50 --check)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per case (medians)")
+    parser.add_argument("--steps", type=int, default=None, help="sampling steps (default: 10 on a CPU, 50 --check)")
     parser.add_argument("--stream-steps", type=int, default=4, help="sampling steps per streamed block")
     parser.add_argument("--compile", action="store_true", help="add compile=blocks and torch.compile(transformer)")
     parser.add_argument("--skip-wan", action="store_true", help="only the streaming measurement")
     parser.add_argument("--skip-stream", action="store_true", help="only the Wan measurement")
     parser.add_argument("--check", action="store_true", help="a GPU: Wan 2.1 1.3B's DiT at 81x480x832, bf16")
     parser.add_argument("--check-on-cpu", action="store_true", help=argparse.SUPPRESS)  # --check's path, CPU sizes
+    parser.add_argument("--peak", choices=("fvx e2e", "diffusers e2e", "stream"), help=argparse.SUPPRESS)
+    parser.add_argument("--work", help=argparse.SUPPRESS)  # --peak: the parent's runs
+    parser.add_argument("--multiple", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--window", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     quiet()
+    if args.peak:
+        peak_in_this_process(args.peak, pathlib.Path(args.work), args.steps, args.multiple, args.window)
+        return
     if args.check and not torch.cuda.is_available():
         print("bench/sample.py --check needs a CUDA GPU (Wan 2.1 1.3B's DiT at 81x480x832, 50 steps); run it without "
               "--check on a CPU")
@@ -515,7 +567,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fvx_bench_sample_") as temp:
         work = pathlib.Path(temp)
         if not args.skip_wan:
-            report_wan(measure_wan(work, args.steps or 8, args.repeats, args.compile))
+            report_wan(measure_wan(work, args.steps or 10, args.repeats, args.compile))
         if not args.skip_stream:
             report_stream(measure_stream(work, args.stream_steps, args.repeats), args.stream_steps)
     print(f"load average {os.getloadavg()[0]:.2f}")

@@ -169,7 +169,7 @@ def bad(capsys, *argv) -> str:
     return err[0]
 
 
-def test_bad_input_is_one_line_before_anything_is_written(finetuned, causal, tmp_path, capsys):
+def test_bad_input_is_one_line_before_anything_is_written(finetuned, causal, world_teacher, tmp_path, capsys):
     out = tmp_path / "out"
     (tmp_path / "empty.txt").write_text("\n\n")
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00\x01")
@@ -192,6 +192,7 @@ def test_bad_input_is_one_line_before_anything_is_written(finetuned, causal, tmp
         ((finetuned, "--prompt", RED_RIGHT, "--karras", "0.01,200"), "set validation.solver=unipc"),
         ((finetuned, "--prompt", RED_RIGHT, "--karras", "low"), "--karras takes SIGMA_MIN,SIGMA_MAX"),
         ((finetuned, "--prompt", RED_RIGHT, "--base", tmp_path / "fresh"), "model_index.json"),
+        ((finetuned, "--prompt", RED_RIGHT, "--base", world_teacher), "component"),
     ]:
         assert message in bad(capsys, *argv, "--out", out), argv
         assert not out.exists()
