@@ -1,5 +1,5 @@
-"""``python -m fvx.run sample`` against diffusers' WanPipeline (seconds per video), and a streaming student's seconds per
-block as the video it streams grows.
+"""``python -m fvx.run sample`` against diffusers' WanPipeline (seconds per video), and a streaming student's seconds
+per block as the video it streams grows.
 
 Wan: a random-weight Wan pipeline folder (a small UMT5, the tiny Wan VAE, a DiT of 4 blocks of width 384:
 ``bench-sample-4x384``) is fine-tuned one step (``experiments/finetune_wan.py``) and exported with ``--base``; one
@@ -12,14 +12,16 @@ video of latents ``[16, 5, 16, 16]`` (17 frames of 64x64), ``--steps`` Euler ste
   diffusers lat  the same call with ``output_type="latent"`` (encode and the DiT loop, no decode)
   diffusers e2e  ``DiffusionPipeline.from_pretrained`` of the export, the call, the mp4 written as fvx writes it
 Both make the same video from the same noise (max |difference| printed). ``--compile`` adds fvx with
-``models.student.compile=blocks`` and the pipeline with its transformer under ``torch.compile`` (inductor).
+``models.student.compile=blocks`` and the pipeline with its transformer under ``torch.compile`` (inductor). The two end
+to end paths run once more each in a fresh process (after importing torch, diffusers and av): their seconds there (what
+the in-process runs already imported, e.g. orbax for the checkpoint, included) and peak resident memory.
 
 Streaming: the toy block-causal Wan (``experiments/dfsft_causal_t2v.py``: blocks of 2 latent frames, 6-frame clips;
 its ``world`` preset with a RoPE table of 64 frames, ``bench-world-rope64``, as ``world``'s 32 frames cannot make 10x)
 trained 2 steps, then streamed at 1x, 3x and 10x the training length (6, 18, 60 latent frames of 64x64 pixels, 8x8
 latents), globally and with ``models.student.local_attn_size=4`` (``sampling.Request(overrides=...)``): seconds per
 block (all blocks; the first 3 and the last 3, each the sum of its ``Causal.apply_cached`` calls), the KV cache's slots
-and MB per guidance branch, and the peak resident memory a stream adds.
+and MB (all guidance branches), and the peak resident memory a stream adds (a fresh process each).
 
     python bench/sample.py [--repeats 5] [--steps 10] [--compile] [--skip-wan] [--skip-stream]   # CPU, ~3 min
     python bench/sample.py --check [--steps 50] [--compile]   # a GPU: Wan 2.1 1.3B's DiT, 81x480x832, bf16
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -53,7 +56,7 @@ import torch  # noqa: E402
 from fvx import config as fconfig, run as frun  # noqa: E402
 from fvx.core import tree  # noqa: E402
 from fvx.training import preprocessing, sampling  # noqa: E402
-from fvx.training.experiment import build_models  # noqa: E402
+from fvx.training.experiment import build_models  # noqa: E402  (--check)
 from fvx_models import wan, wan_causal, wan_vae  # noqa: E402
 from fvx_models.family import Preset  # noqa: E402
 
@@ -153,7 +156,7 @@ class Prepared(NamedTuple):
 def prepare(request: sampling.Request,
             hook: Callable[[dict[str, Any]], dict[str, Any]] = lambda models: models) -> Prepared:
     """``run_sample``'s steps up to its loop (one prompt, seed ``request.seed``), each timed; ``hook`` may wrap the
-    built models before the sampler is made of them."""
+    plan's built models, the sampler then made again of them."""
     phases: dict[str, float] = {}
 
     def step(name: str, fn: Callable[[], Any]) -> Any:
@@ -162,19 +165,24 @@ def prepare(request: sampling.Request,
         phases[name] = time.perf_counter() - start
         return out
 
-    p = step("plan", lambda: sampling.plan(request, say=lambda line: None))
-    config, device = p.source.config, preprocessing.device()
+    p = step("plan", lambda: sampling.plan(request, say=lambda line: None))  # the models and sampler built
+    device = preprocessing.device()
     encoder = step("text encoder", p.encoder)
-    cond = step("encode", lambda: tree.to_device(sampling.encoded_cond(config, p.model, encoder, request.prompts),
-                                                 device))
-    uncond = sampling._uncond(config, p.model, encoder, request.negative_prompt, p.vcfg, device)
-    del encoder
-    models = step("build", lambda: hook(build_models(config)))
-    params = step("weights", lambda: tree.to_device(p.source.weights(), device))
-    sampler = step("sampler", lambda: sampling.sampler_of(p.source, models, params, p.vcfg, request.jumps))
+    cond, uncond = step("encode", functools.partial(encode_prompts, p, encoder, device))
+    del encoder  # as run_sample: the text encoder is gone before the DiT loads
+    models = hook(p.models)
+    sampler = p.sampler if models is p.models else sampling.sampler_of(p.source, models, {}, p.vcfg, request.jumps)
+    sampler = step("weights", lambda: sampler._replace(params=tree.to_device(p.source.weights(), device)))
     decoder = step("vae", p.decoder)
     noise, keys = tree.to_device(sampling.noise_and_keys([request.seed], p.shape), device)
     return Prepared(p, models[p.source.role], sampler, cond, uncond, decoder, noise, keys, phases)
+
+
+def encode_prompts(p: sampling.Plan, encoder: Any, device: torch.device) -> tuple[dict[str, torch.Tensor], Callable]:
+    """(the prompts' cond on ``device``, ``uncond(cond)``: the negative prompt's), as ``run_sample`` encodes them."""
+    config = p.source.config
+    cond = tree.to_device(sampling.encoded_cond(config, p.model, encoder, p.request.prompts), device)
+    return cond, sampling._uncond(config, p.model, encoder, p.request.negative_prompt, p.vcfg, device)
 
 
 def fvx_draw(prep: Prepared) -> torch.Tensor:
@@ -354,7 +362,7 @@ def measure_stream(work: pathlib.Path, steps: int, repeats: int) -> list[dict[st
 def peak_child(work: pathlib.Path, case: str, steps: int, multiple: int = 1, window: int | None = None
                ) -> dict[str, float]:
     """Resident MB of a fresh process running ``case`` once on the runs in ``work``: after its imports (a stream:
-    after ``prepare``) and at its peak."""
+    after ``prepare``) and at its peak; the seconds from there to the end (lazy imports included)."""
     command = [sys.executable, __file__, "--peak", case, "--work", str(work), "--steps", str(steps),
                "--stream-steps", str(steps), "--multiple", str(multiple)] + (
                    [] if window is None else ["--window", str(window)])
@@ -371,18 +379,19 @@ def peak_in_this_process(case: str, work: pathlib.Path, steps: int, multiple: in
     if case == "stream":
         case_ = stream_case(work / "stream", multiple, window, steps)
         case_.runs.append({})
-        base = current_rss_bytes()
+        base, start = current_rss_bytes(), time.perf_counter()
         reset_peak_rss()
         fvx_draw(case_.prep)
     else:
-        base = current_rss_bytes()
+        base, start = current_rss_bytes(), time.perf_counter()
         out = pathlib.Path(tempfile.mkdtemp(dir=work))
         if case == "fvx e2e":
             sampling.run_sample(wan_request(work / "run", out, steps), progress=False, say=lambda line: None)
         else:
             noise, _ = sampling.noise_and_keys([0], (16, (VIDEO[0] - 1) // 4 + 1, VIDEO[1] // 4, VIDEO[2] // 4))
             diffusers_end_to_end(work / "export", noise, steps, out, 16.0)
-    print(json.dumps({"peak_mb": peak_rss_bytes() / 2**20, "base_mb": base / 2**20}))
+    print(json.dumps({"peak_mb": peak_rss_bytes() / 2**20, "base_mb": base / 2**20,
+                      "seconds": time.perf_counter() - start}))
 
 
 # ---------------------------------------------------------------------------------------------------- report
@@ -391,23 +400,24 @@ def peak_in_this_process(case: str, work: pathlib.Path, steps: int, multiple: in
 def report_wan(result: dict[str, Any]) -> None:
     times, base = result["times"], result["times"]["diffusers"]
     print(f"Wan: DiT {PRESET} ({wan.PRESETS[PRESET].kwargs['num_layers']} blocks, width 384), latents "
-          f"{result['shape']} ({VIDEO[0]}x{VIDEO[1]}x{VIDEO[2]}), {result['steps']} steps, guidance {GUIDANCE}, fp32 on "
-          f"cpu, {torch.get_num_threads()} threads; max |fvx - diffusers| of the decoded video {result['diff']:.1e}")
+          f"{result['shape']} ({VIDEO[0]}x{VIDEO[1]}x{VIDEO[2]}), {result['steps']} steps, guidance {GUIDANCE}, fp32 "
+          f"on cpu, {torch.get_num_threads()} threads; max |fvx - diffusers| of the decoded video {result['diff']:.1e}")
     print(f"{'':20} {'s/video':>8} {'x diffusers':>12}")
     for name, seconds in times.items():
         print(f"{name:20} {seconds:8.3f} {seconds / base:12.3f}")
     print("ratios fvx/diffusers: steady (draw + decode) vs the pipeline call "
           f"{times['fvx steady'] / base:.3f}; the DiT loop (draw vs output_type=latent) "
-          f"{times['fvx draw'] / times['diffusers lat']:.3f}; end to end {times['fvx e2e'] / times['diffusers e2e']:.3f}"
-          f" (goal <= {GOAL_EAGER})")
+          f"{times['fvx draw'] / times['diffusers lat']:.3f}; end to end "
+          f"{times['fvx e2e'] / times['diffusers e2e']:.3f} (goal <= {GOAL_EAGER})")
     if result["first"]:
         print(f"compile=blocks vs the eager pipeline {times['fvx blocks'] / base:.3f}, vs torch.compile(transformer) "
               f"{times['fvx blocks'] / times['diffusers compiled']:.3f}; first call (compiling): "
               + ", ".join(f"{k} {v:.1f} s" for k, v in result["first"].items()))
     print("fvx parts, ms: " + ", ".join(f"{k} {1000 * v:.0f}" for k, v in result["parts"].items()))
-    print("peak resident MB end to end, a fresh process each: after imports -> peak (above): " + ", ".join(
-        f"{k} {m['base_mb']:.0f} -> {m['peak_mb']:.0f} ({m['peak_mb'] - m['base_mb']:.0f})"
-        for k, m in result["peaks"].items()))
+    print("end to end in a fresh process each (after importing torch, diffusers, av): resident MB after imports -> "
+          "peak (above), seconds: " + ", ".join(
+              f"{k} {m['base_mb']:.0f} -> {m['peak_mb']:.0f} ({m['peak_mb'] - m['base_mb']:.0f}), {m['seconds']:.2f} s"
+              for k, m in result["peaks"].items()))
 
 
 def report_stream(rows: list[dict[str, Any]], steps: int) -> None:
@@ -418,8 +428,9 @@ def report_stream(rows: list[dict[str, Any]], steps: int) -> None:
     print(f"{'':18} {'frames':>6} {'blocks':>6} {'s/block':>8} {'first 3':>8} {'last 3':>8} {'slots':>6} "
           f"{'cache MB':>8} {'peak MB':>8}")
     for r in rows:
+        added = r["peak"]["peak_mb"] - r["peak"]["base_mb"]
         print(f"{r['label']:18} {r['frames']:6d} {r['blocks']:6d} {r['per_block']:8.4f} {r['first']:8.4f} "
-              f"{r['last']:8.4f} {r['slots']:6d} {r['cache_mb']:8.3f} {r['peak']['peak_mb'] - r['peak']['base_mb']:8.1f}")
+              f"{r['last']:8.4f} {r['slots']:6d} {r['cache_mb']:8.3f} {added:8.1f}")
 
 
 # ----------------------------------------------------------------------------------------------------- --check

@@ -462,10 +462,12 @@ def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
     if source.role != validated:
         raise ValueError(f"sample: role {source.role!r} is not the model the method validates and samples "
                          f"({validated!r}); export it and train or sample it as a model of its own")
-    model = role_configs(config)[source.role].build()
+    models = build_models(config)
+    model = models[source.role]
     image_to_video = config.data.kind == "i2v"
     image = read_first_frame(request.image, image_to_video, model)
     shape = latent_shape(config, model, request)
+    model.check_latents((1, *shape), where="the latents to sample (--frames, --height, --width)")
     warning = check_length(model, shape, _trained_shape(config, shape))
     if warning is not None:
         say(f"warning: {warning}")
@@ -476,7 +478,6 @@ def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
         raise ValueError(f"--solver unipc: {model.name} " + ("streams block by block" if model.causal is not None
                                                              else "denoises several modalities") +
                          ", which fvx samples with Euler steps only")
-    models = build_models(config)
     sampler = sampler_of(source, models, {}, vcfg, request.jumps)  # its params come with the weights
     for line in unused_options(request, sampler):
         say(f"warning: {line}")
