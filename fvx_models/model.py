@@ -82,6 +82,7 @@ class Causal:
                                        tensors allocated (zeros) for chunks of ``shape`` ``[B, C, f, H, W]``: a value
                                        of fixed shape to carry across training steps
     cache_bytes(frames, shape) -> int  the bytes of that cache (the dry run's carried state)
+    max_frames                         the most latent frames a stream can reach (its position table), or None
     """
 
     frames_per_block: int
@@ -92,6 +93,7 @@ class Causal:
     apply_teacher_forced: Callable[..., torch.Tensor]
     allocated_cache: Callable[[int, tuple[int, ...], torch.device], Any] | None = None
     cache_bytes: Callable[[int, tuple[int, ...]], int] | None = None
+    max_frames: int | None = None
 
 
 class Written(NamedTuple):

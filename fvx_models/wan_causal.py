@@ -270,20 +270,13 @@ def causal(config: WanCausalConfig, apply: Any, module: nn.Module) -> Causal:
     return Causal(frames_per_block=config.num_frames_per_block, window=config.local_attn_size,
                   sink=config.sink_size, empty_cache=lambda frames: bc.empty(frames, **layout),
                   apply_cached=apply_cached, apply_teacher_forced=apply_teacher_forced,
-                  allocated_cache=allocated_cache, cache_bytes=cache_bytes)
-
-
-def latent_rule(config: Any, shape: tuple[int, ...]) -> str | None:
-    """Why a stream of ``shape`` ``[B, C, T, H, W]`` cannot be made: more latent frames than its RoPE table holds."""
-    frames, limit = shape[2] // config.spec.kwargs["patch_size"][0], config.spec.kwargs["rope_max_seq_len"]
-    if frames > limit:
-        return f"{frames} latent frames exceed its RoPE table of rope_max_seq_len={limit} frames"
-    return None
+                  allocated_cache=allocated_cache, cache_bytes=cache_bytes,
+                  max_frames=config.spec.kwargs["rope_max_seq_len"] * config.spec.kwargs["patch_size"][0])
 
 
 WAN_CAUSAL = dataclasses.replace(
     wan.WAN, name="wan_causal", presets=PRESETS, skeleton=skeleton, activations=ACTIVATIONS, inputs=inputs,
-    per_frame_timesteps=True, bind=bind, causal=causal, sequence_parallel=sequence_parallel, latent_rule=latent_rule,
+    per_frame_timesteps=True, bind=bind, causal=causal, sequence_parallel=sequence_parallel,
     whole_graph_refusal="its forward binds per-call state (a KV cache, the teacher-forcing layout)",
     vsa_refusal="each query block attends to its own prefix of frames, which tiles of the whole grid do not follow "
                 "(FastVideo's causal Wan has no VSA either: its blocks take flash or SDPA only)")

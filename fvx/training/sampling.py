@@ -233,12 +233,15 @@ def check_length(model: Any, shape: tuple[int, int, int, int], trained: tuple[in
     """A warning (or None) for a bidirectional model asked for more latent frames than it was trained on; a
     streaming model makes any whole number of its blocks (a ValueError otherwise)."""
     if model.causal is not None:
-        size, stride = model.causal.frames_per_block, model.latents.vae_stride[0]
+        size, stride, most = model.causal.frames_per_block, model.latents.vae_stride[0], model.causal.max_frames
         if shape[1] % size:
             fits = 1 + stride * (-(-shape[1] // size) * size - 1)
             raise ValueError(f"--frames: {model.name} streams blocks of {size} latent frames, and "
                              f"{1 + stride * (shape[1] - 1)} frames make {shape[1]}: not whole blocks (e.g. --frames "
                              f"{fits})")
+        if most is not None and shape[1] > most:
+            raise ValueError(f"--frames {1 + stride * (shape[1] - 1)} makes {shape[1]} latent frames, more than "
+                             f"{model.name}'s position table holds ({most}: --frames {1 + stride * (most - 1)} at most)")
         return None
     if shape[1] > trained[1]:
         return (f"{model.name} is bidirectional and was trained on {trained[1]} latent frames; {shape[1]} attend "
@@ -467,13 +470,14 @@ def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
     image_to_video = config.data.kind == "i2v"
     image = read_first_frame(request.image, image_to_video, model)
     shape = latent_shape(config, model, request)
-    model.check_latents((1, *shape), where="the latents to sample (--frames, --height, --width)")
     warning = check_length(model, shape, _trained_shape(config, shape))
     if warning is not None:
         say(f"warning: {warning}")
     vcfg = validation_config(config, request, shape)
     if model.joint:
         shape = validation.latent_shapes(vcfg, open_data(config)[0], model)
+    model.check_latents({name: (1, *part) for name, part in shape.items()} if model.joint else (1, *shape),
+                        where="the latents to sample (--frames, --height, --width)")
     if vcfg.solver == "unipc" and (model.joint or model.causal is not None):
         raise ValueError(f"--solver unipc: {model.name} " + ("streams block by block" if model.causal is not None
                                                              else "denoises several modalities") +

@@ -189,7 +189,7 @@ def test_bad_input_is_one_line_before_anything_is_written(finetuned, causal, wor
         ((finetuned, "--prompt", RED_RIGHT, "--image", tmp_path / "x.png"), "from text only"),
         ((causal, "--prompt", RED_RIGHT, "--frames", 5), "not whole blocks (e.g. --frames 6)"),
         ((causal, "--prompt", RED_RIGHT, "--solver", "unipc"), "streams block by block"),
-        ((causal, "--prompt", RED_RIGHT, "--frames", 40), "exceed its RoPE table of rope_max_seq_len=32"),
+        ((causal, "--prompt", RED_RIGHT, "--frames", 40), "position table holds (32: --frames 32 at most)"),
         ((finetuned, "--prompt", RED_RIGHT, "--karras", "0.01,200"), "set validation.solver=unipc"),
         ((finetuned, "--prompt", RED_RIGHT, "--karras", "low"), "--karras takes SIGMA_MIN,SIGMA_MAX"),
         ((finetuned, "--prompt", RED_RIGHT, "--base", tmp_path / "fresh"), "model_index.json"),
