@@ -471,7 +471,8 @@ def sample_main(argv: Sequence[str]) -> int:
             karras=None if args.karras is None else _karras(args.karras),
             negative_prompt=args.negative_prompt, jumps=args.jumps, image=args.image, gif=args.gif, scale=args.scale,
             fps=args.fps)
-        done = sampling.run_sample(request, rank=rank, world=world, progress=sys.stderr.isatty())
+        done = sampling.run_sample(request, rank=rank, world=world, progress=sys.stderr.isatty(),
+                                   say=lambda line: print(line, file=sys.stderr))
     except BAD_INPUT as error:
         return _error(error, rank)
     for video in done["videos"]:
