@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 sys.path.insert(1, str(pathlib.Path(__file__).resolve().parents[1]))
-from common import alternate, current_rss_bytes, peak_rss_bytes, timed  # noqa: E402
+from common import alternate, current_rss_bytes, peak_rss_bytes, quiet, timed  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -402,17 +402,6 @@ def memory(work: pathlib.Path, setup_name: str, clips: int) -> None:
         cells = [f"{m['base_mb']:5.0f} -> {m['peak_mb']:5.0f} ({u:5.0f})" for m, u in zip((small, large), up)]
         print(f"{label:26} {cells[0]:>22} {cells[1]:>22} {large['peak_mb'] / small['peak_mb']:7.3f} "
               f"{up[1] / up[0]:8.2f}")
-
-
-def quiet() -> None:
-    """No loading bars or dtype warnings from diffusers and transformers in the report."""
-    import diffusers
-    import transformers
-
-    diffusers.utils.logging.disable_progress_bar()
-    diffusers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
 
 
 def main() -> None:

@@ -49,7 +49,9 @@ from typing import Any, Callable, NamedTuple
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 sys.path.insert(1, str(pathlib.Path(__file__).resolve().parents[1]))
-from common import alternate, current_rss_bytes, peak_rss_bytes, reset_peak_rss, timed  # noqa: E402
+sys.path.insert(2, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "helpers"))
+import tiny_wan_pipeline  # noqa: E402  (the tests' tiny whole Wan pipeline folder)
+from common import alternate, current_rss_bytes, peak_rss_bytes, quiet, reset_peak_rss, timed  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -57,7 +59,7 @@ from fvx import config as fconfig, run as frun  # noqa: E402
 from fvx.core import tree  # noqa: E402
 from fvx.training import preprocessing, sampling  # noqa: E402
 from fvx.training.experiment import build_models  # noqa: E402  (--check)
-from fvx_models import wan, wan_causal, wan_vae  # noqa: E402
+from fvx_models import wan, wan_causal  # noqa: E402
 from fvx_models.family import Preset  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -65,7 +67,6 @@ FINETUNE = str(ROOT / "experiments" / "finetune_wan.py")
 STREAM = str(ROOT / "experiments" / "dfsft_causal_t2v.py")
 PROMPT = "a red cat moving left"
 STREAM_PROMPT = "red bars moving left"  # the toy world's text encoder knows its own prompts only
-WORDS = ["<pad>", "</s>", "<unk>"] + [f"▁{w}" for w in "a red blue bars moving left right up down cat".split()]
 TEXT_LEN = 64  # both pad the prompt to this many tokens (data.text_len, max_sequence_length)
 GUIDANCE, SHIFT = 5.0, 3.0
 VIDEO = (17, 64, 64)  # frames, height, width in pixels: latents [16, 5, 16, 16] under the tiny Wan VAE's 4x
@@ -85,25 +86,9 @@ GOAL_EAGER, GOAL_COMPILED = 1.0, 0.8  # fvx seconds per video over the eager pip
 # ----------------------------------------------------------------------------------------------------- the runs
 
 
-def tokenizer():
-    import transformers
-
-    return transformers.T5Tokenizer(vocab=[(w, -float(i)) for i, w in enumerate(WORDS)], extra_ids=0)
-
-
 def build_pipeline(path: pathlib.Path) -> pathlib.Path:
     """A whole WanPipeline folder of random weights: UMT5 of width 32, the tiny Wan VAE, the ``PRESET`` DiT."""
-    import transformers
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
-
-    torch.manual_seed(0)
-    text = transformers.UMT5EncoderModel(transformers.UMT5Config(
-        vocab_size=len(WORDS), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-        relative_attention_num_buckets=8))
-    WanPipeline(tokenizer=tokenizer(), text_encoder=text, vae=AutoencoderKLWan(**wan_vae.PRESETS["tiny"]),
-                scheduler=FlowMatchEulerDiscreteScheduler(shift=SHIFT),
-                transformer=WanTransformer3DModel(**wan.PRESETS[PRESET].kwargs)).save_pretrained(path)
-    return path
+    return tiny_wan_pipeline.save_t2v(path, wan.PRESETS[PRESET].kwargs)
 
 
 def wan_run(work: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
@@ -536,16 +521,6 @@ def check(setup: CheckSetup, steps: int, compiled: bool) -> None:
 
 
 # -------------------------------------------------------------------------------------------------------- main
-
-
-def quiet() -> None:
-    import diffusers
-    import transformers
-
-    diffusers.utils.logging.disable_progress_bar()
-    diffusers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
 
 
 def main() -> None:

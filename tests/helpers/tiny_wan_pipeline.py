@@ -30,9 +30,10 @@ def save(path: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def save_t2v(path: pathlib.Path) -> pathlib.Path:
+def save_t2v(path: pathlib.Path, transformer: dict | None = None) -> pathlib.Path:
     """A whole tiny Wan T2V pipeline at ``path`` whose parts fit the ``tiny`` DiT preset: UMT5 of width 32, the tiny
-    Wan VAE (16 channels, 4x compression, statistics 0 and 1) and a random ``tiny`` transformer."""
+    Wan VAE (16 channels, 4x compression, statistics 0 and 1) and a random transformer (``transformer``: its
+    arguments, default the ``tiny`` preset's)."""
     from diffusers import WanPipeline, WanTransformer3DModel
 
     from fvx_models import wan, wan_vae
@@ -43,5 +44,5 @@ def save_t2v(path: pathlib.Path) -> pathlib.Path:
         relative_attention_num_buckets=8))
     WanPipeline(tokenizer=tiny_t5_tokenizer(), text_encoder=text, vae=AutoencoderKLWan(**wan_vae.PRESETS["tiny"]),
                 scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-                transformer=WanTransformer3DModel(**wan.TINY)).save_pretrained(path)
+                transformer=WanTransformer3DModel(**(transformer or wan.TINY))).save_pretrained(path)
     return path
