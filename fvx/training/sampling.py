@@ -527,13 +527,23 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
             paths = write_video(p.out, item.stem, video[i], fps, gif=request.gif, scale=request.scale, sound=audio)
             entries.append({"index": p.todo.index(item), "prompt": item.prompt, "seed": item.seed,
                             "files": [path.name for path in paths]})
-            if judge is not None:
-                entries[-1]["world_score"] = judge(video[i:i + 1], [item.prompt])
+            score = None if judge is None else world_score(judge, video[i:i + 1], item.prompt)
+            if score is not None:
+                entries[-1]["world_score"] = score
         bar.update(len(batch))
     bar.close()
     merge_samples(p.out, rank, world, _record(p, sampler, entries, fps, device))
     return {"folder": p.out, "videos": entries, "sampler": sampler.tag, "where": p.source.where,
             "latents": _cat([m[0] for m in made]), "frames": _cat([m[1] for m in made])}
+
+
+def world_score(judge: Callable[..., dict[str, float]], video: torch.Tensor, prompt: str) -> dict[str, float] | None:
+    """The toy world's figures of one video ``[1, 3, T, H, W]`` of ``prompt``, or None when the world has no true
+    clips of its size to compare with."""
+    try:
+        return judge(video, [prompt])
+    except ValueError:
+        return None
 
 
 def decoded(model: Any, decoder: Callable[[torch.Tensor], torch.Tensor], sound: Any,
