@@ -6,8 +6,8 @@ Wan: a random-weight Wan pipeline folder (a small UMT5, the tiny Wan VAE, a DiT 
 video of latents ``[16, 5, 16, 16]`` (17 frames of 64x64), ``--steps`` Euler steps of ``FlowMatchEulerDiscreteScheduler
 (shift=3)`` at guidance 5 with the negative prompt "", measured in one run, alternating:
   fvx e2e        ``sampling.run_sample``: plan, text encoder, encode, DiT weights, sample, decode, write the mp4
-  fvx steady     the sampling loop alone: ``sampling.draw`` with the sampler of ``sampling.sampler_of``, plus decode
-  fvx draw       ``sampling.draw`` alone (the DiT loop)
+  fvx steady     the sampling loop alone: ``validation.draw`` with the sampler of ``sampling.sampler_of``, plus decode
+  fvx draw       ``validation.draw`` alone (the DiT loop)
   diffusers      ``WanPipeline(...)(prompt=..., negative_prompt="", latents=..., output_type="np")`` on the export
   diffusers lat  the same call with ``output_type="latent"`` (encode and the DiT loop, no decode)
   diffusers e2e  ``DiffusionPipeline.from_pretrained`` of the export, the call, the mp4 written as fvx writes it
@@ -27,7 +27,7 @@ and MB (all guidance branches), and the peak resident memory a stream adds (a fr
     python bench/sample.py --check [--steps 50] [--compile]   # a GPU: Wan 2.1 1.3B's DiT, 81x480x832, bf16
 ``--check``: the DiT of ``models.student.preset=wan2.1-t2v-1.3b`` (random weights, one copy: fvx samples its fp32
 params in bf16 compute as ``sample`` does, the pipeline holds them in bf16) on a random 512-token prompt and negative
-prompt, fvx's sampler (``sampling.sampler_of`` + ``sampling.draw``) against the pipeline's transformer loop (WanPipeline
+prompt, fvx's sampler (``sampling.sampler_of`` + ``validation.draw``) against the pipeline's transformer loop (WanPipeline
 with only its transformer, ``prompt_embeds``, ``output_type="latent"``), 50 steps at guidance 5; seconds per video, peak
 GPU memory; exits 1 when fvx is slower than the pipeline (or, with ``--compile``, compile=blocks above 0.8x the eager
 pipeline). On a machine without CUDA it says so, exit 0.
@@ -57,7 +57,7 @@ import torch  # noqa: E402
 
 from fvx import config as fconfig, run as frun  # noqa: E402
 from fvx.core import tree  # noqa: E402
-from fvx.training import preprocessing, sampling  # noqa: E402
+from fvx.training import preprocessing, sampling, validation  # noqa: E402
 from fvx.training.experiment import build_models  # noqa: E402  (--check)
 from fvx_models import wan, wan_causal  # noqa: E402
 from fvx_models.family import Preset  # noqa: E402
@@ -171,7 +171,8 @@ def encode_prompts(p: sampling.Plan, encoder: Any, device: torch.device) -> tupl
 
 
 def fvx_draw(prep: Prepared) -> torch.Tensor:
-    return sampling.draw(prep.sampler, prep.noise, prep.cond, prep.keys, prep.uncond, prep.plan.vcfg.guidance_scale)
+    return validation.draw(prep.sampler, prep.noise, prep.cond, prep.keys, prep.uncond,
+                           prep.plan.vcfg.guidance_scale)[0]
 
 
 def fvx_steady(prep: Prepared) -> torch.Tensor:
@@ -468,7 +469,7 @@ def check(setup: CheckSetup, steps: int, compiled: bool) -> None:
             vcfg = sampling.validation_config(config, sampling.Request("", (), steps=n, guidance=GUIDANCE,
                                                                        shift=SHIFT, schedule="diffusers"), setup.shape)
             sampler = sampling.sampler_of(source, models, params, vcfg, None)
-            return lambda: sampling.draw(sampler, noise, cond, keys, uncond, GUIDANCE)
+            return lambda: validation.draw(sampler, noise, cond, keys, uncond, GUIDANCE)[0]
 
         return draw(2), draw(steps)
 

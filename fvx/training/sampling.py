@@ -26,7 +26,8 @@ from fvx.core import random, tree
 from fvx.core.state import RoleState, TrainState
 from fvx.data import datasets, media
 from fvx.storage import files
-from fvx.training import export as fexport, preprocessing, progress as fprogress, run_folder, tracking, validation
+from fvx.training import (export as fexport, preprocessing, progress as fprogress, run_folder, tracking, validation,
+                          wav)
 from fvx.training.experiment import build_models, role_configs, run_keys
 
 SAMPLES = "samples.json"
@@ -181,7 +182,7 @@ def latent_shape(config: Any, model: Any, request: Request) -> tuple[int, int, i
     """``[C, T, H, W]`` to sample: the run's validation shape (or its data's), with ``--frames``, ``--height`` and
     ``--width`` (pixels) converted through the VAE's compression; a ValueError for a size the family cannot make."""
     if None in (request.frames, request.height, request.width):
-        channels, frames, height, width = _default_shape(config, request)
+        channels, frames, height, width = _default_shape(config)
     else:
         channels, frames, height, width = model.latents.channels, 1, 1, 1
     stride_t, stride_h, stride_w = model.latents.vae_stride
@@ -200,7 +201,7 @@ def latent_shape(config: Any, model: Any, request: Request) -> tuple[int, int, i
     return channels, frames, height, width
 
 
-def _default_shape(config: Any, request: Request) -> tuple[int, int, int, int]:
+def _default_shape(config: Any) -> tuple[int, int, int, int]:
     if config.validation.latent_shape is not None:
         return tuple(config.validation.latent_shape)
     dataset, why = open_data(config)
@@ -224,7 +225,7 @@ def open_data(config: Any) -> tuple[Any, str | None]:
 def _trained_shape(config: Any, asked: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
     """The latent shape the run trained on (its data's first clip; ``asked`` when its data is not here)."""
     try:
-        return _default_shape(config, Request(source="", prompts=()))
+        return _default_shape(config)
     except ValueError:
         return asked
 
@@ -295,11 +296,12 @@ def unused_options(request: Request, sampler: validation.Sampler) -> list[str]:
     """What the request sets that ``sampler`` does not read (a few-step student keeps its own schedule; an unguided
     sampler takes no guidance), one line each."""
     many_step = sampler.tag.startswith("model")
-    given = [(flag, value is not None and value is not False) for flag, value in (
+    given = [flag for flag, value in (
         ("--steps", request.steps), ("--shift", request.shift), ("--schedule", request.schedule),
-        ("--shift-terminal", request.shift_terminal), ("--solver", request.solver), ("--karras", request.karras))]
-    lines = [f"{flag} does not apply: the {sampler.tag!r} sampler keeps the schedule it was trained for"
-             for flag, set_ in given if set_ and not many_step]
+        ("--shift-terminal", request.shift_terminal), ("--solver", request.solver), ("--karras", request.karras))
+        if value is not None]
+    lines = [] if many_step else [f"{flag} does not apply: the {sampler.tag!r} sampler keeps the schedule it was "
+                                  "trained for" for flag in given]
     if not sampler.guided and (request.guidance is not None or request.negative_prompt is not None):
         lines.append(f"--guidance and --negative-prompt do not apply: the {sampler.tag!r} sampler is unguided")
     return lines
@@ -343,16 +345,16 @@ def encoded_cond(config: Any, model: Any, encoder: Any, prompts: Sequence[str],
     return {name: tensor.float() for name, tensor in model.batch(raw)["cond"].items()}
 
 
-def read_first_frame(path: str | None, image_to_video: bool, model: Any) -> Any:
-    """The ``--image`` file as uint8 ``[1, H, W, 3]``; a ValueError when it is missing for an image-to-video model,
-    given to a text-to-video one, or does not decode."""
+def read_first_frame(path: str | None, kind: str, model: Any) -> Any:
+    """The ``--image`` file as uint8 ``[1, H, W, 3]``; a ValueError when it is missing for an image-to-video model
+    (the run's data ``kind`` "i2v"), given to another one, or does not decode."""
     if path is None:
-        if image_to_video:
+        if kind == "i2v":
             raise ValueError(f"sample: {model.name} makes videos from an image (the run's data.kind=i2v): give --image")
         return None
-    if not image_to_video:
-        raise ValueError(f"--image: {model.name} makes videos from text only (the run's data.kind="
-                         f"{'t2v' if not image_to_video else 'i2v'}); drop --image")
+    if kind != "i2v":
+        raise ValueError(f"--image: {model.name} makes videos from text only (the run's data.kind={kind}); drop "
+                         "--image")
     if not pathlib.Path(path).is_file():
         raise ValueError(f"--image {path!r} does not exist")
     try:
@@ -376,18 +378,6 @@ def image_condition(encoder: Any, image: Any, shape: tuple[int, int, int, int], 
     return extra
 
 
-def draw(sampler: validation.Sampler, noise: Any, cond: Any, keys: torch.Tensor,
-         uncond: Callable[[Any], Any] | None, guidance_scale: float) -> Any:
-    """The latents of one batch as validation draws them (``validation.sample_videos``), guided when the sampler is."""
-    apply_fn, guidance = sampler.apply, None
-    if sampler.guided and uncond is not None:
-        apply_fn = validation.guided(sampler.apply, uncond, guidance_scale)
-        guidance = (uncond, guidance_scale)
-    latents, _ = validation.sample_videos(apply_fn, sampler.params, noise, sampler.sigmas, cond, key=keys,
-                                          sampler=sampler.sampler, draw=sampler.draw, guidance=guidance)
-    return latents
-
-
 # ----------------------------------------------------------------------------------------------------------- output
 
 
@@ -405,7 +395,6 @@ def write_video(folder: pathlib.Path, stem: str, video: torch.Tensor, fps: float
         paths.append(folder / f"{stem}.gif")
         paths[-1].write_bytes(media.gif_bytes(frames, fps))
     if audio is not None:
-        from fvx.training import wav
         paths.append(wav.write_wav(folder / f"{stem}.wav", audio[0], audio[1]))
     return paths
 
@@ -468,7 +457,7 @@ def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
     models = build_models(config)
     model = models[source.role]
     image_to_video = config.data.kind == "i2v"
-    image = read_first_frame(request.image, image_to_video, model)
+    image = read_first_frame(request.image, config.data.kind, model)
     shape = latent_shape(config, model, request)
     warning = check_length(model, shape, _trained_shape(config, shape))
     if warning is not None:
@@ -518,8 +507,8 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
         batch = mine[start:start + request.batch_size]
         noise, keys = tree.to_device(noise_and_keys([v.seed for v in batch], p.shape), device)
         rows = torch.tensor([v.prompt_index for v in batch], device=device)
-        latents = draw(sampler, noise, {name: t[rows] for name, t in cond.items()}, keys, uncond,
-                       p.vcfg.guidance_scale)
+        latents, _ = validation.draw(sampler, noise, {name: t[rows] for name, t in cond.items()}, keys, uncond,
+                                     p.vcfg.guidance_scale)
         video, waveforms = decoded(model, decoder, sound, latents)
         made.append((tree.to_device(latents, "cpu"), video))
         for i, item in enumerate(batch):

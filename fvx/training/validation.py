@@ -467,17 +467,25 @@ def make_validator(config: ValidationConfig, dataset: Any, model: Any, *,
                      audio if isinstance(shapes, Mapping) else None, audio_quality)
 
 
+def draw(entry: Sampler, noise: Any, cond: Any, keys: torch.Tensor, uncond: Callable[[Any], Any] | None,
+         guidance_scale: float, *, denormalize: Callable[[Any], Any] | None = None,
+         decode: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[Any, torch.Tensor | None]:
+    """(latents, video or None) of ``entry`` from ``noise`` and ``cond`` (:func:`sample_videos`), under classifier-free
+    guidance at ``guidance_scale`` with ``uncond`` when the sampler is guided."""
+    apply_fn, guidance = entry.apply, None
+    if entry.guided and uncond is not None:
+        apply_fn = guided(entry.apply, uncond, guidance_scale)
+        guidance = (uncond, guidance_scale)
+    return sample_videos(apply_fn, entry.params, noise, entry.sigmas, cond, key=keys, sampler=entry.sampler,
+                         denormalize=denormalize, decode=decode, draw=entry.draw, guidance=guidance)
+
+
 def validate(validator: Validator, tracker: Tracker, step: int, samplers: Sequence[Sampler]) -> None:
     """Sample every ``samplers`` entry from the fixed noise and prompts, decode when a decoder is set, and log it."""
     for entry in samplers:
-        apply_fn, guidance = entry.apply, None
-        if entry.guided and validator.uncond is not None:
-            apply_fn = guided(entry.apply, validator.uncond, validator.config.guidance_scale)
-            guidance = (validator.uncond, validator.config.guidance_scale)
-        latents, video = sample_videos(apply_fn, entry.params, validator.noise, entry.sigmas,
-                                       validator.prompts.cond, key=validator.keys, sampler=entry.sampler,
-                                       denormalize=validator.denormalize, decode=validator.decode, draw=entry.draw,
-                                       guidance=guidance)
+        latents, video = draw(entry, validator.noise, validator.prompts.cond, validator.keys, validator.uncond,
+                              validator.config.guidance_scale, denormalize=validator.denormalize,
+                              decode=validator.decode)
         if isinstance(latents, Mapping):
             _log_sound(validator, tracker, step, entry.tag, latents)
             latents = latents["video"]

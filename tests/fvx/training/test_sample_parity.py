@@ -2,7 +2,7 @@
 by fvx (its ``transformer/`` and ``scheduler/`` loaded back with ``from_pretrained``), sampled from the same initial
 latents, prompt embeddings, steps, scheduler settings and guidance, gives the same latents (CPU fp32; bitwise today,
 asserted to 1e-6). The fvx side is what ``sample`` runs for a fine-tuned model: ``one_role.many_step_samplers(model)``
-at a ``ValidationConfig``, drawn by ``sampling.draw`` with the noise and keys of ``sampling.noise_and_keys`` and
+at a ``ValidationConfig``, drawn by ``validation.draw`` with the noise and keys of ``sampling.noise_and_keys`` and
 ``--negative-prompt``'s unconditional cond. Each pipeline gets only its transformer and scheduler (embeddings go in
 as ``prompt_embeds``; a stand-in where ``__init__`` or the call needs a VAE or an image encoder) and returns
 ``output_type="latent"``. Where a pipeline differs by construction (HunyuanVideo's and LTX's own sigma spacing,
@@ -23,7 +23,7 @@ from diffusers.pipelines.cosmos.pipeline_cosmos2_5_predict import Cosmos2_5_Pred
 from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
 
 from fvx.core import flow, random, unipc as fvx_unipc
-from fvx.training import sampling
+from fvx.training import sampling, validation
 from fvx.training.validation import ValidationConfig
 from fvx_methods.library import one_role
 from fvx_models import wan_vae
@@ -81,7 +81,7 @@ def fvx_sample(model, params, noise, keys, cond, negative, *, shift, guidance=GU
     sampler = one_role.many_step_samplers(model)(params, False, vcfg)[0]
     assert sampler.guided and sampler.sampler == "ode" and (sampler.draw is None) == (solver == "euler")
     uncond = lambda c: model.uncond(c, "negative_prompt", negative)  # noqa: E731  (sampling._uncond's)
-    latents = sampling.draw(sampler, noise, cond, keys, uncond, vcfg.guidance_scale)
+    latents, _ = validation.draw(sampler, noise, cond, keys, uncond, vcfg.guidance_scale)
     assert (latents - noise).abs().max() > 0.1  # the steps moved the latents
     return latents
 

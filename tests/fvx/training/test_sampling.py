@@ -38,8 +38,8 @@ def sample(source, out, *args) -> int:
 
 def frames_of(path: pathlib.Path) -> torch.Tensor:
     """Every frame of an mp4, ``[T, H, W, 3]`` uint8."""
-    count = round(media.probe_video(path)[0] * media.probe_video(path)[1])
-    return torch.from_numpy(media.read_frames(path, range(count)))
+    fps, duration = media.probe_video(path)
+    return torch.from_numpy(media.read_frames(path, range(round(fps * duration))))
 
 
 def test_a_run_samples_into_named_files_and_a_record(finetuned, tmp_path, capsys):
