@@ -1,5 +1,6 @@
 """The fine-tuning step of fvx against an eager PyTorch baseline written the usual way, in one process, for the tiny
-model of every family and larger Wan, LTX-2 and MiniMax-H3 models (``cpu-4x256``, ``ltx2-mid``, ``minimax-h3-mid``).
+model of every family and larger Wan, LTX-2 and MiniMax-H3 models (``cpu-4x256``, ``ltx2-mid``, ``minimax-h3-mid``),
+and ``ltx2-mid-nvfp4``: LTX-2's step with NVFP4 linear QAT beside the same dense baseline.
 
 Baseline: the family's diffusers ``nn.Module`` forward (with the arguments its pipeline passes), ``loss.backward()``,
 ``clip_grad_norm_(foreach=True)`` and ``torch.optim.AdamW(foreach=True)``. fvx: ``Finetune(...).build(models).step_``
@@ -61,6 +62,7 @@ from fvx_models.cosmos import CosmosConfig  # noqa: E402
 from fvx_models.hunyuan_video import HunyuanVideoConfig  # noqa: E402
 from fvx_models.hunyuan_video15 import HunyuanVideo15Config  # noqa: E402
 from fvx_models.kandinsky5 import Kandinsky5Config  # noqa: E402
+from fvx_models.linear_qat import LinearQATConfig  # noqa: E402
 from fvx_models.ltx2 import LTX2Config  # noqa: E402
 from fvx_models.ltx_video import LTXVideoConfig  # noqa: E402
 from fvx_models.minimax_h3 import MiniMaxH3Config  # noqa: E402
@@ -96,6 +98,10 @@ CASES = {
     "minimax-h3": (MiniMaxH3Config(preset="tiny"), {"video": (48, 2, 8, 8), "audio": (2, 32, 16)}, 1),
     "cpu-4x256": (wan.WanConfig(preset="bench-cpu-4x256"), (16, 4, 32, 32), 1),
     "ltx2-mid": (LTX2Config(preset="bench-mid-4x256"), (8, 4, 16, 16), 1),
+    # the same with NVFP4 linear QAT (fvx_models.linear_qat's reference) on LTX-2's curated set, against the same
+    # dense baseline (its loss_diff_step0 is the quantization's)
+    "ltx2-mid-nvfp4": (LTX2Config(preset="bench-mid-4x256", linear_qat=LinearQATConfig(implementation="reference")),
+                       (8, 4, 16, 16), 1),
     "minimax-h3-mid": (MiniMaxH3Config(preset="bench-mid-4x256"), {"video": (48, 4, 32, 32), "audio": (2, 32, 32)},
                        1),
 }

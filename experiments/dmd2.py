@@ -109,6 +109,44 @@ def wan21_t2v_1p3b() -> DMD2Wan:
     )
 
 
+# scripts/preprocess/preprocess_train_text_only_dmd.sh's v1_preprocess arguments (text-only data uses samples_per_file;
+# the clip geometry it passes is unused without videos)
+TEXT_ONLY = PreprocessConfig(num_frames=77, train_fps=16, max_height=448, max_width=832, samples_per_file=8)
+TEXT_ONLY_SHAPE = (16, 1, 56, 104)  # one frame of 448x832 through Wan 2.1's VAE (4x temporal, 8x spatial, 16 channels)
+
+
+@recipe
+def wan21_t2v_1p3b_text_only() -> DMD2Wan:
+    """FastVideo's scripts/train/train_dmd2_t2v_text_only.sh over dmd2_t2v.yaml (``wan21_t2v_1p3b``'s values but
+    these): text-only data (prompts, no videos: the student's samples start from noise, ``method.latent_shape`` one
+    latent frame of 448x832, the script's NUM_FRAMES 1 and NUM_LATENT_T 1), 2 ranks of batch 1, the teacher's
+    unconditional text zeroed (CFG_UNCOND_TEXT zero; its ON_MISSING ignore has no other channel to apply to on
+    Wan), validation on the 16 captions of FastVideo's distribution_matching/wan/dmd2_text_only_validation.json (one
+    frame), every 50 steps; output to outputs/wan2.1_dmd2_text_only. FastVideo runs it with FLASH_ATTN
+    (``models.student.attention=flash models.teacher.attention=flash`` where flash-attn is installed; the same
+    attention as the default SDPA); its W&B names (project distillation_wan_text_only, run wan2.1_dmd2_text_only:
+    ``run.wandb.*``, needs wandb), dataloader workers (0) and validation offload/unload switches (memory policy of
+    its pipeline-based validation) have no fvx knob. The prompts are cut as its preprocess_train_text_only_dmd.sh
+    does (one a line, 512 tokens, 8 a file); the validation captions are encoded from FastVideo's JSON as it is:
+        python -m fvx.run preprocess experiments/dmd2.py:wan21_t2v_1p3b_text_only --videos train.txt \\
+            --out data/train_text_only_dmd_preprocessed models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers
+        python -m fvx.run encode-prompts experiments/dmd2.py:wan21_t2v_1p3b_text_only \\
+            /FastVideo/examples/train/configs/distribution_matching/wan/dmd2_text_only_validation.json \\
+            --out data/dmd2_text_only_validation.safetensors models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers
+        torchrun --nproc-per-node 2 -m fvx.run experiments/dmd2.py:wan21_t2v_1p3b_text_only \\
+            models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers models.teacher.path=/models/Wan2.1-T2V-1.3B-Diffusers
+    (``preprocess --videos`` and ``encode-prompts`` read a text file, one prompt a line, or such a JSON.)"""
+    base = wan21_t2v_1p3b()
+    return msgspec.structs.replace(
+        base, run=msgspec.structs.replace(base.run, output_dir="outputs/wan2.1_dmd2_text_only"),
+        data=DataConfig(path="data/train_text_only_dmd_preprocessed", kind="text_only", batch_size=2, text_len=512,
+                        cfg_rate=0.0, num_latent_t=1, preprocess=TEXT_ONLY),
+        validation=ValidationConfig(every=50, num_prompts=16, prompts_file="data/dmd2_text_only_validation.safetensors",
+                                    latent_shape=TEXT_ONLY_SHAPE),
+        method=msgspec.structs.replace(base.method, latent_shape=TEXT_ONLY_SHAPE, cfg_uncond="zero",
+                                       negative_prompt_path=None))
+
+
 @recipe
 def world_attn_qad() -> DMD2Wan:
     """Stage 2 of FastVideo's QAD scenario on the toy world: DMD2 of the stage-1 student (``finetune_wan.py``'s

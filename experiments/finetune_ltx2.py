@@ -17,8 +17,10 @@ same checkpoint's Gemma + connector: 3840-wide text for LTX-2, 4096 for LTX-2.3)
     ... experiments/finetune_ltx2.py:ltx2_t2v_lora      (LoRA r 16 on the video branch's attention)
     ... experiments/finetune_ltx2.py:ltx2_3_t2v         (LTX-2.3; and ltx2_3_t2v_lora)
     ... experiments/finetune_ltx2.py:ltx2_overfit       (FastVideo's 300-step overfit; and ltx2_3_overfit)
-Not carried over: FastVideo's NVFP4 recipes (`nvfp4_qat_t2v.yaml`) quantize the linear layers too, which fvx does not
-(its Attn-QAT fake-quantizes attention only: `models.student.attention=qat`).
+    ... experiments/finetune_ltx2.py:ltx2_t2v_nvfp4_qat (NVFP4 quantization-aware: linear layers and video attention;
+                                                        and ltx2_3_t2v_nvfp4_qat, ltx2_overfit_nvfp4_qat)
+The toy NVFP4 QAT run (the same world, the curated linear layers and the video self-attention fake-quantized):
+    python -m fvx.run experiments/finetune_ltx2.py:world_nvfp4_qat
 """
 import math
 
@@ -34,6 +36,7 @@ from fvx.training.experiment import Experiment, RunConfig
 from fvx.training.validation import ValidationConfig
 from fvx_methods.finetune import Finetune
 from fvx_models import ltx2
+from fvx_models.linear_qat import LinearQATConfig
 from fvx_models.lora import LoRAConfig
 from fvx_models.ltx2 import LTX2Config
 
@@ -63,7 +66,7 @@ config = FinetuneLTX2(
 )
 
 
-def _fastvideo(version: str, *, lora: bool = False, overfit: bool = False) -> FinetuneLTX2:
+def _fastvideo(version: str, *, lora: bool = False, overfit: bool = False, nvfp4: bool = False) -> FinetuneLTX2:
     """FastVideo's LTX-2 (``version`` "2.0") or LTX-2.3 ("2.3") fine-tune: 4 ranks of batch 1 (HSDP shard 4), 81
     frames of 480x832 (11 latent frames), no CFG dropout, full gradient checkpointing; AdamW lr 5e-5 (1e-4 for the
     LoRA: r 16, alpha 32 on to_q/to_k/to_v/to_out), betas (0.9, 0.999), no weight decay, constant, clip 1; 2000 steps,
@@ -71,18 +74,20 @@ def _fastvideo(version: str, *, lora: bool = False, overfit: bool = False) -> Fi
     checkpoint's). The overfit recipe: 300 steps, validation every 50, no periodic checkpoints. Data: 81 frames of
     480x832 at 24 fps, as FastVideo's preprocess_ltx2_overfit.py (the YAMLs' reference) cuts them, e.g.
         python -m fvx.run preprocess experiments/finetune_ltx2.py:ltx2_t2v --videos /data/my_clips \\
-            --out /data/my_dataset models.student.path=/models/LTX2-Distilled-Diffusers"""
+            --out /data/my_dataset models.student.path=/models/LTX2-Distilled-Diffusers
+    ``nvfp4``: the NVFP4 quantization-aware recipes (:func:`_nvfp4`)."""
     name = {"2.0": "ltx2", "2.3": "ltx2_3"}[version]
+    output = (f"outputs/{name}_overfit{'_nvfp4_attn_qat' if nvfp4 else ''}" if overfit else
+              f"outputs/{name}_t2v{'_lora' if lora else ''}{'_nvfp4_qat' if nvfp4 else ''}_finetune")
+    student = LTX2Config(preset=PRESETS[version], path=CHECKPOINTS[version], compute_dtype="bf16", remat=True,
+                         lora=LORA if lora else None)
     return FinetuneLTX2(
-        run=RunConfig(seed=42, steps=300 if overfit else 2000,
-                      output_dir=f"outputs/{name}_overfit" if overfit else
-                      f"outputs/{name}_t2v{'_lora' if lora else ''}_finetune",
+        run=RunConfig(seed=42, steps=300 if overfit else 2000, output_dir=output,
                       checkpoint=CheckpointConfig(every=0, keep_latest=1) if overfit else
                       CheckpointConfig(every=500, keep_latest=2)),
         data=DataConfig(path=f"data/{name}_overfit_preprocessed" if overfit else "data/your_dataset_preprocessed",
                         batch_size=4, text_len=ltx2.TEXT_LEN, cfg_rate=0.0, num_latent_t=LATENTS[1], preprocess=CUT),
-        models={"student": LTX2Config(preset=PRESETS[version], path=CHECKPOINTS[version], compute_dtype="bf16",
-                                      remat=True, lora=LORA if lora else None)},
+        models={"student": _nvfp4(student) if nvfp4 else student},
         validation=ValidationConfig(every=50 if overfit else 250, num_prompts=4, latent_shape=LATENTS, num_steps=8,
                                     flow_shift=math.exp(MU), guidance_scale=1.0, fps=24.0),
         method=Finetune(optim=AdamWConfig(lr=1e-4 if lora else 5e-5, betas=(0.9, 0.999), weight_decay=0.0,
@@ -128,3 +133,43 @@ def ltx2_overfit() -> FinetuneLTX2:
 def ltx2_3_overfit() -> FinetuneLTX2:
     """FastVideo's configs/overfit_ltx2_3_t2v.yaml; data as ``ltx2_3_t2v``'s."""
     return _fastvideo("2.3", overfit=True)
+
+
+def _nvfp4(student: LTX2Config) -> LTX2Config:
+    """FastVideo's NVFP4 quantization-aware student (``quant_config: nvfp4_qat_train`` and ``attention_backend:
+    ATTN_QAT_TRAIN``): the curated linear set (``ltx2.NVFP4_LINEARS``, 12 a block) forward through NVFP4, backward
+    into the fp32 masters, and the video self-attention fake-quantized (audio and masked text attention dense).
+    FastVideo's ``attn_qat_infer: true`` (validate with the sm_120/121 NVFP4 attention kernel, which it stops
+    without) is ``models.student.qat.validation=infer`` here: the recipes validate with the training form, so they
+    run (and dry-run) on any machine."""
+    return msgspec.structs.replace(student, attention="qat", linear_qat=LinearQATConfig())
+
+
+@recipe
+def ltx2_t2v_nvfp4_qat() -> FinetuneLTX2:
+    """FastVideo's fine_tuning/ltx2/nvfp4_qat_t2v.yaml: ``ltx2_t2v`` with NVFP4 quantization-aware training
+    (:func:`_nvfp4`); on an sm_120/121 GPU add ``models.student.qat.validation=infer`` for FastVideo's validation."""
+    return _fastvideo("2.0", nvfp4=True)
+
+
+@recipe
+def ltx2_3_t2v_nvfp4_qat() -> FinetuneLTX2:
+    """FastVideo's fine_tuning/ltx2_3/nvfp4_qat_t2v.yaml: ``ltx2_3_t2v`` with NVFP4 quantization-aware training (the
+    same 576 linears; LTX-2.3's ``to_gate_logits`` stay dense, as FastVideo's)."""
+    return _fastvideo("2.3", nvfp4=True)
+
+
+@recipe
+def ltx2_overfit_nvfp4_qat() -> FinetuneLTX2:
+    """FastVideo's configs/overfit_ltx2_t2v_nvfp4_qat.yaml: ``ltx2_overfit`` with NVFP4 quantization-aware
+    training."""
+    return _fastvideo("2.0", overfit=True, nvfp4=True)
+
+
+@recipe
+def world_nvfp4_qat() -> FinetuneLTX2:
+    """The default toy run with NVFP4 quantization-aware training (:func:`_nvfp4`, the reference quantizers on the
+    CPU): it learns the world through quantized linears and attention as the dense default does."""
+    return msgspec.structs.replace(
+        config, run=msgspec.structs.replace(config.run, output_dir="runs/finetune_ltx2_nvfp4_qat"),
+        models={"student": _nvfp4(config.models["student"])})

@@ -13,6 +13,12 @@ FastVideo's recipe is `wan21_t2v_1p3b` (Wan 2.1 T2V 1.3B, one GPU); point its pa
     python -m fvx.run experiments/finetune_wan_lora.py:wan21_t2v_1p3b \
         models.student.path=/models/Wan2.1-T2V-1.3B-Diffusers \
         data.path=/data/crush-smol_processed_t2v/combined_parquet_dataset
+TurboWan with sparse-linear attention (FastVideo's `fine_tuning/wan/turbo_t2v_lora_sla.yaml`) is the recipe
+`turbowan21_t2v_1p3b_lora_sla`, and `world_lora_sla` its toy on the CPU (the same teacher, trained under SLA):
+    python -m fvx.run experiments/finetune_wan_lora.py:world_lora_sla
+    python -m fvx.run experiments/finetune_wan_lora.py:turbowan21_t2v_1p3b_lora_sla \
+        models.student.path=/models/TurboWan2.1-T2V-1.3B-Diffusers \
+        data.path=/data/crush-smol_processed_t2v/combined_parquet_dataset
 """
 import msgspec
 
@@ -25,7 +31,7 @@ from fvx.storage.checkpoint_config import CheckpointConfig
 from fvx.training.experiment import Experiment, RunConfig
 from fvx.training.validation import ValidationConfig
 from fvx_methods.finetune import Finetune
-from fvx_models.attention.config import VSAConfig
+from fvx_models.attention.config import SLAConfig, VSAConfig
 from fvx_models.lora import LoRAConfig
 from fvx_models.wan import WanConfig
 from fvx_models.wan_vae import WanVAEConfig
@@ -98,3 +104,46 @@ def fastwan21_t2v_1p3b_vsa() -> FinetuneWanLoRA:
                                                    attention="vsa", vsa=VSAConfig(sparsity=0.8))},
         validation=ValidationConfig(every=0, num_steps=3, flow_shift=8.0, guidance_scale=3.0),
         method=msgspec.structs.replace(base.method, flow_shift=3.0))
+
+
+@recipe
+def turbowan21_t2v_1p3b_lora_sla() -> FinetuneWanLoRA:
+    """FastVideo's fine_tuning/wan/turbo_t2v_lora_sla.yaml: TurboWan 2.1 T2V 1.3B (TurboDiffusion's distilled Wan,
+    whose self-attention is sparse-linear: ``models.student.attention=sla`` at FastVideo's SLA_ATTN defaults, top-k
+    ratio 0.1 of key blocks, blocks of 128 queries and 64 keys, softmax feature map; its trained ``proj_l`` loads
+    from the folder as ``blocks.N.attn1.attn_impl.proj_l``) with LoRA r 16, alpha 32 on to_q, to_k, to_v, to_out
+    (the base, ``proj_l`` included, frozen in bf16 as FastVideo's ``transformer.requires_grad_(False)``), bf16, full
+    remat, training at shift 3; AdamW lr 1e-5, betas (0.9, 0.999), weight decay 0.01, constant, no warmup, clip 1;
+    one rank of batch 1 with 5 gradient-accumulation steps (``data.batch_size`` 5, ``method.grad_accum`` 5), seed 42,
+    20 latent frames of 480x832 (31200 tokens: 488 key blocks, 48 kept per query block), no CFG dropout; 10 steps,
+    checkpoints every 5 (the newest 2 kept); validation every 5 steps from step 0 (the callback's ``run_at_start``)
+    at 4 steps, guidance 1 (no CFG), shift 3, on the dataset's prompts. What fvx does not carry: the validation
+    sampler is fvx's Euler on the shift-3 flow levels, not FastVideo's TurboDiffusionPipeline (rCM scheduler,
+    sigma_max 80), so its 4-step videos are not TurboWan's; its validation prompts file
+    (crush_smol/validation.json) is FastVideo's JSON; its 2 data workers and W&B names (``run.wandb.project=fastvideo
+    run.wandb.name=turbo_wan_t2v_lora_sla``) as in ``wan21_t2v_1p3b``. The same crush-smol data (``preprocess`` as
+    ``wan21_t2v_1p3b``'s)."""
+    base = wan21_t2v_1p3b()
+    return msgspec.structs.replace(
+        base, run=msgspec.structs.replace(base.run, output_dir="outputs/turbo_wan_t2v_lora_sla"),
+        models={"student": msgspec.structs.replace(base.models["student"],
+                                                   path="models/TurboWan2.1-T2V-1.3B-Diffusers", attention="sla",
+                                                   sla=SLAConfig())},
+        validation=ValidationConfig(every=5, at_start=True, num_steps=4, flow_shift=3.0, guidance_scale=1.0),
+        method=msgspec.structs.replace(base.method, flow_shift=3.0))
+
+
+@recipe
+def world_lora_sla() -> FinetuneWanLoRA:
+    """The default run (the toy teacher adapted to green bars) with the student's self-attention sparse-linear, on
+    clips large enough for SLA's blocks: 8 frames of 64x64 pixels, an 8x8x8 grid of 512 tokens, so 4 query blocks of
+    128 tokens (2 frames) each attend by softmax to 2 of the 8 key blocks of 64 (``sla.topk_ratio`` 0.25) and by
+    linear attention to all. The dense teacher's ``proj_l`` starts at zero (the sparse part alone); here the LoRA
+    also adapts ``proj_l`` (FastVideo's recipe leaves it frozen: TurboWan's is already trained), so the linear part
+    learns to carry what the dropped blocks held while the adapters learn the new world."""
+    adapters = LoRAConfig(rank=16, alpha=32.0, target_modules=("to_q", "to_k", "to_v", "to_out", "proj_l"))
+    return msgspec.structs.replace(
+        config, run=msgspec.structs.replace(config.run, output_dir="runs/finetune_wan_lora_sla"),
+        data=msgspec.structs.replace(config.data, world=msgspec.structs.replace(config.data.world, frames=8, size=64)),
+        models={"student": WanConfig(preset="world", path=TEACHER, lora=adapters, attention="sla",
+                                     sla=SLAConfig(topk_ratio=0.25))})

@@ -361,7 +361,8 @@ def preprocess_main(argv: Sequence[str]) -> int:
         "videos/ beside videos2caption.json (FastVideo's layout), or media files each beside a caption file of the "
         "same name (clip.mp4 + clip.txt). The clip geometry is data.preprocess.* (override it like any field). Under "
         "torchrun each rank encodes its own parts; a run started again continues where it stopped. Train on it with "
-        "data.path=DATASET/combined_parquet_dataset. For data.kind=text_only, --videos is a prompts file, one a line."))
+        "data.path=DATASET/combined_parquet_dataset. For data.kind=text_only, --videos is a prompts file: text, one a line, or FastVideo's "
+        "validation JSON ({\"data\": [{\"caption\": ...}]})."))
     parser.add_argument("experiment", help="the experiment file (FILE.py or FILE.py:recipe)")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.preprocess.num_frames=33")
     parser.add_argument("--videos", required=True, help="the input folder (data.kind=text_only: a prompts file)")
@@ -393,11 +394,12 @@ def preprocess_main(argv: Sequence[str]) -> int:
 
 def encode_prompts_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m fvx.run encode-prompts", description=(
-        "Encode prompts (one a line) with the experiment's text encoder into a cond file: validation prompts "
+        "Encode prompts with the experiment's text encoder into a cond file: validation prompts "
         "(validation.prompts_file) or a negative prompt (validation.negative_prompt_path, "
         "method.negative_prompt_path)."))
     parser.add_argument("experiment", help="the experiment file (FILE.py or FILE.py:recipe)")
-    parser.add_argument("prompts", help="a text file, one prompt a line")
+    parser.add_argument("prompts", help="a text file, one prompt a line, or FastVideo's validation JSON (.json: "
+                        "{\"data\": [{\"caption\": ...}]})")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. models.student.path=/models/x")
     parser.add_argument("--out", required=True, help="the cond file to write (.safetensors)")
     args = parser.parse_intermixed_args(argv)
@@ -421,7 +423,7 @@ def sample_main(argv: Sequence[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the run's config, e.g. "
                                                      "models.student.local_attn_size=6 (a streaming model's window)")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
-    parser.add_argument("--prompts", help="a text file, one prompt a line")
+    parser.add_argument("--prompts", help="a text file, one prompt a line, or FastVideo's validation JSON (.json)")
     parser.add_argument("--out", help="the folder to write (default: samples/<source>_step<N>)")
     parser.add_argument("--step", type=int, help="a run folder's checkpoint (default: the newest)")
     parser.add_argument("--role", help="a run folder's trained role (default: its only one, or the student)")

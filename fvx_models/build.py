@@ -25,10 +25,10 @@ from fvx.config import Config
 from fvx.core import grad as fvx_grad, tree
 from fvx.distributed import compile as fvx_compile, gather_schedule, memory, processes, sharding
 from fvx.distributed.gathers import sharded_call
-from fvx_models import (cond as fcond, diffusers_folder as dfolder, layouts, lora as flora, lora_files,
-                        original_layout)
+from fvx_models import (cond as fcond, diffusers_folder as dfolder, layouts, linear_qat as flinear_qat, lora as flora,
+                        lora_files, original_layout)
 from fvx_models.attention import install as attention, kernels
-from fvx_models.attention.config import QATConfig, VSAConfig
+from fvx_models.attention.config import QATConfig, SLAConfig, VSAConfig
 from fvx_models.family import Family, init_params, Preset
 from fvx_models.model import Model, Params, Written
 
@@ -49,10 +49,11 @@ class ModelConfig(Config):
     mesh: drop each unit's gathered params after its forward and gather them again in its backward, as FSDP2 does by
     default; False keeps every unit's full params from its forward to its backward, one all-gather per unit and step
     fewer; under remat the backward gathers again either way), and ``lora``: train low-rank adapters on a frozen base
-    (``fvx_models.lora``; the base is stored in ``frozen_dtype``) instead of the params. ``attention``: the kernel
-    of the model's attention (``fvx_models.attention``: ``sdpa``, ``math``, ``flex``, ``vsa`` with its ``vsa`` knobs,
-    ``qat`` with its ``qat`` knobs, or an installed kernel of diffusers' dispatcher), per model: roles that share a
-    model share its code."""
+    (``fvx_models.lora``; the base is stored in ``frozen_dtype``) instead of the params; ``linear_qat``: NVFP4
+    quantization-aware training of the family's curated linear layers (``fvx_models.linear_qat``). ``attention``: the
+    kernel of the model's attention (``fvx_models.attention``: ``sdpa``, ``math``, ``flex``, ``vsa`` with its ``vsa``
+    knobs, ``qat`` with its ``qat`` knobs, ``sla`` with its ``sla`` knobs, or an installed kernel of diffusers'
+    dispatcher), per model: roles that share a model share its code."""
 
     family: ClassVar[Family]
     encoders: ClassVar[Any] = None  # the family's fvx_models.encoders.Encoders (None: preprocessing refuses)
@@ -66,14 +67,16 @@ class ModelConfig(Config):
     compile_backend: str = "inductor"
     reshard_after_forward: bool = True
     lora: flora.LoRAConfig | None = None
+    linear_qat: flinear_qat.LinearQATConfig | None = None
     attention: str = "sdpa"
     vsa: VSAConfig = VSAConfig()
     qat: QATConfig = QATConfig()
+    sla: SLAConfig = SLAConfig()
 
     def __post_init__(self) -> None:
         self.family.preset(self.preset)
         kernels.check_known(self.attention)
-        for knob, default in (("vsa", VSAConfig()), ("qat", QATConfig())):
+        for knob, default in (("vsa", VSAConfig()), ("qat", QATConfig()), ("sla", SLAConfig())):
             if self.attention != knob and getattr(self, knob) != default:
                 raise ValueError(f"{knob}.* knobs are set but attention={self.attention}; they apply to "
                                  f"attention={knob}")
@@ -115,6 +118,8 @@ def skeleton(config: ModelConfig) -> nn.Module:
     module = config.family.skeleton(config)
     if config.attention == "vsa":
         attention.add_gates(config, module)
+    if config.attention == "sla":
+        attention.add_sla_params(config, module)
     if config.remat:
         for part in module.modules():
             if getattr(part, "_supports_gradient_checkpointing", False):
@@ -173,7 +178,8 @@ def export_dtypes(config: ModelConfig, module: nn.Module, trained: frozenset[str
         kept = fp32_kept(module)
         return lambda name: torch.float32 if name in kept else DTYPES[dtype]
     stored = ({} if config.path is None else
-              dfolder.stored_dtypes(config.path, module, config.family.components, f"{config.family.name} export"))
+              dfolder.stored_dtypes(config.path, module, config.family.components, f"{config.family.name} export",
+                                    config.family.stored_names))
     return lambda name: None if name in trained else stored.get(name)
 
 
@@ -322,6 +328,15 @@ def _check_whole_compile(config: ModelConfig, mesh: Any) -> None:
                          f"({config.family.whole_graph_refusal}); use compile=blocks")
 
 
+def _forward_ad_refusal(config: ModelConfig) -> str | None:
+    """Why the model has no forward-mode derivatives (its attention kernel's or linear QAT's), or None."""
+    if config.attention not in kernels.FORWARD_AD:
+        return f"attention={config.attention} has no forward-mode derivatives (math and sdpa have)"
+    if config.linear_qat is not None:
+        return "linear_qat has no forward-mode derivatives (its straight-through linear defines a backward only)"
+    return None
+
+
 # ----------------------------------------------------------------------------------------------------------- build
 
 
@@ -343,6 +358,9 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
     if sequence is not None:
         sequence_parallel(config, module, sequence)
     runtime = attention.install(config, module)
+    flinear_qat.check(config.linear_qat, family, module, who)
+    if config.linear_qat is not None:
+        flinear_qat.install(config.linear_qat, family, module)
     groups = unit_groups(family, module)
     shapes = dfolder.param_shapes(module)
     architecture = tuple(dfolder.param_shapes(plain))
@@ -377,7 +395,7 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
 
     def read(folder: str) -> Params:
         return dfolder.read_params(folder, plain, family.components, f"{family.name} load", lazy=mesh is not None,
-                                   derived=derived)
+                                   derived=derived, stored_names=family.stored_names)
 
     def init(key: torch.Tensor) -> Params:
         return placed(drawn(key))
@@ -479,8 +497,7 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
         joint_sigmas=None if len(modalities) == 1 else functools.partial(_joint_sigmas, config, modalities),
         attention_step=runtime.step,
         dense_apply=functools.partial(bound_apply, dense=True) if config.attention == "vsa" else None,
-        forward_ad_refusal=None if config.attention in kernels.FORWARD_AD else
-        f"attention={config.attention} has no forward-mode derivatives (math and sdpa have)",
+        forward_ad_refusal=_forward_ad_refusal(config),
         two_time_refusal=None if type(config).two_time is not ModelConfig.two_time else
         f"the {family.name} family takes no second time input; a flow map trains on a two-time family: "
         f"{TWO_TIME_FAMILIES}",

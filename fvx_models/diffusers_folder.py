@@ -117,13 +117,20 @@ def stored_shapes(files: Iterable[pathlib.Path], what: str = "load") -> dict[str
 
 
 def shape_problems(required: Mapping[str, tuple[int, ...]], found: Mapping[str, tuple[int, ...]],
-                   known: Mapping[str, tuple[int, ...]] | None = None) -> list[str]:
+                   known: Mapping[str, tuple[int, ...]] | None = None,
+                   stored_as: Mapping[str, str] | None = None) -> list[str]:
     """``"missing keys (n): ..."``, ``"unexpected keys (n): ..."`` and ``"shape mismatches (n): ..."`` of ``found``
-    against ``required`` (every one must be there) and ``known`` (what may be there; default ``required``)."""
+    against ``required`` (every one must be there) and ``known`` (what may be there; default ``required``); a found
+    name that ``stored_as`` maps is shown as the file stores it."""
     known = required if known is None else known
+    stored_as = stored_as or {}
+
+    def shown(name: str) -> str:
+        return f"{stored_as[name]} (read as {name})" if stored_as.get(name, name) != name else name
+
     missing = [name for name in required if name not in found]
-    unexpected = [name for name in found if name not in known]
-    mismatched = [f"{name}: {list(found[name])} vs expected {list(shape)}"
+    unexpected = [shown(name) for name in found if name not in known]
+    mismatched = [f"{shown(name)}: {list(found[name])} vs expected {list(shape)}"
                   for name, shape in known.items() if name in found and tuple(found[name]) != tuple(shape)]
     return [f"{label} ({len(items)}): {listed(items)}"
             for label, items in (("missing keys", missing), ("unexpected keys", unexpected),
@@ -170,35 +177,64 @@ class StoredTensor:
                                  f"{error}") from None
 
 
+StoredNames = Callable[[set[str]], Mapping[str, str] | None]
+"""A family's other naming of its weights: a component's stored keys -> stored name -> skeleton name of the keys it
+renames (None: the keys are not in that naming); a ValueError (one line) when they mix namings."""
+
+
+def skeleton_names(stored: Iterable[str], stored_names: StoredNames | None, where: pathlib.Path,
+                   what: str) -> dict[str, str]:
+    """Each stored key -> the skeleton name it is read as: ``stored_names``' rename when the keys are in its
+    naming, else the name as stored; a ValueError names two keys read as one name."""
+    stored = set(stored)
+    try:
+        renames = (stored_names(stored) if stored_names is not None else None) or {}
+    except ValueError as error:
+        raise ValueError(f"{what}: weights in {str(where)!r}: {error}") from None
+    names = {name: renames.get(name, name) for name in sorted(stored)}
+    first: dict[str, str] = {}
+    for name, read_as in names.items():
+        if first.setdefault(read_as, name) != name:
+            raise ValueError(f"{what}: weights in {str(where)!r} hold both {first[read_as]!r} and {name!r}, "
+                             f"which are both {read_as!r}")
+    return names
+
+
 def read_params(folder: str | os.PathLike, module: nn.Module, components: Mapping[str, str],
                 what: str, *, lazy: bool = False,
-                derived: Mapping[str, Callable[[Mapping[str, Any]], Any]] | None = None) -> dict[str, torch.Tensor]:
+                derived: Mapping[str, Callable[[Mapping[str, Any]], Any]] | None = None,
+                stored_names: StoredNames | None = None) -> dict[str, torch.Tensor]:
     """fp32 params of ``module`` from a local folder: a pipeline root holding each component's folder, or (for a
     model of one component) that component's folder itself. Each component's config.json must describe the
     skeleton's architecture and its weights hold exactly the skeleton's params with their shapes (but the
     ``derived`` ones, which the folder may lack: ``derived[name](params)`` makes them from the others); otherwise one
     ValueError lists every difference. ``lazy``: :class:`StoredTensor` handles instead of tensors (for a sharded
-    load, each rank reading its own slices). Never touches a hub."""
+    load, each rank reading its own slices). ``stored_names``: weights in the family's other naming are read under
+    the skeleton's names (:func:`skeleton_names`). Never touches a hub."""
     params: dict[str, torch.Tensor] = {}
     derived = derived or {}
     for prefix, part, where in component_folders(folder, module, components, what):
         check_config(where, part, what)
         files = weight_files(where, what)
-        shapes = {name: shape for name, shape in stored_shapes(files, what).items() if not _ignored_on_load(part, name)}
+        stored = stored_shapes(files, what)
+        names = skeleton_names(stored, stored_names, where, what)
+        shapes = {names[name]: shape for name, shape in stored.items() if not _ignored_on_load(part, names[name])}
         expected = param_shapes(part)
         lacking = [name for name in expected if name not in shapes and prefix + name in derived]
         if len(lacking) not in (0, len([name for name in expected if prefix + name in derived])):
             raise ValueError(f"{what}: weights in {str(where)!r} hold some but not all of {sorted(lacking)}")
-        problems = shape_problems({name: shape for name, shape in expected.items() if name not in lacking}, shapes)
+        problems = shape_problems({name: shape for name, shape in expected.items() if name not in lacking}, shapes,
+                                  stored_as={read_as: name for name, read_as in names.items()})
         if problems:
             raise ValueError(f"{what}: weights in {str(where)!r} do not fit the model: " + "; ".join(problems))
         loaded = {}
         for path in files:
             with open_safetensors(path, what) as f:
                 for name in f.keys():
-                    if name in shapes:
-                        loaded[name] = (StoredTensor(path, name, shapes[name], what) if lazy
-                                        else read_tensor(f, name, path, what).to(torch.float32))
+                    read_as = names[name]
+                    if read_as in shapes:
+                        loaded[read_as] = (StoredTensor(path, name, shapes[read_as], what) if lazy
+                                           else read_tensor(f, name, path, what).to(torch.float32))
         params.update({prefix + name: loaded[name] for name in expected if name not in lacking})
     params.update({name: make(params) for name, make in derived.items() if name not in params})
     return {name: params[name] for name in param_shapes(module)}
@@ -226,17 +262,19 @@ def component_folders(folder: str | os.PathLike, module: nn.Module, components: 
 
 
 def stored_dtypes(folder: str | os.PathLike, module: nn.Module, components: Mapping[str, str],
-                  what: str) -> dict[str, torch.dtype]:
+                  what: str, stored_names: StoredNames | None = None) -> dict[str, torch.dtype]:
     """Each floating-point param's dtype as ``folder``'s safetensors files store it (read from their headers): the
-    precision the model was saved in."""
+    precision the model was saved in; keyed by skeleton name (``stored_names`` as :func:`read_params`)."""
     dtypes = {}
     for prefix, _, where in component_folders(folder, module, components, what):
-        for path in weight_files(where, what):
+        files = weight_files(where, what)
+        names = skeleton_names(stored_shapes(files, what), stored_names, where, what)
+        for path in files:
             with open_safetensors(path, what) as f:
                 for name in f.keys():
                     dtype = SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype())
                     if dtype is not None:
-                        dtypes[prefix + name] = dtype
+                        dtypes[prefix + names[name]] = dtype
     return dtypes
 
 

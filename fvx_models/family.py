@@ -97,6 +97,9 @@ class Family:
     original_name(name) -> name          a param's or module's name in the family's original checkpoint layout
                                          (what ComfyUI and musubi-tuner load; None: it has none there); None: the
                                          family has no original layout in fvx
+    stored_names(keys) -> {stored: name}   the family's other naming of a folder's weights, recognised by a
+                                         component's keys (``fvx_models.diffusers_folder.StoredNames``; Wan's:
+                                         FastVideo's internal names, TurboWan's folders); None: diffusers' names only
     component_notes                      component -> what it is, for a person choosing files (Wan 2.2's experts)
     component_tags                       component -> what its original-layout export file is tagged with (Wan 2.2's
                                          experts: ``high_noise``, ``low_noise``, as ComfyUI's and musubi-tuner's
@@ -123,6 +126,10 @@ class Family:
                                          other kernels run in every attention module)
     vsa_refusal                          why the family's self-attention cannot run VSA (its sequence is not exactly
                                          the video grid's tokens in (t, h, w) order), or None
+    qat_attention                        module-name patterns of the attention modules ``attention=qat`` quantizes
+                                         (None: every one; LTX-2: its video self-attention, as FastVideo's)
+    linear_qat                           module-name patterns of the family's curated NVFP4 linear set
+                                         (``fvx_models.linear_qat``; () none: ``linear_qat.modules`` must name one)
     modalities                           what the DiT denoises beside the video (``"audio"``: :class:`Modality`): its
                                          latent space and the params that belong to it; {} for a video-only DiT
     trained_modalities(config) -> names  the modalities a model of ``config`` trains ("video" and those of
@@ -166,6 +173,7 @@ class Family:
     text_groups: frozenset[str] = frozenset()
     pipeline_files: Callable[[Any, Any], None] | None = None
     original_name: Callable[[str], str | None] | None = None
+    stored_names: Callable[[set[str]], Mapping[str, str] | None] | None = None
     component_notes: Mapping[str, str] = dataclasses.field(default_factory=dict)
     component_tags: Mapping[str, str] = dataclasses.field(default_factory=dict)
     per_frame_timesteps: bool = False
@@ -177,6 +185,8 @@ class Family:
     derived: Callable[[Any], Mapping[str, Callable[[Mapping[str, Any]], Any]]] = lambda config: {}
     self_attention: tuple[str, ...] = ()
     vsa_refusal: str | None = None
+    qat_attention: tuple[str, ...] | None = None
+    linear_qat: tuple[str, ...] = ()
     modalities: Mapping[str, Modality] = dataclasses.field(default_factory=dict)
     trained_modalities: Callable[[Any], tuple[str, ...]] | None = None
     sigma_sampler: Callable[[Any, torch.Tensor, Any], tuple[Any, Any]] | None = None

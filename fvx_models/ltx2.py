@@ -266,6 +266,16 @@ def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
          "processor": (None, None), "prompt_enhancer": (None, None), "duration_head": (None, None)})
 
 
+# FastVideo's LTX-2 NVFP4 deployment set (fastvideo/layers/quantization/nvfp4_config.py,
+# _LTX2_NVFP4_BLOCK_LINEAR_SUFFIXES) in diffusers' names: its ``ffn.fc_in``/``fc_out`` are ``ff.net.0.proj``/``ff.net.2``,
+# its ``to_out`` is ``to_out.0``; 12 linears a block, 576 on the 48 blocks. Its ``adaln_single.linear`` is listed but is
+# a torch.nn.Linear there, which the QAT config never quantizes (it takes only its LinearBase layers), so it is left out.
+NVFP4_LINEARS = tuple(f"transformer_blocks.*.{suffix}" for suffix in (
+    "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_out.0",
+    "audio_to_video_attn.to_q", "audio_to_video_attn.to_out.0", "video_to_audio_attn.to_k",
+    "video_to_audio_attn.to_v", "ff.net.0.proj", "ff.net.2"))
+
+
 def _unscaled_normal(key: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """diffusers' init of the prompt and a2v/v2a modulation tables: N(0, 1)."""
     return random.normal(key, shape)
@@ -297,6 +307,11 @@ LTX2 = Family(
                 "keyframes_abs_pos_embedding": lambda key, shape: torch.zeros(shape)},
     pipeline_files=pipeline_files,
     self_attention=("transformer_blocks.*.attn1",),
+    # FastVideo's LTX-2 blocks offer ATTN_QAT_TRAIN to the video attention only (audio: flash or SDPA) and run a
+    # masked call through SDPA (LTXSelfAttention.attn_masked): training always masks the text cross-attention, and
+    # the a2v/v2a attention does not run with the modalities isolated, so its video self-attention is what quantizes.
+    qat_attention=("transformer_blocks.*.attn1",),
+    linear_qat=NVFP4_LINEARS,
     vsa_refusal="FastVideo's LTX-2 trainer builds no sparse-attention metadata and refuses the VSA backend (its LTX-2 "
                 "VSA path serves LTX-2.0 VSA-QAT checkpoints at inference only, and the released checkpoints are "
                 "dense, with no trained VSA gate)",

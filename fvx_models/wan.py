@@ -26,7 +26,7 @@ from torch import nn
 
 from fvx.core import random
 from fvx.distributed import memory
-from fvx_models import diffusers_folder as dfolder, wan_i2v, wan_sequence_parallel, wan_two_time
+from fvx_models import diffusers_folder as dfolder, wan_fastvideo_names, wan_i2v, wan_sequence_parallel, wan_two_time
 from fvx_models import encoders as fencoders
 from fvx_models.build import ModelConfig
 from fvx_models.family import Family, Preset, require, skeleton_of
@@ -265,6 +265,12 @@ def with_r(config: ModelConfig, kwargs: dict[str, Any], x_t: torch.Tensor, r: to
     return wan_two_time.with_r(kwargs, timesteps(config, x_t, r))
 
 
+# FastVideo's NVFP4 linear QAT profile for Wan (fastvideo/layers/quantization/nvfp4_qat_config.py DEFAULT_FP4_LAYERS,
+# matched as substrings of its module names: to_q/k/v/out and ffn.fc_in/fc_out) in diffusers' names
+NVFP4_LINEARS = tuple(f"blocks.*.{suffix}" for suffix in (
+    "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k", "attn2.to_v",
+    "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2"))
+
 WAN = Family(
     name="wan",
     presets=PRESETS,
@@ -283,10 +289,12 @@ WAN = Family(
     init_rules={"scale_shift_table": scale_shift_init},
     pipeline_files=pipeline_files,
     original_name=original_name,
+    stored_names=wan_fastvideo_names.diffusers_names,
     sequence_parallel=wan_sequence_parallel.sequence_parallel,
     with_r=with_r,
     derived=lambda config: wan_two_time.derived(config.r_embedder) if config.two_time else {},
     self_attention=("blocks.*.attn1",),
+    linear_qat=NVFP4_LINEARS,
 )
 
 

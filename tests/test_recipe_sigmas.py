@@ -107,7 +107,9 @@ SOURCES: dict[str, Draw] = {
     "finetune_hunyuan_video15.py:release_480p_t2v": hunyuan_video15_release,
     "finetune_kandinsky5.py:kandinsky5_t2v_480p_qat": fastvideo_grid(5.0),  # Kandinsky5Model(flow_shift=5.0), :89
     **{f"finetune_ltx2.py:{name}": fastvideo_ltx2(11 * 15 * 26)  # 81 frames of 480x832: its YAMLs' num_latent_t 11
-       for name in ("ltx2_t2v", "ltx2_t2v_lora", "ltx2_3_t2v", "ltx2_3_t2v_lora", "ltx2_overfit", "ltx2_3_overfit")},
+       for name in ("ltx2_t2v", "ltx2_t2v_lora", "ltx2_3_t2v", "ltx2_3_t2v_lora", "ltx2_overfit", "ltx2_3_overfit",
+                    "ltx2_t2v_nvfp4_qat", "ltx2_3_t2v_nvfp4_qat", "ltx2_overfit_nvfp4_qat")},
+    "finetune_ltx2.py:world_nvfp4_qat": fastvideo_ltx2(1),  # the toy world's default: latents as drawn() shapes them
     "finetune_ltx_video.py:ltxv_2b_lora": ltx_video_trainer(12 * 14 * 24),  # its bucket 768x448x89: 4032 tokens
     "finetune_minimax_h3.py:minimax_h3_t2va_overfit": fastvideo_minimax_h3,
     "finetune_wan.py:wan21_t2v_1p3b": WAN,  # fine_tuning/wan/t2v.yaml
@@ -121,6 +123,9 @@ SOURCES: dict[str, Draw] = {
     "finetune_wan_i2v.py:wan21_i2v_14b_480p_lora": fastvideo_grid(1.0),
     "finetune_wan_lora.py:wan21_t2v_1p3b": WAN,  # t2v_lora.yaml
     "finetune_wan_lora.py:fastwan21_t2v_1p3b_vsa": WAN,  # fast_t2v_lora_vsa.yaml
+    "finetune_wan22_ti2v.py:fastwan22_ti2v_5b_fullattn_lora_vsa": WAN,  # fast_ti2v_fullattn_lora_vsa.yaml
+    "finetune_wan_lora.py:turbowan21_t2v_1p3b_lora_sla": WAN,  # turbo_t2v_lora_sla.yaml
+    "finetune_wan_lora.py:world_lora_sla": WAN,  # turbo_t2v_lora_sla.yaml on the toy world
 }
 """Each fine-tuning recipe's source formula: FastVideo's plugin or legacy pipeline, or the model trainer it names."""
 

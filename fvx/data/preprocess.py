@@ -124,14 +124,54 @@ def find_inputs(root: pathlib.Path) -> list[Input]:
     return inputs
 
 
+PROMPTS_FORMATS = 'one prompt a line, or FastVideo\'s validation JSON {"data": [{"caption": ...}, ...]}'
+
+
+def read_prompts(path: str | pathlib.Path, who: str = "prompts file") -> list[str]:
+    """The prompts of ``path``: a ``.json`` file is FastVideo's validation set ``{"data": [{"caption": str}, ...]}``
+    (other keys of an entry ignored), any other file text, one prompt a line (blank lines skipped); each stripped. A
+    one-line ValueError naming ``who`` (the option or role of the file), the file and, in a JSON, the bad entry."""
+    source = pathlib.Path(path)
+    where = f"{who} {str(source)!r}"
+    if not source.is_file():
+        raise ValueError(f"{where} does not exist")
+    try:
+        text = source.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{where} is not UTF-8 text ({PROMPTS_FORMATS})") from None
+    if "\x00" in text:
+        raise ValueError(f"{where} is not text ({PROMPTS_FORMATS})")
+    prompts = _json_captions(text, where) if source.suffix.lower() == ".json" else \
+        [line.strip() for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"{where} holds no prompts ({PROMPTS_FORMATS})")
+    return prompts
+
+
+def _json_captions(text: str, where: str) -> list[str]:
+    """The captions of FastVideo's validation JSON, in order (:func:`read_prompts`)."""
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where} is not valid JSON ({error})") from None
+    entries = document.get("data") if isinstance(document, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError(f'{where} must be FastVideo\'s validation JSON, an object with a list "data" of '
+                         '{"caption": ...} entries')
+    captions = []
+    for n, entry in enumerate(entries):
+        caption = entry.get("caption") if isinstance(entry, dict) else None
+        if not isinstance(caption, str) or not caption.strip():
+            raise ValueError(f"{where}: entry data[{n}] needs a non-empty string \"caption\", got "
+                             f"{json.dumps(entry)[:80]}")
+        captions.append(caption.strip())
+    return captions
+
+
 def find_prompts(path: pathlib.Path) -> list[Input]:
-    """The prompts of a text file, one a line (blank lines skipped), as the inputs of text-only data (FastVideo's
-    text-only preprocessing: its ``text_prompt_N`` names)."""
-    if not path.is_file():
-        raise ValueError(f"prompts file {str(path)!r} does not exist (data.kind='text_only' reads prompts, one a line)")
-    lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if not lines:
-        raise ValueError(f"prompts file {str(path)!r} holds no prompts")
+    """The prompts of a prompts file (:func:`read_prompts`: one a line, or FastVideo's validation JSON) as the inputs of
+    text-only data (FastVideo's text-only preprocessing: its ``text_prompt_N`` names)."""
+    lines = read_prompts(path, "prompts file of text-only data")
     return [Input(path, line, f"text_prompt_{n}") for n, line in enumerate(lines)]
 
 

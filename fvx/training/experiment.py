@@ -154,24 +154,31 @@ def build_models(config: Experiment, *, mesh: Any = None) -> dict[str, Any]:
 
 
 def check_attention_roles(config: Experiment, roles: Mapping[str, str], first: str, trained: set[str]) -> None:
-    """A ConfigError when a model with fake-quantized attention (``attention=qat``) plays the student and another
-    role (Attn-QAT is the student's alone: FastVideo's critic and teacher keep full-precision attention, and roles
-    that share a model share its code), or when a trained role's model runs flex-attention where it has no backward
-    (no CUDA device)."""
+    """A ConfigError when a quantization-aware model (fake-quantized attention, ``attention=qat``, or NVFP4 linear
+    layers, ``linear_qat``) plays a role other than the student (``first``): quantization is the student's alone
+    (FastVideo's critic and teacher keep full precision, and roles that share a model share its code); or when a
+    trained role's model runs flex-attention where it has no backward (no CUDA device)."""
     for role_name, name in roles.items():
         if role_name in trained and getattr(config.models[name], "attention", "sdpa") == "flex" \
                 and not torch.cuda.is_available():
             raise ConfigError(f"models.{name}.attention=flex: flex-attention has no backward on a CPU (torch "
                               f"{torch.__version__.split('+')[0]}) and role {role_name!r} trains; use attention=math "
                               "or sdpa")
-    model = roles.get(first)
-    if model is None or getattr(config.models[model], "attention", "sdpa") != "qat":
-        return
-    others = [role for role, name in roles.items() if name == model and role != first]
-    if others:
-        raise ConfigError(f"models.{model}.attention=qat: model {model!r} also plays method.roles.{others[0]}, which "
-                          f"must stay dense; play it with a model entry of its own (models.<name> and "
-                          f"method.roles.{others[0]}=<name>)")
+    for role_name, name in roles.items():
+        knob = quantized(config.models[name])
+        if role_name != first and knob is not None:
+            shared = f" as well as the {first}" if roles.get(first) == name else ""
+            raise ConfigError(f"models.{name}.{knob}: model {name!r} plays method.roles.{role_name}{shared}, which "
+                              f"must stay full precision (quantization-aware training is the {first}'s); play it "
+                              f"with a model entry of its own without {knob} (models.<name> and "
+                              f"method.roles.{role_name}=<name>)")
+
+
+def quantized(model: Any) -> str | None:
+    """The knob that makes ``model`` quantization-aware (``attention=qat`` or ``linear_qat``), or None."""
+    if getattr(model, "attention", "sdpa") == "qat":
+        return "attention=qat"
+    return "linear_qat" if getattr(model, "linear_qat", None) is not None else None
 
 
 def check_joint_roles(config: Experiment, roles: Mapping[str, str]) -> None:

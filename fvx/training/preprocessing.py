@@ -156,8 +156,8 @@ def job_of(config: Any) -> tuple[preprocess.Job, Callable[[], Any]]:
 
 def run_preprocess(config: Any, videos: str, out: str, *, progress: bool) -> dict[str, Any]:
     """``preprocess``: this process's parts (torchrun's RANK of WORLD_SIZE) of the inputs under ``videos`` (a
-    folder; for ``data.kind=text_only`` a prompts file, one a line) into ``out``; a ValueError (bad input) before
-    anything is written."""
+    folder; for ``data.kind=text_only`` a prompts file: one a line, or FastVideo's validation JSON) into ``out``; a
+    ValueError (bad input) before anything is written."""
     job, factory = job_of(config)
     source = pathlib.Path(videos)
     inputs = preprocess.find_prompts(source) if job.kind == "text_only" else preprocess.find_inputs(source)
@@ -172,15 +172,10 @@ def run_preprocess(config: Any, videos: str, out: str, *, progress: bool) -> dic
 
 
 def run_encode_prompts(config: Any, prompts_file: str, out: str) -> tuple[int, pathlib.Path]:
-    """``encode-prompts``: every line of ``prompts_file`` (blank lines skipped) through the experiment's text encoder
-    into a cond file at ``out`` (the family's cond tensors ``[N, ...]`` at ``data.text_len``, a second text stream at
-    ``data.text_2_len``, the captions kept)."""
-    source = pathlib.Path(prompts_file)
-    if not source.is_file():
-        raise ValueError(f"prompts file {str(source)!r} does not exist")
-    prompts = [line.strip() for line in source.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if not prompts:
-        raise ValueError(f"prompts file {str(source)!r} holds no prompts (one a line)")
+    """``encode-prompts``: the prompts of ``prompts_file`` (``preprocess.read_prompts``: one a line, or FastVideo's
+    validation JSON's captions) through the experiment's text encoder into a cond file at ``out`` (the family's cond
+    tensors ``[N, ...]`` at ``data.text_len``, a second text stream at ``data.text_2_len``, the captions kept)."""
+    prompts = preprocess.read_prompts(prompts_file)
     target = pathlib.Path(out)
     if target.suffix != ".safetensors":
         raise ValueError(f"--out {str(target)!r} must end in .safetensors (a cond file)")

@@ -24,7 +24,7 @@ import torch
 from fvx import config as fconfig
 from fvx.core import random, tree
 from fvx.core.state import RoleState, TrainState
-from fvx.data import datasets, media
+from fvx.data import datasets, media, preprocess
 from fvx.storage import files
 from fvx.training import (export as fexport, preprocessing, progress as fprogress, run_folder, tracking, validation,
                           wav)
@@ -92,20 +92,9 @@ class Video(NamedTuple):
 
 
 def read_prompts_file(path: str) -> tuple[str, ...]:
-    """The prompts of a text file, one a line (blank lines skipped); a ValueError when it is missing, not UTF-8
-    text, or holds none."""
-    source = pathlib.Path(path)
-    if not source.is_file():
-        raise ValueError(f"--prompts {str(source)!r} does not exist")
-    try:
-        text = source.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ValueError(f"--prompts {str(source)!r} is not UTF-8 text (one prompt a line)") from None
-    prompts = tuple(line.strip() for line in text.splitlines() if line.strip())
-    if not prompts or "\x00" in text:
-        raise ValueError(f"--prompts {str(source)!r} " + ("is not text" if "\x00" in text else
-                                                          "holds no prompts (one a line)"))
-    return prompts
+    """The prompts of ``--prompts`` (``fvx.data.preprocess.read_prompts``: one a line, or FastVideo's validation
+    JSON's captions); a one-line ValueError when it is missing, not UTF-8 text, malformed or holds none."""
+    return tuple(preprocess.read_prompts(path, "--prompts"))
 
 
 def open_source(request: Request) -> Source:

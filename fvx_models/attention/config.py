@@ -1,4 +1,4 @@
-"""The knobs of a model's sparse (``vsa``) and fake-quantized (``qat``) attention, beside
+"""The knobs of a model's sparse (``vsa``), fake-quantized (``qat``) and sparse-linear (``sla``) attention, beside
 ``models.<name>.attention``."""
 from __future__ import annotations
 
@@ -33,3 +33,20 @@ class QATConfig(Config):
 
     implementation: Literal["auto", "reference", "kernel"] = "auto"
     validation: Literal["train", "infer"] = "train"
+
+
+class SLAConfig(Config):
+    """Sparse-linear attention (``fvx_models.attention.sla``, FastVideo's ``SLA_ATTN``, TurboWan's attention):
+    ``topk_ratio`` the fraction of key blocks each query block attends to (``int(topk_ratio * key blocks)`` of them,
+    FastVideo's count), ``block_q`` / ``block_k`` the query and key block sizes in tokens (FastVideo's ``BLKQ`` /
+    ``BLKK``), ``feature_map`` the linear part's ``phi`` (softmax over the head dim, ``elu`` + 1, or ``relu``); the
+    defaults are FastVideo's, what TurboWan was distilled with (0.1, 128, 64, softmax). ``implementation``:
+    ``reference`` (PyTorch, any device and sizes), ``kernel`` (fastvideo-kernel's Triton sparse part: block_q 64 or
+    128, block_k 64, head dim 64 or 128), ``auto`` the kernel when installed on a GPU and the sizes fit, else the
+    reference."""
+
+    topk_ratio: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.1
+    block_q: Annotated[int, msgspec.Meta(ge=1)] = 128
+    block_k: Annotated[int, msgspec.Meta(ge=1)] = 64
+    feature_map: Literal["softmax", "elu", "relu"] = "softmax"
+    implementation: Literal["auto", "reference", "kernel"] = "auto"

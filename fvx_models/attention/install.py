@@ -9,10 +9,19 @@ attention module's processor is wrapped to set ``ROUTE`` for the duration of its
 the processor's own projections, norms, RoPE and all-to-alls are unchanged, and ``torch.compile`` traces it all
 (a ``TorchFunctionMode`` would not: it cannot trace Tensor methods written in Python through one). Plain
 kernels and ``qat`` run in every attention module (self and cross: forward-mode derivatives need every call in
-``math``, and FastVideo's Attn-QAT backend quantizes each layer that takes it); ``vsa`` in the family's
-self-attention over the video tokens (``Family.self_attention``), the others staying SDPA.
+``math``, and FastVideo's Attn-QAT backend quantizes each layer that takes it), ``qat`` only in those of
+``Family.qat_attention`` where the family names them (LTX-2: FastVideo keeps its audio and masked text attention
+dense); ``vsa`` and ``sla`` in the family's self-attention over the video tokens (``Family.self_attention``), the
+others staying SDPA.
 ``vsa`` adds a zero-initialised gate projection ``to_gate_compress`` beside each self-attention module (on its block,
 where FastVideo's Wan keeps it): a dense checkpoint loads without it (zeros) and starts as itself.
+``sla`` adds its linear part's projection ``proj_l`` (Linear(head dim, head dim)) inside each self-attention module as
+``attn_impl.proj_l``: ``blocks.N.attn1.attn_impl.proj_l.{weight,bias}``, the names FastVideo's TurboDiffusion
+converter gives TurboWan's (``scripts/checkpoint_conversion/convert_turbodiffusion_to_diffusers.py``: TurboDiffusion's
+``blocks.N.self_attn.attn_op.local_attn.proj_l``), so a TurboWan folder loads it and an export writes it back under
+them. A dense checkpoint loads without it: zeros, as FastVideo initialises it (and fills it when a folder lacks it,
+``fsdp_load.py``'s ``ALLOWED_NEW_PARAM_PATTERNS``); such a model computes the block-sparse part alone, which is not
+dense attention (``fvx_models.attention.sla``).
 
 What a kernel reads beyond SDPA's inputs lives in a :class:`Runtime`, one per built model: the token grid of the
 running forward (set by ``fvx_models.build.apply``), VSA's sparsity (the target; a step's scheduled value inside
@@ -30,9 +39,11 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from fvx_models.attention import kernels, qat, vsa
+from fvx_models.attention import kernels, qat, sla, vsa
 
 GATE = "to_gate_compress"
+SLA_MODULE = "attn_impl"  # the submodule of a self-attention that holds SLA's proj_l (FastVideo's name)
+SLA_PROJECTION = f"{SLA_MODULE}.proj_l"
 
 
 @dataclasses.dataclass
@@ -79,6 +90,9 @@ class Route:
     a dynamic binding, as torch's grad mode is, set only by :class:`KernelProcessor` around its processor's call."""
 
     kernel: Callable[..., torch.Tensor] | None = None
+
+    def __init__(self) -> None:
+        self.kernel = None  # an instance attribute from the start: the first call's guards hold for every later one
 
 
 ROUTE = Route()
@@ -147,18 +161,32 @@ def attention_modules(module: nn.Module) -> dict[str, nn.Module]:
 
 
 def refusal(config: Any, sequence_parallel: bool = False) -> str | None:
-    """Why ``config.attention`` cannot be installed on this family's preset, or None."""
+    """Why ``config.attention`` cannot be installed on this family's preset, or None: ``vsa`` and ``sla`` need the
+    family's self-attention over the video tokens alone (unmasked, one sequence) and no sequence parallelism, ``sla``
+    the kernel's sizes when ``sla.implementation=kernel``."""
     family, name = config.family, config.attention
-    who = f"attention={name}: the {family.name} family"
-    if name != "vsa":
+    if name not in ("vsa", "sla"):
         return None
+    who, kernel = f"attention={name}: the {family.name} family", name.upper()
     if not family.self_attention:
-        return f"{who} declares no self-attention over the video tokens to run VSA on"
+        return f"{who} declares no self-attention over the video tokens to run {kernel} on"
     if family.vsa_refusal is not None:
-        return f"{who} cannot run VSA: {family.vsa_refusal}"
+        return f"{who} cannot run {kernel}{' (nor VSA)' if name == 'sla' else ''}: {family.vsa_refusal}"
     if sequence_parallel:
-        return "attention=vsa: fvx runs VSA without sequence parallelism yet; run with --sp 1"
+        return f"attention={name}: fvx runs {kernel} without sequence parallelism; run with --sp 1"
+    head_dim = config.spec.kwargs.get("attention_head_dim")  # a preset without one: the kernel checks at its call
+    if name == "sla" and config.sla.implementation == "kernel" and head_dim is not None:
+        why = sla.kernel_refusal(int(head_dim), config.sla.block_q, config.sla.block_k)
+        if why is not None:
+            return f"attention=sla sla.implementation=kernel on {family.name}:{config.preset}: {why}"
     return None
+
+
+def sla_head_dim(attn: nn.Module) -> int:
+    """The head dim of a self-attention module: its query projection's width over its heads."""
+    query = attn.to_q if hasattr(attn, "to_q") else attn.to_query
+    heads = getattr(attn, "heads", None) or getattr(attn, "num_heads")
+    return query.out_features // heads
 
 
 # --------------------------------------------------------------------------------------------------------- install
@@ -172,11 +200,22 @@ def add_gates(config: Any, module: nn.Module) -> None:
         block.add_module(GATE, nn.Linear(query.in_features, query.out_features, device="meta"))
 
 
+def add_sla_params(config: Any, module: nn.Module) -> None:
+    """``sla``: ``attn_impl.proj_l``, a Linear(head dim, head dim), inside each self-attention (on meta, like the
+    skeleton; module docstring)."""
+    for attn in self_attention_modules(config, module).values():
+        dim = sla_head_dim(attn)
+        holder = nn.Module()
+        holder.add_module("proj_l", nn.Linear(dim, dim, device="meta"))
+        attn.add_module(SLA_MODULE, holder)
+
+
 def zero_gates(module: nn.Module) -> dict[str, Callable[[Any], torch.Tensor]]:
-    """The skeleton's VSA gate params (:func:`add_gates`) -> their zeros, whatever the other params: a dense folder
-    lacks them, and a dense model starts as itself."""
+    """The skeleton's zero-initialised attention params -> their zeros, whatever the other params: VSA's gates
+    (:func:`add_gates`; a dense model starts as itself) and SLA's ``proj_l`` (:func:`add_sla_params`; FastVideo's
+    init). A dense folder lacks them; a folder that has them (FastWan's gates, TurboWan's ``proj_l``) gives its own."""
     return {name: functools.partial(_zeros, tuple(p.shape)) for name, p in module.named_parameters()
-            if f".{GATE}." in name}
+            if f".{GATE}." in name or f".{SLA_PROJECTION}." in name}
 
 
 def _zeros(shape: tuple[int, ...], params: Any) -> torch.Tensor:
@@ -192,7 +231,10 @@ def install(config: Any, module: nn.Module) -> Runtime:
     if name == "sdpa":
         return runtime
     route_native_backend()
-    targets = self_attention_modules(config, module) if name == "vsa" else attention_modules(module)
+    targets = self_attention_modules(config, module) if name in ("vsa", "sla") else attention_modules(module)
+    if name == "qat" and config.family.qat_attention is not None:
+        targets = {path: attn for path, attn in targets.items()
+                   if any(fnmatch.fnmatchcase(path, pattern) for pattern in config.family.qat_attention)}
     for path, attn in targets.items():
         gate = module.get_submodule(path.rpartition(".")[0]).get_submodule(GATE) if name == "vsa" else None
         attn.set_processor(wrapped(attn.processor, functools.partial(_kernel_for, config, runtime, gate)))
@@ -211,6 +253,8 @@ def _kernel_for(config: Any, runtime: Runtime, gate: nn.Module | None, attn: nn.
         return functools.partial(_sparse, config, runtime, gate(hidden_states))
     if name == "qat":
         return functools.partial(_quantized, config, runtime)
+    if name == "sla":
+        return functools.partial(_sparse_linear, config, attn.get_submodule(SLA_PROJECTION))
     return kernels.plain(name)
 
 
@@ -228,6 +272,26 @@ def _sparse(config: Any, runtime: Runtime, gate: torch.Tensor, query: torch.Tens
     gate = gate.unflatten(-1, (heads, -1)).transpose(1, 2).to(query.dtype)
     return vsa.sparse_attention(query, key, value, runtime.grid, runtime.sparsity, gate=gate, scale=scale,
                                 implementation=vsa_implementation(config.vsa.implementation, query.device))
+
+
+def _sparse_linear(config: Any, projection: nn.Linear, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                   enable_gqa: bool = False) -> torch.Tensor:
+    """SLA of this self-attention call with its ``proj_l`` (``projection``, the call's own params)."""
+    who = f"{config.family.name}: attention=sla"
+    if attn_mask is not None or is_causal or dropout_p:
+        raise ValueError(f"{who} takes unmasked self-attention (a mask, causal flag or dropout was given)")
+    knobs = config.sla
+    tokens, blocks = query.shape[-2], -(-query.shape[-2] // knobs.block_k)
+    if sla.topk_count(knobs.topk_ratio, blocks) < 1:
+        raise ValueError(f"{who}: the self-attention runs over {tokens} tokens, {blocks} key blocks of "
+                         f"sla.block_k={knobs.block_k}, and sla.topk_ratio={knobs.topk_ratio} keeps "
+                         f"int({knobs.topk_ratio} * {blocks}) = 0 of them; use larger clips, a smaller sla.block_k "
+                         f"or a larger sla.topk_ratio")
+    implementation = sla_implementation(knobs.implementation, query, knobs.block_q, knobs.block_k, scale)
+    return sla.sparse_linear_attention(query, key, value, projection, topk_ratio=knobs.topk_ratio,
+                                       block_q=knobs.block_q, block_k=knobs.block_k, feature_map=knobs.feature_map,
+                                       scale=scale, implementation=implementation)
 
 
 def _quantized(config: Any, runtime: Runtime, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -252,6 +316,16 @@ def vsa_implementation(choice: str, device: torch.device) -> str:
     return "kernel" if device.type == "cuda" and vsa.kernel_available() is None else "reference"
 
 
+def sla_implementation(choice: str, query: torch.Tensor, block_q: int, block_k: int, scale: float | None) -> str:
+    """``auto`` -> the Triton kernel when installed, the tensors are on a GPU and it takes these sizes, else the
+    reference."""
+    if choice != "auto":
+        return choice
+    usable = (query.device.type == "cuda" and sla.kernel_available() is None
+              and sla.kernel_refusal(query.shape[-1], block_q, block_k, scale) is None)
+    return "kernel" if usable else "reference"
+
+
 def qat_implementation(choice: str, device: torch.device) -> str:
     """``auto`` -> the Triton kernel when installed and the tensors are on a GPU, else the reference."""
     if choice != "auto":
@@ -268,6 +342,8 @@ def check(config: Any, who: str, sequence_parallel: bool = False) -> None:
     kernels.check(config.attention, f"{who} attention")
     if config.attention == "vsa" and config.vsa.implementation == "kernel" and vsa.kernel_available() is not None:
         raise ValueError(f"{who} vsa.implementation=kernel: {vsa.kernel_available()}")
+    if config.attention == "sla" and config.sla.implementation == "kernel" and sla.kernel_available() is not None:
+        raise ValueError(f"{who} sla.implementation=kernel: {sla.kernel_available()}")
     if config.attention == "qat":
         if config.qat.implementation == "kernel" and qat.kernel_available() is not None:
             raise ValueError(f"{who} qat.implementation=kernel: {qat.kernel_available()}")

@@ -8,7 +8,8 @@ Each kernel takes SDPA's arguments (``q, k, v [B, H, L, D]``, ``attn_mask``, ``d
   ``flex``   ``torch.nn.attention.flex_attention`` (an additive or boolean mask as its score_mod); no backward on a
              CPU in torch 2.13
   ``vsa``    Video Sparse Attention (``fvx_models.attention.vsa``), ``qat`` fake-quantized attention
-             (``fvx_models.attention.qat``): installed with their own inputs (``fvx_models.attention.install``)
+             (``fvx_models.attention.qat``), ``sla`` sparse-linear attention (``fvx_models.attention.sla``):
+             installed with their own inputs (``fvx_models.attention.install``)
   and each kernel of diffusers' attention dispatcher that is usable here (``flash``, ``sage``, ``xformers``, ...).
 A name that is unknown or not usable here is refused in one line listing the usable ones; nothing falls back.
 """
@@ -19,7 +20,7 @@ from typing import Callable
 
 import torch
 
-OWN = ("sdpa", "math", "flex", "vsa", "qat")
+OWN = ("sdpa", "math", "flex", "vsa", "qat", "sla")
 FORWARD_AD = ("sdpa", "math")  # kernels with forward-mode derivatives (sdpa through its math backend)
 
 

@@ -230,3 +230,67 @@ def test_fastvideos_merged_layout_is_read_with_its_first_caption(videos, tmp_pat
     (root / "videos2caption.json").write_text('{"path": "a.mp4"}')
     with pytest.raises(ValueError, match="must be a JSON list of"):
         preprocess.find_inputs(root)
+
+
+# ----------------------------------------------------------------------------------- prompts files: text or JSON
+
+FASTVIDEO_JSON = {"data": [{"caption": "red bars moving left"}, {"caption": "  blue bars moving up ", "video": "x"}]}
+
+
+def test_the_prompt_reader_takes_a_text_file_and_fastvideos_validation_json(tmp_path):
+    (tmp_path / "p.txt").write_text("red bars moving left\n\n  blue bars moving up  \n")
+    (tmp_path / "p.json").write_text(json.dumps(FASTVIDEO_JSON))
+    expected = ["red bars moving left", "blue bars moving up"]
+    assert preprocess.read_prompts(tmp_path / "p.txt") == expected
+    assert preprocess.read_prompts(str(tmp_path / "p.json")) == expected
+    assert [(i.caption, i.name) for i in preprocess.find_prompts(tmp_path / "p.json")] == [
+        ("red bars moving left", "text_prompt_0"), ("blue bars moving up", "text_prompt_1")]
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("gone.txt", None, "does not exist"),
+    ("empty.txt", "\n \n", "holds no prompts"),
+    ("binary.txt", b"\xff\xfe\x00\x01", "is not UTF-8 text"),
+    ("nul.txt", "a\x00b\n", "is not text"),
+    ("empty.json", '{"data": []}', "holds no prompts"),
+    ("broken.json", '{"data": [', "is not valid JSON"),
+    ("list.json", '[{"caption": "a"}]', 'a list "data" of {"caption": ...} entries'),
+    ("nodata.json", '{"prompts": ["a"]}', 'a list "data"'),
+    ("blank.json", '{"data": [{"caption": "a"}, {"caption": "  "}]}', 'entry data[1] needs a non-empty string'),
+    ("nocap.json", '{"data": [{"caption": "a"}, {"prompt": "b"}]}', 'data[1] needs a non-empty string "caption", '
+                                                                   'got {"prompt": "b"}'),
+    ("notstr.json", '{"data": ["a"]}', 'data[0] needs a non-empty string "caption", got "a"'),
+])
+def test_a_bad_prompts_file_is_one_line_naming_the_file_and_entry(tmp_path, name, content, message):
+    path = tmp_path / name
+    if content is not None:
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ValueError) as error:
+        preprocess.read_prompts(path, "--prompts")
+    text = str(error.value)
+    assert message in text and text.startswith(f"--prompts {str(path)!r}") and "\n" not in text
+
+
+def test_encode_prompts_from_fastvideos_json_writes_the_captions_cond_file(tmp_path):
+    (tmp_path / "validation.json").write_text(json.dumps(FASTVIDEO_JSON))
+    out = tmp_path / "validation.safetensors"
+    assert run.main(["encode-prompts", EXPERIMENT, str(tmp_path / "validation.json"), "--out", str(out)]) == 0
+    cond, captions = config_of().models["student"].build().load_cond(str(out))
+    world = WorldDataset(WORLD, random.key(0), kind="t2v", collate=lambda samples, indices: samples)
+    assert captions == ("red bars moving left", "blue bars moving up")
+    assert torch.equal(cond["text"], torch.from_numpy(np.stack([world.texts[1], world.texts[7]])))
+
+
+def test_every_prompt_reader_is_the_one_reader(tmp_path, capsys):
+    from fvx.training import sampling
+    (tmp_path / "p.json").write_text(json.dumps(FASTVIDEO_JSON))
+    assert sampling.read_prompts_file(str(tmp_path / "p.json")) == ("red bars moving left", "blue bars moving up")
+    (tmp_path / "bad.json").write_text('{"data": [{"caption": 3}]}')
+    out = tmp_path / "x.safetensors"
+    code = run.main(["encode-prompts", EXPERIMENT, str(tmp_path / "bad.json"), "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "entry data[0] needs a non-empty string" in err[0]
+    assert not out.exists()
+    done = preprocessing.run_preprocess(config_of(**{"data.kind": "text_only"}), str(tmp_path / "p.json"),
+                                        str(tmp_path / "ds"), progress=False)
+    assert done["rows"] == 2

@@ -57,6 +57,18 @@ REFUSED = {
         "meanflow.py:world_distill", ["method=meanflow"],
         "models.teacher: no role plays it (method.roles: student=student); name it in a role "
         "(method.roles.<role>=<name>) or leave it out of models"),
+    "linear_qat_on_the_critic": (
+        "dmd2.py", ["models.student.linear_qat.format=nvfp4"],
+        "models.student.linear_qat: model 'student' plays method.roles.critic as well as the student, which must "
+        "stay full precision (quantization-aware training is the student's); play it with a model entry of its own "
+        "without linear_qat (models.<name> and method.roles.critic=<name>)"),
+    "linear_qat_on_the_teacher": (
+        "dmd2.py", ["models.teacher.linear_qat.format=nvfp4"],
+        "models.teacher.linear_qat: model 'teacher' plays method.roles.teacher, which must stay full precision"),
+    "linear_qat_module_the_family_lacks": (
+        "finetune_wan.py", ['models.student.linear_qat.modules=["blocks.*.attn9.to_q"]'],
+        "wan:world: linear_qat.modules: 'blocks.*.attn9.to_q' matches no linear layer of the wan family; some of its "
+        "layers: condition_embedder.time_embedder.linear_1"),
     "score_window_upside_down": (
         "streaming_long_causal_t2v.py", ["method.min_timestep_ratio=0.7", "method.max_timestep_ratio=0.3"],
         "method.min_timestep_ratio = 0.7 is above method.max_timestep_ratio = 0.3: the score timesteps' window "

@@ -22,15 +22,6 @@ def vsa(**knobs) -> WanConfig:
     return msgspec.structs.replace(TINY, attention="vsa", vsa=VSAConfig(implementation="reference", **knobs))
 
 
-@pytest.fixture(scope="module")
-def dense_folder(tmp_path_factory):
-    model = TINY.build()
-    params = model.init(random.key(0))
-    folder = tmp_path_factory.mktemp("dense") / "wan"
-    model.export(params, str(folder))
-    return folder, model, params
-
-
 def test_a_dense_checkpoint_loads_with_zero_gates_and_starts_as_itself(dense_folder):
     folder, dense, dense_params = dense_folder
     model = vsa(sparsity=0.0).build()
