@@ -134,6 +134,7 @@ WAN_MOE = dataclasses.replace(
     component_tags={"transformer": "high_noise", "transformer_2": "low_noise"},  # Comfy-Org's and musubi-tuner's names
     sequence_parallel=None,
     self_attention=tuple(f"{expert}.blocks.*.attn1" for expert in EXPERTS),
+    linear_qat=tuple(f"{expert}.{pattern}" for expert in EXPERTS for pattern in wan.NVFP4_LINEARS),
     whole_graph_refusal="its router splits the batch between the experts by timestep (data-dependent shapes)",
 )
 """Wan's spec with two experts: their components, one unit group of both experts' blocks, the router's inputs, one

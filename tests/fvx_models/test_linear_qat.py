@@ -15,6 +15,7 @@ from fvx_models.kandinsky5 import Kandinsky5Config
 from fvx_models.linear_qat import LinearQATConfig
 from fvx_models.ltx2 import LTX2Config
 from fvx_models.wan import WanConfig
+from fvx_models.wan_moe import Wan22MoEConfig
 
 from family_cases import inputs  # noqa: E402
 
@@ -164,6 +165,12 @@ def test_bad_sets_are_refused_in_one_line_before_any_weight():
     if linear_qat.kernel_available() is not None:
         with pytest.raises(ValueError, match="linear_qat.implementation=kernel: "):
             msgspec.structs.replace(TINY, linear_qat=LinearQATConfig(implementation="kernel")).build()
+
+
+def test_the_two_experts_each_take_wans_set():
+    config = Wan22MoEConfig(preset="tiny", linear_qat=LinearQATConfig())
+    layers = qat_layers(config.build().apply.args[1])
+    assert len(layers) == 2 * config.spec.kwargs["num_layers"] * len(WAN_SUFFIXES)
 
 
 def test_named_modules_take_it_on_a_family_without_a_curated_set():
