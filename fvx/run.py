@@ -361,8 +361,8 @@ def preprocess_main(argv: Sequence[str]) -> int:
         "videos/ beside videos2caption.json (FastVideo's layout), or media files each beside a caption file of the "
         "same name (clip.mp4 + clip.txt). The clip geometry is data.preprocess.* (override it like any field). Under "
         "torchrun each rank encodes its own parts; a run started again continues where it stopped. Train on it with "
-        "data.path=DATASET/combined_parquet_dataset. For data.kind=text_only, --videos is a prompts file: text, one a line, or FastVideo's "
-        "validation JSON ({\"data\": [{\"caption\": ...}]})."))
+        "data.path=DATASET/combined_parquet_dataset. For data.kind=text_only, --videos is a prompts file: text, one "
+        "a line, or FastVideo's validation JSON ({\"data\": [{\"caption\": ...}]})."))
     parser.add_argument("experiment", help="the experiment file (FILE.py or FILE.py:recipe)")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.preprocess.num_frames=33")
     parser.add_argument("--videos", required=True, help="the input folder (data.kind=text_only: a prompts file)")

@@ -127,7 +127,7 @@ class _NVFP4LinearKernel(torch.autograd.Function):
             out = out + bias.to(out.dtype)
         return out.view(*x.shape[:-1], w.shape[0]).to(x.dtype)
 
-    backward = _NVFP4Linear.backward
+    backward = staticmethod(_NVFP4Linear.backward)
 
 
 def nvfp4_linear_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
