@@ -65,7 +65,7 @@ def check_config(folder: pathlib.Path, module: nn.Module, what: str, skip: Itera
         raise ValueError(f"{what}: {str(path)!r} is an fvx run's config, not a diffusers one: {str(folder)!r} is a run "
                          f"folder; export it first: python -m fvx.run export {folder} --out FOLDER, and load FOLDER")
     class_name = stored.get("_class_name", cls.__name__)
-    if class_name != cls.__name__:
+    if class_name not in getattr(cls, "stored_class_names", (cls.__name__,)):  # a class's released aliases
         raise ValueError(f"{what}: {str(path)!r} describes a {class_name}, not a {cls.__name__}")
     defaults = constructor_defaults(cls)
     skip = set(skip)
