@@ -20,8 +20,10 @@ per-token path's extra per block and once per model (split by measuring a 2-laye
 ``[L, L]`` mask.
 
 The model is Wan's 4 layers x dim 256 (as ``bench/step.py``'s ``cpu-4x256``), registered here as a bench preset, fp32.
+Table 3, Matrix-Game 2.0's streaming model with actions (``--actions-only`` runs it alone): time per block as the
+stream grows on a window, and the cache it holds.
     python bench/causal.py [--frames 8] [--size 24] [--frames-per-block 2] [--blocks K] [--batch 1] [--repeats 5]
-                           [--stream-attention prefix|mask] [--threads N]
+                           [--stream-attention prefix|mask] [--threads N] [--action-blocks 30] [--actions-only]
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 sys.path.insert(1, str(pathlib.Path(__file__).resolve().parents[1]))  # the repository root: fvx, fvx_models, ...
@@ -292,6 +295,40 @@ def print_transient(per_block: float, once: float, mask_pair_bytes: float) -> No
           f"{WAN14B_LAYERS * 2 * n * n / gib:.0f} GiB over {WAN14B_LAYERS} blocks without remat)")
 
 
+def print_action_stream(args) -> None:
+    """Table 3: Matrix-Game 2.0's block-causal model (``fvx_models.matrixgame2_causal``, tiny preset, its action
+    module on block 1) streaming ``--action-blocks`` blocks of ``--frames-per-block`` latent frames with actions on a
+    window of 4 frames and 1 sink frame: the time of each block, by thirds of the stream, and the cache it holds."""
+    from fvx_models.matrixgame2_causal import MatrixGame2CausalConfig
+
+    fpb, blocks = args.frames_per_block, args.action_blocks
+    frames, size = fpb * blocks, args.size
+    model = MatrixGame2CausalConfig(preset="tiny", num_frames_per_block=fpb, local_attn_size=max(4, fpb + 1),
+                                    sink_size=1).build()
+    params = model.init(random.key(0))
+    video_frames = 4 * (frames - 1) + 1
+    cond = {"first_frame_latents": random.normal(random.key(1), (1, 16, frames, size, size)),
+            "image_embeds": random.normal(random.key(2), (1, 5, 16)),
+            "keyboard": torch.nn.functional.one_hot(torch.arange(video_frames) % 4, 4).float()[None],
+            "mouse": random.normal(random.key(3), (1, video_frames, 2)) * 0.1}
+    cache, times = model.causal.empty_cache(frames), []
+    with torch.no_grad():
+        for b in range(blocks):
+            x = random.normal(random.fold_in(random.key(4), b), (1, 16, fpb, size, size))
+            start = time.perf_counter()
+            _, cache = model.causal.apply_cached(params, x, torch.tensor([500.0]), cond, cache)
+            times.append(time.perf_counter() - start)
+    thirds = [times[i * blocks // 3:(i + 1) * blocks // 3] for i in range(3)]
+    held = sum(k.numel() * k.element_size() for k in cache.keys + cache.values) / 2**20
+    print(f"\nMatrix-Game 2.0 streaming with actions: {blocks} blocks of {fpb} frames ({size}x{size} latents), "
+          f"window {model.causal.window}, sink {model.causal.sink}")
+    print("blocks          ms per block (median)")
+    for i, part in enumerate(thirds):
+        print(f"{i * blocks // 3:>4}-{(i + 1) * blocks // 3 - 1:<4}       {1e3 * statistics.median(part):8.2f}")
+    print(f"cache: {len(cache.slots)} frame slots, {len(cache.keys)} layers (video and action), {held:.2f} MB, the "
+          "same after every block")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--frames", type=int, default=8, help="latent frames T (whole blocks)")
@@ -302,6 +339,8 @@ def main() -> None:
     parser.add_argument("--stream-attention", choices=("prefix", "mask"), default="prefix")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--action-blocks", type=int, default=30, help="blocks of the Matrix-Game stream (table 3)")
+    parser.add_argument("--actions-only", action="store_true", help="only table 3, the stream with actions")
     parser.add_argument("--peak", nargs=2, metavar=("KIND", "VARIANT"), help=argparse.SUPPRESS)
     parser.add_argument("--inputs", help=argparse.SUPPRESS)  # the parent's saved inputs, for --peak
     args = parser.parse_args()
@@ -315,6 +354,9 @@ def main() -> None:
     if args.peak:
         print(json.dumps({"peak_mb": peak_in_process(*args.peak, args)}))
         return
+    if args.actions_only:
+        print_action_stream(args)
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, Wan {_KWARGS['num_layers']} layers x dim "
           f"{DIM}, fp32")
     inputs = make_inputs(args)
@@ -324,6 +366,7 @@ def main() -> None:
         mask_pair_bytes = print_training(args, inputs)
         print_streaming(args, inputs)
     print_transient(*timestep_path_bytes(args, inputs), mask_pair_bytes)
+    print_action_stream(args)
 
 
 if __name__ == "__main__":

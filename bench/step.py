@@ -63,6 +63,7 @@ from fvx_models.hunyuan_video import HunyuanVideoConfig  # noqa: E402
 from fvx_models.hunyuan_video15 import HunyuanVideo15Config  # noqa: E402
 from fvx_models.kandinsky5 import Kandinsky5Config  # noqa: E402
 from fvx_models.linear_qat import LinearQATConfig  # noqa: E402
+from fvx_models.matrixgame2 import MatrixGame2Config  # noqa: E402
 from fvx_models.ltx2 import LTX2Config  # noqa: E402
 from fvx_models.ltx_video import LTXVideoConfig  # noqa: E402
 from fvx_models.minimax_h3 import MiniMaxH3Config  # noqa: E402
@@ -90,6 +91,7 @@ CASES = {
     "wan-a14b": (Wan22MoEConfig(preset="tiny"), (16, 2, 16, 16), 4),
     "hunyuan": (HunyuanVideoConfig(preset="tiny"), (16, 2, 16, 16), 4),
     "wan-i2v": (wan.WanConfig(preset="tiny-i2v"), (16, 2, 16, 16), 4),
+    "matrixgame2": (MatrixGame2Config(preset="tiny"), (16, 2, 16, 16), 4),  # its actions per video frame: [B, 5, 4]
     "cosmos": (CosmosConfig(preset="tiny"), (16, 2, 16, 16), 4),
     "ltx-video": (LTXVideoConfig(preset="tiny"), (8, 2, 16, 16), 4),
     "hunyuan15": (HunyuanVideo15Config(preset="tiny"), (4, 2, 16, 16), 4),
@@ -126,7 +128,8 @@ def make_batch(model, latent_shape, batch_size: int) -> dict:
     the model's cond from its spec (normal embeddings, all-ones masks)."""
     g = torch.Generator().manual_seed(0)
     video = latent_shape["video"] if isinstance(latent_shape, dict) else latent_shape
-    sizes = {"L": TEXT_LEN, "T": video[1], "H": video[2], "W": video[3], "N": 4}
+    sizes = {"L": TEXT_LEN, "T": video[1], "H": video[2], "W": video[3], "N": 4,
+             "F": model.latents.vae_stride[0] * (video[1] - 1) + 1}  # video frames: actions come one a frame
     shapes = {name: (batch_size, *(sizes.get(s, s) for s in shape)) for name, shape in model.cond.items()}
     cond = {name: torch.ones(shape) if "mask" in name else torch.randn(shape, generator=g)
             for name, shape in shapes.items()}

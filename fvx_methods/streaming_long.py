@@ -143,6 +143,29 @@ def anchored(frames: torch.Tensor, chunk: int, inject_k: int, codec: Any, latent
         return torch.cat([head.to(frames.dtype), window[:, :, k:]], dim=2)
 
 
+def windowed(stream: Batch, model: Model, start: int, full: torch.Tensor, reanchored: bool,
+             codec: Callable[[], Any]) -> Batch:
+    """The stream as the teacher and critic score its chunk ``full`` (absolute latent frames ``[start, start + P)``):
+    the window's cond (``Model.window_cond``: its actions; for a re-anchored chunk, the image condition of its first
+    frame, as FastVideo's long tuning re-anchors a world model on each window), or the stream's own cond when the
+    model's does not depend on the frames."""
+    if model.window_cond is None:
+        return stream
+    given = first_frame_condition(full, codec(), model.latents) if reanchored else None
+    return {**stream, "cond": model.window_cond(stream["cond"], start, full.shape[2], given)}
+
+
+def first_frame_condition(full: torch.Tensor, codec: Any, latents: Any) -> torch.Tensor:
+    """An image-to-video model's condition latents ``[B, C, P, H, W]`` for a clip starting at ``full``'s first frame:
+    that frame decoded, followed by mid-grey frames, encoded and normalised (how the data's first-frame latents are
+    made)."""
+    with torch.no_grad():
+        frame = codec.decode(latents.denormalize(full[:, :, :1]))[:, :, -1:]  # [B, 3, 1, H, W] in [0, 1]
+        grey = torch.full_like(frame, 0.5).expand(-1, -1, latents.vae_stride[0] * (full.shape[2] - 1), -1, -1)
+        encoded = codec.encode(torch.cat([frame, grey], dim=2)).float()
+    return latents.normalize(encoded).to(full.dtype)
+
+
 # -------------------------------------------------------------------------------------------------- the carry
 
 
@@ -254,7 +277,7 @@ def step_(state: TrainState, batch: Batch, *, roles: dm.Roles, config: Streaming
     index = schedule.select(stages, int(state.step) + 1)
     stage = stages[index]
     if not stage.streaming:
-        short = cut(batch, stage.num_latent_t, config)
+        short = cut(batch, stage.num_latent_t, config, roles.teacher)
         state, metrics = sf.step_(state._replace(carry=ended(state.carry)), short, roles=roles, config=config,
                                   frozen=frozen, negative=negative, before=before)
         return state, {**metrics, "distill_stage_index": torch.tensor(float(index)),
@@ -283,6 +306,8 @@ def stream_step_(state: TrainState, batch: Batch, stage_index: int, stage: sched
                                   model=roles.student, config=config)
     full, mask = with_overlap(carry[ROWS]["previous"][:, :, :kept], rolled.x0, overlap, stage_chunk(stage, config),
                               config, codec, roles.student.latents)
+    scored = windowed(stream, roles.teacher, length + new - full.shape[2], full,
+                      overlap > 0 and config.streaming_reencode_overlap_anchor, codec)
     updates = dm.update_student(s, config.generator_update_interval)
     metrics: Metrics = {"update_student": torch.tensor(float(updates)),
                         "distill_stage_index": torch.tensor(float(stage_index)),
@@ -293,7 +318,7 @@ def stream_step_(state: TrainState, batch: Batch, stage_index: int, stage: sched
     checked = []
     if updates:
         with torch.no_grad():
-            loss, normalizer, d_full = masked_dmd(full, mask, critic_params, teacher, stream, score_key, roles=roles,
+            loss, normalizer, d_full = masked_dmd(full, mask, critic_params, teacher, scored, score_key, roles=roles,
                                                   score=config.score(), negative=negative)
         grads = sf.exit_grads(student.params, student_base, rolled, stream, d_full[:, :, full.shape[2] - new:],
                               model=roles.student, config=config, cache=cache, always_noise=True)
@@ -301,7 +326,7 @@ def stream_step_(state: TrainState, batch: Batch, stage_index: int, stage: sched
         metrics.update(generator_loss=ranks.mean(loss), dmd_normalizer=ranks.mean(normalizer.mean()),
                        **role.metrics(student_measured, STUDENT))
         checked += [metrics["generator_loss"], student_measured.norm]
-    chunk = {**stream, "x0": full, "mask": mask}
+    chunk = {**scored, "x0": full, "mask": mask}
     (loss, _), grads = role.grads(masked_critic_loss, critic_base, critic.params, chunk, 1, critic_key,
                                   critic=roles.critic, score=config.score())
     critic_measured = role.measure(roles.critic_opt, critic, grads)
@@ -314,9 +339,12 @@ def stream_step_(state: TrainState, batch: Batch, stage_index: int, stage: sched
     return state._replace(carry=advanced(carry, full, new, after)), metrics
 
 
-def cut(batch: Batch, frames: int, config: StreamingLong) -> Batch:
+def cut(batch: Batch, frames: int, config: StreamingLong, model: Model) -> Batch:
     """``batch`` whose samples are ``frames`` latent frames long (a non-streaming stage's horizon): its latents cut,
-    or a stand-in of that shape for text-only data (the rollout reads only their shape)."""
+    or a stand-in of that shape for text-only data (the rollout reads only their shape), and its cond the window's
+    (``Model.window_cond``: per-frame inputs such as actions cut too)."""
+    if model.window_cond is not None:
+        batch = {**batch, "cond": model.window_cond(batch["cond"], 0, frames, None)}
     if "latents" in batch:
         return {**batch, "latents": batch["latents"][:, :, :frames]}
     c, _, h, w = dm.sample_shape(batch, config)

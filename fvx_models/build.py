@@ -139,13 +139,24 @@ def sequence_parallel(config: ModelConfig, module: nn.Module, group: Any) -> Non
 
 
 def unit_groups(family: Family, module: nn.Module) -> dict[str, tuple[str, ...]]:
-    """Group name -> the unit prefixes of its ModuleLists (``"blocks.0."``, ...)."""
+    """Group name -> the unit prefixes of its ModuleLists (``"blocks.0."``, ...). A group whose units differ (Matrix-
+    Game's blocks with and without an action module) splits by structure into ``name`` (the first unit's) and
+    ``name[k]`` (:func:`family_group` maps them back to ``name``): a compiled unit function serves units of one
+    structure."""
     groups = {}
     for name, paths in family.unit_groups.items():
         units = tuple(f"{path}.{i}." for path in paths for i in range(len(module.get_submodule(path))))
-        if units:
-            groups[name] = units
+        kinds: dict[tuple, list[str]] = {}
+        for unit in units:
+            kinds.setdefault(fvx_compile.structure(module.get_submodule(unit[:-1])), []).append(unit)
+        for k, members in enumerate(kinds.values()):
+            groups[name if k == 0 else f"{name}[{k}]"] = tuple(members)
     return groups
+
+
+def family_group(group: str) -> str:
+    """The family's group of a unit group (``"blocks[1]"`` -> ``"blocks"``)."""
+    return group.split("[", 1)[0]
 
 
 def fp32_kept(module: nn.Module) -> frozenset[str]:
@@ -448,8 +459,10 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
     def memory_spec() -> memory.ModelSpec:
         root_dim, widths = family.widths(config)
         activations = {**family.activations, **preset.options.get("activations", {})}
-        unit_specs = tuple(memory.UnitGroup(name, len(units), *widths[name], activations[name],
-                                            text_tokens=name in family.text_groups) for name, units in groups.items())
+        unit_specs = tuple(memory.UnitGroup(name, len(units), *widths[family_group(name)],
+                                            activations[family_group(name)],
+                                            text_tokens=family_group(name) in family.text_groups)
+                           for name, units in groups.items())
         return memory.ModelSpec(shapes=shapes, units=tuple(u for units in groups.values() for u in units),
                                 groups=unit_specs, dim=root_dim, text_len=preset.text_len,
                                 vae_stride=preset.latents.vae_stride, patch=_patch(config),
@@ -494,6 +507,7 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
         sigma_sampler=None if family.sigma_sampler is None else functools.partial(family.sigma_sampler, config),
         step_ranges=family.step_ranges(config),
         one_sample=family.one_sample,
+        window_cond=None if family.window_cond is None else functools.partial(family.window_cond, config),
         joint_sigmas=None if len(modalities) == 1 else functools.partial(_joint_sigmas, config, modalities),
         attention_step=runtime.step,
         dense_apply=functools.partial(bound_apply, dense=True) if config.attention == "vsa" else None,

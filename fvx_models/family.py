@@ -10,7 +10,8 @@ diffusers folder I/O are generic (``fvx_models.build``, ``fvx_models.diffusers_f
 Init. :func:`init_params` draws every param from ``fold_in(key, crc32(name))`` (so a param's values do not depend
 on what else the model holds) by PyTorch's default rules: Linear/Conv weights and biases ~ U(-1/sqrt(fan_in),
 1/sqrt(fan_in)), Embedding ~ N(0, 1), norm weights one and biases zero; a family adds rules for its own parameters
-(Wan's ``scale_shift_table``) by local name.
+by local name (Wan's ``scale_shift_table``) or by the end of their name (``proj_keyboard.weight``: Matrix-Game's
+action projections start at zero).
 """
 from __future__ import annotations
 
@@ -148,6 +149,11 @@ class Family:
     joint_sigmas(config, levels) -> {modality: levels}   the level each modality of a joint model is at when the
                                          shared clock is at ``levels`` (MiniMax-H3's per-modality shifts): how
                                          validation samples it; None: every modality at the shared levels
+    window_cond(config, cond, start, frames, given) -> cond   the cond of latent frames ``[start, start + frames)``
+                                         of a longer clip scored as a clip of its own (a streaming stage's chunk):
+                                         per-frame inputs cut to the window, the given first frame ``given``
+                                         (condition latents ``[B, C, frames, H, W]``, or None: the clip's own);
+                                         None: the cond does not depend on the frames (text)
     """
 
     name: str
@@ -193,6 +199,7 @@ class Family:
     step_ranges: Callable[[Any], tuple] = lambda config: ()
     joint_sigmas: Callable[[Any, torch.Tensor], dict[str, torch.Tensor]] | None = None
     one_sample: str | None = None
+    window_cond: Callable[[Any, Any, int, int, torch.Tensor | None], dict[str, torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
         layouts.check(self.layout, f"family {self.name}")
@@ -280,7 +287,8 @@ def init_params(module: nn.Module, key: torch.Tensor, rules: Mapping[str, InitRu
     for module_name, owner in module.named_modules():
         for local_name, param in owner.named_parameters(recurse=False):
             name = f"{module_name}.{local_name}" if module_name else local_name
-            rule = rules.get(local_name) or _default_rule(owner, local_name)
+            rule = (next((r for key, r in rules.items() if "." in key and name.endswith("." + key)), None)
+                    or rules.get(local_name) or _default_rule(owner, local_name))
             if rule is None:
                 raise ValueError(f"{who} init: no rule for parameter {name!r} of a {type(owner).__name__}")
             params[name] = rule(random.fold_in(key, zlib.crc32(name.encode())), tuple(param.shape))

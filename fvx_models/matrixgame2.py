@@ -29,8 +29,7 @@ from diffusers import WanTransformer3DModel
 from diffusers.configuration_utils import register_to_config
 from torch import nn
 
-from fvx.config import Config
-from fvx_models import matrixgame2_actions as actions, wan, wan_i2v
+from fvx_models import diffusers_folder as dfolder, matrixgame2_actions as actions, wan, wan_i2v
 from fvx_models.build import ModelConfig
 from fvx_models.family import Family, Preset, require, skeleton_of
 
@@ -207,7 +206,7 @@ RELEASED_ACTIONS = actions.ActionConfig()  # FastVideo's MatrixGame2WanVideoArch
 TINY_ACTIONS = actions.ActionConfig(blocks=(1,), hidden_size=8, keyboard_hidden_dim=32, mouse_hidden_dim=32, heads=2,
                                     rope_dims=(4, 6, 6))
 WORLD_ACTIONS = actions.ActionConfig(blocks=(0, 1, 2), hidden_size=16, keyboard_hidden_dim=64, mouse_hidden_dim=64,
-                                     heads=4, rope_dims=(8, 4, 4), windows_size=2, time_compression=1)
+                                     heads=4, rope_dims=(8, 4, 4), windows_size=1, time_compression=1)
 PRESETS = {
     # the tiny Wan in Matrix-Game's layout: [x | 4-channel mask | first frame] in, a 16-wide image embedding
     "tiny": _preset({**wan.TINY, "in_channels": 36, "image_dim": 16}, TINY_ACTIONS, wan.TINY_VAE, 5.0),
@@ -245,15 +244,17 @@ def cond_spec(config: ModelConfig) -> dict[str, tuple]:
 
 
 def cond_from_batch(config: ModelConfig, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """The image condition and the actions of a ``data.kind='matrixgame2'`` batch, the actions checked against the
-    latents' frames when the batch has latents."""
+    """The image condition and the actions of a ``data.kind='matrixgame2'`` batch; with latents, the actions of the
+    clip's video frames (longer stored actions cut, shorter ones refused)."""
     cond = wan_i2v.cond_from_batch(config, batch)
     names = tuple(cond_spec(config))[len(cond):]
     require(batch, names, config.family.name, "the actions per video frame: parquet columns keyboard_cond and "
             "mouse_cond of data.kind='matrixgame2' data")
     cond.update({name: batch[name] for name in names})
-    if "latents" in batch:
-        check_actions(config, cond, batch["latents"].shape[2], "the batch")
+    if "latents" in batch:  # the clip's video frames, as FastVideo keeps the first (T - 1) r + 1 rows
+        frames = batch["latents"].shape[2]
+        check_actions(config, cond, frames, "the batch", at_least=True)
+        cond.update({name: cond[name][:, :action_config(config).video_frames(frames)] for name in names})
     return cond
 
 
@@ -283,9 +284,32 @@ def inputs(config: ModelConfig, x_t: torch.Tensor, t: torch.Tensor, cond: Mappin
             "mouse": cond.get("mouse"), "return_dict": False}
 
 
+def window_cond(config: ModelConfig, cond: Mapping[str, torch.Tensor], start: int, frames: int,
+                given: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The cond of latent frames ``[start, start + frames)`` of a longer clip scored as a clip (a streaming chunk,
+    as FastVideo's long tuning scores it): the actions of its video frames ``[r start, r (start + frames - 1)]``, the
+    given first frame's condition latents, or the clip's own first frame when None."""
+    r = action_config(config).time_compression
+    out = dict(cond)
+    for name in ACTION_COND:
+        if name in cond:
+            if cond[name].shape[1] < r * (start + frames - 1) + 1:
+                raise ValueError(f"{config.family.name}: the {name} actions ({cond[name].shape[1]} video frames) end "
+                                 f"before latent frame {start + frames - 1} of the window")
+            out[name] = cond[name][:, r * start:r * (start + frames - 1) + 1]
+    out["first_frame_latents"] = cond["first_frame_latents"][:, :, :frames] if given is None else given
+    return out
+
+
 def zero_cond(cond: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The "zero" unconditional: no actions (zero keys and mouse), the image kept (guidance is on the actions)."""
     return {name: torch.zeros_like(t) if name in ACTION_COND else t for name, t in cond.items()}
+
+
+# a fresh action module starts as the identity: its output projections at zero (FastVideo's CausalMatrixGame2WanModel
+# .init_weights), so a model drawn from keys, or an action module added to a Wan, is the image-to-video model at first
+ZERO_PROJECTIONS = {f"action_model.{name}.{part}": (lambda key, shape: torch.zeros(shape))
+                    for name in ("proj_mouse", "proj_keyboard") for part in ("weight", "bias")}
 
 
 def skeleton(config: ModelConfig) -> nn.Module:
@@ -297,10 +321,16 @@ def widths(config: ModelConfig) -> tuple[int, dict[str, tuple[int, int]]]:
 
 
 def pipeline_files(config: ModelConfig, folder: Any) -> None:
-    """diffusers' scheduler beside the exported ``transformer/`` (FastVideo's Matrix-Game pipeline reads its own
-    pipeline config; the VAE and image encoder are the base model's: copy them)."""
+    """FastVideo's Matrix-Game pipeline files beside the exported ``transformer/``: ``model_index.json`` (its
+    ``MatrixGame2I2VPipeline``; diffusers has none) and ``scheduler/`` (the preset's flow shift). The VAE and CLIP
+    image encoder it names are the base model's: copy them from it."""
     from diffusers import FlowMatchEulerDiscreteScheduler
     FlowMatchEulerDiscreteScheduler(shift=config.spec.options["flow_shift"]).save_config(folder / "scheduler")
+    components = {"scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
+                  "transformer": ("diffusers", type(config.family.skeleton(config)).__name__),
+                  "vae": ("diffusers", "AutoencoderKLWan"), "image_encoder": ("transformers", "CLIPVisionModel"),
+                  "image_processor": ("transformers", "CLIPImageProcessor")}
+    dfolder.write_model_index(folder, "MatrixGame2I2VPipeline", components)
 
 
 MATRIXGAME2 = Family(
@@ -317,7 +347,8 @@ MATRIXGAME2 = Family(
     inputs=inputs,
     image_cond=wan_i2v.IMAGE_COND,
     zero_cond=zero_cond,
-    init_rules={"scale_shift_table": wan.scale_shift_init},
+    window_cond=window_cond,
+    init_rules={"scale_shift_table": wan.scale_shift_init, **ZERO_PROJECTIONS},
     pipeline_files=pipeline_files,
     self_attention=("blocks.*.attn1",),
     linear_qat=wan.NVFP4_LINEARS,

@@ -196,6 +196,10 @@ class Model:
     joint_sigmas(levels) -> {modality: levels}   a joint model's per-modality levels ``[K]`` at the shared clock's
                                     ``levels`` ``[K]``, what its samplers step along (``flow.euler_sample``)
     one_sample                      why ``apply`` takes one sample at a time (MiniMax-H3), or None
+    window_cond(cond, start, frames, given) -> cond   the cond of latent frames ``[start, start + frames)`` of a
+                                    longer clip scored as a clip of its own, on the given first frame ``given``
+                                    (condition latents, or None: the clip's own); None: the cond is the same for any
+                                    window (``Family.window_cond``)
     """
 
     name: str
@@ -229,6 +233,7 @@ class Model:
     step_ranges: tuple[StepRange, ...] = ()
     joint_sigmas: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None
     one_sample: str | None = None
+    window_cond: Callable[[Cond, int, int, torch.Tensor | None], dict[str, torch.Tensor]] | None = None
     attention_step: Callable[[int], ContextManager] = lambda step: contextlib.nullcontext()
     dense_apply: Callable[..., torch.Tensor] | None = None
     forward_ad_refusal: str | None = None

@@ -126,6 +126,9 @@ SOURCES: dict[str, Draw] = {
     "finetune_wan22_ti2v.py:fastwan22_ti2v_5b_fullattn_lora_vsa": WAN,  # fast_ti2v_fullattn_lora_vsa.yaml
     "finetune_wan_lora.py:turbowan21_t2v_1p3b_lora_sla": WAN,  # turbo_t2v_lora_sla.yaml
     "finetune_wan_lora.py:world_lora_sla": WAN,  # turbo_t2v_lora_sla.yaml on the toy world
+    # MatrixGame2Model is FastVideo's Wan plugin: its flow_shift 3 (fastvideo/train/models/wan/wan.py:69,94)
+    "worldmodel_matrixgame2.py:zelda_finetune_i2v": WAN,  # scenario/worldmodel/zelda/finetune_i2v.yaml
+    "worldmodel_matrixgame2.py:solaris_finetune_i2v": WAN,  # scenario/worldmodel/solaris/finetune_i2v.yaml
 }
 """Each fine-tuning recipe's source formula: FastVideo's plugin or legacy pipeline, or the model trainer it names."""
 

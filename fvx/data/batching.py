@@ -36,10 +36,13 @@ class Dataset(Protocol):
 
 
 def collate(samples: list[dict], indices: list[int], *, text_len: int, cfg_rate: float,
-             dropout_key: torch.Tensor, num_latent_t: int | None = None, text_2_len: int | None = None
-             ) -> dict[str, Any]:
+             dropout_key: torch.Tensor, num_latent_t: int | None = None, text_2_len: int | None = None,
+             action_stride: int | None = None) -> dict[str, Any]:
     """Stack samples (dicts of float32 arrays: latents [C,T,H,W], text [L,D]) into a batch; pad/crop text to
-    ``text_len`` with its mask; zero the text of CFG-dropped samples (the mask is kept, as FastVideo)."""
+    ``text_len`` with its mask; zero the text of CFG-dropped samples (the mask is kept, as FastVideo). Samples without
+    text (kind matrixgame2) get no ``text``/``text_mask`` and are never CFG-dropped; their actions ``keyboard``/
+    ``mouse`` [F, K] are stacked as stored, with ``action_stride`` (the VAE's time stride ``r``) checked to cover the
+    kept latent frames: ``F >= (T - 1) r + 1``."""
     batch: dict[str, Any] = {}
     for key in ("latents", "first_frame_latents"):
         if samples and key in samples[0]:
@@ -71,6 +74,18 @@ def collate(samples: list[dict], indices: list[int], *, text_len: int, cfg_rate:
     if having:
         _check_same(samples, "image_embeds", lambda a: a.shape, "shape")
         batch["image_embeds"] = torch.from_numpy(np.stack([s["image_embeds"] for s in samples]))
+    batch.update(_actions(samples, batch, action_stride))
+    texts = [s for s in samples if "text" in s]
+    if len(texts) != len(samples):
+        if texts:
+            lacking = next(s for s in samples if "text" not in s)
+            raise DataError(f"{lacking['where']} has no text embedding but {texts[0]['where']} has: the data mixes "
+                             "kinds")
+        batch.update(cfg_dropped=torch.zeros(len(samples), dtype=torch.bool),
+                     index=torch.tensor(indices, dtype=torch.int64))
+        if samples and "caption" in samples[0]:
+            batch["caption"] = [s["caption"] for s in samples]
+        return batch
     _check_same(samples, "text", lambda a: a.shape[1:], "embedding width")
     for sample in samples:
         if sample["text"].ndim != 2:
@@ -92,6 +107,33 @@ def collate(samples: list[dict], indices: list[int], *, text_len: int, cfg_rate:
     if samples and "caption" in samples[0]:
         batch["caption"] = [s["caption"] for s in samples]
     return batch
+
+
+ACTION_COLUMNS = {"keyboard": "keyboard_cond", "mouse": "mouse_cond"}  # batch key -> FastVideo's column
+
+
+def _actions(samples: list[dict], batch: dict[str, Any], stride: int | None) -> dict[str, torch.Tensor]:
+    """``keyboard``/``mouse`` [B, F, K] float32 of samples that have them (all or none, one shape), each checked,
+    with ``stride``, to hold the ``(T - 1) stride + 1`` video frames of the batch's ``T`` latent frames."""
+    out = {}
+    frames = batch["latents"].shape[2] if "latents" in batch else None
+    for key, column in ACTION_COLUMNS.items():
+        having = [s for s in samples if key in s]
+        if not having:
+            continue
+        if len(having) != len(samples):
+            lacking = next(s for s in samples if key not in s)
+            raise DataError(f"{lacking['where']} has no {column} but {having[0]['where']} has: the data mixes "
+                             "action files with and without it")
+        if stride is not None and frames is not None:
+            need = (frames - 1) * stride + 1
+            for sample in samples:
+                if sample[key].shape[0] < need:
+                    raise DataError(f"{sample['where']}: {column} has {sample[key].shape[0]} rows (video frames), "
+                                     f"fewer than the {need} that {frames} latent frames take ((T - 1) x {stride} + 1)")
+        _check_same(samples, key, lambda a: a.shape, "shape (actions of one batch must have one length and width)")
+        out[key] = torch.from_numpy(np.stack([np.asarray(s[key], dtype=np.float32) for s in samples]))
+    return out
 
 
 def _second_text(samples: list[dict], dropped: list[bool], length: int) -> dict[str, torch.Tensor]:

@@ -5,20 +5,26 @@ parquet format is ``fvx.data.parquet``; ``fvx.data.preprocess`` writes it from v
 
 Batch dict (torch tensors except ``caption``)::
 
-    latents      [B, C, T, H, W] float32   (kinds "t2v" and "i2v"; from vae_latent)
-    first_frame_latents [B, C, T, H, W]    (kind "i2v": first_frame_latent, the VAE latents of the first frame
-                                            followed by zero frames, normalised: FastVideo stores them so)
-    image_embeds [B, N, D] float32         (kind "i2v" when the data has them: clip_feature, the CLIP image
-                                            encoder's hidden states; FastVideo writes empty bytes for a model without)
+    latents      [B, C, T, H, W] float32   (kinds "t2v", "i2v", "t2va", "matrixgame2"; from vae_latent)
+    first_frame_latents [B, C, T, H, W]    (kinds "i2v" and "matrixgame2": first_frame_latent, the VAE latents of the
+                                            first frame followed by zero frames, normalised: FastVideo stores them so)
+    image_embeds [B, N, D] float32         (kinds "i2v" and "matrixgame2" when the data has them: clip_feature, the
+                                            CLIP image encoder's hidden states; FastVideo writes empty bytes for a
+                                            model without)
+    keyboard     [B, F, K] float32         (kind "matrixgame2": keyboard_cond, one row of keys per video frame,
+                                            F = (T - 1) r + 1 for the VAE's time stride r, kept as stored; FastVideo's
+                                            universal order W, S, A, D)
+    mouse        [B, F, 2] float32         (kind "matrixgame2" when the data has it: mouse_cond, per video frame)
     audio_latents [B, 2, 32, A] float32    (kind "t2va": audio_latent, the stereo audio VAE's latents [C, F, A] as
                                             FastVideo's t2va preprocessing stores them; a stored leading 1 is
                                             dropped; every sample of a batch must have the same length A)
     audio_sample_rate [B] int64            (kind "t2va", when every file has the column: the waveform's rate, Hz)
-    text         [B, text_len, D] float32  (text_embedding, zero-padded or cropped; zeroed for CFG-dropped samples)
+    text         [B, text_len, D] float32  (not kind "matrixgame2", which has no text: text_embedding, zero-padded
+                                            or cropped; zeroed for CFG-dropped samples)
     text_mask    [B, text_len] float32     (1 = real token; not changed by CFG dropout)
     text_2, text_mask_2  [B, L2, D2], [B, L2]   (with data.text_2_len: text_embedding_2, a second text stream, fvx's
                                             column beside FastVideo's; empty for CFG-dropped samples)
-    cfg_dropped  [B] bool                  (whether CFG dropout blanked the sample's text)
+    cfg_dropped  [B] bool                  (whether CFG dropout blanked the sample's text; all False without text)
     index        [B] int64                 (dataset indices)
     caption      list[str]                 (when every file has a caption column)
     sample_index [B] int64                 (added by batch_at: global position in the run's sample stream)
@@ -37,6 +43,7 @@ from fvx.data.batching import Dataset, collate as collate_samples
 from fvx.data.parquet import Kind, ParquetDataset, check_indices, check_kind, find_parquet_files
 from fvx.data.preprocess import PreprocessConfig
 from fvx.data.toy_world import WorldConfig, WorldDataset, first_frame_only
+from fvx.data.toy_world_actions import ActionWorldDataset, random_actions
 from fvx.data.toy_world_files import JudgedByWorld
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
@@ -46,7 +53,10 @@ class SyntheticConfig(Config):
     """A synthetic dataset: ``num_samples`` standard-normal latents [C, T, H, W] and texts [text_len, text_dim]; for
     kind "i2v" the first-frame latents are the latents' first frame followed by zeros (as stored: the condition of a
     model whose latents have no statistics to normalise by), and ``image_embeds`` (tokens, width) adds normal image
-    embeddings; kind "t2va" needs ``audio_shape`` (C, F, A), e.g. (2, 32, 8): normal audio latents."""
+    embeddings; kind "t2va" needs ``audio_shape`` (C, F, A), e.g. (2, 32, 8): normal audio latents. Kind
+    "matrixgame2" makes I2V tensors (``image_embeds`` default (4, 16), the tiny presets' width) and actions per video
+    frame: ``keyboard`` one-hot ``[F, 4]`` and ``mouse`` normal x 0.1 ``[F, 2]``, ``F = (T - 1) r + 1`` with ``r``
+    ``data.vae_time_stride`` (default 4, Wan's VAE)."""
 
     num_samples: PositiveInt = 64
     latent_shape: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt] = (16, 1, 8, 8)
@@ -73,7 +83,10 @@ class DataConfig(Config):
     ByT5 glyph text) padded or cropped to this length as ``text_2``/``text_mask_2`` (None: not read; a CFG-dropped
     sample's is empty). ``batch_by_shape``: batch each latent shape apart (parquet data preprocessed with
     ``preprocess.buckets``, or images beside videos), so a batch never mixes shapes; off, a batch of mixed shapes is an
-    error naming the samples.
+    error naming the samples. Kind "matrixgame2" (Matrix-Game 2.0: first frame, image embedding, keyboard and mouse
+    actions per video frame, no text, so no CFG dropout): ``vae_time_stride`` (the VAE's video frames per latent
+    frame, 4 for Wan; the toy world's is 1) checks that every sample's actions cover its latents
+    (``(T - 1) r + 1`` rows); None checks only at least ``T`` rows.
     ``prefetch``: batches computed ahead in a background thread (0 = synchronous).
     """
 
@@ -85,10 +98,16 @@ class DataConfig(Config):
     num_latent_t: PositiveInt | None = None
     text_2_len: PositiveInt | None = None
     batch_by_shape: bool = False
+    vae_time_stride: PositiveInt | None = None
     prefetch: Annotated[int, msgspec.Meta(ge=0)] = 2
     synthetic: SyntheticConfig = SyntheticConfig()
     world: WorldConfig | None = None
     preprocess: PreprocessConfig = PreprocessConfig()
+
+    def __post_init__(self) -> None:
+        if self.kind == "matrixgame2" and self.cfg_rate > 0:
+            raise ValueError(f"data.cfg_rate={self.cfg_rate}: data.kind='matrixgame2' has no text to drop (FastVideo's "
+                             "Matrix-Game recipes use training_cfg_rate 0); set data.cfg_rate=0")
 
 
 # ----------------------------------------------------------------------------------------------------------- datasets
@@ -102,25 +121,37 @@ def open_dataset(config: DataConfig, key: torch.Tensor) -> Dataset:
     """
     config = validate(config)
     samples_key, dropout_key = random.split(key, 2)
+    stride = config.vae_time_stride
+    if stride is None and config.kind == "matrixgame2":  # the toy codec's 1; synthetic data's Wan 4; files unknown
+        stride = 1 if config.world is not None else (4 if config.path is None else None)
     collate = functools.partial(collate_samples, text_len=config.text_len, cfg_rate=config.cfg_rate,
-                                dropout_key=dropout_key, num_latent_t=config.num_latent_t, text_2_len=config.text_2_len)
+                                dropout_key=dropout_key, num_latent_t=config.num_latent_t, text_2_len=config.text_2_len,
+                                action_stride=stride)
     if config.path is None and config.world is not None:
-        return WorldDataset(config.world, samples_key, kind=config.kind, collate=collate)
+        return world_dataset(config.world, samples_key, kind=config.kind, collate=collate)
     if config.path is None:
-        return SyntheticDataset(config.synthetic, samples_key, kind=config.kind, collate=collate)
+        return SyntheticDataset(config.synthetic, samples_key, kind=config.kind, collate=collate, time_stride=stride)
     files = ParquetDataset(find_parquet_files(config.path), kind=config.kind, collate=collate,
                            second_text=config.text_2_len is not None, by_shape=config.batch_by_shape)
     if config.world is not None:  # files of the toy world (``write-videos`` -> ``preprocess``): the world judges
-        return JudgedByWorld(files, WorldDataset(config.world, samples_key, kind=config.kind, collate=collate))
+        return JudgedByWorld(files, world_dataset(config.world, samples_key, kind=config.kind, collate=collate))
     return files
+
+
+def world_dataset(config: WorldConfig, key: torch.Tensor, *, kind: Kind, collate: Callable[..., dict]) -> WorldDataset:
+    """The toy world of data ``kind``: with actions (:mod:`fvx.data.toy_world_actions`) for kind "matrixgame2"."""
+    world = ActionWorldDataset if kind == "matrixgame2" else WorldDataset
+    return world(config, key, kind=kind, collate=collate)
 
 
 
 class SyntheticDataset:
     """Sample i is a function of (key, i) alone: latents and text are normal draws from split(fold_in(key, i))."""
 
-    def __init__(self, config: SyntheticConfig, key: torch.Tensor, *, kind: Kind, collate: Callable[..., dict]):
+    def __init__(self, config: SyntheticConfig, key: torch.Tensor, *, kind: Kind, collate: Callable[..., dict],
+                 time_stride: int | None = None):
         check_kind(kind)
+        self.time_stride = time_stride or 4
         if kind == "t2va" and config.audio_shape is None:
             raise ValueError("data.synthetic.audio_shape must be set, e.g. [2, 32, 8], for data.kind='t2va' "
                              "(synthetic audio latents [C, F, A])")
@@ -130,18 +161,23 @@ class SyntheticDataset:
         return self.config.num_samples
 
     def sample(self, index: int) -> dict[str, Any]:
-        """Sample ``index`` uncollated: latents [C, T, H, W] (not text_only), text [text_len, text_dim], the I2V
-        tensors (i2v) and audio latents ``audio_shape`` (t2va), float32."""
+        """Sample ``index`` uncollated: latents [C, T, H, W] (not text_only), text [text_len, text_dim] (not
+        matrixgame2), the I2V tensors (i2v, matrixgame2), the actions (matrixgame2) and audio latents ``audio_shape``
+        (t2va), float32."""
         latents_key, text_key = random.split(random.fold_in(self.key, index), 2)
-        sample = {"text": random.normal(text_key, (self.config.text_len, self.config.text_dim)).numpy(),
-                  "caption": f"synthetic sample {index}", "where": self.where(index)}
+        sample = {"caption": f"synthetic sample {index}", "where": self.where(index)}
+        if self.kind != "matrixgame2":
+            sample["text"] = random.normal(text_key, (self.config.text_len, self.config.text_dim)).numpy()
         if self.kind != "text_only":
             sample["latents"] = random.normal(latents_key, self.config.latent_shape).numpy()
-        if self.kind == "i2v":
+        if self.kind in ("i2v", "matrixgame2"):
             sample["first_frame_latents"] = first_frame_only(sample["latents"])
-            if self.config.image_embeds is not None:
-                image_key = random.fold_in(latents_key, 1)
-                sample["image_embeds"] = random.normal(image_key, self.config.image_embeds).numpy()
+            shape = self.config.image_embeds or ((4, 16) if self.kind == "matrixgame2" else None)
+            if shape is not None:
+                sample["image_embeds"] = random.normal(random.fold_in(latents_key, 1), shape).numpy()
+        if self.kind == "matrixgame2":
+            frames = (self.config.latent_shape[1] - 1) * self.time_stride + 1
+            sample.update(random_actions(random.fold_in(latents_key, 3), frames))
         if self.kind == "t2va":
             sample["audio_latents"] = random.normal(random.fold_in(latents_key, 2), self.config.audio_shape).numpy()
         return sample

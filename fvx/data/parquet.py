@@ -1,10 +1,14 @@
 """FastVideo's preprocessed parquet, read and written: its schemas, a lazily read dataset of its files, and a writer.
 
-Layout (FastVideo's ``pyarrow_schema_t2v`` / ``_text_only`` / ``_i2v`` / ``_t2va``): one row per sample; each tensor is
-three columns ``<name>_bytes`` (raw float32 bytes), ``<name>_shape`` (list<int64>) and ``<name>_dtype`` (string). As
-FastVideo's collation does, the bytes are decoded as float32 whatever ``_dtype`` says; the dtype only appears in errors.
+Layout (FastVideo's ``pyarrow_schema_t2v`` / ``_text_only`` / ``_i2v`` / ``_t2va`` / ``_matrixgame2``): one row per
+sample; each tensor is three columns ``<name>_bytes`` (raw float32 bytes), ``<name>_shape`` (list<int64>) and
+``<name>_dtype`` (string). As FastVideo's collation does, the bytes are decoded as float32 whatever ``_dtype`` says; the
+dtype only appears in errors.
 A sample read here is a dict of float32 arrays keyed as batches name them (``fvx.data.datasets``' module docstring):
-``latents``, ``text``, and per kind ``first_frame_latents``, ``image_embeds``, ``audio_latents``.
+``latents``, ``text``, and per kind ``first_frame_latents``, ``image_embeds``, ``audio_latents``, ``keyboard``,
+``mouse``. Kind "matrixgame2" (Matrix-Game 2.0's action data) has no text: its actions ``keyboard_cond`` ``[F, K]`` and
+``mouse_cond`` ``[F, 2]`` hold one row per video frame of the clip (``F = (T - 1) r + 1`` for ``T`` latent frames and
+the VAE's time stride ``r``; longer is kept as stored, the model slices).
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-Kind = Literal["t2v", "text_only", "i2v", "t2va"]
+Kind = Literal["t2v", "text_only", "i2v", "t2va", "matrixgame2"]
 
 # Tensor columns per kind: (parquet tensor name, batch key). Metadata columns follow FastVideo's schemas.
 _TENSORS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -29,21 +33,31 @@ _TENSORS: dict[str, tuple[tuple[str, str], ...]] = {
     "text_only": (("text_embedding", "text"),),
     "i2v": (("vae_latent", "latents"), ("text_embedding", "text"), ("first_frame_latent", "first_frame_latents")),
     "t2va": (("vae_latent", "latents"), ("audio_latent", "audio_latents"), ("text_embedding", "text")),
+    "matrixgame2": (("vae_latent", "latents"), ("first_frame_latent", "first_frame_latents"),
+                    ("keyboard_cond", "keyboard")),
 }
 # Tensor columns a kind reads when every file has them and a sample's are not empty (FastVideo's I2V preprocessing
 # writes empty bytes for a model without an image encoder).
-_OPTIONAL_TENSORS: dict[str, tuple[tuple[str, str], ...]] = {"i2v": (("clip_feature", "image_embeds"),)}
+# Matrix-Game's preprocessing writes empty mouse_cond bytes for keyboard-only action files.
+_OPTIONAL_TENSORS: dict[str, tuple[tuple[str, str], ...]] = {
+    "i2v": (("clip_feature", "image_embeds"),),
+    "matrixgame2": (("clip_feature", "image_embeds"), ("mouse_cond", "mouse")),
+}
 # Tensor columns written, never read: the I2V validation image FastVideo stores (the first frame, uint8 [3, H, W])
-_WRITE_ONLY: dict[str, tuple[tuple[str, str], ...]] = {"i2v": (("pil_image", "pil_image"),)}
+_WRITE_ONLY: dict[str, tuple[tuple[str, str], ...]] = {"i2v": (("pil_image", "pil_image"),),
+                                                       "matrixgame2": (("pil_image", "pil_image"),)}
 _RANKS = {"latents": 4, "text": 2, "first_frame_latents": 4, "image_embeds": 2, "audio_latents": 3,
-          "pil_image": 3}  # stored dims
+          "pil_image": 3, "keyboard": 2, "mouse": 2}  # stored dims
+ACTIONS = (("keyboard_cond", "keyboard"), ("mouse_cond", "mouse"))  # kind matrixgame2's (column, batch key)
 # fvx's one column beyond FastVideo's schema: a family's second text stream (HunyuanVideo 1.5's ByT5 glyph text),
 # [L2, D2] real tokens, written after FastVideo's columns when the encoders make it and read when data.text_2_len is set
 SECOND_TEXT = ("text_embedding_2", "text_2")
 # The tensor columns of each kind in the order of FastVideo's schema (dataset/dataloader/schema.py)
 _ORDER = {"t2v": ("vae_latent", "text_embedding"), "text_only": ("text_embedding",),
           "i2v": ("vae_latent", "text_embedding", "clip_feature", "first_frame_latent", "pil_image"),
-          "t2va": ("vae_latent", "audio_latent", "text_embedding")}
+          "t2va": ("vae_latent", "audio_latent", "text_embedding"),
+          "matrixgame2": ("vae_latent", "clip_feature", "first_frame_latent", "mouse_cond", "keyboard_cond",
+                          "pil_image")}
 _METADATA: dict[str, tuple[tuple[str, pa.DataType], ...]] = {
     "t2v": (
         ("file_name", pa.string()), ("caption", pa.string()), ("media_type", pa.string()), ("width", pa.int64()),
@@ -51,13 +65,14 @@ _METADATA: dict[str, tuple[tuple[str, pa.DataType], ...]] = {
     ),
     "text_only": (("caption", pa.string()),),
 }
-_METADATA["i2v"] = _METADATA["t2v"]
+_METADATA["i2v"] = _METADATA["matrixgame2"] = _METADATA["t2v"]
 _METADATA["t2va"] = _METADATA["t2v"] + (("audio_sample_rate", pa.int64()),)
 
 
 def parquet_schema(kind: Kind, second_text: bool = False) -> pa.Schema:
-    """The arrow schema FastVideo writes for ``kind``: its ``pyarrow_schema_t2v``, ``_text_only``, ``_i2v`` or
-    ``_t2va``, column for column; ``second_text`` appends fvx's ``text_embedding_2`` triple (:data:`SECOND_TEXT`)."""
+    """The arrow schema FastVideo writes for ``kind``: its ``pyarrow_schema_t2v``, ``_text_only``, ``_i2v``,
+    ``_t2va`` or ``_matrixgame2``, column for column; ``second_text`` appends fvx's ``text_embedding_2`` triple
+    (:data:`SECOND_TEXT`)."""
     check_kind(kind)
     fields = [pa.field("id", pa.string())]
     for name in _ORDER[kind] + ((SECOND_TEXT[0],) if second_text else ()):
@@ -125,6 +140,7 @@ class ParquetDataset:
                           if all(f"{name}_bytes" in names for names in schemas)]
         self._cache: collections.OrderedDict[tuple[int, int], pa.Table] = collections.OrderedDict()
         self._shape_groups: list[list[int]] | None = None
+        self._action_widths: dict[int, dict[str, int | None]] = {}  # per file: its first row's action widths
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -179,9 +195,42 @@ class ParquetDataset:
         for name, key in self._optional:
             if table.column(f"{name}_shape")[row].as_py():  # empty when the preprocessing had no such encoder
                 sample[key] = _decode(table, name, row, where)
+        if self.kind == "matrixgame2":
+            self._check_actions(sample, file_number, where)
         if self.has_captions:
             sample["caption"] = table.column("caption")[row].as_py() or ""
         return {**sample, "where": where}
+
+    def _check_actions(self, sample: dict[str, Any], file_number: int, where: str) -> None:
+        """A DataError naming the sample and column unless its actions are ``[F, width]`` with at least one row per
+        latent frame and the width of its file's first row (the stride-exact length is the collation's check)."""
+        frames = sample["latents"].shape[1] if sample["latents"].ndim == 4 else 0
+        widths = self._first_widths(file_number)
+        for column, key in ACTIONS:
+            if key not in sample:
+                if widths.get(column) is not None:
+                    raise DataError(f"{where}: {column} is empty, but the file's first row has one")
+                continue
+            action = sample[key]
+            if action.ndim != 2:
+                raise DataError(f"{where}: {column} must be [F, K] (one row per video frame), got shape "
+                                f"{list(action.shape)}")
+            if action.shape[0] < frames:
+                raise DataError(f"{where}: {column} has {action.shape[0]} rows (video frames), fewer than the "
+                                f"{frames} latent frames of vae_latent {list(sample['latents'].shape)}")
+            if widths.get(column) is not None and action.shape[1] != widths[column]:
+                raise DataError(f"{where}: {column} is {list(action.shape)}, {action.shape[1]} wide, but the "
+                                f"file's first row's is {widths[column]} wide")
+
+    def _first_widths(self, file_number: int) -> dict[str, int | None]:
+        """The widths of the actions of file ``file_number``'s first row (None: it has none), read once."""
+        if file_number not in self._action_widths:
+            columns = [f"{column}_shape" for column, _ in ACTIONS]
+            first = _parquet_file(self.files[file_number]).read_row_group(0, columns=columns).slice(0, 1).to_pylist()
+            shapes = first[0] if first else {}
+            self._action_widths[file_number] = {
+                column: (shape[-1] if (shape := shapes.get(f"{column}_shape")) else None) for column, _ in ACTIONS}
+        return self._action_widths[file_number]
 
     def _row_group(self, file_number: int, group: int) -> pa.Table:
         """Row group ``group`` of file ``file_number`` (only the needed columns), through the LRU cache."""

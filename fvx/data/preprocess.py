@@ -2,7 +2,10 @@
 
 Inputs (:func:`find_inputs`): FastVideo's merged layout (``videos/`` beside ``videos2caption.json``, a list of
 ``{"path": ..., "cap": ...}``), or a folder of media files each beside a caption file of the same stem (``clip.mp4`` +
-``clip.txt``, musubi-tuner's and diffusion-pipe's convention; images are one-frame clips). Each clip is decoded
+``clip.txt``, musubi-tuner's and diffusion-pipe's convention; images are one-frame clips). Kind "matrixgame2" also
+reads each video's action file (:func:`read_action_file`: ``.npz`` of keyboard and mouse, or ``.npy`` of the keyboard):
+``"action_path"`` of its entry in the merged layout (from ``videos/``, as FastVideo joins it), else ``clip.npz`` or
+``clip.npy`` beside ``clip.mp4``. Each clip is decoded
 (``fvx.data.media``), encoded by the model's encoders (the family's ``Encoders`` record, or the toy world's) and written
 as rows of ``fvx.data.parquet``'s schema for the data kind.
 
@@ -29,6 +32,7 @@ import pathlib
 from typing import Annotated, Any, Callable, Protocol, Sequence
 
 import msgspec
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -78,11 +82,13 @@ class Encoder(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Input:
-    """One input: its media file, caption (None: missing) and name (its path from the input root)."""
+    """One input: its media file, caption (None: missing), name (its path from the input root) and action file (kind
+    matrixgame2; None: none found)."""
 
     path: pathlib.Path
     caption: str | None
     name: str
+    action: pathlib.Path | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +126,9 @@ def find_inputs(root: pathlib.Path) -> list[Input]:
     for path in found:
         text = path.with_suffix(".txt")
         caption = text.read_text(encoding="utf-8", errors="replace").strip() if text.is_file() else None
-        inputs.append(Input(path, caption, path.relative_to(root).as_posix()))
+        action = next((found for found in (path.with_suffix(".npz"), path.with_suffix(".npy")) if found.is_file()),
+                      None)
+        inputs.append(Input(path, caption, path.relative_to(root).as_posix(), action))
     return inputs
 
 
@@ -188,38 +196,125 @@ def _merged_layout(root: pathlib.Path, listing: pathlib.Path) -> list[Input]:
         cap = entry.get("cap")
         cap = cap[0] if isinstance(cap, list) and cap else cap
         caption = cap.strip() if isinstance(cap, str) else None
-        inputs.append(Input(root / "videos" / entry["path"], caption, entry["path"]))
+        action = entry.get("action_path")
+        inputs.append(Input(root / "videos" / entry["path"], caption, entry["path"],
+                            root / "videos" / action if isinstance(action, str) and action else None))
     return inputs
 
 
+# ----------------------------------------------------------------------------------------------------------- actions
+
+
+def read_action_file(path: pathlib.Path) -> dict[str, np.ndarray]:
+    """A Matrix-Game action file: an ``.npz`` of ``keyboard [N, K]`` and ``mouse [N, 2]`` (one row per video frame),
+    or an ``.npy`` of the keyboard array alone; float32 ``keyboard`` and, when given, ``mouse``. FastVideo's own
+    ``.npy`` of a pickled dict is refused with the command that converts it: fvx never unpickles. A ValueError naming
+    the file when it is missing, unreadable or not of that form."""
+    where = f"action file {str(path)!r}"
+    if not path.is_file():
+        raise ValueError(f"{where} does not exist")
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    if magic[:2] != b"PK" and magic != b"\x93NUMPY":
+        raise ValueError(f"{where} is not a readable .npy or .npz file")
+    try:
+        data = np.load(path, allow_pickle=False)
+    except ValueError as error:
+        if "allow_pickle" not in str(error):
+            raise ValueError(f"{where} is not a readable .npy or .npz file: {error}") from None
+        raise ValueError(f"{where} holds a pickled object (FastVideo's dict form), which fvx does not unpickle; if "
+                         "you trust it, load it once with numpy's allow_pickle and save its 'keyboard' and 'mouse' "
+                         f"arrays with np.savez as {str(path.with_suffix('.npz'))!r}") from None
+    except (OSError, EOFError) as error:
+        raise ValueError(f"{where} is not a readable .npy or .npz file: {error}") from None
+    found = {name: data[name] for name in data.files} if isinstance(data, np.lib.npyio.NpzFile) else {"keyboard": data}
+    if "keyboard" not in found:
+        raise ValueError(f"{where} holds a dict without 'keyboard' (keys {sorted(found)}); FastVideo's action files "
+                         "hold {'keyboard': [N, K], 'mouse': [N, 2]} or a keyboard array [N, K]")
+    actions = {}
+    for name in ("keyboard", "mouse"):
+        if name not in found:
+            continue
+        try:
+            array = np.asarray(found[name], dtype=np.float32)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: {name!r} is not numeric") from None
+        if array.ndim != 2 or array.shape[0] == 0 or (name == "mouse" and array.shape[1] != 2):
+            shape = "[N, 2]" if name == "mouse" else "[N, K]"
+            raise ValueError(f"{where}: {name!r} must be {shape} (one row per video frame), got shape "
+                             f"{list(array.shape)}")
+        actions[name] = array
+    return actions
+
+
+def check_action_files(job: Job, inputs: Sequence[Input]) -> None:
+    """Kind matrixgame2, before anything is written: a ValueError naming the file unless every video has an action
+    file (:func:`read_action_file`) whose keyboard is as wide as the first one's and whose rows reach every frame its
+    clip takes (a video that does not probe is left to be skipped)."""
+    width = None
+    for item in inputs:
+        if item.action is None:
+            stem = item.path.with_suffix("")
+            raise ValueError(f"video {str(item.path)!r} has no action file (kind 'matrixgame2' reads "
+                             f"'{stem.name}.npz' or '{stem.name}.npy' beside it, or its entry's \"action_path\")")
+        actions = read_action_file(item.action)
+        width = actions["keyboard"].shape[1] if width is None else width
+        if actions["keyboard"].shape[1] != width:
+            raise ValueError(f"action file {str(item.action)!r}: keyboard is {list(actions['keyboard'].shape)}, "
+                             f"{actions['keyboard'].shape[1]} keys wide, but the first action file's is {width} wide")
+        try:
+            indices = clip_indices(job, item)
+        except media.MediaError:
+            continue
+        for name, array in actions.items():
+            if indices and array.shape[0] <= indices[-1]:
+                raise ValueError(f"action file {str(item.action)!r}: {name} has {array.shape[0]} rows, but the clip "
+                                 f"of {item.name!r} takes video frames up to {indices[-1]} ({len(indices)} frames at "
+                                 f"data.preprocess.train_fps={job.config.train_fps}): one row per video frame")
+
+
 # ------------------------------------------------------------------------------------------------------------ clips
+
+
+def clip_indices(job: Job, item: Input) -> list[int]:
+    """The source frames of a video's clip (``media.frame_indices`` at the job's cut); a MediaError when it cannot be
+    cut."""
+    config = job.config
+    fps, duration = media.probe_video(item.path)
+    wanted = media.usable_frames(config.num_frames, job.frame_step, job.frame_base)
+    return media.frame_indices(fps, duration, num_frames=wanted, train_fps=config.train_fps,
+                               tolerance=config.video_length_tolerance_range).tolist()
 
 
 def cut(job: Job, item: Input) -> tuple[torch.Tensor, dict[str, Any]]:
     """The clip ``[3, T, H, W]`` in [-1, 1] of ``item`` and its metadata columns (FastVideo's: ``file_name`` and ``id``
     the input's path, the clip's size, the source fps, ``duration_sec`` the sampled frames over it); a MediaError with
     the reason when it cannot be used."""
-    if not item.caption:
+    clip, meta, _ = _cut(job, item)
+    return clip, meta
+
+
+def _cut(job: Job, item: Input) -> tuple[torch.Tensor, dict[str, Any], list[int]]:
+    """:func:`cut`, and the source frames the clip took (``[0]`` for an image)."""
+    if not item.caption and job.kind != "matrixgame2":  # Matrix-Game's data has no text
         raise media.MediaError("its caption is missing" if item.caption is None else "its caption is empty")
     if not item.path.is_file():
         raise media.MediaError("the file does not exist")
     config, image = job.config, media.is_image(item.path)
-    if image and job.kind in ("i2v", "t2va"):
+    if image and job.kind in ("i2v", "t2va", "matrixgame2"):
         raise media.MediaError(f"it is an image; kind {job.kind!r} needs videos")
     if image:
-        frames, fps = media.read_image(item.path), 0.0
+        frames, fps, indices = media.read_image(item.path), 0.0, [0]
     else:
         fps, duration = media.probe_video(item.path)
-        wanted = media.usable_frames(config.num_frames, job.frame_step, job.frame_base)
-        indices = media.frame_indices(fps, duration, num_frames=wanted, train_fps=config.train_fps,
-                                      tolerance=config.video_length_tolerance_range).tolist()
+        indices = clip_indices(job, item)
         frames = media.read_frames(item.path, indices)
     height, width = ((config.max_height, config.max_width) if not config.buckets
                      else media.nearest_bucket(*frames.shape[1:3], config.buckets))
     clip = media.resize_crop(frames, height, width)
-    meta = {"file_name": item.name, "caption": item.caption, "media_type": "image" if image else "video",
+    meta = {"file_name": item.name, "caption": item.caption or "", "media_type": "image" if image else "video",
             "width": width, "height": height, "duration_sec": clip.shape[1] / fps if fps else 0.0, "fps": fps}
-    return clip, meta
+    return clip, meta, indices
 
 
 TEXT_BATCH = 8  # captions a text encoder call takes: its activations stay small whatever samples_per_file is
@@ -236,7 +331,7 @@ def encode_part(job: Job, encoder: Encoder, items: Sequence[Input]) -> tuple[lis
                         else {"id": item.name, "caption": item.caption})
         except media.MediaError as error:
             skipped.append({"file": item.name, "reason": str(error)})
-    for start in range(0, len(rows), TEXT_BATCH):
+    for start in range(0, len(rows) if job.kind != "matrixgame2" else 0, TEXT_BATCH):  # matrixgame2: no text
         batch = rows[start:start + TEXT_BATCH]
         captions = [row["caption"] for row in batch]
         seconds = encoder.encode_text_2(captions)
@@ -249,18 +344,23 @@ def encode_part(job: Job, encoder: Encoder, items: Sequence[Input]) -> tuple[lis
 
 def encode_media(job: Job, encoder: Encoder, item: Input) -> dict[str, Any]:
     """One clip's row but its text: cut, encoded (its first frame, image features and sound per the kind)."""
-    clip, meta = cut(job, item)
+    clip, meta, indices = _cut(job, item)
     sound = None
     if job.kind == "t2va":  # from the clip's start (its first frame is the video's), as long as the clip
         sound = media.read_audio(item.path, job.audio_rate, 0.0, clip.shape[1] / job.config.train_fps)
     latents = encoder.encode_video(clip)
     row = {"id": item.name, **meta, "num_frames": latents.shape[1], "latents": latents}
-    if job.kind == "i2v":
+    if job.kind in ("i2v", "matrixgame2"):
         row["first_frame_latents"] = encoder.encode_first_frame(clip)
         row["pil_image"] = ((clip[:, 0] + 1) * 127.5).round().to(torch.uint8)
         image = encoder.encode_image((clip[:, 0] + 1) / 2)
         if image is not None:
             row["image_embeds"] = image
+    if job.kind == "matrixgame2":  # the actions of the clip's own frames (checked to reach them before any writing)
+        if item.action is None:
+            raise media.MediaError("it has no action file")
+        actions = read_action_file(item.action)
+        row.update({name: torch.from_numpy(array[indices]) for name, array in actions.items()})
     if job.kind == "t2va":
         row["audio_latents"] = encoder.encode_audio(sound, job.audio_rate)
         row["audio_sample_rate"] = job.audio_rate

@@ -16,7 +16,8 @@ prompt asked for.
 Kind "t2va" data adds sound (:mod:`fvx.data.toy_audio`): each prompt's own pure stereo tone lasting the clip
 (``frames / fps`` s at ``audio_rate`` Hz), as latents ``[2, 32, A]`` (A = ``audio_rate * frames / fps / 32``; 32 for
 the default 4 frames at 16 fps and 4096 Hz) that ``toy_audio.AudioFrames`` decodes exactly, scored by
-:meth:`WorldDataset.audio_quality`.
+:meth:`WorldDataset.audio_quality`. Kind "matrixgame2" data is the world with actions
+(:mod:`fvx.data.toy_world_actions`: squares that move as per-frame keys say).
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ class WorldConfig(Config):
     the model to agree, over all its tokens, on one place for it, which the tiny presets do not learn in a CPU
     run's few hundred steps (docs/design.md); bars, whose phase each token can read off its neighbours, they do.
     ``fps`` (the clip's frame rate), ``audio_rate`` (Hz) and ``audio_pitch`` (the first prompt's tone, Hz) shape the
-    sound of kind "t2va" data (:mod:`fvx.data.toy_audio`)."""
+    sound of kind "t2va" data (:mod:`fvx.data.toy_audio`). ``score_window``: kind "matrixgame2" samples are also
+    scored per window of this many frames (a long streamed clip; None: the whole clip only)."""
 
     num_samples: PositiveInt = 512
     frames: PositiveInt = 4
@@ -61,6 +63,7 @@ class WorldConfig(Config):
     fps: PositiveInt = 16
     audio_rate: PositiveInt = 4096
     audio_pitch: Annotated[float, msgspec.Meta(gt=0.0)] = 440.0
+    score_window: PositiveInt | None = None
 
     def __post_init__(self) -> None:
         for name in self.colours:
@@ -386,14 +389,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     write.add_argument("--samples", type=int, default=WorldConfig().num_samples,
                        help="how many clips (default: %(default)s)")
     write.add_argument("--seed", type=int, default=0, help="draws the clips' phases (default: %(default)s)")
+    write.add_argument("--kind", choices=("t2v", "matrixgame2"), default="t2v", help=(
+        "matrixgame2: the world with actions, each clip with its keys as a FastVideo action file <stem>.npy "
+        "(default: %(default)s)"))
     args = parser.parse_args(argv)
     if args.samples <= 0:
         print(f"error: --samples must be positive, got {args.samples}", file=sys.stderr)
         return 2
     from fvx.data.toy_world_files import write_videos
 
-    names = write_videos(WorldConfig(num_samples=args.samples), args.dir, seed=args.seed)
-    print(f"wrote {len(names)} clips ({names[0]} ... {names[-1]}) with their captions to {args.dir}")
+    names = write_videos(WorldConfig(num_samples=args.samples), args.dir, seed=args.seed, kind=args.kind)
+    extra = " and action files" if args.kind == "matrixgame2" else ""
+    print(f"wrote {len(names)} clips ({names[0]} ... {names[-1]}) with their captions{extra} to {args.dir}")
     return 0
 
 

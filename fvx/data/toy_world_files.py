@@ -1,6 +1,7 @@
 """The toy world as media files: :func:`write_videos` writes its clips as mp4 files with caption files (the input of
-``python -m fvx.run preprocess``), :class:`WorldEncoders` encodes them back exactly (its "text encoder" and codec), and
-:class:`JudgedByWorld` lets the world score validation samples of a run trained on the preprocessed files."""
+``python -m fvx.run preprocess``; kind "matrixgame2" adds each clip's keys as a FastVideo action file),
+:class:`WorldEncoders` encodes them back exactly (its "text encoder" and codec), and :class:`JudgedByWorld` lets the
+world score validation samples of a run trained on the preprocessed files."""
 from __future__ import annotations
 
 import pathlib
@@ -11,8 +12,8 @@ import numpy as np
 import torch
 
 from fvx.core import random
-from fvx.data import media
-from fvx.data.toy_world import WorldConfig, WorldDataset, caption, first_frame_only, space_to_depth
+from fvx.data import media, toy_world_actions
+from fvx.data.toy_world import Codec, WorldConfig, WorldDataset, caption, first_frame_only, space_to_depth
 
 
 class JudgedByWorld:
@@ -36,6 +37,11 @@ class JudgedByWorld:
         return self.dataset.shape_groups()
 
     def sample_quality(self, videos: torch.Tensor, indices: Sequence[int]) -> dict[str, float]:
+        if self.world.kind == "matrixgame2":  # the files' own keys and clips (the codec decodes them exactly)
+            batch = self.dataset.read(indices)
+            truth = Codec(self.world.config.factor).decode(batch["latents"])
+            return toy_world_actions.action_quality(videos, batch["keyboard"], truth, self.world.config.speed,
+                                                    self.world.config.score_window)
         captions = self.dataset.read(indices).get("caption") or []
         if len(captions) != len(indices):
             raise ValueError("validation: the data has no captions, so the toy world cannot score its samples "
@@ -52,11 +58,11 @@ class JudgedByWorld:
 class WorldEncoders:
     """The world's "text encoder" (a prompt's caption -> its fixed embedding ``[text_len, text_dim]``) and its exact
     codec: what ``preprocess`` encodes the clips of :func:`write_videos` with (``fvx.data.preprocess.Encoder``), so the
-    parquet it writes holds what the built-in dataset makes."""
+    parquet it writes holds what the built-in dataset makes (kind "matrixgame2": its image embedding is the first
+    frame's latent tokens)."""
 
-
-    def __init__(self, config: WorldConfig):
-        self.config = config
+    def __init__(self, config: WorldConfig, kind: str = "t2v"):
+        self.config, self.kind = config, kind
         text_key = random.key(config.seed)
         self.texts = {caption(config, c, d): random.normal(random.fold_in(text_key, p),
                                                            (config.text_len, config.text_dim))
@@ -81,26 +87,37 @@ class WorldEncoders:
     def encode_first_frame(self, video: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(first_frame_only(space_to_depth(video.float().numpy(), self.config.factor)))
 
-    def encode_image(self, frame: torch.Tensor) -> None:
-        return None
+    def encode_image(self, frame: torch.Tensor) -> torch.Tensor | None:
+        """None, or for kind "matrixgame2" the latent tokens ``[h w, 3 f^2]`` of ``frame [3, H, W]`` in [0, 1]."""
+        if self.kind != "matrixgame2":
+            return None
+        latents = space_to_depth(2 * frame.float()[:, None].numpy() - 1, self.config.factor)
+        return torch.from_numpy(toy_world_actions.tokens_of_first_frame(latents))
 
     def encode_audio(self, waveform: torch.Tensor, rate: int) -> torch.Tensor:
         raise ValueError("the toy world's media files carry no sound (its t2va data is built in)")
 
 
-def write_videos(config: WorldConfig, folder: str, seed: int = 0) -> list[str]:
+def write_videos(config: WorldConfig, folder: str, seed: int = 0, kind: str = "t2v") -> list[str]:
     """Write the world's ``num_samples`` clips as lossless mp4 files (RGB H.264, ``fps``) with caption files
     (``world_NNNNN.mp4`` + ``.txt``), the layout ``preprocess --videos`` reads; returns the videos' names. Clip ``i``
-    is :meth:`WorldDataset.clip` ``(i)`` of the world drawn from ``key(seed)``."""
+    is :meth:`WorldDataset.clip` ``(i)`` of the world drawn from ``key(seed)``; kind "matrixgame2" writes the world with
+    actions and each clip's ``keyboard [T, 4]`` and ``mouse [T, 2]`` as its action file ``world_NNNNN.npz``."""
     out = pathlib.Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    world = WorldDataset(config, random.key(seed), kind="t2v", collate=lambda samples, indices: {})
+    make = toy_world_actions.ActionWorldDataset if kind == "matrixgame2" else WorldDataset
+    world = make(config, random.key(seed), kind=kind, collate=lambda samples, indices: {})
     names = []
     for index in range(config.num_samples):
         colour, direction = world.prompts[index % len(world.prompts)]
         pixels = ((world.clip(index) + 1) * 127.5).round().clip(0, 255).astype(np.uint8)  # [3, T, H, W]
         name = f"world_{index:05d}"
         media.write_video(out / f"{name}.mp4", pixels.transpose(1, 2, 3, 0), config.fps)
-        (out / f"{name}.txt").write_text(caption(config, colour, direction) + "\n")
+        if kind == "matrixgame2":
+            sample = world.sample(index)
+            np.savez(out / f"{name}.npz", keyboard=sample["keyboard"], mouse=sample["mouse"])
+            (out / f"{name}.txt").write_text(sample["caption"] + "\n")
+        else:
+            (out / f"{name}.txt").write_text(caption(config, colour, direction) + "\n")
         names.append(f"{name}.mp4")
     return names

@@ -126,7 +126,8 @@ def _unit(module: nn.Module, prefix: str) -> nn.Module:
         raise ValueError(f"unit prefix {prefix!r} names no submodule of {type(module).__name__}") from None
 
 
-def _structure(unit: nn.Module) -> tuple:
+def structure(unit: nn.Module) -> tuple:
+    """What units of one group share: their class and their params' and buffers' names, shapes and dtypes."""
     return (type(unit), tuple((n, tuple(p.shape), p.dtype) for n, p in unit.named_parameters()),
             tuple((n, tuple(b.shape), b.dtype) for n, b in unit.named_buffers()))
 
@@ -167,9 +168,9 @@ def check_group(module: nn.Module, name: str, units: Sequence[str]) -> None:
     """A ValueError unless ``units`` name existing submodules of one structure (class, param and buffer shapes)."""
     if not units:
         raise ValueError(f"unit group {name!r} has no units")
-    first = _structure(_unit(module, units[0]))
+    first = structure(_unit(module, units[0]))
     for prefix in units[1:]:
-        if _structure(_unit(module, prefix)) != first:
+        if structure(_unit(module, prefix)) != first:
             raise ValueError(f"unit {prefix!r} differs from unit {units[0]!r} of group {name!r} (class, param or "
                              "buffer shapes)")
 
@@ -206,7 +207,7 @@ def install_units(
         units = tuple(units)
         check_group(module, name, units)
         unit_template = templates.get(name) or template(module, units[0])
-        if _structure(unit_template)[:2] != _structure(_unit(module, units[0]))[:2]:
+        if structure(unit_template)[:2] != structure(_unit(module, units[0]))[:2]:
             raise ValueError(f"install_units: the template of group {name!r} is not of its units' class and shapes")
         fn = unit_function(unit_template)
         if mode == "blocks":

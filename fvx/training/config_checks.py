@@ -84,6 +84,7 @@ def check_models(config: Any, models: Mapping[str, Any]) -> None:
     check_all_models_play(config)
     check_cfg_dropout(config, models)
     check_image_input(config, models)
+    check_action_input(config, models)
     method_check = getattr(config.method, "check_models", None)
     if method_check is not None:
         method_check(models)
@@ -123,6 +124,29 @@ def check_image_input(config: Any, models: Mapping[str, Any]) -> None:
            f"the {family.name} family has no image-to-video preset: use data.kind=t2v, or a family that has one")
     raise ConfigError(f"data.kind=i2v gives each clip's first frame, but models.{name}.preset={model_config.preset} "
                       f"({model.name}) takes no image input (it would train text-to-video, the frame unread); {fix}")
+
+
+ACTION_INPUT, ACTION_KIND = "keyboard", "matrixgame2"  # the tensor data.kind=matrixgame2 adds: actions per frame
+IMAGE_KINDS = ("i2v", ACTION_KIND)  # the kinds whose samples give the first frame
+
+
+def check_action_input(config: Any, models: Mapping[str, Any]) -> None:
+    """A ConfigError when actions and models disagree: data of actions per frame (``data.kind=matrixgame2``) for a
+    model without action modules (the actions unread), or a model that reads actions, or the first frame, from data
+    that gives none."""
+    kind = config.data.kind
+    for name, model in models.items():
+        reads_actions, reads_image = ACTION_INPUT in model.cond, IMAGE_INPUT in model.cond
+        if kind == ACTION_KIND and not reads_actions:
+            raise ConfigError(f"data.kind={ACTION_KIND} gives actions per video frame, but models.{name} "
+                              f"({model.name}) has no action modules to read them; use the matrixgame2 or "
+                              "matrixgame2_causal family")
+        if reads_actions and kind != ACTION_KIND:
+            raise ConfigError(f"models.{name} ({model.name}) reads actions and the first frame of each clip, which "
+                              f"data.kind={kind} does not give; use data.kind={ACTION_KIND}")
+        if reads_image and kind not in IMAGE_KINDS:
+            raise ConfigError(f"models.{name} ({model.name}) is image-to-video: it needs each clip's first frame, "
+                              f"which data.kind={kind} does not give; use data.kind=i2v")
 
 
 def image_spec(model_config: Any, preset: str) -> Mapping[str, Any]:

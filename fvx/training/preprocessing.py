@@ -57,7 +57,7 @@ def encoder_source(config: Any, parts: tuple[str, ...], *, role: str | None = No
     folder, who = ((pathlib.Path(base), "--base") if base is not None else
                    (None if model.path is None else pathlib.Path(model.path), f"models.{role}.path"))
     if world is not None and base is None and (folder is None or not _holds(record, folder, parts)):
-        encoders = WorldEncoders(world)
+        encoders = WorldEncoders(world, config.data.kind)
         return {**encoders.identity(), "family": family}, lambda: encoders, (1, 1), 1
     if record is None:
         raise ValueError(f"models.{role}: family {family!r} has no encoders in fvx")
@@ -121,7 +121,8 @@ def encoded_prompts(config: Any, encoder: Any, prompts: list[str], extra: dict[s
 def parts_of(kind: str) -> tuple[str, ...]:
     """What a data kind encodes."""
     return {"t2v": ("text", "video"), "i2v": ("text", "video", "first_frame", "image"),
-            "t2va": ("text", "video", "audio"), "text_only": ("text",)}[kind]
+            "t2va": ("text", "video", "audio"), "text_only": ("text",),
+            "matrixgame2": ("video", "first_frame", "image")}[kind]
 
 
 def job_of(config: Any) -> tuple[preprocess.Job, Callable[[], Any]]:
@@ -161,6 +162,8 @@ def run_preprocess(config: Any, videos: str, out: str, *, progress: bool) -> dic
     job, factory = job_of(config)
     source = pathlib.Path(videos)
     inputs = preprocess.find_prompts(source) if job.kind == "text_only" else preprocess.find_inputs(source)
+    if job.kind == "matrixgame2":  # every video's action file, before anything is written
+        preprocess.check_action_files(job, inputs)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     folder = pathlib.Path(out)
     job = dataclasses.replace(job, identity={**job.identity, "inputs": str(pathlib.Path(videos).resolve()),

@@ -24,7 +24,7 @@ import torch
 from fvx import config as fconfig
 from fvx.core import random, tree
 from fvx.core.state import RoleState, TrainState
-from fvx.data import datasets, media, preprocess
+from fvx.data import actions, datasets, media, preprocess
 from fvx.storage import files
 from fvx.training import (export as fexport, preprocessing, progress as fprogress, run_folder, tracking, validation,
                           wav)
@@ -371,11 +371,15 @@ def image_condition(encoder: Any, image: Any, shape: tuple[int, int, int, int], 
 
 
 def write_video(folder: pathlib.Path, stem: str, video: torch.Tensor, fps: float, *, gif: bool, scale: int,
-                sound: tuple[torch.Tensor, int] | None = None) -> list[pathlib.Path]:
+                sound: tuple[torch.Tensor, int] | None = None,
+                keyboard: torch.Tensor | None = None) -> list[pathlib.Path]:
     """One decoded video ``[3, T, H, W]`` in [0, 1] as ``<stem>.mp4`` (with its sound ``(waveform [C, S], rate)``
-    as a track and a ``.wav``), and with ``gif`` a ``.gif``, upscaled ``scale`` times (nearest)."""
+    as a track and a ``.wav``), and with ``gif`` a ``.gif``, upscaled ``scale`` times (nearest); with its keys
+    ``keyboard [F, K]`` (action data) each frame's drawn on it after the scaling (``fvx.data.actions``)."""
     if scale > 1:
         video = video.repeat_interleave(scale, dim=-1).repeat_interleave(scale, dim=-2)
+    if keyboard is not None:
+        video = actions.overlay_keys(video, keyboard)
     frames = video.float().clamp(0, 1).mul(255).round().to(torch.uint8).permute(1, 2, 3, 0).cpu().numpy()
     paths = [folder / f"{stem}.mp4"]
     audio = None if sound is None else (sound[0].float().clamp(-1, 1).cpu().numpy(), sound[1])
@@ -502,7 +506,9 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
         made.append((tree.to_device(latents, "cpu"), video))
         for i, item in enumerate(batch):
             audio = None if waveforms is None else (waveforms[i], sound.sample_rate)
-            paths = write_video(p.out, item.stem, video[i], fps, gif=request.gif, scale=request.scale, sound=audio)
+            keys = cond["keyboard"][item.prompt_index] if "keyboard" in cond else None
+            paths = write_video(p.out, item.stem, video[i], fps, gif=request.gif, scale=request.scale, sound=audio,
+                                keyboard=keys)
             entries.append({"index": p.todo.index(item), "prompt": item.prompt, "seed": item.seed,
                             "files": [path.name for path in paths]})
             score = None if judge is None else world_score(judge, video[i:i + 1], item.prompt)

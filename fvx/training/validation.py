@@ -32,6 +32,7 @@ import torch
 
 from fvx.config import Config
 from fvx.core import flow, random, role, unipc
+from fvx.data import actions
 from fvx.training import callbacks as fcallbacks
 from fvx.training.tracking import Tracker
 
@@ -59,8 +60,9 @@ class ValidationConfig(Config):
     ``guidance_scale`` is the classifier-free guidance ``uncond + g (cond - uncond)`` of the models a method samples
     with guidance (fine-tuning; FastVideo's t2v recipe validates at 5), the unconditional cond being
     ``cfg_uncond``'s: the cond file ``negative_prompt_path`` (``negative_prompt``), the family's zero cond, or the
-    cond itself (``keep``). ``display_scale`` enlarges the logged videos (nearest neighbour; tiny clips). ``seed``
-    fixes the noise, independently of the run's seed.
+    cond itself (``keep``). ``display_scale`` enlarges the logged videos (nearest neighbour; tiny clips); prompts
+    whose cond has a ``keyboard`` (action data) get each frame's keys drawn on it after the scaling. ``seed`` fixes
+    the noise, independently of the run's seed.
     """
 
     every: Annotated[int, msgspec.Meta(ge=0)] = 0
@@ -499,6 +501,9 @@ def validate(validator: Validator, tracker: Tracker, step: int, samplers: Sequen
         scale = validator.config.display_scale
         if video is not None and scale > 1:
             video = video.repeat_interleave(scale, dim=-1).repeat_interleave(scale, dim=-2)
+        keyboard = validator.prompts.cond.get("keyboard")
+        if video is not None and keyboard is not None:  # action data: each frame's keys drawn on it, after scaling
+            video = actions.overlay_batch(video, keyboard)
         log_validation(tracker, step, entry.tag, latents, video, folder=validator.folder, fps=validator.config.fps,
                        captions=captions)
 

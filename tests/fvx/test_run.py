@@ -145,8 +145,12 @@ EXPERIMENTS = ROOT / "experiments"
     ("finetune_hunyuan.py", ["models.student.embedded_guidance=null"], "embeds a guidance scale: set embedded_guidance"),
     ("finetune_hunyuan.py", ["data.text_len=1"], "is not the packed [B, 1 + L, D] form"),
     ("finetune_skyreels_v2.py", ["data.synthetic.text_dim=16"], "must be [B, L, 32], got [2, 512, 16]"),
-    ("finetune_wan_i2v.py", ["data.kind=t2v"], "wan needs the batch tensor 'first_frame_latents' (the first frame's "
-                                               "latents: parquet column first_frame_latent of data.kind='i2v' data)"),
+    ("finetune_wan_i2v.py", ["data.kind=t2v"], "models.student (wan:world-i2v) is image-to-video: it needs each clip's "
+                                               "first frame, which data.kind=t2v does not give; use data.kind=i2v"),
+    ("worldmodel_matrixgame2.py", ["data.kind=i2v"], "models.student (matrixgame2:world) reads actions and the first "
+                                                     "frame of each clip, which data.kind=i2v does not give"),
+    ("finetune_wan_i2v.py", ["data.kind=matrixgame2"], "data.kind=matrixgame2 gives actions per video frame, but "
+                                                       "models.student (wan:world-i2v) has no action modules"),
     ("finetune_wan_i2v.py", ["models.student.preset=tiny-i2v", "data.world=null", "data.text_len=8",
                              "data.synthetic.latent_shape=[16,2,4,4]"], "parquet column clip_feature"),
     ("finetune_wan_i2v.py", ["models.student.preset=tiny-i2v", "data.world=null", "data.text_len=8",

@@ -287,7 +287,12 @@ def test_bad_input_from_the_cli_is_one_line_and_writes_nothing(tmp_path, capsys,
 
 
 def test_the_dry_run_counts_the_carried_cache(capsys):
-    """FastVideo's recipe on 8 ranks: a ring of 4 latent frames of 480x832 in bf16, 0.29 GB each, per rank."""
-    assert run.main([f"{EXPERIMENT}:wan21_t2v_1p3b", "--dry-run", "--world", "8"]) == 0
+    """FastVideo's streaming recipe (Matrix-Game 2.0) on 8 ranks: a ring of 4 latent frames of 480x832 (1560 tokens)
+    in bf16 per rank, the 30 self-attention layers' keys and values (12 heads of 128) and the 15 action blocks'
+    mouse and keyboard ones (16 heads of 64 each)."""
+    recipe = EXPERIMENT.replace("streaming_long_causal_t2v.py",
+                                "worldmodel_matrixgame2.py:zelda_streaming_long_tuning_causal_i2v")
+    assert run.main([recipe, "--dry-run", "--world", "8"]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("carried across steps"))
-    assert float(row.split()[-1]) == pytest.approx(4 * 0.2875392e9 / 2**30, abs=0.01)
+    per_token = 30 * 12 * 128 + 15 * 2 * 16 * 64
+    assert float(row.split()[-1]) == pytest.approx(2 * 2 * 4 * 1560 * per_token / 2**30, abs=0.01)

@@ -26,10 +26,25 @@ def conditions(key=5, frames=F):
             "mouse": random.normal(random.key(key + 3), (B, frames, 2))}
 
 
+def acting(params):
+    """``params`` with the action modules' output projections drawn (a fresh module's start at zero, as FastVideo's
+    init_weights: the actions would change nothing)."""
+    return {name: random.normal(random.fold_in(random.key(7), i), tuple(p.shape)) * 0.2
+            if ".proj_mouse." in name or ".proj_keyboard." in name else p for i, (name, p) in enumerate(params.items())}
+
+
 @pytest.fixture(scope="module")
 def model():
     m = MatrixGame2Config(preset="tiny").build()
-    return m, m.init(random.key(0))
+    return m, acting(m.init(random.key(0)))
+
+
+def test_a_fresh_action_module_starts_as_the_identity():
+    m = MatrixGame2Config(preset="tiny").build()
+    params = m.init(random.key(0))
+    x, t, cond = random.normal(random.key(1), (B, 16, T, H, W)), torch.tensor([500.0, 500.0]), conditions()
+    still = {**cond, "keyboard": torch.zeros_like(cond["keyboard"]), "mouse": torch.zeros_like(cond["mouse"])}
+    assert torch.equal(m.apply(params, x, t, cond), m.apply(params, x, t, still))
 
 
 # ------------------------------------------------------------------------------------------------ the action module
@@ -142,7 +157,7 @@ def test_actions_steer_the_output_and_every_frame_reads_its_window(model):
 def test_streamed_chunks_equal_the_full_block_causal_forward_actions_included(knobs):
     config = MatrixGame2CausalConfig(preset="tiny", num_frames_per_block=1, **knobs)
     m = config.build()
-    params = m.init(random.key(0))
+    params = acting(m.init(random.key(0)))
     x, cond = random.normal(random.key(1), (B, 16, T, H, W)), conditions()
     t = torch.tensor([[900.0, 700.0, 400.0, 100.0]] * B)
     full = m.apply(params, x, t, cond)
@@ -158,7 +173,7 @@ def test_streamed_chunks_equal_the_full_block_causal_forward_actions_included(kn
 
 def test_later_actions_never_change_earlier_frames_of_the_causal_model():
     m = MatrixGame2CausalConfig(preset="tiny", num_frames_per_block=2).build()
-    params = m.init(random.key(0))
+    params = acting(m.init(random.key(0)))
     x, t, cond = random.normal(random.key(1), (B, 16, T, H, W)), torch.tensor([500.0, 500.0]), conditions()
     moved = {**cond, "keyboard": cond["keyboard"].clone()}
     moved["keyboard"][:, 5:] += 1.0
@@ -226,3 +241,12 @@ def test_bad_input_gets_one_line(model, tmp_path):
     causal = MatrixGame2CausalConfig(preset="tiny").build()
     with pytest.raises(ValueError, match="teacher forcing is not supported"):
         causal.causal.apply_teacher_forced(params, x, t, conditions(), x)
+
+
+def test_compiled_units_equal_eager_with_one_graph_per_kind_of_block(model):
+    m, params = model
+    x, t, cond = random.normal(random.key(1), (B, 16, T, H, W)), torch.tensor([500.0, 200.0]), conditions()
+    compiled = MatrixGame2Config(preset="tiny", compile="blocks", compile_backend="aot_eager").build()
+    torch.testing.assert_close(compiled.apply(params, x, t, cond), m.apply(params, x, t, cond), rtol=1e-5,
+                               atol=1e-5)
+    assert compiled.compile_stats.graphs_of("blocks") == 1 and compiled.compile_stats.graphs_of("blocks[1]") == 1
