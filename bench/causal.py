@@ -23,7 +23,7 @@ The model is Wan's 4 layers x dim 256 (as ``bench/step.py``'s ``cpu-4x256``), re
 Table 3, Matrix-Game 2.0's streaming model with actions (``--actions-only`` runs it alone): time per block as the
 stream grows on a window, and the cache it holds.
     python bench/causal.py [--frames 8] [--size 24] [--frames-per-block 2] [--blocks K] [--batch 1] [--repeats 5]
-                           [--stream-attention prefix|mask] [--threads N] [--action-blocks 30] [--actions-only]
+                           [--stream-attention prefix|mask] [--threads N] [--action-blocks 15] [--actions-only]
 """
 from __future__ import annotations
 
@@ -339,7 +339,8 @@ def main() -> None:
     parser.add_argument("--stream-attention", choices=("prefix", "mask"), default="prefix")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--action-blocks", type=int, default=30, help="blocks of the Matrix-Game stream (table 3)")
+    parser.add_argument("--action-blocks", type=int, default=15,
+                        help="blocks of the Matrix-Game stream (table 3; the tiny preset's RoPE holds 32 frames)")
     parser.add_argument("--actions-only", action="store_true", help="only table 3, the stream with actions")
     parser.add_argument("--peak", nargs=2, metavar=("KIND", "VARIANT"), help=argparse.SUPPRESS)
     parser.add_argument("--inputs", help=argparse.SUPPRESS)  # the parent's saved inputs, for --peak
