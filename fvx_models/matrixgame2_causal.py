@@ -126,15 +126,7 @@ def action_slots(config: Any) -> dict[int, int]:
 
 def skeleton(config: Any) -> nn.Module:
     """The Matrix-Game transformer on meta with the block-causal RoPE, self-attention and action attention."""
-    kwargs = config.spec.kwargs
-
-    def rebuild(module: nn.Module) -> None:
-        module.rope = ActionFrameRope(kwargs["attention_head_dim"], kwargs["patch_size"], kwargs["rope_max_seq_len"],
-                                      frames_per_block=config.num_frames_per_block, window=config.local_attn_size,
-                                      sink=config.sink_size, attention=config.block_attention,
-                                      compiled=config.compile != "none")
-
-    module = skeleton_of(CausalMatrixGame2WanModel, kwargs, rebuild)
+    module = skeleton_of(CausalMatrixGame2WanModel, config.spec.kwargs, wan_causal.rope_of(config, ActionFrameRope))
     processor = wan_causal.BlockCausalAttention()
     slots = action_slots(config)
     for index, block in enumerate(module.blocks):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Annotated, Any, Literal, Mapping
+from typing import Annotated, Any, Callable, Literal, Mapping
 
 import msgspec
 import torch
@@ -166,17 +166,23 @@ def _layer_view(index: int, block: nn.Module, args: tuple) -> tuple | None:
     return hidden_states, encoder_hidden_states, temb, plan.layer(index)
 
 
-def skeleton(config: WanCausalConfig) -> nn.Module:
-    """diffusers' Wan on meta with the RoPE, the blocks' pre-hooks and the self-attention processor swapped in."""
+def rope_of(config: WanCausalConfig, rope_class: type[FrameRope] = FrameRope) -> Callable[[nn.Module], None]:
+    """A skeleton's rebuild that installs ``rope_class`` (:class:`FrameRope` or a subclass) with the config's
+    block-causal knobs."""
     kwargs = config.spec.kwargs
 
     def rebuild(module: nn.Module) -> None:
-        module.rope = FrameRope(kwargs["attention_head_dim"], kwargs["patch_size"], kwargs["rope_max_seq_len"],
-                                frames_per_block=config.num_frames_per_block, window=config.local_attn_size,
-                                sink=config.sink_size, attention=config.block_attention,
-                                compiled=config.compile != "none")
+        module.rope = rope_class(kwargs["attention_head_dim"], kwargs["patch_size"], kwargs["rope_max_seq_len"],
+                                 frames_per_block=config.num_frames_per_block, window=config.local_attn_size,
+                                 sink=config.sink_size, attention=config.block_attention,
+                                 compiled=config.compile != "none")
 
-    module = skeleton_of(WanTransformer3DModel, kwargs, rebuild)
+    return rebuild
+
+
+def skeleton(config: WanCausalConfig) -> nn.Module:
+    """diffusers' Wan on meta with the RoPE, the blocks' pre-hooks and the self-attention processor swapped in."""
+    module = skeleton_of(WanTransformer3DModel, config.spec.kwargs, rope_of(config))
     processor = BlockCausalAttention()
     for index, block in enumerate(module.blocks):
         block.attn1.set_processor(processor)
