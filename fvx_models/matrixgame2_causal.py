@@ -159,7 +159,8 @@ def causal(config: Any, apply: Any, module: nn.Module) -> Causal:
     layout = dict(frames_per_block=config.num_frames_per_block, window=config.local_attn_size, sink=config.sink_size)
     dtype = DTYPES[config.compute_dtype]
     who = f"matrixgame2_causal:{config.preset}"
-    order = sorted(action_slots(config))
+    slots = action_slots(config)
+    order = sorted(slots)
 
     def allocated(cache, batch, tokens, device):
         if cache.keys:
@@ -201,7 +202,7 @@ def causal(config: Any, apply: Any, module: nn.Module) -> Causal:
             for branch in ("mouse", "keyboard"):
                 k, v_ = kv.get(branch, (None, None))
                 if k is None:  # no mouse branch: its pair of cache layers stays empty
-                    slot = action_slots(config)[block] + (branch == "keyboard")
+                    slot = slots[block] + (branch == "keyboard")
                     k = v_ = torch.zeros(x_t.shape[0] * tokens, x_t.shape[2], *cache.keys[slot].shape[2:],
                                          dtype=dtype, device=x_t.device)
                 keys.append(to_tokens(k, tokens))

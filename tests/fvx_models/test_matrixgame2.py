@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from msgspec.structs import replace as msgspec_replace
 from diffusers import WanTransformer3DModel
 from safetensors.torch import load_file, save_file
 
@@ -250,3 +251,20 @@ def test_compiled_units_equal_eager_with_one_graph_per_kind_of_block(model):
     torch.testing.assert_close(compiled.apply(params, x, t, cond), m.apply(params, x, t, cond), rtol=1e-5,
                                atol=1e-5)
     assert compiled.compile_stats.graphs_of("blocks") == 1 and compiled.compile_stats.graphs_of("blocks[1]") == 1
+
+
+def test_a_keyboard_only_model_streams_as_its_full_forward(monkeypatch):
+    """Temple Run's layout (no mouse branch): the cache keeps an empty mouse pair, the stream equals the full forward."""
+    keys_only = msgspec_replace(mg.TINY_ACTIONS, mouse_dim=0)
+    monkeypatch.setitem(mg.PRESETS, "tiny-keys", mg._preset({**mg.wan.TINY, "in_channels": 36, "image_dim": 16},
+                                                             keys_only, mg.wan.TINY_VAE, 5.0))
+    m = MatrixGame2CausalConfig(preset="tiny-keys", num_frames_per_block=1).build()
+    params = acting(m.init(random.key(0)))
+    x, cond = random.normal(random.key(1), (B, 16, T, H, W)), conditions()
+    cond.pop("mouse")
+    t = torch.tensor([[900.0, 700.0, 400.0, 100.0]] * B)
+    cache, chunks = m.causal.empty_cache(T), []
+    for i in range(T):
+        v, cache = m.causal.apply_cached(params, x[:, :, i:i + 1], t[:, i:i + 1], cond, cache)
+        chunks.append(v)
+    torch.testing.assert_close(torch.cat(chunks, dim=2), m.apply(params, x, t, cond), rtol=1e-5, atol=1e-5)
