@@ -316,10 +316,6 @@ def skeleton(config: ModelConfig) -> nn.Module:
     return skeleton_of(MatrixGame2WanModel, config.spec.kwargs, wan.rebuild_rope)
 
 
-def widths(config: ModelConfig) -> tuple[int, dict[str, tuple[int, int]]]:
-    return wan.widths(config)
-
-
 def pipeline_files(config: ModelConfig, folder: Any) -> None:
     """FastVideo's Matrix-Game pipeline files beside the exported ``transformer/``: ``model_index.json`` (its
     ``MatrixGame2I2VPipeline``; diffusers has none) and ``scheduler/`` (the preset's flow shift). The VAE and CLIP
@@ -340,7 +336,7 @@ MATRIXGAME2 = Family(
     components={"transformer": ""},
     unit_groups={"blocks": ("blocks",)},
     activations={"blocks": wan.BLOCK_ACTIVATIONS},
-    widths=widths,
+    widths=wan.widths,
     cond_spec=cond_spec,
     cond_from_batch=cond_from_batch,
     data_keys=("first_frame_latents", "image_embeds", *ACTION_COND),

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from fvx.core import random, tree
-from fvx.data.parquet import DataError
+from fvx.data.parquet import ACTIONS, DataError
 
 
 class Dataset(Protocol):
@@ -109,15 +109,12 @@ def collate(samples: list[dict], indices: list[int], *, text_len: int, cfg_rate:
     return batch
 
 
-ACTION_COLUMNS = {"keyboard": "keyboard_cond", "mouse": "mouse_cond"}  # batch key -> FastVideo's column
-
-
 def _actions(samples: list[dict], batch: dict[str, Any], stride: int | None) -> dict[str, torch.Tensor]:
     """``keyboard``/``mouse`` [B, F, K] float32 of samples that have them (all or none, one shape), each checked,
     with ``stride``, to hold the ``(T - 1) stride + 1`` video frames of the batch's ``T`` latent frames."""
     out = {}
     frames = batch["latents"].shape[2] if "latents" in batch else None
-    for key, column in ACTION_COLUMNS.items():
+    for column, key in ACTIONS:
         having = [s for s in samples if key in s]
         if not having:
             continue

@@ -42,8 +42,8 @@ from fvx.core import random
 from fvx.data.batching import Dataset, collate as collate_samples
 from fvx.data.parquet import Kind, ParquetDataset, check_indices, check_kind, find_parquet_files
 from fvx.data.preprocess import PreprocessConfig
-from fvx.data.toy_world import WorldConfig, WorldDataset, first_frame_only
-from fvx.data.toy_world_actions import ActionWorldDataset, random_actions
+from fvx.data.toy_world import WorldConfig, first_frame_only
+from fvx.data.toy_world_actions import random_actions, world_dataset
 from fvx.data.toy_world_files import JudgedByWorld
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
@@ -136,12 +136,6 @@ def open_dataset(config: DataConfig, key: torch.Tensor) -> Dataset:
     if config.world is not None:  # files of the toy world (``write-videos`` -> ``preprocess``): the world judges
         return JudgedByWorld(files, world_dataset(config.world, samples_key, kind=config.kind, collate=collate))
     return files
-
-
-def world_dataset(config: WorldConfig, key: torch.Tensor, *, kind: Kind, collate: Callable[..., dict]) -> WorldDataset:
-    """The toy world of data ``kind``: with actions (:mod:`fvx.data.toy_world_actions`) for kind "matrixgame2"."""
-    world = ActionWorldDataset if kind == "matrixgame2" else WorldDataset
-    return world(config, key, kind=kind, collate=collate)
 
 
 

@@ -148,6 +148,12 @@ class ActionWorldDataset(WorldDataset):
         raise ValueError("the toy world with actions scores samples by their keys, which captions do not give")
 
 
+def world_dataset(config: WorldConfig, key: torch.Tensor, *, kind: str, collate: Callable[..., dict]) -> WorldDataset:
+    """The toy world of data ``kind``: with actions (:class:`ActionWorldDataset`) for kind "matrixgame2"."""
+    world = ActionWorldDataset if kind == "matrixgame2" else WorldDataset
+    return world(config, key, kind=kind, collate=collate)
+
+
 def caption(colour: str) -> str:
     return f"{colour} squares moving by the keys"
 

@@ -105,8 +105,7 @@ def write_videos(config: WorldConfig, folder: str, seed: int = 0, kind: str = "t
     actions and each clip's ``keyboard [T, 4]`` and ``mouse [T, 2]`` as its action file ``world_NNNNN.npz``."""
     out = pathlib.Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    make = toy_world_actions.ActionWorldDataset if kind == "matrixgame2" else WorldDataset
-    world = make(config, random.key(seed), kind=kind, collate=lambda samples, indices: {})
+    world = toy_world_actions.world_dataset(config, random.key(seed), kind=kind, collate=lambda samples, indices: {})
     names = []
     for index in range(config.num_samples):
         colour, direction = world.prompts[index % len(world.prompts)]

@@ -139,8 +139,8 @@ def check_action_input(config: Any, models: Mapping[str, Any]) -> None:
         reads_actions, reads_image = ACTION_INPUT in model.cond, IMAGE_INPUT in model.cond
         if kind == ACTION_KIND and not reads_actions:
             raise ConfigError(f"data.kind={ACTION_KIND} gives actions per video frame, but models.{name} "
-                              f"({model.name}) has no action modules to read them; use the matrixgame2 or "
-                              "matrixgame2_causal family")
+                              f"({model.name}) has no action modules to read them; use a model whose cond "
+                              f"reads them ({ACTION_INPUT!r})")
         if reads_actions and kind != ACTION_KIND:
             raise ConfigError(f"models.{name} ({model.name}) reads actions and the first frame of each clip, which "
                               f"data.kind={kind} does not give; use data.kind={ACTION_KIND}")
