@@ -5,7 +5,9 @@ estimate, and the ratios of time per sample to the baselines of the same case. b
 AdamW (weight decay 0.01), global-norm clip 1.0, one sample per data-parallel rank, 512 text tokens; the same initial
 params (seed 0) and batch for every variant, so their first losses agree to bf16 noise.
 
-    python bench/gpu.py --write-results      # THE first GPU session: one H200, about 5 min; appends bench/RESULTS.md
+    python bench/gpu.py --write-results      # one H200: appends bench/RESULTS.md; the whole-model compiles (compiled,
+                                             # fvx-model) took over 4 min each at 81x480x832 on 2026-12-04: in a
+                                             # 15-min lease add --variants eager,fvx,fvx-blocks,fsdp2
     python bench/gpu.py --check              # a CPU: tiny preset, every variant once, and the --layers path
     python bench/gpu.py --check --preset wan2.1-t2v-1.3b --layers 1 --video 5x32x32   # a CPU: real widths, 1 block
     torchrun --nproc-per-node 2 bench/gpu.py --check --fsdp 2     # a CPU, gloo: fvx sharded beside FSDP2
