@@ -453,6 +453,9 @@ def sample_main(argv: Sequence[str]) -> int:
                                                   "validation.cfg_uncond)")
     parser.add_argument("--jumps", type=int, help="a flow-map student: the number of jumps")
     parser.add_argument("--image", help="image-to-video: the first frame")
+    parser.add_argument("--actions", help="a Matrix-Game model (data.kind=matrixgame2): its actions, one row per video "
+                                          "frame, as preprocess reads them (.npz of keyboard [F, K] and mouse [F, 2], "
+                                          "or .npy of the keyboard); the video is named after the file")
     parser.add_argument("--gif", action="store_true", help="also write a GIF of each video")
     parser.add_argument("--scale", type=int, default=1, help="enlarge the written videos N times (nearest)")
     parser.add_argument("--fps", type=float, help="frames per second of the files (default: validation.fps)")
@@ -471,8 +474,8 @@ def sample_main(argv: Sequence[str]) -> int:
             frames=args.frames, height=args.height, width=args.width, steps=args.steps, guidance=args.guidance,
             shift=args.shift, schedule=args.schedule, shift_terminal=args.shift_terminal, solver=args.solver,
             karras=None if args.karras is None else _karras(args.karras),
-            negative_prompt=args.negative_prompt, jumps=args.jumps, image=args.image, gif=args.gif, scale=args.scale,
-            fps=args.fps)
+            negative_prompt=args.negative_prompt, jumps=args.jumps, image=args.image, actions=args.actions,
+            gif=args.gif, scale=args.scale, fps=args.fps)
         done = sampling.run_sample(request, rank=rank, world=world, progress=sys.stderr.isatty(),
                                    say=lambda line: print(line, file=sys.stderr))
     except BAD_INPUT as error:

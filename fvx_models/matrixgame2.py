@@ -127,7 +127,8 @@ class MatrixGame2WanModel(WanTransformer3DModel):
         text and the actions handed to every block; ``timestep [B]`` or one per token ``[B, L]``."""
         rotary_emb = self.rope(hidden_states)
         first = self.first_frame(rotary_emb)
-        hidden_states = self.given_frame_input(hidden_states, image_latents, first)
+        mask_channels = self.config.in_channels - 2 * hidden_states.shape[1]
+        hidden_states = wan_i2v.chunk_concat_input(hidden_states, image_latents, first, mask_channels, "matrixgame2")
         batch, _, frames, height, width = hidden_states.shape
         p_t, p_h, p_w = self.config.patch_size
         grid = (frames // p_t, height // p_h, width // p_w)
@@ -155,20 +156,6 @@ class MatrixGame2WanModel(WanTransformer3DModel):
     def first_frame(self, rotary_emb: Any) -> int:
         """The absolute latent frame the forward's frames start at: 0 (a streaming model reads its cache's)."""
         return 0
-
-    def given_frame_input(self, x: torch.Tensor, image_latents: torch.Tensor, first: int) -> torch.Tensor:
-        """``[x | mask | image latents]`` of latent frames ``first ..`` (``fvx_models.wan_i2v``'s concat form, the
-        mask's ``in - 2 out`` channels one on the clip's frame 0)."""
-        frames = x.shape[2]
-        given = image_latents[:, :, first:first + frames]
-        if given.shape[2] != frames or given.shape[3:] != x.shape[3:]:
-            raise ValueError(f"matrixgame2: first-frame latents {list(image_latents.shape)} do not cover latent "
-                             f"frames {first}..{first + frames - 1} of {list(x.shape)}")
-        mask = torch.zeros(x.shape[0], self.config.in_channels - 2 * x.shape[1], frames, *x.shape[3:],
-                           dtype=x.dtype, device=x.device)
-        if first == 0:
-            mask[:, :, 0] = 1
-        return torch.cat([x, mask, given.to(x.dtype)], dim=1)
 
 
 def action_config_of(released: Mapping[str, Any]) -> actions.ActionConfig:

@@ -10,6 +10,12 @@ layer's view of the plan (:class:`LayerPlan`: the layer's cached keys and values
 to do (a :class:`Call`: the KV cache, the teacher-forcing layout) is bound to the RoPE module for that forward only
 (``bind``), by the functions of ``Model.causal``, which take the cache as an argument and return the next one.
 
+Image-to-video (the Wan 2.1 I2V presets, ``fvx_models.wan_i2v``'s concat form) as FastVideo's causal Matrix-Game
+gives the first frame: a forward pre-hook on the DiT builds each chunk's ``[x_t | mask | first-frame latents]`` from
+the clip's first-frame latents cut at the chunk's absolute frames (its cache's next frame), the mask one on the clip's
+frame 0 only, so a stream's later chunks see the given frame through the cache, as the bidirectional model sees it
+through attention. Teacher forcing of such a model is refused.
+
 Timesteps: ``t [B]``, or one per latent frame ``t [B, T]`` given to the DiT per token (its Wan 2.2 TI2V path). Teacher
 forcing feeds ``[clean | noisy]`` frames, clean ones at ``t = 0``, sharing positions frame for frame.
 
@@ -31,12 +37,13 @@ from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 from torch import nn
 
 from fvx.distributed import sequence_parallel as fsp
-from fvx_models import block_causal as bc, wan, wan_sequence_parallel
+from fvx_models import block_causal as bc, wan, wan_i2v, wan_sequence_parallel
 from fvx_models.build import DTYPES, ModelConfig
 from fvx_models.family import skeleton_of
 from fvx_models.model import Causal
 
-PRESETS = {name: wan.PRESETS[name] for name in ("tiny", "tiny-deep", "world", "wan2.1-t2v-1.3b", "wan2.1-t2v-14b")}
+PRESETS = {name: wan.PRESETS[name] for name in ("tiny", "tiny-deep", "world", "wan2.1-t2v-1.3b", "wan2.1-t2v-14b",
+                                                "tiny-i2v", "world-i2v", "wan2.1-i2v-14b-480p", "wan2.1-i2v-14b-720p")}
 # every block saves its per-token modulation when timesteps come per frame (the DFSFT/TFSFT/KD forward)
 ACTIVATIONS = {"blocks": wan.PER_TOKEN_T_ACTIVATIONS["blocks"]}
 REMAINDER = ("FastVideo's Self-Forcing puts a remainder in the first block, frames [0, F + rem), its training mask in "
@@ -180,13 +187,30 @@ def rope_of(config: WanCausalConfig, rope_class: type[FrameRope] = FrameRope) ->
     return rebuild
 
 
+def _given_frames(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The DiT's forward pre-hook of an image-to-video model: ``hidden_states`` becomes the chunk's ``[x_t | mask |
+    first-frame latents]`` (module docstring), the latents taken from the ``image_latents`` argument."""
+    call = module.rope.call or Call()
+    if call.teacher_forcing:
+        raise ValueError("wan_causal: teacher forcing of an image-to-video model is not supported (its [clean | noisy] "
+                         "layout has two frame 0s): use dfsft or self_forcing")
+    kwargs = dict(kwargs)
+    x, given = kwargs.pop("hidden_states"), kwargs.pop("image_latents")
+    first = call.cache.next_frame if call.cache is not None else 0
+    mask_channels = module.config.in_channels - 2 * x.shape[1]
+    return args, {"hidden_states": wan_i2v.chunk_concat_input(x, given, first, mask_channels, "wan_causal"), **kwargs}
+
+
 def skeleton(config: WanCausalConfig) -> nn.Module:
-    """diffusers' Wan on meta with the RoPE, the blocks' pre-hooks and the self-attention processor swapped in."""
+    """diffusers' Wan on meta with the RoPE, the blocks' pre-hooks and the self-attention processor swapped in (and
+    an image-to-video preset's given frames)."""
     module = skeleton_of(WanTransformer3DModel, config.spec.kwargs, rope_of(config))
     processor = BlockCausalAttention()
     for index, block in enumerate(module.blocks):
         block.attn1.set_processor(processor)
         block.register_forward_pre_hook(functools.partial(_layer_view, index))
+    if wan_i2v.form(config) == wan_i2v.CONCAT:
+        module.register_forward_pre_hook(_given_frames, with_kwargs=True)
     return module
 
 
@@ -218,11 +242,18 @@ def sequence_parallel(config: WanCausalConfig, module: nn.Module, group: fsp.SPG
 
 def inputs(config: WanCausalConfig, x_t: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor],
            sharded: bool) -> dict[str, Any]:
-    """Wan's inputs; per-frame ``t [B, T]`` becomes one timestep per token ``[B, T h w]``."""
+    """Wan's inputs; per-frame ``t [B, T]`` becomes one timestep per token ``[B, T h w]``; an image-to-video
+    model's first-frame latents go whole to its pre-hook (:func:`_given_frames`), which cuts them to the chunk."""
     if t.dim() == 2:
         _, p_h, p_w = config.spec.kwargs["patch_size"]
         t = t.repeat_interleave((x_t.shape[3] // p_h) * (x_t.shape[4] // p_w), dim=1)
-    return {"hidden_states": x_t, "timestep": t, "encoder_hidden_states": wan.masked_text(cond), "return_dict": False}
+    kwargs = {"hidden_states": x_t, "timestep": t, "encoder_hidden_states": wan.masked_text(cond), "return_dict": False}
+    if wan_i2v.form(config) == wan_i2v.CONCAT:
+        kwargs["image_latents"] = cond["first_frame_latents"]
+    if "image_embeds" in cond:
+        kwargs["encoder_hidden_states"] = wan.padded_text(kwargs["encoder_hidden_states"], config)
+        kwargs["encoder_hidden_states_image"] = cond["image_embeds"]
+    return kwargs
 
 
 # -------------------------------------------------------------------------------------------- the streaming functions
@@ -289,9 +320,10 @@ WAN_CAUSAL = dataclasses.replace(
 
 
 class WanCausalConfig(ModelConfig, tag="wan_causal"):
-    """A block-causal Wan 2.1 DiT (presets: tiny, tiny-deep, world, wan2.1-t2v-1.3b, wan2.1-t2v-14b; ordinary Wan
-    weights): latent frames in blocks of ``num_frames_per_block``, each attending to itself and earlier blocks
-    within ``local_attn_size`` frames (-1: all) plus the first ``sink_size`` frames; ``block_attention`` "prefix" (one
+    """A block-causal Wan 2.1 DiT (presets: tiny, tiny-deep, world, wan2.1-t2v-1.3b, wan2.1-t2v-14b and the
+    image-to-video tiny-i2v, world-i2v, wan2.1-i2v-14b-480p, wan2.1-i2v-14b-720p; ordinary Wan weights): latent
+    frames in blocks of ``num_frames_per_block``, each attending to itself and earlier blocks within
+    ``local_attn_size`` frames (-1: all) plus the first ``sink_size`` frames; ``block_attention`` "prefix" (one
     SDPA per block over its keys), "mask" (one masked SDPA) or "auto" (the mask for the cached chunks of a compiled
     model, so a stream of any length compiles to one graph per grad mode; else prefix). Its data and folder are
     Wan 2.1's: the encoders are Wan's record."""

@@ -75,6 +75,22 @@ def concat_input(config: Any, x: torch.Tensor, cond: Mapping[str, torch.Tensor])
     return torch.cat([x, mask, given_frames(x, cond, config.family.name)], dim=1)
 
 
+def chunk_concat_input(x: torch.Tensor, given: torch.Tensor, first: int, mask_channels: int,
+                       who: str) -> torch.Tensor:
+    """The ``concat`` form of a streamed chunk: ``[x | mask | given]`` of the clip's latent frames ``first .. first +
+    T - 1`` (``x [B, C, T, H, W]``; ``given [B, C, T', H, W]`` the clip's first-frame latents; the mask's
+    ``mask_channels`` one on the clip's frame 0 only), as FastVideo's causal image-to-video slices them per chunk."""
+    frames = x.shape[2]
+    window = given[:, :, first:first + frames]
+    if window.shape[2] != frames or window.shape[3:] != x.shape[3:]:
+        raise ValueError(f"{who}: first_frame_latents {list(given.shape)} do not cover latent frames {first}.."
+                         f"{first + frames - 1} of {list(x.shape)} (the same height and width, every frame)")
+    mask = torch.zeros(x.shape[0], mask_channels, frames, *x.shape[3:], dtype=x.dtype, device=x.device)
+    if first == 0:
+        mask[:, :, 0] = 1
+    return torch.cat([x, mask, window.to(x.dtype)], dim=1)
+
+
 def first_frame_input(x: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """``x`` with its first latent frame the given one (the ``first_frame`` form)."""
     return torch.cat([cond["first_frame_latents"][:, :, :1].to(x.dtype), x[:, :, 1:]], dim=2)

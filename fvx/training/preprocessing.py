@@ -91,10 +91,11 @@ def _holds(record: Any, folder: pathlib.Path, parts: tuple[str, ...]) -> bool:
     return True
 
 
-def prompt_encoder(config: Any, role: str, base: str | None, image_to_video: bool) -> Callable[[], Any]:
-    """The factory of ``role``'s text encoder (:func:`encoder_source`), with the first-frame and image encoders of an
-    image-to-video model."""
-    parts = ("text", "first_frame", "image") if image_to_video else ("text",)
+def prompt_encoder(config: Any, role: str, base: str | None, kind: str) -> Callable[[], Any]:
+    """The factory of the encoders ``sample`` needs for ``role`` (:func:`encoder_source`) under data ``kind``: the
+    text encoder, and the first-frame and image encoders of an image-to-video model (alone for a model without
+    text)."""
+    parts = tuple(part for part in parts_of(kind) if part not in ("video", "audio"))
     return encoder_source(config, parts, role=role, base=base)[1]
 
 
@@ -116,6 +117,12 @@ def encoded_prompts(config: Any, encoder: Any, prompts: list[str], extra: dict[s
         sample["text_2"] = second.numpy()
     return batching.collate(samples, list(range(len(samples))), text_len=config.data.text_len, cfg_rate=0.0,
                             dropout_key=random.key(0), text_2_len=config.data.text_2_len)
+
+
+def collated(config: Any, samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Encoded samples (without text: kind matrixgame2's first frame, image features and actions) as a raw batch."""
+    return batching.collate(samples, list(range(len(samples))), text_len=config.data.text_len, cfg_rate=0.0,
+                            dropout_key=random.key(0))
 
 
 def parts_of(kind: str) -> tuple[str, ...]:

@@ -62,6 +62,7 @@ class Request(NamedTuple):
     negative_prompt: str | None = None
     jumps: int | None = None
     image: str | None = None
+    actions: str | None = None  # a Matrix-Game model's action file (data.kind=matrixgame2)
     gif: bool = False
     scale: int = 1
     fps: float | None = None
@@ -329,19 +330,46 @@ def noise_and_keys(seeds: Sequence[int], shape: Any) -> tuple[Any, torch.Tensor]
 def encoded_cond(config: Any, model: Any, encoder: Any, prompts: Sequence[str],
                  image: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """The model's cond ``{name: [N, ...]}`` of ``prompts`` through ``encoder`` (as encode-prompts stores them), with
-    ``image``'s condition (:func:`image_condition`) in every row."""
-    raw = preprocessing.encoded_prompts(config, encoder, list(prompts), image)
+    ``image``'s condition (:func:`image_condition`) in every row; a model without text (data.kind=matrixgame2) takes
+    ``image`` alone (its actions among it), the prompts naming the videos."""
+    if config.data.kind == ACTIONS_KIND:
+        raw = preprocessing.collated(config, [{"where": prompt, "caption": prompt, **image} for prompt in prompts])
+    else:
+        raw = preprocessing.encoded_prompts(config, encoder, list(prompts), image)
     return {name: tensor.float() for name, tensor in model.batch(raw)["cond"].items()}
+
+
+ACTIONS_KIND = "matrixgame2"  # the data kind whose videos are steered by per-frame actions, not text
+
+
+def read_actions(path: str | None, kind: str, model: Any, frames: int) -> dict[str, Any] | None:
+    """The ``--actions`` file (``fvx.data.preprocess.read_action_file``: keyboard and mouse rows, one per video frame)
+    cut to the ``frames`` video frames sampled; a ValueError when it is missing for an action-steered model, given to
+    another one, unreadable, or shorter than the video."""
+    if path is None:
+        if kind == ACTIONS_KIND:
+            raise ValueError(f"sample: {model.name} is steered by per-frame actions (the run's data.kind={kind}): give "
+                             "--actions FILE (.npz of keyboard [F, K] and mouse [F, 2], or .npy of the keyboard)")
+        return None
+    if kind != ACTIONS_KIND:
+        raise ValueError(f"--actions: {model.name} takes no actions (the run's data.kind={kind}); drop --actions")
+    found = preprocess.read_action_file(pathlib.Path(path))
+    for name, rows in found.items():
+        if rows.shape[0] < frames:
+            raise ValueError(f"--actions {path!r}: {name} has {rows.shape[0]} rows, but the video has {frames} frames "
+                             "(one row per video frame; fewer --frames, or a longer file)")
+    return {name: rows[:frames] for name, rows in found.items()}
 
 
 def read_first_frame(path: str | None, kind: str, model: Any) -> Any:
     """The ``--image`` file as uint8 ``[1, H, W, 3]``; a ValueError when it is missing for an image-to-video model
     (the run's data ``kind`` "i2v"), given to another one, or does not decode."""
     if path is None:
-        if kind == "i2v":
-            raise ValueError(f"sample: {model.name} makes videos from an image (the run's data.kind=i2v): give --image")
+        if kind in ("i2v", ACTIONS_KIND):
+            raise ValueError(f"sample: {model.name} makes videos from an image (the run's data.kind={kind}): give "
+                             "--image")
         return None
-    if kind != "i2v":
+    if kind not in ("i2v", ACTIONS_KIND):
         raise ValueError(f"--image: {model.name} makes videos from text only (the run's data.kind={kind}); drop "
                          "--image")
     if not pathlib.Path(path).is_file():
@@ -428,6 +456,7 @@ class Plan(NamedTuple):
     shape: Any  # [C, T, H, W] of the video latents, or a joint model's {modality: shape}
     vcfg: validation.ValidationConfig
     image: Any  # the --image pixels, uint8 [1, H, W, 3], or None
+    actions: dict[str, Any] | None  # the --actions rows of the video's frames ({keyboard, mouse} float32), or None
     encoder: Callable[[], Any]
     decoder: Callable[[], Callable[[torch.Tensor], torch.Tensor]]
     sound: Callable[[], Any] | None  # a joint model's audio decoder (``decode``, ``sample_rate``), or None
@@ -436,22 +465,27 @@ class Plan(NamedTuple):
 
 
 def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
-    """Every check of a request, before any weight loads: a one-line ValueError naming the culprit."""
-    if not request.prompts:
-        raise ValueError("sample: give --prompt TEXT or --prompts FILE")
+    """Every check of a request, before any weight loads: a one-line ValueError naming the culprit. A model without
+    text (data.kind=matrixgame2) needs no prompt: its video is named after its ``--actions`` file."""
     if request.batch_size < 1 or request.scale < 1:
         raise ValueError("--batch-size and --scale must be >= 1")
     source = open_source(request)
     config = source.config
+    if config.data.kind == ACTIONS_KIND and not request.prompts and request.actions is not None:
+        request = request._replace(prompts=(pathlib.Path(request.actions).stem,))
+    if not request.prompts and config.data.kind != ACTIONS_KIND:  # (an action file names its video)
+        raise ValueError("sample: give --prompt TEXT or --prompts FILE")
     validated = config.method.held_roles()[0].name
     if source.role != validated:
         raise ValueError(f"sample: role {source.role!r} is not the model the method validates and samples "
                          f"({validated!r}); export it and train or sample it as a model of its own")
     models = build_models(config)
     model = models[source.role]
-    image_to_video = config.data.kind == "i2v"
     image = read_first_frame(request.image, config.data.kind, model)
     shape = latent_shape(config, model, request)
+    acts = read_actions(request.actions, config.data.kind, model, _video_frames(model, shape))
+    if acts is not None and request.negative_prompt is not None:
+        raise ValueError(f"--negative-prompt: {model.name} reads no text (its guidance is on the actions)")
     warning = check_length(model, shape, _trained_shape(config, shape))
     if warning is not None:
         say(f"warning: {warning}")
@@ -471,8 +505,8 @@ def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {str(out)!r} is a file, not a folder")
     sound = (lambda: config.build_audio_vae()) if model.joint and getattr(config, "audio_vae", None) else None
-    return Plan(request, source, model, models, sampler, shape, vcfg, image,
-                preprocessing.prompt_encoder(config, source.role, request.base, image_to_video),
+    return Plan(request, source, model, models, sampler, shape, vcfg, image, acts,
+                preprocessing.prompt_encoder(config, source.role, request.base, config.data.kind),
                 _decoder(config, source.role, request.base), sound, out,
                 videos(request.prompts, request.num_per_prompt, request.seed))
 
@@ -483,9 +517,10 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
     folder, and ``samples.json`` once every rank is done. Returns the folder, the entries, and this rank's latents
     and decoded frames."""
     p = plan(request, say)
-    config, device = p.source.config, preprocessing.device()
+    request, config, device = p.request, p.source.config, preprocessing.device()
     encoder = p.encoder()  # the text encoder first, then freed: it and the DiT are never held together
     given = None if p.image is None else image_condition(encoder, p.image, _video_shape(p.shape), p.model)
+    given = given if p.actions is None else {**given, **p.actions}
     cond = tree.to_device(encoded_cond(config, p.model, encoder, request.prompts, given), device)
     uncond = _uncond(config, p.model, encoder, request.negative_prompt, p.vcfg, device)
     del encoder
@@ -543,6 +578,11 @@ def decoded(model: Any, decoder: Callable[[torch.Tensor], torch.Tensor], sound: 
     return video, waveforms
 
 
+def _video_frames(model: Any, shape: Any) -> int:
+    """The video frames of latents ``shape``: ``1 + r (T - 1)`` at the VAE's time stride ``r``."""
+    return 1 + model.latents.vae_stride[0] * (_video_shape(shape)[1] - 1)
+
+
 def _video_shape(shape: Any) -> tuple[int, int, int, int]:
     return shape["video"] if isinstance(shape, Mapping) else shape
 
@@ -590,5 +630,6 @@ def _record(p: Plan, sampler: validation.Sampler, entries: list[dict[str, Any]],
         "solver": vcfg.solver if p.sampler.tag.startswith("model") else None, "karras": vcfg.karras,
         "negative_prompt": request.negative_prompt, "jumps": request.jumps, "latent_shape": shape, "fps": fps, "batch_size": request.batch_size,
         "base": request.base, "image": None if request.image is None else str(pathlib.Path(request.image).absolute()),
+        "actions": None if request.actions is None else str(pathlib.Path(request.actions).absolute()),
         "overrides": list(request.overrides), "device": device.type, "videos": entries,
     }

@@ -255,3 +255,35 @@ def test_bad_input_gets_one_line(model, params, data):
         WanCausalConfig(num_frames_per_block=3, local_attn_size=2)
     with pytest.raises(ValueError, match="sink_size 4 must be below local_attn_size 4"):
         WanCausalConfig(num_frames_per_block=2, local_attn_size=4, sink_size=4)
+
+
+def test_image_to_video_streams_with_the_first_frame_cut_per_chunk_and_one_block_is_stock_wan_i2v():
+    """The I2V preset: streamed chunks equal the full block-causal forward; one block over every frame is diffusers'
+    Wan I2V on ``[x | mask | first frame]``; the given frame steers later chunks through the cache."""
+    model = WanCausalConfig(preset="tiny-i2v", num_frames_per_block=2).build()
+    params = model.init(random.key(0))
+    k = random.split(random.key(2), 5)
+    x, t = random.normal(k[0], (B, C, T, H, W)), torch.floor(random.uniform(k[1], (B, T)) * 1000)
+    given = torch.zeros(B, C, T, H, W)
+    given[:, :, 0] = random.normal(k[2], (B, C, H, W))
+    cond = {"text": random.normal(k[3], (B, 5, 32)), "text_mask": torch.ones(B, 5),
+            "first_frame_latents": given, "image_embeds": random.normal(k[4], (B, 3, 16))}
+    got, cache = chunked(model, params, x, t, cond)
+    torch.testing.assert_close(got, model.apply(params, x, t, cond), rtol=0, atol=1e-5)
+    assert cache.next_frame == T
+    other = {**cond, "first_frame_latents": given.roll(1, dims=0)}
+    assert not torch.allclose(chunked(model, params, x, t, other)[0][:, :, 4:], got[:, :, 4:])
+
+    whole = WanCausalConfig(preset="tiny-i2v", num_frames_per_block=T).build()
+    stock = WanTransformer3DModel(**WanConfig(preset="tiny-i2v").spec.kwargs)
+    stock.load_state_dict(params)
+    mask = torch.zeros(B, 4, T, H, W)
+    mask[:, :, 0] = 1
+    text = torch.nn.functional.pad(cond["text"], (0, 0, 0, 512 - 5))
+    with torch.no_grad():
+        ref = stock(torch.cat([x, mask, given], dim=1), t[:, 0], text, cond["image_embeds"], return_dict=False)[0]
+    torch.testing.assert_close(whole.apply(params, x, t[:, 0], cond), ref, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="teacher forcing of an image-to-video model is not supported"):
+        model.causal.apply_teacher_forced(params, x, t, cond, x)
+    with pytest.raises(ValueError, match=r"first_frame_latents \[2, 16, 6, 4, 4\] do not cover latent frames 6..7"):
+        model.causal.apply_cached(params, x[:, :, :2], t[:, :2], cond, bc.KVCache(next_frame=6))

@@ -3,6 +3,8 @@ import json
 import pathlib
 import shutil
 
+import msgspec
+import numpy
 import pytest
 import torch
 from PIL import Image
@@ -79,7 +81,7 @@ def validations_sample(run_dir: pathlib.Path, *, seed: int):
     state = experiment.initial_state(built, experiment.batch_fn(config, built)(0))
     saved = sampling.fexport.role_checkpoint(run_dir, role="student")
     state = state._replace(roles={"student": state.roles["student"]._replace(params=saved.read())})
-    vcfg = config.validation.__class__(seed=seed, num_prompts=1, every=1)
+    vcfg = msgspec.structs.replace(config.validation, seed=seed, num_prompts=1, every=1)
     validator = validation.make_validator(vcfg, built.dataset, built.program.model)
     entry = built.program.validate(state, experiment.frozen_params(built), vcfg)[0]
     latents, _ = validation.sample_videos(entry.apply, entry.params, validator.noise, entry.sigmas,
@@ -226,6 +228,36 @@ def test_image_to_video_needs_a_decodable_image(image_to_video, tmp_path, capsys
                                                 tmp_path / "broken.png", "--out", out)
     assert "does not exist" in bad(capsys, image_to_video, "--prompt", RED_RIGHT, "--image", tmp_path / "no.png",
                                    "--out", out)
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def world_model(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("mg2") / "run", "experiments/worldmodel_matrixgame2.py", 2)
+
+
+def test_a_world_model_samples_from_an_image_and_an_action_file(world_model, tmp_path, capsys):
+    """Matrix-Game: the first frame of world clip 0 as --image and its keys as an --actions file make exactly the
+    video validation samples for that clip; the video is named after the file; without either, one line."""
+    want, validator, built = validations_sample(world_model, seed=3)
+    config = run_folder.load_run(world_model)
+    sample0 = built.dataset.read([validator.prompts.indices[0]])
+    pixels = torch.nn.functional.pixel_shuffle(sample0["latents"][0, :, 0][None], config.data.world.factor)[0]
+    image = tmp_path / "first.png"
+    Image.fromarray(((pixels + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()).save(image)
+    keys = tmp_path / "keys.npz"
+    numpy.savez(keys, keyboard=sample0["keyboard"][0].numpy(), mouse=sample0["mouse"][0].numpy())
+    done = sampling.run_sample(sampling.Request(str(world_model), (), out=str(tmp_path / "s"), seed=3, image=str(image),
+                                                actions=str(keys)), progress=False, say=lambda line: None)
+    torch.testing.assert_close(done["latents"], want, rtol=0, atol=0)
+    assert done["videos"][0]["files"] == ["keys_3.mp4"]
+    out = tmp_path / "out"
+    numpy.save(tmp_path / "short.npy", sample0["keyboard"][0, :2].numpy())
+    for args, message in [(("--image", image), "give --actions FILE"), (("--actions", keys), "give --image"),
+                          (("--image", image, "--actions", tmp_path / "short.npy"), "keyboard has 2 rows, but the "
+                                                                                    "video has 4 frames"),
+                          (("--image", image, "--actions", keys, "--negative-prompt", "x"), "reads no text")]:
+        assert message in bad(capsys, world_model, *args, "--out", out), args
     assert not out.exists()
 
 
