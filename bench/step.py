@@ -284,6 +284,9 @@ def both_branches_step(case: str, model, module, optimizer, batch, draws, step: 
 
 
 def run_case(case: str, repeats: int) -> dict:
+    # dynamo caches per code object: diffusers wraps every family's forward in one decorator (peft_utils' wrapper), so
+    # without a reset the ninth family's torch.compile(module) hits recompile_limit and its peer silently runs eager
+    torch._dynamo.reset()
     model, config, program, state, module, optimizer, batch = build(case)
     compiled = build(case, compile="blocks")[2]
     whole = None if model_config(case).family.whole_graph_refusal else build(case, compile="model")[2]

@@ -19,10 +19,9 @@ from typing import Any, Callable, ClassVar, Hashable, Literal, Mapping
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from fvx.config import Config
-from fvx.core import grad as fvx_grad, tree
+from fvx.core import functional, grad as fvx_grad, tree
 from fvx.distributed import compile as fvx_compile, gather_schedule, memory, processes, sharding
 from fvx.distributed.gathers import sharded_call
 from fvx_models import (cond as fcond, diffusers_folder as dfolder, layouts, linear_qat as flinear_qat, lora as flora,
@@ -282,7 +281,7 @@ def apply(config: ModelConfig, module: nn.Module, spec: fcond.Spec, params: Para
     if config.two_time:
         kwargs = family.with_r(config, kwargs, x, t if r is None else r.to(torch.float32))
     video = x_t["video"] if isinstance(x_t, Mapping) else x_t
-    buffers = {name: b.to(video.device) for name, b in module.named_buffers()}
+    buffers = {name: b.to(video.device) for name, b in functional.held(module)[1].items()}
     runtime.grid = tuple(size // p for size, p in zip(video.shape[2:], _patch(config)))
     with (contextlib.nullcontext() if family.bind is None else family.bind(module, call),
           runtime.dense() if dense else contextlib.nullcontext()):
@@ -291,7 +290,7 @@ def apply(config: ModelConfig, module: nn.Module, spec: fcond.Spec, params: Para
         else:  # a cast to a param's own dtype is free (the same tensor)
             params = {name: p.to(compute_dtypes[name]) for name, p in params.items()}
             out = (forward(params, buffers, kwargs) if forward is not None else
-                   functional_call(module, (params, buffers), (), kwargs, strict=True))
+                   functional.call(module, params, buffers, (), kwargs))
     return velocity(config, out, x, t, cond)
 
 

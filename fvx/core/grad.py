@@ -12,9 +12,8 @@ from typing import Any, Callable
 import torch
 import torch.utils.checkpoint
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.func import functional_call
 
-from fvx.core import tree as tree_util
+from fvx.core import functional, tree as tree_util
 
 
 def _differentiable_leaves(params: Any) -> tuple[list[torch.Tensor], Any]:
@@ -86,7 +85,7 @@ def grad(f: Callable[..., Any], has_aux: bool = False) -> Callable[..., Any]:
 
 
 def _call_with(module: torch.nn.Module, params: dict, buffers: dict, args: tuple, kwargs: dict) -> Any:
-    return functional_call(module, (params, buffers), args, kwargs, strict=True)
+    return functional.call(module, params, buffers, args, kwargs)
 
 
 def remat(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -97,8 +96,7 @@ def remat(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     runs through ``functional_call`` with exactly those tensors, never the skeleton's own. Install it in a diffusers
     model with ``model.enable_gradient_checkpointing(fvx.core.grad.remat)``. Arguments may be any pytree, tensor or not.
     """
-    params = dict(module.named_parameters(remove_duplicate=False))
-    buffers = dict(module.named_buffers(remove_duplicate=False))
+    params, buffers = functional.held(module)
     return torch.utils.checkpoint.checkpoint(
         _call_with, module, params, buffers, args, kwargs, use_reentrant=False, preserve_rng_state=False
     )

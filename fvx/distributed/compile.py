@@ -28,6 +28,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from fvx.core import functional
+
 Mode = Literal["none", "blocks", "model"]
 MODES: tuple[str, ...] = ("none", "blocks", "model")
 UnitFn = Callable[..., Any]  # fn(params, buffers, *args, **kwargs), params/buffers keyed relative to the unit
@@ -91,12 +93,12 @@ def template(module: nn.Module, prefix: str) -> nn.Module:
 
 
 def unit_function(unit_template: nn.Module) -> UnitFn:
-    """``fn(params, buffers, *args, **kwargs)``: the template applied with ``params`` and ``buffers``. A new code
-    object per call, so each installed model keeps its own torch.compile cache (dynamo caches per code object and
-    stops compiling past ``torch._dynamo.config.recompile_limit`` entries)."""
+    """``fn(params, buffers, *args, **kwargs)``: the template applied with ``params`` and ``buffers``
+    (``fvx.core.functional.call``). A new code object per call, so each installed model keeps its own torch.compile
+    cache (dynamo caches per code object and stops compiling past ``torch._dynamo.config.recompile_limit`` entries)."""
 
     def run_unit(params, buffers, *args, **kwargs):
-        return functional_call(unit_template, (params, buffers), args, kwargs, strict=True)
+        return functional.call(unit_template, params, buffers, args, kwargs)
 
     return types.FunctionType(run_unit.__code__.replace(), run_unit.__globals__, run_unit.__name__, None,
                               run_unit.__closure__)
@@ -137,8 +139,7 @@ Gather = Callable[[str, Mapping[str, torch.Tensor], Callable[[Mapping[str, torch
 
 def _routed_forward(unit: nn.Module, prefix: str, fn: UnitFn, gather: Gather | None, contiguous: bool, *args: Any,
                     **kwargs: Any) -> Any:
-    params = dict(unit.named_parameters(remove_duplicate=False))
-    buffers = dict(unit.named_buffers(remove_duplicate=False))
+    params, buffers = functional.held(unit)
     if contiguous:
         args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
     if gather is None:

@@ -18,8 +18,8 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.func import functional_call
 
+from fvx.core import functional
 from fvx.distributed import compile as fvx_compile
 from fvx.distributed.processes import Group, wait
 from fvx.distributed.sharding import dtype_for, DtypeSpec, Layout, Params, ShardSpec
@@ -203,7 +203,7 @@ def gather_root(local: Mapping[str, torch.Tensor], layout: Layout, units: Sequen
 
 def sharded_call(module: torch.nn.Module, local: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
                  args: tuple = (), kwargs: Mapping[str, Any] | None = None, *, gathers: Any) -> Any:
-    """``module(*args, **kwargs)`` with sharded params: ``functional_call`` with the root's params gathered and each
+    """``module(*args, **kwargs)`` with sharded params: a functional call with the root's params gathered and each
     unit's local shards, which the unit gathers itself when it runs, in one prefetch window of ``gathers`` (a
     ``fvx.distributed.gather_schedule.UnitGathers`` whose units have been routed:
     ``fvx.distributed.compile.install_units(..., gather=)``)."""
@@ -214,7 +214,7 @@ def sharded_call(module: torch.nn.Module, local: Mapping[str, torch.Tensor], buf
                          "gather=fvx.distributed.gather_schedule.UnitGathers(...) first")
     with gathers.window(local):
         bound = gather_root(local, gathers.layout, units, gathers.group, gathers.compute_dtypes)
-        return functional_call(module, (bound, dict(buffers)), args, dict(kwargs or {}), strict=True)
+        return functional.call(module, bound, buffers, args, kwargs)
 
 
 def names_by_unit(names: Iterable[str], units: Sequence[str]) -> dict[str | None, list[str]]:
