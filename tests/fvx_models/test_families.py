@@ -106,6 +106,30 @@ def test_compiled_units_make_one_graph_per_group_and_match_eager(name):
         torch.testing.assert_close(grads_c[n], grads[n], rtol=1e-4, atol=1e-4 * grads[n].abs().max().item())
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_whole_model_compiles_to_one_graph_and_matches_eager(name):
+    """``compile=model``: one graph (no recompile on the second call) equal to eager, or the family's one-line
+    refusal (a forward that is not one graph)."""
+    case = CASES[name]
+    config = type(case.config)(**{**_fields(case.config), "compile": "model", "compile_backend": "aot_eager"})
+    if case.config.family.whole_graph_refusal:
+        with pytest.raises(ValueError, match=case.config.family.whole_graph_refusal.split("(")[0][:40]):
+            config.build()
+        return
+    eager, compiled = case.config.build(), config.build()
+    params = eager.init(random.key(0))
+    x, t, cond = inputs(eager, random.key(2))
+    target = random.normal(random.key(3), x.shape)
+    loss, grads = grad.value_and_grad(mse(eager, x, t, cond, target))(params)
+    for _ in range(2):
+        loss_c, grads_c = grad.value_and_grad(mse(compiled, x, t, cond, target))(params)
+    stats = compiled.compile_stats
+    assert stats.graphs_of("model") == 1 and stats.recompiles == 0, stats
+    torch.testing.assert_close(loss_c, loss, rtol=1e-5, atol=0)
+    for n in grads:
+        torch.testing.assert_close(grads_c[n], grads[n], rtol=1e-4, atol=1e-4 * grads[n].abs().max().item())
+
+
 @pytest.mark.parametrize("name", ["wan", "wan-ti2v", "hunyuan_video", "cosmos", "ltx_video", "kandinsky5"])
 def test_dry_run_activation_figures_match_what_each_unit_group_saves(name):
     """The family's per-token coefficients against saved-tensor hooks on the first unit of each group (bf16)."""
