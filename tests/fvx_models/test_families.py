@@ -85,25 +85,33 @@ def _fields(config) -> dict:
     return {field: getattr(config, field) for field in config.__struct_fields__}
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_compiled_units_make_one_graph_per_group_and_match_eager(name):
-    case = CASES[name]
+def compiled_matches_eager(case, compiled):
+    """Two compiled loss-and-gradient calls equal the eager model's (loss to 1e-5, gradients to 1e-4 of their
+    largest); the compiled model's compile counters."""
     eager = case.config.build()
-    compiled = type(case.config)(**{**_fields(case.config), "compile": "blocks",
-                                    "compile_backend": "aot_eager"}).build()
     params = eager.init(random.key(0))
     x, t, cond = inputs(eager, random.key(2))
     target = random.normal(random.key(3), x.shape)
     loss, grads = grad.value_and_grad(mse(eager, x, t, cond, target))(params)
     for _ in range(2):
         loss_c, grads_c = grad.value_and_grad(mse(compiled, x, t, cond, target))(params)
-    stats = compiled.compile_stats
-    groups = build.unit_groups(case.config.family, build.skeleton(case.config))
-    assert sorted(stats.signatures) == sorted(groups) and stats.recompiles == 0
-    assert all(stats.graphs_of(group) == 1 for group in groups), stats
     torch.testing.assert_close(loss_c, loss, rtol=1e-5, atol=0)
     for n in grads:
         torch.testing.assert_close(grads_c[n], grads[n], rtol=1e-4, atol=1e-4 * grads[n].abs().max().item())
+    return compiled.compile_stats
+
+
+def compiled_config(case, mode: str):
+    return type(case.config)(**{**_fields(case.config), "compile": mode, "compile_backend": "aot_eager"})
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_compiled_units_make_one_graph_per_group_and_match_eager(name):
+    case = CASES[name]
+    stats = compiled_matches_eager(case, compiled_config(case, "blocks").build())
+    groups = build.unit_groups(case.config.family, build.skeleton(case.config))
+    assert sorted(stats.signatures) == sorted(groups) and stats.recompiles == 0
+    assert all(stats.graphs_of(group) == 1 for group in groups), stats
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -111,23 +119,13 @@ def test_a_whole_model_compiles_to_one_graph_and_matches_eager(name):
     """``compile=model``: one graph (no recompile on the second call) equal to eager, or the family's one-line
     refusal (a forward that is not one graph)."""
     case = CASES[name]
-    config = type(case.config)(**{**_fields(case.config), "compile": "model", "compile_backend": "aot_eager"})
+    config = compiled_config(case, "model")
     if case.config.family.whole_graph_refusal:
         with pytest.raises(ValueError, match=case.config.family.whole_graph_refusal.split("(")[0][:40]):
             config.build()
         return
-    eager, compiled = case.config.build(), config.build()
-    params = eager.init(random.key(0))
-    x, t, cond = inputs(eager, random.key(2))
-    target = random.normal(random.key(3), x.shape)
-    loss, grads = grad.value_and_grad(mse(eager, x, t, cond, target))(params)
-    for _ in range(2):
-        loss_c, grads_c = grad.value_and_grad(mse(compiled, x, t, cond, target))(params)
-    stats = compiled.compile_stats
+    stats = compiled_matches_eager(case, config.build())
     assert stats.graphs_of("model") == 1 and stats.recompiles == 0, stats
-    torch.testing.assert_close(loss_c, loss, rtol=1e-5, atol=0)
-    for n in grads:
-        torch.testing.assert_close(grads_c[n], grads[n], rtol=1e-4, atol=1e-4 * grads[n].abs().max().item())
 
 
 @pytest.mark.parametrize("name", ["wan", "wan-ti2v", "hunyuan_video", "cosmos", "ltx_video", "kandinsky5"])
