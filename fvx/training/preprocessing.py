@@ -115,14 +115,14 @@ def encoded_prompts(config: Any, encoder: Any, prompts: list[str], extra: dict[s
                for n, (row, prompt) in enumerate(zip(rows, prompts))]
     for sample, second in zip(samples, seconds or ()):
         sample["text_2"] = second.numpy()
-    return batching.collate(samples, list(range(len(samples))), text_len=config.data.text_len, cfg_rate=0.0,
-                            dropout_key=random.key(0), text_2_len=config.data.text_2_len)
+    return collated(config, samples)
 
 
 def collated(config: Any, samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """Encoded samples (without text: kind matrixgame2's first frame, image features and actions) as a raw batch."""
+    """Encoded samples (text, or none: kind matrixgame2's first frame, image features and actions) as a raw batch,
+    nothing dropped."""
     return batching.collate(samples, list(range(len(samples))), text_len=config.data.text_len, cfg_rate=0.0,
-                            dropout_key=random.key(0))
+                            dropout_key=random.key(0), text_2_len=config.data.text_2_len)
 
 
 def parts_of(kind: str) -> tuple[str, ...]:

@@ -33,6 +33,8 @@ from fvx.training.experiment import build_models, role_configs, run_keys
 SAMPLES = "samples.json"
 SCHEDULES = ("fvx", "diffusers")
 SOLVERS = ("euler", "unipc")
+ACTIONS_KIND = "matrixgame2"  # the data kind whose videos are steered by per-frame actions, not text
+IMAGE_KINDS = ("i2v", ACTIONS_KIND)  # the data kinds whose videos start from a given first frame
 
 
 class Request(NamedTuple):
@@ -339,9 +341,6 @@ def encoded_cond(config: Any, model: Any, encoder: Any, prompts: Sequence[str],
     return {name: tensor.float() for name, tensor in model.batch(raw)["cond"].items()}
 
 
-ACTIONS_KIND = "matrixgame2"  # the data kind whose videos are steered by per-frame actions, not text
-
-
 def read_actions(path: str | None, kind: str, model: Any, frames: int) -> dict[str, Any] | None:
     """The ``--actions`` file (``fvx.data.preprocess.read_action_file``: keyboard and mouse rows, one per video frame)
     cut to the ``frames`` video frames sampled; a ValueError when it is missing for an action-steered model, given to
@@ -363,13 +362,13 @@ def read_actions(path: str | None, kind: str, model: Any, frames: int) -> dict[s
 
 def read_first_frame(path: str | None, kind: str, model: Any) -> Any:
     """The ``--image`` file as uint8 ``[1, H, W, 3]``; a ValueError when it is missing for an image-to-video model
-    (the run's data ``kind`` "i2v"), given to another one, or does not decode."""
+    (the run's data ``kind`` one of :data:`IMAGE_KINDS`), given to another one, or does not decode."""
     if path is None:
-        if kind in ("i2v", ACTIONS_KIND):
+        if kind in IMAGE_KINDS:
             raise ValueError(f"sample: {model.name} makes videos from an image (the run's data.kind={kind}): give "
                              "--image")
         return None
-    if kind not in ("i2v", ACTIONS_KIND):
+    if kind not in IMAGE_KINDS:
         raise ValueError(f"--image: {model.name} makes videos from text only (the run's data.kind={kind}); drop "
                          "--image")
     if not pathlib.Path(path).is_file():
