@@ -29,7 +29,7 @@ def saved_per_group(config, x: torch.Tensor, t: torch.Tensor, cond: dict) -> dic
     model = config.build()
     module = build.skeleton(config)
     dtypes = build.dtypes_for(module, torch.bfloat16)
-    params = {n: p.to(dtypes[n]) for n, p in model.init(random.key(0)).items()}
+    params = {n: p.to(dtypes[n]) for n, p in model.weights.init(random.key(0)).items()}
     groups = build.unit_groups(config.family, module)
     captured = {}
     hooks = [module.get_submodule(units[0][:-1]).register_forward_pre_hook(
@@ -89,14 +89,14 @@ def main() -> int:
             x, t, cond = inputs(model, random.key(1), frames=4, size=16, text_len=8)
             rows[mlp] = (config, saved_per_group(config, x, t, cond))
         for group, (fp32, half, tokens) in rows[1][1].items():
-            dim, ffn = case.config.family.widths(rows[1][0])[1][group]
-            _, ffn2 = case.config.family.widths(rows[2][0])[1][group]
+            dim, ffn = case.config.family.architecture.widths(rows[1][0])[1][group]
+            _, ffn2 = case.config.family.architecture.widths(rows[2][0])[1][group]
             half2 = rows[2][1][group][1]
             f = (half2 - half) / (2 * tokens * (ffn2 - ffn)) if ffn2 != ffn else 0.0
             b = (half / (2 * tokens) - f * ffn) / dim
             a = fp32 / (4 * tokens * dim)
             family = case.config.family
-            stated = {**family.activations, **case.config.spec.options.get("activations", {})}[group]
+            stated = {**family.architecture.activations, **case.config.spec.options.get("activations", {})}[group]
             print(f"{name:16} {group:26} tokens {tokens:5}  fp32 {fp32 / tokens:9.0f} B/token  "
                   f"bf16 {half / tokens:9.0f} B/token  ->  fp32_dim={a:.1f} compute_dim={b:.1f} compute_ffn={f:.1f}"
                   f"  (the family states {stated.fp32_dim}, {stated.compute_dim}, {stated.compute_ffn})")

@@ -81,7 +81,7 @@ def first_layers(params: dict, layers: int) -> dict:
 
 def make_inputs(args) -> dict:
     """Params (the causal and the bidirectional model share their names), latents, both timesteps and the text."""
-    params = build_model("prefix", args.frames_per_block).init(random.key(0))
+    params = build_model("prefix", args.frames_per_block).weights.init(random.key(0))
     k = random.split(random.key(1), 4)
     b = args.batch
     x = random.normal(k[0], (b, _KWARGS["in_channels"], args.frames, args.size, args.size))
@@ -305,7 +305,7 @@ def print_action_stream(args) -> None:
     frames, size = fpb * blocks, args.size
     model = MatrixGame2CausalConfig(preset="tiny", num_frames_per_block=fpb, local_attn_size=max(4, fpb + 1),
                                     sink_size=1).build()
-    params = model.init(random.key(0))
+    params = model.weights.init(random.key(0))
     video_frames = 4 * (frames - 1) + 1
     cond = {"first_frame_latents": random.normal(random.key(1), (1, 16, frames, size, size)),
             "image_embeds": random.normal(random.key(2), (1, 5, 16)),

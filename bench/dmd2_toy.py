@@ -185,7 +185,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = str(pathlib.Path(tmp) / "teacher")
-        model.export(teacher, folder)
+        model.export.folder(teacher, folder)
         student_model = WanConfig(preset="tiny", path=folder).build()
         roles = {"student": student_model, "critic": student_model, "teacher": student_model}
         dmd = DMD2(rollout_mode="simulate", denoising_steps=STEPS, generator_update_interval=args.interval,

@@ -70,7 +70,7 @@ def steps():
     from fvx_models.wan_two_time import REmbedder
 
     model = WanConfig(preset="tiny", r_embedder=REmbedder()).build()
-    params = model.init(random.key(0))
+    params = model.weights.init(random.key(0))
     batch = {"latents": random.normal(random.key(1), (2, 16, 4, 32, 32)), "sample_index": torch.arange(2),
              "cond": {"text": random.normal(random.key(2), (2, 8, 32)), "text_mask": torch.ones(2, 8)}}
 

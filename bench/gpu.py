@@ -403,7 +403,7 @@ def run_row(ctx: Ctx, case: Case, variant: str, args) -> dict:
     step = VARIANTS[variant](ctx, case, batch, args)
     result = measure(ctx, step, warmup_of(variant, args), args)
     model = getattr(step, "model", None)
-    stats = None if model is None else model.compile_stats
+    stats = None if model is None else model.kernels.compile_stats
     name = variant if stats is None else f"{variant} ({stats.graphs} graphs, {stats.recompiles} recompiles)"
     del step, model, batch
     release(ctx)

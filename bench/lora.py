@@ -62,7 +62,7 @@ def build_peer(base: dict, adapters: dict):
     from peft import LoraConfig
 
     plain = config()
-    module = plain.family.skeleton(plain)
+    module = plain.family.architecture.skeleton(plain)
     module.load_state_dict({n: p.detach().clone() for n, p in base.items()}, assign=True)
     targets = sorted({name.rsplit(".lora_", 1)[0] for name in adapters})
     module.add_adapter(LoraConfig(r=ADAPTERS.rank, lora_alpha=ADAPTERS.alpha, target_modules=targets))

@@ -82,17 +82,17 @@ def quality(steps: int, teacher_path: str, student_path: str, overrides: list[st
         timesteps, sigmas = sf.student_schedule(config.method)
         stream = streaming.draw(student_model.causal, sigmas, sampler="sde", timesteps=timesteps)
         many = validation.many_step_sigmas(20, config.validation.flow_shift)
-        teacher_params, k = teacher_model.load(teacher_path), len(timesteps)
+        teacher_params, k = teacher_model.weights.load(teacher_path), len(timesteps)
         samplers = {
             "teacher, 20-step ODE": lambda: flow.euler_sample(teacher_model.apply, teacher_params, noise, many,
                                                               cond=batch["cond"]),
             f"teacher, {k}-step SDE": lambda: flow.sde_sample(teacher_model.apply, teacher_params, noise, sigmas,
                                                               random.key(3), cond=batch["cond"], timesteps=timesteps),
-            "student before (KD), streamed": lambda: stream(student_model.load(student_path), noise, batch["cond"],
-                                                            keys),
+            "student before (KD), streamed": lambda: stream(
+                student_model.weights.load(student_path), noise, batch["cond"], keys),
             "student after Self-Forcing (EMA), streamed": lambda: streaming.draw(
                 trained_model.causal, sigmas, sampler="sde", timesteps=timesteps)(
-                trained_model.load(str(out / "trained")), noise, batch["cond"], keys),
+                trained_model.weights.load(str(out / "trained")), noise, batch["cond"], keys),
         }
         codec = config.vae.build()
         rows = []
@@ -130,7 +130,7 @@ def memory_variant(blocks: int, block_at_a_time: bool, repeats: int) -> dict:
     g = torch.Generator().manual_seed(0)
     batch = {"sample_index": torch.arange(2), "latents": torch.zeros(2, 16, blocks, SIDE, SIDE),
              "cond": {"text": torch.randn(2, 8, 32, generator=g), "text_mask": torch.ones(2, 8)}}
-    params, critic_params = student.init(random.key(1)), critic.init(random.key(2))
+    params, critic_params = student.weights.init(random.key(1)), critic.weights.init(random.key(2))
 
     def call():
         return grads({}, params, batch, 1, critic_params, critic_params, random.key(3))

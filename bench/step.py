@@ -11,7 +11,7 @@ noise and timesteps: both steps draw the noise and timesteps with the same fvx k
 alternate fvx / baseline; peak memory is measured per variant in a fresh subprocess.
 
 Models that make sound too: LTX-2 trains video only (its audio branch frozen: the baseline module's audio params do not
-require grad) and draws its own noise levels (``Model.sigma_sampler``, which the baseline draws with too); MiniMax-H3
+require grad) and draws its own noise levels (``Model.rules.sigma_sampler``, which the baseline draws with too); MiniMax-H3
 is joint (latents ``{"video": [B, C, T, H, W], "audio": [B, 2, 32, A]}``, one sample per forward, the loss the sum of
 the modalities' mean squared errors, as ``fvx_methods.finetune.loss_fn``). Its tokens column counts the video's.
 For LTX-2 a second memory table puts fvx's frozen-audio step beside a bench-only baseline that trains both branches
@@ -59,6 +59,7 @@ from fvx.distributed import processes, sharding  # noqa: E402
 from fvx_methods import finetune  # noqa: E402
 from fvx_models import build as fvx_build, ltx2, minimax_h3, wan  # noqa: E402
 from fvx_models.family import Preset  # noqa: E402
+from fvx_models.chronoedit import ChronoEditConfig  # noqa: E402
 from fvx_models.cosmos import CosmosConfig  # noqa: E402
 from fvx_models.hunyuan_video import HunyuanVideoConfig  # noqa: E402
 from fvx_models.hunyuan_video15 import HunyuanVideo15Config  # noqa: E402
@@ -94,6 +95,7 @@ CASES = {
     "wan-i2v": (wan.WanConfig(preset="tiny-i2v"), (16, 2, 16, 16), 4),
     "matrixgame2": (MatrixGame2Config(preset="tiny"), (16, 2, 16, 16), 4),  # its actions per video frame: [B, 5, 4]
     "cosmos": (CosmosConfig(preset="tiny"), (16, 2, 16, 16), 4),
+    "chronoedit": (ChronoEditConfig(preset="tiny"), (16, 2, 16, 16), 4),  # Wan 2.1 I2V's call, its 2-frame RoPE
     "ltx-video": (LTXVideoConfig(preset="tiny"), (8, 2, 16, 16), 4),
     "hunyuan15": (HunyuanVideo15Config(preset="tiny"), (4, 2, 16, 16), 4),
     "kandinsky5": (Kandinsky5Config(preset="tiny"), (16, 2, 16, 16), 4),
@@ -182,7 +184,7 @@ def baseline_module(case: str, program, state, train_all: bool = False) -> torch
     fvx trains with gradients, those it holds frozen (LTX-2's audio branch) without; ``train_all``: every param with
     gradients (the bench-only LTX-2 variant that trains both branches)."""
     config = model_config(case)
-    module = config.family.skeleton(config)
+    module = config.family.architecture.skeleton(config)
     trained = state.roles["student"].params
     params = {**held(program).get("student", {}), **trained}
     module.load_state_dict({n: p.detach().clone() for n, p in params.items()}, assign=True)
@@ -205,8 +207,8 @@ def baseline_draws(config, model, batch, state, step: int):
     shapes = {name: tuple(x.shape[1:]) for name, x in x0.items()} if joint else tuple(x0.shape[1:])
     device = x0["video"].device if joint else x0.device
     noise, t_keys = flow.per_sample_noise(key, batch["sample_index"], shapes, device)
-    if model.sigma_sampler is not None:
-        sigma, t = model.sigma_sampler(t_keys, x0)
+    if model.rules.sigma_sampler is not None:
+        sigma, t = model.rules.sigma_sampler(t_keys, x0)
     else:
         grid = flow.training_sigmas(config.flow_shift)
         sigma, t = flow.sample_training_sigmas(t_keys, grid, config.weighting_scheme, logit_mean=config.logit_mean,
@@ -294,7 +296,7 @@ def run_case(case: str, repeats: int) -> dict:
     torch._dynamo.reset()
     model, config, program, state, module, optimizer, batch = build(case)
     compiled = build(case, compile="blocks")[2]
-    whole = None if model_config(case).family.whole_graph_refusal else build(case, compile="model")[2]
+    whole = None if model_config(case).family.architecture.whole_graph_refusal else build(case, compile="model")[2]
     peer = torch.compile(baseline_module(case, program, state))
     peer_optimizer = torch.optim.AdamW([p for p in peer.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.01,
                                        foreach=True)

@@ -121,7 +121,8 @@ def quality(steps: int, student_path: str, teacher_path: str, overrides: list[st
         codec = config.vae.build()
         for name, path in (("Self-Forcing student", student_path), ("after streaming tuning", str(out / "tuned"))):
             with torch.no_grad():
-                videos = codec.decode(model.latents.denormalize(draw(model.load(path), noise, batch["cond"], keys)))
+                latents = draw(model.weights.load(path), noise, batch["cond"], keys)
+                videos = codec.decode(model.latents.denormalize(latents))
             figures = world.sample_quality(videos, indices)
             rows.append({"name": name, **figures})
             windows = sorted({key.split("/")[0] for key in figures if key.startswith("window_")})

@@ -158,9 +158,9 @@ class AnyFlowPretrain(one_role.OneRoleConfig, tag="anyflow_pretrain"):
         check_shared_data(models, data_role=STUDENT)
         model = models[STUDENT]
         flow_map.check_two_time(model, self.roles.student, self.name)
-        derivatives.check_mode(self.derivative, compiled=model.compile_stats is not None,
-                               sharded=model.layout is not None, who="method.derivative",
-                               no_forward_ad=model.forward_ad_refusal)
+        derivatives.check_mode(self.derivative, compiled=model.kernels.compile_stats is not None,
+                               sharded=model.weights.layout is not None, who="method.derivative",
+                               no_forward_ad=model.rules.forward_ad_refusal)
 
     def build(self, models: Mapping[str, Model], *, total_steps: int, ranks: role.Ranks = role.ONE_PROCESS,
               before_update: role.BeforeUpdate | None = None) -> Program:

@@ -243,7 +243,7 @@ def check_roles(student: Model, teacher: Model, ema_model: Model, config: Causal
 
 def trained_shapes(model: Model) -> dict[str, tuple[int, ...]]:
     """The shapes of the params a role of ``model`` trains, from its meta skeleton (no weights)."""
-    return model.memory_spec().part(model.trained_names)
+    return model.memory_spec().part(model.weights.trained_names)
 
 
 def check_same_architecture(student: Model, ema_model: Model, config: CausalCD) -> None:

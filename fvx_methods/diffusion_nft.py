@@ -456,7 +456,7 @@ def _reward_source(config: DiffusionNFT, name: str, data: Any) -> dict[str, Any]
 def init(run_key: torch.Tensor, roles: Roles) -> TrainState:
     """Step 0: the student's initial params (fresh optimizer state, EMA) and the old policy, a copy of them."""
     params_key, steps_key = random.split(run_key)
-    student = role.init(roles.opt, roles.student.initial_params(params_key))
+    student = role.init(roles.opt, roles.student.weights.initial(params_key))
     old = role.RoleState(params=copy(student.params), opt_state=None)
     return TrainState(step=torch.zeros((), dtype=torch.int64), key=steps_key, roles={STUDENT: student, OLD: old})
 
@@ -466,8 +466,8 @@ def frozen_params(run_key: torch.Tensor, roles: Roles, *, same_model: bool) -> d
     key; a LoRA student's own reference gets zero adapters (adapters off)."""
     params_key = random.split(run_key)[0]
     frozen = role.frozen_params(params_key, {STUDENT: (roles.student, False), REFERENCE: (roles.reference, True)})
-    if same_model and roles.student.export_adapters is not None:
-        zeros = tree.map_tensors(torch.zeros_like, roles.student.initial_params(params_key))
+    if same_model and roles.student.export.adapters is not None:
+        zeros = tree.map_tensors(torch.zeros_like, roles.student.weights.initial(params_key))
         frozen[REFERENCE] = {**frozen[REFERENCE], **zeros}
     return frozen
 

@@ -7,9 +7,9 @@ training-grid entry at ``floor(1000 u)``, ``x_t = (1 - sigma) x0 + sigma noise``
     loss = mean((x_t - sigma v - x0)^2)            (precondition_outputs: the loss on the implied x0)
 
 Noise and timesteps come from ``fold_in(step_key, global_sample_index)``, so a sample draws the same numbers whatever
-the number of ranks or micro-batches. A model with its own training noise levels (``Model.sigma_sampler``: LTX-2's
+the number of ranks or micro-batches. A model with its own training noise levels (``Model.rules.sigma_sampler``: LTX-2's
 stretched and LTX-Video's shifted logit-normal, MiniMax-H3's coupled draws) draws ``sigma`` with it instead of the
-density and grid (:func:`draw_sigmas`). A model that trains one timestep range per step (``Model.step_ranges``: Wan
+density and grid (:func:`draw_sigmas`). A model that trains one timestep range per step (``Model.rules.step_ranges``: Wan
 2.2 A14B, one expert per step) draws the step's range from the step key and its samples' levels in it
 (:func:`step_range_sigmas`).
 
@@ -51,7 +51,7 @@ def loss_fn(params: dict, batch: Batch, key: torch.Tensor, *, model: Model,
     (module docstring): the loss is the sum of theirs, each in aux as ``<modality>_finetune_loss``."""
     x0 = model.normalize(tree.map_tensors(torch.Tensor.float, batch["latents"]))
     noise, t_keys = flow.per_sample_noise(key, batch["sample_index"], _sample_shapes(x0), _device(x0))
-    sigma, t = (step_range_sigmas(key, t_keys, model.step_ranges, config, _device(x0)) if model.step_ranges
+    sigma, t = (step_range_sigmas(key, t_keys, model.rules.step_ranges, config, _device(x0)) if model.rules.step_ranges
                 else draw_sigmas(t_keys, x0, model=model, config=config))
     x_t = flow.add_noise(x0, noise, sigma)
     v = model.apply(params, x_t, t, batch["cond"])
@@ -64,10 +64,10 @@ def loss_fn(params: dict, batch: Batch, key: torch.Tensor, *, model: Model,
 
 def draw_sigmas(t_keys: torch.Tensor, x0: Any, *, model: Model, config: Finetune) -> tuple[Any, Any]:
     """Each sample's training noise level and model timestep ``(sigma [B], t [B])`` from its key ``t_keys [B, 2]``:
-    the model's own sampler (``Model.sigma_sampler``, which reads ``x0``'s shape; dicts keyed by modality for a joint
+    the model's own sampler (``Model.rules.sigma_sampler``, which reads ``x0``'s shape; dicts keyed by modality for a joint
     model), else ``u ~ weighting_scheme`` looked up on the training grid at ``flow_shift`` (``t = 1000 sigma``)."""
-    if model.sigma_sampler is not None:
-        return model.sigma_sampler(t_keys, x0)
+    if model.rules.sigma_sampler is not None:
+        return model.rules.sigma_sampler(t_keys, x0)
     grid = flow.training_sigmas(config.flow_shift, device=_device(x0))
     return flow.sample_training_sigmas(t_keys, grid, config.weighting_scheme, logit_mean=config.logit_mean,
                                        logit_std=config.logit_std, mode_scale=config.mode_scale)
@@ -75,7 +75,7 @@ def draw_sigmas(t_keys: torch.Tensor, x0: Any, *, model: Model, config: Finetune
 
 def step_range_sigmas(step_key: torch.Tensor, t_keys: torch.Tensor, ranges: tuple[StepRange, ...], config: Finetune,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sigma [B], t [B])`` for a model that trains one timestep range per step (``Model.step_ranges``: Wan 2.2
+    """``(sigma [B], t [B])`` for a model that trains one timestep range per step (``Model.rules.step_ranges``: Wan 2.2
     A14B's experts): the step's range from ``uniform(step_key)``, the first whose cumulative probability reaches it (the
     same on every rank and micro-batch), then each sample's ``u ~ weighting_scheme`` from its key ``t_keys [B, 2]``
     spread over that range's levels of the training grid, ``first + floor(u count)``: FastVideo's ``u -> (1 - b) + u
@@ -100,8 +100,8 @@ def range_levels(grid: torch.Tensor, ranges: tuple[StepRange, ...]) -> tuple[tor
 
 def check_step_ranges(model: Model, config: Finetune) -> None:
     """A ValueError when one of the model's step ranges holds no level of the training grid at ``flow_shift``."""
-    _, count = range_levels(flow.training_sigmas(config.flow_shift), model.step_ranges)
-    for part, n in zip(model.step_ranges, count.tolist()):
+    _, count = range_levels(flow.training_sigmas(config.flow_shift), model.rules.step_ranges)
+    for part, n in zip(model.rules.step_ranges, count.tolist()):
         if n == 0:
             raise ValueError(f"method.flow_shift={config.flow_shift}: the training grid has no level in model "
                              f"{model.name}'s step range {part.t_min} <= t < {part.t_max}")
@@ -163,10 +163,10 @@ class Finetune(one_role.OneRoleConfig, tag="finetune"):
         spans it); ``ranks``: where its numbers combine (a mesh's group); ``before_update`` sees each role's clipped
         gradients before its optimizer step."""
         model = models[STUDENT]
-        if model.sigma_sampler is not None and self.weighting_scheme != "uniform":
+        if model.rules.sigma_sampler is not None and self.weighting_scheme != "uniform":
             raise ValueError(f"method.weighting_scheme={self.weighting_scheme}: model {model.name} draws its training "
                              "noise levels with its own sampler (its family's); leave the weighting scheme unset")
-        if model.step_ranges:
+        if model.rules.step_ranges:
             check_step_ranges(model, self)
         return one_role.program(self, model, total_steps=total_steps, ranks=ranks, before_update=before_update,
                                 loss=functools.partial(loss_fn, model=model, config=self), logged=logged,

@@ -124,9 +124,9 @@ class MeanFlow(one_role.OneRoleConfig, tag="meanflow"):
         check_shared_data(models, data_role=STUDENT)
         model = models[STUDENT]
         flow_map.check_two_time(model, self.roles.student, self.name)
-        derivatives.check_mode(self.derivative, compiled=model.compile_stats is not None,
-                               sharded=model.layout is not None, who="method.derivative",
-                               no_forward_ad=model.forward_ad_refusal)
+        derivatives.check_mode(self.derivative, compiled=model.kernels.compile_stats is not None,
+                               sharded=model.weights.layout is not None, who="method.derivative",
+                               no_forward_ad=model.rules.forward_ad_refusal)
         return model
 
     def build(self, models: Mapping[str, Model], *, total_steps: int, ranks: role.Ranks = role.ONE_PROCESS,

@@ -160,9 +160,9 @@ class SCM(one_role.OneRoleConfig, tag="scm"):
     def check_student(self, models: Mapping[str, Model]) -> Model:
         check_shared_data(models, data_role=STUDENT)
         model = models[STUDENT]
-        derivatives.check_mode(self.derivative, compiled=model.compile_stats is not None,
-                               sharded=model.layout is not None, who="method.derivative",
-                               no_forward_ad=model.forward_ad_refusal)
+        derivatives.check_mode(self.derivative, compiled=model.kernels.compile_stats is not None,
+                               sharded=model.weights.layout is not None, who="method.derivative",
+                               no_forward_ad=model.rules.forward_ad_refusal)
         return model
 
     def program(self, model: Model, loss: Any, *, total_steps: int, ranks: role.Ranks,

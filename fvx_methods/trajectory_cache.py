@@ -188,7 +188,7 @@ def params_sha256(params: Params) -> str:
 def teacher_identity(teacher: Model, params: Params | None = None) -> dict[str, Any]:
     """``name`` (family and preset), ``id`` (what its frozen params are: ``base_id(whole_model=True)`` as text, less
     the placement flag, so a sharded training run's teacher is the same) and, given its params, ``params_sha256``."""
-    parts = [str(part) for part in teacher.base_id(whole_model=True) if not isinstance(part, bool)]
+    parts = [str(part) for part in teacher.weights.base_id(whole_model=True) if not isinstance(part, bool)]
     identity: dict[str, Any] = {"name": teacher.name, "id": "/".join(parts)}
     if params is not None:
         identity["params_sha256"] = params_sha256(params)

@@ -3,7 +3,7 @@
 
 The architecture is Wan 2.1's with the time embedding of a flow map: ``(1 - g) temb(t) + g demb(r)`` (``gate_value``
 g, ``deltatime_type`` r or t - r), its output the average velocity ``u(x_t, t, r)`` from ``t`` to ``r`` (``x_r = x_t -
-((t - r) / 1000) u``): a two-time model (``Model.two_time``), ``r`` left out being ``t``. Its params are named as a
+((t - r) / 1000) u``): a two-time model (``Model.rules.two_time``), ``r`` left out being ``t``. Its params are named as a
 Wan's plus ``condition_embedder.delta_embedder``, so a two-time Wan (``fvx_models.wan_two_time``, gated) computes the
 same function from the same params (tests/fvx_models/test_wan_two_time.py). The transformer takes frames first,
 ``[B, F, C, H, W]``, and one timestep per latent frame; fvx passes the sample's to every frame.
@@ -20,7 +20,7 @@ from torch import nn
 
 from fvx_models import diffusers_folder as dfolder, wan
 from fvx_models.build import ModelConfig
-from fvx_models.family import Family, Preset, skeleton_of
+from fvx_models.family import Architecture, Checkpoints, Conditioning, Family, Forward, Preset, skeleton_of
 
 _ANYFLOW = {key: value for key, value in wan.WAN21_1_3B.items()
             if key not in ("qk_norm", "added_kv_proj_dim", "pos_embed_seq_len")}
@@ -73,20 +73,29 @@ def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
 ANYFLOW = Family(
     name="anyflow",
     presets=PRESETS,
-    skeleton=lambda config: skeleton_of(AnyFlowTransformer3DModel, config.spec.kwargs, rebuild_buffers),
-    components={"transformer": ""},
-    unit_groups={"blocks": ("blocks",)},
-    activations={"blocks": wan.PER_TOKEN_T_ACTIVATIONS["blocks"]},
-    widths=wan.widths,
-    cond_spec=wan.text_cond_spec,
-    cond_from_batch=wan.text_cond_from_batch,
-    inputs=inputs,
-    layout="BTCHW",
-    cond_defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
-    init_rules={"scale_shift_table": wan.scale_shift_init},
-    pipeline_files=pipeline_files,
-    with_r=with_r,
-    self_attention=("blocks.*.attn1",),
+    encoders=wan.ENCODERS,
+    architecture=Architecture(
+        skeleton=lambda config: skeleton_of(AnyFlowTransformer3DModel, config.spec.kwargs, rebuild_buffers),
+        unit_groups={"blocks": ("blocks",)},
+        activations={"blocks": wan.PER_TOKEN_T_ACTIVATIONS["blocks"]},
+        widths=wan.widths,
+        init_rules={"scale_shift_table": wan.scale_shift_init},
+        self_attention=("blocks.*.attn1",),
+    ),
+    forward=Forward(
+        inputs=inputs,
+        layout="BTCHW",
+        with_r=with_r,
+    ),
+    conditioning=Conditioning(
+        spec=wan.text_cond_spec,
+        from_batch=wan.text_cond_from_batch,
+        defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
+    ),
+    checkpoints=Checkpoints(
+        components={"transformer": ""},
+        pipeline_files=pipeline_files,
+    ),
 )
 
 
@@ -96,7 +105,6 @@ class AnyFlowConfig(ModelConfig, tag="anyflow"):
     ``encode_prompt`` is ``WanPipeline``'s, copied; the Wan 2.1 VAE): the encoders are Wan's record."""
 
     family = ANYFLOW
-    encoders = wan.ENCODERS
 
     @property
     def two_time(self) -> bool:

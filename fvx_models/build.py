@@ -29,7 +29,7 @@ from fvx_models import (cond as fcond, diffusers_folder as dfolder, layouts, lin
 from fvx_models.attention import install as attention, kernels
 from fvx_models.attention.config import QATConfig, SLAConfig, VSAConfig
 from fvx_models.family import Family, init_params, Preset
-from fvx_models.model import Model, Params, Written
+from fvx_models.model import Exports, Kernels, Model, Params, Rules, Weights, Written
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # The families whose configs can take a second time input r (they define their own ``two_time``, the family its
@@ -55,7 +55,6 @@ class ModelConfig(Config):
     dispatcher), per model: roles that share a model share its code."""
 
     family: ClassVar[Family]
-    encoders: ClassVar[Any] = None  # the family's fvx_models.encoders.Encoders (None: preprocessing refuses)
 
     preset: str = "tiny"
     path: str | None = None
@@ -105,8 +104,8 @@ class ModelConfig(Config):
         """A cond file (``fvx_models.cond``) of the family's text cond tensors made from a data ``batch`` (what
         ``encode-prompts`` writes; the image condition of an I2V family is left out, as negative-prompt files lack
         it), with the captions."""
-        cond = self.family.cond_from_batch(self, batch)
-        fcond.save(path, {name: t for name, t in cond.items() if name not in self.family.image_cond}, captions)
+        cond = self.family.conditioning.from_batch(self, batch)
+        fcond.save(path, {name: t for name, t in cond.items() if name not in self.family.conditioning.image}, captions)
 
 
 # ---------------------------------------------------------------------------------------------------------- pieces
@@ -114,7 +113,7 @@ class ModelConfig(Config):
 
 def skeleton(config: ModelConfig) -> nn.Module:
     """The family's meta skeleton with remat installed when the config asks for it (effective only under grad)."""
-    module = config.family.skeleton(config)
+    module = config.family.architecture.skeleton(config)
     if config.attention == "vsa":
         attention.add_gates(config, module)
     if config.attention == "sla":
@@ -131,10 +130,10 @@ def sequence_parallel(config: ModelConfig, module: nn.Module, group: Any) -> Non
     skeleton, before its units are routed (so a compiled template carries it); a ValueError when the family has none
     or the preset does not split (its heads over the group)."""
     family = config.family
-    if family.sequence_parallel is None:
+    if family.architecture.sequence_parallel is None:
         raise ValueError(f"{family.name}:{config.preset}: the {family.name} family has no sequence parallelism "
                          f"(--sp {group.size}); run it with --sp 1 (Wan and the block-causal Wan have it)")
-    family.sequence_parallel(config, module, group)
+    family.architecture.sequence_parallel(config, module, group)
 
 
 def unit_groups(family: Family, module: nn.Module) -> dict[str, tuple[str, ...]]:
@@ -143,7 +142,7 @@ def unit_groups(family: Family, module: nn.Module) -> dict[str, tuple[str, ...]]
     ``name[k]`` (:func:`family_group` maps them back to ``name``): a compiled unit function serves units of one
     structure."""
     groups = {}
-    for name, paths in family.unit_groups.items():
+    for name, paths in family.architecture.unit_groups.items():
         units = tuple(f"{path}.{i}." for path in paths for i in range(len(module.get_submodule(path))))
         kinds: dict[tuple, list[str]] = {}
         for unit in units:
@@ -187,9 +186,10 @@ def export_dtypes(config: ModelConfig, module: nn.Module, trained: frozenset[str
     if dtype is not None:
         kept = fp32_kept(module)
         return lambda name: torch.float32 if name in kept else DTYPES[dtype]
+    checkpoints = config.family.checkpoints
     stored = ({} if config.path is None else
-              dfolder.stored_dtypes(config.path, module, config.family.components, f"{config.family.name} export",
-                                    config.family.stored_names))
+              dfolder.stored_dtypes(config.path, module, checkpoints.components, f"{config.family.name} export",
+                                    checkpoints.stored_names))
     return lambda name: None if name in trained else stored.get(name)
 
 
@@ -216,7 +216,7 @@ def _check_inputs(who: str, config: ModelConfig, spec: fcond.Spec, x_t: Any, t: 
         raise ValueError(f"{who} apply: x_t must be [B, {channels}, T, H, W] with T, H, W divisible by {patch}, "
                          f"got {got}")
     batch, frames = x_t.shape[0], x_t.shape[2] // patch[0]
-    shapes = [(batch,), (batch, frames)] if config.family.per_frame_timesteps else [(batch,)]
+    shapes = [(batch,), (batch, frames)] if config.family.forward.per_frame_timesteps else [(batch,)]
     if not (isinstance(t, torch.Tensor) and tuple(t.shape) in shapes):
         got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         what = "one timestep per sample" + (f", or [{batch}, {frames}]: one per latent frame" if len(shapes) > 1 else "")
@@ -234,7 +234,7 @@ def _check_joint(who: str, config: ModelConfig, modalities: tuple[str, ...], x_t
                              f"got {got}")
     batch = x_t["video"].shape[0] if isinstance(x_t["video"], torch.Tensor) else None
     for modality in modalities[1:]:
-        latents, channels = x_t[modality], config.family.modalities[modality].latents(config).channels
+        latents, channels = x_t[modality], config.family.joint.modalities[modality].latents(config).channels
         if not (isinstance(latents, torch.Tensor) and latents.dim() >= 3 and latents.shape[0] == batch
                 and latents.shape[1] == channels):
             got = tuple(latents.shape) if isinstance(latents, torch.Tensor) else type(latents).__name__
@@ -276,14 +276,14 @@ def apply(config: ModelConfig, module: nn.Module, spec: fcond.Spec, params: Para
         raise ValueError(f"{family.name} apply: r must have t's shape {tuple(t.shape)}, got "
                          f"{tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__}")
     dtype = DTYPES[config.compute_dtype]
-    x, t, cond = native(x_t, family.layout, dtype), tree.map_tensors(_fp32, t), fcond.to(cond, dtype=dtype)
-    kwargs = family.inputs(config, x, t, cond, gathers is not None)
+    x, t, cond = native(x_t, family.forward.layout, dtype), tree.map_tensors(_fp32, t), fcond.to(cond, dtype=dtype)
+    kwargs = family.forward.inputs(config, x, t, cond, gathers is not None)
     if config.two_time:
-        kwargs = family.with_r(config, kwargs, x, t if r is None else r.to(torch.float32))
+        kwargs = family.forward.with_r(config, kwargs, x, t if r is None else r.to(torch.float32))
     video = x_t["video"] if isinstance(x_t, Mapping) else x_t
     buffers = {name: b.to(video.device) for name, b in functional.held(module)[1].items()}
     runtime.grid = tuple(size // p for size, p in zip(video.shape[2:], _patch(config)))
-    with (contextlib.nullcontext() if family.bind is None else family.bind(module, call),
+    with (contextlib.nullcontext() if family.forward.bind is None else family.forward.bind(module, call),
           runtime.dense() if dense else contextlib.nullcontext()):
         if gathers is not None:
             out = sharded_call(module, params, buffers, (), kwargs, gathers=gathers)
@@ -299,11 +299,11 @@ def velocity(config: ModelConfig, out: Any, x: Any, t: Any, cond: Mapping[str, t
     velocity ``[B, C, T, H, W]``: the family's output conversion, then its layout undone (a joint model's: a dict
     keyed by modality, the video's layout undone)."""
     family = config.family
-    v = family.output(config, out, x, t, cond)
+    v = family.forward.output(config, out, x, t, cond)
     if isinstance(v, Mapping):
-        return {name: (layouts.to_canonical(part, family.layout) if name == "video" else part).float()
+        return {name: (layouts.to_canonical(part, family.forward.layout) if name == "video" else part).float()
                 for name, part in v.items()}
-    return layouts.to_canonical(v, family.layout).float()
+    return layouts.to_canonical(v, family.forward.layout).float()
 
 
 def native(x_t: Any, layout: str, dtype: torch.dtype | None = None) -> Any:
@@ -323,8 +323,8 @@ def native_inputs(config: ModelConfig, x_t: Any, t: Any,
                   cond: Mapping[str, torch.Tensor]) -> tuple[dict[str, Any], Any]:
     """The DiT's keyword arguments for ``(x_t, t, cond)`` as :func:`apply` makes them (unsharded, no casts), and
     ``x_t`` in the family's layout (what :func:`velocity` takes): to call the diffusers module directly."""
-    x = native(x_t, config.family.layout)
-    return config.family.inputs(config, x, t, cond, False), x
+    x = native(x_t, config.family.forward.layout)
+    return config.family.forward.inputs(config, x, t, cond, False), x
 
 
 def _check_whole_compile(config: ModelConfig, mesh: Any) -> None:
@@ -333,9 +333,9 @@ def _check_whole_compile(config: ModelConfig, mesh: Any) -> None:
     if mesh is not None:
         raise ValueError(f"{who}: compile=model compiles the whole forward in one process only (sharded, with remat, "
                          "inductor gave wrong patch-embedding gradients on torch 2.13); use compile=blocks on a mesh")
-    if config.family.whole_graph_refusal is not None:
+    if config.family.architecture.whole_graph_refusal is not None:
         raise ValueError(f"{who}: compile=model cannot compile the {config.family.name} family's forward as one graph "
-                         f"({config.family.whole_graph_refusal}); use compile=blocks")
+                         f"({config.family.architecture.whole_graph_refusal}); use compile=blocks")
 
 
 def _forward_ad_refusal(config: ModelConfig) -> str | None:
@@ -352,39 +352,21 @@ def _forward_ad_refusal(config: ModelConfig) -> str | None:
 
 def build(config: ModelConfig, *, mesh: Any = None) -> Model:
     """The :class:`Model` of ``config`` (module docstring): every function bound to one skeleton built now. With
-    ``config.lora`` the skeleton carries the adapters, and a copy without them reads and writes diffusers folders."""
+    ``config.lora`` the skeleton carries the adapters, and a copy without them (``plain``) reads and writes diffusers
+    folders."""
     family, preset = config.family, config.spec
     who = f"{family.name}:{config.preset}"
     if config.compile == "model":
         _check_whole_compile(config, mesh)
-    sequence = processes.sequence_group(mesh)
-    attention.check(config, who, sequence_parallel=sequence is not None)
-    module = skeleton(config)
-    plain, adapted = module, ()
-    modalities = family.trained(config)
-    if config.lora is not None:
-        plain = copy.deepcopy(module)
-        adapted = flora.install(module, config.lora, who, functools.partial(_owner_untrained, family, modalities))
-    if sequence is not None:
-        sequence_parallel(config, module, sequence)
-    runtime = attention.install(config, module)
-    flinear_qat.check(config.linear_qat, family, module, who)
-    if config.linear_qat is not None:
-        flinear_qat.install(config.linear_qat, family, module)
+    module, plain, adapted, runtime = _installed(config, mesh, who)
     groups = unit_groups(family, module)
-    shapes = dfolder.param_shapes(module)
     architecture = tuple(dfolder.param_shapes(plain))
-    untrained_branch = frozenset(name for name in architecture if _owner_untrained(family, modalities, name))
-    unused = family.unused(config) | untrained_branch
-    trained = (frozenset(flora.adapter_names(adapted)) if adapted
-               else frozenset(name for name in architecture if not (config.frozen(name) or name in unused)))
-    held = tuple(name for name in architecture if name not in trained)  # what a trained role holds frozen
-    dtype = DTYPES[config.compute_dtype]
-    compute_dtypes = dtypes_for(module, dtype)
+    trained = _trained_names(config, architecture, adapted)
+    compute_dtypes = dtypes_for(module, DTYPES[config.compute_dtype])
     layout = gathers = None
     if mesh is not None:
         group = processes.group_of(mesh)
-        layout = sharding.plan(shapes, group.shard_size)
+        layout = sharding.plan(dfolder.param_shapes(module), group.shard_size)
         gathers = gather_schedule.UnitGathers(groups, layout, group, compute_dtypes,
                                               reshard_after_forward=config.reshard_after_forward, remat=config.remat)
     stats = whole_forward = None
@@ -394,37 +376,100 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
     elif config.compile != "none" or layout is not None:
         stats = fvx_compile.install_units(module, groups, mode=config.compile, gather=gathers,
                                           backend=config.compile_backend)
-    spec = dict(family.cond_spec(config))
-    image = frozenset(family.image_cond & set(spec))
+    spec = dict(family.conditioning.spec(config))
+    image = frozenset(family.conditioning.image & set(spec))
+    weights = _weights(config, module, plain, adapted, architecture, trained, mesh, layout)
+    modalities = family.trained(config)
+    bound_apply = functools.partial(apply, config, module, spec, compute_dtypes=compute_dtypes, gathers=gathers,
+                                    runtime=runtime, forward=whole_forward)
+    return Model(
+        name=who,
+        latents=preset.latents,
+        cond=spec,
+        patch_size=_patch(config),
+        apply=bound_apply,
+        batch=functools.partial(_model_batch, config, spec),
+        uncond=functools.partial(fcond.uncond, zero=family.conditioning.zero, kept=image),
+        load_cond=functools.partial(_load_cond, spec, family, image),
+        memory_spec=functools.partial(_memory_spec, config, module, groups, weights, architecture),
+        weights=weights,
+        export=_exports(config, plain, adapted, architecture, trained),
+        rules=_rules(config, modalities),
+        kernels=Kernels(attention=config.attention, attention_step=runtime.step,
+                        dense_apply=functools.partial(bound_apply, dense=True) if config.attention == "vsa" else None,
+                        compile_stats=None if config.compile == "none" else stats),
+        causal=None if family.forward.causal is None else family.forward.causal(config, bound_apply, module),
+        modalities={} if len(modalities) == 1 else {
+            name: preset.latents if name == "video" else family.joint.modalities[name].latents(config)
+            for name in modalities},
+        window_cond=(None if family.conditioning.window is None
+                     else functools.partial(family.conditioning.window, config)),
+    )
+
+
+def _installed(config: ModelConfig, mesh: Any, who: str) -> tuple[nn.Module, nn.Module, tuple, attention.Runtime]:
+    """The skeleton as it runs (``module``: LoRA adapters, sequence parallelism on the mesh's SP groups, the attention
+    kernel and linear QAT installed), the ``plain`` architecture (``module`` itself without adapters), the adapted
+    modules and the attention runtime."""
+    family = config.family
+    sequence = processes.sequence_group(mesh)
+    attention.check(config, who, sequence_parallel=sequence is not None)
+    module = skeleton(config)
+    plain, adapted = module, ()
+    if config.lora is not None:
+        plain = copy.deepcopy(module)
+        adapted = flora.install(module, config.lora, who,
+                                functools.partial(_owner_untrained, family, family.trained(config)))
+    if sequence is not None:
+        sequence_parallel(config, module, sequence)
+    runtime = attention.install(config, module)
+    flinear_qat.check(config.linear_qat, family, module, who)
+    if config.linear_qat is not None:
+        flinear_qat.install(config.linear_qat, family, module)
+    return module, plain, adapted, runtime
+
+
+def _trained_names(config: ModelConfig, architecture: tuple[str, ...], adapted: tuple) -> frozenset[str]:
+    """What a role of the model trains: its adapters, else every param but those the config freezes, the family
+    leaves unused and the branches of modalities it does not train."""
+    if adapted:
+        return frozenset(flora.adapter_names(adapted))
+    family, modalities = config.family, config.family.trained(config)
+    unused = family.training.unused(config) | {name for name in architecture
+                                               if _owner_untrained(family, modalities, name)}
+    return frozenset(name for name in architecture if not (config.frozen(name) or name in unused))
+
+
+def _weights(config: ModelConfig, module: nn.Module, plain: nn.Module, adapted: tuple, architecture: tuple[str, ...],
+             trained: frozenset[str], mesh: Any, layout: sharding.Layout | None) -> Weights:
+    """The model's :class:`Weights`: drawn from keys or read from folders (the ``plain`` architecture's; adapters
+    drawn on ``module``'s), placed on ``mesh``."""
+    family = config.family
     placed = functools.partial(place, mesh=mesh, layout=layout)
-    derived = {**family.derived(config), **attention.zero_gates(plain)}
+    derived = {**family.architecture.derived(config), **attention.zero_gates(plain)}
+    held = tuple(name for name in architecture if name not in trained)  # what a trained role holds frozen
 
     def drawn(key: torch.Tensor) -> Params:
-        params = init_params(plain, key, family.init_rules, family.name)
+        params = init_params(plain, key, family.architecture.init_rules, family.name)
         return {**params, **{name: make(params) for name, make in derived.items()}}
 
     def read(folder: str) -> Params:
-        return dfolder.read_params(folder, plain, family.components, f"{family.name} load", lazy=mesh is not None,
-                                   derived=derived, stored_names=family.stored_names)
-
-    def init(key: torch.Tensor) -> Params:
-        return placed(drawn(key))
-
-    def load(folder: str) -> Params:
-        return placed(read(folder))
+        return dfolder.read_params(folder, plain, family.checkpoints.components, f"{family.name} load",
+                                   lazy=mesh is not None, derived=derived,
+                                   stored_names=family.checkpoints.stored_names)
 
     def whole(key: torch.Tensor) -> Params:
         """The architecture's fp32 params: read from ``config.path`` (on a mesh as handles each rank reads its
         slices of), else drawn from ``key``."""
         return drawn(key) if config.path is None else read(config.path)
 
-    def initial_params(key: torch.Tensor) -> Params:
+    def initial(key: torch.Tensor) -> Params:
         if adapted:
             return placed(flora.init_adapters(module, adapted, key, config.lora))
         full = whole(key)
         return placed({name: full[name] for name in architecture if name in trained})
 
-    def base_params(key: torch.Tensor, *, whole_model: bool = False) -> Params:
+    def base(key: torch.Tensor, *, whole_model: bool = False) -> Params:
         names = architecture if whole_model else held
         if not names:
             return {}
@@ -439,8 +484,17 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
         part = "all" if len(names) == len(architecture) else frozenset(names)
         return (family.name, config.preset, config.path, config.frozen_dtype, mesh is None, part)
 
-    def export(params: Params, folder: str, *, form: str = "diffusers", dtype: str | None = None,
-               stem: str | None = None) -> dict[str, pathlib.Path]:
+    return Weights(init=lambda key: placed(drawn(key)), load=lambda folder: placed(read(folder)), initial=initial,
+                   base=base, base_id=base_id, trained_names=trained, layout=layout)
+
+
+def _exports(config: ModelConfig, plain: nn.Module, adapted: tuple, architecture: tuple[str, ...],
+             trained: frozenset[str]) -> Exports:
+    """The model's :class:`Exports`: whole folders (adapters merged) and a LoRA model's adapter files."""
+    family = config.family
+
+    def folder(params: Params, folder: str, *, form: str = "diffusers", dtype: str | None = None,
+               stem: str | None = None) -> Written:
         if adapted:
             params = flora.merged({name: params[name] for name in architecture}, params, adapted, config.lora.scale)
         dtype_of = export_dtypes(config, plain, trained, dtype)
@@ -449,91 +503,77 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
         if form == "comfyui":
             return original_layout.write(params, folder, family, what, dtype_of=dtype_of, stem=stem)._replace(
                 dtypes=stored)
-        pipeline = None if family.pipeline_files is None else functools.partial(family.pipeline_files, config)
-        dfolder.write_folder(params, folder, plain, family.components, what, dtype_of=dtype_of,
+        checkpoints = family.checkpoints
+        pipeline = (None if checkpoints.pipeline_files is None
+                    else functools.partial(checkpoints.pipeline_files, config))
+        dfolder.write_folder(params, folder, plain, checkpoints.components, what, dtype_of=dtype_of,
                              pipeline_files=pipeline)
-        return Written({component: pathlib.Path(folder) / component for component in family.components},
+        return Written({component: pathlib.Path(folder) / component for component in checkpoints.components},
                        dtypes=stored)
 
-    def memory_spec() -> memory.ModelSpec:
-        root_dim, widths = family.widths(config)
-        activations = {**family.activations, **preset.options.get("activations", {})}
-        unit_specs = tuple(memory.UnitGroup(name, len(units), *widths[family_group(name)],
-                                            activations[family_group(name)],
-                                            text_tokens=family_group(name) in family.text_groups)
-                           for name, units in groups.items())
-        return memory.ModelSpec(shapes=shapes, units=tuple(u for units in groups.values() for u in units),
-                                groups=unit_specs, dim=root_dim, text_len=preset.text_len,
-                                vae_stride=preset.latents.vae_stride, patch=_patch(config),
-                                compute_bytes=dtype.itemsize, remat=config.remat,
-                                reshard=config.reshard_after_forward,
-                                frozen_bytes=DTYPES[config.frozen_dtype].itemsize, trained=trained,
-                                architecture=frozenset(architecture), base_id=base_id(),
-                                whole_id=base_id(whole_model=True))
-
-    bound_apply = functools.partial(apply, config, module, spec, compute_dtypes=compute_dtypes, gathers=gathers,
-                                    runtime=runtime, forward=whole_forward)
-    return Model(
-        name=who,
-        latents=preset.latents,
-        cond=spec,
-        patch_size=_patch(config),
-        init=init,
-        load=load,
-        initial_params=initial_params,
-        base_params=base_params,
-        base_id=base_id,
-        apply=bound_apply,
-        batch=functools.partial(_model_batch, config, spec),
-        uncond=functools.partial(fcond.uncond, zero=family.zero_cond, kept=image),
-        load_cond=functools.partial(_load_cond, spec, family, image),
-        export=export,
-        memory_spec=memory_spec,
-        trained_names=trained,
-        export_adapters=None if config.lora is None else functools.partial(
+    return Exports(
+        folder=folder,
+        adapters=None if config.lora is None else functools.partial(
             lora_files.write, flora.Adapters(config.lora, adapted, family)),
-        export_formats=("diffusers",) if family.original_name is None else ("diffusers", "comfyui"),
-        adapter_formats=() if config.lora is None else lora_files.formats(family),
-        layout=layout,
-        compile_stats=None if config.compile == "none" else stats,
-        causal=None if family.causal is None else family.causal(config, bound_apply, module),
-        two_time=config.two_time,
-        latent_rule=functools.partial(family.latent_rule, config),
-        cfg_dropout_refusal=family.cfg_dropout_refusal,
-        attention=config.attention,
-        modalities={} if len(modalities) == 1 else {name: preset.latents if name == "video" else
-                                                    family.modalities[name].latents(config) for name in modalities},
-        sigma_sampler=None if family.sigma_sampler is None else functools.partial(family.sigma_sampler, config),
-        step_ranges=family.step_ranges(config),
-        one_sample=family.one_sample,
-        window_cond=None if family.window_cond is None else functools.partial(family.window_cond, config),
+        formats=("diffusers",) if family.checkpoints.original_name is None else ("diffusers", "comfyui"),
+        adapter_formats=() if config.lora is None else lora_files.formats(family))
+
+
+def _rules(config: ModelConfig, modalities: tuple[str, ...]) -> Rules:
+    """The model's :class:`Rules`: the family's training rules bound to ``config``, and what the model refuses."""
+    family, training = config.family, config.family.training
+    return Rules(
+        sigma_sampler=None if training.sigma_sampler is None else functools.partial(training.sigma_sampler, config),
+        step_ranges=training.step_ranges(config),
         joint_sigmas=None if len(modalities) == 1 else functools.partial(_joint_sigmas, config, modalities),
-        attention_step=runtime.step,
-        dense_apply=functools.partial(bound_apply, dense=True) if config.attention == "vsa" else None,
-        forward_ad_refusal=_forward_ad_refusal(config),
+        one_sample=training.one_sample,
+        latent_rule=functools.partial(training.latent_rule, config),
+        cfg_dropout_refusal=family.conditioning.cfg_dropout_refusal,
+        two_time=config.two_time,
         two_time_refusal=None if type(config).two_time is not ModelConfig.two_time else
         f"the {family.name} family takes no second time input; a flow map trains on a two-time family: "
         f"{TWO_TIME_FAMILIES}",
-    )
+        forward_ad_refusal=_forward_ad_refusal(config))
+
+
+def _memory_spec(config: ModelConfig, module: nn.Module, groups: Mapping[str, tuple[str, ...]], weights: Weights,
+                 architecture: tuple[str, ...]) -> memory.ModelSpec:
+    """The dry run's :class:`fvx.distributed.memory.ModelSpec` of the model from its meta skeleton."""
+    family, preset = config.family, config.spec
+    root_dim, widths = family.architecture.widths(config)
+    activations = {**family.architecture.activations, **preset.options.get("activations", {})}
+    unit_specs = tuple(memory.UnitGroup(name, len(units), *widths[family_group(name)],
+                                        activations[family_group(name)],
+                                        text_tokens=family_group(name) in family.architecture.text_groups)
+                       for name, units in groups.items())
+    return memory.ModelSpec(shapes=dfolder.param_shapes(module),
+                            units=tuple(u for units in groups.values() for u in units),
+                            groups=unit_specs, dim=root_dim, text_len=preset.text_len,
+                            vae_stride=preset.latents.vae_stride, patch=_patch(config),
+                            compute_bytes=DTYPES[config.compute_dtype].itemsize, remat=config.remat,
+                            reshard=config.reshard_after_forward,
+                            frozen_bytes=DTYPES[config.frozen_dtype].itemsize, trained=weights.trained_names,
+                            architecture=frozenset(architecture), base_id=weights.base_id(),
+                            whole_id=weights.base_id(whole_model=True))
 
 
 def _joint_sigmas(config: ModelConfig, modalities: tuple[str, ...], levels: torch.Tensor) -> dict[str, torch.Tensor]:
     """Each modality's levels at the shared ``levels``: the family's ``joint_sigmas``, else the shared ones."""
-    if config.family.joint_sigmas is None:
+    if config.family.joint.sigmas is None:
         return {name: levels for name in modalities}
-    return config.family.joint_sigmas(config, levels)
+    return config.family.joint.sigmas(config, levels)
 
 
 def _owner_untrained(family: Family, trained: tuple[str, ...], name: str) -> bool:
     """Whether param ``name`` belongs to a modality the model does not train (held frozen, as unused params are)."""
-    return any(modality.owns(name) for key, modality in family.modalities.items() if key not in trained)
+    return any(modality.owns(name) for key, modality in family.joint.modalities.items() if key not in trained)
 
 
 def _load_cond(spec: fcond.Spec, family: Family, image: frozenset[str], path: str, *,
                text_only: bool = False) -> tuple[dict[str, torch.Tensor], tuple[str, ...] | None]:
     """A cond file of the family's tensors; ``text_only``: without the given image's (a negative prompt)."""
     spec = {name: shape for name, shape in spec.items() if not (text_only and name in image)}
-    return fcond.load(path, spec, family.name, defaults=family.cond_defaults)
+    return fcond.load(path, spec, family.name, defaults=family.conditioning.defaults)
 
 
 def _model_batch(config: ModelConfig, spec: fcond.Spec, raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -541,9 +581,9 @@ def _model_batch(config: ModelConfig, spec: fcond.Spec, raw: Mapping[str, Any]) 
     model's ``latents`` a dict of the data's ``latents`` (video) and ``<modality>_latents`` (a ValueError names a
     missing one)."""
     family = config.family
-    cond = family.cond_from_batch(config, raw)
+    cond = family.conditioning.from_batch(config, raw)
     fcond.check(cond, spec, family.name, where="the batch's cond")
-    batch = {**{key: value for key, value in raw.items() if key not in family.data_keys}, "cond": cond}
+    batch = {**{key: value for key, value in raw.items() if key not in family.conditioning.data_keys}, "cond": cond}
     modalities = family.trained(config)
     if len(modalities) > 1 and "latents" in raw:
         others = tuple(f"{name}_latents" for name in modalities[1:])

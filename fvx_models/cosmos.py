@@ -35,7 +35,8 @@ from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder, wan
 from fvx_models import encoders as fencoders
 from fvx_models.build import ModelConfig
-from fvx_models.family import Family, Preset, require, skeleton_of
+from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, Training, require,
+                               skeleton_of)
 
 FLOW_SHIFT = 1.0  # FastVideo's CosmosModel default and pipeline.flow_shift; the scheduler's flow_shift
 REASON1_WIDTH = 100352  # Cosmos-Reason1's 28 hidden layers x 3584, concatenated
@@ -156,26 +157,6 @@ def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
          "tokenizer": ("transformers", "AutoTokenizer")})
 
 
-COSMOS = Family(
-    name="cosmos",
-    presets=PRESETS,
-    skeleton=lambda config: skeleton_of(CosmosTransformer3DModel, config.spec.kwargs),
-    components={"transformer": ""},
-    unit_groups={"transformer_blocks": ("transformer_blocks",)},
-    activations={"transformer_blocks": BLOCK_ACTIVATIONS},
-    widths=widths,
-    cond_spec=cond_spec,
-    cond_from_batch=cond_from_batch,
-    inputs=inputs,
-    latent_rule=latent_rule,
-    cfg_dropout_refusal=CFG_DROPOUT_REFUSAL,
-    zero_cond=zero_cond,
-    cond_defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
-    pipeline_files=pipeline_files,
-    self_attention=("transformer_blocks.*.attn1",),
-)
-
-
 TEXT_LEN = 512  # Cosmos2_5_PredictBasePipeline's max_sequence_length
 
 
@@ -200,10 +181,36 @@ ENCODERS = fencoders.Encoders(
     stand_ins=(("safety_checker", NoSafetyChecker()),), audio_refusal="Cosmos Predict 2.5 makes no sound")
 
 
+COSMOS = Family(
+    name="cosmos",
+    presets=PRESETS,
+    encoders=ENCODERS,
+    architecture=Architecture(
+        skeleton=lambda config: skeleton_of(CosmosTransformer3DModel, config.spec.kwargs),
+        unit_groups={"transformer_blocks": ("transformer_blocks",)},
+        activations={"transformer_blocks": BLOCK_ACTIVATIONS},
+        widths=widths,
+        self_attention=("transformer_blocks.*.attn1",),
+    ),
+    forward=Forward(inputs=inputs),
+    conditioning=Conditioning(
+        spec=cond_spec,
+        from_batch=cond_from_batch,
+        cfg_dropout_refusal=CFG_DROPOUT_REFUSAL,
+        zero=zero_cond,
+        defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
+    ),
+    checkpoints=Checkpoints(
+        components={"transformer": ""},
+        pipeline_files=pipeline_files,
+    ),
+    training=Training(latent_rule=latent_rule),
+)
+
+
 class CosmosConfig(ModelConfig, tag="cosmos"):
     """A Cosmos Predict 2.5 DiT (presets: tiny, tiny-padded, cosmos-predict2.5-2b, cosmos-predict2.5-14b); the
     shared knobs are :class:`fvx_models.build.ModelConfig`'s. The released presets (and tiny-padded) concatenate the
     padding mask, which needs torchvision to run (not to build or dry-run)."""
 
     family = COSMOS
-    encoders = ENCODERS

@@ -1,6 +1,6 @@
 """A family's data encoders: the VAE, text encoder(s) and image encoder its diffusers pipeline loads from a folder.
 
-A family spec declares one :class:`Encoders` record (its config's class variable ``encoders``): which diffusers
+A family spec declares one :class:`Encoders` record (its ``Family.encoders``): which diffusers
 pipeline class loads the components, which folder components each encoding needs, and how each is called, exactly as
 that pipeline calls it (its ``encode_prompt``; its VAE's ``encode``). ``preprocess`` (``fvx.data.preprocess``),
 ``encode-prompts`` and ``sample`` open the same record with :meth:`Encoders.open`, which loads only the components asked

@@ -1,10 +1,12 @@
 """A model family as a spec: what a family file declares about its architecture, and nothing else.
 
-A :class:`Family` holds the presets (the diffusers constructor's arguments, the latent space, the text length), how
-to build the meta skeleton, which diffusers pipeline components its params come from, its named groups of units
-(ModuleList paths: what compiles as one graph and gathers its shards as one unit), what a unit of each group saves
-for its backward, its conditioning spec, how a data batch becomes a ``cond``, how ``(x_t, t, cond)`` become the
-DiT's keyword arguments and how its output becomes a velocity. Sharding, remat, compute dtype, compilation and the
+A :class:`Family` holds the presets (the diffusers constructor's arguments, the latent space, the text length) and
+its parts, each a record of what it is for: the :class:`Architecture` (meta skeleton, named groups of units: what
+compiles as one graph and gathers its shards as one unit, what a unit saves, where attention kernels and QAT go), the
+:class:`Forward` (how ``(x_t, t, cond)`` become the DiT's keyword arguments and its output a velocity), the
+:class:`Conditioning` (what a data batch and a cond file give the DiT), the :class:`Checkpoints` (diffusers pipeline
+components, the original layout), the :class:`Training` rules, what it denoises beside the video (:class:`Joint`) and
+its data encoders. A family file reads as those sections. Sharding, remat, compute dtype, compilation and the
 diffusers folder I/O are generic (``fvx_models.build``, ``fvx_models.diffusers_folder``) and apply to any spec.
 
 Init. :func:`init_params` draws every param from ``fold_in(key, crc32(name))`` (so a param's values do not depend
@@ -54,45 +56,127 @@ class Modality:
 
 
 @dataclasses.dataclass(frozen=True)
-class Family:
-    """The spec of a model family (module docstring). Callables take the family's config (a
-    ``fvx_models.build.ModelConfig``), whose ``preset`` names one of ``presets``.
+class Architecture:
+    """What the DiT is and how it divides: built on meta, split into units, placed under kernels. Callables take the
+    family's config (a ``fvx_models.build.ModelConfig``).
 
     skeleton(config) -> module           params on meta, buffers real; no RNG read
-    components                           diffusers pipeline component -> the prefix of its params ("" for a model of
-                                         one component, "transformer." and "transformer_2." for two experts)
-    unit_groups                          group name -> ModuleList paths whose children are that group's units
+    unit_groups                          group name -> ModuleList paths whose children are that group's units (what
+                                         compiles as one graph and gathers its shards as one unit)
     activations                          group name -> what one unit saves per token (measured; fvx.distributed.memory)
     widths(config) -> (dim, {group: (dim, ffn_dim)})   the root's and each group's widths, for the dry run
     text_groups                          groups that run over the text tokens (a token refiner)
-    cond_spec(config) -> spec            the cond tensors and their shapes (fvx_models.cond)
-    cond_from_batch(config, batch)       a data batch's ``cond`` (a ValueError names a missing tensor)
-    data_keys                            the data batch's entries ``cond_from_batch`` reads (named as
-                                         ``fvx.data.datasets`` names them)
+    init_rules                           param local name (or the end of its name) -> :data:`InitRule`, beside the
+                                         default rules
+    derived(config) -> {name: fn(params)}   params a folder may lack, made from the loaded (or drawn) ones (a two-time
+                                         Wan's delta embedder from its time embedder)
+    whole_graph_refusal                  why the forward cannot compile as one graph (``compile=model``), e.g.
+                                         data-dependent control flow; None: it can
+    sequence_parallel(config, module, group)   installs Ulysses sequence parallelism on the skeleton for the
+                                         ``fvx.distributed.sequence_parallel.SPGroup`` ``group``: where the token
+                                         sequence is split and gathered, what per-token inputs (RoPE tables, timesteps)
+                                         are sliced, how self-attention runs over all tokens of the rank's heads (None:
+                                         the family refuses SP)
+    self_attention                       module-name patterns (``fnmatch``) of the self-attention modules over the
+                                         video tokens, where ``attention=vsa`` runs (``fvx_models.attention.install``;
+                                         other kernels run in every attention module)
+    vsa_refusal                          why the self-attention cannot run VSA (its sequence is not exactly the video
+                                         grid's tokens in (t, h, w) order), or None
+    qat_attention                        module-name patterns of the attention modules ``attention=qat`` quantizes
+                                         (None: every one; LTX-2: its video self-attention, as FastVideo's)
+    linear_qat                           module-name patterns of the curated NVFP4 linear set
+                                         (``fvx_models.linear_qat``; () none: ``linear_qat.modules`` must name one)
+    """
+
+    skeleton: Callable[[Any], nn.Module]
+    unit_groups: Mapping[str, tuple[str, ...]]
+    activations: Mapping[str, memory.BlockActivations]
+    widths: Callable[[Any], tuple[int, Mapping[str, tuple[int, int]]]]
+    text_groups: frozenset[str] = frozenset()
+    init_rules: Mapping[str, InitRule] = dataclasses.field(default_factory=dict)
+    derived: Callable[[Any], Mapping[str, Callable[[Mapping[str, Any]], Any]]] = lambda config: {}
+    whole_graph_refusal: str | None = None
+    sequence_parallel: Callable[[Any, nn.Module, Any], None] | None = None
+    self_attention: tuple[str, ...] = ()
+    vsa_refusal: str | None = None
+    qat_attention: tuple[str, ...] | None = None
+    linear_qat: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Forward:
+    """How one call of the DiT is made from fvx's canonical ``(x_t, t, cond)`` and read back as a flow velocity.
+
+    inputs(config, x, t, cond, sharded) -> kwargs   the DiT's forward arguments from ``x`` (``x_t`` in ``layout``),
+                                         inputs in the compute dtype
     layout                               the latent layout the DiT's ``hidden_states`` take and its prediction comes
                                          in (``fvx_models.layouts``: ``"BCTHW"``, frames first ``"BTCHW"``, channels
                                          last ``"BTHWC"``); the builder converts ``x_t`` to it and the output back
-    inputs(config, x, t, cond, sharded) -> kwargs   the DiT's forward arguments from ``x`` (``x_t`` in ``layout``),
-                                         inputs in the compute dtype
     output(config, out, x, t, cond) -> tensor   the DiT's output as the flow velocity ``noise - x0``, shaped and
                                          laid out as the input ``x`` (it sees the inputs: a token sequence unflattened
                                          to ``x``'s shape, an x0 prediction turned into ``(x - x0) / sigma``, a given
                                          first frame's exact velocity); default ``out[0]``
-    latent_rule(config, shape) -> why    why latents of ``shape`` ``[B, C, T, H, W]`` (a joint model's: a dict of
-                                         shapes keyed by modality) do not fit the model beyond
-                                         channels and patch divisibility (a trained resolution range), or None
-    cfg_dropout_refusal                  why the family refuses training data with CFG dropout (``data.cfg_rate``), or
-                                         None
-    image_cond                           cond tensors that hold the given image of an image-to-video model (first-frame
+    per_frame_timesteps                  the call also takes one timestep per latent frame, ``t [B, T]``
+    with_r(config, kwargs, x, r) -> kwargs   the DiT's arguments with a second time ``r [B]`` (a flow map's target
+                                         time) when ``config.two_time`` (``fvx_models.wan_two_time``)
+    bind(module, call) -> context        binds what one forward is asked to do (``call``, or None for a plain
+                                         forward) to the skeleton for the duration of that forward (a causal
+                                         family's KV cache and teacher-forcing layout)
+    causal(config, apply, module) -> Causal   a block-causal family's streaming functions
+                                         (``fvx_models.model.Causal``) over ``apply(..., call=)``
+    """
+
+    inputs: Callable[..., dict[str, Any]]
+    layout: str = "BCTHW"
+    output: Callable[..., torch.Tensor] = lambda config, out, x, t, cond: out[0]
+    per_frame_timesteps: bool = False
+    with_r: Callable[[Any, dict, torch.Tensor, torch.Tensor], dict] | None = None
+    bind: Callable[[nn.Module, Any], Any] | None = None
+    causal: Callable[[Any, Callable, nn.Module], Any] | None = None
+
+    def __post_init__(self) -> None:
+        layouts.check(self.layout, "a family's forward")
+
+
+@dataclasses.dataclass(frozen=True)
+class Conditioning:
+    """What the DiT is conditioned on and where it comes from: the data's columns, cond files, unconditionals.
+
+    spec(config) -> spec                 the cond tensors and their shapes (``fvx_models.cond``)
+    from_batch(config, batch)            a data batch's ``cond`` (a ValueError names a missing tensor)
+    data_keys                            the data batch's entries ``from_batch`` reads (named as
+                                         ``fvx.data.datasets`` names them)
+    image                                cond tensors that hold the given image of an image-to-video model (first-frame
                                          latents, image embeddings): every unconditional keeps them (guidance is on
                                          the text, as the I2V pipelines guide) and negative-prompt files lack them
-    unused(config) -> names              params the DiT does not use under this config (a mode's branch, e.g. the
-                                         image embedder of an image-to-video model run as text-to-video): held frozen
-                                         as a role's base (no update, no decay, no optimizer state) and exported as
-                                         loaded
-    zero_cond(cond) -> cond              the "zero" unconditional (default: every tensor zeroed)
-    cond_defaults                        cond tensors a cond file may leave out -> how to make them
-    init_rules                           param local name -> :data:`InitRule`, beside the default rules
+    zero(cond) -> cond                   the "zero" unconditional (default: every tensor zeroed)
+    defaults                             cond tensors a cond file may leave out -> how to make them
+    window(config, cond, start, frames, given) -> cond   the cond of latent frames ``[start, start + frames)`` of a
+                                         longer clip scored as a clip of its own (a streaming stage's chunk):
+                                         per-frame inputs cut to the window, the given first frame ``given``
+                                         (condition latents ``[B, C, frames, H, W]``, or None: the clip's own);
+                                         None: the cond does not depend on the frames (text)
+    cfg_dropout_refusal                  why the family refuses training data with CFG dropout (``data.cfg_rate``), or
+                                         None
+    """
+
+    spec: Callable[[Any], fcond.Spec]
+    from_batch: Callable[[Any, Mapping[str, Any]], dict[str, torch.Tensor]]
+    data_keys: tuple[str, ...] = ("text", "text_mask")
+    image: frozenset[str] = frozenset()
+    zero: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] = fcond.zeros
+    defaults: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
+    window: Callable[[Any, Any, int, int, torch.Tensor | None], dict[str, torch.Tensor]] | None = None
+    cfg_dropout_refusal: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoints:
+    """Where the params live on disk: the diffusers pipeline's components and files, the original layout other tools
+    load, and other namings of a folder's weights.
+
+    components                           diffusers pipeline component -> the prefix of its params ("" for a model of
+                                         one component, "transformer." and "transformer_2." for two experts)
     pipeline_files(config, folder)       writes the pipeline's ``model_index.json`` and ``scheduler/`` beside the
                                          exported components
     original_name(name) -> name          a param's or module's name in the family's original checkpoint layout
@@ -105,39 +189,27 @@ class Family:
     component_tags                       component -> what its original-layout export file is tagged with (Wan 2.2's
                                          experts: ``high_noise``, ``low_noise``, as ComfyUI's and musubi-tuner's
                                          files); a component without one is tagged by its name
-    per_frame_timesteps                  ``apply`` also takes one timestep per latent frame, ``t [B, T]``
-    bind(module, call) -> context        binds what one forward is asked to do (``call``, or None for a plain
-                                         forward) to the skeleton for the duration of that forward (a causal
-                                         family's KV cache and teacher-forcing layout)
-    causal(config, apply, module) -> Causal   a block-causal family's streaming functions
-                                         (``fvx_models.model.Causal``) over ``apply(..., call=)``
-    sequence_parallel(config, module, group)   installs Ulysses sequence parallelism on the skeleton for the
-                                         ``fvx.distributed.sequence_parallel.SPGroup`` ``group``: where the token
-                                         sequence is split and gathered, what per-token inputs (RoPE tables, timesteps)
-                                         are sliced, how self-attention runs over all tokens of the rank's heads (None:
-                                         the family refuses SP)
-    whole_graph_refusal                  why the family's forward cannot compile as one graph (``compile=model``),
-                                         e.g. data-dependent control flow; None: it can
-    with_r(config, kwargs, x, r) -> kwargs   the DiT's arguments with a second time ``r [B]`` (a flow map's
-                                         target time) when ``config.two_time`` (``fvx_models.wan_two_time``)
-    derived(config) -> {name: fn(params)}   params a folder may lack, made from the loaded (or drawn) ones (a two-time
-                                         Wan's delta embedder from its time embedder)
-    self_attention                       module-name patterns (``fnmatch``) of the self-attention modules over the
-                                         video tokens, where ``attention=vsa`` runs (``fvx_models.attention.install``;
-                                         other kernels run in every attention module)
-    vsa_refusal                          why the family's self-attention cannot run VSA (its sequence is not exactly
-                                         the video grid's tokens in (t, h, w) order), or None
-    qat_attention                        module-name patterns of the attention modules ``attention=qat`` quantizes
-                                         (None: every one; LTX-2: its video self-attention, as FastVideo's)
-    linear_qat                           module-name patterns of the family's curated NVFP4 linear set
-                                         (``fvx_models.linear_qat``; () none: ``linear_qat.modules`` must name one)
-    modalities                           what the DiT denoises beside the video (``"audio"``: :class:`Modality`): its
-                                         latent space and the params that belong to it; {} for a video-only DiT
-    trained_modalities(config) -> names  the modalities a model of ``config`` trains ("video" and those of
-                                         ``modalities`` it trains): more than one makes a joint model, whose
-                                         ``inputs`` and ``output`` take and give dicts keyed by modality; the params
-                                         of a modality left out are held frozen as ``unused`` params are (LTX-2's
-                                         audio branch)
+    """
+
+    components: Mapping[str, str]
+    pipeline_files: Callable[[Any, Any], None] | None = None
+    original_name: Callable[[str], str | None] | None = None
+    stored_names: Callable[[set[str]], Mapping[str, str] | None] | None = None
+    component_notes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    component_tags: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Training:
+    """The rules a family sets on training it, whatever the method.
+
+    unused(config) -> names              params the DiT does not use under this config (a mode's branch, e.g. the
+                                         image embedder of an image-to-video model run as text-to-video): held frozen
+                                         as a role's base (no update, no decay, no optimizer state) and exported as
+                                         loaded
+    latent_rule(config, shape) -> why    why latents of ``shape`` ``[B, C, T, H, W]`` (a joint model's: a dict of
+                                         shapes keyed by modality) do not fit the model beyond
+                                         channels and patch divisibility (a trained resolution range), or None
     sigma_sampler(config, keys, x0) -> (sigma, t)   the family's own training noise levels (one per sample from
                                          per-sample keys ``[B, 2]``; dicts keyed by modality for a joint model),
                                          replacing a method's timestep density (LTX-2's shifted logit-normal,
@@ -146,72 +218,75 @@ class Family:
                                          step trains one (Wan 2.2 A14B's experts' ranges); (): the whole grid
     one_sample                           why a forward takes one sample (MiniMax-H3's packed sequence has no batch
                                          axis), or None
-    joint_sigmas(config, levels) -> {modality: levels}   the level each modality of a joint model is at when the
-                                         shared clock is at ``levels`` (MiniMax-H3's per-modality shifts): how
-                                         validation samples it; None: every modality at the shared levels
-    window_cond(config, cond, start, frames, given) -> cond   the cond of latent frames ``[start, start + frames)``
-                                         of a longer clip scored as a clip of its own (a streaming stage's chunk):
-                                         per-frame inputs cut to the window, the given first frame ``given``
-                                         (condition latents ``[B, C, frames, H, W]``, or None: the clip's own);
-                                         None: the cond does not depend on the frames (text)
     """
+
+    unused: Callable[[Any], frozenset[str]] = lambda config: frozenset()
+    latent_rule: Callable[[Any, tuple[int, ...]], str | None] = lambda config, shape: None
+    sigma_sampler: Callable[[Any, torch.Tensor, Any], tuple[Any, Any]] | None = None
+    step_ranges: Callable[[Any], tuple] = lambda config: ()
+    one_sample: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Joint:
+    """What a DiT denoises beside the video (none for a video-only DiT).
+
+    modalities                           ``"audio"`` -> :class:`Modality`: its latent space and the params that
+                                         belong to it
+    trained(config) -> names             the modalities a model of ``config`` trains ("video" and those of
+                                         ``modalities`` it trains; None: all): more than one makes a joint model,
+                                         whose ``inputs`` and ``output`` take and give dicts keyed by modality; the
+                                         params of a modality left out are held frozen as ``unused`` params are
+                                         (LTX-2's audio branch)
+    sigmas(config, levels) -> {modality: levels}   the level each modality of a joint model is at when the shared
+                                         clock is at ``levels`` (MiniMax-H3's per-modality shifts): how validation
+                                         samples it; None: every modality at the shared levels
+    """
+
+    modalities: Mapping[str, Modality] = dataclasses.field(default_factory=dict)
+    trained: Callable[[Any], tuple[str, ...]] | None = None
+    sigmas: Callable[[Any, torch.Tensor], dict[str, torch.Tensor]] | None = None
+
+
+_PARTS = ("architecture", "forward", "conditioning", "checkpoints", "training", "joint")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """The spec of a model family (module docstring), in parts: its ``architecture`` (skeleton, units, where kernels
+    go), one ``forward`` (the DiT's arguments and its output as a velocity), its ``conditioning``, its
+    ``checkpoints`` (diffusers folders, original layout), its ``training`` rules, what it denoises ``joint``-ly
+    beside the video, and its data ``encoders`` (``fvx_models.encoders.Encoders``; None: preprocessing refuses).
+    Callables take the family's config (a ``fvx_models.build.ModelConfig``), whose ``preset`` names one of
+    ``presets``."""
 
     name: str
     presets: Mapping[str, Preset]
-    skeleton: Callable[[Any], nn.Module]
-    components: Mapping[str, str]
-    unit_groups: Mapping[str, tuple[str, ...]]
-    activations: Mapping[str, memory.BlockActivations]
-    widths: Callable[[Any], tuple[int, Mapping[str, tuple[int, int]]]]
-    cond_spec: Callable[[Any], fcond.Spec]
-    cond_from_batch: Callable[[Any, Mapping[str, Any]], dict[str, torch.Tensor]]
-    inputs: Callable[..., dict[str, Any]]
-    data_keys: tuple[str, ...] = ("text", "text_mask")
-    layout: str = "BCTHW"
-    output: Callable[..., torch.Tensor] = lambda config, out, x, t, cond: out[0]
-    unused: Callable[[Any], frozenset[str]] = lambda config: frozenset()
-    latent_rule: Callable[[Any, tuple[int, ...]], str | None] = lambda config, shape: None
-    cfg_dropout_refusal: str | None = None
-    image_cond: frozenset[str] = frozenset()
-    zero_cond: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] = fcond.zeros
-    cond_defaults: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
-    init_rules: Mapping[str, InitRule] = dataclasses.field(default_factory=dict)
-    text_groups: frozenset[str] = frozenset()
-    pipeline_files: Callable[[Any, Any], None] | None = None
-    original_name: Callable[[str], str | None] | None = None
-    stored_names: Callable[[set[str]], Mapping[str, str] | None] | None = None
-    component_notes: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    component_tags: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    per_frame_timesteps: bool = False
-    bind: Callable[[nn.Module, Any], Any] | None = None
-    causal: Callable[[Any, Callable, nn.Module], Any] | None = None
-    sequence_parallel: Callable[[Any, nn.Module, Any], None] | None = None
-    whole_graph_refusal: str | None = None
-    with_r: Callable[[Any, dict, torch.Tensor, torch.Tensor], dict] | None = None
-    derived: Callable[[Any], Mapping[str, Callable[[Mapping[str, Any]], Any]]] = lambda config: {}
-    self_attention: tuple[str, ...] = ()
-    vsa_refusal: str | None = None
-    qat_attention: tuple[str, ...] | None = None
-    linear_qat: tuple[str, ...] = ()
-    modalities: Mapping[str, Modality] = dataclasses.field(default_factory=dict)
-    trained_modalities: Callable[[Any], tuple[str, ...]] | None = None
-    sigma_sampler: Callable[[Any, torch.Tensor, Any], tuple[Any, Any]] | None = None
-    step_ranges: Callable[[Any], tuple] = lambda config: ()
-    joint_sigmas: Callable[[Any, torch.Tensor], dict[str, torch.Tensor]] | None = None
-    one_sample: str | None = None
-    window_cond: Callable[[Any, Any, int, int, torch.Tensor | None], dict[str, torch.Tensor]] | None = None
-
-    def __post_init__(self) -> None:
-        layouts.check(self.layout, f"family {self.name}")
+    architecture: Architecture
+    forward: Forward
+    conditioning: Conditioning
+    checkpoints: Checkpoints
+    training: Training = Training()
+    joint: Joint = Joint()
+    encoders: Any = None
 
     def trained(self, config: Any) -> tuple[str, ...]:
-        """The modalities a model of ``config`` trains: ``trained_modalities``, by default video and every other."""
-        return ("video", *self.modalities) if self.trained_modalities is None else self.trained_modalities(config)
+        """The modalities a model of ``config`` trains: ``joint.trained``, by default video and every other."""
+        joint = self.joint
+        return ("video", *joint.modalities) if joint.trained is None else joint.trained(config)
 
     def preset(self, name: str) -> Preset:
         if name not in self.presets:
             raise ValueError(f"unknown {self.name} preset {name!r}; valid presets: {', '.join(self.presets)}")
         return self.presets[name]
+
+    def variant(self, **changes: Any) -> Family:
+        """This family with ``changes``: a top-level field's new value, or for a part a dict of its fields to change
+        (``variant(name="skyreels_v2", forward={"inputs": inputs})``): a family derived from another."""
+        for part in _PARTS:
+            if isinstance(changes.get(part), Mapping):
+                changes[part] = dataclasses.replace(getattr(self, part), **changes[part])
+        return dataclasses.replace(self, **changes)
 
 
 def skeleton_of(module_class: type, kwargs: Mapping[str, Any], rebuild: Callable[[nn.Module], None] = lambda m: None

@@ -30,7 +30,8 @@ from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder
 from fvx_models import encoders as fencoders
 from fvx_models.build import ModelConfig
-from fvx_models.family import Family, Preset, pack_pooled, packed_pooled_cond, skeleton_of
+from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, pack_pooled,
+                               packed_pooled_cond, skeleton_of)
 from fvx_models.model import LatentSpace
 
 SCALING_FACTOR = 0.476986  # AutoencoderKLHunyuanVideo's scaling_factor
@@ -114,28 +115,6 @@ def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
          "tokenizer_2": ("transformers", "CLIPTokenizer")})
 
 
-HUNYUAN_VIDEO = Family(
-    name="hunyuan_video",
-    presets=PRESETS,
-    skeleton=lambda config: skeleton_of(HunyuanVideoTransformer3DModel, config.spec.kwargs),
-    components={"transformer": ""},
-    unit_groups={"transformer_blocks": ("transformer_blocks",),
-                 "single_transformer_blocks": ("single_transformer_blocks",),
-                 "token_refiner": ("context_embedder.token_refiner.refiner_blocks",)},
-    activations=ACTIVATIONS,
-    text_groups=frozenset({"token_refiner"}),
-    widths=widths,
-    cond_spec=cond_spec,
-    cond_from_batch=cond_from_batch,
-    inputs=inputs,
-    zero_cond=zero_cond,
-    cond_defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
-    pipeline_files=pipeline_files,
-    self_attention=("transformer_blocks.*.attn", "single_transformer_blocks.*.attn"),
-    vsa_refusal="its self-attention runs over the video and text tokens together (one joint sequence)",
-)
-
-
 def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
     """``HunyuanVideoPipeline.encode_prompt`` as its ``__call__`` calls it (the LLaMA's ``hidden_states[-3]`` of the
     prompt in its video template, the 95 template tokens cropped, 256 tokens; CLIP's pooled output): each prompt's
@@ -164,13 +143,41 @@ ENCODERS = fencoders.Encoders(
 scaling factor in training); 4x temporal compression, 8x spatial times the DiT's 2x2 patch."""
 
 
+HUNYUAN_VIDEO = Family(
+    name="hunyuan_video",
+    presets=PRESETS,
+    encoders=ENCODERS,
+    architecture=Architecture(
+        skeleton=lambda config: skeleton_of(HunyuanVideoTransformer3DModel, config.spec.kwargs),
+        unit_groups={"transformer_blocks": ("transformer_blocks",),
+                     "single_transformer_blocks": ("single_transformer_blocks",),
+                     "token_refiner": ("context_embedder.token_refiner.refiner_blocks",)},
+        activations=ACTIVATIONS,
+        text_groups=frozenset({"token_refiner"}),
+        widths=widths,
+        self_attention=("transformer_blocks.*.attn", "single_transformer_blocks.*.attn"),
+        vsa_refusal="its self-attention runs over the video and text tokens together (one joint sequence)",
+    ),
+    forward=Forward(inputs=inputs),
+    conditioning=Conditioning(
+        spec=cond_spec,
+        from_batch=cond_from_batch,
+        zero=zero_cond,
+        defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
+    ),
+    checkpoints=Checkpoints(
+        components={"transformer": ""},
+        pipeline_files=pipeline_files,
+    ),
+)
+
+
 class HunyuanVideoConfig(ModelConfig, tag="hunyuan_video"):
     """A HunyuanVideo DiT (presets: tiny, hunyuanvideo-t2v). ``embedded_guidance``: the guidance scale the
     guidance-distilled DiT is told (its pipeline's ``guidance_scale``, passed as ``g * 1000``); required by every
     preset, which all embed guidance."""
 
     family = HUNYUAN_VIDEO
-    encoders = ENCODERS
 
     embedded_guidance: Annotated[float, msgspec.Meta(gt=0)] | None = 6.0
 

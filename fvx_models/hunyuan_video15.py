@@ -44,7 +44,8 @@ from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder
 from fvx_models import encoders as fencoders
 from fvx_models.build import ModelConfig
-from fvx_models.family import Family, Preset, require, skeleton_of
+from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, Training, require,
+                               skeleton_of)
 from fvx_models.model import LatentSpace
 
 NAME = "hunyuan_video15"
@@ -185,31 +186,6 @@ def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
          "text_encoder_2": ("transformers", "T5EncoderModel"), "tokenizer_2": ("transformers", "ByT5Tokenizer")})
 
 
-HUNYUAN_VIDEO15 = Family(
-    name=NAME,
-    presets=PRESETS,
-    skeleton=lambda config: skeleton_of(HunyuanVideo15Transformer3DModel, config.spec.kwargs, rebuild),
-    components={"transformer": ""},
-    unit_groups={"transformer_blocks": ("transformer_blocks",),
-                 "token_refiner": ("context_embedder.token_refiner.refiner_blocks",)},
-    activations=ACTIVATIONS,
-    text_groups=frozenset({"token_refiner"}),
-    widths=widths,
-    cond_spec=cond_spec,
-    cond_from_batch=cond_from_batch,
-    data_keys=("text", "text_mask", "text_2", "text_mask_2"),
-    inputs=inputs,
-    unused=unused,
-    zero_cond=zero_cond,
-    cond_defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
-    pipeline_files=pipeline_files,
-    whole_graph_refusal="its forward reorders each sample's text tokens by their masks (boolean indexing, shapes that "
-                        "depend on the data) and branches on whether the image embedding is all zeros",
-    self_attention=("transformer_blocks.*.attn",),
-    vsa_refusal="its self-attention runs over the video and text tokens together (one joint sequence)",
-)
-
-
 def _placeholder_stream(prompts: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """A one-token stand-in ``[B, 1, 1]`` and mask ``[B, 1]`` for the stream ``encode_prompt`` is not asked to make
     (given, it skips that encoder)."""
@@ -248,6 +224,38 @@ ENCODERS = fencoders.Encoders(
 ``text_embedding_2`` (read back as ``text_2``/``text_mask_2`` with ``data.text_2_len``, e.g. the presets' 256)."""
 
 
+HUNYUAN_VIDEO15 = Family(
+    name=NAME,
+    presets=PRESETS,
+    encoders=ENCODERS,
+    architecture=Architecture(
+        skeleton=lambda config: skeleton_of(HunyuanVideo15Transformer3DModel, config.spec.kwargs, rebuild),
+        unit_groups={"transformer_blocks": ("transformer_blocks",),
+                     "token_refiner": ("context_embedder.token_refiner.refiner_blocks",)},
+        activations=ACTIVATIONS,
+        text_groups=frozenset({"token_refiner"}),
+        widths=widths,
+        whole_graph_refusal="its forward reorders each sample's text tokens by their masks (boolean indexing, shapes "
+                            "that depend on the data) and branches on whether the image embedding is all zeros",
+        self_attention=("transformer_blocks.*.attn",),
+        vsa_refusal="its self-attention runs over the video and text tokens together (one joint sequence)",
+    ),
+    forward=Forward(inputs=inputs),
+    conditioning=Conditioning(
+        spec=cond_spec,
+        from_batch=cond_from_batch,
+        data_keys=("text", "text_mask", "text_2", "text_mask_2"),
+        zero=zero_cond,
+        defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
+    ),
+    checkpoints=Checkpoints(
+        components={"transformer": ""},
+        pipeline_files=pipeline_files,
+    ),
+    training=Training(unused=unused),
+)
+
+
 class HunyuanVideo15Config(ModelConfig, tag="hunyuan_video15"):
     """A HunyuanVideo 1.5 text-to-video DiT (presets: tiny, hunyuanvideo1.5-480p-t2v, hunyuanvideo1.5-720p-t2v).
     ``glyph_text``: the ByT5 glyph-text stream is a cond pair ``text_2``/``text_mask_2`` read from the data (True), or
@@ -255,6 +263,5 @@ class HunyuanVideo15Config(ModelConfig, tag="hunyuan_video15"):
     then hold only ``text``/``text_mask``)."""
 
     family = HUNYUAN_VIDEO15
-    encoders = ENCODERS
 
     glyph_text: bool = True

@@ -42,7 +42,8 @@ from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder, hunyuan_video
 from fvx_models import encoders as fencoders
 from fvx_models.build import ModelConfig
-from fvx_models.family import Family, Preset, pack_pooled, packed_pooled_cond, skeleton_of
+from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, Training, pack_pooled,
+                               packed_pooled_cond, skeleton_of)
 
 LATENTS = hunyuan_video.LATENTS  # Kandinsky 5 decodes with HunyuanVideo's VAE: 16 channels x 0.476986, (4, 8, 8)
 FLOW_SHIFT = 5.0  # FastVideo's Kandinsky5Model default and its recipes' pipeline.flow_shift
@@ -208,29 +209,6 @@ def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
          "tokenizer_2": ("transformers", "CLIPTokenizer")})
 
 
-KANDINSKY5 = Family(
-    name="kandinsky5",
-    presets=PRESETS,
-    skeleton=skeleton,
-    components={"transformer": ""},
-    unit_groups={"visual_transformer_blocks": ("visual_transformer_blocks",),
-                 "text_transformer_blocks": ("text_transformer_blocks",)},
-    activations=ACTIVATIONS,
-    text_groups=frozenset({"text_transformer_blocks"}),
-    widths=widths,
-    cond_spec=cond_spec,
-    cond_from_batch=cond_from_batch,
-    inputs=inputs,
-    layout="BTHWC",
-    output=output,
-    latent_rule=latent_rule,
-    zero_cond=zero_cond,
-    cond_defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
-    pipeline_files=pipeline_files,
-    self_attention=("visual_transformer_blocks.*.self_attention",),
-)
-
-
 TEXT_LEN = 512  # Kandinsky5T2VPipeline's max_sequence_length: the Qwen tokens after its template
 
 
@@ -264,13 +242,44 @@ ENCODERS = fencoders.Encoders(
 applies the scaling factor in training); 4x temporal compression, 8x spatial times the DiT's 2x2 patch."""
 
 
+KANDINSKY5 = Family(
+    name="kandinsky5",
+    presets=PRESETS,
+    encoders=ENCODERS,
+    architecture=Architecture(
+        skeleton=skeleton,
+        unit_groups={"visual_transformer_blocks": ("visual_transformer_blocks",),
+                     "text_transformer_blocks": ("text_transformer_blocks",)},
+        activations=ACTIVATIONS,
+        text_groups=frozenset({"text_transformer_blocks"}),
+        widths=widths,
+        self_attention=("visual_transformer_blocks.*.self_attention",),
+    ),
+    forward=Forward(
+        inputs=inputs,
+        layout="BTHWC",
+        output=output,
+    ),
+    conditioning=Conditioning(
+        spec=cond_spec,
+        from_batch=cond_from_batch,
+        zero=zero_cond,
+        defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
+    ),
+    checkpoints=Checkpoints(
+        components={"transformer": ""},
+        pipeline_files=pipeline_files,
+    ),
+    training=Training(latent_rule=latent_rule),
+)
+
+
 class Kandinsky5Config(ModelConfig, tag="kandinsky5"):
     """A Kandinsky 5.0 DiT (presets: tiny, kandinsky5-t2v-lite, kandinsky5-t2v-pro). ``only_480p``: refuse latents
     outside FastVideo's 480p band (real presets; 480..854 px a side), as FastVideo's plugin does; False trains any
     size, the visual RoPE scale following diffusers' pipeline (1, 3.16, 3.16 beyond 480p)."""
 
     family = KANDINSKY5
-    encoders = ENCODERS
 
     only_480p: bool = True
 

@@ -1,6 +1,6 @@
 """The latent layouts a DiT's ``hidden_states`` come in, and the conversions to and from fvx's ``[B, C, T, H, W]``.
 
-A family declares its DiT's layout (``fvx_models.family.Family.layout``); the generic builder hands the family's
+A family declares its DiT's layout (``fvx_models.family.Family.forward.layout``); the generic builder hands the family's
 ``inputs`` the latents in that layout and turns the family's ``output`` back. Token-sequence DiTs (LTX-Video) declare
 ``"BTHWC"`` and flatten to tokens themselves: their ``output`` sees the input's shape.
 """

@@ -12,7 +12,8 @@ the one-level form). With ``x [M, K]`` the activations (every token of the call:
     backward  dx = dy W,  dW = dy^T x,  db = sum dy     (full precision: the dense masters and activations)
 
 No param or buffer is added: checkpoints and exports are those of the dense model. Which layers take it is the
-family's curated set (``Family.linear_qat``: FastVideo's LTX-2 deployment set) or ``LinearQATConfig.modules``.
+family's curated set (``Family.architecture.linear_qat``: FastVideo's LTX-2 deployment set) or
+``LinearQATConfig.modules``.
 ``implementation``: ``reference`` the PyTorch form above (any device), ``kernel`` flashinfer's real NVFP4 GEMM
 (``mm_fp4``, CUDA with flashinfer installed; as FastVideo calls it), ``auto`` the kernel where it can run.
 """
@@ -156,7 +157,7 @@ class QATLinear(nn.Linear):
 
 def patterns(config: LinearQATConfig, family: Any) -> tuple[str, ...]:
     """The module patterns ``config`` quantizes: its own, else the family's curated set."""
-    return family.linear_qat if config.modules is None else config.modules
+    return family.architecture.linear_qat if config.modules is None else config.modules
 
 
 def refusal(config: LinearQATConfig, family: Any, module: nn.Module) -> str | None:

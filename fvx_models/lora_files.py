@@ -7,7 +7,8 @@ the keys diffusers' ``save_lora_weights`` writes (``transformer.<module>.lora_A.
 scales by alpha / r as fvx does; ComfyUI and musubi-tuner load none of these keys. ``comfyui``
 (``<stem>_lora_comfyui.safetensors``, ``stem`` e.g. the run's name): ``diffusion_model.<original module>
 .lora_down.weight`` (A), ``lora_up.weight`` (B) and ``.alpha``, under the family's original module names
-(``Family.original_name``). ``musubi`` (``<stem>_lora_musubi.safetensors``): kohya's keys, which musubi-tuner applies
+(``Family.checkpoints.original_name``).
+``musubi`` (``<stem>_lora_musubi.safetensors``): kohya's keys, which musubi-tuner applies
 (and ComfyUI reads too): ``lora_unet_<original module, dots as underscores>.lora_down.weight``, ``lora_up.weight``,
 ``.alpha``. A model of two components (Wan 2.2's experts) gets one file per component: diffusers'
 ``pytorch_lora_weights_transformer_2.safetensors`` for PEFT, ``..._high_noise`` / ``..._low_noise`` for the others
@@ -37,7 +38,7 @@ def by_component(adapters: flora.Adapters, params: Mapping[str, torch.Tensor]
                  ) -> dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """Component -> its adapted module names (without the component prefix) -> (A, B), fp32 on the CPU."""
     out: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
-    for component, prefix in adapters.family.components.items():
+    for component, prefix in adapters.family.checkpoints.components.items():
         pairs = {name[len(prefix):]: (_cpu(params[f"{name}.{flora.A}"]), _cpu(params[f"{name}.{flora.B}"]))
                  for name in adapters.modules if name.startswith(prefix)}
         if pairs:
@@ -71,13 +72,13 @@ def original_file(form: str, config: flora.LoRAConfig, pairs: Mapping[str, tuple
                   family) -> dict[str, torch.Tensor]:
     """One component's LoRA in ComfyUI's or musubi-tuner's layout (module docstring); a ValueError names a module the
     family's original layout has no name for."""
-    if family.original_name is None:
+    if family.checkpoints.original_name is None:
         raise ValueError(f"export --format {form}: family {family.name} has no original layout in fvx; use --format "
                          "peft (diffusers' load_lora_weights) or export the merged weights without --lora")
     alpha = torch.tensor(float(config.rank if config.alpha is None else config.alpha))
     tensors = {}
     for name, (a, b) in pairs.items():
-        original = family.original_name(name)
+        original = family.checkpoints.original_name(name)
         if original is None:
             raise ValueError(f"export --format {form}: module {name!r} has no name in the original {family.name} "
                              "layout; use --format peft")
@@ -90,7 +91,7 @@ def original_file(form: str, config: flora.LoRAConfig, pairs: Mapping[str, tuple
 
 def formats(family) -> tuple[str, ...]:
     """The formats a LoRA of ``family`` exports in (the original layouts when the family has one)."""
-    return FORMATS if family.original_name is not None else ("peft",)
+    return FORMATS if family.checkpoints.original_name is not None else ("peft",)
 
 
 def file_name(form: str, family: Any, component: str, stem: str | None = None) -> str:
@@ -98,7 +99,7 @@ def file_name(form: str, family: Any, component: str, stem: str | None = None) -
     (``pytorch_lora_weights.safetensors``, ``pytorch_lora_weights_<component>.safetensors`` for the second expert),
     ``<stem>_lora_<form>[_high_noise|_low_noise].safetensors`` for the original layouts."""
     if form == "peft":
-        first = next(iter(family.components))
+        first = next(iter(family.checkpoints.components))
         return PEFT_FILE if component == first else PEFT_FILE.replace(".safetensors", f"_{component}.safetensors")
     return original_layout.file_name((stem, "lora", form), family, component)
 
@@ -126,10 +127,10 @@ def write(adapters: flora.Adapters, params: Mapping[str, torch.Tensor], folder: 
 def how_to_load(form: str, written: Mapping[str, pathlib.Path], family) -> list[str]:
     """What a person runs to load the files :func:`write` wrote (component -> file), one line per file; after PEFT
     files, a line saying that ComfyUI and musubi-tuner load none of their keys and which format they load."""
-    first = next(iter(family.components))
+    first = next(iter(family.checkpoints.components))
     lines = []
     for component, path in written.items():
-        note = family.component_notes.get(component)
+        note = family.checkpoints.component_notes.get(component)
         which = f" ({component}: {note})" if note else ""
         if form == "peft":
             args = [repr(str(path.parent)), *([f"weight_name={path.name!r}"] if path.name != PEFT_FILE else []),
@@ -141,7 +142,7 @@ def how_to_load(form: str, written: Mapping[str, pathlib.Path], family) -> list[
         else:
             flag = original_layout.musubi_flag("--lora_weight", family, component)
             lines.append(f"musubi-tuner: wan_generate_video.py {flag} {path}{which}")
-    if form == "peft" and family.original_name is not None:
+    if form == "peft" and family.checkpoints.original_name is not None:
         lines.append("not for ComfyUI or musubi-tuner: they ignore PEFT keys (transformer.<module>.lora_A/lora_B) and "
                      "load nothing from a PEFT file; export again with --lora --format comfyui (ComfyUI's "
                      "LoraLoaderModelOnly) or --lora --format musubi (musubi-tuner's wan_generate_video.py "

@@ -54,7 +54,8 @@ from fvx.core import random
 from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder, encoders as fencoders, wan
 from fvx_models.build import ModelConfig
-from fvx_models.family import Family, Modality, Preset, require, skeleton_of
+from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Joint, Modality, Preset,
+                               Training, require, skeleton_of)
 from fvx_models.model import LatentSpace
 
 NAME = "ltx2"
@@ -281,46 +282,6 @@ def _unscaled_normal(key: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return random.normal(key, shape)
 
 
-LTX2 = Family(
-    name=NAME,
-    presets=PRESETS,
-    skeleton=lambda config: skeleton_of(LTX2VideoTransformer3DModel, config.spec.kwargs),  # RoPE holds no buffer
-    components={"transformer": ""},
-    unit_groups={"transformer_blocks": ("transformer_blocks",)},
-    activations={"transformer_blocks": BLOCK_ACTIVATIONS},
-    widths=widths,
-    cond_spec=cond_spec,
-    cond_from_batch=cond_from_batch,
-    inputs=inputs,
-    layout="BTHWC",
-    output=output,
-    cfg_dropout_refusal="CFG dropout zeroes the post-connector text embeddings, but LTX-2's unconditional input is "
-                        "an empty prompt encoded through Gemma and the connector (FastVideo trains LTX-2 with "
-                        "training_cfg_rate 0)",
-    cond_defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
-    # N(0, 1) / sqrt(width): the root's [2, dim] tables and the blocks' [6 or 9, dim]; N(0, 1): the prompt and
-    # a2v/v2a tables
-    init_rules={"scale_shift_table": wan.scale_shift_init, "audio_scale_shift_table": wan.scale_shift_init,
-                "prompt_scale_shift_table": _unscaled_normal, "audio_prompt_scale_shift_table": _unscaled_normal,
-                "video_a2v_cross_attn_scale_shift_table": _unscaled_normal,
-                "audio_a2v_cross_attn_scale_shift_table": _unscaled_normal,
-                "keyframes_abs_pos_embedding": lambda key, shape: torch.zeros(shape)},
-    pipeline_files=pipeline_files,
-    self_attention=("transformer_blocks.*.attn1",),
-    # FastVideo's LTX-2 blocks offer ATTN_QAT_TRAIN to the video attention only (audio: flash or SDPA) and run a
-    # masked call through SDPA (LTXSelfAttention.attn_masked): training always masks the text cross-attention, and
-    # the a2v/v2a attention does not run with the modalities isolated, so its video self-attention is what quantizes.
-    qat_attention=("transformer_blocks.*.attn1",),
-    linear_qat=NVFP4_LINEARS,
-    vsa_refusal="FastVideo's LTX-2 trainer builds no sparse-attention metadata and refuses the VSA backend (its LTX-2 "
-                "VSA path serves LTX-2.0 VSA-QAT checkpoints at inference only, and the released checkpoints are "
-                "dense, with no trained VSA gate)",
-    modalities={"audio": Modality(latents=lambda config: config.spec.options["audio_latents"], owns=owns_audio)},
-    trained_modalities=lambda config: ("video",),
-    sigma_sampler=sigma_sampler,
-)
-
-
 # ------------------------------------------------------------------------------------------------------- encoders
 
 N_FFT = 1024  # LTX-2's audio STFT size (FastVideo's AudioEncoder n_fft, stft filter_length): not in diffusers' config
@@ -415,6 +376,58 @@ ENCODERS = fencoders.Encoders(
 VAEs' statistics (identity latent spaces), as FastVideo's LTX-2 VAEs normalise inside ``encode``."""
 
 
+LTX2 = Family(
+    name=NAME,
+    presets=PRESETS,
+    encoders=ENCODERS,
+    architecture=Architecture(
+        skeleton=lambda config: skeleton_of(LTX2VideoTransformer3DModel, config.spec.kwargs),  # RoPE holds no buffer
+        unit_groups={"transformer_blocks": ("transformer_blocks",)},
+        activations={"transformer_blocks": BLOCK_ACTIVATIONS},
+        widths=widths,
+        # N(0, 1) / sqrt(width): the root's [2, dim] tables and the blocks' [6 or 9, dim]; N(0, 1): the prompt and
+        # a2v/v2a tables
+        init_rules={"scale_shift_table": wan.scale_shift_init, "audio_scale_shift_table": wan.scale_shift_init,
+                    "prompt_scale_shift_table": _unscaled_normal, "audio_prompt_scale_shift_table": _unscaled_normal,
+                    "video_a2v_cross_attn_scale_shift_table": _unscaled_normal,
+                    "audio_a2v_cross_attn_scale_shift_table": _unscaled_normal,
+                    "keyframes_abs_pos_embedding": lambda key, shape: torch.zeros(shape)},
+        self_attention=("transformer_blocks.*.attn1",),
+        # FastVideo's LTX-2 blocks offer ATTN_QAT_TRAIN to the video attention only (audio: flash or SDPA) and run a
+        # masked call through SDPA (LTXSelfAttention.attn_masked): training always masks the text cross-attention,
+        # and the a2v/v2a attention does not run with the modalities isolated, so its video self-attention is what
+        # quantizes.
+        qat_attention=("transformer_blocks.*.attn1",),
+        linear_qat=NVFP4_LINEARS,
+        vsa_refusal="FastVideo's LTX-2 trainer builds no sparse-attention metadata and refuses the VSA backend (its "
+                    "LTX-2 VSA path serves LTX-2.0 VSA-QAT checkpoints at inference only, and the released checkpoints "
+                    "are dense, with no trained VSA gate)",
+    ),
+    forward=Forward(
+        inputs=inputs,
+        layout="BTHWC",
+        output=output,
+    ),
+    conditioning=Conditioning(
+        spec=cond_spec,
+        from_batch=cond_from_batch,
+        cfg_dropout_refusal="CFG dropout zeroes the post-connector text embeddings, but LTX-2's unconditional input is "
+                            "an empty prompt encoded through Gemma and the connector (FastVideo trains LTX-2 with "
+                            "training_cfg_rate 0)",
+        defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
+    ),
+    checkpoints=Checkpoints(
+        components={"transformer": ""},
+        pipeline_files=pipeline_files,
+    ),
+    training=Training(sigma_sampler=sigma_sampler),
+    joint=Joint(
+        modalities={"audio": Modality(latents=lambda config: config.spec.options["audio_latents"], owns=owns_audio)},
+        trained=lambda config: ("video",),
+    ),
+)
+
+
 class LTX2Config(ModelConfig, tag="ltx2"):
     """An LTX-2 DiT (presets: tiny, tiny-2.3, ltx-2, ltx-2.3), trained video-only. ``fps``: the frame rate of the
     training videos, which sets the temporal RoPE positions (FastVideo reads it from the data's ``info_list``, default
@@ -422,7 +435,6 @@ class LTX2Config(ModelConfig, tag="ltx2"):
     levels drawn from U(0.001, 1) instead of the shifted logit-normal (FastVideo's, default 0.1)."""
 
     family = LTX2
-    encoders = ENCODERS
 
     fps: Annotated[float, msgspec.Meta(gt=0)] = FPS
     train_audio: bool = False

@@ -59,7 +59,8 @@ from fvx.core import random
 from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder, encoders as fencoders, wan
 from fvx_models.build import ModelConfig
-from fvx_models.family import Family, Preset, require, skeleton_of
+from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, Training, require,
+                               skeleton_of)
 from fvx_models.model import LatentSpace
 
 CHANNELS = 128  # AutoencoderKLLTXVideo's latent_channels, every release
@@ -254,27 +255,6 @@ def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
          "text_encoder": ("transformers", "T5EncoderModel"), "tokenizer": ("transformers", "T5Tokenizer")})
 
 
-LTX_VIDEO = Family(
-    name="ltx_video",
-    presets=PRESETS,
-    skeleton=lambda config: skeleton_of(LTXVideoTransformer3DModel, config.spec.kwargs),  # RoPE holds no buffer
-    components={"transformer": ""},
-    unit_groups={"transformer_blocks": ("transformer_blocks",)},
-    activations={"transformer_blocks": BLOCK_ACTIVATIONS},
-    widths=widths,
-    cond_spec=cond_spec,
-    cond_from_batch=cond_from_batch,
-    inputs=inputs,
-    layout="BTHWC",
-    output=output,
-    cond_defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
-    init_rules={"scale_shift_table": wan.scale_shift_init},  # N(0, 1) / sqrt(dim): root's [2, dim], blocks' [6, dim]
-    pipeline_files=pipeline_files,
-    self_attention=("transformer_blocks.*.attn1",),
-    sigma_sampler=sigma_sampler,
-)
-
-
 # ------------------------------------------------------------------------------------------------------- encoders
 
 
@@ -294,6 +274,37 @@ ENCODERS = fencoders.Encoders(
 a draw, through ``_normalize_latents``, as LTX-Video-Trainer's preprocessing stores them (it draws a sample)."""
 
 
+LTX_VIDEO = Family(
+    name="ltx_video",
+    presets=PRESETS,
+    encoders=ENCODERS,
+    architecture=Architecture(
+        skeleton=lambda config: skeleton_of(LTXVideoTransformer3DModel, config.spec.kwargs),  # RoPE holds no buffer
+        unit_groups={"transformer_blocks": ("transformer_blocks",)},
+        activations={"transformer_blocks": BLOCK_ACTIVATIONS},
+        widths=widths,
+        # N(0, 1) / sqrt(dim): the root's [2, dim], the blocks' [6, dim]
+        init_rules={"scale_shift_table": wan.scale_shift_init},
+        self_attention=("transformer_blocks.*.attn1",),
+    ),
+    forward=Forward(
+        inputs=inputs,
+        layout="BTHWC",
+        output=output,
+    ),
+    conditioning=Conditioning(
+        spec=cond_spec,
+        from_batch=cond_from_batch,
+        defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
+    ),
+    checkpoints=Checkpoints(
+        components={"transformer": ""},
+        pipeline_files=pipeline_files,
+    ),
+    training=Training(sigma_sampler=sigma_sampler),
+)
+
+
 class LTXVideoConfig(ModelConfig, tag="ltx_video"):
     """An LTX-Video DiT (presets: tiny, ltx-video-2b, ltx-video-13b). ``fps``: the frame rate of the training videos,
     which sets the temporal RoPE scale (``LTXPipeline``'s ``frame_rate``, default 25). ``latents_stats``: None when
@@ -305,7 +316,6 @@ class LTXVideoConfig(ModelConfig, tag="ltx_video"):
     (:func:`sigma_sampler`)."""
 
     family = LTX_VIDEO
-    encoders = ENCODERS
 
     fps: Annotated[float, msgspec.Meta(gt=0)] = FPS
     latents_stats: str | None = None

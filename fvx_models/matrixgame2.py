@@ -31,7 +31,7 @@ from torch import nn
 
 from fvx_models import diffusers_folder as dfolder, matrixgame2_actions as actions, wan, wan_i2v
 from fvx_models.build import ModelConfig
-from fvx_models.family import Family, Preset, require, skeleton_of
+from fvx_models.family import Architecture, Checkpoints, Conditioning, Family, Forward, Preset, require, skeleton_of
 
 CLASS_ALIASES = ("MatrixGame2WanModel", "MatrixGameWanModel", "CausalMatrixGame2WanModel", "CausalMatrixGameWanModel")
 ACTION_COND = ("keyboard", "mouse")
@@ -310,7 +310,7 @@ def pipeline_files(config: ModelConfig, folder: Any) -> None:
     from diffusers import FlowMatchEulerDiscreteScheduler
     FlowMatchEulerDiscreteScheduler(shift=config.spec.options["flow_shift"]).save_config(folder / "scheduler")
     components = {"scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
-                  "transformer": ("diffusers", type(config.family.skeleton(config)).__name__),
+                  "transformer": ("diffusers", type(config.family.architecture.skeleton(config)).__name__),
                   "vae": ("diffusers", "AutoencoderKLWan"), "image_encoder": ("transformers", "CLIPVisionModel"),
                   "image_processor": ("transformers", "CLIPImageProcessor")}
     dfolder.write_model_index(folder, "MatrixGame2I2VPipeline", components)
@@ -319,23 +319,30 @@ def pipeline_files(config: ModelConfig, folder: Any) -> None:
 MATRIXGAME2 = Family(
     name="matrixgame2",
     presets=PRESETS,
-    skeleton=skeleton,
-    components={"transformer": ""},
-    unit_groups={"blocks": ("blocks",)},
-    activations={"blocks": wan.BLOCK_ACTIVATIONS},
-    widths=wan.widths,
-    cond_spec=cond_spec,
-    cond_from_batch=cond_from_batch,
-    data_keys=("first_frame_latents", "image_embeds", *ACTION_COND),
-    inputs=inputs,
-    image_cond=wan_i2v.IMAGE_COND,
-    zero_cond=zero_cond,
-    window_cond=window_cond,
-    init_rules={"scale_shift_table": wan.scale_shift_init, **ZERO_PROJECTIONS},
-    pipeline_files=pipeline_files,
-    self_attention=("blocks.*.attn1",),
-    linear_qat=wan.NVFP4_LINEARS,
-    cfg_dropout_refusal="Matrix-Game 2.0 has no text to drop (FastVideo's recipes set training_cfg_rate 0)",
+    encoders=wan.ENCODERS,
+    architecture=Architecture(
+        skeleton=skeleton,
+        unit_groups={"blocks": ("blocks",)},
+        activations={"blocks": wan.BLOCK_ACTIVATIONS},
+        widths=wan.widths,
+        init_rules={"scale_shift_table": wan.scale_shift_init, **ZERO_PROJECTIONS},
+        self_attention=("blocks.*.attn1",),
+        linear_qat=wan.NVFP4_LINEARS,
+    ),
+    forward=Forward(inputs=inputs),
+    conditioning=Conditioning(
+        spec=cond_spec,
+        from_batch=cond_from_batch,
+        data_keys=("first_frame_latents", "image_embeds", *ACTION_COND),
+        image=wan_i2v.IMAGE_COND,
+        zero=zero_cond,
+        window=window_cond,
+        cfg_dropout_refusal="Matrix-Game 2.0 has no text to drop (FastVideo's recipes set training_cfg_rate 0)",
+    ),
+    checkpoints=Checkpoints(
+        components={"transformer": ""},
+        pipeline_files=pipeline_files,
+    ),
 )
 
 
@@ -345,4 +352,3 @@ class MatrixGame2Config(ModelConfig, tag="matrixgame2"):
     ``data.kind='matrixgame2'``; its encoders are Wan's VAE and CLIP image encoder."""
 
     family = MATRIXGAME2
-    encoders = wan.ENCODERS

@@ -221,11 +221,21 @@ def causal(config: Any, apply: Any, module: nn.Module) -> Causal:
                   max_frames=kwargs["rope_max_seq_len"] * kwargs["patch_size"][0])
 
 
-MATRIXGAME2_CAUSAL = dataclasses.replace(
-    mg.MATRIXGAME2, name="matrixgame2_causal", skeleton=skeleton, inputs=inputs,
-    activations=wan_causal.ACTIVATIONS, per_frame_timesteps=True, bind=wan_causal.bind, causal=causal,
-    whole_graph_refusal="its forward binds per-call state (a KV cache, the block-causal plan)",
-    vsa_refusal=wan_causal.WAN_CAUSAL.vsa_refusal)
+MATRIXGAME2_CAUSAL = mg.MATRIXGAME2.variant(
+    name="matrixgame2_causal",
+    architecture={
+        "skeleton": skeleton,
+        "activations": wan_causal.ACTIVATIONS,
+        "whole_graph_refusal": "its forward binds per-call state (a KV cache, the block-causal plan)",
+        "vsa_refusal": wan_causal.WAN_CAUSAL.architecture.vsa_refusal,
+    },
+    forward={
+        "inputs": inputs,
+        "per_frame_timesteps": True,
+        "bind": wan_causal.bind,
+        "causal": causal,
+    },
+)
 
 
 class MatrixGame2CausalConfig(wan_causal.WanCausalConfig, tag="matrixgame2_causal"):
@@ -234,4 +244,3 @@ class MatrixGame2CausalConfig(wan_causal.WanCausalConfig, tag="matrixgame2_causa
     frames, a window of ``local_attn_size`` frames (-1: all) with ``sink_size`` sink frames, ``block_attention``."""
 
     family = MATRIXGAME2_CAUSAL
-    encoders = mg.MatrixGame2Config.encoders

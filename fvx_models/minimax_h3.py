@@ -55,7 +55,8 @@ from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder
 from fvx_models import encoders as fencoders
 from fvx_models.build import ModelConfig
-from fvx_models.family import Family, Modality, Preset, require, skeleton_of
+from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Joint, Modality, Preset,
+                               Training, require, skeleton_of)
 from fvx_models.model import LatentSpace
 
 NAME = "minimax_h3"
@@ -160,7 +161,7 @@ def latent_rule(config: ModelConfig, shape: Any) -> str | None:
     """Why latents do not fit (``shape``: ``{"video": [B, C, T, H, W], "audio": [B, 2, 32, A]}``, or the video's
     alone): audio latents not ``[B, 2, 32, A]``; for the released VAEs' latents (``clip_geometry``) also a video length
     that no clip makes, or an ``A`` other than the clip's (:func:`audio_frames`). One sample per forward
-    (FastVideo's batch 1 per rank) is ``Family.one_sample``, checked per micro-batch."""
+    (FastVideo's batch 1 per rank) is ``Family.training.one_sample``, checked per micro-batch."""
     video = tuple(shape["video"]) if isinstance(shape, Mapping) else tuple(shape)
     geometry = config.spec.options.get("clip_geometry", False)
     try:
@@ -281,36 +282,6 @@ def rebuild(module: nn.Module) -> None:
     module.rope = MiniMaxH3RotaryPosEmbed(module.config.rope_freq_dim, module.config.rope_theta)
 
 
-MINIMAX_H3 = Family(
-    name=NAME,
-    presets=PRESETS,
-    skeleton=lambda config: skeleton_of(MiniMaxH3Transformer3DModel, config.spec.kwargs, rebuild),
-    components={"transformer": ""},
-    unit_groups={"transformer_blocks": ("transformer_blocks",),
-                 "token_refiner": ("token_refiner.refiner_blocks",)},
-    activations=ACTIVATIONS,
-    text_groups=frozenset({"token_refiner"}),
-    widths=widths,
-    cond_spec=cond_spec,
-    cond_from_batch=cond_from_batch,
-    inputs=inputs,
-    output=output,
-    latent_rule=latent_rule,
-    cfg_dropout_refusal=CFG_DROPOUT_REFUSAL,
-    cond_defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
-    pipeline_files=pipeline_files,
-    whole_graph_refusal="its forward keeps only the valid text tokens (boolean indexing: shapes that depend on the "
-                        "mask) and builds the packed row layout on the host from them",
-    self_attention=("transformer_blocks.*.attn",),
-    vsa_refusal="its self-attention runs over one packed text-audio-video sequence, not the video grid's tokens",
-    modalities={"audio": Modality(latents=lambda config: AUDIO_LATENTS,
-                                  owns=lambda name: name.startswith(AUDIO_PARAMS))},
-    sigma_sampler=sigma_sampler,
-    joint_sigmas=lambda config, levels: dict(zip(("video", "audio"), coupled_sigmas(levels))),
-    one_sample=ONE_SAMPLE,
-)
-
-
 # ---------------------------------------------------------------------------------------------------------- encoders
 
 LATENT_SEED = 42  # FastVideo's t2va preprocessing draws the video posterior under this seed (diffusers' keyframes too)
@@ -412,9 +383,51 @@ length); :func:`encode_video` refuses others. ``pixel_multiple`` 32: the VAE's 1
 pipeline's ``canvas_multiple``)."""
 
 
+MINIMAX_H3 = Family(
+    name=NAME,
+    presets=PRESETS,
+    encoders=ENCODERS,
+    architecture=Architecture(
+        skeleton=lambda config: skeleton_of(MiniMaxH3Transformer3DModel, config.spec.kwargs, rebuild),
+        unit_groups={"transformer_blocks": ("transformer_blocks",),
+                     "token_refiner": ("token_refiner.refiner_blocks",)},
+        activations=ACTIVATIONS,
+        text_groups=frozenset({"token_refiner"}),
+        widths=widths,
+        whole_graph_refusal="its forward keeps only the valid text tokens (boolean indexing: shapes that depend on the "
+                            "mask) and builds the packed row layout on the host from them",
+        self_attention=("transformer_blocks.*.attn",),
+        vsa_refusal="its self-attention runs over one packed text-audio-video sequence, not the video grid's tokens",
+    ),
+    forward=Forward(
+        inputs=inputs,
+        output=output,
+    ),
+    conditioning=Conditioning(
+        spec=cond_spec,
+        from_batch=cond_from_batch,
+        cfg_dropout_refusal=CFG_DROPOUT_REFUSAL,
+        defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
+    ),
+    checkpoints=Checkpoints(
+        components={"transformer": ""},
+        pipeline_files=pipeline_files,
+    ),
+    training=Training(
+        latent_rule=latent_rule,
+        sigma_sampler=sigma_sampler,
+        one_sample=ONE_SAMPLE,
+    ),
+    joint=Joint(
+        modalities={"audio": Modality(latents=lambda config: AUDIO_LATENTS,
+                                      owns=lambda name: name.startswith(AUDIO_PARAMS))},
+        sigmas=lambda config, levels: dict(zip(("video", "audio"), coupled_sigmas(levels))),
+    ),
+)
+
+
 class MiniMaxH3Config(ModelConfig, tag="minimax_h3"):
     """A MiniMax-H3 joint video-and-audio DiT (presets: tiny, minimax-h3), trained on both modalities as FastVideo's
     t2va fine-tuning (module docstring)."""
 
     family = MINIMAX_H3
-    encoders = ENCODERS

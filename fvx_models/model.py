@@ -106,7 +106,7 @@ class Written(NamedTuple):
 
 
 class StepRange(NamedTuple):
-    """One of the timestep ranges a model trains one of per step (:attr:`Model.step_ranges`): chosen with
+    """One of the timestep ranges a model trains one of per step (:attr:`Rules.step_ranges`): chosen with
     ``probability``, its levels those with ``t_min <= t < t_max`` (0..1000)."""
 
     probability: float
@@ -115,25 +115,131 @@ class StepRange(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class Model:
-    """One architecture of a model family, as pure functions (see the module docstring for layouts).
-
-    Params are *placed*: what ``init``, ``load``, ``initial_params`` and ``base_params`` return is what ``apply`` takes,
-    this rank's local shards (an ``fvx.distributed.sharding.Shards``) when the model is built on a device mesh, else
-    whole tensors. No method places or casts params itself.
+class Weights:
+    """A model's params: drawn, read from a folder, what a role trains and what it holds frozen. Params are *placed*:
+    what these return is what :attr:`Model.apply` takes, this rank's local shards (an
+    ``fvx.distributed.sharding.Shards``) when the model is built on a device mesh, else whole tensors. No method places
+    or casts params itself.
 
     init(key) -> params             the architecture's random fp32 params from an fvx key (no adapters; tests)
     load(folder) -> params          the architecture's params from a local diffusers folder (a pipeline root or the
                                     component folder), fp32
-    initial_params(key)             what a role of this model trains and saves, fp32: every param, or those a
+    initial(key)                    what a role of this model trains and saves, fp32: every param, or those a
                                     family config leaves trainable (one expert), or the adapters (``lora``: A drawn,
                                     B zeros); read from the config's ``path`` when it names a folder, else drawn
-    base_params(key, whole_model=)  what a trained role holds frozen (the base of a LoRA model, an expert left
+    base(key, whole_model=)         what a trained role holds frozen (the base of a LoRA model, an expert left
                                     frozen; ``{}`` for a plain model), in the config's ``frozen_dtype`` (bf16 but
                                     the modules diffusers keeps in fp32), detached; ``whole_model=True``: every
                                     param of the architecture, as a frozen role (a teacher) holds it
-    base_id(whole_model=)           what ``base_params`` holds, hashable (None when nothing): equal ids give equal
-                                    tensors from the same key, so roles share one copy (``fvx.core.role.frozen_params``)
+    base_id(whole_model=)           what ``base`` holds, hashable (None when nothing): equal ids give equal tensors
+                                    from the same key, so roles share one copy (``fvx.core.role.frozen_params``)
+    trained_names                   the params ``initial`` returns
+    layout                          the shard layout on a mesh, else None
+    """
+
+    init: Callable[[torch.Tensor], Params]
+    load: Callable[[str], Params]
+    initial: Callable[[torch.Tensor], Params]
+    base: Callable[..., Params]
+    base_id: Callable[..., Any]
+    trained_names: frozenset[str]
+    layout: Mapping[str, Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Exports:
+    """What a model writes for people and other tools.
+
+    folder(params, folder, form=, dtype=, stem=) -> Written   whole params (base and trained; adapters merged into
+                                    their weights, in fp32) -> ``form="diffusers"``: a diffusers pipeline folder, the
+                                    family's component folders (``transformer/``, ...) and pipeline files that
+                                    ``from_pretrained`` loads; ``"comfyui"``: one file per component in the family's
+                                    original layout, named after ``stem`` (fvx_models.original_layout). Each param is
+                                    written in ``dtype`` ("fp32", "bf16"), or by default as trained (fp32) or, for
+                                    what the role held frozen, as the base folder stores it (``build.export_dtypes``)
+    adapters(params, folder, form, stem=) -> Written   a LoRA model's adapters as files other tools load
+                                    (``"peft"`` for diffusers' ``load_lora_weights``, ``"comfyui"``, ``"musubi"``,
+                                    named after ``stem``; fvx_models.lora_files); None for a model without adapters
+    formats, adapter_formats        the forms ``folder`` and ``adapters`` write (the original layouts when the family
+                                    has one)
+    """
+
+    folder: Callable[..., Written]
+    adapters: Callable[..., Written] | None = None
+    formats: tuple[str, ...] = ("diffusers",)
+    adapter_formats: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """What a method must respect when it trains or samples the model: the family's own noise levels and timestep
+    ranges, what latents fit, and what the model cannot do (each refusal a one-line reason, None when it can).
+
+    sigma_sampler(keys, x0) -> (sigma, t)   the model's own training noise levels from per-sample keys ``[B, 2]``
+                                    (dicts keyed by modality for a joint model), which replace a method's timestep
+                                    density; None: the method's
+    step_ranges                     timestep ranges (:class:`StepRange`) of which a step trains one, drawn from the
+                                    step key, the same on every rank and micro-batch (Wan 2.2 A14B: one expert's
+                                    range per step); a method drawing its levels from a density (fine-tuning) maps
+                                    its draws onto the chosen range's levels; (): one range, the whole grid
+    joint_sigmas(levels) -> {modality: levels}   a joint model's per-modality levels ``[K]`` at the shared clock's
+                                    ``levels`` ``[K]``, what its samplers step along (``flow.euler_sample``)
+    one_sample                      why ``apply`` takes one sample at a time (MiniMax-H3), or None
+    latent_rule(shape) -> why       why latents of ``shape`` do not fit beyond :meth:`Model.check_latents`' rule (a
+                                    trained resolution range), or None
+    cfg_dropout_refusal             why the model refuses data with CFG dropout, or None
+    two_time                        ``apply(params, x_t, t, cond, r=)`` takes a second time ``r [B]``: the model is a
+                                    flow map, ``u`` the average velocity from ``t`` to ``r`` (``x_r = x_t - ((t - r) /
+                                    1000) u``); ``r`` left out is ``t``, the instantaneous velocity
+    two_time_refusal                why no config of the model's family takes a second time ``r`` and which families
+                                    do (a flow map's refusal); None when its config can (``ModelConfig.two_time``)
+    forward_ad_refusal              why ``apply`` has no forward-mode derivatives (its attention kernel), or None
+    """
+
+    sigma_sampler: Callable[[torch.Tensor, Any], tuple[Any, Any]] | None = None
+    step_ranges: tuple[StepRange, ...] = ()
+    joint_sigmas: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None
+    one_sample: str | None = None
+    latent_rule: Callable[[tuple[int, ...]], str | None] = lambda shape: None
+    cfg_dropout_refusal: str | None = None
+    two_time: bool = False
+    two_time_refusal: str | None = None
+    forward_ad_refusal: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """How ``apply`` computes: the attention kernel and what a training step runs within, and the compiled graphs.
+
+    attention                       the kernel of its self-attention (``fvx_models.attention.kernels``)
+    attention_step(step) -> context  what a training step ``step`` runs within: VSA at its scheduled sparsity (the
+                                    context's value; None for other kernels), QAT in its training form (outside:
+                                    validation's forms); the experiment enters it around every step of every model
+    dense_apply                     a VSA model's ``apply`` in the dense view (sparsity 0, its gate kept), what
+                                    FastVideo's critic and teacher see; None for other kernels (see
+                                    :meth:`Model.dense`)
+    compile_stats                   the ``fvx.distributed.compile.CompileStats`` of the compiled units, or None
+    """
+
+    attention: str = "sdpa"
+    attention_step: Callable[[int], ContextManager] = lambda step: contextlib.nullcontext()
+    dense_apply: Callable[..., torch.Tensor] | None = None
+    compile_stats: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """One architecture of a model family, as pure functions (see the module docstring for layouts): what it denoises
+    and is conditioned on, ``apply`` and the data functions every method calls, and four parts: its ``weights``
+    (:class:`Weights`), what it ``export``-s (:class:`Exports`), the ``rules`` training and sampling respect
+    (:class:`Rules`) and its compute ``kernels`` (:class:`Kernels`).
+
+    latents, cond, patch_size       the latent space it denoises, its cond tensors (name -> shape after the batch
+                                    dim; "L": the text length), its DiT's patch (time, height, width)
+    modalities                      a joint model's modalities -> latent space (``"video"`` first, ``latents``;
+                                    ``"audio"``: latents ``[B, C, F, A]``); {} for a video model. A joint model's
+                                    ``apply`` takes ``x_t`` and ``t`` as dicts keyed by modality and returns one
+                                    fp32 velocity per modality; its batch's ``latents`` are such a dict
     apply(params, x_t, t, cond)     velocity ``[B, C, T, H, W]`` fp32, ``params`` the base and the trained params
                                     together (``fvx.core.role.with_trained(base, params)``); remat, compute dtype and
                                     compilation are the config's
@@ -146,104 +252,38 @@ class Model:
     load_cond(path, text_only=) -> (cond, captions)   a cond file (safetensors of the family's cond tensors,
                                     captions in its metadata or None): validation prompts; ``text_only``: without
                                     the given image's tensors (negative prompts)
-    load_negative(path, where)      a cond file of one row (a negative prompt)
-    export(params, folder, form=, dtype=, stem=) -> Written   whole params (base and trained; adapters merged
-                                    into their weights, in fp32) -> ``form="diffusers"``: a diffusers pipeline
-                                    folder, the family's component folders (``transformer/``, ...) and pipeline
-                                    files that ``from_pretrained`` loads; ``"comfyui"``: one file per component in
-                                    the family's original layout, named after ``stem`` (fvx_models.original_layout).
-                                    Each param is written in ``dtype`` ("fp32", "bf16"), or by default as trained
-                                    (fp32) or, for what the role held frozen, as the base folder stores it
-                                    (``build.export_dtypes``)
-    trained_names                   the params ``initial_params`` returns
-    causal                          a block-causal (streaming) model's extra functions (:class:`Causal`), else None;
-                                    its ``apply`` then also takes one timestep per latent frame, ``t [B, T]``
-    export_adapters(params, folder, form, stem=) -> Written   a LoRA model's adapters as files other tools
-                                    load (``"peft"`` for diffusers' ``load_lora_weights``, ``"comfyui"``,
-                                    ``"musubi"``, named after ``stem``; fvx_models.lora_files); None for a model
-                                    without adapters
-    export_formats, adapter_formats the forms ``export`` and ``export_adapters`` write (the original layouts when the
-                                    family has one)
-    layout                          the shard layout on a mesh, else None
-    compile_stats                   the ``fvx.distributed.compile.CompileStats`` of the compiled units, or None
-    memory_spec()                   an ``fvx.distributed.memory.ModelSpec`` from the meta skeleton (``--dry-run``)
-    latent_rule(shape) -> why       why latents of ``shape`` do not fit beyond :meth:`check_latents`' rule (a trained
-                                    resolution range), or None
-    cfg_dropout_refusal             why the model refuses data with CFG dropout, or None
-    two_time                        ``apply(params, x_t, t, cond, r=)`` takes a second time ``r [B]``: the model is a
-                                    flow map, ``u`` the average velocity from ``t`` to ``r`` (``x_r = x_t - ((t - r) /
-                                    1000) u``); ``r`` left out is ``t``, the instantaneous velocity
-    attention                       the kernel of its self-attention (``fvx_models.attention.kernels``)
-    attention_step(step) -> context  what a training step ``step`` runs within: VSA at its scheduled sparsity (the
-                                    context's value; None for other kernels), QAT in its training form (outside:
-                                    validation's forms); the experiment enters it around every step of every model
-    dense_apply                     a VSA model's ``apply`` in the dense view (sparsity 0, its gate kept), what
-                                    FastVideo's critic and teacher see; None for other kernels (see :meth:`dense`)
-    forward_ad_refusal              why ``apply`` has no forward-mode derivatives (its attention kernel), or None
-    two_time_refusal                why no config of the model's family takes a second time ``r`` and which families
-                                    do (a flow map's refusal); None when its config can (``ModelConfig.two_time``)
-    modalities                      a joint model's modalities -> latent space (``"video"`` first, ``latents``;
-                                    ``"audio"``: latents ``[B, C, F, A]``); {} for a video model. A joint model's
-                                    ``apply`` takes ``x_t`` and ``t`` as dicts keyed by modality and returns one
-                                    fp32 velocity per modality; its batch's ``latents`` are such a dict
-    sigma_sampler(keys, x0) -> (sigma, t)   the model's own training noise levels from per-sample keys ``[B, 2]``
-                                    (dicts keyed by modality for a joint model), which replace a method's timestep
-                                    density; None: the method's
-    step_ranges                     timestep ranges (:class:`StepRange`) of which a step trains one, drawn from the
-                                    step key, the same on every rank and micro-batch (Wan 2.2 A14B: one expert's
-                                    range per step); a method drawing its levels from a density (fine-tuning) maps
-                                    its draws onto the chosen range's levels; (): one range, the whole grid
-    joint_sigmas(levels) -> {modality: levels}   a joint model's per-modality levels ``[K]`` at the shared clock's
-                                    ``levels`` ``[K]``, what its samplers step along (``flow.euler_sample``)
-    one_sample                      why ``apply`` takes one sample at a time (MiniMax-H3), or None
     window_cond(cond, start, frames, given) -> cond   the cond of latent frames ``[start, start + frames)`` of a
                                     longer clip scored as a clip of its own, on the given first frame ``given``
                                     (condition latents, or None: the clip's own); None: the cond is the same for any
-                                    window (``Family.window_cond``)
+                                    window (``Family.conditioning.window``)
+    causal                          a block-causal (streaming) model's extra functions (:class:`Causal`), else None;
+                                    its ``apply`` then also takes one timestep per latent frame, ``t [B, T]``
+    memory_spec()                   an ``fvx.distributed.memory.ModelSpec`` from the meta skeleton (``--dry-run``)
     """
 
     name: str
     latents: LatentSpace
     cond: Mapping[str, tuple]  # cond tensor name -> its shape after the batch dim ("L": the text length)
     patch_size: tuple[int, int, int]
-    init: Callable[[torch.Tensor], Params]
-    load: Callable[[str], Params]
-    initial_params: Callable[[torch.Tensor], Params]
-    base_params: Callable[..., Params]
-    base_id: Callable[..., Any]
     apply: Callable[[Params, torch.Tensor, torch.Tensor, Cond], torch.Tensor]
     batch: Callable[[Mapping[str, Any]], dict[str, Any]]
     uncond: Callable[..., dict[str, torch.Tensor]]
     load_cond: Callable[..., tuple[dict[str, torch.Tensor], tuple[str, ...] | None]]
-    export: Callable[..., Written]
     memory_spec: Callable[[], Any]
-    trained_names: frozenset[str]
-    export_adapters: Callable[..., Written] | None = None
-    export_formats: tuple[str, ...] = ("diffusers",)
-    adapter_formats: tuple[str, ...] = ()
-    layout: Mapping[str, Any] | None = None
-    compile_stats: Any = None
+    weights: Weights
+    export: Exports
+    rules: Rules = Rules()
+    kernels: Kernels = Kernels()
     causal: Causal | None = None
-    two_time: bool = False
-    latent_rule: Callable[[tuple[int, ...]], str | None] = lambda shape: None
-    cfg_dropout_refusal: str | None = None
-    attention: str = "sdpa"
     modalities: Mapping[str, LatentSpace] = dataclasses.field(default_factory=dict)
-    sigma_sampler: Callable[[torch.Tensor, Any], tuple[Any, Any]] | None = None
-    step_ranges: tuple[StepRange, ...] = ()
-    joint_sigmas: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None
-    one_sample: str | None = None
     window_cond: Callable[[Cond, int, int, torch.Tensor | None], dict[str, torch.Tensor]] | None = None
-    attention_step: Callable[[int], ContextManager] = lambda step: contextlib.nullcontext()
-    dense_apply: Callable[..., torch.Tensor] | None = None
-    forward_ad_refusal: str | None = None
-    two_time_refusal: str | None = None
 
     def dense(self) -> Model:
         """The model as a role that must see dense attention sees it (a VSA model's dense view; else itself)."""
-        if self.dense_apply is None:
+        if self.kernels.dense_apply is None:
             return self
-        return dataclasses.replace(self, apply=self.dense_apply, dense_apply=None)
+        return dataclasses.replace(self, apply=self.kernels.dense_apply,
+                                   kernels=dataclasses.replace(self.kernels, dense_apply=None))
 
     @property
     def latent_channels(self) -> int:
@@ -281,7 +321,7 @@ class Model:
             self._check_video(shape["video"], f"{where}['video']")
         else:
             self._check_video(tuple(shape), where)
-        why = self.latent_rule(shape)
+        why = self.rules.latent_rule(shape)
         if why is not None:
             raise ValueError(f"{where} of shape {shape} do not fit model {self.name}: {why}")
 

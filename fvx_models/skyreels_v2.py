@@ -8,7 +8,6 @@ pipeline passes it; ``SkyReelsV2Config.fps`` chooses it.
 """
 from __future__ import annotations
 
-import dataclasses
 import pathlib
 from typing import Any, Literal, Mapping
 
@@ -65,14 +64,15 @@ def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
          "text_encoder": ("transformers", "UMT5EncoderModel"), "tokenizer": ("transformers", "AutoTokenizer")})
 
 
-SKYREELS_V2 = dataclasses.replace(
-    wan.WAN,
+SKYREELS_V2 = wan.WAN.variant(
     name="skyreels_v2",
     presets=PRESETS,
-    skeleton=lambda config: skeleton_of(SkyReelsV2Transformer3DModel, config.spec.kwargs, rebuild_rope),
-    inputs=inputs,
-    pipeline_files=pipeline_files,
-    sequence_parallel=None,
+    architecture={
+        "skeleton": lambda config: skeleton_of(SkyReelsV2Transformer3DModel, config.spec.kwargs, rebuild_rope),
+        "sequence_parallel": None,
+    },
+    forward={"inputs": inputs},
+    checkpoints={"pipeline_files": pipeline_files},
 )
 """Wan's spec with SkyReels-V2's presets, skeleton, frame-rate input and pipeline; no sequence parallelism."""
 
@@ -84,6 +84,5 @@ class SkyReelsV2Config(ModelConfig, tag="skyreels_v2"):
     Wan's record (a folder opens with the pipeline its ``model_index.json`` names)."""
 
     family = SKYREELS_V2
-    encoders = wan.ENCODERS
 
     fps: Literal[16, 24] = 24

@@ -29,7 +29,7 @@ from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder, wan_fastvideo_names, wan_i2v, wan_sequence_parallel, wan_two_time
 from fvx_models import encoders as fencoders
 from fvx_models.build import ModelConfig
-from fvx_models.family import Family, Preset, require, skeleton_of
+from fvx_models.family import Architecture, Checkpoints, Conditioning, Family, Forward, Preset, require, skeleton_of
 from fvx_models.model import LatentSpace
 
 # Per-channel statistics of the Wan 2.1 VAE latents (``AutoencoderKLWan``'s ``latents_mean`` / ``latents_std``).
@@ -271,32 +271,6 @@ NVFP4_LINEARS = tuple(f"blocks.*.{suffix}" for suffix in (
     "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k", "attn2.to_v",
     "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2"))
 
-WAN = Family(
-    name="wan",
-    presets=PRESETS,
-    skeleton=skeleton,
-    components={"transformer": ""},
-    unit_groups={"blocks": ("blocks",)},
-    activations={"blocks": BLOCK_ACTIVATIONS},
-    widths=widths,
-    cond_spec=cond_spec,
-    cond_from_batch=cond_from_batch,
-    data_keys=("text", "text_mask", *sorted(wan_i2v.IMAGE_COND)),
-    inputs=inputs,
-    output=output,
-    image_cond=wan_i2v.IMAGE_COND,
-    cond_defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
-    init_rules={"scale_shift_table": scale_shift_init},
-    pipeline_files=pipeline_files,
-    original_name=original_name,
-    stored_names=wan_fastvideo_names.diffusers_names,
-    sequence_parallel=wan_sequence_parallel.sequence_parallel,
-    with_r=with_r,
-    derived=lambda config: wan_two_time.derived(config.r_embedder) if config.two_time else {},
-    self_attention=("blocks.*.attn1",),
-    linear_qat=NVFP4_LINEARS,
-)
-
 
 def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
     """UMT5's last hidden state at 512 tokens (``WanPipeline.encode_prompt``), each prompt's real tokens."""
@@ -333,6 +307,42 @@ tokens, the VAE's posterior mean, I2V's normalised first frame, and the CLIP ima
 (Wan 2.1 I2V's ``image_dim``; Wan 2.2's I2V folders have no image encoder)."""
 
 
+WAN = Family(
+    name="wan",
+    presets=PRESETS,
+    encoders=ENCODERS,
+    architecture=Architecture(
+        skeleton=skeleton,
+        unit_groups={"blocks": ("blocks",)},
+        activations={"blocks": BLOCK_ACTIVATIONS},
+        widths=widths,
+        init_rules={"scale_shift_table": scale_shift_init},
+        sequence_parallel=wan_sequence_parallel.sequence_parallel,
+        derived=lambda config: wan_two_time.derived(config.r_embedder) if config.two_time else {},
+        self_attention=("blocks.*.attn1",),
+        linear_qat=NVFP4_LINEARS,
+    ),
+    forward=Forward(
+        inputs=inputs,
+        output=output,
+        with_r=with_r,
+    ),
+    conditioning=Conditioning(
+        spec=cond_spec,
+        from_batch=cond_from_batch,
+        data_keys=("text", "text_mask", *sorted(wan_i2v.IMAGE_COND)),
+        image=wan_i2v.IMAGE_COND,
+        defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
+    ),
+    checkpoints=Checkpoints(
+        components={"transformer": ""},
+        pipeline_files=pipeline_files,
+        original_name=original_name,
+        stored_names=wan_fastvideo_names.diffusers_names,
+    ),
+)
+
+
 class WanConfig(ModelConfig, tag="wan"):
     """A Wan 2.1 T2V or I2V or Wan 2.2 TI2V-5B DiT (presets: tiny, tiny-deep, tiny-ti2v, tiny-i2v, world, world-i2v,
     wan2.1-t2v-1.3b, wan2.1-t2v-14b, wan2.2-ti2v-5b, wan2.1-i2v-14b-480p, wan2.1-i2v-14b-720p); the shared knobs are
@@ -341,7 +351,6 @@ class WanConfig(ModelConfig, tag="wan"):
     latent frame given (``fvx_models.wan_i2v``; presets with per-token timesteps)."""
 
     family = WAN
-    encoders = ENCODERS
     r_embedder: wan_two_time.REmbedder | None = None
     first_frame: bool = False
 

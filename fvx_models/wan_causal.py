@@ -311,12 +311,24 @@ def causal(config: WanCausalConfig, apply: Any, module: nn.Module) -> Causal:
                   max_frames=config.spec.kwargs["rope_max_seq_len"] * config.spec.kwargs["patch_size"][0])
 
 
-WAN_CAUSAL = dataclasses.replace(
-    wan.WAN, name="wan_causal", presets=PRESETS, skeleton=skeleton, activations=ACTIVATIONS, inputs=inputs,
-    per_frame_timesteps=True, bind=bind, causal=causal, sequence_parallel=sequence_parallel,
-    whole_graph_refusal="its forward binds per-call state (a KV cache, the teacher-forcing layout)",
-    vsa_refusal="each query block attends to its own prefix of frames, which tiles of the whole grid do not follow "
-                "(FastVideo's causal Wan has no VSA either: its blocks take flash or SDPA only)")
+WAN_CAUSAL = wan.WAN.variant(
+    name="wan_causal",
+    presets=PRESETS,
+    architecture={
+        "skeleton": skeleton,
+        "activations": ACTIVATIONS,
+        "sequence_parallel": sequence_parallel,
+        "whole_graph_refusal": "its forward binds per-call state (a KV cache, the teacher-forcing layout)",
+        "vsa_refusal": "each query block attends to its own prefix of frames, which tiles of the whole grid do not "
+                       "follow (FastVideo's causal Wan has no VSA either: its blocks take flash or SDPA only)",
+    },
+    forward={
+        "inputs": inputs,
+        "per_frame_timesteps": True,
+        "bind": bind,
+        "causal": causal,
+    },
+)
 
 
 class WanCausalConfig(ModelConfig, tag="wan_causal"):
@@ -329,7 +341,6 @@ class WanCausalConfig(ModelConfig, tag="wan_causal"):
     Wan 2.1's: the encoders are Wan's record."""
 
     family = WAN_CAUSAL
-    encoders = wan.ENCODERS
 
     num_frames_per_block: Annotated[int, msgspec.Meta(ge=1)] = 3
     local_attn_size: int = -1

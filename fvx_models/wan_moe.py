@@ -19,7 +19,6 @@ exactly zero).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import pathlib
 from typing import Any, Literal, Mapping
@@ -120,22 +119,26 @@ def pipeline_files(config: Wan22MoEConfig, folder: pathlib.Path) -> None:
         boundary_ratio=config.boundary, expand_timesteps=False)
 
 
-WAN_MOE = dataclasses.replace(
-    wan.WAN,
+WAN_MOE = wan.WAN.variant(
     name="wan_moe",
     presets=PRESETS,
-    skeleton=skeleton,
-    components={expert: f"{expert}." for expert in EXPERTS},
-    unit_groups={"blocks": tuple(f"{expert}.blocks" for expert in EXPERTS)},
-    inputs=inputs,
-    pipeline_files=pipeline_files,
-    step_ranges=step_ranges,
-    component_notes={"transformer": "the high-noise expert", "transformer_2": "the low-noise expert"},
-    component_tags={"transformer": "high_noise", "transformer_2": "low_noise"},  # Comfy-Org's and musubi-tuner's names
-    sequence_parallel=None,
-    self_attention=tuple(f"{expert}.blocks.*.attn1" for expert in EXPERTS),
-    linear_qat=tuple(f"{expert}.{pattern}" for expert in EXPERTS for pattern in wan.NVFP4_LINEARS),
-    whole_graph_refusal="its router splits the batch between the experts by timestep (data-dependent shapes)",
+    architecture={
+        "skeleton": skeleton,
+        "unit_groups": {"blocks": tuple(f"{expert}.blocks" for expert in EXPERTS)},
+        "sequence_parallel": None,
+        "self_attention": tuple(f"{expert}.blocks.*.attn1" for expert in EXPERTS),
+        "linear_qat": tuple(f"{expert}.{pattern}" for expert in EXPERTS for pattern in wan.NVFP4_LINEARS),
+        "whole_graph_refusal": "its router splits the batch between the experts by timestep (data-dependent shapes)",
+    },
+    forward={"inputs": inputs},
+    checkpoints={
+        "components": {expert: f"{expert}." for expert in EXPERTS},
+        "pipeline_files": pipeline_files,
+        "component_notes": {"transformer": "the high-noise expert", "transformer_2": "the low-noise expert"},
+        # Comfy-Org's and musubi-tuner's names
+        "component_tags": {"transformer": "high_noise", "transformer_2": "low_noise"},
+    },
+    training={"step_ranges": step_ranges},
 )
 """Wan's spec with two experts: their components, one unit group of both experts' blocks, the router's inputs, one
 expert's timestep range per training step and the two-expert pipeline; no sequence parallelism."""
@@ -147,7 +150,6 @@ class Wan22MoEConfig(ModelConfig, tag="wan_moe"):
     one of the trainable experts per step (:func:`step_ranges`)."""
 
     family = WAN_MOE
-    encoders = wan.ENCODERS  # its I2V experts read no image features: the first frame in the ``concat`` form only
 
     boundary_ratio: Annotated[float, msgspec.Meta(gt=0, lt=1)] | None = None
     trainable: tuple[Literal["transformer", "transformer_2"], ...] = EXPERTS

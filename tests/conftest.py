@@ -45,5 +45,5 @@ def world_teacher(tmp_path_factory):
 
     model = WanConfig(preset="world").build()
     folder = tmp_path_factory.mktemp("world_teacher") / "teacher"
-    model.export(model.init(random.key(0)), str(folder))
+    model.export.folder(model.weights.init(random.key(0)), str(folder))
     return folder

@@ -27,6 +27,7 @@ from fvx_methods import finetune
 from fvx_models.ltx2 import LTX2Config
 from fvx_models.ltx_video import LTXVideoConfig
 from fvx_models.minimax_h3 import MiniMaxH3Config
+from fvx_models.model import Rules
 
 N = 1024  # fvx's draws per recipe (the grid's per-key draws take ~2 ms each on a loaded 2-core CPU)
 N_SOURCE = 200_000  # the source formula's draws
@@ -161,17 +162,18 @@ def drawn(config, n: int = N):
     # a model that trains one timestep range per step (Wan 2.2 A14B) draws with finetune.step_range_sigmas: no recipe
     # of one fine-tunes yet; give it its draw here when one does
     assert not getattr(model_config.family, "step_ranges", lambda c: ())(model_config), "draw its step ranges"
-    if model_config.family.sigma_sampler is None:  # the method's density on its grid: shared by recipes that agree
+    # the method's density on its grid: shared by recipes that agree
+    if model_config.family.training.sigma_sampler is None:
         return grid_draws(density(config.method), n)
     shape = config.validation.latent_shape or (model_config.spec.latents.channels, config.data.num_latent_t or 1, 1, 1)
-    return draws(functools.partial(model_config.family.sigma_sampler, model_config), config.method, shape, n)
+    return draws(functools.partial(model_config.family.training.sigma_sampler, model_config), config.method, shape, n)
 
 
 def draws(sigma_sampler, method: finetune.Finetune, shape: tuple[int, ...], n: int):
     """``finetune.draw_sigmas`` for ``n`` samples of latents ``shape`` with a model as far as the draw reads it:
     its ``sigma_sampler`` (the family's bound to the model config, as ``fvx_models/build.py`` binds it, or None)."""
     keys = random.fold_in(random.key(0), torch.arange(n))
-    model = types.SimpleNamespace(sigma_sampler=sigma_sampler)
+    model = types.SimpleNamespace(rules=Rules(sigma_sampler=sigma_sampler))
     sigma, _ = finetune.draw_sigmas(keys, torch.zeros(()).expand(n, *shape), model=model, config=method)
     return sigma
 
@@ -215,7 +217,7 @@ def test_every_fine_tuning_recipe_names_its_source_formula(recipes):
 def test_a_built_model_draws_what_its_family_sampler_draws(config):
     """The binding :func:`draws` stands in for: a built model's ``sigma_sampler`` is its family's with its config."""
     keys, x0 = random.fold_in(random.key(1), torch.arange(8)), torch.zeros(8, config.spec.latents.channels, 2, 4, 4)
-    got, want = config.build().sigma_sampler(keys, x0), config.family.sigma_sampler(config, keys, x0)
+    got, want = config.build().rules.sigma_sampler(keys, x0), config.family.training.sigma_sampler(config, keys, x0)
     (got_leaves, got_def), (want_leaves, want_def) = tree.flatten(got), tree.flatten(want)
     assert got_def == want_def and all(torch.equal(a, b) for a, b in zip(got_leaves, want_leaves))
 

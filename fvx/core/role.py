@@ -95,17 +95,17 @@ def init(opt: RoleOptimizer, params: Params, ema_params: Params | None = None) -
 
 def frozen_params(key: torch.Tensor, roles: Mapping[str, tuple[Any, bool]]) -> dict[str, Params]:
     """Each role's frozen params, ``roles[name] = (model, whole_model)``: a frozen role's whole model (a teacher) or
-    a trained role's base (``model.base_params``), all drawn from ``key`` when not loaded. Made once per distinct
-    ``model.base_id`` and shared: a LoRA student, its critic and the teacher they share hold one base in memory.
+    a trained role's base (``model.weights.base``), all drawn from ``key`` when not loaded. Made once per distinct
+    ``model.weights.base_id`` and shared: a LoRA student, its critic and the teacher they share hold one base in memory.
     Roles with nothing frozen are left out."""
     made: dict[Any, Params] = {}
     out = {}
     for name, (model, whole_model) in roles.items():
-        identity = model.base_id(whole_model=whole_model)
+        identity = model.weights.base_id(whole_model=whole_model)
         if identity is None:
             continue
         if identity not in made:
-            made[identity] = model.base_params(key, whole_model=whole_model)
+            made[identity] = model.weights.base(key, whole_model=whole_model)
         out[name] = made[identity]
     return out
 

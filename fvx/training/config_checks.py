@@ -32,11 +32,11 @@ def check_skippable(config: Any) -> None:
 
 def check_cfg_dropout(config: Any, models: Mapping[str, Any]) -> None:
     """A ConfigError when the data drops text for classifier-free guidance (``data.cfg_rate``) but a model refuses to
-    train on such data (``Model.cfg_dropout_refusal``, a family's rule); ``models`` by role, named by the model that
-    plays it."""
+    train on such data (``Model.rules.cfg_dropout_refusal``, a family's rule); ``models`` by role, named by the model
+    that plays it."""
     played = msgspec.structs.asdict(config.method.roles)
     for role_name, model in models.items():
-        refusal = getattr(model, "cfg_dropout_refusal", None)
+        refusal = model.rules.cfg_dropout_refusal
         if config.data.cfg_rate > 0 and refusal is not None:
             raise ConfigError(f"data.cfg_rate = {config.data.cfg_rate}: models.{played.get(role_name, role_name)} "
                               f"({model.name}) takes no CFG dropout ({refusal}); set data.cfg_rate=0")
@@ -153,7 +153,7 @@ def image_spec(model_config: Any, preset: str) -> Mapping[str, Any]:
     """The cond spec of ``model_config`` on another ``preset`` of its family ({} when its other knobs do not fit that
     preset)."""
     try:
-        return model_config.family.cond_spec(msgspec.structs.replace(model_config, preset=preset))
+        return model_config.family.conditioning.spec(msgspec.structs.replace(model_config, preset=preset))
     except ValueError:
         return {}
 

@@ -200,8 +200,8 @@ def in_attention_steps(step_: Callable, models: Mapping[str, Any], student: str)
     """``step_`` run within every model's ``attention_step(state.step)`` (each model once): VSA's scheduled
     sparsity and QAT's training form hold in training steps only, and replay recomputes them from the step. The
     ``student`` role's sparsity, when its model runs VSA, is logged as ``vsa_sparsity`` (FastVideo's name)."""
-    entered = list(dict.fromkeys(model.attention_step for model in models.values()))
-    logged = models[student].attention_step
+    entered = list(dict.fromkeys(model.kernels.attention_step for model in models.values()))
+    logged = models[student].kernels.attention_step
 
     def step(state: TrainState, frozen: Any, batch: Any):
         with contextlib.ExitStack() as stack:

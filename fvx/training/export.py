@@ -2,7 +2,7 @@
 form=None, dtype=None)``.
 
 Whole weights (a LoRA role's adapters merged into its base in fp32, an expert left frozen as loaded): ``diffusers``,
-what the role's model family writes (``Model.export``): its pipeline components (``transformer/``; ``transformer/``
+what the role's model family writes (``Model.export.folder``): its pipeline components (``transformer/``; ``transformer/``
 and ``transformer_2/`` for two experts: config.json + safetensors, loadable by the component class's
 ``from_pretrained``) and pipeline files (``model_index.json``, ``scheduler/``); or ``comfyui``, one file per component
 in the family's original layout. With ``adapters``, a LoRA role's adapters alone (``peft``, ``comfyui``, ``musubi``).
@@ -89,8 +89,8 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | No
     run in ``run_dir`` to ``out``: whole weights as a diffusers folder (``form="diffusers"``, with the other
     components of the pipeline folder ``base`` linked beside them) or in the family's original layout
     (``"comfyui"``), a LoRA role's adapters merged into its base at full precision (``W + (alpha / r) B A`` in fp32),
-    each param in ``dtype`` or by default as ``Model.export`` says; or with ``adapters`` a LoRA role's adapters alone
-    (``form`` ``"peft"``, ``"comfyui"`` or ``"musubi"``; ``Model.export_adapters``). ``role`` defaults to the run's
+    each param in ``dtype`` or by default as ``Model.export.folder`` says; or with ``adapters`` a LoRA role's adapters alone
+    (``form`` ``"peft"``, ``"comfyui"`` or ``"musubi"``; ``Model.export.adapters``). ``role`` defaults to the run's
     only trained role, or to ``student`` (a distillation's). Bad input is a ValueError before anything is written."""
     run_dir, out = pathlib.Path(run_dir), pathlib.Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -105,16 +105,17 @@ def export(run_dir: str | os.PathLike, out: str | os.PathLike, *, step: int | No
     sampling = None if sampling_of is None else sampling_of(role)
     stem = file_stem(run_dir, ema)
     if adapters:
-        written = model.export_adapters(trained, str(out), form, stem=stem)
+        written = model.export.adapters(trained, str(out), form, stem=stem)
     else:
-        written = model.export(role_params(config, role, model, trained), str(out), form=form, dtype=dtype, stem=stem)
+        written = model.export.folder(role_params(config, role, model, trained), str(out), form=form, dtype=dtype,
+                                      stem=stem)
     manifest = {"run": str(run_dir.absolute()), "step": step, "role": role, "ema": ema, "sampling": sampling,
                 "base": None if base is None else str(pathlib.Path(base).absolute()), "adapters": adapters,
                 "format": form, "dtype": dtype}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     if base_index is not None:
         _link_base(pathlib.Path(base), base_index, out)
-    merged = model.export_adapters is not None and not adapters
+    merged = model.export.adapters is not None and not adapters
     return Exported(out, step, role, ema, written.files, written.how_to_load, written.dtypes, merged, sampling)
 
 
@@ -126,12 +127,12 @@ def file_stem(run_dir: pathlib.Path, ema: bool) -> str:
 
 def _check_request(model: Any, role: str, adapters: bool, form: str, dtype: str | None, base: Any) -> None:
     """A ValueError for an export ``model`` cannot make as asked, before anything is written."""
-    if adapters and model.export_adapters is None:
+    if adapters and model.export.adapters is None:
         raise ValueError(f"export --lora: role {role!r} trains no adapters (its model config has no lora); export it "
                          "without --lora")
-    formats = model.adapter_formats if adapters else model.export_formats
+    formats = model.export.adapter_formats if adapters else model.export.formats
     if form not in formats:
-        other = model.export_formats if adapters else model.adapter_formats
+        other = model.export.formats if adapters else model.export.adapter_formats
         if form in other:
             raise ValueError(f"export --format {form} is for " + ("whole weights: export without --lora" if adapters
                                                                   else "adapters: add --lora"))
@@ -149,7 +150,7 @@ def role_params(config: Any, role: str, model: Any, trained: Any) -> Any:
     """Role ``role``'s whole params for ``model``: ``trained`` (its params or EMA from a checkpoint) with the base it
     holds frozen (a LoRA base, an expert left frozen), made as the run made it but at full precision (fp32, however
     the run stored it: ``frozen_dtype``)."""
-    if model.base_id() is None:
+    if model.weights.base_id() is None:
         return trained
     config = full_precision(config)
     method_key, _ = run_keys(config.run.seed)

@@ -248,7 +248,8 @@ class CompiledGraphs(NamedTuple):
 
 def compile_stats(built: Setup) -> CompiledGraphs | None:
     """The compiled graphs of all the run's models together (each model built once), or None when none compiles."""
-    stats = {id(m.compile_stats): m.compile_stats for m in built.models.values() if m.compile_stats is not None}
+    counters = (m.kernels.compile_stats for m in built.models.values())
+    stats = {id(c): c for c in counters if c is not None}
     if not stats:
         return None
     return CompiledGraphs(sum(s.graphs for s in stats.values()), sum(s.recompiles for s in stats.values()))

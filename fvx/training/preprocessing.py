@@ -53,7 +53,7 @@ def encoder_source(config: Any, parts: tuple[str, ...], *, role: str | None = No
     loads the weights."""
     role, model = model_role(config) if role is None else (role, _role_model(config, role))
     family, world = model.family.name, getattr(config.data, "world", None)
-    record = getattr(type(model), "encoders", None)
+    record = model.family.encoders
     folder, who = ((pathlib.Path(base), "--base") if base is not None else
                    (None if model.path is None else pathlib.Path(model.path), f"models.{role}.path"))
     if world is not None and base is None and (folder is None or not _holds(record, folder, parts)):

@@ -145,7 +145,8 @@ def _export_source(folder: pathlib.Path, request: Request) -> Source:
                                                      name: msgspec.structs.replace(model, **changes)})
     built = role_configs(config)[role].build()
     where = f"export {folder} (run {run}, step {manifest['step']}, role {role}{', EMA' if manifest['ema'] else ''})"
-    return Source(config, role, int(manifest["step"]), bool(manifest["ema"]), where, lambda: built.load(str(folder)))
+    return Source(config, role, int(manifest["step"]), bool(manifest["ema"]), where,
+                  lambda: built.weights.load(str(folder)))
 
 
 # ----------------------------------------------------------------------------------------------------------- plan
@@ -302,7 +303,7 @@ def unused_options(request: Request, sampler: validation.Sampler) -> list[str]:
 def _jump_changes(method: Any, model: Any, jumps: int) -> dict[str, Any]:
     if jumps < 1:
         raise ValueError(f"--jumps must be >= 1, got {jumps}")
-    if not model.two_time:
+    if not model.rules.two_time:
         raise ValueError(f"--jumps {jumps}: {model.name} has no second time input (not a flow map); it samples "
                          "with --steps")
     if hasattr(method, "sample_steps"):

@@ -431,7 +431,7 @@ def guided(apply_fn: flow.ApplyFn, uncond: Callable[[Any], Any], guidance_scale:
 
 def one_at_a_time(apply_fn: flow.ApplyFn) -> flow.ApplyFn:
     """``apply_fn`` called sample by sample and the velocities stacked: a model that takes one sample per forward
-    (``Model.one_sample``) sampling a batch of prompts (a joint model's dicts row by row)."""
+    (``Model.rules.one_sample``) sampling a batch of prompts (a joint model's dicts row by row)."""
     def apply(params: Any, x_t: Any, t: Any, cond: Any) -> Any:
         size = len(next(iter(t.values())) if isinstance(t, Mapping) else t)
         one = [slice(i, i + 1) for i in range(size)]

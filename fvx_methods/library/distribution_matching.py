@@ -327,8 +327,8 @@ def init(run_key: torch.Tensor, roles: Roles) -> TrainState:
     """Step 0: the student's and the critic's initial params with fresh optimizer states (and the student's EMA)."""
     student_key, steps_key, critic_key, _ = role_keys(run_key)
     return TrainState(step=torch.zeros((), dtype=torch.int64), key=steps_key, roles={
-        STUDENT: role.init(roles.student_opt, roles.student.initial_params(student_key)),
-        CRITIC: role.init(roles.critic_opt, roles.critic.initial_params(critic_key))})
+        STUDENT: role.init(roles.student_opt, roles.student.weights.initial(student_key)),
+        CRITIC: role.init(roles.critic_opt, roles.critic.weights.initial(critic_key))})
 
 
 def frozen_params(run_key: torch.Tensor, roles: Roles) -> dict[str, Params]:

@@ -22,9 +22,9 @@ GENERAL, DIAGONAL, ENDPOINT = 0, 1, 2
 
 def check_two_time(model: Model, role_name: str, method: str) -> None:
     """A one-line ValueError when the role's model has no second time input: what adds one to its config, or (its
-    family takes none: ``Model.two_time_refusal``) which families take one."""
-    if not model.two_time:
-        fix = model.two_time_refusal or f"set models.{role_name}.r_embedder={{}} (fvx_models.wan_two_time)"
+    family takes none: ``Model.rules.two_time_refusal``) which families take one."""
+    if not model.rules.two_time:
+        fix = model.rules.two_time_refusal or f"set models.{role_name}.r_embedder={{}} (fvx_models.wan_two_time)"
         raise ValueError(f"{method} trains a flow map u(x_t, t, r), but models.{role_name} ({model.name}) has no r "
                          f"input; {fix}")
 

@@ -1,7 +1,7 @@
 """A method of one trainable role (fine-tuning, DFSFT/TFSFT, KD, causal CD) is its loss: this builds the rest of its
 program.
 
-The role ``student`` trains its params (``Model.initial_params``: all of them, the adapters of a LoRA model, or the
+The role ``student`` trains its params (``Model.weights.initial``: all of them, the adapters of a LoRA model, or the
 part a family config leaves trainable) with ``fvx.core.role.step_one_`` (step key, gradient accumulation, norm, finite
 check, clip, AdamW, EMA; metrics averaged over data-parallel ranks); what the model holds frozen (a LoRA base) is a
 frozen argument of the step, never saved, as are frozen roles beside it (a teacher). Keys: ``split(run_key)`` gives
@@ -119,8 +119,8 @@ def init(run_key: torch.Tensor, model: Model, opt: role.RoleOptimizer, ema_model
     from the same key, when it is another model of the same trained params); the steps' key is the second."""
     params_key, steps_key = random.split(run_key)
     separate_ema = opt.ema_decay and ema_model is not None and ema_model is not model
-    ema_params = ema_model.initial_params(params_key) if separate_ema else None
-    student = role.init(opt, model.initial_params(params_key), ema_params)
+    ema_params = ema_model.weights.initial(params_key) if separate_ema else None
+    student = role.init(opt, model.weights.initial(params_key), ema_params)
     return TrainState(step=torch.zeros((), dtype=torch.int64), key=steps_key, roles={STUDENT: student})
 
 
@@ -141,11 +141,11 @@ def check_data(batch: Batch, model: Model, grad_accum: int) -> None:
 
 
 def check_micro_batch(batch: Batch, model: Model, grad_accum: int) -> None:
-    """A ValueError when ``model`` takes one sample per forward (``Model.one_sample``) and a micro-batch holds more."""
+    """A ValueError when ``model`` takes one sample per forward (``Model.rules.one_sample``) and a micro-batch holds more."""
     size = len(batch["sample_index"])
-    if model.one_sample is not None and size > grad_accum:
-        raise ValueError(f"model {model.name} takes one sample per forward ({model.one_sample}), but a rank's batch "
-                         f"of {size} in method.grad_accum={grad_accum} micro-batches holds {size // grad_accum}: set "
+    if model.rules.one_sample is not None and size > grad_accum:
+        raise ValueError(f"model {model.name} takes one sample per forward ({model.rules.one_sample}), but a rank's "
+                         f"batch of {size} in method.grad_accum={grad_accum} micro-batches holds {size // grad_accum}: set "
                          f"method.grad_accum={size}, or data.batch_size to the number of ranks")
 
 
@@ -163,8 +163,8 @@ def many_step_samplers(model: Model, draw: Any = None) -> Samplers:
     def samplers(params: Params, is_ema: bool, config: validation.ValidationConfig) -> list[validation.Sampler]:
         sigmas = validation.schedule_sigmas(config)
         if model.joint:
-            sigmas = model.joint_sigmas(sigmas)
-        apply = model.apply if model.one_sample is None else validation.one_at_a_time(model.apply)
+            sigmas = model.rules.joint_sigmas(sigmas)
+        apply = model.apply if model.rules.one_sample is None else validation.one_at_a_time(model.apply)
         return [validation.Sampler("model_ema" if is_ema else "model", apply, params, sigmas, "ode", guided=True,
                                    draw=validation.many_step_draw(config, apply) if draw is None else draw(sigmas))]
     return samplers

@@ -10,9 +10,9 @@ the processor's own projections, norms, RoPE and all-to-alls are unchanged, and 
 (a ``TorchFunctionMode`` would not: it cannot trace Tensor methods written in Python through one). Plain
 kernels and ``qat`` run in every attention module (self and cross: forward-mode derivatives need every call in
 ``math``, and FastVideo's Attn-QAT backend quantizes each layer that takes it), ``qat`` only in those of
-``Family.qat_attention`` where the family names them (LTX-2: FastVideo keeps its audio and masked text attention
-dense); ``vsa`` and ``sla`` in the family's self-attention over the video tokens (``Family.self_attention``), the
-others staying SDPA.
+``Family.architecture.qat_attention`` where the family names them (LTX-2: FastVideo keeps its audio and masked text
+attention dense); ``vsa`` and ``sla`` in the family's self-attention over the video tokens
+(``Family.architecture.self_attention``), the others staying SDPA.
 ``vsa`` adds a zero-initialised gate projection ``to_gate_compress`` beside each self-attention module (on its block,
 where FastVideo's Wan keeps it): a dense checkpoint loads without it (zeros) and starts as itself.
 ``sla`` adds its linear part's projection ``proj_l`` (Linear(head dim, head dim)) inside each self-attention module as
@@ -149,7 +149,7 @@ def wrapped(inner: Any, kernel_for: Callable[[nn.Module, torch.Tensor], Callable
 
 def self_attention_modules(config: Any, module: nn.Module) -> dict[str, nn.Module]:
     """Name -> module of each self-attention of the skeleton (the family's ``self_attention`` patterns)."""
-    patterns = config.family.self_attention
+    patterns = config.family.architecture.self_attention
     return {name: part for name, part in module.named_modules()
             if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)}
 
@@ -168,10 +168,10 @@ def refusal(config: Any, sequence_parallel: bool = False) -> str | None:
     if name not in ("vsa", "sla"):
         return None
     who, kernel = f"attention={name}: the {family.name} family", name.upper()
-    if not family.self_attention:
+    if not family.architecture.self_attention:
         return f"{who} declares no self-attention over the video tokens to run {kernel} on"
-    if family.vsa_refusal is not None:
-        return f"{who} cannot run {kernel}{' (nor VSA)' if name == 'sla' else ''}: {family.vsa_refusal}"
+    if family.architecture.vsa_refusal is not None:
+        return f"{who} cannot run {kernel}{' (nor VSA)' if name == 'sla' else ''}: {family.architecture.vsa_refusal}"
     if sequence_parallel:
         return f"attention={name}: fvx runs {kernel} without sequence parallelism; run with --sp 1"
     head_dim = config.spec.kwargs.get("attention_head_dim")  # a preset without one: the kernel checks at its call
@@ -232,9 +232,9 @@ def install(config: Any, module: nn.Module) -> Runtime:
         return runtime
     route_native_backend()
     targets = self_attention_modules(config, module) if name in ("vsa", "sla") else attention_modules(module)
-    if name == "qat" and config.family.qat_attention is not None:
+    if name == "qat" and config.family.architecture.qat_attention is not None:
         targets = {path: attn for path, attn in targets.items()
-                   if any(fnmatch.fnmatchcase(path, pattern) for pattern in config.family.qat_attention)}
+                   if any(fnmatch.fnmatchcase(path, pattern) for pattern in config.family.architecture.qat_attention)}
     for path, attn in targets.items():
         gate = module.get_submodule(path.rpartition(".")[0]).get_submodule(GATE) if name == "vsa" else None
         attn.set_processor(wrapped(attn.processor, functools.partial(_kernel_for, config, runtime, gate)))

@@ -92,14 +92,14 @@ def test_fastwan22_ti2v_lora_vsa_is_fastvideos_fast_ti2v_fullattn_lora_vsa_yaml(
 def gated_lora_model():
     lora = fconfig.run_experiment(EXPERIMENTS / "finetune_wan22_ti2v.py")["TI2V_VSA_LORA"]
     model = WanConfig(preset="tiny-ti2v", lora=lora, attention="vsa").build()
-    return model, {**model.init(random.key(0)), **model.initial_params(random.key(0))}  # fp32 base + adapters
+    return model, {**model.weights.init(random.key(0)), **model.weights.initial(random.key(0))}  # fp32 base + adapters
 
 
 def test_lora_on_to_gate_compress_adapts_every_blocks_vsa_gate(gated_lora_model):
     model, params = gated_lora_model
     gates = sorted(name for name in params if "to_gate_compress.lora_" in name)
     assert gates == [f"blocks.{n}.to_gate_compress.{part}.weight" for n in (0, 1) for part in ("lora_A", "lora_B")]
-    assert set(gates) <= model.trained_names
+    assert set(gates) <= model.weights.trained_names
     x, t, cond = inputs(model, random.key(1), frames=8, size=16)
     before = model.apply(params, x, t, cond)
     gate_b = "blocks.0.to_gate_compress.lora_B.weight"

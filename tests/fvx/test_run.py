@@ -214,7 +214,7 @@ def test_a_folder_of_another_family_is_refused_naming_its_class(tmp_path, capsys
     from fvx_models.hunyuan_video import HunyuanVideoConfig
 
     hunyuan = HunyuanVideoConfig().build()
-    hunyuan.export(hunyuan.init(random.key(0)), str(tmp_path / "hunyuan"))
+    hunyuan.export.folder(hunyuan.weights.init(random.key(0)), str(tmp_path / "hunyuan"))
     out = tmp_path / "run"
     assert run.main([EXPERIMENT, "--out", str(out), *QUICK, f"models.student.path={tmp_path / 'hunyuan'}"]) == 2
     err = capsys.readouterr().err
@@ -232,7 +232,7 @@ def test_every_experiment_trains_two_steps_and_validates(tmp_path, experiment, w
 
         stage1 = Kandinsky5Config(preset="tiny").build()
         export = tmp_path / "kandinsky5"
-        stage1.export(stage1.init(random.key(0)), str(export))
+        stage1.export.folder(stage1.weights.init(random.key(0)), str(export))
     teacher = [f"models.{name}.path={export}" for name, model in config.models.items()  # README runs' exports
                if str(getattr(model, "path", None) or "").startswith("runs/")]
     if experiment.startswith("kd_"):  # KD trains on its teacher's trajectory cache: build a tiny one first
@@ -257,7 +257,7 @@ def test_late_failures_are_found_before_anything_is_written(tmp_path, capsys):
     from fvx_models.wan import WanConfig
 
     model = WanConfig(preset="world").build()
-    model.export(model.init(random.key(0)), str(tmp_path / "model"))
+    model.export.folder(model.weights.init(random.key(0)), str(tmp_path / "model"))
     weights = next((tmp_path / "model" / "transformer").glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:-100])  # truncated
     (tmp_path / "a_file").write_text("")

@@ -12,4 +12,4 @@ def model():
 
 @pytest.fixture(scope="module")
 def params(model):
-    return model.init(random.key(7))
+    return model.weights.init(random.key(7))

@@ -10,7 +10,7 @@ import torch
 from fvx.core import flow, random
 from fvx_methods import anyflow_pretrain as af
 from fvx_methods.library import flow_map
-from fvx_models.model import LatentSpace
+from fvx_models.model import LatentSpace, Rules
 
 from gloo import assert_two_processes_log_as_one  # noqa: E402
 from run_state import assert_one_line_errors, assert_resumes_bitwise  # noqa: E402
@@ -23,7 +23,7 @@ def toy_model():
     def apply(params, x, t, cond, r=None):
         s, q = (t / 1000)[:, None], (r / 1000)[:, None]
         return params["a"] * x * s ** 2 + params["c"] * q + cond["y"][:, None]
-    return types.SimpleNamespace(normalize=LatentSpace(2).normalize, apply=apply, two_time=True,
+    return types.SimpleNamespace(normalize=LatentSpace(2).normalize, apply=apply, rules=Rules(two_time=True),
                                  uncond=lambda cond, mode, negative: {"y": torch.zeros_like(cond["y"])})
 
 

@@ -87,7 +87,8 @@ def hand_loss(student, teacher, params, ema_params, teacher_params, batch, key, 
 @pytest.mark.parametrize("teacher_kind", ["causal", "bidirectional"])
 def test_loss_equals_hand_computation(causal, bidirectional, teacher_kind):
     teacher = causal if teacher_kind == "causal" else bidirectional
-    params, ema_params, teacher_params = (m.init(random.key(s)) for m, s in ((causal, 1), (causal, 2), (teacher, 3)))
+    models = ((causal, 1), (causal, 2), (teacher, 3))
+    params, ema_params, teacher_params = (m.weights.init(random.key(s)) for m, s in models)
     config, batch, key = method(), make_batch(), random.key(4)
     loss, aux = causal_cd.loss_fn(params, batch, key, ema_params=ema_params, teacher_params=teacher_params,
                                   student=causal, teacher=teacher, config=config)
@@ -104,14 +105,14 @@ def test_guidance_one_skips_the_unconditional_call(causal):
         return causal.causal.apply_teacher_forced(p, x_t, t, cond, clean=clean)
 
     teacher = dataclasses.replace(causal, causal=dataclasses.replace(causal.causal, apply_teacher_forced=counting))
-    params = causal.init(random.key(1))
+    params = causal.weights.init(random.key(1))
     causal_cd.loss_fn(params, make_batch(), random.key(0), ema_params=params, teacher_params=params, student=causal,
                       teacher=teacher, config=method(guidance_scale=1.0))
     assert len(calls) == 1 and calls[0] > 0
 
 
 def test_gradients_reach_only_the_student(causal):
-    params, ema_params, teacher_params = (causal.init(random.key(s)) for s in (1, 2, 3))
+    params, ema_params, teacher_params = (causal.weights.init(random.key(s)) for s in (1, 2, 3))
     leaves = [{k: v.clone().requires_grad_() for k, v in p.items()} for p in (params, ema_params, teacher_params)]
     loss, _ = causal_cd.loss_fn(leaves[0], make_batch(), random.key(4), ema_params=leaves[1],
                                 teacher_params=leaves[2], student=causal, teacher=causal, config=method())

@@ -35,7 +35,7 @@ def bidirectional():
 
 @pytest.fixture(scope="module")
 def params(bidirectional):
-    return bidirectional.init(random.key(7))
+    return bidirectional.weights.init(random.key(7))
 
 
 def stand_in(base, *, frames_per_block=CHUNK, window=-1):
@@ -250,7 +250,7 @@ def causal():
 
 @pytest.mark.parametrize("teacher_forcing", [False, True], ids=["dfsft", "tfsft"])
 def test_loss_of_the_causal_wan_equals_hand_computation(causal, teacher_forcing):
-    params = causal.init(random.key(5))
+    params = causal.weights.init(random.key(5))
     config = dfsft.DFSFT(chunk_size=CHUNK, teacher_forcing=teacher_forcing, min_timestep_ratio=0.2)
     batch, key = make_batch(frames=6), random.key(4)
     loss, _ = dfsft.loss_fn(params, batch, key, model=causal, config=config)

@@ -33,7 +33,8 @@ def models(model):
 @pytest.fixture(scope="module")
 def roles(model):
     """Distinct random params for student, critic and teacher."""
-    return {name: model.init(random.key(seed)) for name, seed in (("student", 1), ("critic", 2), ("teacher", 3))}
+    seeds = (("student", 1), ("critic", 2), ("teacher", 3))
+    return {name: model.weights.init(random.key(seed)) for name, seed in seeds}
 
 
 def make_batch(size: int = 2, seed: int = 0, latents: bool = True):
@@ -385,8 +386,8 @@ def test_same_seed_bit_identical_runs(models):
 
 
 def test_each_role_starts_from_its_models_folder(model, roles, tmp_path):
-    model.export(roles["teacher"], str(tmp_path / "teacher"))
-    model.export(roles["student"], str(tmp_path / "student"))
+    model.export.folder(roles["teacher"], str(tmp_path / "teacher"))
+    model.export.folder(roles["student"], str(tmp_path / "student"))
     student = WanConfig(path=str(tmp_path / "student")).build()
     teacher = WanConfig(path=str(tmp_path / "teacher"), frozen_dtype="fp32").build()
     config = dmd2.DMD2(cfg_uncond="keep", guidance_scale=1.5)
@@ -430,8 +431,8 @@ def test_bf16_teacher_is_bf16_but_the_fp32_kept_modules_and_guides_like_the_fp32
     """The teacher is stored in its model's frozen dtype (bf16 but Wan's fp32-kept modules), holding the fp32
     teacher's values rounded; its guided x0 is close to the fp32 teacher's, and a step with it runs."""
     config = dmd2.DMD2(cfg_uncond="zero", guidance_scale=3.0)
-    teacher = model.base_params(random.key(3), whole_model=True)
-    fp32 = model.init(random.key(3))
+    teacher = model.weights.base(random.key(3), whole_model=True)
+    fp32 = model.weights.init(random.key(3))
     for name, p in teacher.items():
         kept = bool(KEPT_FP32 & set(name.split(".")))
         assert p.dtype == (torch.float32 if kept else torch.bfloat16), name
@@ -478,7 +479,7 @@ def test_a_lora_student_and_critic_share_one_frozen_base_with_the_teacher():
     assert {n: p.data_ptr() for n, p in frozen["student"].items()} == {
         n: p.data_ptr() for n, p in frozen["teacher"].items()}
     for name in ("student", "critic"):
-        assert sorted(state.roles[name].params) == sorted(student.trained_names)
+        assert sorted(state.roles[name].params) == sorted(student.weights.trained_names)
     kept = {n: p.clone() for n, p in frozen["teacher"].items()}
     for seed in range(3):
         state, metrics = program.step_(state, frozen, make_batch(seed=seed))
@@ -490,7 +491,7 @@ def test_a_lora_student_and_critic_share_one_frozen_base_with_the_teacher():
     est = memory.estimate(plan.roles, shard_size=1, tokens=16, batch_per_rank=1)
     rows = dict(est.roles)
     assert rows["  base of student+critic = teacher"].total == 0
-    adapters = sum(math.prod(s) for n, s in spec.shapes.items() if n in student.trained_names)
+    adapters = sum(math.prod(s) for n, s in spec.shapes.items() if n in student.weights.trained_names)
     assert rows["student"].params == 4 * adapters and rows["student"].optimizer == 8 * adapters
     assert rows["teacher"].params == 2 * sum(math.prod(s) for n, s in teacher_spec.shapes.items())
     table = memory.format_table(est)

@@ -26,7 +26,7 @@ from run_state import assert_resumes_bitwise  # noqa: E402 (tests/helpers, on th
 @pytest.fixture(scope="module")
 def joint():
     model = MiniMaxH3Config(preset="tiny").build()
-    return model, model.init(random.key(0))
+    return model, model.weights.init(random.key(0))
 
 
 def joint_batch(seed: int = 0, index: int = 7) -> dict:
@@ -113,7 +113,7 @@ def role_state_names(state) -> list[str]:
 
 def test_ltx2_lora_adapts_the_video_branch_only():
     model = LTX2Config(preset="tiny", lora=LoRAConfig(rank=2, target_modules=("to_q", "to_k", "to_v"))).build()
-    adapted = {name.rsplit(".", 2)[0] for name in model.trained_names}
+    adapted = {name.rsplit(".", 2)[0] for name in model.weights.trained_names}
     assert adapted and not any(ltx2.owns_audio(f"{name}.weight") for name in adapted)
     assert any(name.startswith("transformer_blocks.0.attn1") for name in adapted)
 
@@ -137,7 +137,7 @@ def test_a_method_of_one_modality_refuses_a_joint_model_before_building_it():
 def test_the_coupled_validation_levels_are_the_training_shifts(joint):
     model, _ = joint
     levels = torch.tensor([1.0, 0.5, 0.0])
-    shifted = model.joint_sigmas(levels)
+    shifted = model.rules.joint_sigmas(levels)
     video, audio = minimax_h3.coupled_sigmas(levels)
     assert torch.equal(shifted["video"], video) and torch.equal(shifted["audio"], audio)
     torch.testing.assert_close(shifted["video"], torch.tensor([1.0, 12 / 13, 0.0]))

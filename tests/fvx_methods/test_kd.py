@@ -150,7 +150,7 @@ def test_causal_kd_trains_a_real_block_causal_student(model):
     from fvx_models.wan_causal import WanCausalConfig
 
     causal = WanCausalConfig(preset="tiny", num_frames_per_block=1).build()
-    params = causal.init(random.key(3))
+    params = causal.weights.init(random.key(3))
     batch, key = make_batch(frames=2), random.key(8)
     loss, _ = kd.loss_fn(params, batch, key, model=causal, t_list=T_LIST, frames_per_block=1)
     idx = torch.stack([random.randint(random.fold_in(key, int(i)), (2,), 0, 3) for i in batch["sample_index"]])

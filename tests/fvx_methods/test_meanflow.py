@@ -9,7 +9,7 @@ from torch import nn
 
 from fvx.core import random
 from fvx_methods import meanflow
-from fvx_models.model import LatentSpace
+from fvx_models.model import LatentSpace, Rules
 
 from gloo import assert_two_processes_log_as_one, launch2  # noqa: E402
 from run_state import assert_one_line_errors, assert_resumes_bitwise  # noqa: E402
@@ -33,7 +33,7 @@ def gaussian_flow(x, t, r):
 
 def toy_model(apply):
     """A stand-in for fvx_models.model.Model on 2-D points: ``apply(params, x, t, cond, r=)``."""
-    return types.SimpleNamespace(normalize=LatentSpace(2).normalize, apply=apply, two_time=True)
+    return types.SimpleNamespace(normalize=LatentSpace(2).normalize, apply=apply, rules=Rules(two_time=True))
 
 
 def batch_of(x0):

@@ -35,8 +35,8 @@ def bidirectional():
 @pytest.fixture(scope="module")
 def params(student, bidirectional):
     """Distinct random params per role (the causal student's names are Wan's)."""
-    return {"student": student.init(random.key(1)), "critic": bidirectional.init(random.key(2)),
-            "teacher": bidirectional.init(random.key(3))}
+    return {"student": student.weights.init(random.key(1)), "critic": bidirectional.weights.init(random.key(2)),
+            "teacher": bidirectional.weights.init(random.key(3))}
 
 
 def make_batch(size: int = 2, seed: int = 0):
@@ -302,6 +302,6 @@ def test_a_compiled_rollout_of_seven_blocks_makes_no_new_graph_at_its_second_ste
         want = sf.rollout(p, batch, key, True, model=eager, config=cfg).x0
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
         if attempt == 0:
-            graphs = compiled.compile_stats.graphs_of("blocks")
-    stats = compiled.compile_stats
+            graphs = compiled.kernels.compile_stats.graphs_of("blocks")
+    stats = compiled.kernels.compile_stats
     assert graphs <= 2 and stats.graphs_of("blocks") == graphs and stats.recompiles == 0, stats

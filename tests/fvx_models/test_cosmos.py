@@ -22,7 +22,7 @@ from family_cases import CASES, cosmos_native, inputs, native_modules, raw_batch
 @pytest.fixture(scope="module")
 def tiny():
     model = CosmosConfig(preset="tiny").build()
-    return model, model.init(random.key(0))
+    return model, model.weights.init(random.key(0))
 
 
 def test_the_batch_text_is_the_reason1_embedding_as_it_is(tiny):
@@ -67,7 +67,7 @@ def test_the_text_mask_does_not_reach_the_dit(tiny):
 def test_the_output_is_the_velocity_its_exported_scheduler_steps(tiny, tmp_path):
     """The exported UniPC (flow prediction on flow sigmas, shift 1) takes x0 = x - sigma v: v = noise - x0."""
     model, params = tiny
-    model.export(params, str(tmp_path))
+    model.export.folder(params, str(tmp_path))
     index = json.loads((tmp_path / "model_index.json").read_text())
     assert index["_class_name"] == "Cosmos2_5_PredictBasePipeline"
     assert index["transformer"] == ["diffusers", "CosmosTransformer3DModel"]
@@ -89,15 +89,15 @@ def test_the_unconditional_is_zero_text_with_a_mask_of_ones_and_cfg_dropout_is_r
     uncond = model.uncond(cond, "zero")
     assert torch.equal(uncond["text"], torch.zeros_like(cond["text"]))
     assert torch.equal(uncond["text_mask"], torch.ones_like(cond["text_mask"]))
-    assert "NotImplementedError for training_cfg_rate > 0" in model.cfg_dropout_refusal
-    assert "\n" not in model.cfg_dropout_refusal
+    assert "NotImplementedError for training_cfg_rate > 0" in model.rules.cfg_dropout_refusal
+    assert "\n" not in model.rules.cfg_dropout_refusal
 
 
 def test_every_param_trains_in_text_to_world():
     """A forward and backward of the tiny model reach every param (the condition-mask and padding-mask inputs are
     zero but their patch-embedding columns still belong to a used weight): nothing is held frozen."""
     config = CosmosConfig(preset="tiny")
-    assert cosmos.COSMOS.unused(config) == frozenset()
+    assert cosmos.COSMOS.training.unused(config) == frozenset()
     module = CosmosTransformer3DModel(**config.spec.kwargs)
     x, t, cond = inputs(config.build(), random.key(1))
     kwargs, _ = build.native_inputs(config, x, t, cond)
@@ -120,7 +120,7 @@ def test_a_padding_mask_preset_without_torchvision_builds_and_refuses_in_one_lin
     model = CosmosConfig(preset="tiny-padded").build()
     assert model.memory_spec().groups[0].count == 2  # builds and dry-runs
     x, t, cond = inputs(model, random.key(1))
-    params = model.init(random.key(0))
+    params = model.weights.init(random.key(0))
     for call in (lambda: model.check_latents(tuple(x.shape)), lambda: model.apply(params, x, t, cond)):
         with pytest.raises(ValueError, match="concat_padding_mask=True: diffusers' CosmosTransformer3DModel resizes "
                                              "the padding mask with torchvision, which is not installed") as error:
@@ -140,7 +140,7 @@ def test_a_padding_mask_preset_equals_the_pipeline_call(monkeypatch):
             functional=resize, InterpolationMode=types.SimpleNamespace(NEAREST="nearest")), raising=False)
     config = CosmosConfig(preset="tiny-padded")
     model = config.build()
-    params = model.init(random.key(0))
+    params = model.weights.init(random.key(0))
     assert params["patch_embed.proj.weight"].shape == (64, 18 * 4)
     x, t, cond = inputs(model, random.key(1))
     model.check_latents(tuple(x.shape))
@@ -172,12 +172,12 @@ def test_a_peft_lora_file_loads_with_the_cosmos_pipeline_and_equals_fvx_lora(tmp
     pytest.importorskip("peft")
     targets = ("to_q", "to_k", "to_v", "to_out", "ff.net")
     adapted = CosmosConfig(frozen_dtype="fp32", lora=lora.LoRAConfig(rank=4, alpha=8.0, target_modules=targets)).build()
-    base = adapted.base_params(random.key(0))
-    fresh = adapted.initial_params(random.key(1))
+    base = adapted.weights.base(random.key(0))
+    fresh = adapted.weights.initial(random.key(1))
     adapters = {name: random.normal(random.fold_in(random.key(1), i), tuple(p.shape)) * 0.1
                 if name.endswith(lora.B) else p for i, (name, p) in enumerate(fresh.items())}
-    assert len(adapted.export_adapters.args[0].modules) == 2 * (2 * 4 + 2)
-    written = adapted.export_adapters(adapters, str(tmp_path), "peft")
+    assert len(adapted.export.adapters.args[0].modules) == 2 * (2 * 4 + 2)
+    written = adapted.export.adapters(adapters, str(tmp_path), "peft")
     assert [p.name for p in written.files.values()] == [lora_files.PEFT_FILE]
     (transformer,) = native_modules(CASES["cosmos"], base).values()
     pipe = Cosmos2_5_PredictBasePipeline(text_encoder=None, tokenizer=None, transformer=transformer,
@@ -196,6 +196,6 @@ def test_a_peft_lora_file_loads_with_the_cosmos_pipeline_and_equals_fvx_lora(tmp
 def test_lora_fine_tuning_reaches_every_adapter():
     model = CosmosConfig(lora=lora.LoRAConfig(rank=4, alpha=8.0, target_modules=("to_", "ff.net"))).build()
     x, t, cond = inputs(model, random.key(1))
-    base, adapters = model.base_params(random.key(0)), model.initial_params(random.key(1))
+    base, adapters = model.weights.base(random.key(0)), model.weights.initial(random.key(1))
     grads = grad.grad(lambda a: model.apply(role.with_trained(base, a), x, t, cond).square().mean())(adapters)
     assert all(bool(g.abs().sum()) for name, g in grads.items() if name.endswith(lora.B))

@@ -51,7 +51,7 @@ def test_text_is_the_pipelines_whole_reason1_embedding(folder):
 def test_video_latents_are_the_vaes_posterior_mean_unnormalised(folder):
     encoder_checks.assert_video_latents_are_the_posterior_mean(cosmos.ENCODERS, folder, (3, 5, 32, 32), (4, 3, 16, 16))
     assert cosmos.ENCODERS.frame_step == 4 and cosmos.ENCODERS.pixel_multiple == 16
-    assert cosmos.CosmosConfig.encoders is cosmos.ENCODERS
+    assert cosmos.CosmosConfig.family.encoders is cosmos.ENCODERS
 
 
 def test_the_folder_opens_without_the_guardrail_and_refuses_a_missing_text_encoder(folder, tmp_path):

@@ -69,7 +69,7 @@ def test_video_latents_are_the_vaes_posterior_mean_unscaled(folder):
     encoder_checks.assert_video_latents_are_the_posterior_mean(hunyuan_video15.ENCODERS, folder, (3, 5, 32, 32),
                                                                (4, 2, 2, 2))
     assert hunyuan_video15.ENCODERS.frame_step == 4 and hunyuan_video15.ENCODERS.pixel_multiple == 16
-    assert hunyuan_video15.HunyuanVideo15Config.encoders is hunyuan_video15.ENCODERS
+    assert hunyuan_video15.HunyuanVideo15Config.family.encoders is hunyuan_video15.ENCODERS
 
 
 def test_a_folder_without_the_text_encoder_is_refused_in_one_line(folder, tmp_path):

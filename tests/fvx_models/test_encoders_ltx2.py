@@ -85,7 +85,7 @@ def opened(folder):
 
 
 def test_the_record_is_the_configs_with_ltx2s_compression():
-    assert LTX2Config.encoders is ltx2.ENCODERS
+    assert LTX2Config.family.encoders is ltx2.ENCODERS
     assert (ltx2.ENCODERS.frame_step, ltx2.ENCODERS.pixel_multiple) == (8, 32)
     assert ltx2.ENCODERS.components(["text", "audio"]) == ("tokenizer", "text_encoder", "connectors", "audio_vae")
     assert ltx2.ENCODERS.refusal(["video", "audio"]) is None

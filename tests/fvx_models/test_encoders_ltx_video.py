@@ -37,7 +37,7 @@ def folder(tmp_path_factory):
 
 
 def test_the_record_is_the_configs_with_ltx_videos_compression():
-    assert LTXVideoConfig.encoders is ltx_video.ENCODERS
+    assert LTXVideoConfig.family.encoders is ltx_video.ENCODERS
     assert (ltx_video.ENCODERS.frame_step, ltx_video.ENCODERS.pixel_multiple) == (8, 32)
     assert ltx_video.ENCODERS.refusal(["audio"]) == "LTX-Video makes no sound"
     assert "no image-to-video" in ltx_video.ENCODERS.refusal(["first_frame"])

@@ -60,7 +60,7 @@ def folder(tmp_path_factory):
 
 
 def test_the_config_carries_the_record():
-    record = minimax_h3.MiniMaxH3Config.encoders
+    record = minimax_h3.MiniMaxH3Config.family.encoders
     assert record is minimax_h3.ENCODERS and (record.frame_base, record.frame_step, record.pixel_multiple) == (5, 17, 32)
     assert record.components(["text", "video", "audio"]) == ("tokenizer", "text_encoder", "vae", "audio_vae")
 

@@ -29,7 +29,7 @@ def case(request):
 def built(case):
     name, c = case
     model = c.config.build()
-    return name, c, model, model.init(random.key(0))
+    return name, c, model, model.weights.init(random.key(0))
 
 
 def mse(model, x, t, cond, target):
@@ -53,10 +53,10 @@ def test_apply_equals_the_diffusers_module_called_as_its_pipeline_does(built):
 
 def test_export_loads_with_from_pretrained_bit_for_bit_and_back(built, tmp_path):
     name, case, model, params = built
-    model.export(params, str(tmp_path / "out"))
+    model.export.folder(params, str(tmp_path / "out"))
     folder = tmp_path / "out"
     index = json.loads((folder / "model_index.json").read_text())
-    for component, prefix in case.config.family.components.items():
+    for component, prefix in case.config.family.checkpoints.components.items():
         cls = case.classes[component]
         assert index[component] == ["diffusers", cls.__name__]
         state = torch.get_rng_state()
@@ -65,7 +65,7 @@ def test_export_loads_with_from_pretrained_bit_for_bit_and_back(built, tmp_path)
         ours = {n[len(prefix):]: p for n, p in params.items() if n.startswith(prefix)}
         assert list(theirs) == list(ours)
         assert all(torch.equal(theirs[n], ours[n]) for n in ours), component
-    back = model.load(str(folder))
+    back = model.weights.load(str(folder))
     assert list(back) == list(params) and all(torch.equal(back[n], params[n]) for n in params)
     assert (folder / "scheduler" / "scheduler_config.json").is_file()
 
@@ -89,7 +89,7 @@ def compiled_matches_eager(case, compiled):
     """Two compiled loss-and-gradient calls equal the eager model's (loss to 1e-5, gradients to 1e-4 of their
     largest); the compiled model's compile counters."""
     eager = case.config.build()
-    params = eager.init(random.key(0))
+    params = eager.weights.init(random.key(0))
     x, t, cond = inputs(eager, random.key(2))
     target = random.normal(random.key(3), x.shape)
     loss, grads = grad.value_and_grad(mse(eager, x, t, cond, target))(params)
@@ -98,7 +98,7 @@ def compiled_matches_eager(case, compiled):
     torch.testing.assert_close(loss_c, loss, rtol=1e-5, atol=0)
     for n in grads:
         torch.testing.assert_close(grads_c[n], grads[n], rtol=1e-4, atol=1e-4 * grads[n].abs().max().item())
-    return compiled.compile_stats
+    return compiled.kernels.compile_stats
 
 
 def compiled_config(case, mode: str):
@@ -120,8 +120,8 @@ def test_a_whole_model_compiles_to_one_graph_and_matches_eager(name):
     refusal (a forward that is not one graph)."""
     case = CASES[name]
     config = compiled_config(case, "model")
-    if case.config.family.whole_graph_refusal:
-        with pytest.raises(ValueError, match=case.config.family.whole_graph_refusal.split("(")[0][:40]):
+    if case.config.family.architecture.whole_graph_refusal:
+        with pytest.raises(ValueError, match=case.config.family.architecture.whole_graph_refusal.split("(")[0][:40]):
             config.build()
         return
     stats = compiled_matches_eager(case, config.build())

@@ -26,7 +26,7 @@ NATIVE = CASES["hunyuan_video15"].native
 @pytest.fixture(scope="module")
 def tiny():
     model = HunyuanVideo15Config(preset="tiny").build()
-    return model, model.init(random.key(0))
+    return model, model.weights.init(random.key(0))
 
 
 def masked_inputs(model, key):
@@ -142,7 +142,7 @@ def test_bf16_compute_keeps_t_in_fp32():
     """diffusers' time embedding casts its features to t's dtype, so its bf16 pipeline rounds t to bf16 (999 and 1000
     are one bf16 number); fvx feeds fp32 t and the embedding casts the features to its weights' dtype."""
     model = HunyuanVideo15Config(preset="tiny", compute_dtype="bf16").build()
-    params = model.init(random.key(0))
+    params = model.weights.init(random.key(0))
     x, _, cond = masked_inputs(model, random.key(1))
     outs = [model.apply(params, x, torch.full((2,), value), cond) for value in (999.0, 1000.0)]
     assert all(torch.isfinite(o).all() for o in outs) and outs[0].dtype == torch.float32
@@ -168,7 +168,7 @@ def test_the_unused_params_are_exactly_those_without_gradient():
     text output get no gradient, its text query and the image embedder (text-to-video) an exactly zero one."""
     config = CASES["hunyuan_video15"].config
     model = config.build()
-    params = model.init(random.key(0))
+    params = model.weights.init(random.key(0))
     (module,) = native_modules(CASES["hunyuan_video15"], params).values()
     x, t, cond = masked_inputs(model, random.key(1))
     NATIVE({"transformer": module}, x, t, cond).square().mean().backward()
@@ -176,28 +176,28 @@ def test_the_unused_params_are_exactly_those_without_gradient():
     zero = {n for n, p in module.named_parameters() if p.grad is not None and not p.grad.any()}
     assert len(none) == 6 and len(params) == 119 and all(n.startswith("transformer_blocks.1.") for n in none)
     assert none | zero == hunyuan_video15.unused(config) and len(zero) == 11
-    assert model.trained_names == frozenset(params) - hunyuan_video15.unused(config)
+    assert model.weights.trained_names == frozenset(params) - hunyuan_video15.unused(config)
 
 
 def test_unused_params_are_held_frozen_unchanged_by_a_step_and_exported_as_loaded(tiny, tmp_path):
     _, params = tiny
     base = tmp_path / "base"
-    CASES["hunyuan_video15"].config.build().export(params, str(base))
+    CASES["hunyuan_video15"].config.build().export.folder(params, str(base))
     model = HunyuanVideo15Config(preset="tiny", path=str(base), frozen_dtype="fp32").build()
     unused = hunyuan_video15.unused(HunyuanVideo15Config(preset="tiny"))
-    assert unused <= set(params) and not unused & model.trained_names
+    assert unused <= set(params) and not unused & model.weights.trained_names
     program = finetune.Finetune(optim=AdamWConfig(lr=1e-2, weight_decay=0.1)).build({"student": model}, total_steps=2)
     state, frozen = program.init(random.key(0)), program.frozen(random.key(0))
-    assert set(frozen["student"]) == unused and set(state.roles["student"].params) == model.trained_names
+    assert set(frozen["student"]) == unused and set(state.roles["student"].params) == model.weights.trained_names
     states = _dicts(state.roles["student"].opt_state)
-    assert states and all(set(s) == model.trained_names for s in states)  # Adam's moments: none for the unused
+    assert states and all(set(s) == model.weights.trained_names for s in states)  # Adam's moments: none for the unused
     for i in range(2):
         state, metrics = program.step_(state, frozen, model.batch(raw_batch(model, random.key(10 + i))))
         assert math.isfinite(float(metrics["loss"]))
     trained = state.roles["student"].params
     assert all(torch.equal(frozen["student"][n], params[n]) for n in unused)
     assert sum(not torch.equal(trained[n], params[n]) for n in trained) == len(trained)  # decayed, if nothing else
-    model.export(role.with_trained(frozen["student"], trained), str(tmp_path / "out"))
+    model.export.folder(role.with_trained(frozen["student"], trained), str(tmp_path / "out"))
     loaded = HunyuanVideo15Transformer3DModel.from_pretrained(tmp_path / "out" / "transformer").state_dict()
     assert all(torch.equal(loaded[n], params[n]) for n in unused)
     assert all(torch.equal(loaded[n], trained[n]) for n in trained)
@@ -246,10 +246,10 @@ def test_a_peft_lora_export_loads_into_diffusers_transformer_and_equals_fvxs_lor
     config = HunyuanVideo15Config(preset="tiny", frozen_dtype="fp32",
                                   lora=lora.LoRAConfig(rank=4, alpha=8.0, target_modules=targets))
     adapted = config.build()
-    base = adapted.base_params(random.key(0))
+    base = adapted.weights.base(random.key(0))
     adapters = trained_adapters(adapted, random.key(1))
-    assert adapted.adapter_formats == ("peft",)  # no original layout in fvx
-    adapted.export_adapters(adapters, str(tmp_path), "peft")
+    assert adapted.export.adapter_formats == ("peft",)  # no original layout in fvx
+    adapted.export.adapters(adapters, str(tmp_path), "peft")
     (transformer,) = native_modules(CASES["hunyuan_video15"], base).values()
     transformer.load_lora_adapter(str(tmp_path), weight_name=lora_files.PEFT_FILE, prefix="transformer")
     x, t, cond = masked_inputs(adapted, random.key(2))

@@ -20,7 +20,7 @@ from test_lora import assert_loaded_lora_matches, trained_adapters  # noqa: E402
 @pytest.fixture(scope="module")
 def tiny():
     model = Kandinsky5Config().build()
-    return model, model.init(random.key(0))
+    return model, model.weights.init(random.key(0))
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +115,10 @@ def test_every_param_trains_text_to_video():
     """Measured: a forward and backward of the tiny model reaches every param (the image-condition columns of the
     visual embedding get zero gradients, as in FastVideo, but they are columns of a trained weight)."""
     config = CASES["kandinsky5"].config
-    assert config.family.unused(config) == frozenset()
+    assert config.family.training.unused(config) == frozenset()
     model = config.build()
-    params = model.init(random.key(0))
-    assert model.trained_names == frozenset(params)
+    params = model.weights.init(random.key(0))
+    assert model.weights.trained_names == frozenset(params)
     x, t, cond = inputs(model, random.key(1))
     grads = grad.grad(lambda p: model.apply(p, x, t, cond).square().mean())(params)
     assert sorted(grads) == sorted(params)
@@ -127,7 +127,7 @@ def test_every_param_trains_text_to_video():
 
 def test_the_export_is_a_kandinsky5_pipeline_with_flow_shift_5(tiny, tmp_path):
     model, params = tiny
-    model.export(params, str(tmp_path))
+    model.export.folder(params, str(tmp_path))
     index = json.loads((tmp_path / "model_index.json").read_text())
     assert index["_class_name"] == "Kandinsky5T2VPipeline"
     assert index["vae"] == ["diffusers", "AutoencoderKLHunyuanVideo"]
@@ -163,7 +163,7 @@ def test_fastvideos_default_lora_targets_are_the_query_key_value_projections():
     """FastVideo's default targets (to_q, to_k, to_v, to_out, ...) match Kandinsky's to_query, to_key, to_value as
     substrings; its out_layer is no to_out: every attention's q, k, v and nothing else."""
     adapted = Kandinsky5Config(lora=lora.LoRAConfig(rank=4)).build()
-    modules = adapted.export_adapters.args[0].modules
+    modules = adapted.export.adapters.args[0].modules
     expected = [f"{block}.{attention}.{proj}" for block, attentions in
                 [("visual_transformer_blocks.0", ("self_attention", "cross_attention")),
                  ("visual_transformer_blocks.1", ("self_attention", "cross_attention")),
@@ -178,9 +178,9 @@ def test_exported_peft_adapters_load_with_the_kandinsky5_pipeline(tmp_path, targ
     pytest.importorskip("peft")
     config = lora.LoRAConfig(rank=4, alpha=8.0, target_modules=targets)
     adapted = Kandinsky5Config(frozen_dtype="fp32", lora=config).build()
-    base = adapted.base_params(random.key(0))
+    base = adapted.weights.base(random.key(0))
     adapters = trained_adapters(adapted, random.key(1))
-    written = adapted.export_adapters(adapters, str(tmp_path), "peft")
+    written = adapted.export.adapters(adapters, str(tmp_path), "peft")
     assert [p.name for p in written.files.values()] == [lora_files.PEFT_FILE]
     (transformer,) = native_modules(CASES["kandinsky5"], base).values()
     pipe = Kandinsky5T2VPipeline(transformer=transformer, vae=None, text_encoder=None, tokenizer=None,

@@ -117,8 +117,8 @@ def test_only_the_curated_layers_change_the_forward_and_nothing_is_added(tmp_pat
     """The QAT model equals the dense model whose curated layers (and only those) answer with the hand NVFP4 linear;
     its params and its export are the dense model's."""
     dense, model = TINY.build(), QAT.build()
-    params = dense.init(random.key(0))
-    assert set(model.init(random.key(0))) == set(params)
+    params = dense.weights.init(random.key(0))
+    assert set(model.weights.init(random.key(0))) == set(params)
     x, t, cond = inputs(model, random.key(1))
     skeleton = dense.apply.args[1]
     chosen = [f"blocks.{i}.{suffix}" for i in range(len(skeleton.blocks)) for suffix in WAN_SUFFIXES]
@@ -137,15 +137,15 @@ def test_only_the_curated_layers_change_the_forward_and_nothing_is_added(tmp_pat
     quantized = model.apply(params, x, t, cond)
     assert torch.allclose(quantized, expected, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(quantized, dense.apply(params, x, t, cond), atol=1e-3)
-    model.export(params, str(tmp_path / "qat"))
-    dense.export(params, str(tmp_path / "dense"))
+    model.export.folder(params, str(tmp_path / "qat"))
+    dense.export.folder(params, str(tmp_path / "dense"))
     for name in ("transformer/diffusion_pytorch_model.safetensors", "transformer/config.json"):
         assert filecmp.cmp(tmp_path / "qat" / name, tmp_path / "dense" / name, shallow=False)
 
 
 def test_a_training_step_reaches_the_fp32_masters():
     model = QAT.build()
-    params = {name: p.requires_grad_() for name, p in model.init(random.key(0)).items()}
+    params = {name: p.requires_grad_() for name, p in model.weights.init(random.key(0)).items()}
     x, t, cond = inputs(model, random.key(1))
     model.apply(params, x, t, cond).square().mean().backward()
     assert params["blocks.0.ffn.net.0.proj.weight"].grad.dtype == torch.float32
@@ -180,7 +180,7 @@ def test_named_modules_take_it_on_a_family_without_a_curated_set():
 
 
 def test_forward_mode_methods_are_refused():
-    assert "linear_qat has no forward-mode derivatives" in QAT.build().forward_ad_refusal
+    assert "linear_qat has no forward-mode derivatives" in QAT.build().rules.forward_ad_refusal
 
 
 @pytest.mark.cuda

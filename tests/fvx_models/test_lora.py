@@ -24,7 +24,7 @@ LORA = lora.LoRAConfig(rank=4, alpha=8.0, target_modules=("to_q", "to_k", "to_v"
 
 def trained_adapters(model, key):
     """Adapters as after some training: A as initialised, B random (an untrained B is zero)."""
-    adapters = model.initial_params(key)
+    adapters = model.weights.initial(key)
     return {name: random.normal(random.fold_in(key, i), tuple(p.shape)) * 0.1 if name.endswith(lora.B) else p
             for i, (name, p) in enumerate(adapters.items())}
 
@@ -33,14 +33,14 @@ def trained_adapters(model, key):
 def tiny():
     plain = WanConfig(preset="tiny", frozen_dtype="fp32").build()
     adapted = WanConfig(preset="tiny", frozen_dtype="fp32", lora=LORA).build()
-    base = adapted.base_params(random.key(0))
+    base = adapted.weights.base(random.key(0))
     return plain, adapted, base, trained_adapters(adapted, random.key(1))
 
 
 def test_untrained_adapters_leave_the_base_output_unchanged(tiny):
     plain, adapted, base, _ = tiny
     x, t, cond = inputs(adapted, random.key(2))
-    fresh = adapted.initial_params(random.key(1))
+    fresh = adapted.weights.initial(random.key(1))
     assert all(torch.equal(p, torch.zeros_like(p)) for n, p in fresh.items() if n.endswith(lora.B))
     torch.testing.assert_close(adapted.apply(role.with_trained(base, fresh), x, t, cond), plain.apply(base, x, t, cond),
                                rtol=0, atol=0)
@@ -49,7 +49,7 @@ def test_untrained_adapters_leave_the_base_output_unchanged(tiny):
 def test_the_adapter_forward_and_gradients_equal_the_merged_weights(tiny):
     plain, adapted, base, adapters = tiny
     x, t, cond = inputs(adapted, random.key(2))
-    modules = adapted.export_adapters.args[0].modules
+    modules = adapted.export.adapters.args[0].modules
     assert len(modules) == 2 * (2 * 4 + 2)  # 2 blocks x (2 attentions x (q, k, v, out) + the 2 FFN layers)
     got = adapted.apply(role.with_trained(base, adapters), x, t, cond)
     want = plain.apply(lora.merged(base, adapters, modules, LORA.scale), x, t, cond)
@@ -70,7 +70,7 @@ def test_lora_fine_tuning_trains_only_the_adapters_and_the_base_stays_bit_identi
     state, frozen = program.init(random.key(0)), program.frozen(random.key(0))
     base = frozen["student"]
     kept = {name: p.clone() for name, p in base.items()}
-    assert sorted(state.roles["student"].params) == sorted(model.trained_names)
+    assert sorted(state.roles["student"].params) == sorted(model.weights.trained_names)
     assert not any(p.requires_grad for p in base.values())
     assert base["blocks.0.attn1.to_q.weight"].dtype == torch.bfloat16  # the base is stored in frozen_dtype
     for i in range(3):
@@ -129,14 +129,14 @@ def test_exported_adapters_load_with_diffusers_load_lora_weights(tiny, tmp_path,
     the export (the run), the PEFT file keeps diffusers' name."""
     pytest.importorskip("peft")
     plain, adapted, base, adapters = tiny
-    written = adapted.export_adapters(adapters, str(tmp_path), form, stem="my_run")
+    written = adapted.export.adapters(adapters, str(tmp_path), form, stem="my_run")
     assert written.files == {"transformer": tmp_path / name}
     assert_loaded_lora_matches(wan_pipeline(base), "wan", tmp_path, name, adapted, base, adapters)
 
 
 def test_the_peft_hint_says_comfyui_and_musubi_tuner_ignore_its_keys(tiny, tmp_path):
     plain, adapted, base, adapters = tiny
-    written = adapted.export_adapters(adapters, str(tmp_path), "peft", stem="my_run")
+    written = adapted.export.adapters(adapters, str(tmp_path), "peft", stem="my_run")
     assert written.how_to_load == (
         f"pipe.load_lora_weights({str(tmp_path)!r})",
         "not for ComfyUI or musubi-tuner: they ignore PEFT keys (transformer.<module>.lora_A/lora_B) and load nothing "
@@ -151,7 +151,7 @@ I2V_LORA = lora.LoRAConfig(rank=2, alpha=4.0, target_modules=("to_q", "to_out", 
 def tiny_i2v():
     """Wan 2.1 I2V (tiny) with adapters on its attentions, the image cross-attention's k_img/v_img among them."""
     adapted = WanConfig(preset="tiny-i2v", frozen_dtype="fp32", lora=I2V_LORA).build()
-    return adapted, adapted.base_params(random.key(0)), trained_adapters(adapted, random.key(1))
+    return adapted, adapted.weights.base(random.key(0)), trained_adapters(adapted, random.key(1))
 
 
 def test_i2v_comfyui_adapters_load_with_diffusers_load_lora_weights(tiny_i2v, tmp_path):
@@ -161,7 +161,7 @@ def test_i2v_comfyui_adapters_load_with_diffusers_load_lora_weights(tiny_i2v, tm
     from diffusers import WanImageToVideoPipeline
 
     adapted, base, adapters = tiny_i2v
-    written = adapted.export_adapters(adapters, str(tmp_path), "comfyui", stem="i2v")
+    written = adapted.export.adapters(adapters, str(tmp_path), "comfyui", stem="i2v")
     assert "diffusion_model.blocks.0.cross_attn.k_img.lora_down.weight" in load_file(written.files["transformer"])
     (transformer,) = native_modules(CASES["wan-i2v"], base).values()
     pipe = WanImageToVideoPipeline(tokenizer=None, text_encoder=None, vae=None, image_processor=None,
@@ -184,17 +184,17 @@ def test_i2v_adapters_on_the_image_embedder_key_the_modules_the_original_checkpo
     (``utils/lora_utils.py``); A, B and alpha as trained."""
     config = lora.LoRAConfig(rank=2, alpha=4.0, target_modules=("to_", "add_", "ffn", "image_embedder", "proj_out"))
     adapted = WanConfig(preset="tiny-i2v", frozen_dtype="fp32", lora=config).build()
-    base, adapters = adapted.base_params(random.key(0)), trained_adapters(adapted, random.key(1))
-    checkpoint = load_file(adapted.export(role.with_trained(base, adapters), str(tmp_path / "whole"),
+    base, adapters = adapted.weights.base(random.key(0)), trained_adapters(adapted, random.key(1))
+    checkpoint = load_file(adapted.export.folder(role.with_trained(base, adapters), str(tmp_path / "whole"),
                                           form="comfyui").files["transformer"])
     rule = {"comfyui": lambda key: f"diffusion_model.{key}", "musubi": lambda key: "lora_unet_" + key.replace(".", "_")}
     looked_up = {rule[form](key.removesuffix(".weight")): key.removesuffix(".weight") for key in checkpoint
                  if key.endswith(".weight")}
-    stored = load_file(adapted.export_adapters(adapters, str(tmp_path / form), form).files["transformer"])
+    stored = load_file(adapted.export.adapters(adapters, str(tmp_path / form), form).files["transformer"])
     stems = {key.rsplit(".", 2)[0] if key.endswith(".weight") else key.rsplit(".", 1)[0] for key in stored}
     assert stems <= looked_up.keys()
     assert {looked_up[stem] for stem in stems} >= {"img_emb.proj.1", "img_emb.proj.3", "blocks.0.cross_attn.k_img"}
-    assert len(stems) == len(adapted.export_adapters.args[0].modules)
+    assert len(stems) == len(adapted.export.adapters.args[0].modules)
     stem = rule[form]("img_emb.proj.3")
     name = "condition_embedder.image_embedder.ff.net.2"
     assert torch.equal(stored[f"{stem}.lora_down.weight"], adapters[f"{name}.{lora.A}"])
@@ -208,7 +208,7 @@ def test_comfyui_and_musubi_files_key_each_module_by_its_original_name(tiny, tmp
     """``blocks.1.attn2.to_out.0`` is the original ``blocks.1.cross_attn.o``: ComfyUI's keys keep its dots under
     ``diffusion_model.``, musubi-tuner's (kohya's) write it with underscores under ``lora_unet_``."""
     plain, adapted, base, adapters = tiny
-    written = adapted.export_adapters(adapters, str(tmp_path), form)
+    written = adapted.export.adapters(adapters, str(tmp_path), form)
     stored = load_file(written.files["transformer"])
     name = "blocks.1.attn2.to_out.0"
     assert torch.equal(stored[f"{key}.lora_down.weight"], adapters[f"{name}.{lora.A}"])
@@ -224,7 +224,7 @@ def test_the_merged_export_loads_with_from_pretrained_and_equals_base_plus_scale
     from diffusers import WanTransformer3DModel
 
     plain, adapted, base, adapters = tiny
-    adapted.export(role.with_trained(base, adapters), str(tmp_path))
+    adapted.export.folder(role.with_trained(base, adapters), str(tmp_path))
     loaded = WanTransformer3DModel.from_pretrained(tmp_path / "transformer").state_dict()
     name = "blocks.1.attn2.to_v"
     want = base[f"{name}.weight"] + LORA.scale * adapters[f"{name}.{lora.B}"] @ adapters[f"{name}.{lora.A}"]
@@ -237,11 +237,11 @@ def test_hunyuan_peft_export_loads_with_its_pipeline(tmp_path):
     pytest.importorskip("peft")
     config = HunyuanVideoConfig(preset="tiny", frozen_dtype="fp32", lora=LORA)
     adapted = config.build()
-    base = adapted.base_params(random.key(0))
+    base = adapted.weights.base(random.key(0))
     adapters = trained_adapters(adapted, random.key(1))
     (transformer,) = native_modules(CASES["hunyuan_video"], base).values()
-    adapted.export_adapters(adapters, str(tmp_path), "peft")
-    assert adapted.adapter_formats == ("peft",)  # HunyuanVideo has no original layout in fvx
+    adapted.export.adapters(adapters, str(tmp_path), "peft")
+    assert adapted.export.adapter_formats == ("peft",)  # HunyuanVideo has no original layout in fvx
     pipe = HunyuanVideoPipeline(text_encoder=None, tokenizer=None, transformer=transformer, vae=None,
                                 scheduler=FlowMatchEulerDiscreteScheduler(), text_encoder_2=None, tokenizer_2=None)
     assert_loaded_lora_matches(pipe, "hunyuan_video", tmp_path, lora_files.PEFT_FILE, adapted, base, adapters)
@@ -274,7 +274,7 @@ def test_an_original_layout_export_of_a_module_without_an_original_name_names_it
     for form in ("comfyui", "musubi"):
         with pytest.raises(ValueError, match=r"module 'fps_projection.net.0.proj' has no name in the original "
                                              r"skyreels_v2 layout; use --format peft"):
-            model.export_adapters(model.initial_params(random.key(0)), str(tmp_path / form), form)
+            model.export.adapters(model.weights.initial(random.key(0)), str(tmp_path / form), form)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -302,8 +302,8 @@ def test_two_experts_export_one_peft_file_per_component_and_say_how_each_loads(t
 
     config = Wan22MoEConfig(preset="tiny", frozen_dtype="fp32", lora=lora.LoRAConfig(rank=2, target_modules=("to_q",)))
     model = config.build()
-    base, adapters = model.base_params(random.key(0)), trained_adapters(model, random.key(1))
-    written = model.export_adapters(adapters, str(tmp_path), "peft")
+    base, adapters = model.weights.base(random.key(0)), trained_adapters(model, random.key(1))
+    written = model.export.adapters(adapters, str(tmp_path), "peft")
     second = "pytorch_lora_weights_transformer_2.safetensors"
     assert [p.name for p in written.files.values()] == [lora_files.PEFT_FILE, second]
     for path, expert in zip(written.files.values(), ("transformer.", "transformer_2.")):
@@ -338,7 +338,7 @@ def test_two_experts_original_layout_files_are_high_and_low_noise_with_musubi_tu
 
     model = Wan22MoEConfig(preset="tiny", lora=lora.LoRAConfig(rank=2, target_modules=("to_q",))).build()
     adapters = trained_adapters(model, random.key(1))
-    written = model.export_adapters(adapters, str(tmp_path), form, stem="a14b")
+    written = model.export.adapters(adapters, str(tmp_path), form, stem="a14b")
     high, low = (tmp_path / f"a14b_lora_{form}_{tag}.safetensors" for tag in ("high_noise", "low_noise"))
     assert written.files == {"transformer": high, "transformer_2": low}
     key = {"comfyui": "diffusion_model.blocks.0.self_attn.q", "musubi": "lora_unet_blocks_0_self_attn_q"}[form]

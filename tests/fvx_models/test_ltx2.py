@@ -27,7 +27,7 @@ FASTVIDEO_PATTERNS = ("audio", "a2v", "v2a", "av_ca")  # fastvideo/train/models/
 def built(request):
     config = LTX2Config(preset=request.param)
     model = config.build()
-    return config, model, model.init(random.key(0))
+    return config, model, model.weights.init(random.key(0))
 
 
 def fresh(config, params):
@@ -87,7 +87,7 @@ def test_the_video_output_does_not_depend_on_the_audio_branch(built):
     """Every audio-owned param redrawn: the video velocity is bitwise the same; a video param redrawn changes it."""
     config, model, params = built
     x, t, cond = inputs(model, random.key(1))
-    other = model.init(random.key(7))
+    other = model.weights.init(random.key(7))
     audio = {n: other[n] if ltx2.owns_audio(n) else p for n, p in params.items()}
     assert sum(not torch.equal(audio[n], params[n]) for n in params) > 50
     torch.testing.assert_close(model.apply(audio, x, t, cond), model.apply(params, x, t, cond), rtol=0, atol=0)
@@ -98,7 +98,7 @@ def test_the_video_output_does_not_depend_on_the_audio_branch(built):
 def test_the_frame_rate_moves_the_temporal_rope_positions():
     config = LTX2Config(preset="tiny", fps=30.0)
     model = config.build()
-    params = model.init(random.key(0))
+    params = model.weights.init(random.key(0))
     x, t, cond = inputs(model, random.key(1), frames=3)
     got = model.apply(params, x, t, cond)
     torch.testing.assert_close(got, native(config, params, x, t, cond, fps=30.0), rtol=1e-5, atol=1e-5)
@@ -112,19 +112,19 @@ def test_only_the_video_branch_trains_and_it_is_exactly_what_gets_gradients(buil
     """trained_names: every param but the audio branch's and the a2v/v2a machinery's; a video-only forward and
     backward gives every trained param a gradient and no audio-owned one."""
     config, model, params = built
-    assert model.trained_names == frozenset(n for n in params if not ltx2.owns_audio(n))
+    assert model.weights.trained_names == frozenset(n for n in params if not ltx2.owns_audio(n))
     assert not model.joint and model.modalities == {}
     for name in params:
         if any(fragment in name for fragment in ("audio", "a2v", "v2a", "av_ca", "av_cross_attn")):
-            assert name not in model.trained_names, name
+            assert name not in model.weights.trained_names, name
     for name in ("proj_in.weight", "proj_out.bias", "time_embed.linear.weight", "scale_shift_table",
                  "transformer_blocks.0.attn1.to_q.weight", "transformer_blocks.1.attn2.to_k.weight",
                  "transformer_blocks.0.ff.net.0.proj.weight", "transformer_blocks.1.scale_shift_table"):
-        assert name in model.trained_names, name
+        assert name in model.weights.trained_names, name
     x, t, cond = inputs(model, random.key(1))
     _, grads = grad.value_and_grad(lambda p: model.apply(p, x, t, cond).square().mean())(params)
     reached = {n for n, g in grads.items() if g is not None and bool(g.abs().sum())}
-    assert reached == model.trained_names
+    assert reached == model.weights.trained_names
     # FastVideo's patterns alone, on diffusers' names, leave out the video stream's a2v/v2a modulation embedder
     missed = {n for n in params if ltx2.owns_audio(n) and not any(f in n for f in FASTVIDEO_PATTERNS)}
     assert {n.split(".")[0] for n in missed} == {"av_cross_attn_video_scale_shift"}
@@ -147,7 +147,7 @@ def test_bad_knobs_are_one_line_errors():
 
 def test_the_family_refuses_cfg_dropout_and_vsa_with_fastvideos_reasons():
     model = LTX2Config(preset="tiny").build()
-    assert "empty prompt encoded through Gemma and the connector" in model.cfg_dropout_refusal
+    assert "empty prompt encoded through Gemma and the connector" in model.rules.cfg_dropout_refusal
     with pytest.raises(ValueError, match="ltx2 family cannot run VSA: FastVideo's LTX-2 trainer"):
         LTX2Config(preset="tiny", attention="vsa").build()
 
@@ -230,7 +230,7 @@ def test_a_samples_level_depends_on_its_own_key_only():
 def test_fine_tuning_draws_its_levels_with_the_family_sampler():
     config = LTX2Config(preset="tiny")
     model = config.build()
-    params = model.init(random.key(0))
+    params = model.weights.init(random.key(0))
     batch = model.batch(raw_batch(model, random.key(5)))
     method = finetune.Finetune()
     loss, aux = finetune.loss_fn(params, batch, random.key(9), model=model, config=method)
@@ -270,7 +270,7 @@ def test_a_text_embedding_of_the_other_versions_width_is_a_one_line_error():
 
 def test_the_export_is_an_ltx2_pipeline_whose_transformer_loads_and_equals(built, tmp_path):
     config, model, params = built
-    model.export(params, str(tmp_path / "out"))
+    model.export.folder(params, str(tmp_path / "out"))
     index = json.loads((tmp_path / "out" / "model_index.json").read_text())
     assert index["_class_name"] == "LTX2Pipeline"
     assert index["transformer"] == ["diffusers", "LTX2VideoTransformer3DModel"]

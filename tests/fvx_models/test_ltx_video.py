@@ -31,7 +31,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def params(model):
-    return model.init(random.key(0))
+    return model.weights.init(random.key(0))
 
 
 def native(params, x, t, cond, scale=(8 / 25, 32, 32)):
@@ -91,8 +91,8 @@ def test_every_param_trains_none_is_held_unused(model, params):
     x, t, cond = inputs(model, random.key(1))
     _, grads = grad.value_and_grad(lambda p: model.apply(p, x, t, cond).square().mean())(params)
     assert [n for n, g in grads.items() if g is None or not bool(g.abs().sum())] == []
-    assert ltx_video.LTX_VIDEO.unused(LTXVideoConfig()) == frozenset()
-    assert model.trained_names == frozenset(params)
+    assert ltx_video.LTX_VIDEO.training.unused(LTXVideoConfig()) == frozenset()
+    assert model.weights.trained_names == frozenset(params)
 
 
 def test_the_zero_unconditional_is_finite(model, params):
@@ -119,7 +119,7 @@ def test_presets_give_every_constructor_argument_and_the_released_sizes():
 
 
 def test_the_exported_folder_is_an_ltx_pipeline_with_the_presets_scheduler(model, params, tmp_path):
-    model.export(params, str(tmp_path / "out"))
+    model.export.folder(params, str(tmp_path / "out"))
     index = json.loads((tmp_path / "out" / "model_index.json").read_text())
     assert index["_class_name"] == "LTXPipeline" and index["vae"] == ["diffusers", "AutoencoderKLLTXVideo"]
     assert index["text_encoder"] == ["transformers", "T5EncoderModel"]
@@ -251,7 +251,7 @@ def test_without_latents_stats_the_latents_are_taken_as_already_normalised():
 def test_bad_latents_stats_folders_are_one_line_errors(vae_folder, tmp_path, model, params):
     root, _ = vae_folder
     (tmp_path / "empty").mkdir()
-    model.export(params, str(tmp_path / "dit"))
+    model.export.folder(params, str(tmp_path / "dit"))
     wide = tmp_path / "wide"
     tiny_vae(16).save_pretrained(wide)
     no_stats = tmp_path / "no_stats"
@@ -316,11 +316,11 @@ def test_the_peft_lora_export_loads_with_ltx_pipelines_load_lora_weights(tmp_pat
     config = LTXVideoConfig(preset="tiny", frozen_dtype="fp32", lora=lora.LoRAConfig(
         rank=4, alpha=8.0, target_modules=("to_q", "to_k", "to_v", "to_out.0", "ff.net")))
     adapted = config.build()
-    base = adapted.base_params(random.key(0))
+    base = adapted.weights.base(random.key(0))
     adapters = trained_adapters(adapted, random.key(1))
     assert len(adapters) == 2 * 2 * (2 * 4 + 2)  # (A, B) x 2 blocks x (2 attentions x (q, k, v, out) + 2 FFN layers)
-    assert adapted.adapter_formats == ("peft",)  # no original layout in fvx
-    adapted.export_adapters(adapters, str(tmp_path), "peft")
+    assert adapted.export.adapter_formats == ("peft",)  # no original layout in fvx
+    adapted.export.adapters(adapters, str(tmp_path), "peft")
     (transformer,) = native_modules(CASES["ltx_video"], base).values()
     pipe = LTXPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None, tokenizer=None,
                        transformer=transformer)

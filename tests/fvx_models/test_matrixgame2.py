@@ -37,12 +37,12 @@ def acting(params):
 @pytest.fixture(scope="module")
 def model():
     m = MatrixGame2Config(preset="tiny").build()
-    return m, acting(m.init(random.key(0)))
+    return m, acting(m.weights.init(random.key(0)))
 
 
 def test_a_fresh_action_module_starts_as_the_identity():
     m = MatrixGame2Config(preset="tiny").build()
-    params = m.init(random.key(0))
+    params = m.weights.init(random.key(0))
     x, t, cond = random.normal(random.key(1), (B, 16, T, H, W)), torch.tensor([500.0, 500.0]), conditions()
     still = {**cond, "keyboard": torch.zeros_like(cond["keyboard"]), "mouse": torch.zeros_like(cond["mouse"])}
     assert torch.equal(m.apply(params, x, t, cond), m.apply(params, x, t, still))
@@ -158,7 +158,7 @@ def test_actions_steer_the_output_and_every_frame_reads_its_window(model):
 def test_streamed_chunks_equal_the_full_block_causal_forward_actions_included(knobs):
     config = MatrixGame2CausalConfig(preset="tiny", num_frames_per_block=1, **knobs)
     m = config.build()
-    params = acting(m.init(random.key(0)))
+    params = acting(m.weights.init(random.key(0)))
     x, cond = random.normal(random.key(1), (B, 16, T, H, W)), conditions()
     t = torch.tensor([[900.0, 700.0, 400.0, 100.0]] * B)
     full = m.apply(params, x, t, cond)
@@ -174,7 +174,7 @@ def test_streamed_chunks_equal_the_full_block_causal_forward_actions_included(kn
 
 def test_later_actions_never_change_earlier_frames_of_the_causal_model():
     m = MatrixGame2CausalConfig(preset="tiny", num_frames_per_block=2).build()
-    params = acting(m.init(random.key(0)))
+    params = acting(m.weights.init(random.key(0)))
     x, t, cond = random.normal(random.key(1), (B, 16, T, H, W)), torch.tensor([500.0, 500.0]), conditions()
     moved = {**cond, "keyboard": cond["keyboard"].clone()}
     moved["keyboard"][:, 5:] += 1.0
@@ -185,7 +185,7 @@ def test_later_actions_never_change_earlier_frames_of_the_causal_model():
 def test_a_long_stream_keeps_the_action_cache_within_its_window():
     config = MatrixGame2CausalConfig(preset="tiny", num_frames_per_block=1, local_attn_size=2, sink_size=1)
     m = config.build()
-    params = m.init(random.key(0))
+    params = m.weights.init(random.key(0))
     frames = 9
     cond = {**conditions(frames=4 * (frames - 1) + 1),
             "first_frame_latents": random.normal(random.key(3), (B, 16, frames, H, W))}
@@ -212,14 +212,14 @@ def released_folder(path, params, class_name="MatrixGameWanModel"):
 def test_a_released_layout_folder_loads_and_exports_back_identically(model, tmp_path):
     m, params = model
     released_folder(tmp_path / "released", params)
-    loaded = m.load(str(tmp_path / "released"))
-    m.export(loaded, str(tmp_path / "out"))
+    loaded = m.weights.load(str(tmp_path / "released"))
+    m.export.folder(loaded, str(tmp_path / "out"))
     before = load_file(str(tmp_path / "released" / "diffusion_pytorch_model.safetensors"))
     after = load_file(str(tmp_path / "out" / "transformer" / "diffusion_pytorch_model.safetensors"))
     assert sorted(before) == sorted(after) and all(torch.equal(before[n], after[n]) for n in before)
     assert any(n.startswith("blocks.1.action_model.") for n in after) and "patch_embedding.proj.weight" in after
     causal = MatrixGame2CausalConfig(preset="tiny").build()  # the streaming model loads the same folder
-    assert all(torch.equal(causal.load(str(tmp_path / "out"))[n], loaded[n]) for n in loaded)
+    assert all(torch.equal(causal.weights.load(str(tmp_path / "out"))[n], loaded[n]) for n in loaded)
 
 
 def test_bad_input_gets_one_line(model, tmp_path):
@@ -234,11 +234,11 @@ def test_bad_input_gets_one_line(model, tmp_path):
         assert said in str(error.value) and "\n" not in str(error.value)
     released_folder(tmp_path / "mg", params)
     with pytest.raises(ValueError, match="describes a MatrixGameWanModel, not a WanTransformer3DModel"):
-        WanConfig(preset="tiny-i2v").build().load(str(tmp_path / "mg"))
+        WanConfig(preset="tiny-i2v").build().weights.load(str(tmp_path / "mg"))
     wan = WanConfig(preset="tiny").build()
-    wan.export(wan.init(random.key(0)), str(tmp_path / "wan"))
+    wan.export.folder(wan.weights.init(random.key(0)), str(tmp_path / "wan"))
     with pytest.raises(ValueError, match="describes a WanTransformer3DModel, not a MatrixGame2WanModel"):
-        m.load(str(tmp_path / "wan"))
+        m.weights.load(str(tmp_path / "wan"))
     causal = MatrixGame2CausalConfig(preset="tiny").build()
     with pytest.raises(ValueError, match="teacher forcing is not supported"):
         causal.causal.apply_teacher_forced(params, x, t, conditions(), x)
@@ -250,7 +250,8 @@ def test_compiled_units_equal_eager_with_one_graph_per_kind_of_block(model):
     compiled = MatrixGame2Config(preset="tiny", compile="blocks", compile_backend="aot_eager").build()
     torch.testing.assert_close(compiled.apply(params, x, t, cond), m.apply(params, x, t, cond), rtol=1e-5,
                                atol=1e-5)
-    assert compiled.compile_stats.graphs_of("blocks") == 1 and compiled.compile_stats.graphs_of("blocks[1]") == 1
+    stats = compiled.kernels.compile_stats
+    assert stats.graphs_of("blocks") == 1 and stats.graphs_of("blocks[1]") == 1
 
 
 def test_a_keyboard_only_model_streams_as_its_full_forward(monkeypatch):
@@ -259,7 +260,7 @@ def test_a_keyboard_only_model_streams_as_its_full_forward(monkeypatch):
     monkeypatch.setitem(mg.PRESETS, "tiny-keys", mg._preset({**mg.wan.TINY, "in_channels": 36, "image_dim": 16},
                                                              keys_only, mg.wan.TINY_VAE, 5.0))
     m = MatrixGame2CausalConfig(preset="tiny-keys", num_frames_per_block=1).build()
-    params = acting(m.init(random.key(0)))
+    params = acting(m.weights.init(random.key(0)))
     x, cond = random.normal(random.key(1), (B, 16, T, H, W)), conditions()
     cond.pop("mouse")
     t = torch.tensor([[900.0, 700.0, 400.0, 100.0]] * B)

@@ -34,7 +34,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def params(model):
-    return model.init(random.key(0))
+    return model.weights.init(random.key(0))
 
 
 def sample(key, *, frames=2, audio=8, text=5, valid=3, batch=1):
@@ -164,9 +164,9 @@ def test_apply_on_a_gpu_matches_the_cpu(model, params):
 
 def test_the_model_is_joint_and_trains_the_audio_branch(model, params):
     assert model.joint and model.modalities == {"video": minimax_h3.WORLD_LATENTS, "audio": minimax_h3.AUDIO_LATENTS}
-    owned = {name for name in params if minimax_h3.MINIMAX_H3.modalities["audio"].owns(name)}
+    owned = {name for name in params if minimax_h3.MINIMAX_H3.joint.modalities["audio"].owns(name)}
     assert owned == {"audio_proj_in.weight", "audio_proj_in.bias", "audio_proj_out.weight", "audio_proj_out.bias"}
-    assert model.trained_names == frozenset(params)
+    assert model.weights.trained_names == frozenset(params)
     latents = torch.randn(1, 2, 32, 5)
     assert torch.equal(model.normalize({"video": torch.zeros(1, 48, 2, 4, 4), "audio": latents})["audio"], latents)
 
@@ -196,7 +196,7 @@ def test_coupled_sigmas_by_hand():
 def test_the_sampler_draws_one_stage_per_sample_from_its_own_key(model):
     keys = torch.vmap(random.split)(random.fold_in(random.key(5), torch.arange(4)))[:, 1]
     x0 = {"video": torch.zeros(4, 48, 2, 4, 4), "audio": torch.zeros(4, 2, 32, 8)}
-    sigma, t = model.sigma_sampler(keys, x0)
+    sigma, t = model.rules.sigma_sampler(keys, x0)
     assert set(sigma) == set(t) == {"video", "audio"} and sigma["video"].shape == (4,)
     for name in sigma:
         torch.testing.assert_close(t[name], 1000 * sigma[name], rtol=0, atol=0)
@@ -205,9 +205,9 @@ def test_the_sampler_draws_one_stage_per_sample_from_its_own_key(model):
     torch.testing.assert_close(base_v, base_a, rtol=1e-5, atol=1e-6)
     assert len(set(base_v.tolist())) == 4 and bool(((base_v >= 0) & (base_v < 1)).all())
     for b in range(4):  # a sample's draw depends on its own key only
-        alone, _ = model.sigma_sampler(keys[b:b + 1], {name: v[b:b + 1] for name, v in x0.items()})
+        alone, _ = model.rules.sigma_sampler(keys[b:b + 1], {name: v[b:b + 1] for name, v in x0.items()})
         assert all(torch.equal(alone[name], sigma[name][b:b + 1]) for name in sigma)
-    again, _ = model.sigma_sampler(keys, x0)
+    again, _ = model.rules.sigma_sampler(keys, x0)
     assert all(torch.equal(again[name], sigma[name]) for name in sigma)
 
 
@@ -229,10 +229,10 @@ def test_wrong_audio_length_and_batch_2_are_refused_in_one_line(model, params):
     assert "9 frames" in why and "2 frames" in why and "8 audio latents" in why
     assert "5 n + 2" in released({"video": (1, 24, 4, 4, 4), "audio": (1, 2, 32, 8)})
     # the tiny preset takes the toy world's latents (8 audio latents a frame), of any length, but audio [B, 2, 32, A]
-    assert model.latent_rule({"video": (1, 48, 4, 4, 4), "audio": (1, 2, 32, 32)}) is None
+    assert model.rules.latent_rule({"video": (1, 48, 4, 4, 4), "audio": (1, 2, 32, 32)}) is None
     with pytest.raises(ValueError, match=r"do not fit model minimax_h3:tiny: audio latents must be \[B, 2, 32, A\]"):
         model.check_latents({"video": (1, 48, 2, 4, 4), "audio": (1, 2, 16, 9)})
-    assert "batch 1 per rank" in model.one_sample
+    assert "batch 1 per rank" in model.rules.one_sample
     x, t, cond = sample(random.key(1), batch=2)
     with pytest.raises(ValueError, match=r"^minimax_h3: latents have batch 2; .*batch 1 per rank\)$"):
         model.apply(params, x, t, cond)
@@ -243,7 +243,7 @@ def test_wrong_audio_length_and_batch_2_are_refused_in_one_line(model, params):
 
 def test_the_refusals_are_one_line():
     family = minimax_h3.MINIMAX_H3
-    assert "zero-text" in family.cfg_dropout_refusal and family.sequence_parallel is None
+    assert "zero-text" in family.conditioning.cfg_dropout_refusal and family.architecture.sequence_parallel is None
     for knobs, words in (({"attention": "vsa"}, "packed text-audio-video"), ({"compile": "model"}, "valid text")):
         with pytest.raises(ValueError, match=words) as error:
             MiniMaxH3Config(preset="tiny", **knobs).build()
@@ -276,7 +276,7 @@ def test_the_released_skeleton_has_33_billion_params_of_which_the_modality_heads
 
 
 def test_the_export_loads_with_from_pretrained_and_the_modular_pipeline(model, params, tmp_path):
-    model.export(params, str(tmp_path))
+    model.export.folder(params, str(tmp_path))
     loaded = MiniMaxH3Transformer3DModel.from_pretrained(str(tmp_path / "transformer"))
     assert all(torch.equal(loaded.state_dict()[name], p) for name, p in params.items())
     x, t, cond = sample(random.key(1))

@@ -42,10 +42,10 @@ def assert_bitwise(back: dict, want: dict) -> None:
 @pytest.mark.parametrize("config", WAN_LAYOUTS, ids=lambda c: f"{c.family.name}-{c.preset}")
 def test_the_original_layout_converts_back_through_diffusers_bitwise(config, tmp_path):
     model = config.build()
-    params = model.init(random.key(0))
-    written = model.export(params, str(tmp_path / "out"), form="comfyui")
-    assert list(written.files) == list(config.family.components)
-    for component, (back, want) in converted_back(written, params, config.family.components).items():
+    params = model.weights.init(random.key(0))
+    written = model.export.folder(params, str(tmp_path / "out"), form="comfyui")
+    assert list(written.files) == list(config.family.checkpoints.components)
+    for component, (back, want) in converted_back(written, params, config.family.checkpoints.components).items():
         stored = load_file(written.files[component])
         assert "blocks.0.self_attn.q.weight" in stored and "head.modulation" in stored
         if config.spec.kwargs.get("image_dim"):  # Wan 2.1 I2V: the CLIP image embedding's projection
@@ -59,10 +59,10 @@ def test_the_original_layout_converts_back_through_diffusers_bitwise(config, tmp
 def test_every_param_of_every_preset_has_an_original_name_that_diffusers_maps_back(config, preset):
     """On the meta skeleton (no weights): the 14B presets too, Wan 2.1 I2V's image embedder included."""
     family = config.family
-    names = [name for name, _ in family.skeleton(config(preset=preset)).named_parameters()]
-    for prefix in family.components.values():
+    names = [name for name, _ in family.architecture.skeleton(config(preset=preset)).named_parameters()]
+    for prefix in family.checkpoints.components.values():
         part = [name[len(prefix):] for name in names if name.startswith(prefix)]
-        originals = {name: family.original_name(name) for name in part}
+        originals = {name: family.checkpoints.original_name(name) for name in part}
         unnamed = sorted(name for name, original in originals.items() if original is None)
         if preset in WITHOUT_ORIGINAL_NAMES:
             assert unnamed and all(name.startswith(("fps_embedding", "fps_projection")) for name in unnamed)
@@ -92,18 +92,18 @@ def test_a_merged_lora_exports_in_the_original_layout_bitwise(config, tmp_path):
     2.1 I2V, the image embedder's linears, merged as W + (alpha / r) B A) convert back to fvx's merged params."""
     adapted = lora.LoRAConfig(rank=2, alpha=4.0, target_modules=("to_q", "add_k_proj", "add_v_proj", "image_embedder"))
     model = type(config)(preset=config.preset, frozen_dtype="fp32", lora=adapted).build()
-    base = model.base_params(random.key(0))
+    base = model.weights.base(random.key(0))
     adapters = {name: random.normal(random.fold_in(random.key(1), i), tuple(p.shape)) * 0.1
-                for i, (name, p) in enumerate(model.initial_params(random.key(1)).items())}
-    modules = model.export_adapters.args[0].modules
+                for i, (name, p) in enumerate(model.weights.initial(random.key(1)).items())}
+    modules = model.export.adapters.args[0].modules
     assert (any("image_embedder" in m for m in modules) == bool(config.spec.kwargs.get("image_dim"))
             and any("add_k_proj" in m for m in modules) == bool(config.spec.kwargs.get("added_kv_proj_dim")))
-    written = model.export(role.with_trained(base, adapters), str(tmp_path / "out"), form="comfyui", stem="run")
+    written = model.export.folder(role.with_trained(base, adapters), str(tmp_path / "out"), form="comfyui", stem="run")
     scale = adapted.scale
     merged = lora.merged(base, adapters, modules, scale)
-    for component, (back, want) in converted_back(written, merged, config.family.components).items():
+    for component, (back, want) in converted_back(written, merged, config.family.checkpoints.components).items():
         assert_bitwise(back, want)
-        prefix = config.family.components[component]
+        prefix = config.family.checkpoints.components[component]
         for module in (m[len(prefix):] for m in modules if m.startswith(prefix)):  # base + (alpha / r) B A
             a, b = (adapters[f"{prefix}{module}.{part}"] for part in (lora.A, lora.B))
             torch.testing.assert_close(back[f"{module}.weight"], base[f"{prefix}{module}.weight"] + scale * b @ a,
@@ -112,7 +112,8 @@ def test_a_merged_lora_exports_in_the_original_layout_bitwise(config, tmp_path):
 
 def test_files_are_named_after_the_export_and_the_hint_names_them(tmp_path):
     model = WanConfig(preset="tiny").build()
-    written = model.export(model.init(random.key(0)), str(tmp_path / "out"), form="comfyui", stem="my_run")
+    params = model.weights.init(random.key(0))
+    written = model.export.folder(params, str(tmp_path / "out"), form="comfyui", stem="my_run")
     path = tmp_path / "out" / "my_run.safetensors"
     assert written.files == {"transformer": path} and path.is_file()
     assert written.how_to_load == (f"ComfyUI: put my_run.safetensors in models/diffusion_models/ and load it with a "
@@ -121,8 +122,8 @@ def test_files_are_named_after_the_export_and_the_hint_names_them(tmp_path):
 
 def test_two_experts_write_high_and_low_noise_files_with_musubi_tuners_flags(tmp_path):
     model = Wan22MoEConfig(preset="tiny").build()
-    written = model.export(model.init(random.key(0)), str(tmp_path / "out"), form="comfyui", dtype="bf16",
-                           stem="a14b")
+    written = model.export.folder(model.weights.init(random.key(0)), str(tmp_path / "out"), form="comfyui",
+                                  dtype="bf16", stem="a14b")
     high, low = tmp_path / "out" / "a14b_high_noise.safetensors", tmp_path / "out" / "a14b_low_noise.safetensors"
     assert written.files == {"transformer": high, "transformer_2": low}
     assert written.how_to_load == (
@@ -133,7 +134,7 @@ def test_two_experts_write_high_and_low_noise_files_with_musubi_tuners_flags(tmp
     stored = load_file(low)
     assert stored["blocks.0.self_attn.q.weight"].dtype == torch.bfloat16
     assert stored["blocks.0.modulation"].dtype == torch.float32  # diffusers keeps the modulation tables in fp32
-    unnamed = model.export(model.init(random.key(0)), str(tmp_path / "default"), form="comfyui")
+    unnamed = model.export.folder(model.weights.init(random.key(0)), str(tmp_path / "default"), form="comfyui")
     assert [p.name for p in unnamed.files.values()] == ["diffusion_model_high_noise.safetensors",
                                                         "diffusion_model_low_noise.safetensors"]
 
@@ -142,12 +143,12 @@ def test_a_param_without_an_original_name_is_named_and_nothing_is_written(tmp_pa
     model = SkyReelsV2Config(preset="tiny-fps").build()
     with pytest.raises(ValueError, match=r"skyreels_v2 export: the original skyreels_v2 layout has no name for "
                                          r"fps_embedding.weight"):
-        model.export(model.init(random.key(0)), str(tmp_path / "out"), form="comfyui")
+        model.export.folder(model.weights.init(random.key(0)), str(tmp_path / "out"), form="comfyui")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_a_family_without_an_original_layout_says_so():
     model = HunyuanVideoConfig(preset="tiny").build()
-    assert model.export_formats == ("diffusers",)
+    assert model.export.formats == ("diffusers",)
     with pytest.raises(ValueError, match="family hunyuan_video has no original layout in fvx"):
         original_layout.write({}, "unused", HunyuanVideoConfig.family, "hunyuan_video export", dtype_of=lambda n: None)

@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def test_each_rank_reads_only_its_slices_and_they_equal_the_full_load(tmp_path):
     load_worker.register()
     model = wan.WanConfig(preset=load_worker.PRESET).build()
-    model.export(model.init(random.key(0)), str(tmp_path / "model"))
+    model.export.folder(model.weights.init(random.key(0)), str(tmp_path / "model"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -34,8 +34,8 @@ def test_each_rank_reads_only_its_slices_and_they_equal_the_full_load(tmp_path):
                                    "PYTHONPATH": str(ROOT)}) for rank in range(2)]
     logs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], logs
-    skeleton = wan.WAN.skeleton(wan.WanConfig(preset=load_worker.PRESET))
-    full = dfolder.read_params(tmp_path / "model", skeleton, wan.WAN.components, "test")
+    skeleton = wan.WAN.architecture.skeleton(wan.WanConfig(preset=load_worker.PRESET))
+    full = dfolder.read_params(tmp_path / "model", skeleton, wan.WAN.checkpoints.components, "test")
     full_bytes = sum(t.numel() * t.element_size() for t in full.values())
     layout = sharding.plan({n: tuple(t.shape) for n, t in full.items()}, 2)
     for rank in range(2):

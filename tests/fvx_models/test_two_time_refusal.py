@@ -29,7 +29,8 @@ def test_the_two_time_families_named_are_those_whose_configs_take_r():
     named = {part.split(" (")[0] for part in build.TWO_TIME_FAMILIES.split(" or ")}
     assert takes_r == named == {"wan", "anyflow"}
     for name, cls in configs.items():
-        assert (cls.family.with_r is not None) or name not in takes_r  # a config taking r has a family passing it
+        # a config taking r has a family passing it
+        assert (cls.family.forward.with_r is not None) or name not in takes_r
 
 
 @pytest.mark.parametrize("family", ["ltx2", "wan_causal", "cosmos"])
@@ -45,6 +46,6 @@ def test_a_family_without_r_is_refused_with_the_families_that_have_it(family):
 
 def test_a_wan_without_r_is_told_its_knob():
     model = family_configs()["wan"](preset="tiny").build()
-    assert model.two_time_refusal is None
+    assert model.rules.two_time_refusal is None
     with pytest.raises(ValueError, match=r"has no r input; set models.student.r_embedder=\{\} "):
         flow_map.check_two_time(model, "student", "MeanFlow")

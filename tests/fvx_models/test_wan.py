@@ -29,7 +29,7 @@ def module():
 
 @pytest.fixture(scope="module")
 def params(model):
-    return model.init(random.key(0))
+    return model.weights.init(random.key(0))
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def batch():
 @pytest.fixture(scope="module")
 def exported(model, params, tmp_path_factory):
     folder = tmp_path_factory.mktemp("wan") / "pipeline"
-    model.export(params, str(folder))
+    model.export.folder(params, str(folder))
     return folder / "transformer"
 
 
@@ -113,7 +113,7 @@ def test_a_frozen_role_is_stored_in_bf16_but_the_fp32_kept_modules(params, batch
     """``base_params(whole_model=True)``: bf16 but diffusers' fp32-kept modules, detached. Stored that way, params
     compute in the compute dtype: under fp32 as their bf16-rounded fp32 values, under bf16 as the fp32 masters."""
     model = wan.WanConfig(preset="tiny").build()
-    stored = model.base_params(random.key(0), whole_model=True)
+    stored = model.weights.base(random.key(0), whole_model=True)
     kept = {name for name in params if KEPT_FP32 & set(name.split("."))}
     assert all(p.dtype == (torch.float32 if name in kept else torch.bfloat16) for name, p in stored.items())
     assert all(not p.requires_grad for p in stored.values())
@@ -124,7 +124,7 @@ def test_a_frozen_role_is_stored_in_bf16_but_the_fp32_kept_modules(params, batch
     assert not torch.equal(out, model.apply(params, x, t, cond))
     half = wan.WanConfig(preset="tiny", compute_dtype="bf16").build()
     assert torch.equal(half.apply(stored, x, t, cond), half.apply(params, x, t, cond))
-    fp32 = wan.WanConfig(preset="tiny", frozen_dtype="fp32").build().base_params(random.key(0), whole_model=True)
+    fp32 = wan.WanConfig(preset="tiny", frozen_dtype="fp32").build().weights.base(random.key(0), whole_model=True)
     assert_same_params(fp32, params)
 
 
@@ -144,7 +144,7 @@ def test_apply_rejects_inputs_that_do_not_fit(model, params, batch):
 
 def test_ti2v_takes_one_timestep_per_token_and_the_wan22_latents():
     model = wan.WanConfig(preset="tiny-ti2v").build()
-    params = model.init(random.key(0))
+    params = model.weights.init(random.key(0))
     x = random.normal(random.key(1), (2, 48, 2, 4, 4))
     cond = {"text": random.normal(random.key(2), (2, 5, 32)), "text_mask": torch.ones(2, 5)}
     t = torch.tensor([30.0, 910.5])
@@ -185,8 +185,8 @@ def test_skeleton_params_are_meta_and_buffers_real(module, batch):
 
 def test_init_is_deterministic_distinct_and_leaves_global_rng_alone(model, module, params):
     state = torch.get_rng_state()
-    again = model.init(random.key(0))
-    other = model.init(random.key(1))
+    again = model.weights.init(random.key(0))
+    other = model.weights.init(random.key(1))
     wan.WanConfig(preset="tiny").build()
     assert torch.equal(state, torch.get_rng_state())
     assert_same_params(again, params)
@@ -236,8 +236,8 @@ def test_sharded_weights_and_a_component_folder_load(module, params, tmp_path):
     assert len(shards) > 2 and dfolder.WEIGHTS_INDEX_NAME in files and dfolder.WEIGHTS_NAME not in files
     assert shards[0] == f"diffusion_pytorch_model-00001-of-{len(shards):05d}.safetensors"
     model = wan.WanConfig(preset="tiny").build()
-    assert_same_params(model.load(str(folder)), params)  # the component folder itself
-    assert_same_params(model.load(str(tmp_path)), params)  # its pipeline root
+    assert_same_params(model.weights.load(str(folder)), params)  # the component folder itself
+    assert_same_params(model.weights.load(str(tmp_path)), params)  # its pipeline root
     state = torch.get_rng_state()
     theirs = WanTransformer3DModel.from_pretrained(folder).state_dict()
     torch.set_rng_state(state)
@@ -245,21 +245,21 @@ def test_sharded_weights_and_a_component_folder_load(module, params, tmp_path):
 
 
 def test_export_in_bf16_keeps_fp32_modules(model, params, tmp_path):
-    model.export(params, str(tmp_path / "bf16"), dtype="bf16")
+    model.export.folder(params, str(tmp_path / "bf16"), dtype="bf16")
     stored = load_file(tmp_path / "bf16" / "transformer" / dfolder.WEIGHTS_NAME)
     assert stored["proj_out.weight"].dtype == torch.bfloat16
     assert stored["blocks.0.scale_shift_table"].dtype == torch.float32
-    loaded = model.load(str(tmp_path / "bf16"))
+    loaded = model.weights.load(str(tmp_path / "bf16"))
     assert torch.equal(loaded["proj_out.weight"], params["proj_out.weight"].bfloat16().float())
     assert torch.equal(loaded["blocks.0.scale_shift_table"], params["blocks.0.scale_shift_table"])
 
 
 def test_export_refuses_a_full_folder_and_leaves_nothing_on_error(model, params, exported, tmp_path):
     with pytest.raises(ValueError, match="already exists"):
-        model.export(params, str(exported.parent))
+        model.export.folder(params, str(exported.parent))
     bad = {**params, "proj_out.weight": params["proj_out.weight"][:3]}
     with pytest.raises(ValueError, match=r"proj_out.weight: \[3, 96\] vs expected \[64, 96\]"):
-        model.export(bad, str(tmp_path / "out"))
+        model.export.folder(bad, str(tmp_path / "out"))
     assert os.listdir(tmp_path) == []
 
 
@@ -280,7 +280,7 @@ def test_load_names_missing_and_unexpected_keys(model, exported, tmp_path):
 
     with pytest.raises(ValueError, match=r"missing keys \(1\): blocks.1.ffn.net.2.bias; "
                                          r"unexpected keys \(1\): blocks.9.extra.weight"):
-        model.load(_corrupt(exported, tmp_path, edit))
+        model.weights.load(_corrupt(exported, tmp_path, edit))
 
 
 def test_load_names_shape_mismatches_with_both_shapes(model, exported, tmp_path):
@@ -289,12 +289,12 @@ def test_load_names_shape_mismatches_with_both_shapes(model, exported, tmp_path)
         return weights
 
     with pytest.raises(ValueError, match=r"shape mismatches \(1\): proj_out.bias: \[7\] vs expected \[64\]"):
-        model.load(_corrupt(exported, tmp_path, edit))
+        model.weights.load(_corrupt(exported, tmp_path, edit))
 
 
 def test_load_truncates_long_lists(model, module, exported, tmp_path):
     with pytest.raises(ValueError, match=rf"missing keys \({len(list(module.parameters()))}\): .*\.\.\. and \d+ more"):
-        model.load(_corrupt(exported, tmp_path, lambda weights: {"only.one": torch.zeros(1)}))
+        model.weights.load(_corrupt(exported, tmp_path, lambda weights: {"only.one": torch.zeros(1)}))
 
 
 def test_load_names_a_truncated_weights_file(model, exported, tmp_path):
@@ -304,22 +304,22 @@ def test_load_names_a_truncated_weights_file(model, exported, tmp_path):
     data = (exported / dfolder.WEIGHTS_NAME).read_bytes()
     (folder / dfolder.WEIGHTS_NAME).write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match=r"diffusion_pytorch_model.safetensors"):
-        model.load(str(folder))
+        model.weights.load(str(folder))
 
 
 def test_load_checks_the_folder_and_its_config(model, exported, tmp_path):
     with pytest.raises(ValueError, match=f"no config.json in {str(tmp_path)!r}"):
-        model.load(str(tmp_path))
+        model.weights.load(str(tmp_path))
     (tmp_path / "config.json").write_text((exported / "config.json").read_text())
     with pytest.raises(ValueError, match="no diffusion_pytorch_model.safetensors nor .*index.json"):
-        model.load(str(tmp_path))
+        model.weights.load(str(tmp_path))
     config = json.loads((exported / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_layers": 3, "ffn_dim": 8}))
     with pytest.raises(ValueError, match=r"ffn_dim: folder has 8, expected 192; num_layers: folder has 3, expected 2"):
-        model.load(str(tmp_path))
+        model.weights.load(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({**config, "_class_name": "HunyuanVideoTransformer3DModel"}))
     with pytest.raises(ValueError, match="describes a HunyuanVideoTransformer3DModel, not a WanTransformer3DModel"):
-        model.load(str(tmp_path))
+        model.weights.load(str(tmp_path))
 
 
 # ------------------------------------------------------------------------------------------------- presets, config
@@ -351,7 +351,7 @@ def test_unknown_preset_lists_the_valid_ones():
 
 def test_a_config_with_a_path_starts_from_the_folder(params, batch, exported, key):
     from_folder = msgspec.convert({"path": str(exported), "compute_dtype": "bf16"}, wan.WanConfig).build()
-    assert_same_params(from_folder.initial_params(key), params)
+    assert_same_params(from_folder.weights.initial(key), params)
     half = wan.WanConfig(preset="tiny", compute_dtype="bf16").build()
     assert torch.equal(from_folder.apply(params, batch["x"], batch["t"], batch["cond"]),
                        half.apply(params, batch["x"], batch["t"], batch["cond"]))

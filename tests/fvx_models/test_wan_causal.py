@@ -24,7 +24,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def params(model):
-    return model.init(random.key(0))
+    return model.weights.init(random.key(0))
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +165,8 @@ def test_a_compiled_rollout_of_any_length_makes_no_new_graph_at_its_second_step(
         for name in want_grads:
             torch.testing.assert_close(grads[name], want_grads[name], rtol=1e-4, atol=1e-5)
         if attempt == 0:
-            graphs = compiled.compile_stats.graphs_of("blocks")
-    stats = compiled.compile_stats
+            graphs = compiled.kernels.compile_stats.graphs_of("blocks")
+    stats = compiled.kernels.compile_stats
     assert graphs <= 2 and stats.graphs_of("blocks") == graphs and stats.recompiles == 0, stats
 
 
@@ -209,8 +209,8 @@ def test_streaming_a_clip_three_times_the_window_compiles_once_and_starts_as_the
         got = streaming.sample(compiled.causal, params, noise, sigmas, cond, key, sampler="sde", context_noise=100.0)
         torch.testing.assert_close(got, long, rtol=0, atol=1e-5)
         if attempt == 0:
-            graphs = compiled.compile_stats.graphs_of("blocks")
-    stats = compiled.compile_stats
+            graphs = compiled.kernels.compile_stats.graphs_of("blocks")
+    stats = compiled.kernels.compile_stats
     assert graphs <= 2 and stats.graphs_of("blocks") == graphs and stats.recompiles == 0, stats
 
 
@@ -225,10 +225,10 @@ def test_streaming_sde_and_context_noise_draw_from_the_key(model, params, data):
 
 
 def test_loads_an_ordinary_wan_folder_and_exports_one_back(model, params, tmp_path):
-    WanConfig(preset="tiny").build().export(params, str(tmp_path / "wan"))
-    loaded = model.load(str(tmp_path / "wan"))
+    WanConfig(preset="tiny").build().export.folder(params, str(tmp_path / "wan"))
+    loaded = model.weights.load(str(tmp_path / "wan"))
     assert all(torch.equal(loaded[n], params[n]) for n in params)
-    model.export(params, str(tmp_path / "back"))
+    model.export.folder(params, str(tmp_path / "back"))
     state = torch.get_rng_state()
     theirs = WanTransformer3DModel.from_pretrained(tmp_path / "back" / "transformer").state_dict()
     torch.set_rng_state(state)
@@ -261,7 +261,7 @@ def test_image_to_video_streams_with_the_first_frame_cut_per_chunk_and_one_block
     """The I2V preset: streamed chunks equal the full block-causal forward; one block over every frame is diffusers'
     Wan I2V on ``[x | mask | first frame]``; the given frame steers later chunks through the cache."""
     model = WanCausalConfig(preset="tiny-i2v", num_frames_per_block=2).build()
-    params = model.init(random.key(0))
+    params = model.weights.init(random.key(0))
     k = random.split(random.key(2), 5)
     x, t = random.normal(k[0], (B, C, T, H, W)), torch.floor(random.uniform(k[1], (B, T)) * 1000)
     given = torch.zeros(B, C, T, H, W)

@@ -42,8 +42,8 @@ def internal(name: str, proj: bool = False) -> str:
 def export(config: WanConfig, folder, edit=lambda params: params):
     """``config``'s model, its init params (through ``edit``) and the transformer folder it exported them to."""
     model = config.build()
-    params = edit(model.init(random.key(0)))
-    model.export(params, str(folder))
+    params = edit(model.weights.init(random.key(0)))
+    model.export.folder(params, str(folder))
     return model, params, folder / "transformer"
 
 
@@ -78,14 +78,14 @@ def test_a_fastvideo_named_t2v_folder_loads_as_exported(t2v, tmp_path, proj):
             "blocks.0.self_attn_residual_norm.norm.weight", "blocks.0.attn2.to_out.weight",
             "condition_embedder.time_modulation.linear.weight"} <= keys
     assert ("patch_embedding.proj.weight" in keys) == proj and "blocks.0.attn1.to_q.weight" not in keys
-    assert_same(model.load(str(copy)), params)
+    assert_same(model.weights.load(str(copy)), params)
 
 
 def test_a_fastvideo_named_i2v_folder_loads_as_exported(tmp_path):
     model, params, transformer = export(WanConfig(preset="tiny-i2v"), tmp_path / "pipeline")
     resave(transformer, internal)
     assert "condition_embedder.image_embedder.ff.fc_in.weight" in load_file(transformer / dfolder.WEIGHTS_NAME)
-    assert_same(model.load(str(tmp_path / "pipeline")), params)
+    assert_same(model.weights.load(str(tmp_path / "pipeline")), params)
 
 
 def test_turbowan_sla_folder_keeps_its_proj_l(tmp_path):
@@ -102,7 +102,7 @@ def test_turbowan_sla_folder_keeps_its_proj_l(tmp_path):
     resave(transformer, internal)
     keys = set(load_file(transformer / dfolder.WEIGHTS_NAME))
     assert "blocks.0.attn1.attn_impl.proj_l.weight" in keys and "blocks.0.to_q.weight" in keys
-    loaded = model.load(str(tmp_path / "pipeline"))
+    loaded = model.weights.load(str(tmp_path / "pipeline"))
     assert loaded["blocks.1.attn1.attn_impl.proj_l.weight"].abs().max() > 0
     assert_same(loaded, params)
 
@@ -115,11 +115,13 @@ def test_a_lazy_read_and_the_stored_dtypes_use_diffusers_names(t2v, tmp_path):
     save_file({internal(name): tensor.to(torch.bfloat16) for name, tensor in
                load_file(transformer / dfolder.WEIGHTS_NAME).items()}, copy / dfolder.WEIGHTS_NAME)
     skeleton = build.skeleton(WanConfig(preset="tiny"))
-    lazy = dfolder.read_params(copy, skeleton, WAN.components, "wan load", lazy=True, stored_names=WAN.stored_names)
+    lazy = dfolder.read_params(copy, skeleton, WAN.checkpoints.components, "wan load", lazy=True,
+                               stored_names=WAN.checkpoints.stored_names)
     handle = lazy["blocks.0.attn1.to_q.weight"]
     assert handle.name == "blocks.0.to_q.weight"
     assert torch.equal(handle.narrow(0, 2, 3), params["blocks.0.attn1.to_q.weight"][2:5].bfloat16().float())
-    dtypes = dfolder.stored_dtypes(copy, skeleton, WAN.components, "wan export", WAN.stored_names)
+    dtypes = dfolder.stored_dtypes(copy, skeleton, WAN.checkpoints.components, "wan export",
+                                   WAN.checkpoints.stored_names)
     assert dtypes.keys() == params.keys() and set(dtypes.values()) == {torch.bfloat16}
 
 
@@ -131,7 +133,7 @@ def test_a_diffusers_folder_is_not_renamed(t2v):
 
 def one_line_refusal(model, folder) -> str:
     with pytest.raises(ValueError) as error:
-        model.load(str(folder))
+        model.weights.load(str(folder))
     assert "\n" not in str(error.value)
     return str(error.value)
 

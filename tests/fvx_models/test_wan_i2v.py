@@ -15,7 +15,7 @@ from family_cases import CASES, inputs, native_modules, raw_batch  # noqa: E402
 @pytest.fixture(scope="module")
 def ti2v():
     model = WanConfig(preset="tiny-ti2v", first_frame=True).build()
-    return model, model.init(random.key(0))
+    return model, model.weights.init(random.key(0))
 
 
 def test_the_first_frame_form_feeds_the_given_frame_at_timestep_zero(ti2v):
@@ -70,7 +70,7 @@ def test_wan22_a14b_i2v_routes_at_its_own_boundary_0_9():
     config = Wan22MoEConfig(preset="tiny-i2v")
     assert config.boundary == 0.9 and Wan22MoEConfig(preset="tiny").boundary == 0.875
     model = config.build()
-    params = model.init(random.key(0))
+    params = model.weights.init(random.key(0))
     x, _, cond = inputs(model, random.key(9), batch=2)
     t = torch.tensor([890.0, 905.0])  # high-noise expert for T2V's 875, not for I2V's 900
     modules = native_modules(CASES["wan_moe-i2v"], params)
@@ -100,9 +100,9 @@ def test_bad_i2v_shapes_and_knobs_are_refused():
     x, t, cond = inputs(model, random.key(0))
     small = {**cond, "first_frame_latents": cond["first_frame_latents"][..., :2, :2]}
     with pytest.raises(ValueError, match=r"first_frame_latents \[2, 16, 2, 2, 2\] do not fit latents \[2, 16, 2, 4,"):
-        model.apply(model.init(random.key(0)), x, t, small)
+        model.apply(model.weights.init(random.key(0)), x, t, small)
     with pytest.raises(ValueError, match="at most 512 text tokens, got 600"):
-        model.apply(model.init(random.key(0)), x, t, {**cond, "text": torch.zeros(2, 600, 32),
+        model.apply(model.weights.init(random.key(0)), x, t, {**cond, "text": torch.zeros(2, 600, 32),
                                                        "text_mask": torch.ones(2, 600)})
     with pytest.raises(ValueError, match="wan preset 'tiny' has no per-token timesteps"):
         WanConfig(preset="tiny", first_frame=True)

@@ -24,7 +24,7 @@ def expert_of_step(step_key: torch.Tensor, boundary: float = BOUNDARY) -> str:
 
 def step_draw(step_key: torch.Tensor, size: int = 3, shift: float = 1.0):
     """The step's ``(sigma, t, u)`` as fine-tuning draws them for the tiny A14B, with each sample's uniform ``u``."""
-    ranges = Wan22MoEConfig(preset="tiny").family.step_ranges(Wan22MoEConfig(preset="tiny"))
+    ranges = Wan22MoEConfig(preset="tiny").family.training.step_ranges(Wan22MoEConfig(preset="tiny"))
     _, t_keys = flow.per_sample_noise(step_key, torch.arange(size), (1,), torch.device("cpu"))
     sigma, t = finetune.step_range_sigmas(step_key, t_keys, ranges, finetune.Finetune(flow_shift=shift),
                                           torch.device("cpu"))
@@ -33,11 +33,12 @@ def step_draw(step_key: torch.Tensor, size: int = 3, shift: float = 1.0):
 
 def test_the_experts_ranges_are_the_routers_split_with_fastvideos_probabilities():
     config = Wan22MoEConfig(preset="tiny")
-    assert config.family.step_ranges(config) == (StepRange(0.875, 0.0, 875.0), StepRange(0.125, 875.0, math.inf))
+    ranges = config.family.training.step_ranges(config)
+    assert ranges == (StepRange(0.875, 0.0, 875.0), StepRange(0.125, 875.0, math.inf))
     i2v = Wan22MoEConfig(preset="tiny-i2v")
-    assert i2v.family.step_ranges(i2v) == (StepRange(0.9, 0.0, 900.0), StepRange(1.0 - 0.9, 900.0, math.inf))
+    assert i2v.family.training.step_ranges(i2v) == (StepRange(0.9, 0.0, 900.0), StepRange(1.0 - 0.9, 900.0, math.inf))
     one = Wan22MoEConfig(preset="tiny", trainable=("transformer",))
-    assert one.family.step_ranges(one) == (StepRange(1.0, 875.0, math.inf),)  # one trained expert: every step
+    assert one.family.training.step_ranges(one) == (StepRange(1.0, 875.0, math.inf),)  # one trained expert: every step
 
 
 def test_each_step_draws_one_expert_as_fastvideo_and_every_sample_on_its_levels():

@@ -16,15 +16,15 @@ COND = {"text": random.normal(random.key(2), (2, 8, 32)), "text_mask": torch.one
 @pytest.fixture(scope="module")
 def base():
     model = WanConfig(preset="tiny").build()
-    params = model.init(random.key(0))
+    params = model.weights.init(random.key(0))
     return model, params, model.apply(params, X, T, COND)
 
 
 def test_gated_copy_is_the_base_wan_on_the_diagonal(base):
     _, _, v = base
     model = WanConfig(preset="tiny", r_embedder=REmbedder()).build()
-    params = model.init(random.key(0))
-    assert model.two_time and sorted(n for n in params if n.startswith(DELTA)) == [
+    params = model.weights.init(random.key(0))
+    assert model.rules.two_time and sorted(n for n in params if n.startswith(DELTA)) == [
         DELTA + "linear_1.bias", DELTA + "linear_1.weight", DELTA + "linear_2.bias", DELTA + "linear_2.weight"]
     assert torch.equal(model.apply(params, X, T, COND, r=T), v)
     assert torch.equal(model.apply(params, X, T, COND), v)  # r left out is t
@@ -34,27 +34,27 @@ def test_gated_copy_is_the_base_wan_on_the_diagonal(base):
 def test_additive_zero_is_the_base_wan_for_every_r(base):
     _, _, v = base
     model = WanConfig(preset="tiny", r_embedder=REmbedder(fusion="additive", init="zero")).build()
-    params = model.init(random.key(0))
+    params = model.weights.init(random.key(0))
     assert torch.equal(model.apply(params, X, T, COND, r=R), v)
     assert torch.equal(params[DELTA + "linear_2.weight"], torch.zeros_like(params[DELTA + "linear_2.weight"]))
 
 
 def test_a_plain_wan_folder_loads_with_the_delta_made_and_an_export_keeps_it(base, tmp_path):
     plain, params, v = base
-    plain.export(params, str(tmp_path / "plain"))
+    plain.export.folder(params, str(tmp_path / "plain"))
     model = WanConfig(preset="tiny", r_embedder=REmbedder()).build()
-    loaded = model.load(str(tmp_path / "plain"))
+    loaded = model.weights.load(str(tmp_path / "plain"))
     assert torch.equal(loaded[DELTA + "linear_2.weight"], params["condition_embedder.time_embedder.linear_2.weight"])
     assert torch.equal(model.apply(loaded, X, T, COND, r=T), v)
     trained = {**loaded, DELTA + "linear_2.bias": loaded[DELTA + "linear_2.bias"] + 0.5}
-    model.export(trained, str(tmp_path / "two_time"))
-    again = model.load(str(tmp_path / "two_time"))
+    model.export.folder(trained, str(tmp_path / "two_time"))
+    again = model.weights.load(str(tmp_path / "two_time"))
     assert all(torch.equal(again[name], trained[name]) for name in trained)
 
 
 def test_equals_diffusers_anyflow_transformer():
     model = WanConfig(preset="tiny", r_embedder=REmbedder()).build()
-    params = model.init(random.key(0))
+    params = model.weights.init(random.key(0))
     params[DELTA + "linear_2.weight"] = params[DELTA + "linear_2.weight"] + 0.1  # a trained delta path
     kwargs = {k: v for k, v in TINY.items() if k not in ("qk_norm", "added_kv_proj_dim", "pos_embed_seq_len")}
     anyflow = AnyFlowTransformer3DModel(**kwargs, gate_value=0.25, deltatime_type="r").eval()
@@ -72,4 +72,4 @@ def test_r_on_a_one_time_model_and_a_bad_r_are_refused(base):
         model.apply(params, X, T, COND, r=R)
     two = WanConfig(preset="tiny", r_embedder=REmbedder()).build()
     with pytest.raises(ValueError, match=r"r must have t's shape \(2,\), got \(1,\)"):
-        two.apply(two.init(random.key(0)), X, T, COND, r=R[:1])
+        two.apply(two.weights.init(random.key(0)), X, T, COND, r=R[:1])

@@ -40,7 +40,7 @@ def problem() -> tuple[dict, dict]:
     batch = dict(x=random.normal(k[0], (BATCH, 16, 2, 4, 6)), t=torch.tensor([30.0, 910.5]),
                  text=random.normal(k[1], (BATCH, 5, 32)), target=random.normal(k[2], (BATCH, 16, 2, 4, 6)),
                  odd_x=random.normal(k[3], (4, ODD_SHAPE[0])))
-    return TINY.build().init(random.key(0)), batch
+    return TINY.build().weights.init(random.key(0)), batch
 
 
 def odd_param(params: dict) -> torch.Tensor:
@@ -303,7 +303,7 @@ def family_run(name: str, mesh=None, rank: int = 0, world: int = 1) -> tuple[lis
         state, metrics = program.step_(state, frozen, model.batch(local))
         losses.append(float(metrics["loss"]))
     shapes = model.memory_spec().shapes  # the trained params' (not a frozen branch's): params, mu, nu, fp32
-    whole = sum(math.prod(shapes[name]) * 4 for name in model.trained_names) * 3
+    whole = sum(math.prod(shapes[name]) * 4 for name in model.weights.trained_names) * 3
     return losses, sharding.local_bytes(state.roles), whole
 
 
@@ -336,7 +336,7 @@ def moe_run(mesh=None, rank: int = 0, world: int = 1) -> tuple[float, dict]:
     """Loss and full gradients of Wan 2.2 A14B's tiny experts on a batch whose first half is all high-noise and
     second half all low-noise: on 2 ranks each rank runs one expert on its own samples and the other idle."""
     model = CASES["wan_moe"].config.build(**({} if mesh is None else {"mesh": mesh}))
-    params = model.init(random.key(0))
+    params = model.weights.init(random.key(0))
     raw = raw_batch(model, random.key(30), batch=4)
     t = torch.tensor([900.0, 950.0, 100.0, 200.0])
     target = random.normal(random.key(31), raw["latents"].shape)

@@ -5,15 +5,16 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 import torch
-from diffusers import (AnyFlowTransformer3DModel, CosmosTransformer3DModel, HunyuanVideo15Transformer3DModel,
-                       HunyuanVideoTransformer3DModel, Kandinsky5T2VPipeline, Kandinsky5Transformer3DModel,
-                       LTX2Pipeline, LTX2VideoTransformer3DModel, LTXPipeline, LTXVideoTransformer3DModel,
-                       SkyReelsV2Transformer3DModel, WanTransformer3DModel)
+from diffusers import (AnyFlowTransformer3DModel, ChronoEditTransformer3DModel, CosmosTransformer3DModel,
+                       HunyuanVideo15Transformer3DModel, HunyuanVideoTransformer3DModel, Kandinsky5T2VPipeline,
+                       Kandinsky5Transformer3DModel, LTX2Pipeline, LTX2VideoTransformer3DModel, LTXPipeline,
+                       LTXVideoTransformer3DModel, SkyReelsV2Transformer3DModel, WanTransformer3DModel)
 
 from fvx.core import grad, random
 from fvx.distributed import processes, sharding
 from fvx_models.anyflow import AnyFlowConfig
 from fvx_models.build import ModelConfig
+from fvx_models.chronoedit import ChronoEditConfig
 from fvx_models.cosmos import CosmosConfig
 from fvx_models.hunyuan_video import HunyuanVideoConfig
 from fvx_models.hunyuan_video15 import HunyuanVideo15Config
@@ -221,16 +222,20 @@ CASES: dict[str, Case] = {
     "hunyuan_video15": Case(HunyuanVideo15Config(preset="tiny"), {"transformer": HunyuanVideo15Transformer3DModel},
                             hunyuan_video15_native),
     "ltx2": Case(LTX2Config(preset="tiny"), {"transformer": LTX2VideoTransformer3DModel}, ltx2_native),
+    # ChronoEditPipeline calls its DiT as WanImageToVideoPipeline calls Wan 2.1 I2V; two latent frames (its RoPE's
+    # own case: the edit at the end of the reasoning window)
+    "chronoedit": Case(ChronoEditConfig(preset="tiny"), {"transformer": ChronoEditTransformer3DModel}, wan_i2v_native),
 }
 FAMILIES = ["wan", "wan-ti2v", "skyreels_v2", "wan_moe", "hunyuan_video", "anyflow", "wan-i2v", "wan-ti2v-i2v",
-            "kandinsky5", "cosmos", "ltx_video", "hunyuan_video15", "ltx2"]  # one case per family and layout
+            "kandinsky5", "cosmos", "ltx_video", "hunyuan_video15", "ltx2",
+            "chronoedit"]  # one case per family and layout
 
 
 def native_modules(case: Case, params: dict) -> dict[str, torch.nn.Module]:
     """Each pipeline component as a real diffusers module holding its part of ``params``."""
     family, kwargs = case.config.family, dict(case.config.spec.kwargs)
     modules = {}
-    for component, prefix in family.components.items():
+    for component, prefix in family.checkpoints.components.items():
         part = {name[len(prefix):]: p for name, p in params.items() if name.startswith(prefix)}
         modules[component] = _fresh(case.classes[component], kwargs, part)
     return modules
@@ -282,7 +287,7 @@ def causal_loss_and_grads(config: ModelConfig, mesh=None, rows: Callable[[dict],
     which this rank takes ``rows``: its per-frame-timestep forward, the teacher-forced one and a KV-cached chunk after
     a cached clean frame (on ``mesh``: the rank-mean loss and the unsharded gradients)."""
     model = config.build(**({} if mesh is None else {"mesh": mesh}))
-    params = model.init(random.key(0))
+    params = model.weights.init(random.key(0))
     raw = raw_batch(model, random.key(40), batch=4)
     t = torch.tensor([[900.0, 10.0], [500.0, 600.0], [0.0, 999.0], [250.0, 250.0]])
     local = rows({**raw, "t": t})

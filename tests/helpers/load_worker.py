@@ -42,7 +42,7 @@ def main(folder: str, out: str) -> None:
     before = rss_bytes()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    params = model.initial_params(random.key(0))
+    params = model.weights.initial(random.key(0))
     peak = peak_rss_bytes() - before
     save_file({name: t.contiguous() for name, t in params.items()}, f"{out}/rank{d.rank}.safetensors")
     pathlib.Path(f"{out}/rank{d.rank}.json").write_text(json.dumps({"peak": peak, "local": sharding.local_bytes(params)}))

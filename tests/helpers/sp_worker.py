@@ -78,7 +78,7 @@ def tokens_per_rank(mesh) -> int:
     seen = []
     raw = raw_batch(model, random.key(50), batch=1)
     batch = model.batch(raw)
-    params = model.init(random.key(0))
+    params = model.weights.init(random.key(0))
     module = model.apply.args[1]  # the skeleton the model's apply is bound to
     hook = module.blocks[0].register_forward_pre_hook(lambda block, args: seen.append(args[0].shape[1]))
     with torch.no_grad():

@@ -13,8 +13,9 @@ def tiny_t5_tokenizer() -> transformers.T5Tokenizer:
     return transformers.T5Tokenizer(vocab=[(w, -float(i)) for i, w in enumerate(WORDS)], extra_ids=0)
 
 
-def save(path: pathlib.Path) -> pathlib.Path:
-    """The pipeline (transformer left out) saved at ``path``: a 4-channel VAE of 2x time and space compression."""
+def save(path: pathlib.Path, pipeline: type = WanImageToVideoPipeline) -> pathlib.Path:
+    """The pipeline (transformer left out) saved at ``path``: a 4-channel VAE of 2x time and space compression;
+    ``pipeline`` another pipeline class of Wan 2.1 I2V's components (ChronoEdit's)."""
     torch.manual_seed(0)
     text = transformers.UMT5EncoderModel(transformers.UMT5Config(
         vocab_size=len(WORDS), d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4,
@@ -24,9 +25,8 @@ def save(path: pathlib.Path) -> pathlib.Path:
     processor = transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True],
                            latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.5, 2.0, 1.0])
-    WanImageToVideoPipeline(tokenizer=tiny_t5_tokenizer(), text_encoder=text, vae=vae,
-                            scheduler=FlowMatchEulerDiscreteScheduler(), image_processor=processor,
-                            image_encoder=vision, transformer=None).save_pretrained(path)
+    pipeline(tokenizer=tiny_t5_tokenizer(), text_encoder=text, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(),
+             image_processor=processor, image_encoder=vision, transformer=None).save_pretrained(path)
     return path
 
 

@@ -10,7 +10,7 @@ from fvx_models.wan import WanConfig
 @pytest.fixture(scope="module")
 def wan():
     model = WanConfig(preset="tiny").build()
-    params = model.init(random.key(0))
+    params = model.weights.init(random.key(0))
     x = random.normal(random.key(1), (2, 16, 2, 8, 8))
     t = torch.tensor([300.0, 700.0])
     cond = {"text": random.normal(random.key(2), (2, 8, 32)), "text_mask": torch.ones(2, 8)}

@@ -172,8 +172,8 @@ def test_tiny_wan_against_its_exported_or_released_scheduler(tmp_path):
     from fvx_models.wan import WanConfig
 
     model = WanConfig(preset="tiny").build()
-    params = model.init(random.key(0))
-    model.export(params, str(tmp_path / "out"))
+    params = model.weights.init(random.key(0))
+    model.export.folder(params, str(tmp_path / "out"))
     exported = json.loads((tmp_path / "out" / "scheduler" / "scheduler_config.json").read_text())
     if exported["_class_name"] == "UniPCMultistepScheduler":
         folder, shift = tmp_path / "out", exported["flow_shift"]

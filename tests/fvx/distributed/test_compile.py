@@ -25,7 +25,7 @@ def batch(frames: int = 2, key: int = 1) -> dict:
 
 @pytest.fixture(scope="module")
 def params():
-    return wan.WanConfig(preset="tiny").build().init(random.key(0))
+    return wan.WanConfig(preset="tiny").build().weights.init(random.key(0))
 
 
 def forward(module, p, b):

@@ -159,7 +159,7 @@ def test_block_flops_by_hand():
 
 def test_forward_flops_equal_torchs_flop_counter_on_the_tiny_wan():
     model = wan.WanConfig(preset="tiny").build()
-    params = model.init(random.key(0))
+    params = model.weights.init(random.key(0))
     x = random.normal(random.key(1), (2, 16, 4, 8, 8))
     cond = {"text": random.normal(random.key(2), (2, 5, 32)), "text_mask": torch.ones(2, 5)}
     with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:  # math SDPA: counted matmuls

@@ -58,7 +58,7 @@ def test_tokens_that_do_not_split_are_one_line_naming_what_to_change():
     config = wan.WanConfig(preset="tiny")
     module = build.skeleton(config)
     build.sequence_parallel(config, module, FAKE)
-    params = config.build().init(random.key(0))
+    params = config.build().weights.init(random.key(0))
     x = torch.zeros(1, 16, 1, 2, 6)  # 1 x 1 x 3 = 3 tokens
     with pytest.raises(ValueError, match=r"^sequence parallel: 3 tokens per sample do not split over --sp 2 ranks; "
                                          r"choose a video size .* or an --sp that divides 3$"):

@@ -29,7 +29,7 @@ def recording(model, calls):
 def test_a_qat_student_leaves_the_teacher_and_critic_bit_for_bit_dense():
     config = fconfig.apply_overrides(fconfig.load_experiment(f"{DMD2}:world_attn_qad"), TOY)
     models = experiment.build_models(config)
-    assert [models[role].attention for role in ("student", "critic", "teacher")] == ["qat", "sdpa", "sdpa"]
+    assert [models[role].kernels.attention for role in ("student", "critic", "teacher")] == ["qat", "sdpa", "sdpa"]
     calls = {"critic": [], "teacher": []}
     recorded = {role: recording(model, calls[role]) if role in calls else model for role, model in models.items()}
     program = config.method.build(recorded, total_steps=4)
@@ -53,12 +53,12 @@ def test_a_vsa_model_shared_by_student_and_critic_gives_the_critic_the_dense_vie
         "models.student.path=null", "models.teacher.path=null", "models.student.attention=vsa",
         "models.student.vsa.implementation=reference"])
     models = experiment.build_models(config)
-    assert models["student"].attention == models["critic"].attention == "vsa"
-    assert models["student"].dense_apply is not None and models["critic"].dense_apply is None
-    params = models["student"].init(random.key(0))
+    assert models["student"].kernels.attention == models["critic"].kernels.attention == "vsa"
+    assert models["student"].kernels.dense_apply is not None and models["critic"].kernels.dense_apply is None
+    params = models["student"].weights.init(random.key(0))
     x = random.normal(random.key(1), (1, 192, 8, 8, 8))  # an (8, 8, 8) grid: 8 tiles, the student keeps 1 of 8
     t, cond = torch.tensor([500.0]), {"text": random.normal(random.key(2), (1, 4, 32)), "text_mask": torch.ones(1, 4)}
     with torch.no_grad():
         sparse, critic = models["student"].apply(params, x, t, cond), models["critic"].apply(params, x, t, cond)
-        dense = models["student"].dense_apply(params, x, t, cond)
+        dense = models["student"].kernels.dense_apply(params, x, t, cond)
     assert torch.equal(critic, dense) and not torch.allclose(sparse, dense, atol=1e-4)

@@ -43,7 +43,7 @@ def test_a_loader_reading_a_run_folder_says_export_it_first(run_dir):
     """Any reader of a diffusers folder (not only a config's path: an export's --base, a cache's teacher)."""
     model = WanConfig(preset="tiny", path=str(run_dir)).build()
     with pytest.raises(ValueError) as refused:
-        model.initial_params(random.key(0))
+        model.weights.initial(random.key(0))
     assert str(refused.value) == (
         f"wan load: {str(run_dir / 'config.json')!r} is an fvx run's config, not a diffusers one: {str(run_dir)!r} is "
         f"a run folder; export it first: python -m fvx.run export {run_dir} --out FOLDER, and load FOLDER")

@@ -46,9 +46,9 @@ class Exported:
 
     def __init__(self, config, transformer_cls, pipeline_cls, tmp_path_factory):
         self.model = config.build()
-        self.params = self.model.init(random.key(0))
+        self.params = self.model.weights.init(random.key(0))
         folder = tmp_path_factory.mktemp(self.model.name.replace(":", "_"))
-        self.model.export(self.params, str(folder))
+        self.model.export.folder(self.params, str(folder))
         assert json.loads((folder / "model_index.json").read_text())["_class_name"] == pipeline_cls.__name__
         self.transformer = transformer_cls.from_pretrained(str(folder), subfolder="transformer").eval()
         assert self.transformer.dtype == torch.float32

@@ -267,7 +267,7 @@ def test_a_guided_sampler_steps_with_uncond_plus_g_times_the_difference(tmp_path
     config = data.DataConfig(text_len=6, synthetic=data.SyntheticConfig(num_samples=4, latent_shape=(16, 1, 4, 4),
                                                                         text_len=4, text_dim=32))
     dataset = data.open_dataset(config, key)
-    params = model.init(random.key(1))
+    params = model.weights.init(random.key(1))
     negative = tmp_path / "negative.safetensors"
     fcond.save(negative, {"text": random.normal(random.key(2), (1, 6, 32)), "text_mask": torch.ones(1, 6)})
     for uncond_mode, path in (("zero", None), ("negative_prompt", str(negative))):
@@ -327,7 +327,7 @@ def test_a_fixed_sampler_is_sampled_at_the_first_validation_only_and_the_others_
                                                                         text_len=4, text_dim=32))
     validator = validation.make_validator(ValidationConfig(every=2, num_prompts=1, num_steps=1),
                                           data.open_dataset(config, key), model)
-    params, calls = model.init(random.key(1)), []
+    params, calls = model.weights.init(random.key(1)), []
 
     def counted(tag):
         def apply(p, x, t, cond):

@@ -16,7 +16,8 @@ SCORE = dm.Score(flow_shift=SHIFT, timestep_shift=8.0, min_timestep_ratio=0.02, 
 
 @pytest.fixture(scope="module")
 def params(model):
-    return {name: model.init(random.key(seed)) for name, seed in (("student", 1), ("critic", 2), ("teacher", 3))}
+    seeds = (("student", 1), ("critic", 2), ("teacher", 3))
+    return {name: model.weights.init(random.key(seed)) for name, seed in seeds}
 
 
 def make_batch(size: int = 3, seed: int = 0):

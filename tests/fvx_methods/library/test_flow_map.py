@@ -7,6 +7,7 @@ import torch
 
 from fvx.core import random
 from fvx_methods.library import flow_map
+from fvx_models.model import Rules
 
 
 def test_time_pairs_kinds_fractions_and_order():
@@ -42,7 +43,7 @@ def test_the_sampler_lands_on_the_data_of_an_exact_flow_map(steps):
 
 
 def test_the_checks_are_one_line():
-    one_time = types.SimpleNamespace(two_time=False, name="wan:world", two_time_refusal=None)
+    one_time = types.SimpleNamespace(name="wan:world", rules=Rules(two_time=False, two_time_refusal=None))
     with pytest.raises(ValueError, match=r"models.student \(wan:world\) has no r input; set "
                                          r"models.student.r_embedder=\{\}"):
         flow_map.check_two_time(one_time, "student", "MeanFlow")

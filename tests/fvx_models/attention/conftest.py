@@ -9,7 +9,7 @@ from fvx_models.wan import WanConfig
 def dense_folder(tmp_path_factory):
     """``(folder, model, params)`` of a tiny dense Wan exported to ``folder``."""
     model = WanConfig(preset="tiny").build()
-    params = model.init(random.key(0))
+    params = model.weights.init(random.key(0))
     folder = tmp_path_factory.mktemp("dense") / "wan"
-    model.export(params, str(folder))
+    model.export.folder(params, str(folder))
     return folder, model, params

@@ -25,7 +25,7 @@ def vsa(**knobs) -> WanConfig:
 def test_a_dense_checkpoint_loads_with_zero_gates_and_starts_as_itself(dense_folder):
     folder, dense, dense_params = dense_folder
     model = vsa(sparsity=0.0).build()
-    params = model.load(str(folder))
+    params = model.weights.load(str(folder))
     gates = [name for name in params if install.GATE in name]
     assert gates == ["blocks.0.to_gate_compress.weight", "blocks.0.to_gate_compress.bias",
                      "blocks.1.to_gate_compress.weight", "blocks.1.to_gate_compress.bias"]
@@ -38,28 +38,28 @@ def test_a_dense_checkpoint_loads_with_zero_gates_and_starts_as_itself(dense_fol
 def test_sparse_attention_changes_the_output_and_the_dense_view_does_not(dense_folder):
     folder, dense, dense_params = dense_folder
     model = vsa(sparsity=0.75).build()
-    params = model.load(str(folder))
+    params = model.weights.load(str(folder))
     x, t, cond = inputs(model, random.key(1), **GRID)
     want = dense.apply(dense_params, x, t, cond)
     assert (model.apply(params, x, t, cond) - want).abs().max() > 1e-3
     torch.testing.assert_close(model.dense().apply(params, x, t, cond), want, rtol=1e-5, atol=1e-5)
-    assert TINY.build().dense().dense_apply is None  # other kernels have no dense view: the model itself
+    assert TINY.build().dense().kernels.dense_apply is None  # other kernels have no dense view: the model itself
 
 
 def test_the_sparsity_schedule_ramps_from_dense_inside_training_steps(dense_folder):
     folder, dense, dense_params = dense_folder
     ramp = vsa(sparsity=0.75, decay_rate=0.25, decay_interval_steps=2).build()
     fixed = vsa(sparsity=0.5).build()
-    params = ramp.load(str(folder))
+    params = ramp.weights.load(str(folder))
     x, t, cond = inputs(ramp, random.key(1), **GRID)
     want = {0: dense.apply(dense_params, x, t, cond), 2: None, 4: fixed.apply(params, x, t, cond),
             9: ramp.apply(params, x, t, cond)}  # outside a step: the target
     for step, expected in want.items():
-        with ramp.attention_step(step):
+        with ramp.kernels.attention_step(step):
             got = ramp.apply(params, x, t, cond)
         if expected is not None:
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"step {step}")
-    with ramp.attention_step(0), ramp.attention_step(4):
+    with ramp.kernels.attention_step(0), ramp.kernels.attention_step(4):
         torch.testing.assert_close(ramp.apply(params, x, t, cond), want[4])
     torch.testing.assert_close(ramp.apply(params, x, t, cond), want[9])  # restored after the steps
 
@@ -67,17 +67,17 @@ def test_the_sparsity_schedule_ramps_from_dense_inside_training_steps(dense_fold
 def test_gradients_reach_the_gates_and_the_export_keeps_them(dense_folder, tmp_path):
     folder, _, _ = dense_folder
     model = vsa(sparsity=0.75).build()
-    params = {name: p.requires_grad_() for name, p in model.load(str(folder)).items()}
+    params = {name: p.requires_grad_() for name, p in model.weights.load(str(folder)).items()}
     x, t, cond = inputs(model, random.key(1), **GRID)
     model.apply(params, x, t, cond).square().mean().backward()
     assert params["blocks.0.to_gate_compress.weight"].grad.abs().max() > 0
     assert all(torch.isfinite(p.grad).all() for p in params.values() if p.grad is not None)
     trained = {name: p.detach() + (0.01 if install.GATE in name else 0.0) for name, p in params.items()}
-    model.export(trained, str(tmp_path / "vsa"))
-    back = model.load(str(tmp_path / "vsa"))
+    model.export.folder(trained, str(tmp_path / "vsa"))
+    back = model.weights.load(str(tmp_path / "vsa"))
     assert all(torch.equal(back[name], trained[name]) for name in trained)
     with pytest.raises(ValueError, match="to_gate_compress"):
-        TINY.build().load(str(tmp_path / "vsa"))  # a dense model would drop trained gates: refused, named
+        TINY.build().weights.load(str(tmp_path / "vsa"))  # a dense model would drop trained gates: refused, named
     loaded, info = WanTransformer3DModel.from_pretrained(str(tmp_path / "vsa" / "transformer"),
                                                          output_loading_info=True)
     assert sorted(info["unexpected_keys"]) == sorted(name for name in trained if install.GATE in name)
@@ -94,7 +94,7 @@ def test_kernels_this_machine_cannot_run_are_refused_at_build():
 
 def test_qat_runs_fake_quantized_attention_in_every_attention_module_and_trains():
     model = msgspec.structs.replace(TINY, attention="qat").build()
-    params = model.init(random.key(0))
+    params = model.weights.init(random.key(0))
     x, t, cond = inputs(model, random.key(1))
     calls = []
 
@@ -122,9 +122,9 @@ def test_compiled_units_run_the_kernel_as_eager_units_do(attention):
     eager = msgspec.structs.replace(TINY, attention=attention, **knobs).build()
     compiled = msgspec.structs.replace(TINY, attention=attention, compile="blocks", compile_backend="aot_eager",
                                        **knobs).build()
-    params = eager.init(random.key(0))
+    params = eager.weights.init(random.key(0))
     x, t, cond = inputs(eager, random.key(1), **GRID)
     with torch.no_grad():
         torch.testing.assert_close(compiled.apply(params, x, t, cond), eager.apply(params, x, t, cond),
                                    rtol=1e-5, atol=1e-5)
-    assert compiled.compile_stats.graphs == 1
+    assert compiled.kernels.compile_stats.graphs == 1

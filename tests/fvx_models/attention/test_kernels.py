@@ -15,7 +15,7 @@ from family_cases import CASES, FAMILIES, inputs  # noqa: E402
 
 def velocity(config, attention):
     model = msgspec.structs.replace(config, attention=attention).build()
-    params = model.init(random.key(0))
+    params = model.weights.init(random.key(0))
     x, t, cond = inputs(model, random.key(1))
     with torch.no_grad():
         return model.apply(params, x, t, cond)
@@ -35,7 +35,7 @@ def test_math_and_flex_equal_sdpa_on_every_family(name):
 def test_math_equals_sdpa_on_the_block_causal_wan(block_attention):
     config = WanCausalConfig(preset="tiny", num_frames_per_block=1, block_attention=block_attention)
     model_sdpa, model_math = config.build(), msgspec.structs.replace(config, attention="math").build()
-    params = model_sdpa.init(random.key(0))
+    params = model_sdpa.weights.init(random.key(0))
     x, t, cond = inputs(model_sdpa, random.key(1))
     torch.testing.assert_close(model_math.apply(params, x, t, cond), model_sdpa.apply(params, x, t, cond),
                                rtol=1e-5, atol=1e-5)
@@ -44,7 +44,7 @@ def test_math_equals_sdpa_on_the_block_causal_wan(block_attention):
 def test_math_has_forward_mode_derivatives_equal_to_sdpa_s_math_backend():
     config = WanConfig(preset="tiny")
     math_model, sdpa_model = msgspec.structs.replace(config, attention="math").build(), config.build()
-    params = math_model.init(random.key(0))
+    params = math_model.weights.init(random.key(0))
     x, t, cond = inputs(math_model, random.key(1))
     tangent = random.normal(random.key(2), tuple(x.shape))
     _, got = torch.func.jvp(lambda x_: math_model.apply(params, x_, t, cond), (x,), (tangent,))
@@ -54,9 +54,9 @@ def test_math_has_forward_mode_derivatives_equal_to_sdpa_s_math_backend():
     h = 1e-3
     finite = (math_model.apply(params, x + h * tangent, t, cond) - math_model.apply(params, x - h * tangent, t, cond))
     torch.testing.assert_close(got, finite / (2 * h), rtol=1e-2, atol=1e-2)
-    assert math_model.forward_ad_refusal is None
+    assert math_model.rules.forward_ad_refusal is None
     assert "qat has no forward-mode derivatives" in msgspec.structs.replace(config, attention="qat").build() \
-        .forward_ad_refusal
+        .rules.forward_ad_refusal
 
 
 def test_math_attention_against_a_hand_computation_with_masks():
@@ -100,7 +100,7 @@ def test_vsa_is_refused_where_the_sequence_is_not_the_video_grid(name, why):
 @pytest.mark.cuda
 def test_flex_trains_on_a_gpu():
     model = WanConfig(preset="tiny", attention="flex").build()
-    params = {name: p.cuda().requires_grad_() for name, p in model.init(random.key(0)).items()}
+    params = {name: p.cuda().requires_grad_() for name, p in model.weights.init(random.key(0)).items()}
     x, t, cond = inputs(model, random.key(1))
     x, t, cond = x.cuda(), t.cuda(), {name: c.cuda() for name, c in cond.items()}
     model.apply(params, x, t, cond).square().mean().backward()
