@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline, WanPipeline
+from diffusers import ChronoEditPipeline, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline, WanPipeline
 from safetensors.torch import load_file
 from torch.func import grad
 
@@ -14,6 +14,7 @@ from fvx.core import grad as fvx_grad, random, role
 from fvx.core.optim_config import AdamWConfig
 from fvx_methods import finetune
 from fvx_models import lora, lora_files
+from fvx_models.chronoedit import ChronoEditConfig
 from fvx_models.hunyuan_video import HunyuanVideoConfig
 from fvx_models.wan import WanConfig
 
@@ -142,6 +143,21 @@ def test_the_peft_hint_says_comfyui_and_musubi_tuner_ignore_its_keys(tiny, tmp_p
         "not for ComfyUI or musubi-tuner: they ignore PEFT keys (transformer.<module>.lora_A/lora_B) and load nothing "
         "from a PEFT file; export again with --lora --format comfyui (ComfyUI's LoraLoaderModelOnly) or --lora "
         "--format musubi (musubi-tuner's wan_generate_video.py --lora_weight)")
+
+
+@pytest.mark.parametrize("form, name", [("peft", lora_files.PEFT_FILE), ("comfyui", "edit_lora_comfyui.safetensors")])
+def test_chronoedit_adapters_load_with_its_pipelines_load_lora_weights(tmp_path, form, name):
+    """ChronoEdit's adapters (Wan's names and original layout) load with ChronoEditPipeline.load_lora_weights, whose
+    transformer then computes fvx's LoRA model (two latent frames: ChronoEdit's own RoPE)."""
+    pytest.importorskip("peft")
+    adapted = ChronoEditConfig(frozen_dtype="fp32", lora=lora.LoRAConfig(rank=4, alpha=8.0)).build()
+    base, adapters = adapted.weights.base(random.key(0)), trained_adapters(adapted, random.key(1))
+    written = adapted.export.adapters(adapters, str(tmp_path), form, stem="edit")
+    assert written.files == {"transformer": tmp_path / name}
+    (transformer,) = native_modules(CASES["chronoedit"], base).values()
+    pipe = ChronoEditPipeline(tokenizer=None, text_encoder=None, image_encoder=None, image_processor=None,
+                              transformer=transformer, vae=None, scheduler=FlowMatchEulerDiscreteScheduler())
+    assert_loaded_lora_matches(pipe, "chronoedit", tmp_path, name, adapted, base, adapters)
 
 
 I2V_LORA = lora.LoRAConfig(rank=2, alpha=4.0, target_modules=("to_q", "to_out", "add_k_proj", "add_v_proj"))
