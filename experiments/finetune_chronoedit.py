@@ -15,7 +15,7 @@ On ChronoEdit-14B (a local diffusers folder; data preprocessed from your 5-frame
         data.world=null data.preprocess.num_frames=5
     torchrun --nproc-per-node 8 -m fvx.run experiments/finetune_chronoedit.py models.student.preset=chronoedit-14b \\
         models.student.path=/models/ChronoEdit-14B-Diffusers models.student.compute_dtype=bf16 \\
-        models.student.remat=true 'models.student.lora={rank: 32}' data.world=null data.path=/data/my_dataset \\
+        models.student.remat=true models.student.lora.rank=32 data.world=null data.path=/data/my_dataset \\
         data.text_len=512 data.batch_size=8 method.optim.lr=1e-4
 """
 import msgspec
