@@ -5,9 +5,10 @@ compute dtype, how a frozen role is stored, and how units run (eagerly, or ``com
 per unit group). A family's config subclasses it (adding its own knobs) and names its spec in the class variable
 ``family``. :func:`build` applies, in order and the same way to every family: the meta skeleton, remat
 (``fvx.core.grad.remat`` through diffusers' gradient checkpointing), sequence parallelism when the mesh has SP groups
-(the family's ``sequence_parallel``), the unit groups, sharding over a device mesh (per-unit gathers in the compute
-dtype), and compilation (``fvx.distributed.compile``), as torchtitan applies ``apply_ac``, ``apply_compile`` and
-``apply_fsdp`` to any model.
+(the family's ``architecture.sequence_parallel``), the unit groups, sharding over a device mesh (per-unit gathers in
+the compute dtype), and compilation (``fvx.distributed.compile``), as torchtitan applies ``apply_ac``,
+``apply_compile`` and ``apply_fsdp`` to any model. The :class:`Model` it returns is assembled one part at a time
+(its weights, exports, rules and kernels).
 """
 from __future__ import annotations
 
@@ -264,7 +265,7 @@ def apply(config: ModelConfig, module: nn.Module, spec: fcond.Spec, params: Para
     stored lower than they compute in (a bf16 teacher under fp32 compute computes from its bf16-rounded weights).
     Sharded (``gathers``): ``params`` are this rank's shards and each unit gathers its own in the compute dtype.
     ``forward(params, buffers, kwargs)``: the compiled whole forward (``compile="model"``).
-    ``call`` is bound to the skeleton for this forward by the family's ``bind`` (a causal family's KV cache).
+    ``call`` is bound to the skeleton for this forward by the family's ``forward.bind`` (a causal family's KV cache).
     ``r`` (shaped as ``t``): a two-time model's target time, the average velocity from ``t`` to ``r``; None: ``r =
     t``, the instantaneous velocity. ``runtime``: what the attention kernel reads (it learns this call's token grid);
     ``dense``: VSA's dense view."""
@@ -307,7 +308,7 @@ def velocity(config: ModelConfig, out: Any, x: Any, t: Any, cond: Mapping[str, t
 
 
 def native(x_t: Any, layout: str, dtype: torch.dtype | None = None) -> Any:
-    """``x_t`` (``[B, C, T, H, W]``, or a joint model's dict keyed by modality) in the family's ``layout`` (the
+    """``x_t`` (``[B, C, T, H, W]``, or a joint model's dict keyed by modality) in the family's ``forward.layout`` (the
     video's; other modalities as they are), cast to ``dtype`` when given."""
     cast = (lambda x: x) if dtype is None else (lambda x: x.to(dtype))  # noqa: E731
     if isinstance(x_t, Mapping):
@@ -558,7 +559,7 @@ def _memory_spec(config: ModelConfig, module: nn.Module, groups: Mapping[str, tu
 
 
 def _joint_sigmas(config: ModelConfig, modalities: tuple[str, ...], levels: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Each modality's levels at the shared ``levels``: the family's ``joint_sigmas``, else the shared ones."""
+    """Each modality's levels at the shared ``levels``: the family's ``joint.sigmas``, else the shared ones."""
     if config.family.joint.sigmas is None:
         return {name: levels for name in modalities}
     return config.family.joint.sigmas(config, levels)
