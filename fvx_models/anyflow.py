@@ -20,7 +20,8 @@ from torch import nn
 
 from fvx_models import diffusers_folder as dfolder, wan
 from fvx_models.build import ModelConfig
-from fvx_models.family import Architecture, Checkpoints, Conditioning, Family, Forward, Preset, skeleton_of
+from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, TEXT_MASK_DEFAULT,
+                               skeleton_of)
 
 _ANYFLOW = {key: value for key, value in wan.WAN21_1_3B.items()
             if key not in ("qk_norm", "added_kv_proj_dim", "pos_embed_seq_len")}
@@ -90,12 +91,9 @@ ANYFLOW = Family(
     conditioning=Conditioning(
         spec=wan.text_cond_spec,
         from_batch=wan.text_cond_from_batch,
-        defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
+        defaults=TEXT_MASK_DEFAULT,
     ),
-    checkpoints=Checkpoints(
-        components={"transformer": ""},
-        pipeline_files=pipeline_files,
-    ),
+    checkpoints=Checkpoints(pipeline_files=pipeline_files),
 )
 
 

@@ -35,8 +35,8 @@ from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder, wan
 from fvx_models import encoders as fencoders
 from fvx_models.build import ModelConfig
-from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, Training, require,
-                               skeleton_of)
+from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, TEXT_MASK_DEFAULT,
+                               Training, require, skeleton_of)
 
 FLOW_SHIFT = 1.0  # FastVideo's CosmosModel default and pipeline.flow_shift; the scheduler's flow_shift
 REASON1_WIDTH = 100352  # Cosmos-Reason1's 28 hidden layers x 3584, concatenated
@@ -198,12 +198,9 @@ COSMOS = Family(
         from_batch=cond_from_batch,
         cfg_dropout_refusal=CFG_DROPOUT_REFUSAL,
         zero=zero_cond,
-        defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
+        defaults=TEXT_MASK_DEFAULT,
     ),
-    checkpoints=Checkpoints(
-        components={"transformer": ""},
-        pipeline_files=pipeline_files,
-    ),
+    checkpoints=Checkpoints(pipeline_files=pipeline_files),
     training=Training(latent_rule=latent_rule),
 )
 

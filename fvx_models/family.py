@@ -138,6 +138,14 @@ class Forward:
         layouts.check(self.layout, "a family's forward")
 
 
+def ones_text_mask(cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """A mask of ones over the cond's text tokens ``[N, L]``: what a cond file without ``text_mask`` stands for."""
+    return torch.ones(cond["text"].shape[:2])
+
+
+TEXT_MASK_DEFAULT = {"text_mask": ones_text_mask}  # ``Conditioning.defaults`` of a family whose text has a mask
+
+
 @dataclasses.dataclass(frozen=True)
 class Conditioning:
     """What the DiT is conditioned on and where it comes from: the data's columns, cond files, unconditionals.
@@ -175,8 +183,9 @@ class Checkpoints:
     """Where the params live on disk: the diffusers pipeline's components and files, the original layout other tools
     load, and other namings of a folder's weights.
 
-    components                           diffusers pipeline component -> the prefix of its params ("" for a model of
-                                         one component, "transformer." and "transformer_2." for two experts)
+    components                           diffusers pipeline component -> the prefix of its params (by default one
+                                         component, ``transformer``, prefix ""; "transformer." and "transformer_2."
+                                         for two experts)
     pipeline_files(config, folder)       writes the pipeline's ``model_index.json`` and ``scheduler/`` beside the
                                          exported components
     original_name(name) -> name          a param's or module's name in the family's original checkpoint layout
@@ -191,7 +200,7 @@ class Checkpoints:
                                          files); a component without one is tagged by its name
     """
 
-    components: Mapping[str, str]
+    components: Mapping[str, str] = dataclasses.field(default_factory=lambda: {"transformer": ""})
     pipeline_files: Callable[[Any, Any], None] | None = None
     original_name: Callable[[str], str | None] | None = None
     stored_names: Callable[[set[str]], Mapping[str, str] | None] | None = None

@@ -30,8 +30,8 @@ from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder
 from fvx_models import encoders as fencoders
 from fvx_models.build import ModelConfig
-from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, pack_pooled,
-                               packed_pooled_cond, skeleton_of)
+from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, TEXT_MASK_DEFAULT,
+                               pack_pooled, packed_pooled_cond, skeleton_of)
 from fvx_models.model import LatentSpace
 
 SCALING_FACTOR = 0.476986  # AutoencoderKLHunyuanVideo's scaling_factor
@@ -163,12 +163,9 @@ HUNYUAN_VIDEO = Family(
         spec=cond_spec,
         from_batch=cond_from_batch,
         zero=zero_cond,
-        defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
+        defaults=TEXT_MASK_DEFAULT,
     ),
-    checkpoints=Checkpoints(
-        components={"transformer": ""},
-        pipeline_files=pipeline_files,
-    ),
+    checkpoints=Checkpoints(pipeline_files=pipeline_files),
 )
 
 

@@ -44,8 +44,8 @@ from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder
 from fvx_models import encoders as fencoders
 from fvx_models.build import ModelConfig
-from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, Training, require,
-                               skeleton_of)
+from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, TEXT_MASK_DEFAULT,
+                               Training, require, skeleton_of)
 from fvx_models.model import LatentSpace
 
 NAME = "hunyuan_video15"
@@ -246,12 +246,9 @@ HUNYUAN_VIDEO15 = Family(
         from_batch=cond_from_batch,
         data_keys=("text", "text_mask", "text_2", "text_mask_2"),
         zero=zero_cond,
-        defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
+        defaults=TEXT_MASK_DEFAULT,
     ),
-    checkpoints=Checkpoints(
-        components={"transformer": ""},
-        pipeline_files=pipeline_files,
-    ),
+    checkpoints=Checkpoints(pipeline_files=pipeline_files),
     training=Training(unused=unused),
 )
 

@@ -42,8 +42,8 @@ from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder, hunyuan_video
 from fvx_models import encoders as fencoders
 from fvx_models.build import ModelConfig
-from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, Training, pack_pooled,
-                               packed_pooled_cond, skeleton_of)
+from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, TEXT_MASK_DEFAULT,
+                               Training, pack_pooled, packed_pooled_cond, skeleton_of)
 
 LATENTS = hunyuan_video.LATENTS  # Kandinsky 5 decodes with HunyuanVideo's VAE: 16 channels x 0.476986, (4, 8, 8)
 FLOW_SHIFT = 5.0  # FastVideo's Kandinsky5Model default and its recipes' pipeline.flow_shift
@@ -264,12 +264,9 @@ KANDINSKY5 = Family(
         spec=cond_spec,
         from_batch=cond_from_batch,
         zero=zero_cond,
-        defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
+        defaults=TEXT_MASK_DEFAULT,
     ),
-    checkpoints=Checkpoints(
-        components={"transformer": ""},
-        pipeline_files=pipeline_files,
-    ),
+    checkpoints=Checkpoints(pipeline_files=pipeline_files),
     training=Training(latent_rule=latent_rule),
 )
 

@@ -55,7 +55,7 @@ from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder, encoders as fencoders, wan
 from fvx_models.build import ModelConfig
 from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Joint, Modality, Preset,
-                               Training, require, skeleton_of)
+                               TEXT_MASK_DEFAULT, Training, require, skeleton_of)
 from fvx_models.model import LatentSpace
 
 NAME = "ltx2"
@@ -414,12 +414,9 @@ LTX2 = Family(
         cfg_dropout_refusal="CFG dropout zeroes the post-connector text embeddings, but LTX-2's unconditional input is "
                             "an empty prompt encoded through Gemma and the connector (FastVideo trains LTX-2 with "
                             "training_cfg_rate 0)",
-        defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
+        defaults=TEXT_MASK_DEFAULT,
     ),
-    checkpoints=Checkpoints(
-        components={"transformer": ""},
-        pipeline_files=pipeline_files,
-    ),
+    checkpoints=Checkpoints(pipeline_files=pipeline_files),
     training=Training(sigma_sampler=sigma_sampler),
     joint=Joint(
         modalities={"audio": Modality(latents=lambda config: config.spec.options["audio_latents"], owns=owns_audio)},

@@ -59,8 +59,8 @@ from fvx.core import random
 from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder, encoders as fencoders, wan
 from fvx_models.build import ModelConfig
-from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, Training, require,
-                               skeleton_of)
+from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, TEXT_MASK_DEFAULT,
+                               Training, require, skeleton_of)
 from fvx_models.model import LatentSpace
 
 CHANNELS = 128  # AutoencoderKLLTXVideo's latent_channels, every release
@@ -295,12 +295,9 @@ LTX_VIDEO = Family(
     conditioning=Conditioning(
         spec=cond_spec,
         from_batch=cond_from_batch,
-        defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
+        defaults=TEXT_MASK_DEFAULT,
     ),
-    checkpoints=Checkpoints(
-        components={"transformer": ""},
-        pipeline_files=pipeline_files,
-    ),
+    checkpoints=Checkpoints(pipeline_files=pipeline_files),
     training=Training(sigma_sampler=sigma_sampler),
 )
 

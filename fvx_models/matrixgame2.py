@@ -339,10 +339,7 @@ MATRIXGAME2 = Family(
         window=window_cond,
         cfg_dropout_refusal="Matrix-Game 2.0 has no text to drop (FastVideo's recipes set training_cfg_rate 0)",
     ),
-    checkpoints=Checkpoints(
-        components={"transformer": ""},
-        pipeline_files=pipeline_files,
-    ),
+    checkpoints=Checkpoints(pipeline_files=pipeline_files),
 )
 
 

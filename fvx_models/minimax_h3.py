@@ -56,7 +56,7 @@ from fvx_models import diffusers_folder as dfolder
 from fvx_models import encoders as fencoders
 from fvx_models.build import ModelConfig
 from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Joint, Modality, Preset,
-                               Training, require, skeleton_of)
+                               TEXT_MASK_DEFAULT, Training, require, skeleton_of)
 from fvx_models.model import LatentSpace
 
 NAME = "minimax_h3"
@@ -407,12 +407,9 @@ MINIMAX_H3 = Family(
         spec=cond_spec,
         from_batch=cond_from_batch,
         cfg_dropout_refusal=CFG_DROPOUT_REFUSAL,
-        defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
+        defaults=TEXT_MASK_DEFAULT,
     ),
-    checkpoints=Checkpoints(
-        components={"transformer": ""},
-        pipeline_files=pipeline_files,
-    ),
+    checkpoints=Checkpoints(pipeline_files=pipeline_files),
     training=Training(
         latent_rule=latent_rule,
         sigma_sampler=sigma_sampler,

@@ -29,7 +29,8 @@ from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder, wan_fastvideo_names, wan_i2v, wan_sequence_parallel, wan_two_time
 from fvx_models import encoders as fencoders
 from fvx_models.build import ModelConfig
-from fvx_models.family import Architecture, Checkpoints, Conditioning, Family, Forward, Preset, require, skeleton_of
+from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, TEXT_MASK_DEFAULT,
+                               require, skeleton_of)
 from fvx_models.model import LatentSpace
 
 # Per-channel statistics of the Wan 2.1 VAE latents (``AutoencoderKLWan``'s ``latents_mean`` / ``latents_std``).
@@ -332,10 +333,9 @@ WAN = Family(
         from_batch=cond_from_batch,
         data_keys=("text", "text_mask", *sorted(wan_i2v.IMAGE_COND)),
         image=wan_i2v.IMAGE_COND,
-        defaults={"text_mask": lambda cond: torch.ones(cond["text"].shape[:2])},
+        defaults=TEXT_MASK_DEFAULT,
     ),
     checkpoints=Checkpoints(
-        components={"transformer": ""},
         pipeline_files=pipeline_files,
         original_name=original_name,
         stored_names=wan_fastvideo_names.diffusers_names,
