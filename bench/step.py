@@ -60,6 +60,7 @@ from fvx_methods import finetune  # noqa: E402
 from fvx_models import build as fvx_build, ltx2, minimax_h3, wan  # noqa: E402
 from fvx_models.family import Preset  # noqa: E402
 from fvx_models.chronoedit import ChronoEditConfig  # noqa: E402
+from fvx_models.cogvideox import CogVideoXConfig  # noqa: E402
 from fvx_models.cosmos import CosmosConfig  # noqa: E402
 from fvx_models.hunyuan_video import HunyuanVideoConfig  # noqa: E402
 from fvx_models.hunyuan_video15 import HunyuanVideo15Config  # noqa: E402
@@ -71,6 +72,7 @@ from fvx_models.ltx_video import LTXVideoConfig  # noqa: E402
 from fvx_models.minimax_h3 import MiniMaxH3Config  # noqa: E402
 from fvx_models.skyreels_v2 import SkyReelsV2Config  # noqa: E402
 from fvx_models.wan_moe import Wan22MoEConfig  # noqa: E402
+from fvx_models.wan_vace import WanVACEConfig  # noqa: E402
 
 # Wan's 4 layers x dim 256, registered in this process as a bench-only preset
 wan.PRESETS["bench-cpu-4x256"] = Preset({**wan.TINY, "num_layers": 4, "num_attention_heads": 2,
@@ -96,6 +98,8 @@ CASES = {
     "matrixgame2": (MatrixGame2Config(preset="tiny"), (16, 2, 16, 16), 4),  # its actions per video frame: [B, 5, 4]
     "cosmos": (CosmosConfig(preset="tiny"), (16, 2, 16, 16), 4),
     "chronoedit": (ChronoEditConfig(preset="tiny"), (16, 2, 16, 16), 4),  # Wan 2.1 I2V's call, its 2-frame RoPE
+    "wan-vace": (WanVACEConfig(preset="tiny"), (16, 2, 16, 16), 4),  # the context blocks: a unit group of their own
+    "cogvideox": (CogVideoXConfig(preset="tiny"), (16, 2, 16, 16), 4),  # the 5B's layout, its VP call and loss weight
     "ltx-video": (LTXVideoConfig(preset="tiny"), (8, 2, 16, 16), 4),
     "hunyuan15": (HunyuanVideo15Config(preset="tiny"), (4, 2, 16, 16), 4),
     "kandinsky5": (Kandinsky5Config(preset="tiny"), (16, 2, 16, 16), 4),
@@ -216,12 +220,13 @@ def baseline_draws(config, model, batch, state, step: int):
     return noise, sigma, t
 
 
-def mse(v, noise, x0) -> torch.Tensor:
+def mse(v, noise, x0, weight=None) -> torch.Tensor:
     """The flow-matching loss: mean squared error of ``v`` against ``noise - x0``, summed over a joint model's
-    modalities."""
+    modalities; with the model's per-sample ``weight [B]`` (CogVideoX's), their weighted mean."""
     if isinstance(v, dict):
         return sum(mse(v[name], noise[name], x0[name]) for name in v)
-    return torch.mean((v.float() - (noise - x0)) ** 2)
+    error = (v.float() - (noise - x0)) ** 2
+    return torch.mean(error) if weight is None else torch.mean(weight * error.flatten(1).mean(1))
 
 
 def update(module, optimizer, loss: torch.Tensor) -> torch.Tensor:
@@ -241,7 +246,8 @@ def baseline_step(case: str, model, module, optimizer, batch, draws) -> torch.Te
     optimizer.zero_grad(set_to_none=True)
     kwargs, x = fvx_build.native_inputs(config, x_t, t, batch["cond"])
     v = fvx_build.velocity(config, module(**kwargs), x, t, batch["cond"])
-    return update(module, optimizer, mse(v, noise, x0))
+    weight = None if model.rules.loss_weight is None else model.rules.loss_weight(sigma)
+    return update(module, optimizer, mse(v, noise, x0, weight))
 
 
 # ------------------------------------------------------------------------ LTX-2 training both branches (bench only)

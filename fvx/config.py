@@ -177,7 +177,8 @@ def apply_overrides(config: S, overrides: Sequence[str]) -> S:
     :func:`repeated` says which), then validated as a whole.
 
     A value is parsed as JSON when it parses (``1e-5``, ``true``, ``[1, 2]``, ``null``, ``"x"``) and kept as text
-    otherwise; a field that takes text but no number or bool keeps the text as written (``name=123`` gives ``"123"``).
+    otherwise, but ``[a, b]`` on a field that takes a sequence is a list of its items (each JSON or text); a field
+    that takes text but no number or bool keeps the text as written (``name=123`` gives ``"123"``).
     On a tagged-union field, a bare tag (``method=finetune`` or ``method.type=finetune``) switches to that variant with
     its defaults, and later overrides in the list apply to it; naming the current variant keeps its values. A field
     holding ``None`` whose type allows exactly one Struct starts from that Struct's defaults when a sub-field is set.
@@ -290,10 +291,20 @@ def _parse(raw: str, slot_type: mi.Type) -> Any:
     try:
         value = msgspec.json.decode(raw)
     except msgspec.DecodeError:
-        return raw
+        return _bare_list(raw, slot_type)
     if isinstance(value, (bool, int, float)) and _takes_text_not_numbers(slot_type):
         return raw
     return value
+
+
+def _bare_list(raw: str, slot_type: mi.Type) -> Any:
+    """``[a, b]`` that is not JSON, for a field that takes a sequence: its items, each parsed as JSON when it parses
+    and kept as text otherwise (``trainable=[context]``); any other text as written."""
+    if not (raw.startswith("[") and raw.endswith("]") and any(
+            isinstance(t, (mi.ListType, mi.VarTupleType, mi.TupleType)) for t in _members(slot_type))):
+        return raw
+    items = [item.strip() for item in raw[1:-1].split(",")] if raw[1:-1].strip() else []
+    return [_parse(item, mi.AnyType()) for item in items]
 
 
 def _takes_text_not_numbers(slot_type: mi.Type) -> bool:

@@ -442,7 +442,8 @@ def sample_main(argv: Sequence[str]) -> int:
                                                        "the run's validation.guidance_scale)")
     parser.add_argument("--shift", type=float, help="the schedule's shift (default: validation.flow_shift)")
     parser.add_argument("--schedule", choices=sampling.SCHEDULES, help="many-step levels: fvx (FastVideo's evenly "
-                        "spaced, shifted) or diffusers (FlowMatchEulerDiscreteScheduler's, as its pipelines sample)")
+                        "spaced, shifted), diffusers (FlowMatchEulerDiscreteScheduler's, as its pipelines sample) or "
+                        "model (the family's own pipeline's: CogVideoX's DDIM)")
     parser.add_argument("--solver", choices=sampling.SOLVERS, help="many-step samplers: euler (default) or unipc "
                         "(UniPCMultistepScheduler's flow configuration, which Wan's and Cosmos' folders ship)")
     parser.add_argument("--karras", help="with --solver unipc: SIGMA_MIN,SIGMA_MAX, UniPC on Karras' levels "
@@ -456,6 +457,11 @@ def sample_main(argv: Sequence[str]) -> int:
     parser.add_argument("--actions", help="a Matrix-Game model (data.kind=matrixgame2): its actions, one row per video "
                                           "frame, as preprocess reads them (.npz of keyboard [F, K] and mouse [F, 2], "
                                           "or .npy of the keyboard); the video is named after the file")
+    parser.add_argument("--control", help="a VACE model (data.kind=vace): the control video (depth, pose, a masked "
+                                          "source...), its first frames as many as the video's")
+    parser.add_argument("--mask", help="with --control: a mask video, white where to make the video (default: all)")
+    parser.add_argument("--reference", help="with --control: a reference image (its latent frame goes in front and "
+                                            "is dropped)")
     parser.add_argument("--gif", action="store_true", help="also write a GIF of each video")
     parser.add_argument("--scale", type=int, default=1, help="enlarge the written videos N times (nearest)")
     parser.add_argument("--fps", type=float, help="frames per second of the files (default: validation.fps)")
@@ -475,7 +481,8 @@ def sample_main(argv: Sequence[str]) -> int:
             shift=args.shift, schedule=args.schedule, shift_terminal=args.shift_terminal, solver=args.solver,
             karras=None if args.karras is None else _karras(args.karras),
             negative_prompt=args.negative_prompt, jumps=args.jumps, image=args.image, actions=args.actions,
-            gif=args.gif, scale=args.scale, fps=args.fps)
+            control=args.control, mask=args.mask, reference=args.reference, gif=args.gif, scale=args.scale,
+            fps=args.fps)
         done = sampling.run_sample(request, rank=rank, world=world, progress=sys.stderr.isatty(),
                                    say=lambda line: print(line, file=sys.stderr))
     except BAD_INPUT as error:

@@ -8,10 +8,11 @@ training-grid entry at ``floor(1000 u)``, ``x_t = (1 - sigma) x0 + sigma noise``
 
 Noise and timesteps come from ``fold_in(step_key, global_sample_index)``, so a sample draws the same numbers whatever
 the number of ranks or micro-batches. A model with its own training noise levels (``Model.rules.sigma_sampler``: LTX-2's
-stretched and LTX-Video's shifted logit-normal, MiniMax-H3's coupled draws) draws ``sigma`` with it instead of the
-density and grid (:func:`draw_sigmas`). A model that trains one timestep range per step (``Model.rules.step_ranges``: Wan
-2.2 A14B, one expert per step) draws the step's range from the step key and its samples' levels in it
-(:func:`step_range_sigmas`).
+stretched and LTX-Video's shifted logit-normal, MiniMax-H3's coupled draws, CogVideoX's uniform DDPM timesteps) draws
+``sigma`` with it instead of the density and grid (:func:`draw_sigmas`); one trained with another objective weighs each
+sample's error by ``Model.rules.loss_weight(sigma)`` (CogVideoX's v-prediction x0 loss, as the flow's). A model that
+trains one timestep range per step (``Model.rules.step_ranges``: Wan 2.2 A14B, one expert per step) draws the step's
+range from the step key and its samples' levels in it (:func:`step_range_sigmas`).
 
 A joint model (``Model.joint``: MiniMax-H3's video and audio) takes every modality at its own noise and level, and the
 loss is the sum of the modalities' losses, each logged (FastVideo's ``video_finetune_loss``, ``audio_finetune_loss``):
@@ -56,7 +57,8 @@ def loss_fn(params: dict, batch: Batch, key: torch.Tensor, *, model: Model,
     x_t = flow.add_noise(x0, noise, sigma)
     v = model.apply(params, x_t, t, batch["cond"])
     if not model.joint:
-        return _loss(v.float(), x_t, x0, noise, sigma, config), {"sigma": sigma.mean()}
+        weight = None if model.rules.loss_weight is None else model.rules.loss_weight(sigma)
+        return _loss(v.float(), x_t, x0, noise, sigma, config, weight), {"sigma": sigma.mean()}
     losses = {name: _loss(v[name].float(), x_t[name], x0[name], noise[name], sigma[name], config) for name in v}
     return (sum(losses.values()),
             {"sigma": sigma["video"].mean(), **{f"{name}_finetune_loss": loss for name, loss in losses.items()}})
@@ -108,11 +110,16 @@ def check_step_ranges(model: Model, config: Finetune) -> None:
 
 
 def _loss(v: torch.Tensor, x_t: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor,
-          config: Finetune) -> torch.Tensor:
-    """One modality's mean squared error: of the velocity, or of the implied x0 (``precondition_outputs``)."""
+          config: Finetune, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """One modality's mean squared error: of the velocity, or of the implied x0 (``precondition_outputs``); with the
+    model's per-sample ``weight [B]`` (``Model.rules.loss_weight``), the weighted mean of the samples' errors."""
     if config.precondition_outputs:
-        return torch.mean((flow.x0_from_velocity(x_t, v, sigma) - x0) ** 2)
-    return torch.mean((v - flow.velocity_target(x0, noise)) ** 2)
+        error = flow.x0_from_velocity(x_t, v, sigma) - x0
+    else:
+        error = v - flow.velocity_target(x0, noise)
+    if weight is None:
+        return torch.mean(error ** 2)
+    return torch.mean(weight * (error ** 2).flatten(1).mean(1))
 
 
 def logged(loss: torch.Tensor, aux: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

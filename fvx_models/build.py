@@ -247,8 +247,8 @@ def _check_joint(who: str, config: ModelConfig, modalities: tuple[str, ...], x_t
 def _patch(config: ModelConfig) -> tuple[int, int, int]:
     kwargs = config.spec.kwargs
     patch = kwargs.get("patch_size")
-    if isinstance(patch, int):  # HunyuanVideo: spatial patch_size and patch_size_t
-        return (kwargs.get("patch_size_t", 1), patch, patch)
+    if isinstance(patch, int):  # HunyuanVideo: spatial patch_size and patch_size_t (CogVideoX 1.0's None: 1)
+        return (kwargs.get("patch_size_t") or 1, patch, patch)
     return tuple(patch)
 
 
@@ -419,8 +419,8 @@ def _installed(config: ModelConfig, mesh: Any, who: str) -> tuple[nn.Module, nn.
     plain, adapted = module, ()
     if config.lora is not None:
         plain = copy.deepcopy(module)
-        adapted = flora.install(module, config.lora, who,
-                                functools.partial(_owner_untrained, family, family.trained(config)))
+        untrained = functools.partial(_owner_untrained, family, family.trained(config))
+        adapted = flora.install(module, config.lora, who, lambda name: config.frozen(name) or untrained(name))
     if sequence is not None:
         sequence_parallel(config, module, sequence)
     runtime = attention.install(config, module)
@@ -534,7 +534,10 @@ def _rules(config: ModelConfig, modalities: tuple[str, ...]) -> Rules:
         two_time_refusal=None if type(config).two_time is not ModelConfig.two_time else
         f"the {family.name} family takes no second time input; a flow map trains on a two-time family: "
         f"{TWO_TIME_FAMILIES}",
-        forward_ad_refusal=_forward_ad_refusal(config))
+        forward_ad_refusal=_forward_ad_refusal(config),
+        loss_weight=None if training.loss_weight is None else functools.partial(training.loss_weight, config),
+        sampling_sigmas=(None if training.sampling_sigmas is None
+                         else functools.partial(training.sampling_sigmas, config)))
 
 
 def _memory_spec(config: ModelConfig, module: nn.Module, groups: Mapping[str, tuple[str, ...]], weights: Weights,

@@ -22,7 +22,7 @@ import torch
 
 from fvx_models import diffusers_folder as dfolder
 
-Part = str  # "text", "video", "first_frame", "image", "audio", "decode": what an opened record can encode (decode)
+Part = str  # "text", "video", "first_frame", "image", "audio", "context", "decode": what an opened record can encode
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -55,6 +55,11 @@ class Encoders:
                      not Wan 2.2's I2V, whose folders have no image encoder: FastVideo then stores empty bytes)
     first_frame(pipe, video) -> latents   I2V's condition latents ``[B, C, t, h, w]``: the first frame followed by zero
                      frames, encoded and normalised as FastVideo stores them (default: the family has no I2V)
+    context(pipe, video, mask, references) -> [1, C', t, h, w]   a control family's context of one control video
+                     ``[1, 3, T, H, W]`` in [-1, 1], its mask ``[1, 1, T, H, W]`` in [0, 1] (None: everything to be
+                     made) and reference images (``[3, H, W]`` in [-1, 1]) as its pipeline builds it (VACE's);
+                     ``references(pipe, images) -> [C, R, h, w]`` the reference images' latent frames in the VAE's own
+                     scale, which go in front of the video's; None: the family takes no control context
     audio, encode_audio(pipe, waveform, rate) -> [B, C, F, A]   a joint model's audio latents from stereo waveforms
                      ``[B, 2, S]`` at ``rate`` Hz; ``audio_refusal``: why there is none (one line)
     stand_ins        ``(component, object)`` pairs given to ``from_pretrained`` in place of a component encoding never
@@ -82,6 +87,8 @@ class Encoders:
     encode_image: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
     image_wanted: Callable[[Any], bool] = lambda config: True
     first_frame: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+    context: Callable[[Any, torch.Tensor, torch.Tensor | None, list[torch.Tensor]], torch.Tensor] | None = None
+    references: Callable[[Any, list[torch.Tensor]], torch.Tensor] | None = None
     audio: tuple[str, ...] = ()
     encode_audio: Callable[[Any, torch.Tensor, int], torch.Tensor] | None = None
     audio_refusal: str | None = None
@@ -94,7 +101,7 @@ class Encoders:
         needed: list[str] = []
         for part in parts:
             for name in {"text": self.text + self.text_2, "video": self.video, "first_frame": self.video,
-                         "image": self.image, "audio": self.audio, "decode": self.video}[part]:
+                         "context": self.video, "image": self.image, "audio": self.audio, "decode": self.video}[part]:
                 if name not in needed:
                     needed.append(name)
         return tuple(needed)
@@ -104,6 +111,8 @@ class Encoders:
         parts = set(parts)
         if "first_frame" in parts and self.first_frame is None:
             return "it has no image-to-video encoding in fvx (no first-frame latents)"
+        if "context" in parts and self.context is None:
+            return "it takes no control context in fvx (VACE's control video, mask and reference images)"
         if "image" in parts and self.encode_image is None:
             return "it has no image encoder in fvx"
         if "audio" in parts and self.encode_audio is None:
@@ -210,6 +219,24 @@ class Opened:
         self._use(self.encoders.video)
         x = video[None].to(self.device, self.pipe.vae.dtype)
         return self.encoders.first_frame(self.pipe, x)[0].float().cpu()
+
+    @torch.no_grad()
+    def encode_context(self, video: torch.Tensor, mask: torch.Tensor | None,
+                       references: list[torch.Tensor]) -> torch.Tensor:
+        """A control family's context ``[C', t, h, w]`` of a control video ``[3, T, H, W]`` in [-1, 1], its mask
+        ``[1, T, H, W]`` in [0, 1] (None: ones) and reference images ``[3, H, W]`` in [-1, 1]."""
+        self._use(self.encoders.video)
+        dtype = self.pipe.vae.dtype
+        mask = None if mask is None else mask[None].to(self.device, dtype)
+        refs = [image.to(self.device, dtype) for image in references]
+        return self.encoders.context(self.pipe, video[None].to(self.device, dtype), mask, refs)[0].float().cpu()
+
+    @torch.no_grad()
+    def encode_references(self, references: list[torch.Tensor]) -> torch.Tensor:
+        """The reference images' latent frames ``[C, R, h, w]`` (VAE scale) of images ``[3, H, W]`` in [-1, 1]."""
+        self._use(self.encoders.video)
+        refs = [image.to(self.device, self.pipe.vae.dtype) for image in references]
+        return self.encoders.references(self.pipe, refs).float().cpu()
 
     @torch.no_grad()
     def encode_image(self, frame: torch.Tensor) -> torch.Tensor | None:

@@ -227,6 +227,12 @@ class Training:
                                          step trains one (Wan 2.2 A14B's experts' ranges); (): the whole grid
     one_sample                           why a forward takes one sample (MiniMax-H3's packed sequence has no batch
                                          axis), or None
+    loss_weight(config, sigma) -> [B]    the per-sample weight of the velocity loss at levels ``sigma [B]``: a family
+                                         trained with another objective, as the flow's loss (CogVideoX's weighted x0
+                                         loss of v-prediction); None: one
+    sampling_sigmas(config, steps) -> [K]   the levels the family's own pipeline samples ``steps`` steps on (an
+                                         Euler step between two is its scheduler's step: CogVideoX's DDIM), which
+                                         ``validation.schedule=model`` uses; None: it has none of its own
     """
 
     unused: Callable[[Any], frozenset[str]] = lambda config: frozenset()
@@ -234,6 +240,8 @@ class Training:
     sigma_sampler: Callable[[Any, torch.Tensor, Any], tuple[Any, Any]] | None = None
     step_ranges: Callable[[Any], tuple] = lambda config: ()
     one_sample: str | None = None
+    loss_weight: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+    sampling_sigmas: Callable[[Any, int], torch.Tensor] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -194,6 +194,10 @@ class Rules:
     two_time_refusal                why no config of the model's family takes a second time ``r`` and which families
                                     do (a flow map's refusal); None when its config can (``ModelConfig.two_time``)
     forward_ad_refusal              why ``apply`` has no forward-mode derivatives (its attention kernel), or None
+    loss_weight(sigma) -> [B]       the per-sample weight of a velocity loss at levels ``sigma [B]`` (a family
+                                    trained with another objective: CogVideoX's); None: one
+    sampling_sigmas(steps) -> [K]   the levels the family's own pipeline samples on (``validation.schedule=model``);
+                                    None: it has none
     """
 
     sigma_sampler: Callable[[torch.Tensor, Any], tuple[Any, Any]] | None = None
@@ -205,6 +209,8 @@ class Rules:
     two_time: bool = False
     two_time_refusal: str | None = None
     forward_ad_refusal: str | None = None
+    loss_weight: Callable[[torch.Tensor], torch.Tensor] | None = None
+    sampling_sigmas: Callable[[int], torch.Tensor] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,7 +44,7 @@ def collate(samples: list[dict], indices: list[int], *, text_len: int, cfg_rate:
     ``mouse`` [F, K] are stacked as stored, with ``action_stride`` (the VAE's time stride ``r``) checked to cover the
     kept latent frames: ``F >= (T - 1) r + 1``."""
     batch: dict[str, Any] = {}
-    for key in ("latents", "first_frame_latents"):
+    for key in ("latents", "first_frame_latents", "vace_context"):
         if samples and key in samples[0]:
             _check_same(samples, key, lambda a: a.shape, "shape",
                         " (data of several shapes, e.g. preprocessed with buckets: set data.batch_by_shape=true)")

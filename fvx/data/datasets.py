@@ -5,7 +5,7 @@ parquet format is ``fvx.data.parquet``; ``fvx.data.preprocess`` writes it from v
 
 Batch dict (torch tensors except ``caption``)::
 
-    latents      [B, C, T, H, W] float32   (kinds "t2v", "i2v", "t2va", "matrixgame2"; from vae_latent)
+    latents      [B, C, T, H, W] float32   (kinds "t2v", "i2v", "t2va", "matrixgame2", "vace"; from vae_latent)
     first_frame_latents [B, C, T, H, W]    (kinds "i2v" and "matrixgame2": first_frame_latent, the VAE latents of the
                                             first frame followed by zero frames, normalised: FastVideo stores them so)
     image_embeds [B, N, D] float32         (kinds "i2v" and "matrixgame2" when the data has them: clip_feature, the
@@ -15,6 +15,8 @@ Batch dict (torch tensors except ``caption``)::
                                             F = (T - 1) r + 1 for the VAE's time stride r, kept as stored; FastVideo's
                                             universal order W, S, A, D)
     mouse        [B, F, 2] float32         (kind "matrixgame2" when the data has it: mouse_cond, per video frame)
+    vace_context [B, C', T, H, W] float32  (kind "vace": vace_context, Wan VACE's control context over the latents'
+                                            frames: inactive and reactive latents and the packed mask)
     audio_latents [B, 2, 32, A] float32    (kind "t2va": audio_latent, the stereo audio VAE's latents [C, F, A] as
                                             FastVideo's t2va preprocessing stores them; a stored leading 1 is
                                             dropped; every sample of a batch must have the same length A)
@@ -42,7 +44,7 @@ from fvx.core import random
 from fvx.data.batching import Dataset, collate as collate_samples
 from fvx.data.parquet import Kind, ParquetDataset, check_indices, check_kind, find_parquet_files
 from fvx.data.preprocess import PreprocessConfig
-from fvx.data.toy_world import WorldConfig, first_frame_only
+from fvx.data.toy_world import WorldConfig, extension_context, first_frame_only
 from fvx.data.toy_world_actions import random_actions, world_dataset
 from fvx.data.toy_world_files import JudgedByWorld
 
@@ -56,7 +58,9 @@ class SyntheticConfig(Config):
     embeddings; kind "t2va" needs ``audio_shape`` (C, F, A), e.g. (2, 32, 8): normal audio latents. Kind
     "matrixgame2" makes I2V tensors (``image_embeds`` default (4, 16), the tiny presets' width) and actions per video
     frame: ``keyboard`` one-hot ``[F, 4]`` and ``mouse`` normal x 0.1 ``[F, 2]``, ``F = (T - 1) r + 1`` with ``r``
-    ``data.vae_time_stride`` (default 4, Wan's VAE)."""
+    ``data.vae_time_stride`` (default 4, Wan's VAE). Kind "vace" makes the toy world's extension context
+    (``toy_world.extension_context``: the first frame given) with ``vace_mask_channels`` mask channels (the VAE's
+    spatial stride squared: 16 for the tiny Wan VAE)."""
 
     num_samples: PositiveInt = 64
     latent_shape: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt] = (16, 1, 8, 8)
@@ -64,6 +68,7 @@ class SyntheticConfig(Config):
     text_dim: PositiveInt = 32
     image_embeds: tuple[PositiveInt, PositiveInt] | None = None
     audio_shape: tuple[PositiveInt, PositiveInt, PositiveInt] | None = None
+    vace_mask_channels: PositiveInt = 16
 
 
 class DataConfig(Config):
@@ -172,6 +177,8 @@ class SyntheticDataset:
         if self.kind == "matrixgame2":
             frames = (self.config.latent_shape[1] - 1) * self.time_stride + 1
             sample.update(random_actions(random.fold_in(latents_key, 3), frames))
+        if self.kind == "vace":
+            sample["vace_context"] = extension_context(sample["latents"], self.config.vace_mask_channels)
         if self.kind == "t2va":
             sample["audio_latents"] = random.normal(random.fold_in(latents_key, 2), self.config.audio_shape).numpy()
         return sample

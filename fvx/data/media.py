@@ -250,3 +250,17 @@ def resize_crop(frames: np.ndarray, height: int, width: int) -> torch.Tensor:
     if (crop_h, crop_w) != (height, width):
         x = F.interpolate(x.contiguous(), size=(height, width), mode="bilinear", align_corners=True, antialias=True)
     return ((x.float() / 255.0) * 2.0 - 1.0).clamp(-1.0, 1.0).permute(1, 0, 2, 3).contiguous()
+
+
+def fit_on_white(image: np.ndarray, height: int, width: int) -> torch.Tensor:
+    """A uint8 image ``[1, H0, W0, 3]`` -> float32 ``[3, height, width]`` in [-1, 1]: mapped by ``2 x / 255 - 1``,
+    scaled to fit (bilinear, ``align_corners=False``) and centred on white, as diffusers' ``WanVACEPipeline`` prepares
+    a reference image."""
+    x = torch.from_numpy(np.ascontiguousarray(image[0])).permute(2, 0, 1)[None].float() / 255.0 * 2.0 - 1.0
+    scale = min(height / x.shape[2], width / x.shape[3])
+    size = (int(x.shape[2] * scale), int(x.shape[3] * scale))
+    resized = F.interpolate(x, size=size, mode="bilinear", align_corners=False)[0]
+    top, left = (height - size[0]) // 2, (width - size[1]) // 2
+    canvas = torch.ones(3, height, width)
+    canvas[:, top:top + size[0], left:left + size[1]] = resized
+    return canvas

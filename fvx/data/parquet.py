@@ -1,6 +1,7 @@
 """FastVideo's preprocessed parquet, read and written: its schemas, a lazily read dataset of its files, and a writer.
 
-Layout (FastVideo's ``pyarrow_schema_t2v`` / ``_text_only`` / ``_i2v`` / ``_t2va`` / ``_matrixgame2``): one row per
+Layout (FastVideo's ``pyarrow_schema_t2v`` / ``_text_only`` / ``_i2v`` / ``_t2va`` / ``_matrixgame2``, and t2v's with
+one more tensor for kind "vace"): one row per
 sample; each tensor is three columns ``<name>_bytes`` (raw float32 bytes), ``<name>_shape`` (list<int64>) and
 ``<name>_dtype`` (string). As FastVideo's collation does, the bytes are decoded as float32 whatever ``_dtype`` says; the
 dtype only appears in errors.
@@ -8,7 +9,9 @@ A sample read here is a dict of float32 arrays keyed as batches name them (``fvx
 ``latents``, ``text``, and per kind ``first_frame_latents``, ``image_embeds``, ``audio_latents``, ``keyboard``,
 ``mouse``. Kind "matrixgame2" (Matrix-Game 2.0's action data) has no text: its actions ``keyboard_cond`` ``[F, K]`` and
 ``mouse_cond`` ``[F, 2]`` hold one row per video frame of the clip (``F = (T - 1) r + 1`` for ``T`` latent frames and
-the VAE's time stride ``r``; longer is kept as stored, the model slices).
+the VAE's time stride ``r``; longer is kept as stored, the model slices). Kind "vace" (fvx's, for Wan VACE: no
+FastVideo schema) adds ``vace_context`` ``[C', T, H, W]``, the control context as ``WanVACEPipeline`` builds it
+(``fvx_models.wan_vace``), over the same latent frames as ``vae_latent`` (reference images' frames in front of both).
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-Kind = Literal["t2v", "text_only", "i2v", "t2va", "matrixgame2"]
+Kind = Literal["t2v", "text_only", "i2v", "t2va", "matrixgame2", "vace"]
 
 # Tensor columns per kind: (parquet tensor name, batch key). Metadata columns follow FastVideo's schemas.
 _TENSORS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -35,6 +38,7 @@ _TENSORS: dict[str, tuple[tuple[str, str], ...]] = {
     "t2va": (("vae_latent", "latents"), ("audio_latent", "audio_latents"), ("text_embedding", "text")),
     "matrixgame2": (("vae_latent", "latents"), ("first_frame_latent", "first_frame_latents"),
                     ("keyboard_cond", "keyboard")),
+    "vace": (("vae_latent", "latents"), ("text_embedding", "text"), ("vace_context", "vace_context")),
 }
 # Tensor columns a kind reads when every file has them and a sample's are not empty (FastVideo's I2V preprocessing
 # writes empty bytes for a model without an image encoder).
@@ -47,7 +51,7 @@ _OPTIONAL_TENSORS: dict[str, tuple[tuple[str, str], ...]] = {
 _WRITE_ONLY: dict[str, tuple[tuple[str, str], ...]] = {"i2v": (("pil_image", "pil_image"),),
                                                        "matrixgame2": (("pil_image", "pil_image"),)}
 _RANKS = {"latents": 4, "text": 2, "first_frame_latents": 4, "image_embeds": 2, "audio_latents": 3,
-          "pil_image": 3, "keyboard": 2, "mouse": 2}  # stored dims
+          "pil_image": 3, "keyboard": 2, "mouse": 2, "vace_context": 4}  # stored dims
 ACTIONS = (("keyboard_cond", "keyboard"), ("mouse_cond", "mouse"))  # kind matrixgame2's (column, batch key)
 # fvx's one column beyond FastVideo's schema: a family's second text stream (HunyuanVideo 1.5's ByT5 glyph text),
 # [L2, D2] real tokens, written after FastVideo's columns when the encoders make it and read when data.text_2_len is set
@@ -57,7 +61,8 @@ _ORDER = {"t2v": ("vae_latent", "text_embedding"), "text_only": ("text_embedding
           "i2v": ("vae_latent", "text_embedding", "clip_feature", "first_frame_latent", "pil_image"),
           "t2va": ("vae_latent", "audio_latent", "text_embedding"),
           "matrixgame2": ("vae_latent", "clip_feature", "first_frame_latent", "mouse_cond", "keyboard_cond",
-                          "pil_image")}
+                          "pil_image"),
+          "vace": ("vae_latent", "text_embedding", "vace_context")}
 _METADATA: dict[str, tuple[tuple[str, pa.DataType], ...]] = {
     "t2v": (
         ("file_name", pa.string()), ("caption", pa.string()), ("media_type", pa.string()), ("width", pa.int64()),
@@ -65,7 +70,7 @@ _METADATA: dict[str, tuple[tuple[str, pa.DataType], ...]] = {
     ),
     "text_only": (("caption", pa.string()),),
 }
-_METADATA["i2v"] = _METADATA["matrixgame2"] = _METADATA["t2v"]
+_METADATA["i2v"] = _METADATA["matrixgame2"] = _METADATA["vace"] = _METADATA["t2v"]
 _METADATA["t2va"] = _METADATA["t2v"] + (("audio_sample_rate", pa.int64()),)
 
 

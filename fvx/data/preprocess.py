@@ -5,7 +5,9 @@ Inputs (:func:`find_inputs`): FastVideo's merged layout (``videos/`` beside ``vi
 ``clip.txt``, musubi-tuner's and diffusion-pipe's convention; images are one-frame clips). Kind "matrixgame2" also
 reads each video's action file (:func:`read_action_file`: ``.npz`` of keyboard and mouse, or ``.npy`` of the keyboard):
 ``"action_path"`` of its entry in the merged layout (from ``videos/``, as FastVideo joins it), else ``clip.npz`` or
-``clip.npy`` beside ``clip.mp4``. Each clip is decoded
+``clip.npy`` beside ``clip.mp4``. Kind "vace" reads each video's control video ``clip.control.<ext>`` (required), its
+mask ``clip.mask.<ext>`` (white: to be made; none: all of it) and reference image ``clip.ref.<ext>`` beside it, cut
+and sized as the clip (:func:`encode_context`); those files are not inputs of their own. Each clip is decoded
 (``fvx.data.media``), encoded by the model's encoders (the family's ``Encoders`` record, or the toy world's) and written
 as rows of ``fvx.data.parquet``'s schema for the data kind.
 
@@ -79,16 +81,25 @@ class Encoder(Protocol):
 
     def encode_audio(self, waveform: torch.Tensor, rate: int) -> torch.Tensor: ...
 
+    def encode_context(self, video: torch.Tensor, mask: torch.Tensor | None,
+                       references: list[torch.Tensor]) -> torch.Tensor: ...
+
+    def encode_references(self, references: list[torch.Tensor]) -> torch.Tensor: ...
+
 
 @dataclasses.dataclass(frozen=True)
 class Input:
-    """One input: its media file, caption (None: missing), name (its path from the input root) and action file (kind
-    matrixgame2; None: none found)."""
+    """One input: its media file, caption (None: missing), name (its path from the input root), action file (kind
+    matrixgame2; None: none found) and control files (kind vace: ``"control"``, ``"mask"``, ``"ref"`` -> path)."""
 
     path: pathlib.Path
     caption: str | None
     name: str
     action: pathlib.Path | None = None
+    control: dict[str, pathlib.Path] = dataclasses.field(default_factory=dict)
+
+
+CONTROL_FILES = ("control", "mask", "ref")  # kind vace's files beside a clip: clip.control.mp4, clip.mask.mp4, ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,16 +120,19 @@ class Job:
 # ----------------------------------------------------------------------------------------------------------- inputs
 
 
-def find_inputs(root: pathlib.Path) -> list[Input]:
+def find_inputs(root: pathlib.Path, kind: str = "t2v") -> list[Input]:
     """Every input under ``root`` in a fixed order (by name): FastVideo's merged layout when ``root`` holds
-    ``videos2caption.json`` (a caption list gives its first), else media files with ``<stem>.txt`` captions."""
+    ``videos2caption.json`` (a caption list gives its first), else media files with ``<stem>.txt`` captions (for kind
+    "vace", but the control files beside them, :data:`CONTROL_FILES`, which each input gets; in either layout)."""
     if not root.is_dir():
         raise ValueError(f"--videos {str(root)!r} is not a folder")
     listing = root / "videos2caption.json"
     if listing.is_file():
-        return _merged_layout(root, listing)
+        return _merged_layout(root, listing, kind)
     found = sorted((p for p in root.rglob("*") if p.is_file() and media.is_media(p)),
                    key=lambda p: p.relative_to(root).as_posix())
+    if kind == "vace":
+        found = [p for p in found if pathlib.Path(p.stem).suffix[1:] not in CONTROL_FILES]
     if not found:
         raise ValueError(f"--videos {str(root)!r} holds no videos or images ({', '.join(media.VIDEO_SUFFIXES)}, "
                          f"{', '.join(media.IMAGE_SUFFIXES)}) and no videos2caption.json")
@@ -128,8 +142,19 @@ def find_inputs(root: pathlib.Path) -> list[Input]:
         caption = text.read_text(encoding="utf-8", errors="replace").strip() if text.is_file() else None
         action = next((found for found in (path.with_suffix(".npz"), path.with_suffix(".npy")) if found.is_file()),
                       None)
-        inputs.append(Input(path, caption, path.relative_to(root).as_posix(), action))
+        control = {} if kind != "vace" else control_files(path)
+        inputs.append(Input(path, caption, path.relative_to(root).as_posix(), action, control))
     return inputs
+
+
+def control_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
+    """The control files beside media file ``path`` (``<stem>.<role>.<ext>``, :data:`CONTROL_FILES`), by role."""
+    found = {}
+    for role in CONTROL_FILES:
+        named = sorted(p for p in path.parent.glob(f"{path.stem}.{role}.*") if p.is_file() and media.is_media(p))
+        if named:
+            found[role] = named[0]
+    return found
 
 
 PROMPTS_FORMATS = 'one prompt a line, or FastVideo\'s validation JSON {"data": [{"caption": ...}, ...]}'
@@ -183,7 +208,7 @@ def find_prompts(path: pathlib.Path) -> list[Input]:
     return [Input(path, line, f"text_prompt_{n}") for n, line in enumerate(lines)]
 
 
-def _merged_layout(root: pathlib.Path, listing: pathlib.Path) -> list[Input]:
+def _merged_layout(root: pathlib.Path, listing: pathlib.Path, kind: str) -> list[Input]:
     try:
         entries = json.loads(listing.read_text())
     except (OSError, json.JSONDecodeError) as error:
@@ -196,9 +221,9 @@ def _merged_layout(root: pathlib.Path, listing: pathlib.Path) -> list[Input]:
         cap = entry.get("cap")
         cap = cap[0] if isinstance(cap, list) and cap else cap
         caption = cap.strip() if isinstance(cap, str) else None
-        action = entry.get("action_path")
-        inputs.append(Input(root / "videos" / entry["path"], caption, entry["path"],
-                            root / "videos" / action if isinstance(action, str) and action else None))
+        action, path = entry.get("action_path"), root / "videos" / entry["path"]
+        inputs.append(Input(path, caption, entry["path"], root / "videos" / action if isinstance(action, str) and action
+                            else None, control_files(path) if kind == "vace" else {}))
     return inputs
 
 
@@ -271,6 +296,19 @@ def check_action_files(job: Job, inputs: Sequence[Input]) -> None:
                 raise ValueError(f"action file {str(item.action)!r}: {name} has {array.shape[0]} rows, but the clip "
                                  f"of {item.name!r} takes video frames up to {indices[-1]} ({len(indices)} frames at "
                                  f"data.preprocess.train_fps={job.config.train_fps}): one row per video frame")
+
+
+def check_control_files(inputs: Sequence[Input]) -> None:
+    """Kind vace, before anything is written: a ValueError naming the file unless every video has a control video
+    (``<stem>.control.<ext>``) and its mask and reference, when given, are a video and an image."""
+    for item in inputs:
+        files, stem = item.control, item.path.with_suffix("").name
+        if "control" not in files:
+            raise ValueError(f"video {str(item.path)!r} has no control video (kind 'vace' reads '{stem}.control.mp4' "
+                             f"beside it, with an optional '{stem}.mask.mp4' and '{stem}.ref.png')")
+        for role, wants_image in (("control", False), ("mask", False), ("ref", True)):
+            if role in files and media.is_image(files[role]) != wants_image:
+                raise ValueError(f"{role} file {str(files[role])!r} must be {'an image' if wants_image else 'a video'}")
 
 
 # ------------------------------------------------------------------------------------------------------------ clips
@@ -361,10 +399,38 @@ def encode_media(job: Job, encoder: Encoder, item: Input) -> dict[str, Any]:
             raise media.MediaError("it has no action file")
         actions = read_action_file(item.action)
         row.update({name: torch.from_numpy(array[indices]) for name, array in actions.items()})
+    if job.kind == "vace":
+        row.update(encode_context(encoder, item, clip, indices, latents))
     if job.kind == "t2va":
         row["audio_latents"] = encoder.encode_audio(sound, job.audio_rate)
         row["audio_sample_rate"] = job.audio_rate
     return row
+
+
+def encode_context(encoder: Encoder, item: Input, clip: torch.Tensor, indices: list[int],
+                   latents: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Kind vace's tensors of one clip ``[3, T, H, W]``: its control video and mask (the clip's source frames
+    ``indices``, cropped and resized as the clip; the mask's mean over colours, white 1) and reference image (fit to
+    the clip's size on white, as the pipeline prepares it) through the encoder's context, and with a reference the
+    clip's ``latents`` with its latent frame in front, as the pipeline lays them out (a MediaError when a file does
+    not decode or is too short)."""
+    height, width = clip.shape[2:]
+
+    def frames(role: str) -> torch.Tensor:
+        try:
+            return media.resize_crop(media.read_frames(item.control[role], indices), height, width)
+        except media.MediaError as error:
+            raise media.MediaError(f"its {role} video {item.control[role].name!r}: {error}") from None
+
+    control = frames("control")
+    mask = (frames("mask").mean(0, keepdim=True) + 1) / 2 if "mask" in item.control else None
+    refs = []
+    if "ref" in item.control:
+        refs = [media.fit_on_white(media.read_image(item.control["ref"]), height, width)]
+    out = {"vace_context": encoder.encode_context(control, mask, refs)}
+    if refs:
+        out["latents"] = torch.cat([encoder.encode_references(refs), latents], dim=1)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------------ output

@@ -175,6 +175,16 @@ def first_frame_only(video: np.ndarray) -> np.ndarray:
     return out
 
 
+def extension_context(latents: np.ndarray, mask_channels: int) -> np.ndarray:
+    """Kind "vace"'s context ``[2 C + M, T, h, w]`` of a clip's latents ``[C, T, h, w]``: VACE's extension task
+    (``fvx_models.wan_vace``'s layout). The control video is the clip's first frame then mid-grey frames, its mask
+    zero on the first frame (kept) and one after (to be made), so the exact, frame-wise codec gives the first frame's
+    latents then zeros outside the mask, zeros inside it, then the mask, ``f x f`` pixels to a cell (``M = f^2``)."""
+    mask = np.ones((mask_channels, *latents.shape[1:]), dtype=latents.dtype)
+    mask[:, 0] = 0
+    return np.concatenate([first_frame_only(latents), np.zeros_like(latents), mask])
+
+
 def space_to_depth(video: np.ndarray | torch.Tensor, factor: int) -> Any:
     """``[..., 3, T, H, W] -> [..., 3 f^2, T, H / f, W / f]``: channel ``(c, i, j)`` holds pixel ``(f y + i, f x + j)``
     of colour ``c``."""
@@ -243,6 +253,8 @@ class WorldDataset:
             sample["latents"] = space_to_depth(self.clip(index), self.config.factor)
         if self.kind == "i2v":  # the codec is frame-wise: the first frame's latents, then zero frames
             sample["first_frame_latents"] = first_frame_only(sample["latents"])
+        if self.kind == "vace":  # the first frame given as VACE's control context
+            sample["vace_context"] = extension_context(sample["latents"], self.config.factor ** 2)
         if self.kind == "t2va":  # the prompt's tone, exactly encoded
             sample["audio_latents"] = toy_audio.frame(self.tones()[prompt].numpy() * toy_audio.SCALE)
             sample["audio_sample_rate"] = self.config.audio_rate
@@ -279,7 +291,7 @@ class WorldDataset:
         ``prompt_match`` (the fraction whose nearest true clip of any prompt is of its prompt). A clip ``k`` times the
         world's length (a long streamed sample; bars only, whose every window is a true clip) is scored per window of
         the world's frames, ``window_i/<figure>``, and the figures are their means, so a person sees whether quality
-        holds along the clip. Image-to-video data (kind "i2v") adds :meth:`continuation_mse`."""
+        holds along the clip. Data that gives the first frame (kinds "i2v", "vace") adds :meth:`continuation_mse`."""
         return self.prompt_quality(videos, [int(i) % len(self.prompts) for i in indices], indices)
 
     def caption_quality(self, videos: torch.Tensor, captions: Sequence[str]) -> dict[str, float]:
@@ -304,7 +316,7 @@ class WorldDataset:
                              f"{tuple(refs.shape[2:])} (or, for bars, a whole number of them in time)")
         prompts = torch.tensor(list(prompt_ids))
         windows = [_quality(videos[:, :, w:w + frames], prompts, refs) for w in range(0, shape[1], frames)]
-        if self.kind == "i2v" and len(windows) == 1 and indices is not None:
+        if self.kind in ("i2v", "vace") and len(windows) == 1 and indices is not None:
             return {**windows[0], "continuation_mse": self.continuation_mse(videos, indices)}
         if len(windows) == 1:
             return windows[0]
@@ -389,8 +401,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     write.add_argument("--samples", type=int, default=WorldConfig().num_samples,
                        help="how many clips (default: %(default)s)")
     write.add_argument("--seed", type=int, default=0, help="draws the clips' phases (default: %(default)s)")
-    write.add_argument("--kind", choices=("t2v", "matrixgame2"), default="t2v", help=(
-        "matrixgame2: the world with actions, each clip with its keys as a FastVideo action file <stem>.npy "
+    write.add_argument("--kind", choices=("t2v", "matrixgame2", "vace"), default="t2v", help=(
+        "matrixgame2: the world with actions, each clip with its keys as a FastVideo action file <stem>.npz; vace: "
+        "each clip with the control video <stem>.control.mp4 and mask <stem>.mask.mp4 of VACE's extension task "
         "(default: %(default)s)"))
     args = parser.parse_args(argv)
     if args.samples <= 0:
@@ -399,7 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from fvx.data.toy_world_files import write_videos
 
     names = write_videos(WorldConfig(num_samples=args.samples), args.dir, seed=args.seed, kind=args.kind)
-    extra = " and action files" if args.kind == "matrixgame2" else ""
+    extra = {"matrixgame2": " and action files", "vace": " and control videos and masks"}.get(args.kind, "")
     print(f"wrote {len(names)} clips ({names[0]} ... {names[-1]}) with their captions{extra} to {args.dir}")
     return 0
 

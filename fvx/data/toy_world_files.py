@@ -18,8 +18,9 @@ from fvx.data.toy_world import Codec, WorldConfig, WorldDataset, caption, first_
 
 class JudgedByWorld:
     """A dataset (FastVideo parquet that ``preprocess`` made from :func:`write_videos`' files) whose validation
-    samples the world scores: ``sample_quality`` finds each sample's prompt from its caption, so a run on the files
-    logs the figures a run on the built-in world logs."""
+    samples the world scores: ``sample_quality`` finds each sample's prompt from its caption (and for data that gives
+    the first frame, kinds "i2v" and "vace", scores the continuation against the files' own clips), so a run on the
+    files logs the figures a run on the built-in world logs."""
 
     def __init__(self, dataset: Any, world: WorldDataset):
         self.dataset, self.world = dataset, world
@@ -42,14 +43,19 @@ class JudgedByWorld:
             truth = Codec(self.world.config.factor).decode(batch["latents"])
             return toy_world_actions.action_quality(videos, batch["keyboard"], truth, self.world.config.speed,
                                                     self.world.config.score_window)
-        captions = self.dataset.read(indices).get("caption") or []
+        batch = self.dataset.read(indices)
+        captions = batch.get("caption") or []
         if len(captions) != len(indices):
             raise ValueError("validation: the data has no captions, so the toy world cannot score its samples "
                              "(data.world=null turns it off)")
         try:
-            return self.world.caption_quality(videos, captions)
+            quality = self.world.caption_quality(videos, captions)
         except ValueError as error:
             raise ValueError(f"validation: {error} (data.world=null turns it off)") from None
+        if self.world.kind in ("i2v", "vace"):  # continued from the files' own first frames: their clips are the truth
+            truth = Codec(self.world.config.factor).decode(batch["latents"])
+            quality["continuation_mse"] = float(((videos.float() - truth) ** 2).mean())
+        return quality
 
     def caption_quality(self, videos: torch.Tensor, captions: Sequence[str]) -> dict[str, float]:
         return self.world.caption_quality(videos, captions)
@@ -97,12 +103,33 @@ class WorldEncoders:
     def encode_audio(self, waveform: torch.Tensor, rate: int) -> torch.Tensor:
         raise ValueError("the toy world's media files carry no sound (its t2va data is built in)")
 
+    def encode_context(self, video: torch.Tensor, mask: torch.Tensor | None,
+                       references: list[torch.Tensor]) -> torch.Tensor:
+        """Kind "vace"'s context through the codec, laid out as VACE's pipeline lays it out: the control video outside
+        and inside the mask (``mask [1, T, H, W]``, None: ones), the mask ``f x f`` pixels to a cell, each reference
+        image's frame (its latents, zeros, a zero mask) in front."""
+        mask = torch.ones_like(video[:1]) if mask is None else (mask > 0.5).to(video.dtype)
+        video = video.float()
+        context = torch.cat([self.encode_video(video * (1 - mask)), self.encode_video(video * mask),
+                             space_to_depth(mask.float(), self.config.factor)])
+        for image in references:
+            latent = self.encode_video(image[:, None])
+            front = torch.cat([latent, torch.zeros_like(latent), torch.zeros_like(context[2 * len(latent):, :1])])
+            context = torch.cat([front, context], dim=1)
+        return context
+
+    def encode_references(self, references: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([self.encode_video(image[:, None]) for image in reversed(references)], dim=1)  # the last first
+
 
 def write_videos(config: WorldConfig, folder: str, seed: int = 0, kind: str = "t2v") -> list[str]:
     """Write the world's ``num_samples`` clips as lossless mp4 files (RGB H.264, ``fps``) with caption files
     (``world_NNNNN.mp4`` + ``.txt``), the layout ``preprocess --videos`` reads; returns the videos' names. Clip ``i``
     is :meth:`WorldDataset.clip` ``(i)`` of the world drawn from ``key(seed)``; kind "matrixgame2" writes the world with
-    actions and each clip's ``keyboard [T, 4]`` and ``mouse [T, 2]`` as its action file ``world_NNNNN.npz``."""
+    actions and each clip's ``keyboard [T, 4]`` and ``mouse [T, 2]`` as its action file ``world_NNNNN.npz``; kind "vace"
+    each clip's control video of VACE's extension task (the world's kind "vace" samples): ``world_NNNNN.control.mp4``
+    its first frame then grey frames (8-bit grey, 128) and ``world_NNNNN.mask.mp4`` black on the first frame (kept),
+    white after (to be made)."""
     out = pathlib.Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     world = toy_world_actions.world_dataset(config, random.key(seed), kind=kind, collate=lambda samples, indices: {})
@@ -118,5 +145,10 @@ def write_videos(config: WorldConfig, folder: str, seed: int = 0, kind: str = "t
             (out / f"{name}.txt").write_text(sample["caption"] + "\n")
         else:
             (out / f"{name}.txt").write_text(caption(config, colour, direction) + "\n")
+        if kind == "vace":
+            control, mask = np.full_like(pixels, 128), np.full_like(pixels, 255)
+            control[:, 0], mask[:, 0] = pixels[:, 0], 0
+            media.write_video(out / f"{name}.control.mp4", control.transpose(1, 2, 3, 0), config.fps)
+            media.write_video(out / f"{name}.mask.mp4", mask.transpose(1, 2, 3, 0), config.fps)
         names.append(f"{name}.mp4")
     return names

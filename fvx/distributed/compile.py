@@ -142,6 +142,7 @@ def _routed_forward(unit: nn.Module, prefix: str, fn: UnitFn, gather: Gather | N
     params, buffers = functional.held(unit)
     if contiguous:
         args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {k: a.contiguous() if isinstance(a, torch.Tensor) else a for k, a in kwargs.items()}
     if gather is None:
         return fn(params, buffers, *args, **kwargs)
     return gather(prefix, params, lambda full: fn(full, buffers, *args, **kwargs))
@@ -151,9 +152,9 @@ def route_units(module: nn.Module, units: Sequence[str], fn: UnitFn, *, gather: 
                 contiguous: bool = False) -> None:
     """Make every unit's ``forward`` call ``fn(its params, its buffers, *args, **kwargs)``, through
     ``gather(prefix, params, compute)`` when given (mutates ``module``; the units are recorded for
-    :func:`routed_units`). With ``contiguous`` tensor arguments are made contiguous first, so that a compiled ``fn``
-    sees the same strides from every unit (HunyuanVideo's single-stream blocks hand the next one a slice of their
-    output)."""
+    :func:`routed_units`). With ``contiguous`` tensor arguments, positional or keyword, are made contiguous first, so
+    that a compiled ``fn`` sees the same strides from every unit (HunyuanVideo's single-stream blocks hand the next one
+    a slice of their output; CogVideoX's first block gets a slice of the joint text and video tokens)."""
     for prefix in units:
         unit = _unit(module, prefix)
         unit.forward = functools.partial(_routed_forward, unit, prefix, fn, gather, contiguous)

@@ -85,6 +85,7 @@ def check_models(config: Any, models: Mapping[str, Any]) -> None:
     check_cfg_dropout(config, models)
     check_image_input(config, models)
     check_action_input(config, models)
+    check_context_input(config, models)
     method_check = getattr(config.method, "check_models", None)
     if method_check is not None:
         method_check(models)
@@ -147,6 +148,25 @@ def check_action_input(config: Any, models: Mapping[str, Any]) -> None:
         if reads_image and kind not in IMAGE_KINDS:
             raise ConfigError(f"models.{name} ({model.name}) is image-to-video: it needs each clip's first frame, "
                               f"which data.kind={kind} does not give; use data.kind=i2v")
+
+
+CONTEXT_INPUT, CONTEXT_KIND = "vace_context", "vace"  # the tensor data.kind=vace adds: a control context per clip
+
+
+def check_context_input(config: Any, models: Mapping[str, Any]) -> None:
+    """A ConfigError when control contexts and models disagree: data with a control context per clip
+    (``data.kind=vace``) for a model that reads none (it would train text-to-video, the context unread), or a model
+    that reads one from data that gives none."""
+    kind = config.data.kind
+    for name, model in models.items():
+        reads = CONTEXT_INPUT in model.cond
+        if kind == CONTEXT_KIND and not reads:
+            raise ConfigError(f"data.kind={CONTEXT_KIND} gives a control context per clip, but models.{name} "
+                              f"({model.name}) reads none (it would train text-to-video, the context unread); use a "
+                              f"model whose cond reads one ({CONTEXT_INPUT!r})")
+        if reads and kind != CONTEXT_KIND:
+            raise ConfigError(f"models.{name} ({model.name}) reads a control context per clip, which "
+                              f"data.kind={kind} does not give; use data.kind={CONTEXT_KIND}")
 
 
 def image_spec(model_config: Any, preset: str) -> Mapping[str, Any]:

@@ -129,7 +129,7 @@ def parts_of(kind: str) -> tuple[str, ...]:
     """What a data kind encodes."""
     return {"t2v": ("text", "video"), "i2v": ("text", "video", "first_frame", "image"),
             "t2va": ("text", "video", "audio"), "text_only": ("text",),
-            "matrixgame2": ("video", "first_frame", "image")}[kind]
+            "matrixgame2": ("video", "first_frame", "image"), "vace": ("text", "video", "context")}[kind]
 
 
 def job_of(config: Any) -> tuple[preprocess.Job, Callable[[], Any]]:
@@ -168,9 +168,11 @@ def run_preprocess(config: Any, videos: str, out: str, *, progress: bool) -> dic
     ValueError (bad input) before anything is written."""
     job, factory = job_of(config)
     source = pathlib.Path(videos)
-    inputs = preprocess.find_prompts(source) if job.kind == "text_only" else preprocess.find_inputs(source)
+    inputs = preprocess.find_prompts(source) if job.kind == "text_only" else preprocess.find_inputs(source, job.kind)
     if job.kind == "matrixgame2":  # every video's action file, before anything is written
         preprocess.check_action_files(job, inputs)
+    if job.kind == "vace":  # every video's control video
+        preprocess.check_control_files(inputs)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     folder = pathlib.Path(out)
     job = dataclasses.replace(job, identity={**job.identity, "inputs": str(pathlib.Path(videos).resolve()),

@@ -31,10 +31,11 @@ from fvx.training import (export as fexport, preprocessing, progress as fprogres
 from fvx.training.experiment import build_models, role_configs, run_keys
 
 SAMPLES = "samples.json"
-SCHEDULES = ("fvx", "diffusers")
+SCHEDULES = ("fvx", "diffusers", "model")
 SOLVERS = ("euler", "unipc")
 ACTIONS_KIND = "matrixgame2"  # the data kind whose videos are steered by per-frame actions, not text
 IMAGE_KINDS = ("i2v", ACTIONS_KIND)  # the data kinds whose videos start from a given first frame
+CONTROL_KIND = "vace"  # the data kind whose videos follow a control video (its mask, a reference image)
 
 
 class Request(NamedTuple):
@@ -65,6 +66,9 @@ class Request(NamedTuple):
     jumps: int | None = None
     image: str | None = None
     actions: str | None = None  # a Matrix-Game model's action file (data.kind=matrixgame2)
+    control: str | None = None  # a VACE model's control video (data.kind=vace), its mask and reference image
+    mask: str | None = None
+    reference: str | None = None
     gif: bool = False
     scale: int = 1
     fps: float | None = None
@@ -380,6 +384,49 @@ def read_first_frame(path: str | None, kind: str, model: Any) -> Any:
         raise ValueError(f"--image {path!r}: {error}") from None
 
 
+def read_control(request: Request, kind: str, model: Any, frames: int) -> dict[str, Any] | None:
+    """The ``--control`` video's first ``frames`` frames, the ``--mask`` video's and the ``--reference`` image (uint8
+    ``[F, H, W, 3]``, ``[1, H, W, 3]``; None: not given); a ValueError when the control video is missing for a
+    control model (the run's data ``kind`` is :data:`CONTROL_KIND`), any is given to another model, or one does not
+    exist, decode or reach ``frames`` frames."""
+    given = {"control": request.control, "mask": request.mask, "reference": request.reference}
+    if kind != CONTROL_KIND:
+        extra = [f"--{name}" for name, path in given.items() if path is not None]
+        if extra:
+            raise ValueError(f"{extra[0]}: {model.name} takes no control video (the run's data.kind={kind}); drop "
+                             f"{' '.join(extra)}")
+        return None
+    if request.control is None:
+        raise ValueError(f"sample: {model.name} follows a control video (the run's data.kind={kind}): give --control "
+                         "VIDEO (and optionally --mask VIDEO, white where to make the video, and --reference IMAGE)")
+    read = {}
+    for name, path in given.items():
+        if path is None:
+            continue
+        if not pathlib.Path(path).is_file():
+            raise ValueError(f"--{name} {path!r} does not exist")
+        try:
+            read[name] = (media.read_image(pathlib.Path(path)) if name == "reference"
+                          else media.read_frames(pathlib.Path(path), range(frames)))
+        except media.MediaError as error:
+            takes = "" if name == "reference" else f" (the video takes its first {frames} frames)"
+            raise ValueError(f"--{name} {path!r}: {error}{takes}") from None
+    return read
+
+
+def control_condition(encoder: Any, control: dict[str, Any], shape: tuple[int, int, int, int],
+                      model: Any) -> dict[str, Any]:
+    """A control model's condition as the data stores it: the control video and mask centre-cropped and resized to
+    the video's pixel size (``shape``'s latents; the mask's mean over colours, white 1) and the reference image fit on
+    white, through the encoder's context (``vace_context``)."""
+    stride_t, stride_h, stride_w = model.latents.vae_stride
+    height, width = shape[2] * stride_h, shape[3] * stride_w
+    video = media.resize_crop(control["control"], height, width)
+    mask = None if "mask" not in control else (media.resize_crop(control["mask"], height, width).mean(0, True) + 1) / 2
+    refs = [media.fit_on_white(control["reference"], height, width)] if "reference" in control else []
+    return {"vace_context": encoder.encode_context(video, mask, refs).numpy()}
+
+
 def image_condition(encoder: Any, image: Any, shape: tuple[int, int, int, int], model: Any) -> dict[str, Any]:
     """An image-to-video condition as the data stores it: the image centre-cropped and resized to the video's pixel
     size, as the first of its frames (the rest zeros), encoded (``first_frame_latents``), and its image features
@@ -456,6 +503,8 @@ class Plan(NamedTuple):
     shape: Any  # [C, T, H, W] of the video latents, or a joint model's {modality: shape}
     vcfg: validation.ValidationConfig
     image: Any  # the --image pixels, uint8 [1, H, W, 3], or None
+    control: dict[str, Any] | None  # the --control, --mask and --reference pixels, or None
+    front: int  # latent frames before the video's (a reference image's), dropped before decoding
     actions: dict[str, Any] | None  # the --actions rows of the video's frames ({keyboard, mouse} float32), or None
     encoder: Callable[[], Any]
     decoder: Callable[[], Callable[[torch.Tensor], torch.Tensor]]
@@ -484,6 +533,9 @@ def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
     image = read_first_frame(request.image, config.data.kind, model)
     shape = latent_shape(config, model, request)
     acts = read_actions(request.actions, config.data.kind, model, _video_frames(model, shape))
+    control = read_control(request, config.data.kind, model, _video_frames(model, shape))
+    front = int(control is not None and "reference" in control)
+    shape = (shape[0], shape[1] + front, *shape[2:]) if front else shape
     if acts is not None and request.negative_prompt is not None:
         raise ValueError(f"--negative-prompt: {model.name} reads no text (its guidance is on the actions)")
     warning = check_length(model, shape, _trained_shape(config, shape))
@@ -505,7 +557,7 @@ def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {str(out)!r} is a file, not a folder")
     sound = (lambda: config.build_audio_vae()) if model.joint and getattr(config, "audio_vae", None) else None
-    return Plan(request, source, model, models, sampler, shape, vcfg, image, acts,
+    return Plan(request, source, model, models, sampler, shape, vcfg, image, control, front, acts,
                 preprocessing.prompt_encoder(config, source.role, request.base, config.data.kind),
                 _decoder(config, source.role, request.base), sound, out,
                 videos(request.prompts, request.num_per_prompt, request.seed))
@@ -521,6 +573,8 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
     encoder = p.encoder()  # the text encoder first, then freed: it and the DiT are never held together
     given = None if p.image is None else image_condition(encoder, p.image, _video_shape(p.shape), p.model)
     given = given if p.actions is None else {**given, **p.actions}
+    if p.control is not None:
+        given = control_condition(encoder, p.control, _video_shape(p.shape), p.model)
     cond = tree.to_device(encoded_cond(config, p.model, encoder, request.prompts, given), device)
     uncond = _uncond(config, p.model, encoder, request.negative_prompt, p.vcfg, device)
     del encoder
@@ -537,6 +591,7 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
         rows = torch.tensor([v.prompt_index for v in batch], device=device)
         latents, _ = validation.draw(sampler, noise, {name: t[rows] for name, t in cond.items()}, keys, uncond,
                                      p.vcfg.guidance_scale)
+        latents = latents if not p.front else latents[:, :, p.front:]  # the reference's frames are not the video's
         video, waveforms = decoded(model, decoder, sound, latents)
         made.append((tree.to_device(latents, "cpu"), video))
         for i, item in enumerate(batch):
@@ -630,6 +685,8 @@ def _record(p: Plan, sampler: validation.Sampler, entries: list[dict[str, Any]],
         "solver": vcfg.solver if p.sampler.tag.startswith("model") else None, "karras": vcfg.karras,
         "negative_prompt": request.negative_prompt, "jumps": request.jumps, "latent_shape": shape, "fps": fps, "batch_size": request.batch_size,
         "base": request.base, "image": None if request.image is None else str(pathlib.Path(request.image).absolute()),
-        "actions": None if request.actions is None else str(pathlib.Path(request.actions).absolute()),
+        **{name: None if path is None else str(pathlib.Path(path).absolute())
+           for name, path in (("actions", request.actions), ("control", request.control), ("mask", request.mask),
+                              ("reference", request.reference))},
         "overrides": list(request.overrides), "device": device.type, "videos": entries,
     }

@@ -52,7 +52,8 @@ class ValidationConfig(Config):
     schedule for models validated without a schedule of their own (fine-tuning, a DMD2 teacher): ``schedule``
     ``fvx``, FastVideo's evenly spaced levels (:func:`many_step_sigmas`), or ``diffusers``, the levels of diffusers'
     ``FlowMatchEulerDiscreteScheduler(shift=flow_shift)`` (``flow.scheduler_sigmas``), which its pipelines sample
-    with, stretched to end at ``shift_terminal`` when set (LTX-Video's schedulers; :func:`schedule_sigmas`);
+    with, or ``model``, the levels of the family's own pipeline (CogVideoX's DDIM: ``Model.rules.sampling_sigmas``),
+    stretched to end at ``shift_terminal`` when set (LTX-Video's schedulers; :func:`schedule_sigmas`);
     ``solver`` ``euler`` steps along them, ``unipc`` is diffusers' ``UniPCMultistepScheduler`` in the flow
     configuration Wan's, SkyReels-V2's and Cosmos 2.5's folders ship, on its own levels (``fvx.core.unipc``;
     :func:`many_step_draw`), Karras' levels between ``karras = (sigma_min, sigma_max)`` when set (Cosmos 2.5's
@@ -72,7 +73,7 @@ class ValidationConfig(Config):
     latent_shape: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt] | None = None
     num_steps: PositiveInt = 20
     flow_shift: PositiveFloat = 3.0
-    schedule: Literal["fvx", "diffusers"] = "fvx"
+    schedule: Literal["fvx", "diffusers", "model"] = "fvx"
     shift_terminal: Annotated[float, msgspec.Meta(gt=0, lt=1)] | None = None
     solver: Literal["euler", "unipc"] = "euler"
     karras: tuple[PositiveFloat, PositiveFloat] | None = None
@@ -158,13 +159,21 @@ def many_step_sigmas(num_steps: int, shift: float) -> torch.Tensor:
     return flow.denoising_sigmas(steps, shift=shift, warp=True)
 
 
-def schedule_sigmas(config: ValidationConfig) -> torch.Tensor:
-    """The many-step levels ``[K]`` of ``config``: ``num_steps`` at ``flow_shift`` as ``schedule`` lays them out,
-    stretched to ``shift_terminal`` when set; UniPC's own levels for ``solver="unipc"``."""
+def schedule_sigmas(config: ValidationConfig, model: Any = None) -> torch.Tensor:
+    """The many-step levels ``[K]`` of ``config``: ``num_steps`` at ``flow_shift`` as ``schedule`` lays them out
+    (``model``: the family's own, ``model.rules.sampling_sigmas``), stretched to ``shift_terminal`` when set; UniPC's
+    own levels for ``solver="unipc"``."""
     if config.solver == "unipc":
         return unipc.unipc_sigmas(config.num_steps, config.flow_shift, config.karras)
-    sigmas = (flow.scheduler_sigmas(config.flow_shift, config.num_steps) if config.schedule == "diffusers"
-              else many_step_sigmas(config.num_steps, config.flow_shift))
+    if config.schedule == "model":
+        own = None if model is None else model.rules.sampling_sigmas
+        if own is None:
+            raise ValueError(f"validation.schedule=model: {getattr(model, 'name', 'the model')} has no sampling "
+                             "schedule of its own; use validation.schedule=fvx or diffusers")
+        sigmas = own(config.num_steps)
+    else:
+        sigmas = (flow.scheduler_sigmas(config.flow_shift, config.num_steps) if config.schedule == "diffusers"
+                  else many_step_sigmas(config.num_steps, config.flow_shift))
     return sigmas if config.shift_terminal is None else flow.stretch_to_terminal(sigmas, config.shift_terminal)
 
 

@@ -411,7 +411,7 @@ def teacher_sampler(roles: Roles, teacher_params: Params, config: DistributionMa
         return roles.teacher.uncond(cond, config.cfg_uncond, negative)
 
     guided = validation.guided(roles.teacher.apply, uncond, config.guidance_scale)
-    sigmas = validation.schedule_sigmas(validation_config)
+    sigmas = validation.schedule_sigmas(validation_config, roles.teacher)
     return validation.Sampler("teacher", guided, teacher_params, sigmas, "ode", fixed=True,
                               draw=validation.many_step_draw(validation_config, guided))
 

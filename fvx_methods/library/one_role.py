@@ -161,7 +161,7 @@ def many_step_samplers(model: Model, draw: Any = None) -> Samplers:
     ``validation.flow_shift``) at the validation's classifier-free guidance, tagged ``model`` (``model_ema``);
     ``draw`` samples otherwise (a causal model block by block: ``fvx_models.streaming.draw``)."""
     def samplers(params: Params, is_ema: bool, config: validation.ValidationConfig) -> list[validation.Sampler]:
-        sigmas = validation.schedule_sigmas(config)
+        sigmas = validation.schedule_sigmas(config, model)
         if model.joint:
             sigmas = model.rules.joint_sigmas(sigmas)
         apply = model.apply if model.rules.one_sample is None else validation.one_at_a_time(model.apply)

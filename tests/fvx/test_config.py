@@ -117,6 +117,15 @@ def test_overrides_of_nested_fields_and_value_kinds():
     assert apply_overrides(BASE, []) == BASE
 
 
+def test_a_bare_list_on_a_sequence_field_is_its_items_as_text_or_json():
+    assert apply_overrides(BASE, ["tags=[a, b c]"]).tags == ("a", "b c")
+    assert apply_overrides(BASE, ["tags=[]"]).tags == ()
+    assert apply_overrides(BASE, ["method.optim.betas=[0.8, 0.95]"]).method.optim.betas == (0.8, 0.95)
+    assert apply_overrides(BASE, ["name=[a, b]"]).name == "[a, b]"  # a text field keeps it as written
+    with pytest.raises(ConfigError, match="betas"):
+        apply_overrides(BASE, ["method.optim.betas=[x, y]"])
+
+
 def test_override_of_an_optional_struct_and_a_dict_field():
     assert apply_overrides(BASE, ["ema.decay=0.99"]).ema == EMA(decay=0.99)
     assert apply_overrides(BASE, ["ema.decay=0.99", "ema=null"]).ema is None

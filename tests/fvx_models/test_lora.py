@@ -6,7 +6,8 @@ import re
 
 import pytest
 import torch
-from diffusers import ChronoEditPipeline, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline, WanPipeline
+from diffusers import (ChronoEditPipeline, CogVideoXDDIMScheduler, CogVideoXPipeline, FlowMatchEulerDiscreteScheduler,
+                       HunyuanVideoPipeline, WanPipeline, WanVACEPipeline)
 from safetensors.torch import load_file
 from torch.func import grad
 
@@ -15,6 +16,8 @@ from fvx.core.optim_config import AdamWConfig
 from fvx_methods import finetune
 from fvx_models import lora, lora_files
 from fvx_models.chronoedit import ChronoEditConfig
+from fvx_models.cogvideox import CogVideoXConfig
+from fvx_models.wan_vace import WanVACEConfig
 from fvx_models.hunyuan_video import HunyuanVideoConfig
 from fvx_models.wan import WanConfig
 
@@ -158,6 +161,40 @@ def test_chronoedit_adapters_load_with_its_pipelines_load_lora_weights(tmp_path,
     pipe = ChronoEditPipeline(tokenizer=None, text_encoder=None, image_encoder=None, image_processor=None,
                               transformer=transformer, vae=None, scheduler=FlowMatchEulerDiscreteScheduler())
     assert_loaded_lora_matches(pipe, "chronoedit", tmp_path, name, adapted, base, adapters)
+
+
+@pytest.mark.parametrize("form, name, trainable", [("peft", lora_files.PEFT_FILE, ("base", "context")),
+                                                   ("comfyui", "control_lora_comfyui.safetensors", ("base",))],
+                         ids=["peft-both-branches", "comfyui-base"])
+def test_vace_adapters_load_with_its_pipelines_load_lora_weights(tmp_path, form, name, trainable):
+    """VACE's adapters load with WanVACEPipeline.load_lora_weights, whose transformer then computes fvx's LoRA model:
+    PEFT's on both branches; ComfyUI's on the base (diffusers' converter of that layout refuses the context blocks'
+    keys, ``vace_blocks.N.*``; ComfyUI itself keys a LoRA by every module name of its model)."""
+    pytest.importorskip("peft")
+    adapted = WanVACEConfig(frozen_dtype="fp32", lora=lora.LoRAConfig(rank=4, alpha=8.0), trainable=trainable).build()
+    on_context = {name.startswith("vace_") for name in adapted.weights.trained_names}
+    assert on_context == ({True, False} if "context" in trainable else {False})
+    base, adapters = adapted.weights.base(random.key(0)), trained_adapters(adapted, random.key(1))
+    written = adapted.export.adapters(adapters, str(tmp_path), form, stem="control")
+    assert written.files == {"transformer": tmp_path / name}
+    (transformer,) = native_modules(CASES["wan_vace"], base).values()
+    pipe = WanVACEPipeline(tokenizer=None, text_encoder=None, transformer=transformer, vae=None,
+                           scheduler=FlowMatchEulerDiscreteScheduler())
+    assert_loaded_lora_matches(pipe, "wan_vace", tmp_path, name, adapted, base, adapters)
+
+
+def test_cogvideox_adapters_load_with_its_pipelines_load_lora_weights(tmp_path):
+    """CogVideoX's adapters (PEFT only: fvx writes no original layout of it) load with
+    CogVideoXPipeline.load_lora_weights, whose transformer then computes fvx's LoRA model (the family's VP call)."""
+    pytest.importorskip("peft")
+    adapted = CogVideoXConfig(frozen_dtype="fp32", lora=lora.LoRAConfig(rank=4, alpha=8.0)).build()
+    assert adapted.export.adapter_formats == ("peft",)
+    base, adapters = adapted.weights.base(random.key(0)), trained_adapters(adapted, random.key(1))
+    written = adapted.export.adapters(adapters, str(tmp_path), "peft")
+    (transformer,) = native_modules(CASES["cogvideox"], base).values()
+    pipe = CogVideoXPipeline(tokenizer=None, text_encoder=None, transformer=transformer, vae=None,
+                             scheduler=CogVideoXDDIMScheduler())
+    assert_loaded_lora_matches(pipe, "cogvideox", tmp_path, written.files["transformer"].name, adapted, base, adapters)
 
 
 I2V_LORA = lora.LoRAConfig(rank=2, alpha=4.0, target_modules=("to_q", "to_out", "add_k_proj", "add_v_proj"))

@@ -2,19 +2,24 @@
 the diffusers module(s) called directly, with the arguments their own pipeline passes."""
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
+import numpy
 import torch
-from diffusers import (AnyFlowTransformer3DModel, ChronoEditTransformer3DModel, CosmosTransformer3DModel,
+from diffusers import (AnyFlowTransformer3DModel, ChronoEditTransformer3DModel, CogVideoXDDIMScheduler,
+                       CogVideoXPipeline, CogVideoXTransformer3DModel, CosmosTransformer3DModel,
                        HunyuanVideo15Transformer3DModel, HunyuanVideoTransformer3DModel, Kandinsky5T2VPipeline,
                        Kandinsky5Transformer3DModel, LTX2Pipeline, LTX2VideoTransformer3DModel, LTXPipeline,
-                       LTXVideoTransformer3DModel, SkyReelsV2Transformer3DModel, WanTransformer3DModel)
+                       LTXVideoTransformer3DModel, SkyReelsV2Transformer3DModel, WanTransformer3DModel,
+                       WanVACETransformer3DModel)
 
 from fvx.core import grad, random
 from fvx.distributed import processes, sharding
 from fvx_models.anyflow import AnyFlowConfig
 from fvx_models.build import ModelConfig
 from fvx_models.chronoedit import ChronoEditConfig
+from fvx_models.cogvideox import SCHEDULER as COGVIDEOX_SCHEDULER, CogVideoXConfig
 from fvx_models.cosmos import CosmosConfig
 from fvx_models.hunyuan_video import HunyuanVideoConfig
 from fvx_models.hunyuan_video15 import HunyuanVideo15Config
@@ -24,6 +29,7 @@ from fvx_models.ltx_video import LTXVideoConfig
 from fvx_models.skyreels_v2 import SkyReelsV2Config
 from fvx_models.wan import WanConfig
 from fvx_models.wan_moe import Wan22MoEConfig
+from fvx_models.wan_vace import WanVACEConfig
 
 
 class Case(NamedTuple):
@@ -109,6 +115,37 @@ def ti2v_i2v_native(modules, x, t, cond):
         exact = (x[b:b + 1, :, :1] - given[:, :, :1]) / (t[b] / 1000)
         rows.append(torch.cat([exact, out[:, :, 1:]], dim=2))
     return torch.cat(rows)
+
+
+def vace_native(modules, x, t, cond):
+    """WanVACEPipeline's call: the context as control_hidden_states at its default scale (one per VACE layer)."""
+    scale = torch.ones(len(modules["transformer"].config.vace_layers))
+    return modules["transformer"](hidden_states=x, timestep=t, encoder_hidden_states=_masked(cond),
+                                  control_hidden_states=cond["vace_context"], control_hidden_states_scale=scale,
+                                  return_dict=False)[0]
+
+
+def cogvideox_native(modules, x, t, cond, snr_shift_scale: float = 1.0):
+    """CogVideoXPipeline's call at the VP point of the flow level ``sigma = t / 1000`` (``abar = (1 - sigma)^2 /
+    ((1 - sigma)^2 + sigma^2)``, the timestep interpolated on its scheduler's ``alphas_cumprod``): latents frames first
+    scaled by ``sqrt(abar) + sqrt(1 - abar)``, the pipeline's RoPE tables; its ``v`` read back through the scheduler's
+    v-prediction ``x0`` and the noise that implies, as ``noise - x0``."""
+    transformer = modules["transformer"]
+    table = CogVideoXDDIMScheduler(**COGVIDEOX_SCHEDULER, snr_shift_scale=snr_shift_scale).alphas_cumprod.double()
+    sigma = t.double() / 1000
+    abar = (1 - sigma) ** 2 / ((1 - sigma) ** 2 + sigma ** 2)
+    tau = torch.from_numpy(numpy.interp(abar.numpy(), table.flip(0).numpy(), numpy.arange(999, -1, -1.0)))
+    a, b = (c.float().view(-1, 1, 1, 1, 1) for c in (abar.sqrt(), (1 - abar).sqrt()))
+    latents = (x * (a + b)).permute(0, 2, 1, 3, 4)
+    pipe = CogVideoXPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=transformer,
+                             scheduler=CogVideoXDDIMScheduler())
+    rope = (pipe._prepare_rotary_positional_embeddings(x.shape[3] * 8, x.shape[4] * 8, x.shape[2], "cpu")
+            if transformer.config.use_rotary_positional_embeddings else None)
+    v = transformer(hidden_states=latents, encoder_hidden_states=cond["text"], timestep=tau.float(),
+                    image_rotary_emb=rope, return_dict=False)[0]
+    x0 = a * latents - b * v
+    noise = (latents - a * x0) / b
+    return (noise - x0).permute(0, 2, 1, 3, 4)
 
 
 def hunyuan_native(modules, x, t, cond):
@@ -225,10 +262,14 @@ CASES: dict[str, Case] = {
     # ChronoEditPipeline calls its DiT as WanImageToVideoPipeline calls Wan 2.1 I2V; two latent frames (its RoPE's
     # own case: the edit at the end of the reasoning window)
     "chronoedit": Case(ChronoEditConfig(preset="tiny"), {"transformer": ChronoEditTransformer3DModel}, wan_i2v_native),
+    "wan_vace": Case(WanVACEConfig(preset="tiny"), {"transformer": WanVACETransformer3DModel}, vace_native),
+    "cogvideox": Case(CogVideoXConfig(preset="tiny"), {"transformer": CogVideoXTransformer3DModel}, cogvideox_native),
+    "cogvideox-2b": Case(CogVideoXConfig(preset="tiny-2b"), {"transformer": CogVideoXTransformer3DModel},
+                         functools.partial(cogvideox_native, snr_shift_scale=3.0)),
 }
 FAMILIES = ["wan", "wan-ti2v", "skyreels_v2", "wan_moe", "hunyuan_video", "anyflow", "wan-i2v", "wan-ti2v-i2v",
             "kandinsky5", "cosmos", "ltx_video", "hunyuan_video15", "ltx2",
-            "chronoedit"]  # one case per family and layout
+            "chronoedit", "wan_vace", "cogvideox"]  # one case per family and layout
 
 
 def native_modules(case: Case, params: dict) -> dict[str, torch.nn.Module]:
@@ -270,7 +311,7 @@ def raw_batch(model, key: torch.Tensor, *, batch: int = 2, frames: int = 2, size
         mask = torch.cat([torch.ones(batch, 1), cond["text_mask"]], dim=1)
     else:
         text, mask = cond["text"], cond["text_mask"]
-    image = {name: cond[name] for name in ("first_frame_latents", "image_embeds") if name in cond}  # I2V data:
+    image = {name: cond[name] for name in ("first_frame_latents", "image_embeds", "vace_context") if name in cond}  # I2V data:
     if "first_frame_latents" in image:  # the first frame's latents (normalised, as FastVideo stores them), then zeros
         given = model.normalize(x[:, :, :1])
         image["first_frame_latents"] = torch.cat([given, torch.zeros_like(x[:, :, 1:])], dim=2)

@@ -189,6 +189,7 @@ def test_bad_input_is_one_line_before_anything_is_written(finetuned, causal, wor
         ((finetuned, "--prompt", RED_RIGHT, "--step", 9), "9"),
         ((finetuned, "--prompt", RED_RIGHT, "--ema"), "keeps no EMA params"),
         ((finetuned, "--prompt", RED_RIGHT, "--image", tmp_path / "x.png"), "from text only"),
+        ((finetuned, "--prompt", RED_RIGHT, "--control", tmp_path / "x.mp4"), "takes no control video"),
         ((causal, "--prompt", RED_RIGHT, "--frames", 5), "not whole blocks (e.g. --frames 6)"),
         ((causal, "--prompt", RED_RIGHT, "--solver", "unipc"), "streams block by block"),
         ((causal, "--prompt", RED_RIGHT, "--frames", 40), "position table holds (32: --frames 32 at most)"),
@@ -288,3 +289,50 @@ def test_the_toy_teacher_draws_the_typed_prompt(tmp_path):
                                progress=False)
     match = sum(v["world_score"]["prompt_match"] for v in done["videos"]) / 8
     assert match >= 0.25, [v["world_score"] for v in done["videos"]]  # chance: 1 in 8; 6 in 8 measured
+
+
+@pytest.fixture(scope="module")
+def control_model(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("vace") / "run", "experiments/finetune_wan_vace.py", 2)
+
+
+def test_a_control_model_samples_from_a_control_video_its_mask_and_a_reference(control_model, tmp_path, capsys):
+    """Wan VACE: the control video and mask of a world clip (its first frame then grey, as ``write-videos --kind
+    vace`` writes them) encode to the context the dataset gives that clip (up to the 8-bit grey of the frames to be
+    made); a reference image adds a latent frame in front, dropped from the video; without --control, or with a short
+    one, one line."""
+    from fvx.data import toy_world
+
+    config = run_folder.load_run(control_model)
+    built = experiment.setup(config)
+    sample0 = built.dataset.read([0])
+    pixels = toy_world.depth_to_space(sample0["latents"], config.data.world.factor)[0]  # [3, T, H, W] in [-1, 1]
+    clip = ((pixels + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 3, 0).numpy()
+    control, mask = numpy.full_like(clip, 128), numpy.full_like(clip, 255)
+    control[0], mask[0] = clip[0], 0
+    media.write_video(tmp_path / "control.mp4", control, 16)
+    media.write_video(tmp_path / "mask.mp4", mask, 16)
+    request = sampling.Request(str(control_model), (RED_RIGHT,), out=str(tmp_path / "s"),
+                               control=str(tmp_path / "control.mp4"), mask=str(tmp_path / "mask.mp4"))
+    model = built.program.model
+    read = sampling.read_control(request, "vace", model, 4)
+    encoder = sampling.preprocessing.prompt_encoder(config, "student", None, "vace")()
+    got = torch.from_numpy(sampling.control_condition(encoder, read, (192, 4, 2, 2), model)["vace_context"])
+    want = sample0["vace_context"][0].clone()
+    want[192:384, 1:] += 128 / 127.5 - 1
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    done = sampling.run_sample(request, progress=False)
+    assert done["latents"].shape[2] == 4 and frames_of(tmp_path / "s" / "red-bars-moving-right_0.mp4").shape[0] == 4
+    reference = tmp_path / "ref.png"
+    Image.fromarray(numpy.full((16, 16, 3), 200, numpy.uint8)).save(reference)
+    done = sampling.run_sample(request._replace(out=str(tmp_path / "r"), reference=str(reference)), progress=False)
+    assert done["latents"].shape[2] == 4  # the reference's frame dropped
+    assert json.loads((tmp_path / "r" / sampling.SAMPLES).read_text())["latent_shape"][1] == 5
+    out = tmp_path / "out"
+    media.write_video(tmp_path / "short.mp4", numpy.zeros((2, 16, 16, 3), numpy.uint8), 16)
+    for args, message in [((), "give --control VIDEO"),
+                          (("--control", tmp_path / "short.mp4"), "(the video takes its first 4 frames)"),
+                          (("--control", tmp_path / "control.mp4", "--mask", tmp_path / "no.mp4"),
+                           "--mask '" + str(tmp_path / "no.mp4") + "' does not exist")]:
+        assert message in bad(capsys, control_model, "--prompt", RED_RIGHT, *args, "--out", out), args
+    assert not out.exists()

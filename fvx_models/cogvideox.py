@@ -1,0 +1,279 @@
+"""CogVideoX (diffusers ``CogVideoXTransformer3DModel``): a v-prediction DDPM family, trained and sampled as a flow.
+
+CogVideoX denoises ``x = a x0 + b noise`` (``a = sqrt(abar_tau)``, ``b = sqrt(1 - abar_tau)``, ``abar`` the
+``CogVideoXDDIMScheduler``'s cumulative product: scaled-linear betas rescaled to zero terminal SNR, then shifted by
+``snr_shift_scale``) and predicts ``v = a noise - b x0`` at the integer timestep ``tau``. Dividing by ``s = a + b``
+makes that the flow ``x_t = (1 - sigma) x0 + sigma noise`` at ``sigma = b / (a + b)``, so fvx runs it as a flow model:
+:func:`inputs` gives the DiT ``s x_t`` at the ``tau`` whose ``abar`` is ``(1 - sigma)^2 / ((1 - sigma)^2 + sigma^2)``
+(linear in ``abar`` between the scheduler's integer timesteps), and :func:`output` reads its ``v`` back as the velocity
+``noise - x0 = (b - a) s x_t + s v``. Every method then trains and samples it as any flow family.
+
+Its own objective and sampler come through the family's training rules:
+
+- noise levels (:func:`sigma_sampler`): ``tau ~ U{0, ..., 999}``, as diffusers' ``train_cogvideox_lora.py`` draws them;
+- loss weight (:func:`loss_weight`): that script's loss is ``1 / (1 - abar) |x0_pred - x0|^2``, which is
+  ``1 / s^2 |v_pred - (noise - x0)|^2`` in the flow's terms (``x0_pred - x0 = -sigma (v_pred - v)``);
+- sampling levels (:func:`sampling_sigmas`): the DDIM scheduler's trailing timesteps then 0; an Euler step of the flow
+  between two of them is exactly its DDIM step (eta 0), so ``validation.schedule=model`` samples as the pipeline does.
+
+Inputs as ``CogVideoXPipeline`` passes them: latents frames first ``[B, T, C, H, W]``, the T5 embedding of all 226
+tokens (its pipeline encodes the padding too, without a mask: the data stores every token), the integer-spaced
+timestep, and for the rotary presets (5B) the 3-D RoPE tables the pipeline computes from the latent grid; the 2B
+presets add sine-cosine positions over exactly ``max_text_seq_length`` text tokens.
+"""
+from __future__ import annotations
+
+import functools
+import pathlib
+from typing import Any, Mapping
+
+import torch
+from diffusers import CogVideoXDDIMScheduler, CogVideoXTransformer3DModel
+from diffusers.models.embeddings import get_3d_rotary_pos_embed
+from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
+from torch import nn
+
+from fvx.core import random
+from fvx.distributed import memory
+from fvx_models import diffusers_folder as dfolder, encoders as fencoders
+from fvx_models.build import ModelConfig
+from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, TEXT_MASK_DEFAULT,
+                               Training, require, skeleton_of)
+from fvx_models.model import LatentSpace
+
+# The released pipelines' CogVideoXDDIMScheduler (scheduler_config.json of THUDM/CogVideoX-2b and -5b): only
+# ``snr_shift_scale`` differs (a preset option)
+SCHEDULER = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                 clip_sample=False, set_alpha_to_one=True, steps_offset=0, prediction_type="v_prediction",
+                 rescale_betas_zero_snr=True, timestep_spacing="trailing")
+
+_COGVIDEOX = dict(
+    num_attention_heads=30, attention_head_dim=64, in_channels=16, out_channels=16, flip_sin_to_cos=True, freq_shift=0,
+    time_embed_dim=512, ofs_embed_dim=None, text_embed_dim=4096, num_layers=30, dropout=0.0, attention_bias=True,
+    sample_width=90, sample_height=60, sample_frames=49, patch_size=2, patch_size_t=None, temporal_compression_ratio=4,
+    max_text_seq_length=226, activation_fn="gelu-approximate", timestep_activation_fn="silu",
+    norm_elementwise_affine=True, norm_eps=1e-5, spatial_interpolation_scale=1.875, temporal_interpolation_scale=1.0,
+    use_rotary_positional_embeddings=False, use_learned_positional_embeddings=False, patch_bias=True,
+)
+COGVIDEOX_2B = _COGVIDEOX
+COGVIDEOX_5B = {**_COGVIDEOX, "num_attention_heads": 48, "num_layers": 42, "use_rotary_positional_embeddings": True}
+TINY = {**_COGVIDEOX, "num_attention_heads": 2, "attention_head_dim": 16, "time_embed_dim": 32, "text_embed_dim": 32,
+        "num_layers": 2, "sample_width": 8, "sample_height": 8, "sample_frames": 5, "max_text_seq_length": 8,
+        "use_rotary_positional_embeddings": True}
+
+
+def _vae(scaling_factor: float, what: str) -> LatentSpace:
+    """The CogVideoX VAE's latents (16 channels, 4 x 8 x 8), scaled by ``scaling_factor`` into the DiT's input."""
+    return LatentSpace(16, (0.0,) * 16, (1.0 / scaling_factor,) * 16, vae_stride=(4, 8, 8), vae=what)
+
+
+VAE_2B, VAE_5B = _vae(1.15258426, "CogVideoX (2B)"), _vae(0.7, "CogVideoX (5B)")
+TINY_VAE = _vae(1.0, "tiny CogVideoX")
+WORLD_CODEC = LatentSpace(192, vae_stride=(1, 8, 8), vae="space-to-depth 8 (fvx.data.toy_world)")
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(TINY, TINY_VAE, 8, {"snr_shift_scale": 1.0}),  # the 5B's layout: RoPE
+    # the 2B's layout: sine-cosine positions over exactly 5 text tokens
+    "tiny-2b": Preset({**TINY, "use_rotary_positional_embeddings": False, "max_text_seq_length": 5}, TINY_VAE, 5,
+                      {"snr_shift_scale": 3.0}),
+    # the toy world's (192-channel space-to-depth latents, one frame a latent frame, 4 text tokens)
+    "world": Preset({**TINY, "num_attention_heads": 4, "attention_head_dim": 64, "in_channels": 192,
+                     "out_channels": 192, "patch_size": 1, "temporal_compression_ratio": 1, "sample_width": 4,
+                     "sample_height": 4, "sample_frames": 4, "max_text_seq_length": 4, "num_layers": 3},
+                    WORLD_CODEC, 4, {"snr_shift_scale": 1.0}),
+    "cogvideox-2b": Preset(COGVIDEOX_2B, VAE_2B, 226, {"snr_shift_scale": 3.0}),
+    "cogvideox-5b": Preset(COGVIDEOX_5B, VAE_5B, 226, {"snr_shift_scale": 1.0}),
+}
+"""``CogVideoXTransformer3DModel`` constructor arguments per preset (THUDM/CogVideoX-2b's and -5b's config.json), the
+latent space, the text length (T5 at 226 tokens) and the scheduler's SNR shift."""
+
+
+# ------------------------------------------------------------------------------------------------ the flow's clock
+
+
+@functools.lru_cache(maxsize=None)
+def alphas_cumprod(snr_shift_scale: float) -> torch.Tensor:
+    """``abar [1000]`` float64 of the pipeline's ``CogVideoXDDIMScheduler`` at ``snr_shift_scale``."""
+    scheduler = CogVideoXDDIMScheduler(**SCHEDULER, snr_shift_scale=snr_shift_scale)
+    return scheduler.alphas_cumprod.to(torch.float64)
+
+
+def _abar(config: ModelConfig) -> torch.Tensor:
+    return alphas_cumprod(config.spec.options["snr_shift_scale"])
+
+
+def coefficients(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a, b)`` of the VP point on the flow level ``sigma``: ``(1 - sigma, sigma) / sqrt((1 - sigma)^2 + sigma^2)``
+    (so ``a^2 + b^2 = 1``, ``b / (a + b) = sigma``)."""
+    sigma = sigma.float()
+    norm = torch.sqrt((1 - sigma) ** 2 + sigma ** 2)
+    return (1 - sigma) / norm, sigma / norm
+
+
+def level_of(abar: torch.Tensor) -> torch.Tensor:
+    """The flow level ``sigma = b / (a + b)`` of ``abar`` (``a = sqrt(abar)``, ``b = sqrt(1 - abar)``)."""
+    a, b = abar.sqrt(), (1 - abar).sqrt()
+    return (b / (a + b)).float()
+
+
+def timestep_of(config: ModelConfig, sigma: torch.Tensor) -> torch.Tensor:
+    """The scheduler's (fractional) timestep ``tau [B]`` whose ``abar`` is the flow level ``sigma``'s, ``a^2``
+    (:func:`coefficients`): linear in ``abar`` between its integer timesteps, so an integer one comes back as
+    itself."""
+    table = _abar(config).flip(0).to(sigma.device, torch.float32)  # increasing: abar_999 = 0 .. abar_0
+    abar = (coefficients(sigma)[0] ** 2).clamp(table[0], table[-1])
+    upper = torch.searchsorted(table, abar).clamp(1, table.shape[0] - 1)
+    low, high = table[upper - 1], table[upper]
+    flipped = (upper - 1).float() + (abar - low) / (high - low)
+    return (table.shape[0] - 1) - flipped
+
+
+def sigma_sampler(config: ModelConfig, keys: torch.Tensor, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """CogVideoX's training levels from per-sample keys ``[B, 2]``: ``tau = floor(1000 u)``, ``u ~ U[0, 1)`` (diffusers'
+    ``train_cogvideox_lora.py``: ``torch.randint(0, 1000)``), as ``(sigma [B], t = 1000 sigma [B])``."""
+    u = torch.vmap(lambda key: random.uniform(key, ()))(keys.to(x0.device))
+    tau = torch.floor(u * 1000).long().clamp(max=999)
+    sigma = level_of(_abar(config).to(x0.device)[tau])
+    return sigma, 1000 * sigma
+
+
+def loss_weight(config: ModelConfig, sigma: torch.Tensor) -> torch.Tensor:
+    """The per-sample weight ``1 / s^2 = 1 / (a + b)^2`` of the velocity loss: the script's ``1 / (1 - abar)`` on the
+    x0 loss, in the flow's terms."""
+    a, b = coefficients(sigma)
+    return 1 / (a + b) ** 2
+
+
+def sampling_sigmas(config: ModelConfig, num_steps: int) -> torch.Tensor:
+    """The pipeline's ``num_steps`` levels ``[K]``: ``CogVideoXDDIMScheduler.set_timesteps`` (trailing spacing) as flow
+    levels (the samplers end at 0, its ``final_alpha_cumprod`` 1). For a step count dividing 1000 (its default 50)
+    each DDIM step ends on the next one's timestep and Euler on these levels is its sampling; for another count DDIM
+    steps ``1000 // num_steps`` back, off the next timestep (and its last step ends at ``tau`` 0, not at 1), and the
+    two differ by that much."""
+    scheduler = CogVideoXDDIMScheduler(**SCHEDULER, snr_shift_scale=config.spec.options["snr_shift_scale"])
+    scheduler.set_timesteps(num_steps)
+    return level_of(_abar(config)[scheduler.timesteps.long()])
+
+
+# ------------------------------------------------------------------------------------------------------ the forward
+
+
+def rebuild_positions(module: nn.Module) -> None:
+    """The 2B layout's sine-cosine position table (a pure function of the config), on the CPU."""
+    embed = module.patch_embed
+    if embed.use_positional_embeddings and not embed.use_learned_positional_embeddings:
+        table = embed._get_positional_embeddings(embed.sample_height, embed.sample_width, embed.sample_frames)
+        embed.register_buffer("pos_embedding", table, persistent=False)
+
+
+def skeleton(config: ModelConfig) -> nn.Module:
+    return skeleton_of(CogVideoXTransformer3DModel, config.spec.kwargs, rebuild_positions)
+
+
+def rotary(config: ModelConfig, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The RoPE tables ``CogVideoXPipeline._prepare_rotary_positional_embeddings`` makes for latents ``x [B, T, C, H,
+    W]`` (the 5B layout), or None."""
+    k = config.spec.kwargs
+    if not k["use_rotary_positional_embeddings"]:
+        return None
+    p = k["patch_size"]
+    grid = (x.shape[3] // p, x.shape[4] // p)
+    crops = get_resize_crop_region_for_grid(grid, k["sample_width"] // p, k["sample_height"] // p)
+    return get_3d_rotary_pos_embed(embed_dim=k["attention_head_dim"], crops_coords=crops, grid_size=grid,
+                                   temporal_size=x.shape[1], device=x.device)
+
+
+def inputs(config: ModelConfig, x: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor],
+           sharded: bool) -> dict[str, Any]:
+    """The DiT's arguments: ``s x_t`` at the scheduler timestep of ``sigma = t / 1000`` (module docstring), the text
+    embedding as stored (a 2B preset takes exactly its ``max_text_seq_length`` tokens), the RoPE tables."""
+    sigma = t.float() / 1000
+    a, b = coefficients(sigma)
+    text, length = cond["text"], config.spec.kwargs["max_text_seq_length"]
+    if not config.spec.kwargs["use_rotary_positional_embeddings"] and text.shape[1] != length:
+        raise ValueError(f"{config.family.name}:{config.preset}: its position table holds exactly {length} text "
+                         f"tokens, got {text.shape[1]} (data.text_len={length})")
+    return {"hidden_states": x * (a + b).view(-1, 1, 1, 1, 1).to(x.dtype), "encoder_hidden_states": text,
+            "timestep": timestep_of(config, sigma), "image_rotary_emb": rotary(config, x), "return_dict": False}
+
+
+def output(config: ModelConfig, out: Any, x: torch.Tensor, t: torch.Tensor,
+           cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The DiT's ``v`` as the flow velocity ``noise - x0 = s ((b - a) x_t + v)`` (module docstring)."""
+    a, b = (c.view(-1, 1, 1, 1, 1) for c in coefficients(t.float() / 1000))
+    return ((a + b) * ((b - a) * x.float() + out[0].float())).to(out[0].dtype)
+
+
+def widths(config: ModelConfig) -> tuple[int, dict[str, tuple[int, int]]]:
+    k = config.spec.kwargs
+    dim = k["num_attention_heads"] * k["attention_head_dim"]
+    return dim, {"blocks": (dim, 4 * dim)}
+
+
+def cond_spec(config: ModelConfig) -> dict[str, tuple]:
+    return {"text": ("L", config.spec.kwargs["text_embed_dim"]), "text_mask": ("L",)}
+
+
+def cond_from_batch(config: ModelConfig, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The T5 embedding of all 226 tokens and its mask (every token real: the pipeline encodes the padding too)."""
+    require(batch, ("text", "text_mask"), config.family.name, "the T5 text embedding and its mask")
+    return {"text": batch["text"], "text_mask": batch["text_mask"]}
+
+
+def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
+    """diffusers' ``CogVideoXPipeline`` files beside ``transformer/``: ``model_index.json`` and ``scheduler/`` (its
+    ``CogVideoXDDIMScheduler``); copy the VAE, T5 text encoder and tokenizer from the base model."""
+    CogVideoXDDIMScheduler(**SCHEDULER, snr_shift_scale=config.spec.options["snr_shift_scale"]).save_config(
+        folder / "scheduler")
+    dfolder.write_model_index(folder, "CogVideoXPipeline", {
+        "scheduler": ("diffusers", "CogVideoXDDIMScheduler"),
+        "transformer": ("diffusers", "CogVideoXTransformer3DModel"), "vae": ("diffusers", "AutoencoderKLCogVideoX"),
+        "text_encoder": ("transformers", "T5EncoderModel"), "tokenizer": ("transformers", "T5Tokenizer")})
+
+
+# ----------------------------------------------------------------------------------------------------- encoding
+
+
+TEXT_LEN = 226
+
+
+def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
+    """T5's last hidden state at 226 tokens (``CogVideoXPipeline._get_t5_prompt_embeds``), every token: the pipeline
+    encodes the padding without a mask and the DiT attends to all of it."""
+    embeds = pipe._get_t5_prompt_embeds(prompts, max_sequence_length=TEXT_LEN, device=pipe.text_encoder.device)
+    return list(embeds)
+
+
+ENCODERS = fencoders.Encoders(
+    pipeline="CogVideoXPipeline", text=("tokenizer", "text_encoder"), encode_text=encode_text,
+    encode_video=lambda pipe, video: fencoders.latent_mean(pipe.vae, video), frame_step=4, pixel_multiple=16,
+    audio_refusal="CogVideoX makes no sound")
+"""CogVideoX's encoders: T5 at 226 tokens (all of them) and the VAE's posterior mean in its own scale (the preset's
+``scaling_factor`` scales it into the DiT's input)."""
+
+
+COGVIDEOX = Family(
+    name="cogvideox",
+    presets=PRESETS,
+    encoders=ENCODERS,
+    architecture=Architecture(
+        skeleton=skeleton,
+        unit_groups={"blocks": ("transformer_blocks",)},
+        activations={"blocks": memory.BlockActivations(fp32_dim=4, compute_dim=14, compute_ffn=2)},
+        widths=widths,
+        self_attention=("transformer_blocks.*.attn1",),
+        vsa_refusal="its self-attention runs over the text tokens and the video's together",
+    ),
+    forward=Forward(inputs=inputs, layout="BTCHW", output=output),
+    conditioning=Conditioning(spec=cond_spec, from_batch=cond_from_batch, defaults=TEXT_MASK_DEFAULT),
+    checkpoints=Checkpoints(pipeline_files=pipeline_files),
+    training=Training(sigma_sampler=sigma_sampler, loss_weight=loss_weight, sampling_sigmas=sampling_sigmas),
+)
+
+
+class CogVideoXConfig(ModelConfig, tag="cogvideox"):
+    """A CogVideoX DiT (presets: tiny, tiny-2b, world, cogvideox-2b, cogvideox-5b), trained and sampled as a flow with
+    its own noise levels, loss weight and DDIM levels (module docstring); the shared knobs are
+    :class:`fvx_models.build.ModelConfig`'s."""
+
+    family = COGVIDEOX
