@@ -259,7 +259,8 @@ COGVIDEOX = Family(
     architecture=Architecture(
         skeleton=skeleton,
         unit_groups={"blocks": ("transformer_blocks",)},
-        activations={"blocks": memory.BlockActivations(fp32_dim=4, compute_dim=14, compute_ffn=2)},
+        # measured (saved-tensor hooks, bf16): 15 dim and 2 ffn in bf16 per token (its text tokens included)
+        activations={"blocks": memory.BlockActivations(fp32_dim=0, compute_dim=15, compute_ffn=2)},
         widths=widths,
         self_attention=("transformer_blocks.*.attn1",),
         vsa_refusal="its self-attention runs over the text tokens and the video's together",

@@ -173,7 +173,9 @@ WAN_VACE = wan.WAN.variant(
     presets=PRESETS,
     encoders=ENCODERS,
     architecture={"skeleton": skeleton, "unit_groups": {"blocks": ("blocks",), "vace_blocks": ("vace_blocks",)},
-                  "activations": {"blocks": wan.BLOCK_ACTIVATIONS, "vace_blocks": wan.BLOCK_ACTIVATIONS},
+                  # a context block saves a main block's and its hint (measured: saved-tensor hooks, bf16)
+                  "activations": {"blocks": wan.BLOCK_ACTIVATIONS,
+                                  "vace_blocks": wan.BLOCK_ACTIVATIONS._replace(compute_dim=11)},
                   "widths": widths, "sequence_parallel": None,
                   "self_attention": ("blocks.*.attn1", "vace_blocks.*.attn1")},
     forward={"inputs": inputs, "with_r": None},  # no second time: VACE has no flow-map form

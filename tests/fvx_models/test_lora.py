@@ -6,8 +6,9 @@ import re
 
 import pytest
 import torch
-from diffusers import (ChronoEditPipeline, CogVideoXDDIMScheduler, CogVideoXPipeline, FlowMatchEulerDiscreteScheduler,
-                       HunyuanVideoPipeline, WanPipeline, WanVACEPipeline)
+from diffusers import (ChronoEditPipeline, CogVideoXDDIMScheduler, CogVideoXPipeline, DPMSolverMultistepScheduler,
+                       FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline, SanaVideoPipeline, WanPipeline,
+                       WanVACEPipeline)
 from safetensors.torch import load_file
 from torch.func import grad
 
@@ -17,6 +18,7 @@ from fvx_methods import finetune
 from fvx_models import lora, lora_files
 from fvx_models.chronoedit import ChronoEditConfig
 from fvx_models.cogvideox import CogVideoXConfig
+from fvx_models.sana_video import SanaVideoConfig
 from fvx_models.wan_vace import WanVACEConfig
 from fvx_models.hunyuan_video import HunyuanVideoConfig
 from fvx_models.wan import WanConfig
@@ -195,6 +197,21 @@ def test_cogvideox_adapters_load_with_its_pipelines_load_lora_weights(tmp_path):
     pipe = CogVideoXPipeline(tokenizer=None, text_encoder=None, transformer=transformer, vae=None,
                              scheduler=CogVideoXDDIMScheduler())
     assert_loaded_lora_matches(pipe, "cogvideox", tmp_path, written.files["transformer"].name, adapted, base, adapters)
+
+
+def test_sana_video_adapters_load_with_its_pipelines_load_lora_weights(tmp_path):
+    """SANA-Video's adapters (PEFT; its linear self-attention's projections among them) load with
+    SanaVideoPipeline.load_lora_weights, whose transformer then computes fvx's LoRA model."""
+    pytest.importorskip("peft")
+    adapted = SanaVideoConfig(frozen_dtype="fp32", lora=lora.LoRAConfig(rank=4, alpha=8.0)).build()
+    assert any(".attn1.to_q." in name for name in adapted.weights.trained_names)
+    base, adapters = adapted.weights.base(random.key(0)), trained_adapters(adapted, random.key(1))
+    written = adapted.export.adapters(adapters, str(tmp_path), "peft")
+    (transformer,) = native_modules(CASES["sana_video"], base).values()
+    pipe = SanaVideoPipeline(tokenizer=None, text_encoder=None, transformer=transformer, vae=None,
+                             scheduler=DPMSolverMultistepScheduler())
+    assert_loaded_lora_matches(pipe, "sana_video", tmp_path, written.files["transformer"].name, adapted, base,
+                               adapters)
 
 
 I2V_LORA = lora.LoRAConfig(rank=2, alpha=4.0, target_modules=("to_q", "to_out", "add_k_proj", "add_v_proj"))

@@ -11,7 +11,8 @@ from diffusers import (AnyFlowTransformer3DModel, ChronoEditTransformer3DModel, 
                        CogVideoXPipeline, CogVideoXTransformer3DModel, CosmosTransformer3DModel,
                        HunyuanVideo15Transformer3DModel, HunyuanVideoTransformer3DModel, Kandinsky5T2VPipeline,
                        Kandinsky5Transformer3DModel, LTX2Pipeline, LTX2VideoTransformer3DModel, LTXPipeline,
-                       LTXVideoTransformer3DModel, SkyReelsV2Transformer3DModel, WanTransformer3DModel,
+                       LTXVideoTransformer3DModel, SanaVideoTransformer3DModel, SkyReelsV2Transformer3DModel,
+                       WanTransformer3DModel,
                        WanVACETransformer3DModel)
 
 from fvx.core import grad, random
@@ -26,6 +27,7 @@ from fvx_models.hunyuan_video15 import HunyuanVideo15Config
 from fvx_models.kandinsky5 import Kandinsky5Config
 from fvx_models.ltx2 import LTX2Config
 from fvx_models.ltx_video import LTXVideoConfig
+from fvx_models.sana_video import SanaVideoConfig
 from fvx_models.skyreels_v2 import SkyReelsV2Config
 from fvx_models.wan import WanConfig
 from fvx_models.wan_moe import Wan22MoEConfig
@@ -148,6 +150,12 @@ def cogvideox_native(modules, x, t, cond, snr_shift_scale: float = 1.0):
     return (noise - x0).permute(0, 2, 1, 3, 4)
 
 
+def sana_video_native(modules, x, t, cond):
+    """SanaVideoPipeline's call: latents, the text and its padding mask, the timestep; its output the velocity."""
+    return modules["transformer"](x, encoder_hidden_states=cond["text"], encoder_attention_mask=cond["text_mask"],
+                                  timestep=t, return_dict=False)[0]
+
+
 def hunyuan_native(modules, x, t, cond):
     """HunyuanVideoPipeline's call: guidance passed as guidance_scale * 1000."""
     guidance = torch.full((x.shape[0],), 6.0) * 1000.0
@@ -266,10 +274,11 @@ CASES: dict[str, Case] = {
     "cogvideox": Case(CogVideoXConfig(preset="tiny"), {"transformer": CogVideoXTransformer3DModel}, cogvideox_native),
     "cogvideox-2b": Case(CogVideoXConfig(preset="tiny-2b"), {"transformer": CogVideoXTransformer3DModel},
                          functools.partial(cogvideox_native, snr_shift_scale=3.0)),
+    "sana_video": Case(SanaVideoConfig(preset="tiny"), {"transformer": SanaVideoTransformer3DModel}, sana_video_native),
 }
 FAMILIES = ["wan", "wan-ti2v", "skyreels_v2", "wan_moe", "hunyuan_video", "anyflow", "wan-i2v", "wan-ti2v-i2v",
             "kandinsky5", "cosmos", "ltx_video", "hunyuan_video15", "ltx2",
-            "chronoedit", "wan_vace", "cogvideox"]  # one case per family and layout
+            "chronoedit", "wan_vace", "cogvideox", "sana_video"]  # one case per family and layout
 
 
 def native_modules(case: Case, params: dict) -> dict[str, torch.nn.Module]:
