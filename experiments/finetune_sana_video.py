@@ -12,11 +12,11 @@ On SANA-Video 2B 480p (a local diffusers folder; 81-frame clips at 480x832):
     python -m fvx.run preprocess experiments/finetune_sana_video.py --videos /data/my_clips --out /data/my_dataset \\
         models.student.preset=sana-video-2b-480p models.student.path=/models/SANA-Video_2B_480p_diffusers \\
         data.world=null
-    torchrun --nproc-per-node 8 -m fvx.run experiments/finetune_sana_video.py models.student.preset=sana-video-2b-480p \\
-        models.student.path=/models/SANA-Video_2B_480p_diffusers models.student.compute_dtype=bf16 \\
-        models.student.remat=true data.world=null data.path=/data/my_dataset data.text_len=300 data.batch_size=8 \\
-        method.optim.lr=1e-5 validation.flow_shift=8 vae=wan_vae vae.preset=wan2.1 \\
-        vae.path=/models/SANA-Video_2B_480p_diffusers
+    torchrun --nproc-per-node 8 -m fvx.run experiments/finetune_sana_video.py \\
+        models.student.preset=sana-video-2b-480p models.student.path=/models/SANA-Video_2B_480p_diffusers \\
+        models.student.compute_dtype=bf16 models.student.remat=true data.world=null data.path=/data/my_dataset \\
+        data.text_len=300 data.batch_size=8 method.optim.lr=1e-5 validation.flow_shift=8 vae=wan_vae \\
+        vae.preset=wan2.1 vae.path=/models/SANA-Video_2B_480p_diffusers
 """
 import msgspec
 
