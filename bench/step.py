@@ -70,6 +70,7 @@ from fvx_models.matrixgame2 import MatrixGame2Config  # noqa: E402
 from fvx_models.ltx2 import LTX2Config  # noqa: E402
 from fvx_models.ltx_video import LTXVideoConfig  # noqa: E402
 from fvx_models.minimax_h3 import MiniMaxH3Config  # noqa: E402
+from fvx_models.mochi import MochiConfig  # noqa: E402
 from fvx_models.sana_video import SanaVideoConfig  # noqa: E402
 from fvx_models.skyreels_v2 import SkyReelsV2Config  # noqa: E402
 from fvx_models.wan_moe import Wan22MoEConfig  # noqa: E402
@@ -102,6 +103,7 @@ CASES = {
     "wan-vace": (WanVACEConfig(preset="tiny"), (16, 2, 16, 16), 4),  # the context blocks: a unit group of their own
     "cogvideox": (CogVideoXConfig(preset="tiny"), (16, 2, 16, 16), 4),  # the 5B's layout, its VP call and loss weight
     "sana-video": (SanaVideoConfig(preset="tiny"), (16, 2, 16, 16), 4),  # linear attention, gated conv feed-forward
+    "mochi": (MochiConfig(preset="tiny"), (12, 2, 16, 16), 4),  # its joint attention as one masked call
     "ltx-video": (LTXVideoConfig(preset="tiny"), (8, 2, 16, 16), 4),
     "hunyuan15": (HunyuanVideo15Config(preset="tiny"), (4, 2, 16, 16), 4),
     "kandinsky5": (Kandinsky5Config(preset="tiny"), (16, 2, 16, 16), 4),

@@ -64,7 +64,7 @@ TINY = {**_COGVIDEOX, "num_attention_heads": 2, "attention_head_dim": 16, "time_
 
 def _vae(scaling_factor: float, what: str) -> LatentSpace:
     """The CogVideoX VAE's latents (16 channels, 4 x 8 x 8), scaled by ``scaling_factor`` into the DiT's input."""
-    return LatentSpace(16, (0.0,) * 16, (1.0 / scaling_factor,) * 16, vae_stride=(4, 8, 8), vae=what)
+    return LatentSpace(16, scale=scaling_factor, vae_stride=(4, 8, 8), vae=what)
 
 
 VAE_2B, VAE_5B = _vae(1.15258426, "CogVideoX (2B)"), _vae(0.7, "CogVideoX (5B)")

@@ -7,8 +7,8 @@ import re
 import pytest
 import torch
 from diffusers import (ChronoEditPipeline, CogVideoXDDIMScheduler, CogVideoXPipeline, DPMSolverMultistepScheduler,
-                       FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline, SanaVideoPipeline, WanPipeline,
-                       WanVACEPipeline)
+                       FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline, MochiPipeline, SanaVideoPipeline,
+                       WanPipeline, WanVACEPipeline)
 from safetensors.torch import load_file
 from torch.func import grad
 
@@ -18,6 +18,7 @@ from fvx_methods import finetune
 from fvx_models import lora, lora_files
 from fvx_models.chronoedit import ChronoEditConfig
 from fvx_models.cogvideox import CogVideoXConfig
+from fvx_models.mochi import MochiConfig
 from fvx_models.sana_video import SanaVideoConfig
 from fvx_models.wan_vace import WanVACEConfig
 from fvx_models.hunyuan_video import HunyuanVideoConfig
@@ -212,6 +213,19 @@ def test_sana_video_adapters_load_with_its_pipelines_load_lora_weights(tmp_path)
                              scheduler=DPMSolverMultistepScheduler())
     assert_loaded_lora_matches(pipe, "sana_video", tmp_path, written.files["transformer"].name, adapted, base,
                                adapters)
+
+
+def test_mochi_adapters_load_with_its_pipelines_load_lora_weights(tmp_path):
+    """Mochi's adapters (PEFT) load with MochiPipeline.load_lora_weights, whose transformer (diffusers' own joint
+    attention) then computes fvx's LoRA model (its masked joint attention)."""
+    pytest.importorskip("peft")
+    adapted = MochiConfig(frozen_dtype="fp32", lora=lora.LoRAConfig(rank=4, alpha=8.0)).build()
+    base, adapters = adapted.weights.base(random.key(0)), trained_adapters(adapted, random.key(1))
+    written = adapted.export.adapters(adapters, str(tmp_path), "peft")
+    (transformer,) = native_modules(CASES["mochi"], base).values()
+    pipe = MochiPipeline(tokenizer=None, text_encoder=None, transformer=transformer, vae=None,
+                         scheduler=FlowMatchEulerDiscreteScheduler(invert_sigmas=True))
+    assert_loaded_lora_matches(pipe, "mochi", tmp_path, written.files["transformer"].name, adapted, base, adapters)
 
 
 I2V_LORA = lora.LoRAConfig(rank=2, alpha=4.0, target_modules=("to_q", "to_out", "add_k_proj", "add_v_proj"))

@@ -11,8 +11,8 @@ from diffusers import (AnyFlowTransformer3DModel, ChronoEditTransformer3DModel, 
                        CogVideoXPipeline, CogVideoXTransformer3DModel, CosmosTransformer3DModel,
                        HunyuanVideo15Transformer3DModel, HunyuanVideoTransformer3DModel, Kandinsky5T2VPipeline,
                        Kandinsky5Transformer3DModel, LTX2Pipeline, LTX2VideoTransformer3DModel, LTXPipeline,
-                       LTXVideoTransformer3DModel, SanaVideoTransformer3DModel, SkyReelsV2Transformer3DModel,
-                       WanTransformer3DModel,
+                       LTXVideoTransformer3DModel, MochiTransformer3DModel, SanaVideoTransformer3DModel,
+                       SkyReelsV2Transformer3DModel, WanTransformer3DModel,
                        WanVACETransformer3DModel)
 
 from fvx.core import grad, random
@@ -27,6 +27,7 @@ from fvx_models.hunyuan_video15 import HunyuanVideo15Config
 from fvx_models.kandinsky5 import Kandinsky5Config
 from fvx_models.ltx2 import LTX2Config
 from fvx_models.ltx_video import LTXVideoConfig
+from fvx_models.mochi import MochiConfig
 from fvx_models.sana_video import SanaVideoConfig
 from fvx_models.skyreels_v2 import SkyReelsV2Config
 from fvx_models.wan import WanConfig
@@ -156,6 +157,13 @@ def sana_video_native(modules, x, t, cond):
                                   timestep=t, return_dict=False)[0]
 
 
+def mochi_native(modules, x, t, cond):
+    """MochiPipeline's call: the inverted timestep ``1000 - t``, the text and its mask (diffusers' own per-sample
+    joint attention); its output ``x0 - noise``, negated."""
+    return -modules["transformer"](hidden_states=x, encoder_hidden_states=cond["text"], timestep=1000 - t,
+                                   encoder_attention_mask=cond["text_mask"], return_dict=False)[0]
+
+
 def hunyuan_native(modules, x, t, cond):
     """HunyuanVideoPipeline's call: guidance passed as guidance_scale * 1000."""
     guidance = torch.full((x.shape[0],), 6.0) * 1000.0
@@ -275,10 +283,11 @@ CASES: dict[str, Case] = {
     "cogvideox-2b": Case(CogVideoXConfig(preset="tiny-2b"), {"transformer": CogVideoXTransformer3DModel},
                          functools.partial(cogvideox_native, snr_shift_scale=3.0)),
     "sana_video": Case(SanaVideoConfig(preset="tiny"), {"transformer": SanaVideoTransformer3DModel}, sana_video_native),
+    "mochi": Case(MochiConfig(preset="tiny"), {"transformer": MochiTransformer3DModel}, mochi_native),
 }
 FAMILIES = ["wan", "wan-ti2v", "skyreels_v2", "wan_moe", "hunyuan_video", "anyflow", "wan-i2v", "wan-ti2v-i2v",
             "kandinsky5", "cosmos", "ltx_video", "hunyuan_video15", "ltx2",
-            "chronoedit", "wan_vace", "cogvideox", "sana_video"]  # one case per family and layout
+            "chronoedit", "wan_vace", "cogvideox", "sana_video", "mochi"]  # one case per family and layout
 
 
 def native_modules(case: Case, params: dict) -> dict[str, torch.nn.Module]:
