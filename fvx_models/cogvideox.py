@@ -37,8 +37,8 @@ from fvx.core import random
 from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder, encoders as fencoders
 from fvx_models.build import ModelConfig
-from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, TEXT_MASK_DEFAULT,
-                               Training, require, skeleton_of)
+from fvx_models.family import (Architecture, Checkpoints, Family, Forward, Preset, Training, skeleton_of,
+                               text_conditioning)
 from fvx_models.model import LatentSpace
 
 # The released pipelines' CogVideoXDDIMScheduler (scheduler_config.json of THUDM/CogVideoX-2b and -5b): only
@@ -210,16 +210,6 @@ def widths(config: ModelConfig) -> tuple[int, dict[str, tuple[int, int]]]:
     return dim, {"blocks": (dim, 4 * dim)}
 
 
-def cond_spec(config: ModelConfig) -> dict[str, tuple]:
-    return {"text": ("L", config.spec.kwargs["text_embed_dim"]), "text_mask": ("L",)}
-
-
-def cond_from_batch(config: ModelConfig, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """The T5 embedding of all 226 tokens and its mask (every token real: the pipeline encodes the padding too)."""
-    require(batch, ("text", "text_mask"), config.family.name, "the T5 text embedding and its mask")
-    return {"text": batch["text"], "text_mask": batch["text_mask"]}
-
-
 def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
     """diffusers' ``CogVideoXPipeline`` files beside ``transformer/``: ``model_index.json`` and ``scheduler/`` (its
     ``CogVideoXDDIMScheduler``); copy the VAE, T5 text encoder and tokenizer from the base model."""
@@ -266,7 +256,7 @@ COGVIDEOX = Family(
         vsa_refusal="its self-attention runs over the text tokens and the video's together",
     ),
     forward=Forward(inputs=inputs, layout="BTCHW", output=output),
-    conditioning=Conditioning(spec=cond_spec, from_batch=cond_from_batch, defaults=TEXT_MASK_DEFAULT),
+    conditioning=text_conditioning("text_embed_dim", "the T5 text embedding of all 226 tokens and its mask"),
     checkpoints=Checkpoints(pipeline_files=pipeline_files),
     training=Training(sigma_sampler=sigma_sampler, loss_weight=loss_weight, sampling_sigmas=sampling_sigmas),
 )

@@ -178,6 +178,21 @@ class Conditioning:
     cfg_dropout_refusal: str | None = None
 
 
+def text_conditioning(width: str, what: str) -> Conditioning:
+    """The conditioning of a family whose DiT reads one text embedding and its padding mask: ``text [L, W]`` (``W``
+    the preset's constructor argument ``width``) and ``text_mask [L]`` from a data batch (``what`` names the embedding
+    in a missing tensor's error); a cond file without the mask stands for all ones."""
+
+    def spec(config: Any) -> fcond.Spec:
+        return {"text": ("L", config.spec.kwargs[width]), "text_mask": ("L",)}
+
+    def from_batch(config: Any, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        require(batch, ("text", "text_mask"), config.family.name, what)
+        return {"text": batch["text"], "text_mask": batch["text_mask"]}
+
+    return Conditioning(spec=spec, from_batch=from_batch, defaults=TEXT_MASK_DEFAULT)
+
+
 @dataclasses.dataclass(frozen=True)
 class Checkpoints:
     """Where the params live on disk: the diffusers pipeline's components and files, the original layout other tools

@@ -29,8 +29,8 @@ from fvx.core import random
 from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder, encoders as fencoders, wan
 from fvx_models.build import ModelConfig
-from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, TEXT_MASK_DEFAULT,
-                               require, skeleton_of)
+from fvx_models.family import (Architecture, Checkpoints, Family, Forward, Preset, skeleton_of,
+                               text_conditioning)
 from fvx_models.model import LatentSpace
 
 _VAE = {name: p.default for name, p in inspect.signature(AutoencoderKLMochi.__init__).parameters.items()}
@@ -119,16 +119,6 @@ def skeleton(config: ModelConfig) -> nn.Module:
 # ------------------------------------------------------------------------------------------------------ the forward
 
 
-def cond_spec(config: ModelConfig) -> dict[str, tuple]:
-    return {"text": ("L", config.spec.kwargs["text_embed_dim"]), "text_mask": ("L",)}
-
-
-def cond_from_batch(config: ModelConfig, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """T5's embedding of the prompt's tokens and its padding mask."""
-    require(batch, ("text", "text_mask"), config.family.name, "the T5 text embedding and its mask")
-    return {"text": batch["text"], "text_mask": batch["text_mask"]}
-
-
 def inputs(config: ModelConfig, x_t: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor],
            sharded: bool) -> dict[str, Any]:
     """As ``MochiPipeline`` calls the DiT: latents, the text and its mask, the inverted timestep ``1000 - t``."""
@@ -193,7 +183,7 @@ MOCHI = Family(
         vsa_refusal="its attention runs over the text tokens and the video's together",
     ),
     forward=Forward(inputs=inputs, output=output),
-    conditioning=Conditioning(spec=cond_spec, from_batch=cond_from_batch, defaults=TEXT_MASK_DEFAULT),
+    conditioning=text_conditioning("text_embed_dim", "the T5 text embedding and its mask"),
     checkpoints=Checkpoints(pipeline_files=pipeline_files),
 )
 

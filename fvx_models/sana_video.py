@@ -24,8 +24,8 @@ from torch import nn
 from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder, encoders as fencoders, wan
 from fvx_models.build import ModelConfig
-from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, TEXT_MASK_DEFAULT,
-                               require, skeleton_of)
+from fvx_models.family import (Architecture, Checkpoints, Family, Forward, Preset, skeleton_of,
+                               text_conditioning)
 
 _SANA_VIDEO = dict(
     in_channels=16, out_channels=16, num_attention_heads=20, attention_head_dim=112, num_layers=20,
@@ -56,16 +56,6 @@ length (the 300 tokens the pipeline keeps) and its pipeline's flow shift."""
 
 def skeleton(config: ModelConfig) -> nn.Module:
     return skeleton_of(SanaVideoTransformer3DModel, config.spec.kwargs, wan.rebuild_rope)
-
-
-def cond_spec(config: ModelConfig) -> dict[str, tuple]:
-    return {"text": ("L", config.spec.kwargs["caption_channels"]), "text_mask": ("L",)}
-
-
-def cond_from_batch(config: ModelConfig, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Gemma-2's embedding of the prompt's kept tokens and its padding mask."""
-    require(batch, ("text", "text_mask"), config.family.name, "the Gemma-2 text embedding and its mask")
-    return {"text": batch["text"], "text_mask": batch["text_mask"]}
 
 
 def inputs(config: ModelConfig, x_t: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor],
@@ -131,7 +121,7 @@ SANA_VIDEO = Family(
         vsa_refusal="its self-attention is linear attention (ReLU kernels): no softmax scores to sparsify",
     ),
     forward=Forward(inputs=inputs),
-    conditioning=Conditioning(spec=cond_spec, from_batch=cond_from_batch, defaults=TEXT_MASK_DEFAULT),
+    conditioning=text_conditioning("caption_channels", "the Gemma-2 text embedding and its mask"),
     checkpoints=Checkpoints(pipeline_files=pipeline_files),
 )
 
