@@ -86,6 +86,7 @@ def check_models(config: Any, models: Mapping[str, Any]) -> None:
     check_image_input(config, models)
     check_action_input(config, models)
     check_context_input(config, models)
+    check_own_schedule(config, models)
     method_check = getattr(config.method, "check_models", None)
     if method_check is not None:
         method_check(models)
@@ -167,6 +168,18 @@ def check_context_input(config: Any, models: Mapping[str, Any]) -> None:
         if reads and kind != CONTEXT_KIND:
             raise ConfigError(f"models.{name} ({model.name}) reads a control context per clip, which "
                               f"data.kind={kind} does not give; use data.kind={CONTEXT_KIND}")
+
+
+def check_own_schedule(config: Any, models: Mapping[str, Any]) -> None:
+    """A ConfigError when validation samples on the model's own levels (``validation.schedule=model``) but a model
+    the method samples has none (only a family with its own pipeline schedule has: CogVideoX's DDIM)."""
+    validation = getattr(config, "validation", None)
+    if validation is None or validation.schedule != "model":
+        return
+    lacking = [name for name, model in models.items() if model.rules.sampling_sigmas is None]
+    if lacking:
+        raise ConfigError(f"validation.schedule=model samples on a model's own levels, but models.{lacking[0]} "
+                          f"({models[lacking[0]].name}) has none; use validation.schedule=fvx or diffusers")
 
 
 def image_spec(model_config: Any, preset: str) -> Mapping[str, Any]:

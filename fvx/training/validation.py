@@ -168,8 +168,9 @@ def schedule_sigmas(config: ValidationConfig, model: Any = None) -> torch.Tensor
     if config.schedule == "model":
         own = None if model is None else model.rules.sampling_sigmas
         if own is None:
-            raise ValueError(f"validation.schedule=model: {getattr(model, 'name', 'the model')} has no sampling "
-                             "schedule of its own; use validation.schedule=fvx or diffusers")
+            raise ValueError(f"validation.schedule=model (sample --schedule model): "
+                             f"{getattr(model, 'name', 'the model')} has no sampling schedule of its own; use fvx or "
+                             "diffusers")
         sigmas = own(config.num_steps)
     else:
         sigmas = (flow.scheduler_sigmas(config.flow_shift, config.num_steps) if config.schedule == "diffusers"

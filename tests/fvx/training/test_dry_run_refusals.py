@@ -69,6 +69,18 @@ REFUSED = {
         "finetune_wan.py", ['models.student.linear_qat.modules=["blocks.*.attn9.to_q"]'],
         "wan:world: linear_qat.modules: 'blocks.*.attn9.to_q' matches no linear layer of the wan family; some of its "
         "layers: condition_embedder.time_embedder.linear_1"),
+    "own_schedule_of_a_family_without_one": (
+        "finetune_sana_video.py", ["validation.schedule=model"],
+        "validation.schedule=model samples on a model's own levels, but models.student (sana_video:world) has none; "
+        "use validation.schedule=fvx or diffusers"),
+    "context_data_for_a_model_without_context": (
+        "finetune_mochi.py", ["data.kind=vace"],
+        "data.kind=vace gives a control context per clip, but models.student (mochi:world) reads none (it would "
+        "train text-to-video, the context unread); use a model whose cond reads one ('vace_context')"),
+    "text_data_for_a_control_model": (
+        "finetune_wan_vace.py", ["data.kind=t2v"],
+        "models.student (wan_vace:world) reads a control context per clip, which data.kind=t2v does not give; use "
+        "data.kind=vace"),
     "score_window_upside_down": (
         "streaming_long_causal_t2v.py", ["method.min_timestep_ratio=0.7", "method.max_timestep_ratio=0.3"],
         "method.min_timestep_ratio = 0.7 is above method.max_timestep_ratio = 0.3: the score timesteps' window "

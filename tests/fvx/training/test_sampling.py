@@ -190,6 +190,7 @@ def test_bad_input_is_one_line_before_anything_is_written(finetuned, causal, wor
         ((finetuned, "--prompt", RED_RIGHT, "--ema"), "keeps no EMA params"),
         ((finetuned, "--prompt", RED_RIGHT, "--image", tmp_path / "x.png"), "from text only"),
         ((finetuned, "--prompt", RED_RIGHT, "--control", tmp_path / "x.mp4"), "takes no control video"),
+        ((finetuned, "--prompt", RED_RIGHT, "--schedule", "model"), "has no sampling schedule of its own"),
         ((causal, "--prompt", RED_RIGHT, "--frames", 5), "not whole blocks (e.g. --frames 6)"),
         ((causal, "--prompt", RED_RIGHT, "--solver", "unipc"), "streams block by block"),
         ((causal, "--prompt", RED_RIGHT, "--frames", 40), "position table holds (32: --frames 32 at most)"),
