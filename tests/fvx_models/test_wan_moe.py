@@ -10,6 +10,7 @@ import torch
 from fvx.core import flow, random
 from fvx.core.optim_config import AdamWConfig
 from fvx_methods import finetune
+from fvx_models import lora
 from fvx_models.model import StepRange
 from fvx_models.wan_moe import Wan22MoEConfig
 
@@ -93,3 +94,12 @@ def test_fine_tuning_trains_exactly_the_steps_expert():
         state, _ = program.step_(state, frozen, {**batch, "sample_index": batch["sample_index"] + 2 * step})
     assert set(chosen) == {"transformer", "transformer_2"}
     assert seen == [{expert: expert == pick for expert in ("transformer", "transformer_2")} for pick in chosen]
+
+
+def test_lora_adapts_only_the_trainable_experts():
+    """``trainable`` names the experts that train; with LoRA the others get no adapters (their layers stay as
+    loaded), so a step never updates the expert the config holds."""
+    both = Wan22MoEConfig(lora=lora.LoRAConfig(rank=2)).build().weights.trained_names
+    low = Wan22MoEConfig(trainable=("transformer_2",), lora=lora.LoRAConfig(rank=2)).build().weights.trained_names
+    assert {name.split(".")[0] for name in both} == {"transformer", "transformer_2"}
+    assert low == {name for name in both if name.startswith("transformer_2.")}
