@@ -91,11 +91,15 @@ latent space, the text length (T5 at 226 tokens) and the scheduler's SNR shift."
 # ------------------------------------------------------------------------------------------------ the flow's clock
 
 
+def scheduler(config: ModelConfig) -> CogVideoXDDIMScheduler:
+    """A fresh ``CogVideoXDDIMScheduler`` of the preset's pipeline (its ``snr_shift_scale``)."""
+    return CogVideoXDDIMScheduler(**SCHEDULER, snr_shift_scale=config.spec.options["snr_shift_scale"])
+
+
 @functools.lru_cache(maxsize=None)
 def alphas_cumprod(snr_shift_scale: float) -> torch.Tensor:
     """``abar [1000]`` float64 of the pipeline's ``CogVideoXDDIMScheduler`` at ``snr_shift_scale``."""
-    scheduler = CogVideoXDDIMScheduler(**SCHEDULER, snr_shift_scale=snr_shift_scale)
-    return scheduler.alphas_cumprod.to(torch.float64)
+    return CogVideoXDDIMScheduler(**SCHEDULER, snr_shift_scale=snr_shift_scale).alphas_cumprod.to(torch.float64)
 
 
 def _abar(config: ModelConfig) -> torch.Tensor:
@@ -150,9 +154,9 @@ def sampling_sigmas(config: ModelConfig, num_steps: int) -> torch.Tensor:
     each DDIM step ends on the next one's timestep and Euler on these levels is its sampling; for another count DDIM
     steps ``1000 // num_steps`` back, off the next timestep (and its last step ends at ``tau`` 0, not at 1), and the
     two differ by that much."""
-    scheduler = CogVideoXDDIMScheduler(**SCHEDULER, snr_shift_scale=config.spec.options["snr_shift_scale"])
-    scheduler.set_timesteps(num_steps)
-    return level_of(_abar(config)[scheduler.timesteps.long()])
+    ddim = scheduler(config)
+    ddim.set_timesteps(num_steps)
+    return level_of(_abar(config)[ddim.timesteps.long()])
 
 
 # ------------------------------------------------------------------------------------------------------ the forward
@@ -213,8 +217,7 @@ def widths(config: ModelConfig) -> tuple[int, dict[str, tuple[int, int]]]:
 def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
     """diffusers' ``CogVideoXPipeline`` files beside ``transformer/``: ``model_index.json`` and ``scheduler/`` (its
     ``CogVideoXDDIMScheduler``); copy the VAE, T5 text encoder and tokenizer from the base model."""
-    CogVideoXDDIMScheduler(**SCHEDULER, snr_shift_scale=config.spec.options["snr_shift_scale"]).save_config(
-        folder / "scheduler")
+    scheduler(config).save_config(folder / "scheduler")
     dfolder.write_model_index(folder, "CogVideoXPipeline", {
         "scheduler": ("diffusers", "CogVideoXDDIMScheduler"),
         "transformer": ("diffusers", "CogVideoXTransformer3DModel"), "vae": ("diffusers", "AutoencoderKLCogVideoX"),

@@ -410,27 +410,35 @@ def encode_media(job: Job, encoder: Encoder, item: Input) -> dict[str, Any]:
 def encode_context(encoder: Encoder, item: Input, clip: torch.Tensor, indices: list[int],
                    latents: torch.Tensor) -> dict[str, torch.Tensor]:
     """Kind vace's tensors of one clip ``[3, T, H, W]``: its control video and mask (the clip's source frames
-    ``indices``, cropped and resized as the clip; the mask's mean over colours, white 1) and reference image (fit to
-    the clip's size on white, as the pipeline prepares it) through the encoder's context, and with a reference the
-    clip's ``latents`` with its latent frame in front, as the pipeline lays them out (a MediaError when a file does
-    not decode or is too short)."""
-    height, width = clip.shape[2:]
+    ``indices``) and reference image as :func:`control_inputs` prepares them, through the encoder's context, and with a
+    reference the clip's ``latents`` with its latent frame in front, as the pipeline lays them out (a MediaError when a
+    file does not decode or is too short)."""
 
-    def frames(role: str) -> torch.Tensor:
+    def frames(role: str) -> np.ndarray | None:
+        if role not in item.control:
+            return None
         try:
-            return media.resize_crop(media.read_frames(item.control[role], indices), height, width)
+            return media.read_frames(item.control[role], indices)
         except media.MediaError as error:
             raise media.MediaError(f"its {role} video {item.control[role].name!r}: {error}") from None
 
-    control = frames("control")
-    mask = (frames("mask").mean(0, keepdim=True) + 1) / 2 if "mask" in item.control else None
-    refs = []
-    if "ref" in item.control:
-        refs = [media.fit_on_white(media.read_image(item.control["ref"]), height, width)]
+    reference = media.read_image(item.control["ref"]) if "ref" in item.control else None
+    control, mask, refs = control_inputs(frames("control"), frames("mask"), reference, *clip.shape[2:])
     out = {"vace_context": encoder.encode_context(control, mask, refs)}
     if refs:
         out["latents"] = torch.cat([encoder.encode_references(refs), latents], dim=1)
     return out
+
+
+def control_inputs(control: np.ndarray, mask: np.ndarray | None, reference: np.ndarray | None, height: int,
+                   width: int) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+    """uint8 control frames ``[F, H0, W0, 3]``, mask frames (or None) and a reference image ``[1, H0, W0, 3]`` (or
+    None) as an encoder's context takes them at ``height x width``: the control video ``[3, F, H, W]`` cropped and
+    resized as a clip, the mask ``[1, F, H, W]`` the mean over colours (white 1), the reference ``[3, H, W]`` fit on
+    white as ``WanVACEPipeline`` prepares it."""
+    mask = None if mask is None else (media.resize_crop(mask, height, width).mean(0, keepdim=True) + 1) / 2
+    refs = [] if reference is None else [media.fit_on_white(reference, height, width)]
+    return media.resize_crop(control, height, width), mask, refs
 
 
 # ------------------------------------------------------------------------------------------------------------ output

@@ -36,6 +36,7 @@ PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 
 COLOURS = {"red": (1.0, -1.0, -1.0), "green": (-1.0, 1.0, -1.0), "blue": (-1.0, -1.0, 1.0), "white": (1.0, 1.0, 1.0)}
 DIRECTIONS = {"right": (0, 1), "left": (0, -1), "down": (1, 0), "up": (-1, 0)}  # (rows, columns) per frame
+GIVEN_FIRST_FRAME = ("i2v", "vace")  # the data kinds whose samples continue a given first frame (continuation_mse)
 HIT = 0.03  # a sample this close (pixel MSE) to a true clip of its prompt counts as a hit: blur and wrong motion miss
 
 
@@ -316,7 +317,7 @@ class WorldDataset:
                              f"{tuple(refs.shape[2:])} (or, for bars, a whole number of them in time)")
         prompts = torch.tensor(list(prompt_ids))
         windows = [_quality(videos[:, :, w:w + frames], prompts, refs) for w in range(0, shape[1], frames)]
-        if self.kind in ("i2v", "vace") and len(windows) == 1 and indices is not None:
+        if self.kind in GIVEN_FIRST_FRAME and len(windows) == 1 and indices is not None:
             return {**windows[0], "continuation_mse": self.continuation_mse(videos, indices)}
         if len(windows) == 1:
             return windows[0]

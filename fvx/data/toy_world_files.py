@@ -13,7 +13,8 @@ import torch
 
 from fvx.core import random
 from fvx.data import media, toy_world_actions
-from fvx.data.toy_world import Codec, WorldConfig, WorldDataset, caption, first_frame_only, space_to_depth
+from fvx.data.toy_world import (GIVEN_FIRST_FRAME, Codec, WorldConfig, WorldDataset, caption, first_frame_only,
+                                space_to_depth)
 
 
 class JudgedByWorld:
@@ -52,7 +53,7 @@ class JudgedByWorld:
             quality = self.world.caption_quality(videos, captions)
         except ValueError as error:
             raise ValueError(f"validation: {error} (data.world=null turns it off)") from None
-        if self.world.kind in ("i2v", "vace"):  # continued from the files' own first frames: their clips are the truth
+        if self.world.kind in GIVEN_FIRST_FRAME:  # continued from the files' first frames: their clips are the truth
             truth = Codec(self.world.config.factor).decode(batch["latents"])
             quality["continuation_mse"] = float(((videos.float() - truth) ** 2).mean())
         return quality

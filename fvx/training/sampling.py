@@ -416,14 +416,12 @@ def read_control(request: Request, kind: str, model: Any, frames: int) -> dict[s
 
 def control_condition(encoder: Any, control: dict[str, Any], shape: tuple[int, int, int, int],
                       model: Any) -> dict[str, Any]:
-    """A control model's condition as the data stores it: the control video and mask centre-cropped and resized to
-    the video's pixel size (``shape``'s latents; the mask's mean over colours, white 1) and the reference image fit on
-    white, through the encoder's context (``vace_context``)."""
-    stride_t, stride_h, stride_w = model.latents.vae_stride
-    height, width = shape[2] * stride_h, shape[3] * stride_w
-    video = media.resize_crop(control["control"], height, width)
-    mask = None if "mask" not in control else (media.resize_crop(control["mask"], height, width).mean(0, True) + 1) / 2
-    refs = [media.fit_on_white(control["reference"], height, width)] if "reference" in control else []
+    """A control model's condition as the data stores it: the control video, mask and reference image at the video's
+    pixel size (``shape``'s latents) as preprocessing prepares them (``preprocess.control_inputs``), through the
+    encoder's context (``vace_context``)."""
+    _, stride_h, stride_w = model.latents.vae_stride
+    video, mask, refs = preprocess.control_inputs(control["control"], control.get("mask"), control.get("reference"),
+                                                  shape[2] * stride_h, shape[3] * stride_w)
     return {"vace_context": encoder.encode_context(video, mask, refs).numpy()}
 
 

@@ -21,10 +21,6 @@ from tiny_wan_pipeline import WORDS, tiny_t5_tokenizer
 from family_cases import CASES, inputs, native_modules, raw_batch  # noqa: E402
 
 
-def scheduler(config: CogVideoXConfig) -> CogVideoXDDIMScheduler:
-    return CogVideoXDDIMScheduler(**cogvideox.SCHEDULER, snr_shift_scale=config.spec.options["snr_shift_scale"])
-
-
 def pipeline_rope(transformer, latents):
     pipe = CogVideoXPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=transformer,
                              scheduler=CogVideoXDDIMScheduler())
@@ -49,7 +45,7 @@ def test_the_finetuning_loss_is_train_cogvideox_loras(case):
     sigma, _ = model.rules.sigma_sampler(t_keys, x0)
     taus = cogvideox.timestep_of(config, sigma).round().long()
     (transformer,) = native_modules(CASES[case], params).values()
-    sched = scheduler(config)
+    sched = cogvideox.scheduler(config)
     frames_first = (lambda x: x.permute(0, 2, 1, 3, 4))
     target = frames_first(x0)
     noisy = sched.add_noise(target, frames_first(noise), taus)
@@ -76,7 +72,7 @@ def test_euler_on_its_levels_is_the_ddim_schedulers_sampling():
     ours = flow.euler_sample(model.apply, params, noise, sigmas, cond=cond)
 
     (transformer,) = native_modules(case, params).values()
-    sched = scheduler(case.config)
+    sched = cogvideox.scheduler(case.config)
     sched.set_timesteps(5)
     latents = noise.permute(0, 2, 1, 3, 4)  # at tau = 999 (zero SNR) the VP point is the noise itself
     rope = pipeline_rope(transformer, latents)
