@@ -59,12 +59,15 @@ from fvx.distributed import processes, sharding  # noqa: E402
 from fvx_methods import finetune  # noqa: E402
 from fvx_models import build as fvx_build, ltx2, minimax_h3, wan  # noqa: E402
 from fvx_models.family import Preset  # noqa: E402
+from fvx_models.allegro import AllegroConfig  # noqa: E402
 from fvx_models.chronoedit import ChronoEditConfig  # noqa: E402
 from fvx_models.cogvideox import CogVideoXConfig  # noqa: E402
 from fvx_models.cosmos import CosmosConfig  # noqa: E402
+from fvx_models.easyanimate import EasyAnimateConfig  # noqa: E402
 from fvx_models.hunyuan_video import HunyuanVideoConfig  # noqa: E402
 from fvx_models.hunyuan_video15 import HunyuanVideo15Config  # noqa: E402
 from fvx_models.kandinsky5 import Kandinsky5Config  # noqa: E402
+from fvx_models.latte import LatteConfig  # noqa: E402
 from fvx_models.linear_qat import LinearQATConfig  # noqa: E402
 from fvx_models.matrixgame2 import MatrixGame2Config  # noqa: E402
 from fvx_models.ltx2 import LTX2Config  # noqa: E402
@@ -104,6 +107,9 @@ CASES = {
     "cogvideox": (CogVideoXConfig(preset="tiny"), (16, 2, 16, 16), 4),  # the 5B's layout, its VP call and loss weight
     "sana-video": (SanaVideoConfig(preset="tiny"), (16, 2, 16, 16), 4),  # linear attention, gated conv feed-forward
     "mochi": (MochiConfig(preset="tiny"), (12, 2, 16, 16), 4),  # its joint attention as one masked call
+    "latte": (LatteConfig(preset="tiny"), (16, 2, 16, 16), 4),  # spatial and temporal blocks, epsilon as a flow
+    "allegro": (AllegroConfig(preset="tiny"), (16, 2, 16, 16), 4),  # 3-D RoPE over the whole video, epsilon
+    "easyanimate": (EasyAnimateConfig(preset="tiny"), (16, 2, 16, 16), 4),  # MMDiT: text and video in one attention
     "ltx-video": (LTXVideoConfig(preset="tiny"), (8, 2, 16, 16), 4),
     "hunyuan15": (HunyuanVideo15Config(preset="tiny"), (4, 2, 16, 16), 4),
     "kandinsky5": (Kandinsky5Config(preset="tiny"), (16, 2, 16, 16), 4),

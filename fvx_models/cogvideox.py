@@ -33,9 +33,8 @@ from diffusers.models.embeddings import get_3d_rotary_pos_embed
 from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
 from torch import nn
 
-from fvx.core import random
 from fvx.distributed import memory
-from fvx_models import diffusers_folder as dfolder, encoders as fencoders
+from fvx_models import diffusers_folder as dfolder, encoders as fencoders, vp_flow
 from fvx_models.build import ModelConfig
 from fvx_models.family import (Architecture, Checkpoints, Family, Forward, Preset, Training, skeleton_of,
                                text_conditioning)
@@ -102,50 +101,21 @@ def alphas_cumprod(snr_shift_scale: float) -> torch.Tensor:
     return CogVideoXDDIMScheduler(**SCHEDULER, snr_shift_scale=snr_shift_scale).alphas_cumprod.to(torch.float64)
 
 
-def _abar(config: ModelConfig) -> torch.Tensor:
+def schedule_abar(config: ModelConfig) -> torch.Tensor:
+    """``abar [1000]`` float64 of the preset's scheduler."""
     return alphas_cumprod(config.spec.options["snr_shift_scale"])
 
 
-def coefficients(sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(a, b)`` of the VP point on the flow level ``sigma``: ``(1 - sigma, sigma) / sqrt((1 - sigma)^2 + sigma^2)``
-    (so ``a^2 + b^2 = 1``, ``b / (a + b) = sigma``)."""
-    sigma = sigma.float()
-    norm = torch.sqrt((1 - sigma) ** 2 + sigma ** 2)
-    return (1 - sigma) / norm, sigma / norm
-
-
-def level_of(abar: torch.Tensor) -> torch.Tensor:
-    """The flow level ``sigma = b / (a + b)`` of ``abar`` (``a = sqrt(abar)``, ``b = sqrt(1 - abar)``)."""
-    a, b = abar.sqrt(), (1 - abar).sqrt()
-    return (b / (a + b)).float()
-
-
-def timestep_of(config: ModelConfig, sigma: torch.Tensor) -> torch.Tensor:
-    """The scheduler's (fractional) timestep ``tau [B]`` whose ``abar`` is the flow level ``sigma``'s, ``a^2``
-    (:func:`coefficients`): linear in ``abar`` between its integer timesteps, so an integer one comes back as
-    itself."""
-    table = _abar(config).flip(0).to(sigma.device, torch.float32)  # increasing: abar_999 = 0 .. abar_0
-    abar = (coefficients(sigma)[0] ** 2).clamp(table[0], table[-1])
-    upper = torch.searchsorted(table, abar).clamp(1, table.shape[0] - 1)
-    low, high = table[upper - 1], table[upper]
-    flipped = (upper - 1).float() + (abar - low) / (high - low)
-    return (table.shape[0] - 1) - flipped
-
-
 def sigma_sampler(config: ModelConfig, keys: torch.Tensor, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """CogVideoX's training levels from per-sample keys ``[B, 2]``: ``tau = floor(1000 u)``, ``u ~ U[0, 1)`` (diffusers'
+    """CogVideoX's training levels from per-sample keys ``[B, 2]``: ``tau ~ U{0, ..., 999}`` (diffusers'
     ``train_cogvideox_lora.py``: ``torch.randint(0, 1000)``), as ``(sigma [B], t = 1000 sigma [B])``."""
-    u = torch.vmap(lambda key: random.uniform(key, ()))(keys.to(x0.device))
-    tau = torch.floor(u * 1000).long().clamp(max=999)
-    sigma = level_of(_abar(config).to(x0.device)[tau])
-    return sigma, 1000 * sigma
+    return vp_flow.integer_levels(schedule_abar(config), keys, x0.device)
 
 
 def loss_weight(config: ModelConfig, sigma: torch.Tensor) -> torch.Tensor:
-    """The per-sample weight ``1 / s^2 = 1 / (a + b)^2`` of the velocity loss: the script's ``1 / (1 - abar)`` on the
-    x0 loss, in the flow's terms."""
-    a, b = coefficients(sigma)
-    return 1 / (a + b) ** 2
+    """The per-sample weight ``1 / s^2`` of the velocity loss: the script's ``1 / (1 - abar)`` on the x0 loss, in the
+    flow's terms."""
+    return vp_flow.x0_loss_weight(sigma)
 
 
 def sampling_sigmas(config: ModelConfig, num_steps: int) -> torch.Tensor:
@@ -156,7 +126,7 @@ def sampling_sigmas(config: ModelConfig, num_steps: int) -> torch.Tensor:
     two differ by that much."""
     ddim = scheduler(config)
     ddim.set_timesteps(num_steps)
-    return level_of(_abar(config)[ddim.timesteps.long()])
+    return vp_flow.scheduler_levels(schedule_abar(config), ddim.timesteps)
 
 
 # ------------------------------------------------------------------------------------------------------ the forward
@@ -192,20 +162,19 @@ def inputs(config: ModelConfig, x: torch.Tensor, t: torch.Tensor, cond: Mapping[
     """The DiT's arguments: ``s x_t`` at the scheduler timestep of ``sigma = t / 1000`` (module docstring), the text
     embedding as stored (a 2B preset takes exactly its ``max_text_seq_length`` tokens), the RoPE tables."""
     sigma = t.float() / 1000
-    a, b = coefficients(sigma)
     text, length = cond["text"], config.spec.kwargs["max_text_seq_length"]
     if not config.spec.kwargs["use_rotary_positional_embeddings"] and text.shape[1] != length:
         raise ValueError(f"{config.family.name}:{config.preset}: its position table holds exactly {length} text "
                          f"tokens, got {text.shape[1]} (data.text_len={length})")
-    return {"hidden_states": x * (a + b).view(-1, 1, 1, 1, 1).to(x.dtype), "encoder_hidden_states": text,
-            "timestep": timestep_of(config, sigma), "image_rotary_emb": rotary(config, x), "return_dict": False}
+    return {"hidden_states": vp_flow.model_input(x, sigma), "encoder_hidden_states": text,
+            "timestep": vp_flow.timestep_of(schedule_abar(config), sigma), "image_rotary_emb": rotary(config, x),
+            "return_dict": False}
 
 
 def output(config: ModelConfig, out: Any, x: torch.Tensor, t: torch.Tensor,
            cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The DiT's ``v`` as the flow velocity ``noise - x0 = s ((b - a) x_t + v)`` (module docstring)."""
-    a, b = (c.view(-1, 1, 1, 1, 1) for c in coefficients(t.float() / 1000))
-    return ((a + b) * ((b - a) * x.float() + out[0].float())).to(out[0].dtype)
+    return vp_flow.velocity_of_v(out[0], x, t.float() / 1000)
 
 
 def widths(config: ModelConfig) -> tuple[int, dict[str, tuple[int, int]]]:

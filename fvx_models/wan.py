@@ -53,6 +53,7 @@ WAN22_LATENTS_STD = (0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5
                      0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744)
 
 WORLD_CODEC = LatentSpace(192, vae_stride=(1, 8, 8), vae="space-to-depth 8 (fvx.data.toy_world)")  # exact, unnormalised
+WORLD_CODEC_4 = LatentSpace(48, vae_stride=(1, 4, 4), vae="space-to-depth 4 (fvx.data.toy_world)")  # a finer grid
 WAN21_VAE = LatentSpace(16, WAN21_LATENTS_MEAN, WAN21_LATENTS_STD, vae_stride=(4, 8, 8), vae="Wan 2.1")
 WAN22_VAE = LatentSpace(48, WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, vae_stride=(4, 16, 16), vae="Wan 2.2")
 TINY_VAE = LatentSpace(16, (0.0,) * 16, (1.0,) * 16, vae_stride=(4, 4, 4), vae="tiny Wan")  # the tiny Wan VAE's

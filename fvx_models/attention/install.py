@@ -1,11 +1,13 @@
 """A model's attention kernel, installed on its attention modules as torchtitan applies a kernel: a plain function
 applied to the skeleton, the same for every family.
 
-Every family's attention goes through diffusers' attention dispatcher, whose native backend calls PyTorch's
-``scaled_dot_product_attention`` (fvx's sequence-parallel and block-causal processors dispatch the same way). The
-first model built with another kernel routes that native backend through one function (:func:`route_native_backend`)
-that answers with the kernel of the attention call in progress (:data:`ROUTE`), else calls diffusers' own: each
-attention module's processor is wrapped to set ``ROUTE`` for the duration of its call (:class:`KernelProcessor`), so
+A family's attention goes through diffusers' attention dispatcher, whose native backend calls PyTorch's
+``scaled_dot_product_attention`` (fvx's sequence-parallel and block-causal processors dispatch the same way), or calls
+``torch.nn.functional.scaled_dot_product_attention`` itself (the older processors: CogVideoX's, Latte's, Allegro's,
+HunyuanVideo's token refiner). The first model built with another kernel routes both through one function
+(:func:`route_attention`) that answers with the kernel of the attention call in progress (:data:`ROUTE`), else calls
+the original: each attention module's processor is wrapped to set ``ROUTE`` for the duration of its call
+(:class:`KernelProcessor`), so
 the processor's own projections, norms, RoPE and all-to-alls are unchanged, and ``torch.compile`` traces it all
 (a ``TorchFunctionMode`` would not: it cannot trace Tensor methods written in Python through one). Plain
 kernels and ``qat`` run in every attention module (self and cross: forward-mode derivatives need every call in
@@ -33,7 +35,6 @@ import contextlib
 import dataclasses
 import fnmatch
 import functools
-import inspect
 from typing import Any, Callable, Iterator
 
 import torch
@@ -98,27 +99,50 @@ class Route:
 ROUTE = Route()
 
 
-def route_native_backend() -> None:
-    """Make diffusers' native attention backend answer with ``ROUTE.kernel`` when one is set (idempotent; a call
-    with none set runs diffusers' own function, unchanged)."""
+def answer(kernel: Callable[..., torch.Tensor], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           **kwargs: Any) -> torch.Tensor:
+    """``kernel`` on SDPA's arguments and layout, with ``ROUTE`` cleared meanwhile: a kernel that calls SDPA itself
+    (a dispatcher backend's) reaches the original."""
+    ROUTE.kernel = None
+    try:
+        return kernel(query, key, value, **kwargs)
+    finally:
+        ROUTE.kernel = kernel
+
+
+def route_attention() -> None:
+    """Make diffusers' native attention backend and ``torch.nn.functional.scaled_dot_product_attention`` answer with
+    ``ROUTE.kernel`` when one is set (idempotent; a call with none set runs the original, unchanged)."""
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
     native = _AttentionBackendRegistry._backends[AttentionBackendName.NATIVE]
-    if getattr(native, "routed_by_fvx", False):
-        return
-
-    def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-               return_lse=False, _parallel_config=None):
-        """diffusers' native backend (``[B, L, H, D]`` in and out), or the routed kernel (SDPA's layout)."""
-        kernel = ROUTE.kernel
-        if kernel is None or return_lse or _parallel_config is not None:
-            return native(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=dropout_p,
-                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
-                          _parallel_config=_parallel_config)
-        out = kernel(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=attn_mask,
-                     dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-        return out.transpose(1, 2)
-    routed.routed_by_fvx = True
-    _AttentionBackendRegistry._backends[AttentionBackendName.NATIVE] = routed
+    if not getattr(native, "routed_by_fvx", False):
+        def routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                   return_lse=False, _parallel_config=None):
+            """diffusers' native backend (``[B, L, H, D]`` in and out), or the routed kernel (SDPA's layout)."""
+            kernel = ROUTE.kernel
+            if kernel is None or return_lse or _parallel_config is not None:
+                return native(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=dropout_p,
+                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
+                              _parallel_config=_parallel_config)
+            out = answer(kernel, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                         attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                         enable_gqa=enable_gqa)
+            return out.transpose(1, 2)
+        routed.routed_by_fvx = True
+        _AttentionBackendRegistry._backends[AttentionBackendName.NATIVE] = routed
+    original = torch.nn.functional.scaled_dot_product_attention
+    if not getattr(original, "routed_by_fvx", False):
+        def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                         scale=None, enable_gqa=False):
+            """torch's SDPA, or the routed kernel."""
+            kernel = ROUTE.kernel
+            if kernel is None:
+                return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                scale=scale, enable_gqa=enable_gqa)
+            return answer(kernel, query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                          scale=scale, enable_gqa=enable_gqa)
+        scaled_dot_product_attention.routed_by_fvx = True
+        torch.nn.functional.scaled_dot_product_attention = scaled_dot_product_attention
 
 
 class KernelProcessor:
@@ -136,10 +160,12 @@ class KernelProcessor:
 
 
 def wrapped(inner: Any, kernel_for: Callable[[nn.Module, torch.Tensor], Callable]) -> KernelProcessor:
-    """``inner`` wrapped; its ``__call__`` keeps the inner signature, which diffusers reads to filter arguments."""
+    """``inner`` wrapped; its ``__call__`` keeps the inner signature (through ``__wrapped__``: a precomputed
+    ``__signature__`` is a mappingproxy dynamo refuses after a dict mutation), which diffusers reads to filter
+    arguments."""
+    @functools.wraps(type(inner).__call__)
     def call(self, *args, **kwargs):
         return self.run(*args, **kwargs)
-    call.__signature__ = inspect.signature(type(inner).__call__)
     cls = type(f"Kernel{type(inner).__name__}", (KernelProcessor,), {"__call__": call})
     return cls(inner, kernel_for)
 
@@ -155,9 +181,9 @@ def self_attention_modules(config: Any, module: nn.Module) -> dict[str, nn.Modul
 
 
 def attention_modules(module: nn.Module) -> dict[str, nn.Module]:
-    """Name -> module of every attention module of the skeleton (diffusers' attention classes: a processor)."""
-    return {name: part for name, part in module.named_modules()
-            if hasattr(part, "set_processor") and getattr(part, "processor", None) is not None}
+    """Name -> module of every attention module of the skeleton (diffusers' attention classes: a callable processor;
+    Mochi's has no ``set_processor``)."""
+    return {name: part for name, part in module.named_modules() if callable(getattr(part, "processor", None))}
 
 
 def refusal(config: Any, sequence_parallel: bool = False) -> str | None:
@@ -230,14 +256,18 @@ def install(config: Any, module: nn.Module) -> Runtime:
         if name == "vsa" else Runtime(name)
     if name == "sdpa":
         return runtime
-    route_native_backend()
+    route_attention()
     targets = self_attention_modules(config, module) if name in ("vsa", "sla") else attention_modules(module)
     if name == "qat" and config.family.architecture.qat_attention is not None:
         targets = {path: attn for path, attn in targets.items()
                    if any(fnmatch.fnmatchcase(path, pattern) for pattern in config.family.architecture.qat_attention)}
     for path, attn in targets.items():
         gate = module.get_submodule(path.rpartition(".")[0]).get_submodule(GATE) if name == "vsa" else None
-        attn.set_processor(wrapped(attn.processor, functools.partial(_kernel_for, config, runtime, gate)))
+        processor = wrapped(attn.processor, functools.partial(_kernel_for, config, runtime, gate))
+        if hasattr(attn, "set_processor"):
+            attn.set_processor(processor)
+        else:
+            attn.processor = processor
     return runtime
 
 

@@ -14,7 +14,7 @@ from diffusers import (AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoX
 import encoder_checks
 from fvx.core import flow, random
 from fvx_methods import finetune
-from fvx_models import cogvideox
+from fvx_models import cogvideox, vp_flow
 from fvx_models.cogvideox import CogVideoXConfig
 from tiny_wan_pipeline import WORDS, tiny_t5_tokenizer
 
@@ -43,7 +43,7 @@ def test_the_finetuning_loss_is_train_cogvideox_loras(case):
     x0 = model.normalize(batch["latents"])
     noise, t_keys = flow.per_sample_noise(key, batch["sample_index"], tuple(x0.shape[1:]), x0.device)
     sigma, _ = model.rules.sigma_sampler(t_keys, x0)
-    taus = cogvideox.timestep_of(config, sigma).round().long()
+    taus = vp_flow.timestep_of(cogvideox.schedule_abar(config), sigma).round().long()
     (transformer,) = native_modules(CASES[case], params).values()
     sched = cogvideox.scheduler(config)
     frames_first = (lambda x: x.permute(0, 2, 1, 3, 4))
@@ -87,7 +87,7 @@ def test_its_noise_levels_are_uniform_integer_timesteps_drawn_per_sample():
     config = CogVideoXConfig(preset="tiny-2b")
     keys = torch.stack([random.fold_in(random.key(0), i) for i in range(4000)])
     sigma, t = cogvideox.sigma_sampler(config, keys, torch.zeros(1))
-    taus = cogvideox.timestep_of(config, sigma)
+    taus = vp_flow.timestep_of(cogvideox.schedule_abar(config), sigma)
     assert torch.allclose(taus, taus.round(), atol=1e-3) and torch.equal(t, 1000 * sigma)
     counts = torch.bincount(taus.round().long() // 100, minlength=10)
     assert counts.min() > 300 and counts.max() < 500  # 400 each expected

@@ -48,7 +48,8 @@ def test_apply_equals_the_diffusers_module_called_as_its_pipeline_does(built):
     with torch.no_grad():
         want = case.native(native_modules(case, params), x, t, cond)
     assert got.dtype == torch.float32 and got.shape == x.shape
-    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+    # absolute error in units of the largest output (an epsilon family's velocity is its output over a = 0.1 here)
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5 * max(1.0, float(want.abs().max())))
 
 
 def test_export_loads_with_from_pretrained_bit_for_bit_and_back(built, tmp_path):
@@ -129,13 +130,15 @@ def test_a_whole_model_compiles_to_one_graph_and_matches_eager(name):
 
 
 @pytest.mark.parametrize("name", ["wan", "wan-ti2v", "hunyuan_video", "cosmos", "ltx_video", "kandinsky5", "wan_vace",
-                                  "cogvideox", "sana_video", "mochi"])
+                                  "cogvideox", "sana_video", "mochi", "latte", "allegro",
+                                  "easyanimate"])
 def test_dry_run_activation_figures_match_what_each_unit_group_saves(name):
     """The family's per-token coefficients against saved-tensor hooks on the first unit of each group (bf16)."""
     config = CASES[name].config
     model = config.build()
     spec = type(config)(**{**_fields(config), "compute_dtype": "bf16"}).build().memory_spec()
-    x, t, cond = inputs(model, random.key(1), frames=4, size=16, text_len=8)
+    frames = 2 if name == "latte" else 4  # Latte's tiny temporal table holds 2 frames
+    x, t, cond = inputs(model, random.key(1), frames=frames, size=16, text_len=8)
     measured = saved_per_group(config, x, t, cond)
     for group in spec.groups:
         fp32, half, tokens = measured[group.name]

@@ -16,8 +16,11 @@ from fvx.core import grad as fvx_grad, random, role
 from fvx.core.optim_config import AdamWConfig
 from fvx_methods import finetune
 from fvx_models import lora, lora_files
+from fvx_models.allegro import AllegroConfig
 from fvx_models.chronoedit import ChronoEditConfig
 from fvx_models.cogvideox import CogVideoXConfig
+from fvx_models.easyanimate import EasyAnimateConfig
+from fvx_models.latte import LatteConfig
 from fvx_models.mochi import MochiConfig
 from fvx_models.sana_video import SanaVideoConfig
 from fvx_models.wan_vace import WanVACEConfig
@@ -437,3 +440,25 @@ def test_two_experts_original_layout_files_are_high_and_low_noise_with_musubi_tu
             f"ComfyUI: put {path.name} in models/loras/ and apply it with a LoraLoaderModelOnly node ({which})"
             for path, which in ((high, "transformer: the high-noise expert"),
                                 (low, "transformer_2: the low-noise expert")))
+
+
+@pytest.mark.parametrize("case, config_class", [("latte", LatteConfig), ("allegro", AllegroConfig),
+                                               ("easyanimate", EasyAnimateConfig)])
+def test_adapters_of_a_family_without_a_diffusers_lora_loader_load_with_peft(tmp_path, case, config_class):
+    """diffusers has no LoRA loader for Latte, Allegro or EasyAnimate; their PEFT file loads with peft's own
+    ``set_peft_model_state_dict`` into the diffusers module, which then computes fvx's LoRA model (the family's VP
+    call)."""
+    peft = pytest.importorskip("peft")
+    adapted = config_class(frozen_dtype="fp32", lora=lora.LoRAConfig(rank=4, alpha=8.0)).build()
+    base, adapters = adapted.weights.base(random.key(0)), trained_adapters(adapted, random.key(1))
+    written = adapted.export.adapters(adapters, str(tmp_path), "peft")
+    state = {k.removeprefix("transformer."): v for k, v in load_file(written.files["transformer"]).items()}
+    (transformer,) = native_modules(CASES[case], base).values()
+    targets = sorted({k.split(".lora_")[0] for k in state})
+    peft.inject_adapter_in_model(peft.LoraConfig(r=4, lora_alpha=8.0, target_modules=targets), transformer)
+    assert not peft.set_peft_model_state_dict(transformer, state).unexpected_keys
+    x, t, cond = inputs(adapted, random.key(2))
+    with torch.no_grad():
+        loaded = CASES[case].native({"transformer": transformer}, x, t, cond)
+    torch.testing.assert_close(loaded, adapted.apply(role.with_trained(base, adapters), x, t, cond), rtol=1e-5,
+                               atol=1e-5 * float(loaded.abs().max()))

@@ -7,24 +7,28 @@ from typing import Callable, NamedTuple
 
 import numpy
 import torch
-from diffusers import (AnyFlowTransformer3DModel, ChronoEditTransformer3DModel, CogVideoXDDIMScheduler,
-                       CogVideoXPipeline, CogVideoXTransformer3DModel, CosmosTransformer3DModel,
-                       HunyuanVideo15Transformer3DModel, HunyuanVideoTransformer3DModel, Kandinsky5T2VPipeline,
-                       Kandinsky5Transformer3DModel, LTX2Pipeline, LTX2VideoTransformer3DModel, LTXPipeline,
+from diffusers import (AllegroPipeline, AllegroTransformer3DModel, AnyFlowTransformer3DModel,
+                       ChronoEditTransformer3DModel, CogVideoXDDIMScheduler, CogVideoXPipeline,
+                       CogVideoXTransformer3DModel, CosmosTransformer3DModel, DDIMScheduler, DDPMScheduler,
+                       EasyAnimateTransformer3DModel, HunyuanVideo15Transformer3DModel,
+                       HunyuanVideoTransformer3DModel, Kandinsky5T2VPipeline, Kandinsky5Transformer3DModel,
+                       LatteTransformer3DModel, LTX2Pipeline, LTX2VideoTransformer3DModel, LTXPipeline,
                        LTXVideoTransformer3DModel, MochiTransformer3DModel, SanaVideoTransformer3DModel,
-                       SkyReelsV2Transformer3DModel, WanTransformer3DModel,
-                       WanVACETransformer3DModel)
+                       SkyReelsV2Transformer3DModel, WanTransformer3DModel, WanVACETransformer3DModel)
 
 from fvx.core import grad, random
 from fvx.distributed import processes, sharding
+from fvx_models.allegro import AllegroConfig
 from fvx_models.anyflow import AnyFlowConfig
 from fvx_models.build import ModelConfig
 from fvx_models.chronoedit import ChronoEditConfig
 from fvx_models.cogvideox import SCHEDULER as COGVIDEOX_SCHEDULER, CogVideoXConfig
 from fvx_models.cosmos import CosmosConfig
+from fvx_models.easyanimate import EasyAnimateConfig
 from fvx_models.hunyuan_video import HunyuanVideoConfig
 from fvx_models.hunyuan_video15 import HunyuanVideo15Config
 from fvx_models.kandinsky5 import Kandinsky5Config
+from fvx_models.latte import SCHEDULER as LATTE_SCHEDULER, LatteConfig
 from fvx_models.ltx2 import LTX2Config
 from fvx_models.ltx_video import LTXVideoConfig
 from fvx_models.mochi import MochiConfig
@@ -164,6 +168,48 @@ def mochi_native(modules, x, t, cond):
                                    encoder_attention_mask=cond["text_mask"], return_dict=False)[0]
 
 
+def latte_native(modules, x, t, cond):
+    """LattePipeline's call, one prompt at a time (its embedding cut to the real tokens, no mask), at the VP point of
+    the flow level ``sigma = t / 1000`` on its DDIM scheduler's ``alphas_cumprod`` (the timestep interpolated there);
+    the first half of its output (epsilon) read back through that point's ``x0`` as ``noise - x0``."""
+    table = DDIMScheduler(**LATTE_SCHEDULER).alphas_cumprod.double()
+    sigma = t.double() / 1000
+    abar = (1 - sigma) ** 2 / ((1 - sigma) ** 2 + sigma ** 2)
+    tau = torch.from_numpy(numpy.interp(abar.numpy(), table.flip(0).numpy(), numpy.arange(999, -1, -1.0)))
+    a, b = (c.float().view(-1, 1, 1, 1, 1) for c in (abar.sqrt(), (1 - abar).sqrt()))
+    latents = x * (a + b)
+    eps = torch.cat([modules["transformer"](hidden_states=latents[i:i + 1], timestep=tau[i:i + 1].float(),
+                                            encoder_hidden_states=cond["text"][i:i + 1, cond["text_mask"][i].bool()],
+                                            return_dict=False)[0][:, :x.shape[1]] for i in range(x.shape[0])])
+    x0 = (latents - b * eps) / a
+    return eps - x0
+
+
+def allegro_native(modules, x, t, cond):
+    """AllegroPipeline's call at the VP point of the flow level ``sigma = t / 1000`` on ``DDPMScheduler()``'s
+    ``alphas_cumprod`` (the timestep interpolated there): the text and its mask, the pipeline's own RoPE for the latent
+    grid (pixels = latents x 8); its noise prediction read back through that point's ``x0`` as ``noise - x0``."""
+    transformer = modules["transformer"]
+    table = DDPMScheduler().alphas_cumprod.double()
+    sigma = t.double() / 1000
+    abar = (1 - sigma) ** 2 / ((1 - sigma) ** 2 + sigma ** 2)
+    tau = torch.from_numpy(numpy.interp(abar.numpy(), table.flip(0).numpy(), numpy.arange(999, -1, -1.0)))
+    a, b = (c.float().view(-1, 1, 1, 1, 1) for c in (abar.sqrt(), (1 - abar).sqrt()))
+    latents = x * (a + b)
+    pipe = AllegroPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=transformer,
+                           scheduler=DDPMScheduler())
+    rope = pipe._prepare_rotary_positional_embeddings(x.shape[0], x.shape[3] * 8, x.shape[4] * 8, x.shape[2], "cpu")
+    eps = transformer(hidden_states=latents, encoder_hidden_states=cond["text"], timestep=tau.float(),
+                      encoder_attention_mask=cond["text_mask"], image_rotary_emb=rope, return_dict=False)[0]
+    x0 = (latents - b * eps) / a
+    return eps - x0
+
+
+def easyanimate_native(modules, x, t, cond):
+    """EasyAnimatePipeline's call: latents, the timestep, every text row without a mask; its output the velocity."""
+    return modules["transformer"](x, t, encoder_hidden_states=cond["text"], return_dict=False)[0]
+
+
 def hunyuan_native(modules, x, t, cond):
     """HunyuanVideoPipeline's call: guidance passed as guidance_scale * 1000."""
     guidance = torch.full((x.shape[0],), 6.0) * 1000.0
@@ -284,10 +330,15 @@ CASES: dict[str, Case] = {
                          functools.partial(cogvideox_native, snr_shift_scale=3.0)),
     "sana_video": Case(SanaVideoConfig(preset="tiny"), {"transformer": SanaVideoTransformer3DModel}, sana_video_native),
     "mochi": Case(MochiConfig(preset="tiny"), {"transformer": MochiTransformer3DModel}, mochi_native),
+    "latte": Case(LatteConfig(preset="tiny"), {"transformer": LatteTransformer3DModel}, latte_native),
+    "allegro": Case(AllegroConfig(preset="tiny"), {"transformer": AllegroTransformer3DModel}, allegro_native),
+    "easyanimate": Case(EasyAnimateConfig(preset="tiny"), {"transformer": EasyAnimateTransformer3DModel},
+                        easyanimate_native),
 }
 FAMILIES = ["wan", "wan-ti2v", "skyreels_v2", "wan_moe", "hunyuan_video", "anyflow", "wan-i2v", "wan-ti2v-i2v",
             "kandinsky5", "cosmos", "ltx_video", "hunyuan_video15", "ltx2",
-            "chronoedit", "wan_vace", "cogvideox", "sana_video", "mochi"]  # one case per family and layout
+            "chronoedit", "wan_vace", "cogvideox", "sana_video", "mochi", "latte", "allegro",
+            "easyanimate"]  # one case per family and layout
 
 
 def native_modules(case: Case, params: dict) -> dict[str, torch.nn.Module]:

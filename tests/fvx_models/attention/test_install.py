@@ -12,7 +12,7 @@ from fvx_models.attention import install
 from fvx_models.attention.config import QATConfig, VSAConfig
 from fvx_models.wan import WanConfig
 
-from family_cases import inputs  # noqa: E402
+from family_cases import CASES, inputs  # noqa: E402
 
 TINY = WanConfig(preset="tiny")
 GRID = dict(frames=8, size=16)  # latents [B, 16, 8, 16, 16]: an (8, 8, 8) token grid of 8 tiles
@@ -128,3 +128,19 @@ def test_compiled_units_run_the_kernel_as_eager_units_do(attention):
         torch.testing.assert_close(compiled.apply(params, x, t, cond), eager.apply(params, x, t, cond),
                                    rtol=1e-5, atol=1e-5)
     assert compiled.kernels.compile_stats.graphs == 1
+
+
+def test_a_kernel_in_a_processor_calling_torchs_sdpa_itself_compiles_into_one_graph_a_group():
+    """Latte's processors call ``F.scaled_dot_product_attention`` themselves: ``qat`` answers them in compiled units
+    as in eager ones, each unit group one graph (aot_eager)."""
+    config = CASES["latte"].config
+    eager = msgspec.structs.replace(config, attention="qat").build()
+    compiled = msgspec.structs.replace(config, attention="qat", compile="blocks", compile_backend="aot_eager").build()
+    params = eager.weights.init(random.key(0))
+    x, t, cond = inputs(eager, random.key(1))
+    with torch.no_grad():
+        quantized = eager.apply(params, x, t, cond)
+        torch.testing.assert_close(compiled.apply(params, x, t, cond), quantized, rtol=1e-5,
+                                   atol=1e-5 * float(quantized.abs().max()))
+        assert not torch.equal(quantized, msgspec.structs.replace(config).build().apply(params, x, t, cond))
+    assert compiled.kernels.compile_stats.graphs == 2 and compiled.kernels.compile_stats.recompiles == 0

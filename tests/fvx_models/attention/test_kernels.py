@@ -31,6 +31,32 @@ def test_math_and_flex_equal_sdpa_on_every_family(name):
         assert error <= 1e-5, f"{name} {kernel}: {error}"
 
 
+class CountSDPA(torch.overrides.TorchFunctionMode):
+    """Counts calls of torch's ``scaled_dot_product_attention`` (whatever name it is reached by)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += getattr(func, "__name__", "") == "scaled_dot_product_attention"
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_an_installed_kernel_answers_every_attention_call_on_every_family(name):
+    """With ``attention=math`` no attention module's call reaches torch's SDPA: processors that call diffusers'
+    dispatcher, those that call ``F.scaled_dot_product_attention`` themselves (CogVideoX's, Latte's, Allegro's,
+    HunyuanVideo's refiner) and Mochi's, which has no ``set_processor``, are all routed. Mochi's caption pooling
+    (diffusers' ``MochiAttentionPool``: one query over the text) is no attention module and calls SDPA itself."""
+    model = msgspec.structs.replace(CASES[name].config, attention="math").build()
+    params = model.weights.init(random.key(0))
+    x, t, cond = inputs(model, random.key(1))
+    with torch.no_grad(), CountSDPA() as counted:
+        model.apply(params, x, t, cond)
+    assert counted.calls == (1 if name == "mochi" else 0)
+
+
 @pytest.mark.parametrize("block_attention", ["prefix", "mask"])
 def test_math_equals_sdpa_on_the_block_causal_wan(block_attention):
     config = WanCausalConfig(preset="tiny", num_frames_per_block=1, block_attention=block_attention)
