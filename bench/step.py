@@ -74,6 +74,7 @@ from fvx_models.ltx2 import LTX2Config  # noqa: E402
 from fvx_models.ltx_video import LTXVideoConfig  # noqa: E402
 from fvx_models.minimax_h3 import MiniMaxH3Config  # noqa: E402
 from fvx_models.mochi import MochiConfig  # noqa: E402
+from fvx_models.motif_video import MotifVideoConfig  # noqa: E402
 from fvx_models.sana_video import SanaVideoConfig  # noqa: E402
 from fvx_models.skyreels_v2 import SkyReelsV2Config  # noqa: E402
 from fvx_models.wan_moe import Wan22MoEConfig  # noqa: E402
@@ -110,6 +111,7 @@ CASES = {
     "latte": (LatteConfig(preset="tiny"), (16, 2, 16, 16), 4),  # spatial and temporal blocks, epsilon as a flow
     "allegro": (AllegroConfig(preset="tiny"), (16, 2, 16, 16), 4),  # 3-D RoPE over the whole video, epsilon
     "easyanimate": (EasyAnimateConfig(preset="tiny"), (16, 2, 16, 16), 4),  # MMDiT: text and video in one attention
+    "motif-video": (MotifVideoConfig(preset="tiny"), (16, 2, 16, 16), 4),  # dual- then single-stream blocks
     "ltx-video": (LTXVideoConfig(preset="tiny"), (8, 2, 16, 16), 4),
     "hunyuan15": (HunyuanVideo15Config(preset="tiny"), (4, 2, 16, 16), 4),
     "kandinsky5": (Kandinsky5Config(preset="tiny"), (16, 2, 16, 16), 4),

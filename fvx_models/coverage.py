@@ -40,7 +40,7 @@ NO_FAMILY: dict[str, str] = {
         "AnyFlowFARTransformer3DModel", "ConsisIDTransformer3DModel", "Cosmos3OmniTransformer",
         "HeliosTransformer3DModel", "HunyuanVideoFramepackTransformer3DModel", "JoyImageEditPlusTransformer3DModel",
         "JoyImageEditTransformer3DModel", "Kandinsky6SRTransformer3DModel", "Kandinsky6Transformer3DModel",
-        "MotifVideoTransformer3DModel", "SanaWMLTX2RefinerTransformer3DModel", "SanaWMTransformer3DModel",
+        "SanaWMLTX2RefinerTransformer3DModel", "SanaWMTransformer3DModel",
         "WanAnimate2Transformer3DModel", "WanAnimateTransformer3DModel")}
 """diffusers video DiTs fvx has no family for, and why."""
 

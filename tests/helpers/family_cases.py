@@ -13,8 +13,9 @@ from diffusers import (AllegroPipeline, AllegroTransformer3DModel, AnyFlowTransf
                        EasyAnimateTransformer3DModel, HunyuanVideo15Transformer3DModel,
                        HunyuanVideoTransformer3DModel, Kandinsky5T2VPipeline, Kandinsky5Transformer3DModel,
                        LatteTransformer3DModel, LTX2Pipeline, LTX2VideoTransformer3DModel, LTXPipeline,
-                       LTXVideoTransformer3DModel, MochiTransformer3DModel, SanaVideoTransformer3DModel,
-                       SkyReelsV2Transformer3DModel, WanTransformer3DModel, WanVACETransformer3DModel)
+                       LTXVideoTransformer3DModel, MochiTransformer3DModel, MotifVideoTransformer3DModel,
+                       SanaVideoTransformer3DModel, SkyReelsV2Transformer3DModel, WanTransformer3DModel,
+                       WanVACETransformer3DModel)
 
 from fvx.core import grad, random
 from fvx.distributed import processes, sharding
@@ -32,6 +33,7 @@ from fvx_models.latte import SCHEDULER as LATTE_SCHEDULER, LatteConfig
 from fvx_models.ltx2 import LTX2Config
 from fvx_models.ltx_video import LTXVideoConfig
 from fvx_models.mochi import MochiConfig
+from fvx_models.motif_video import MotifVideoConfig
 from fvx_models.sana_video import SanaVideoConfig
 from fvx_models.skyreels_v2 import SkyReelsV2Config
 from fvx_models.wan import WanConfig
@@ -210,6 +212,15 @@ def easyanimate_native(modules, x, t, cond):
     return modules["transformer"](x, t, encoder_hidden_states=cond["text"], return_dict=False)[0]
 
 
+def motif_video_native(modules, x, t, cond):
+    """MotifVideoPipeline's text-to-video call: ``latents | zero condition | zero mask`` on channels, the timestep,
+    the text and its mask (as bools); its output the velocity."""
+    b, c, f, h, w = x.shape
+    hidden = torch.cat([x, torch.zeros(b, c, f, h, w), torch.zeros(b, 1, f, h, w)], dim=1)
+    return modules["transformer"](hidden_states=hidden, timestep=t, encoder_hidden_states=cond["text"],
+                                  encoder_attention_mask=cond["text_mask"].bool(), return_dict=False)[0]
+
+
 def hunyuan_native(modules, x, t, cond):
     """HunyuanVideoPipeline's call: guidance passed as guidance_scale * 1000."""
     guidance = torch.full((x.shape[0],), 6.0) * 1000.0
@@ -334,11 +345,13 @@ CASES: dict[str, Case] = {
     "allegro": Case(AllegroConfig(preset="tiny"), {"transformer": AllegroTransformer3DModel}, allegro_native),
     "easyanimate": Case(EasyAnimateConfig(preset="tiny"), {"transformer": EasyAnimateTransformer3DModel},
                         easyanimate_native),
+    "motif_video": Case(MotifVideoConfig(preset="tiny"), {"transformer": MotifVideoTransformer3DModel},
+                        motif_video_native),
 }
 FAMILIES = ["wan", "wan-ti2v", "skyreels_v2", "wan_moe", "hunyuan_video", "anyflow", "wan-i2v", "wan-ti2v-i2v",
             "kandinsky5", "cosmos", "ltx_video", "hunyuan_video15", "ltx2",
             "chronoedit", "wan_vace", "cogvideox", "sana_video", "mochi", "latte", "allegro",
-            "easyanimate"]  # one case per family and layout
+            "easyanimate", "motif_video"]  # one case per family and layout
 
 
 def native_modules(case: Case, params: dict) -> dict[str, torch.nn.Module]:
