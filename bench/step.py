@@ -67,6 +67,7 @@ from fvx_models.easyanimate import EasyAnimateConfig  # noqa: E402
 from fvx_models.hunyuan_video import HunyuanVideoConfig  # noqa: E402
 from fvx_models.hunyuan_video15 import HunyuanVideo15Config  # noqa: E402
 from fvx_models.kandinsky5 import Kandinsky5Config  # noqa: E402
+from fvx_models.kandinsky6 import Kandinsky6Config  # noqa: E402
 from fvx_models.latte import LatteConfig  # noqa: E402
 from fvx_models.linear_qat import LinearQATConfig  # noqa: E402
 from fvx_models.matrixgame2 import MatrixGame2Config  # noqa: E402
@@ -112,6 +113,7 @@ CASES = {
     "allegro": (AllegroConfig(preset="tiny"), (16, 2, 16, 16), 4),  # 3-D RoPE over the whole video, epsilon
     "easyanimate": (EasyAnimateConfig(preset="tiny"), (16, 2, 16, 16), 4),  # MMDiT: text and video in one attention
     "motif-video": (MotifVideoConfig(preset="tiny"), (16, 2, 16, 16), 4),  # dual- then single-stream blocks
+    "kandinsky6": (Kandinsky6Config(preset="tiny"), (16, 2, 16, 16), 4),  # video-only: the audio branch frozen
     "ltx-video": (LTXVideoConfig(preset="tiny"), (8, 2, 16, 16), 4),
     "hunyuan15": (HunyuanVideo15Config(preset="tiny"), (4, 2, 16, 16), 4),
     "kandinsky5": (Kandinsky5Config(preset="tiny"), (16, 2, 16, 16), 4),

@@ -420,7 +420,9 @@ def _installed(config: ModelConfig, mesh: Any, who: str) -> tuple[nn.Module, nn.
     if config.lora is not None:
         plain = copy.deepcopy(module)
         untrained = functools.partial(_owner_untrained, family, family.trained(config))
-        adapted = flora.install(module, config.lora, who, lambda name: config.frozen(name) or untrained(name))
+        unused = family.training.unused(config)  # no gradient reaches them: no adapters either
+        adapted = flora.install(module, config.lora, who,
+                                lambda name: config.frozen(name) or untrained(name) or name in unused)
     if sequence is not None:
         sequence_parallel(config, module, sequence)
     runtime = attention.install(config, module)

@@ -31,6 +31,9 @@ NOT_VIDEO: dict[str, str] = {
     "PriorTransformer": "an image-embedding prior (unCLIP, Shap-E): it makes no pixels or latents of a video",
     "RFD4ProteinaTransformer": "a protein structure model",
     "TransformerTemporalModel": "a temporal layer inside UNet video models (AnimateDiff, SVD), not a DiT of its own",
+    **{name: ("an image generation and editing DiT (its docstring): JoyImageEditPipeline makes images, the reference "
+              "images and the edit each one frame of a sequence") for name in (
+        "JoyImageEditTransformer3DModel", "JoyImageEditPlusTransformer3DModel")},
 }
 """diffusers transformers that are not video models, and what they are."""
 
@@ -38,10 +41,9 @@ _PENDING = "a video DiT without an fvx family yet (issue 45 builds the rest)"
 NO_FAMILY: dict[str, str] = {
     name: _PENDING for name in (
         "AnyFlowFARTransformer3DModel", "ConsisIDTransformer3DModel", "Cosmos3OmniTransformer",
-        "HeliosTransformer3DModel", "HunyuanVideoFramepackTransformer3DModel", "JoyImageEditPlusTransformer3DModel",
-        "JoyImageEditTransformer3DModel", "Kandinsky6SRTransformer3DModel", "Kandinsky6Transformer3DModel",
-        "SanaWMLTX2RefinerTransformer3DModel", "SanaWMTransformer3DModel",
-        "WanAnimate2Transformer3DModel", "WanAnimateTransformer3DModel")}
+        "HeliosTransformer3DModel", "HunyuanVideoFramepackTransformer3DModel", "Kandinsky6SRTransformer3DModel",
+        "SanaWMLTX2RefinerTransformer3DModel", "SanaWMTransformer3DModel", "WanAnimate2Transformer3DModel",
+        "WanAnimateTransformer3DModel")}
 """diffusers video DiTs fvx has no family for, and why."""
 
 

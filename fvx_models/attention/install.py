@@ -124,6 +124,8 @@ def route_attention() -> None:
                 return native(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=dropout_p,
                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, return_lse=return_lse,
                               _parallel_config=_parallel_config)
+            if attn_mask is not None and attn_mask.ndim == 2 and attn_mask.shape == (query.shape[0], key.shape[1]):
+                attn_mask = attn_mask[:, None, None, :]  # [B, Lk] -> [B, 1, 1, Lk], as diffusers' own backend does
             out = answer(kernel, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                          attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                          enable_gqa=enable_gqa)

@@ -131,7 +131,7 @@ def test_a_whole_model_compiles_to_one_graph_and_matches_eager(name):
 
 @pytest.mark.parametrize("name", ["wan", "wan-ti2v", "hunyuan_video", "cosmos", "ltx_video", "kandinsky5", "wan_vace",
                                   "cogvideox", "sana_video", "mochi", "latte", "allegro",
-                                  "easyanimate", "motif_video"])
+                                  "easyanimate", "motif_video", "kandinsky6"])
 def test_dry_run_activation_figures_match_what_each_unit_group_saves(name):
     """The family's per-token coefficients against saved-tensor hooks on the first unit of each group (bf16)."""
     config = CASES[name].config

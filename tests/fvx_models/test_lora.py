@@ -20,6 +20,7 @@ from fvx_models.allegro import AllegroConfig
 from fvx_models.chronoedit import ChronoEditConfig
 from fvx_models.cogvideox import CogVideoXConfig
 from fvx_models.easyanimate import EasyAnimateConfig
+from fvx_models.kandinsky6 import Kandinsky6Config
 from fvx_models.latte import LatteConfig
 from fvx_models.mochi import MochiConfig
 from fvx_models.motif_video import MotifVideoConfig
@@ -465,18 +466,20 @@ def test_adapters_of_a_family_without_a_diffusers_lora_loader_load_with_peft(tmp
                                atol=1e-5 * float(loaded.abs().max()))
 
 
-def test_motif_video_adapters_load_with_its_transformers_load_lora_adapter(tmp_path):
-    """MotifVideoPipeline has no LoRA loader; its transformer's own ``load_lora_adapter`` (diffusers' PEFT mixin)
-    reads the PEFT file and its config (rank 4, alpha 8: named by its file, as the pipelines' loaders take it), and
-    then computes fvx's LoRA model."""
+@pytest.mark.parametrize("case, config_class", [("motif_video", MotifVideoConfig), ("kandinsky6", Kandinsky6Config)])
+def test_adapters_load_with_the_transformers_load_lora_adapter(tmp_path, case, config_class):
+    """Motif-Video's and Kandinsky 6's pipelines have no LoRA loader; their transformers' own ``load_lora_adapter``
+    (diffusers' PEFT mixin) reads the PEFT file and its config (rank 4, alpha 8: named by its file, as the pipelines'
+    loaders take it), and then computes fvx's LoRA model. Kandinsky 6's frozen audio branch has no adapters."""
     pytest.importorskip("peft")
-    adapted = MotifVideoConfig(frozen_dtype="fp32", lora=lora.LoRAConfig(rank=4, alpha=8.0)).build()
+    adapted = config_class(frozen_dtype="fp32", lora=lora.LoRAConfig(rank=4, alpha=8.0)).build()
+    assert not any(name.startswith("audio_") or ".audio_dec_block." in name for name in adapted.weights.trained_names)
     base, adapters = adapted.weights.base(random.key(0)), trained_adapters(adapted, random.key(1))
     written = adapted.export.adapters(adapters, str(tmp_path), "peft")
-    (transformer,) = native_modules(CASES["motif_video"], base).values()
+    (transformer,) = native_modules(CASES[case], base).values()
     transformer.load_lora_adapter(str(tmp_path), weight_name=written.files["transformer"].name, prefix="transformer")
     x, t, cond = inputs(adapted, random.key(2))
     with torch.no_grad():
-        loaded = CASES["motif_video"].native({"transformer": transformer}, x, t, cond)
+        loaded = CASES[case].native({"transformer": transformer}, x, t, cond)
     torch.testing.assert_close(loaded, adapted.apply(role.with_trained(base, adapters), x, t, cond), rtol=1e-5,
                                atol=1e-5)

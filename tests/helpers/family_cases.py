@@ -12,10 +12,10 @@ from diffusers import (AllegroPipeline, AllegroTransformer3DModel, AnyFlowTransf
                        CogVideoXTransformer3DModel, CosmosTransformer3DModel, DDIMScheduler, DDPMScheduler,
                        EasyAnimateTransformer3DModel, HunyuanVideo15Transformer3DModel,
                        HunyuanVideoTransformer3DModel, Kandinsky5T2VPipeline, Kandinsky5Transformer3DModel,
-                       LatteTransformer3DModel, LTX2Pipeline, LTX2VideoTransformer3DModel, LTXPipeline,
-                       LTXVideoTransformer3DModel, MochiTransformer3DModel, MotifVideoTransformer3DModel,
-                       SanaVideoTransformer3DModel, SkyReelsV2Transformer3DModel, WanTransformer3DModel,
-                       WanVACETransformer3DModel)
+                       Kandinsky6Transformer3DModel, LatteTransformer3DModel, LTX2Pipeline,
+                       LTX2VideoTransformer3DModel, LTXPipeline, LTXVideoTransformer3DModel, MochiTransformer3DModel,
+                       MotifVideoTransformer3DModel, SanaVideoTransformer3DModel, SkyReelsV2Transformer3DModel,
+                       WanTransformer3DModel, WanVACETransformer3DModel)
 
 from fvx.core import grad, random
 from fvx.distributed import processes, sharding
@@ -29,6 +29,7 @@ from fvx_models.easyanimate import EasyAnimateConfig
 from fvx_models.hunyuan_video import HunyuanVideoConfig
 from fvx_models.hunyuan_video15 import HunyuanVideo15Config
 from fvx_models.kandinsky5 import Kandinsky5Config
+from fvx_models.kandinsky6 import Kandinsky6Config
 from fvx_models.latte import SCHEDULER as LATTE_SCHEDULER, LatteConfig
 from fvx_models.ltx2 import LTX2Config
 from fvx_models.ltx_video import LTXVideoConfig
@@ -254,6 +255,20 @@ def kandinsky5_native(modules, x, t, cond):
     return out.permute(0, 4, 1, 2, 3)
 
 
+def kandinsky6_native(modules, x, t, cond):
+    """Kandinsky6TI2VAPipeline's text-to-video call without audio: channels-last ``latents | zero condition | zero
+    mask``, the text, its pooled vector and its mask as bools (None when nothing is padded, as the pipeline passes
+    it), the visual RoPE positions left to the DiT."""
+    latents = x.permute(0, 2, 3, 4, 1)
+    hidden = torch.cat([latents, torch.zeros_like(latents), torch.zeros_like(latents[..., :1])], dim=-1)
+    mask = cond["text_mask"].bool()
+    out = modules["transformer"](hidden_states=hidden, encoder_hidden_states=cond["text"],
+                                  pooled_projections=cond["pooled"], timestep=t, audio_hidden_states=None,
+                                  encoder_attention_mask=None if mask.all() else mask, return_dict=False)
+    assert len(out) == 1  # no audio without audio latents
+    return out[0].permute(0, 4, 1, 2, 3)
+
+
 def cosmos_native(modules, x, t, cond):
     """Cosmos2_5_PredictBasePipeline's text-to-world call: no conditioning frames (indicator and mask zero), the
     timestep ``indicator * 1e-4 + (1 - indicator) * sigma`` as [B, 1, T, 1, 1], a zero padding mask at the pixel size
@@ -347,11 +362,13 @@ CASES: dict[str, Case] = {
                         easyanimate_native),
     "motif_video": Case(MotifVideoConfig(preset="tiny"), {"transformer": MotifVideoTransformer3DModel},
                         motif_video_native),
+    "kandinsky6": Case(Kandinsky6Config(preset="tiny"), {"transformer": Kandinsky6Transformer3DModel},
+                       kandinsky6_native),
 }
 FAMILIES = ["wan", "wan-ti2v", "skyreels_v2", "wan_moe", "hunyuan_video", "anyflow", "wan-i2v", "wan-ti2v-i2v",
             "kandinsky5", "cosmos", "ltx_video", "hunyuan_video15", "ltx2",
             "chronoedit", "wan_vace", "cogvideox", "sana_video", "mochi", "latte", "allegro",
-            "easyanimate", "motif_video"]  # one case per family and layout
+            "easyanimate", "motif_video", "kandinsky6"]  # one case per family and layout
 
 
 def native_modules(case: Case, params: dict) -> dict[str, torch.nn.Module]:
