@@ -113,10 +113,6 @@ def rotary(config: ModelConfig, x: torch.Tensor) -> tuple[tuple[torch.Tensor, ..
     return tuple(tables), tuple(positions.transpose(0, 1).reshape(3, 1, -1).contiguous())
 
 
-def _top_level() -> float:
-    return float(vp_flow.level_of(schedule_abar()[-1]))
-
-
 def inputs(config: ModelConfig, x: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor],
            sharded: bool) -> dict[str, Any]:
     """The DiT's arguments: ``s x_t`` at the timestep of ``sigma = t / 1000``, the text and its mask, the RoPE."""
@@ -129,7 +125,7 @@ def inputs(config: ModelConfig, x: torch.Tensor, t: torch.Tensor, cond: Mapping[
 def output(config: ModelConfig, out: Any, x: torch.Tensor, t: torch.Tensor,
            cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The DiT's noise prediction as the velocity (``fvx_models.vp_flow``)."""
-    return vp_flow.velocity_of_epsilon(out[0], x, t.float() / 1000, _top_level())
+    return vp_flow.velocity_of_epsilon(out[0], x, t.float() / 1000, schedule_abar())
 
 
 def widths(config: ModelConfig) -> tuple[int, dict[str, tuple[int, int]]]:

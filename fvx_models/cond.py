@@ -87,6 +87,12 @@ def zeros(cond: Mapping[str, torch.Tensor]) -> Cond:
     return {name: torch.zeros_like(t) for name, t in cond.items()}
 
 
+def zeros_keeping_masks(cond: Mapping[str, torch.Tensor]) -> Cond:
+    """A "zero" unconditional that zeroes the embeddings and keeps the masks (``*_mask``), which only set how many
+    tokens the DiT sees (Kandinsky's, as FastVideo's ``cfg_uncond.text=zero``)."""
+    return {name: t if name.endswith("mask") else torch.zeros_like(t) for name, t in cond.items()}
+
+
 def uncond(cond: Mapping[str, torch.Tensor], mode: str, negative: Mapping[str, torch.Tensor] | None = None, *,
            zero: Callable[[Mapping[str, torch.Tensor]], Cond] = zeros, kept: frozenset[str] = frozenset()) -> Cond:
     """The unconditional cond for classifier-free guidance, batched like ``cond``: ``"keep"`` the cond itself,

@@ -280,6 +280,15 @@ def _model_index(folder: pathlib.Path, who: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------- shared encoding steps
 
 
+def processor_tokenizer(path: pathlib.Path) -> Any:
+    """A folder's ``Qwen2VLProcessor`` (``Qwen2_5_VLProcessor``) as its tokenizer, loaded as the processor loads it
+    (``AutoTokenizer``): the Kandinsky pipelines call the processor on text alone, which it hands to this tokenizer
+    unchanged, and transformers 5 builds the processor itself only with torchvision (its video processor's)."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(path)
+
+
 def real_tokens(embeds: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
     """Rows ``[L_i, D]`` of a padded ``[B, L, D]`` embedding: each prompt's tokens where ``mask`` ``[B, L]`` is set
     (padding is the reader's job: it pads to ``data.text_len`` and masks)."""

@@ -39,7 +39,7 @@ from diffusers.models.transformers.transformer_kandinsky import Kandinsky5RoPE1D
 from torch import nn
 
 from fvx.distributed import memory
-from fvx_models import diffusers_folder as dfolder, hunyuan_video
+from fvx_models import cond as fcond, diffusers_folder as dfolder, hunyuan_video
 from fvx_models import encoders as fencoders
 from fvx_models.build import ModelConfig
 from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, TEXT_MASK_DEFAULT,
@@ -121,13 +121,6 @@ def cond_from_batch(config: ModelConfig, batch: Mapping[str, Any]) -> dict[str, 
     tokens."""
     return packed_pooled_cond(batch, config.spec.kwargs["in_text_dim2"], "kandinsky5",
                               "the packed [pooled CLIP | Qwen] text embedding")
-
-
-def zero_cond(cond: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """FastVideo's ``cfg_uncond.text=zero``: the Qwen tokens and the pooled vector zeroed, at the cond's own text
-    length (the mask is kept: it only sets how many tokens the DiT sees)."""
-    return {"text": torch.zeros_like(cond["text"]), "text_mask": cond["text_mask"],
-            "pooled": torch.zeros_like(cond["pooled"])}
 
 
 def valid_length(mask: torch.Tensor) -> int:
@@ -224,20 +217,11 @@ def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
     return pack_pooled(pooled, tokens)
 
 
-def qwen_tokenizer(path: pathlib.Path) -> Any:
-    """The ``Qwen2VLProcessor``'s tokenizer, loaded as the processor loads it (``AutoTokenizer``): the pipeline calls
-    the processor on text alone, which it hands to this tokenizer unchanged, and transformers 5 builds the processor
-    itself only with torchvision (its video processor's)."""
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(path)
-
-
 ENCODERS = fencoders.Encoders(
     pipeline="Kandinsky5T2VPipeline", text=("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2"),
     encode_text=encode_text, encode_video=lambda pipe, video: fencoders.latent_mean(pipe.vae, video),
     frame_step=4, pixel_multiple=16, audio_refusal="Kandinsky 5 makes no sound",
-    own_loaders=(("tokenizer", qwen_tokenizer),))
+    own_loaders=(("tokenizer", fencoders.processor_tokenizer),))
 """Kandinsky 5's encoders: the packed text rows above and the HunyuanVideo VAE's posterior mean, unscaled (``LATENTS``
 applies the scaling factor in training); 4x temporal compression, 8x spatial times the DiT's 2x2 patch."""
 
@@ -263,7 +247,7 @@ KANDINSKY5 = Family(
     conditioning=Conditioning(
         spec=cond_spec,
         from_batch=cond_from_batch,
-        zero=zero_cond,
+        zero=fcond.zeros_keeping_masks,
         defaults=TEXT_MASK_DEFAULT,
     ),
     checkpoints=Checkpoints(pipeline_files=pipeline_files),

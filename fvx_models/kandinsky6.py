@@ -10,7 +10,7 @@ fused blocks' audio decoder, audio-video cross-attention and their modulations) 
 The DiT takes channels-last latents ``[B, T, H, W, C]`` (layout ``"BTHWC"``) beside a zero condition and mask for
 text-to-video (``visual_cond``), and predicts the flow velocity its ``FlowMatchEulerDiscreteScheduler`` steps. Its
 text is masked (``encoder_attention_mask``), so the data stores each prompt's real Qwen tokens after its pooled CLIP
-row, FastVideo's packed form as Kandinsky 5's (``fvx_models.kandinsky5``); latents are the HunyuanVideo VAE's scaled
+row, FastVideo's packed form as Kandinsky 5's; latents are the HunyuanVideo VAE's scaled
 by its ``scaling_factor``, as the pipeline scales them. Left: image-to-video (the reference frame appended as a masked
 tail frame with its own token type) and training the audio branch.
 """
@@ -26,7 +26,7 @@ from diffusers.models.transformers.transformer_kandinsky6 import Kandinsky6RoPE1
 from torch import nn
 
 from fvx.distributed import memory
-from fvx_models import diffusers_folder as dfolder, encoders as fencoders, hunyuan_video, kandinsky5, wan
+from fvx_models import cond as fcond, diffusers_folder as dfolder, encoders as fencoders, hunyuan_video, wan
 from fvx_models.build import ModelConfig
 from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, TEXT_MASK_DEFAULT,
                                Training, pack_pooled, packed_pooled_cond, skeleton_of)
@@ -53,6 +53,9 @@ PRESETS: dict[str, Preset] = {
 }
 """``Kandinsky6Transformer3DModel`` constructor arguments per preset, the latent space (HunyuanVideo's VAE, as its
 pipeline's) and the packed text length (the pipeline's 1024 Qwen tokens plus the pooled row)."""
+
+VISUAL_ROPE_POSITIONS = 128  # Kandinsky6RoPE3D's table, per axis (patched frames, rows, columns)
+FLOW_SHIFT = 5.0  # Kandinsky 5's (FastVideo's and its pipeline's); Kandinsky 6's released scheduler was not read here
 
 AUDIO_BRANCH = ("audio_*", "visual_transformer_blocks.*.audio_dec_block.*", "visual_transformer_blocks.*.va_*",
                 "visual_transformer_blocks.*.av_*")
@@ -111,8 +114,8 @@ def latent_rule(config: ModelConfig, shape: tuple[int, ...]) -> str | None:
     """Latents beyond the visual RoPE tables (128 patches an axis)."""
     p_t, p_h, p_w = config.spec.kwargs["patch_size"]
     grid = (shape[2] // p_t, shape[3] // p_h, shape[4] // p_w)
-    if max(grid) > kandinsky5.VISUAL_ROPE_POSITIONS:
-        return (f"the DiT's visual RoPE holds {kandinsky5.VISUAL_ROPE_POSITIONS} positions per axis; these latents "
+    if max(grid) > VISUAL_ROPE_POSITIONS:
+        return (f"the DiT's visual RoPE holds {VISUAL_ROPE_POSITIONS} positions per axis; these latents "
                 f"make a grid of {grid[0]} x {grid[1]} x {grid[2]} patches")
     return None
 
@@ -126,9 +129,9 @@ def widths(config: ModelConfig) -> tuple[int, dict[str, tuple[int, int]]]:
 
 def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
     """diffusers' ``Kandinsky6TI2VAPipeline`` files beside ``transformer/``: ``model_index.json`` and ``scheduler/``
-    (Kandinsky 5's flow shift 5: Kandinsky 6's released scheduler config was not read here); copy the HunyuanVideo
-    VAE, both text encoders, their tokenizers and the audio VAE and vocoder from the base model."""
-    FlowMatchEulerDiscreteScheduler(shift=kandinsky5.FLOW_SHIFT).save_config(folder / "scheduler")
+    (``FLOW_SHIFT``); copy the HunyuanVideo VAE, both text encoders, their tokenizers and the audio VAE and vocoder
+    from the base model."""
+    FlowMatchEulerDiscreteScheduler(shift=FLOW_SHIFT).save_config(folder / "scheduler")
     dfolder.write_model_index(folder, "Kandinsky6TI2VAPipeline", {
         "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
         "transformer": ("diffusers", "Kandinsky6Transformer3DModel"),
@@ -157,7 +160,7 @@ ENCODERS = fencoders.Encoders(
     pipeline="Kandinsky6TI2VAPipeline", text=("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2"),
     encode_text=encode_text, encode_video=lambda pipe, video: fencoders.latent_mean(pipe.vae, video),
     frame_step=4, pixel_multiple=16, audio_refusal="fvx trains Kandinsky 6 video-only (its audio branch frozen)",
-    own_loaders=(("tokenizer", kandinsky5.qwen_tokenizer),))
+    own_loaders=(("tokenizer", fencoders.processor_tokenizer),))
 """Kandinsky 6's encoders: the packed text rows above and the HunyuanVideo VAE's posterior mean, unscaled (the
 latent space applies the scaling factor in training)."""
 
@@ -182,7 +185,7 @@ KANDINSKY6_FAMILY = Family(
         self_attention=("visual_transformer_blocks.*.video_dec_block.self_attention",),
     ),
     forward=Forward(inputs=inputs, layout="BTHWC", output=output),
-    conditioning=Conditioning(spec=cond_spec, from_batch=cond_from_batch, zero=kandinsky5.zero_cond,
+    conditioning=Conditioning(spec=cond_spec, from_batch=cond_from_batch, zero=fcond.zeros_keeping_masks,
                               defaults=TEXT_MASK_DEFAULT),
     checkpoints=Checkpoints(pipeline_files=pipeline_files),
     training=Training(unused=unused, latent_rule=latent_rule),

@@ -126,10 +126,6 @@ def skeleton(config: ModelConfig) -> nn.Module:
     return skeleton_of(LatteTransformer3DModel, config.spec.kwargs, rebuild_positions)
 
 
-def _top_level() -> float:
-    return float(vp_flow.level_of(schedule_abar()[-1]))
-
-
 def inputs(config: ModelConfig, x: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor],
            sharded: bool) -> dict[str, Any]:
     """The DiT's arguments: ``s x_t`` at the timestep of ``sigma = t / 1000``, the text, and its padding as a -10000
@@ -146,7 +142,7 @@ def output(config: ModelConfig, out: Any, x: torch.Tensor, t: torch.Tensor,
            cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The first half of the DiT's channels (epsilon; the second is the learned variance) as the velocity."""
     eps = out[0][:, :x.shape[1]]
-    return vp_flow.velocity_of_epsilon(eps, x, t.float() / 1000, _top_level())
+    return vp_flow.velocity_of_epsilon(eps, x, t.float() / 1000, schedule_abar())
 
 
 def widths(config: ModelConfig) -> tuple[int, dict[str, tuple[int, int]]]:

@@ -72,13 +72,12 @@ def velocity_of_v(v: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor) -> torc
     return ((a + b) * ((b - a) * x.float() + v.float())).to(v.dtype)
 
 
-def velocity_of_epsilon(eps: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, top: float) -> torch.Tensor:
+def velocity_of_epsilon(eps: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, abar: torch.Tensor) -> torch.Tensor:
     """An epsilon prediction as the velocity ``noise - x0 = s (eps - x_t) / a``, in ``eps``'s dtype. Above the
-    schedule's top level ``top`` (its last timestep's) ``a`` is read there: the DiT never saw a point nearer noise,
-    and ``a`` goes to 0 at ``sigma = 1``."""
+    schedule's top level (its last timestep's, ``a = sqrt(abar[-1])``) ``a`` is read there: the DiT never saw a point
+    nearer noise, and ``a`` goes to 0 at ``sigma = 1``."""
     a, b = (c.view(-1, *[1] * (x.dim() - 1)) for c in coefficients(sigma))
-    a_top = coefficients(torch.tensor(top))[0]
-    return ((a + b) * (eps.float() - x.float()) / a.clamp(min=a_top)).to(eps.dtype)
+    return ((a + b) * (eps.float() - x.float()) / a.clamp(min=float(abar[-1]) ** 0.5)).to(eps.dtype)
 
 
 def x0_loss_weight(sigma: torch.Tensor) -> torch.Tensor:

@@ -94,7 +94,8 @@ def test_the_model_interface_imports_no_family(name):
 # the package. The core changes that came with them serve contract points every family may use, not a family: the
 # data kind "i2v" (fvx/data/parquet.py, FastVideo's pyarrow_schema_i2v) and the toy world's image-to-video task
 # (fvx/data/toy_world.py), and Model.cfg_dropout_refusal checked before weights load (fvx/training/experiment.py).
-SPEC_FILE_FAMILIES = ("cosmos", "ltx_video", "hunyuan_video15", "kandinsky5")
+SPEC_FILE_FAMILIES = ("cosmos", "ltx_video", "hunyuan_video15", "kandinsky5", "latte", "allegro", "easyanimate",
+                      "motif_video", "kandinsky6", "sana_video", "mochi", "wan_vace")
 
 
 @pytest.mark.parametrize("family", SPEC_FILE_FAMILIES)

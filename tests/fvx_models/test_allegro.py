@@ -12,12 +12,11 @@ from diffusers import (AllegroPipeline, AllegroTransformer3DModel, AutoencoderKL
 
 import encoder_checks
 from fvx.core import flow, random
-from fvx_methods import finetune
-from fvx_models import allegro, vp_flow
+from fvx_models import allegro
 from fvx_models.allegro import AllegroConfig
 from tiny_wan_pipeline import WORDS, tiny_t5_tokenizer
 
-from family_cases import CASES, inputs, native_modules, raw_batch  # noqa: E402
+from family_cases import CASES, inputs, native_modules, vp_finetune_draws  # noqa: E402
 
 
 def pipeline_call(transformer, latents, taus, cond):
@@ -33,16 +32,7 @@ def pipeline_call(transformer, latents, taus, cond):
 def test_the_finetuning_loss_is_train_pys_epsilon_loss():
     """fvx's fine-tuning loss (its own timesteps and weight) equals Allegro's ``train.py`` (``snr_gamma`` unset):
     ``DDPMScheduler().add_noise`` at integer timesteps, ``mse(eps_pred, noise)``."""
-    model = AllegroConfig(preset="tiny").build()
-    params = model.weights.init(random.key(0))
-    batch = model.batch(raw_batch(model, random.key(1), batch=3))
-    key = random.key(7)
-    loss, _ = finetune.loss_fn(params, batch, key, model=model, config=finetune.Finetune())
-
-    x0 = model.normalize(batch["latents"])
-    noise, t_keys = flow.per_sample_noise(key, batch["sample_index"], tuple(x0.shape[1:]), x0.device)
-    sigma, _ = model.rules.sigma_sampler(t_keys, x0)
-    taus = vp_flow.timestep_of(allegro.schedule_abar(), sigma).round().long()
+    loss, params, batch, x0, noise, taus = vp_finetune_draws(AllegroConfig(preset="tiny"), allegro.schedule_abar())
     noisy = DDPMScheduler().add_noise(x0, noise, taus)
     (transformer,) = native_modules(CASES["allegro"], params).values()
     script = torch.mean((pipeline_call(transformer, noisy, taus, batch["cond"]) - noise) ** 2)

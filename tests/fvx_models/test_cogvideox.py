@@ -13,12 +13,11 @@ from diffusers import (AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoX
 
 import encoder_checks
 from fvx.core import flow, random
-from fvx_methods import finetune
 from fvx_models import cogvideox, vp_flow
 from fvx_models.cogvideox import CogVideoXConfig
 from tiny_wan_pipeline import WORDS, tiny_t5_tokenizer
 
-from family_cases import CASES, inputs, native_modules, raw_batch  # noqa: E402
+from family_cases import CASES, inputs, native_modules, vp_finetune_draws  # noqa: E402
 
 
 def pipeline_rope(transformer, latents):
@@ -34,16 +33,7 @@ def test_the_finetuning_loss_is_train_cogvideox_loras(case):
     at the same noise and timesteps: ``add_noise``, the DiT at the integer timestep, ``get_velocity`` as the x0
     prediction, ``mean(1 / (1 - abar) (x0_pred - x0)^2)``."""
     config = CASES[case].config
-    model = config.build()
-    params = model.weights.init(random.key(0))
-    batch = model.batch(raw_batch(model, random.key(1), batch=3))
-    key = random.key(7)
-    loss, _ = finetune.loss_fn(params, batch, key, model=model, config=finetune.Finetune())
-
-    x0 = model.normalize(batch["latents"])
-    noise, t_keys = flow.per_sample_noise(key, batch["sample_index"], tuple(x0.shape[1:]), x0.device)
-    sigma, _ = model.rules.sigma_sampler(t_keys, x0)
-    taus = vp_flow.timestep_of(cogvideox.schedule_abar(config), sigma).round().long()
+    loss, params, batch, x0, noise, taus = vp_finetune_draws(config, cogvideox.schedule_abar(config))
     (transformer,) = native_modules(CASES[case], params).values()
     sched = cogvideox.scheduler(config)
     frames_first = (lambda x: x.permute(0, 2, 1, 3, 4))

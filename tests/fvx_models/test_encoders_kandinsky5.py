@@ -7,7 +7,7 @@ takes exactly the tokens it crops, as on the real one: the rows kept are the pro
 The real folder's ``tokenizer`` is a ``Qwen2VLProcessor``, which transformers 5 builds only with torchvision (its
 video processor's base class); torchvision is not installed here. The pipeline calls it on text alone, which a
 processor hands to its tokenizer unchanged (``ProcessorMixin.__call__``: no image or video placeholders to expand), so
-the record loads that tokenizer itself (``kandinsky5.qwen_tokenizer``) and this folder, named as the real one, holds
+the record loads that tokenizer itself (``encoders.processor_tokenizer``) and this folder, named as the real one, holds
 only the tokenizer's files; the last test checks the claim where torchvision is."""
 import json
 

@@ -13,12 +13,11 @@ from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler, LattePipeline
 
 import encoder_checks
 from fvx.core import flow, random
-from fvx_methods import finetune
 from fvx_models import latte, vp_flow
 from fvx_models.latte import LatteConfig
 from tiny_wan_pipeline import WORDS, tiny_t5_tokenizer
 
-from family_cases import CASES, inputs, native_modules, raw_batch  # noqa: E402
+from family_cases import CASES, inputs, native_modules, vp_finetune_draws  # noqa: E402
 
 
 def epsilon(transformer, latents, taus, cond):
@@ -31,16 +30,7 @@ def epsilon(transformer, latents, taus, cond):
 def test_the_finetuning_loss_is_the_epsilon_loss_on_ddpm_noising():
     """fvx's fine-tuning loss (its own timesteps and weight) equals a DDPM trainer's (Latte's and Allegro's
     ``train.py``): ``DDPMScheduler.add_noise`` at the integer timesteps, ``mse(eps_pred, noise)``."""
-    model = LatteConfig(preset="tiny").build()
-    params = model.weights.init(random.key(0))
-    batch = model.batch(raw_batch(model, random.key(1), batch=3))
-    key = random.key(7)
-    loss, _ = finetune.loss_fn(params, batch, key, model=model, config=finetune.Finetune())
-
-    x0 = model.normalize(batch["latents"])
-    noise, t_keys = flow.per_sample_noise(key, batch["sample_index"], tuple(x0.shape[1:]), x0.device)
-    sigma, _ = model.rules.sigma_sampler(t_keys, x0)
-    taus = vp_flow.timestep_of(latte.schedule_abar(), sigma).round().long()
+    loss, params, batch, x0, noise, taus = vp_finetune_draws(LatteConfig(preset="tiny"), latte.schedule_abar())
     ddpm = DDPMScheduler(beta_start=0.0001, beta_end=0.02, beta_schedule="linear")
     noisy = ddpm.add_noise(x0, noise, taus)
     (transformer,) = native_modules(CASES["latte"], params).values()

@@ -422,6 +422,25 @@ def raw_batch(model, key: torch.Tensor, *, batch: int = 2, frames: int = 2, size
             **glyph}
 
 
+def vp_finetune_draws(config: ModelConfig, abar: torch.Tensor) -> tuple:
+    """fvx's fine-tuning loss of a tiny DDPM-schedule family (``abar``: its table) on a batch of 3 (params from key 0,
+    the step's key 7), and what that step drew: ``(loss, params, batch, x0, noise, integer timesteps)``, for a
+    reference to noise and score as the family's own trainer does."""
+    from fvx.core import flow
+    from fvx_methods import finetune
+    from fvx_models import vp_flow
+
+    model = config.build()
+    params = model.weights.init(random.key(0))
+    batch = model.batch(raw_batch(model, random.key(1), batch=3))
+    key = random.key(7)
+    loss, _ = finetune.loss_fn(params, batch, key, model=model, config=finetune.Finetune())
+    x0 = model.normalize(batch["latents"])
+    noise, t_keys = flow.per_sample_noise(key, batch["sample_index"], tuple(x0.shape[1:]), x0.device)
+    sigma, _ = model.rules.sigma_sampler(t_keys, x0)
+    return loss, params, batch, x0, noise, vp_flow.timestep_of(abar, sigma).round().long()
+
+
 def causal_loss_and_grads(config: ModelConfig, mesh=None, rows: Callable[[dict], dict] = lambda batch: batch):
     """Loss and full gradients of a tiny block-causal Wan (``config``: blocks of 1 frame) on a global batch of 4, of
     which this rank takes ``rows``: its per-frame-timestep forward, the teacher-forced one and a KV-cached chunk after

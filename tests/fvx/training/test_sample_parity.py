@@ -37,7 +37,8 @@ from family_cases import inputs  # noqa: E402
 
 STEPS, GUIDANCE = 3, 4.0
 SEEDS = (0, 1)  # two videos: a batch of two prompts, the second's text padded
-TIGHT = dict(rtol=0.0, atol=1e-6)  # equal bit for bit on CPU today; 1e-6 leaves room for kernels' summation order
+# equal bit for bit on an AVX2 CPU; an AVX512 one sums in another order (1.4e-6 and 2.3e-6 measured on values of ~0.1)
+TIGHT = dict(rtol=0.0, atol=1e-5)
 
 
 class Exported:
