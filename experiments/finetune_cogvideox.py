@@ -9,6 +9,8 @@ parquet, preprocessed with CogVideoX's T5 (all 226 tokens) and VAE.
 The default trains the tiny `world` preset from scratch on fvx's toy world (text-to-video: bars of the prompted colour
 moving the prompted way); a few minutes on a 2-core CPU, and `validation/model/hit_rate` rises:
     python -m fvx.run experiments/finetune_cogvideox.py
+Image-to-video (the toy world's first frames given; `validation/model/continuation_mse` falls):
+    python -m fvx.run experiments/finetune_cogvideox.py models.student.preset=world-i2v data.kind=i2v
 On CogVideoX-2b (a local diffusers folder; 49-frame clips at 480x720):
     python -m fvx.run preprocess experiments/finetune_cogvideox.py --videos /data/my_clips --out /data/my_dataset \\
         models.student.preset=cogvideox-2b models.student.path=/models/CogVideoX-2b data.world=null \\
@@ -17,6 +19,9 @@ On CogVideoX-2b (a local diffusers folder; 49-frame clips at 480x720):
         models.student.path=/models/CogVideoX-2b models.student.compute_dtype=bf16 models.student.remat=true \\
         models.student.lora.rank=64 data.world=null data.path=/data/my_dataset data.text_len=226 data.batch_size=8 \\
         method.optim.lr=1e-4 validation.num_steps=50
+CogVideoX-5b-I2V takes `data.kind=i2v` data (preprocess stores each clip's first frame encoded alone) at exactly its
+trained size, 49 frames at 480x720 (its learned position table): `models.student.preset=cogvideox-5b-i2v
+data.kind=i2v` with the commands above.
 """
 import msgspec
 

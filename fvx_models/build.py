@@ -420,9 +420,9 @@ def _installed(config: ModelConfig, mesh: Any, who: str) -> tuple[nn.Module, nn.
     if config.lora is not None:
         plain = copy.deepcopy(module)
         untrained = functools.partial(_owner_untrained, family, family.trained(config))
-        unused = family.training.unused(config)  # no gradient reaches them: no adapters either
+        held = family.training.held_frozen(config)  # never trained: no adapters either
         adapted = flora.install(module, config.lora, who,
-                                lambda name: config.frozen(name) or untrained(name) or name in unused)
+                                lambda name: config.frozen(name) or untrained(name) or name in held)
     if sequence is not None:
         sequence_parallel(config, module, sequence)
     runtime = attention.install(config, module)
@@ -434,13 +434,13 @@ def _installed(config: ModelConfig, mesh: Any, who: str) -> tuple[nn.Module, nn.
 
 def _trained_names(config: ModelConfig, architecture: tuple[str, ...], adapted: tuple) -> frozenset[str]:
     """What a role of the model trains: its adapters, else every param but those the config freezes, the family
-    leaves unused and the branches of modalities it does not train."""
+    holds frozen and the branches of modalities it does not train."""
     if adapted:
         return frozenset(flora.adapter_names(adapted))
     family, modalities = config.family, config.family.trained(config)
-    unused = family.training.unused(config) | {name for name in architecture
-                                               if _owner_untrained(family, modalities, name)}
-    return frozenset(name for name in architecture if not (config.frozen(name) or name in unused))
+    held = family.training.held_frozen(config) | {name for name in architecture
+                                                  if _owner_untrained(family, modalities, name)}
+    return frozenset(name for name in architecture if not (config.frozen(name) or name in held))
 
 
 def _weights(config: ModelConfig, module: nn.Module, plain: nn.Module, adapted: tuple, architecture: tuple[str, ...],
@@ -571,7 +571,7 @@ def _joint_sigmas(config: ModelConfig, modalities: tuple[str, ...], levels: torc
 
 
 def _owner_untrained(family: Family, trained: tuple[str, ...], name: str) -> bool:
-    """Whether param ``name`` belongs to a modality the model does not train (held frozen, as unused params are)."""
+    """Whether param ``name`` belongs to a modality the model does not train (held frozen, as ``held_frozen`` params are)."""
     return any(modality.owns(name) for key, modality in family.joint.modalities.items() if key not in trained)
 
 

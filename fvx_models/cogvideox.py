@@ -34,10 +34,10 @@ from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_regi
 from torch import nn
 
 from fvx.distributed import memory
-from fvx_models import diffusers_folder as dfolder, encoders as fencoders, vp_flow
+from fvx_models import diffusers_folder as dfolder, encoders as fencoders, vp_flow, wan_i2v
 from fvx_models.build import ModelConfig
-from fvx_models.family import (Architecture, Checkpoints, Family, Forward, Preset, Training, skeleton_of,
-                               text_conditioning)
+from fvx_models.family import (TEXT_MASK_DEFAULT, Architecture, Checkpoints, Conditioning, Family, Forward, Preset,
+                               Training, require, skeleton_of)
 from fvx_models.model import LatentSpace
 
 # The released pipelines' CogVideoXDDIMScheduler (scheduler_config.json of THUDM/CogVideoX-2b and -5b): only
@@ -56,6 +56,8 @@ _COGVIDEOX = dict(
 )
 COGVIDEOX_2B = _COGVIDEOX
 COGVIDEOX_5B = {**_COGVIDEOX, "num_attention_heads": 48, "num_layers": 42, "use_rotary_positional_embeddings": True}
+# THUDM/CogVideoX-5b-I2V: the 5B with the image latents on channels and a learned position table
+COGVIDEOX_5B_I2V = {**COGVIDEOX_5B, "in_channels": 32, "use_learned_positional_embeddings": True}
 TINY = {**_COGVIDEOX, "num_attention_heads": 2, "attention_head_dim": 16, "time_embed_dim": 32, "text_embed_dim": 32,
         "num_layers": 2, "sample_width": 8, "sample_height": 8, "sample_frames": 5, "max_text_seq_length": 8,
         "use_rotary_positional_embeddings": True}
@@ -80,8 +82,18 @@ PRESETS: dict[str, Preset] = {
                      "out_channels": 192, "patch_size": 1, "temporal_compression_ratio": 1, "sample_width": 4,
                      "sample_height": 4, "sample_frames": 4, "max_text_seq_length": 4, "num_layers": 3},
                     WORLD_CODEC, 4, {"snr_shift_scale": 1.0}),
+    # its image-to-video form (data.kind=i2v: the toy world's first frames given; its table the world's 2 x 2 grid)
+    "world-i2v": Preset({**TINY, "num_attention_heads": 4, "attention_head_dim": 64, "in_channels": 384,
+                         "out_channels": 192, "patch_size": 1, "temporal_compression_ratio": 1, "sample_width": 2,
+                         "sample_height": 2, "sample_frames": 4, "max_text_seq_length": 4, "num_layers": 3,
+                         "use_learned_positional_embeddings": True}, WORLD_CODEC, 4, {"snr_shift_scale": 1.0}),
+    # image-to-video: the image latents on channels, a learned position table over a 4 x 4 grid of 2 latent frames
+    # and exactly 5 text tokens
+    "tiny-i2v": Preset({**TINY, "in_channels": 32, "use_learned_positional_embeddings": True, "sample_width": 4,
+                        "sample_height": 4, "max_text_seq_length": 5}, TINY_VAE, 5, {"snr_shift_scale": 1.0}),
     "cogvideox-2b": Preset(COGVIDEOX_2B, VAE_2B, 226, {"snr_shift_scale": 3.0}),
     "cogvideox-5b": Preset(COGVIDEOX_5B, VAE_5B, 226, {"snr_shift_scale": 1.0}),
+    "cogvideox-5b-i2v": Preset(COGVIDEOX_5B_I2V, VAE_5B, 226, {"snr_shift_scale": 1.0}),
 }
 """``CogVideoXTransformer3DModel`` constructor arguments per preset (THUDM/CogVideoX-2b's and -5b's config.json), the
 latent space, the text length (T5 at 226 tokens) and the scheduler's SNR shift."""
@@ -132,16 +144,66 @@ def sampling_sigmas(config: ModelConfig, num_steps: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------------ the forward
 
 
+POSITIONS = "patch_embed.pos_embedding"
+
+
+def image_to_video(config: ModelConfig) -> bool:
+    """Whether the preset takes the image latents beside the video's on channels (CogVideoXImageToVideoPipeline)."""
+    return config.spec.kwargs["in_channels"] == 2 * config.spec.latents.channels
+
+
+def learned(config: ModelConfig) -> bool:
+    return config.spec.kwargs["use_learned_positional_embeddings"]
+
+
+def sine_positions(config: ModelConfig) -> torch.Tensor:
+    """The sine-cosine position table ``[1, L_text + tokens, dim]`` fp32 diffusers computes for the preset (text rows
+    zero), on the CPU."""
+    k = config.spec.kwargs
+    with torch.device("meta"):
+        embed = CogVideoXTransformer3DModel(**k).patch_embed
+    table = embed._get_positional_embeddings(k["sample_height"], k["sample_width"], k["sample_frames"], device="cpu")
+    return table.float()
+
+
 def rebuild_positions(module: nn.Module) -> None:
-    """The 2B layout's sine-cosine position table (a pure function of the config), on the CPU."""
+    """The 2B layout's sine-cosine position table (a pure function of the config), on the CPU; a learned table (the
+    I2V models': a persistent buffer in diffusers, loaded from the folder) becomes a param on meta, held frozen."""
     embed = module.patch_embed
-    if embed.use_positional_embeddings and not embed.use_learned_positional_embeddings:
+    if embed.use_learned_positional_embeddings:
+        table = embed._buffers.pop("pos_embedding")
+        embed.pos_embedding = nn.Parameter(torch.empty(table.shape, device="meta"), requires_grad=False)
+    elif embed.use_positional_embeddings:
         table = embed._get_positional_embeddings(embed.sample_height, embed.sample_width, embed.sample_frames)
         embed.register_buffer("pos_embedding", table, persistent=False)
 
 
 def skeleton(config: ModelConfig) -> nn.Module:
     return skeleton_of(CogVideoXTransformer3DModel, config.spec.kwargs, rebuild_positions)
+
+
+def derived(config: ModelConfig) -> dict[str, Any]:
+    """A learned table a folder lacks, or a drawn model's: diffusers' own initial table, the sine-cosine one."""
+    return {POSITIONS: lambda params: sine_positions(config)} if learned(config) else {}
+
+
+def held_frozen(config: ModelConfig) -> frozenset[str]:
+    """The learned position table: diffusers keeps it as a buffer, so its trainers never train it."""
+    return frozenset({POSITIONS}) if learned(config) else frozenset()
+
+
+def latent_rule(config: ModelConfig, shape: tuple[int, ...]) -> str | None:
+    """A learned table covers exactly the preset's sample size (diffusers refuses another height or width, and for
+    another frame count silently falls back to a sine table)."""
+    if not learned(config):
+        return None
+    k = config.spec.kwargs
+    frames = (shape[2] - 1) * k["temporal_compression_ratio"] + 1
+    if (shape[3], shape[4], frames) != (k["sample_height"], k["sample_width"], k["sample_frames"]):
+        return (f"its learned position table covers latents of exactly {k['sample_height']} x {k['sample_width']} "
+                f"and {k['sample_frames']} video frames ({(k['sample_frames'] - 1) // k['temporal_compression_ratio'] + 1}"
+                f" latent frames), got {shape[3]} x {shape[4]} and {shape[2]} latent frames")
+    return None
 
 
 def rotary(config: ModelConfig, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -159,14 +221,21 @@ def rotary(config: ModelConfig, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 def inputs(config: ModelConfig, x: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor],
            sharded: bool) -> dict[str, Any]:
-    """The DiT's arguments: ``s x_t`` at the scheduler timestep of ``sigma = t / 1000`` (module docstring), the text
-    embedding as stored (a 2B preset takes exactly its ``max_text_seq_length`` tokens), the RoPE tables."""
+    """The DiT's arguments: ``s x_t`` at the scheduler timestep of ``sigma = t / 1000`` (module docstring), beside the
+    image latents on channels for image-to-video (not scaled: the pipeline concatenates them as they are), the text
+    embedding as stored (a preset with a position table takes exactly its ``max_text_seq_length`` tokens), the RoPE
+    tables."""
     sigma = t.float() / 1000
-    text, length = cond["text"], config.spec.kwargs["max_text_seq_length"]
-    if not config.spec.kwargs["use_rotary_positional_embeddings"] and text.shape[1] != length:
+    k = config.spec.kwargs
+    text, length = cond["text"], k["max_text_seq_length"]
+    if (not k["use_rotary_positional_embeddings"] or learned(config)) and text.shape[1] != length:
         raise ValueError(f"{config.family.name}:{config.preset}: its position table holds exactly {length} text "
                          f"tokens, got {text.shape[1]} (data.text_len={length})")
-    return {"hidden_states": vp_flow.model_input(x, sigma), "encoder_hidden_states": text,
+    hidden = vp_flow.model_input(x, sigma)
+    if image_to_video(config):
+        given = wan_i2v.given_frames(x.transpose(1, 2), cond, config.family.name).transpose(1, 2)
+        hidden = torch.cat([hidden, given.to(hidden.dtype)], dim=2)
+    return {"hidden_states": hidden, "encoder_hidden_states": text,
             "timestep": vp_flow.timestep_of(schedule_abar(config), sigma), "image_rotary_emb": rotary(config, x),
             "return_dict": False}
 
@@ -184,10 +253,12 @@ def widths(config: ModelConfig) -> tuple[int, dict[str, tuple[int, int]]]:
 
 
 def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
-    """diffusers' ``CogVideoXPipeline`` files beside ``transformer/``: ``model_index.json`` and ``scheduler/`` (its
-    ``CogVideoXDDIMScheduler``); copy the VAE, T5 text encoder and tokenizer from the base model."""
+    """diffusers' ``CogVideoXPipeline`` (``CogVideoXImageToVideoPipeline``) files beside ``transformer/``:
+    ``model_index.json`` and ``scheduler/`` (its ``CogVideoXDDIMScheduler``); copy the VAE, T5 text encoder and
+    tokenizer from the base model."""
     scheduler(config).save_config(folder / "scheduler")
-    dfolder.write_model_index(folder, "CogVideoXPipeline", {
+    pipeline = "CogVideoXImageToVideoPipeline" if image_to_video(config) else "CogVideoXPipeline"
+    dfolder.write_model_index(folder, pipeline, {
         "scheduler": ("diffusers", "CogVideoXDDIMScheduler"),
         "transformer": ("diffusers", "CogVideoXTransformer3DModel"), "vae": ("diffusers", "AutoencoderKLCogVideoX"),
         "text_encoder": ("transformers", "T5EncoderModel"), "tokenizer": ("transformers", "T5Tokenizer")})
@@ -206,12 +277,37 @@ def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
     return list(embeds)
 
 
+def encode_first_frame(pipe: Any, video: torch.Tensor) -> torch.Tensor:
+    """Image-to-video's condition as ``CogVideoXImageToVideoPipeline.prepare_latents`` makes it: the first frame
+    encoded alone (the mean; the pipeline samples) times the VAE's ``scaling_factor``, then zero latent frames to the
+    clip's latent length: ``[B, C, t, h, w]``."""
+    first = fencoders.latent_mean(pipe.vae, video[:, :, :1]).float() * pipe.vae.config.scaling_factor
+    frames = (video.shape[2] - 1) // pipe.vae_scale_factor_temporal + 1
+    return torch.cat([first, first.new_zeros(*first.shape[:2], frames - 1, *first.shape[3:])], dim=2)
+
+
 ENCODERS = fencoders.Encoders(
     pipeline="CogVideoXPipeline", text=("tokenizer", "text_encoder"), encode_text=encode_text,
-    encode_video=lambda pipe, video: fencoders.latent_mean(pipe.vae, video), frame_step=4, pixel_multiple=16,
-    audio_refusal="CogVideoX makes no sound")
-"""CogVideoX's encoders: T5 at 226 tokens (all of them) and the VAE's posterior mean in its own scale (the preset's
-``scaling_factor`` scales it into the DiT's input)."""
+    encode_video=lambda pipe, video: fencoders.latent_mean(pipe.vae, video), first_frame=encode_first_frame,
+    frame_step=4, pixel_multiple=16, audio_refusal="CogVideoX makes no sound")
+"""CogVideoX's encoders: T5 at 226 tokens (all of them), the VAE's posterior mean in its own scale (the preset's
+``scaling_factor`` scales it into the DiT's input) and, for image-to-video, the first frame's latents scaled as its
+pipeline scales them."""
+
+
+def cond_spec(config: ModelConfig) -> dict[str, tuple]:
+    """The T5 text and its mask; image-to-video adds the first frame's latents ``[C, T, H, W]`` (then zero frames)."""
+    spec = {"text": ("L", config.spec.kwargs["text_embed_dim"]), "text_mask": ("L",)}
+    if image_to_video(config):
+        spec["first_frame_latents"] = (config.spec.latents.channels, "T", "H", "W")
+    return spec
+
+
+def cond_from_batch(config: ModelConfig, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    names = tuple(cond_spec(config))
+    require(batch, names, config.family.name, "the T5 text embedding of all 226 tokens, its mask and, for "
+            "image-to-video, the first frame's latents: parquet column first_frame_latent of data.kind='i2v' data")
+    return {name: batch[name] for name in names}
 
 
 COGVIDEOX = Family(
@@ -224,13 +320,18 @@ COGVIDEOX = Family(
         # measured (saved-tensor hooks, bf16): 15 dim and 2 ffn in bf16 per token (its text tokens included)
         activations={"blocks": memory.BlockActivations(fp32_dim=0, compute_dim=15, compute_ffn=2)},
         widths=widths,
+        init_rules={"pos_embedding": lambda key, shape: torch.zeros(shape)},  # replaced by ``derived``'s table
+        derived=derived,
         self_attention=("transformer_blocks.*.attn1",),
         vsa_refusal="its self-attention runs over the text tokens and the video's together",
     ),
     forward=Forward(inputs=inputs, layout="BTCHW", output=output),
-    conditioning=text_conditioning("text_embed_dim", "the T5 text embedding of all 226 tokens and its mask"),
+    conditioning=Conditioning(spec=cond_spec, from_batch=cond_from_batch,
+                              data_keys=("text", "text_mask", "first_frame_latents"),
+                              image=frozenset({"first_frame_latents"}), defaults=TEXT_MASK_DEFAULT),
     checkpoints=Checkpoints(pipeline_files=pipeline_files),
-    training=Training(sigma_sampler=sigma_sampler, loss_weight=loss_weight, sampling_sigmas=sampling_sigmas),
+    training=Training(held_frozen=held_frozen, latent_rule=latent_rule, sigma_sampler=sigma_sampler,
+                      loss_weight=loss_weight, sampling_sigmas=sampling_sigmas),
 )
 
 

@@ -227,9 +227,11 @@ class Checkpoints:
 class Training:
     """The rules a family sets on training it, whatever the method.
 
-    unused(config) -> names              params the DiT does not use under this config (a mode's branch, e.g. the
-                                         image embedder of an image-to-video model run as text-to-video): held frozen
-                                         as a role's base (no update, no decay, no optimizer state) and exported as
+    held_frozen(config) -> names         params no role of this config trains: those the DiT does not use under it (a
+                                         mode's branch, e.g. the image embedder of an image-to-video model run as
+                                         text-to-video) and those its own trainers never train (CogVideoX I2V's
+                                         learned position table, a buffer in diffusers); held frozen as a role's base
+                                         (no update, no decay, no optimizer state, no LoRA adapters) and exported as
                                          loaded
     latent_rule(config, shape) -> why    why latents of ``shape`` ``[B, C, T, H, W]`` (a joint model's: a dict of
                                          shapes keyed by modality) do not fit the model beyond
@@ -250,7 +252,7 @@ class Training:
                                          ``validation.schedule=model`` uses; None: it has none of its own
     """
 
-    unused: Callable[[Any], frozenset[str]] = lambda config: frozenset()
+    held_frozen: Callable[[Any], frozenset[str]] = lambda config: frozenset()
     latent_rule: Callable[[Any, tuple[int, ...]], str | None] = lambda config, shape: None
     sigma_sampler: Callable[[Any, torch.Tensor, Any], tuple[Any, Any]] | None = None
     step_ranges: Callable[[Any], tuple] = lambda config: ()
@@ -268,7 +270,7 @@ class Joint:
     trained(config) -> names             the modalities a model of ``config`` trains ("video" and those of
                                          ``modalities`` it trains; None: all): more than one makes a joint model,
                                          whose ``inputs`` and ``output`` take and give dicts keyed by modality; the
-                                         params of a modality left out are held frozen as ``unused`` params are
+                                         params of a modality left out are held frozen as ``held_frozen`` params are
                                          (LTX-2's audio branch)
     sigmas(config, levels) -> {modality: levels}   the level each modality of a joint model is at when the shared
                                          clock is at ``levels`` (MiniMax-H3's per-modality shifts): how validation

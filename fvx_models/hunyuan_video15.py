@@ -249,7 +249,7 @@ HUNYUAN_VIDEO15 = Family(
         defaults=TEXT_MASK_DEFAULT,
     ),
     checkpoints=Checkpoints(pipeline_files=pipeline_files),
-    training=Training(unused=unused),
+    training=Training(held_frozen=unused),
 )
 
 

@@ -4,7 +4,7 @@ Kandinsky 6 denoises video and audio together: two text branches (video's, audio
 self-attention blocks each, CLIP's pooled vector in the time embedding) and fused blocks over the video tokens and
 the audio tokens that cross-attend each other. Given no audio latents the DiT runs the video path alone (each fused
 block skips its audio half), as ``Kandinsky6TI2VAPipeline`` does without an audio VAE; that is how fvx trains it: the
-audio branch's params get no gradient, so they are held frozen (``Training.unused``: every ``audio_*`` module and the
+audio branch's params get no gradient, so they are held frozen (``Training.held_frozen``: every ``audio_*`` module and the
 fused blocks' audio decoder, audio-video cross-attention and their modulations) and exported as loaded.
 
 The DiT takes channels-last latents ``[B, T, H, W, C]`` (layout ``"BTHWC"``) beside a zero condition and mask for
@@ -188,7 +188,7 @@ KANDINSKY6_FAMILY = Family(
     conditioning=Conditioning(spec=cond_spec, from_batch=cond_from_batch, zero=fcond.zeros_keeping_masks,
                               defaults=TEXT_MASK_DEFAULT),
     checkpoints=Checkpoints(pipeline_files=pipeline_files),
-    training=Training(unused=unused, latent_rule=latent_rule),
+    training=Training(held_frozen=unused, latent_rule=latent_rule),
 )
 
 

@@ -133,3 +133,45 @@ def test_a_folder_encodes_every_t5_token_and_the_vaes_mean(tmp_path):
     assert [tuple(r.shape) for r in rows] == [(226, 16)] * 2 and torch.equal(torch.stack(rows), reference)
     video = encoder_checks.random_clip((3, 5, 16, 16))
     assert torch.equal(opened.encode_video(video), opened.pipe.vae.encode(video[None]).latent_dist.mode()[0])
+
+
+def test_image_to_video_holds_its_learned_position_table_frozen_drawn_as_diffusers_draws_it(tmp_path):
+    """CogVideoX-5b-I2V's position table is a persistent buffer in diffusers (its trainers never train it): fvx
+    carries it as a param held frozen, drawn as diffusers initialises it, exported under its name into a
+    CogVideoXImageToVideoPipeline folder that diffusers loads strictly."""
+    config = CogVideoXConfig(preset="tiny-i2v")
+    model = config.build()
+    assert cogvideox.POSITIONS not in model.weights.trained_names
+    params = model.weights.init(random.key(0))
+    torch.manual_seed(0)
+    reference = CogVideoXTransformer3DModel(**config.spec.kwargs).patch_embed.pos_embedding
+    assert params[cogvideox.POSITIONS].dtype == torch.float32
+    assert torch.equal(params[cogvideox.POSITIONS], reference.float())
+    shifted = params[cogvideox.POSITIONS] + 1  # as a checkpoint's learned table differs from the initial one
+    written = model.export.folder({**params, cogvideox.POSITIONS: shifted}, str(tmp_path))
+    index = json.loads((tmp_path / "model_index.json").read_text())
+    assert index["_class_name"] == "CogVideoXImageToVideoPipeline"
+    loaded = CogVideoXTransformer3DModel.from_pretrained(written.files["transformer"])
+    assert torch.equal(loaded.patch_embed.pos_embedding, shifted)
+    assert torch.equal(model.weights.load(str(tmp_path))[cogvideox.POSITIONS], shifted)
+
+
+def test_image_to_video_latents_of_another_size_than_its_table_are_refused_in_one_line():
+    model = CogVideoXConfig(preset="tiny-i2v").build()
+    model.check_latents((1, 16, 2, 4, 4))
+    with pytest.raises(ValueError, match=r"covers latents of exactly 4 x 4 and 5 video frames \(2 latent frames\), "
+                                         r"got 8 x 8 and 2 latent frames"):
+        model.check_latents((1, 16, 2, 8, 8))
+
+
+def test_the_first_frame_is_encoded_alone_and_scaled_as_the_image_to_video_pipeline_does(tmp_path):
+    torch.manual_seed(0)
+    vae = AutoencoderKLCogVideoX(block_out_channels=(8, 8, 8, 8), latent_channels=4, layers_per_block=1,
+                                 norm_num_groups=2, temporal_compression_ratio=4, scaling_factor=0.7)
+    CogVideoXPipeline(tokenizer=tiny_t5_tokenizer(), text_encoder=None, vae=vae, transformer=None,
+                      scheduler=CogVideoXDDIMScheduler()).save_pretrained(tmp_path)
+    opened = cogvideox.ENCODERS.open(tmp_path, ["first_frame"])
+    video = encoder_checks.random_clip((3, 9, 16, 16))
+    given = opened.encode_first_frame(video)
+    first = opened.pipe.vae.encode(video[None, :, :1]).latent_dist.mode()[0] * 0.7
+    assert given.shape == (4, 3, 2, 2) and torch.equal(given[:, :1], first) and not given[:, 1:].any()

@@ -97,7 +97,7 @@ def test_every_param_trains_in_text_to_world():
     """A forward and backward of the tiny model reach every param (the condition-mask and padding-mask inputs are
     zero but their patch-embedding columns still belong to a used weight): nothing is held frozen."""
     config = CosmosConfig(preset="tiny")
-    assert cosmos.COSMOS.training.unused(config) == frozenset()
+    assert cosmos.COSMOS.training.held_frozen(config) == frozenset()
     module = CosmosTransformer3DModel(**config.spec.kwargs)
     x, t, cond = inputs(config.build(), random.key(1))
     kwargs, _ = build.native_inputs(config, x, t, cond)

@@ -115,7 +115,7 @@ def test_every_param_trains_text_to_video():
     """Measured: a forward and backward of the tiny model reaches every param (the image-condition columns of the
     visual embedding get zero gradients, as in FastVideo, but they are columns of a trained weight)."""
     config = CASES["kandinsky5"].config
-    assert config.family.training.unused(config) == frozenset()
+    assert config.family.training.held_frozen(config) == frozenset()
     model = config.build()
     params = model.weights.init(random.key(0))
     assert model.weights.trained_names == frozenset(params)

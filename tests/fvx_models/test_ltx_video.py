@@ -91,7 +91,7 @@ def test_every_param_trains_none_is_held_unused(model, params):
     x, t, cond = inputs(model, random.key(1))
     _, grads = grad.value_and_grad(lambda p: model.apply(p, x, t, cond).square().mean())(params)
     assert [n for n, g in grads.items() if g is None or not bool(g.abs().sum())] == []
-    assert ltx_video.LTX_VIDEO.training.unused(LTXVideoConfig()) == frozenset()
+    assert ltx_video.LTX_VIDEO.training.held_frozen(LTXVideoConfig()) == frozenset()
     assert model.weights.trained_names == frozenset(params)
 
 

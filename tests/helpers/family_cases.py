@@ -147,11 +147,13 @@ def cogvideox_native(modules, x, t, cond, snr_shift_scale: float = 1.0):
     tau = torch.from_numpy(numpy.interp(abar.numpy(), table.flip(0).numpy(), numpy.arange(999, -1, -1.0)))
     a, b = (c.float().view(-1, 1, 1, 1, 1) for c in (abar.sqrt(), (1 - abar).sqrt()))
     latents = (x * (a + b)).permute(0, 2, 1, 3, 4)
+    given = cond.get("first_frame_latents")  # image-to-video: CogVideoXImageToVideoPipeline's channels
+    hidden = latents if given is None else torch.cat([latents, given.permute(0, 2, 1, 3, 4)], dim=2)
     pipe = CogVideoXPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=transformer,
                              scheduler=CogVideoXDDIMScheduler())
     rope = (pipe._prepare_rotary_positional_embeddings(x.shape[3] * 8, x.shape[4] * 8, x.shape[2], "cpu")
             if transformer.config.use_rotary_positional_embeddings else None)
-    v = transformer(hidden_states=latents, encoder_hidden_states=cond["text"], timestep=tau.float(),
+    v = transformer(hidden_states=hidden, encoder_hidden_states=cond["text"], timestep=tau.float(),
                     image_rotary_emb=rope, return_dict=False)[0]
     x0 = a * latents - b * v
     noise = (latents - a * x0) / b
@@ -354,6 +356,8 @@ CASES: dict[str, Case] = {
     "cogvideox": Case(CogVideoXConfig(preset="tiny"), {"transformer": CogVideoXTransformer3DModel}, cogvideox_native),
     "cogvideox-2b": Case(CogVideoXConfig(preset="tiny-2b"), {"transformer": CogVideoXTransformer3DModel},
                          functools.partial(cogvideox_native, snr_shift_scale=3.0)),
+    "cogvideox-i2v": Case(CogVideoXConfig(preset="tiny-i2v"), {"transformer": CogVideoXTransformer3DModel},
+                          cogvideox_native),
     "sana_video": Case(SanaVideoConfig(preset="tiny"), {"transformer": SanaVideoTransformer3DModel}, sana_video_native),
     "mochi": Case(MochiConfig(preset="tiny"), {"transformer": MochiTransformer3DModel}, mochi_native),
     "latte": Case(LatteConfig(preset="tiny"), {"transformer": LatteTransformer3DModel}, latte_native),
@@ -368,7 +372,7 @@ CASES: dict[str, Case] = {
 FAMILIES = ["wan", "wan-ti2v", "skyreels_v2", "wan_moe", "hunyuan_video", "anyflow", "wan-i2v", "wan-ti2v-i2v",
             "kandinsky5", "cosmos", "ltx_video", "hunyuan_video15", "ltx2",
             "chronoedit", "wan_vace", "cogvideox", "sana_video", "mochi", "latte", "allegro",
-            "easyanimate", "motif_video", "kandinsky6"]  # one case per family and layout
+            "easyanimate", "motif_video", "kandinsky6", "cogvideox-i2v"]  # one case per family and layout
 
 
 def native_modules(case: Case, params: dict) -> dict[str, torch.nn.Module]:
@@ -410,7 +414,8 @@ def raw_batch(model, key: torch.Tensor, *, batch: int = 2, frames: int = 2, size
         mask = torch.cat([torch.ones(batch, 1), cond["text_mask"]], dim=1)
     else:
         text, mask = cond["text"], cond["text_mask"]
-    image = {name: cond[name] for name in ("first_frame_latents", "image_embeds", "vace_context") if name in cond}  # I2V data:
+    image = {name: cond[name] for name in ("first_frame_latents", "image_embeds", "vace_context")  # I2V data:
+             if name in cond}
     if "first_frame_latents" in image:  # the first frame's latents (normalised, as FastVideo stores them), then zeros
         given = model.normalize(x[:, :, :1])
         image["first_frame_latents"] = torch.cat([given, torch.zeros_like(x[:, :, 1:])], dim=2)
