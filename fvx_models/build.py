@@ -571,7 +571,8 @@ def _joint_sigmas(config: ModelConfig, modalities: tuple[str, ...], levels: torc
 
 
 def _owner_untrained(family: Family, trained: tuple[str, ...], name: str) -> bool:
-    """Whether param ``name`` belongs to a modality the model does not train (held frozen, as ``held_frozen`` params are)."""
+    """Whether param ``name`` belongs to a modality the model does not train (held frozen, as ``held_frozen`` params
+    are)."""
     return any(modality.owns(name) for key, modality in family.joint.modalities.items() if key not in trained)
 
 

@@ -198,11 +198,12 @@ def latent_rule(config: ModelConfig, shape: tuple[int, ...]) -> str | None:
     if not learned(config):
         return None
     k = config.spec.kwargs
-    frames = (shape[2] - 1) * k["temporal_compression_ratio"] + 1
+    stride = k["temporal_compression_ratio"]
+    frames = (shape[2] - 1) * stride + 1
     if (shape[3], shape[4], frames) != (k["sample_height"], k["sample_width"], k["sample_frames"]):
         return (f"its learned position table covers latents of exactly {k['sample_height']} x {k['sample_width']} "
-                f"and {k['sample_frames']} video frames ({(k['sample_frames'] - 1) // k['temporal_compression_ratio'] + 1}"
-                f" latent frames), got {shape[3]} x {shape[4]} and {shape[2]} latent frames")
+                f"and {k['sample_frames']} video frames ({(k['sample_frames'] - 1) // stride + 1} latent frames), got "
+                f"{shape[3]} x {shape[4]} and {shape[2]} latent frames")
     return None
 
 

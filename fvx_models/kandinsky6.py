@@ -4,8 +4,8 @@ Kandinsky 6 denoises video and audio together: two text branches (video's, audio
 self-attention blocks each, CLIP's pooled vector in the time embedding) and fused blocks over the video tokens and
 the audio tokens that cross-attend each other. Given no audio latents the DiT runs the video path alone (each fused
 block skips its audio half), as ``Kandinsky6TI2VAPipeline`` does without an audio VAE; that is how fvx trains it: the
-audio branch's params get no gradient, so they are held frozen (``Training.held_frozen``: every ``audio_*`` module and the
-fused blocks' audio decoder, audio-video cross-attention and their modulations) and exported as loaded.
+audio branch's params get no gradient, so they are held frozen (``Training.held_frozen``: every ``audio_*`` module
+and the fused blocks' audio decoder, audio-video cross-attention and their modulations) and exported as loaded.
 
 The DiT takes channels-last latents ``[B, T, H, W, C]`` (layout ``"BTHWC"``) beside a zero condition and mask for
 text-to-video (``visual_cond``), and predicts the flow velocity its ``FlowMatchEulerDiscreteScheduler`` steps. Its
