@@ -19,7 +19,9 @@ Its own objective and sampler come through the family's training rules:
 Inputs as ``CogVideoXPipeline`` passes them: latents frames first ``[B, T, C, H, W]``, the T5 embedding of all 226
 tokens (its pipeline encodes the padding too, without a mask: the data stores every token), the integer-spaced
 timestep, and for the rotary presets (5B) the 3-D RoPE tables the pipeline computes from the latent grid; the 2B
-presets add sine-cosine positions over exactly ``max_text_seq_length`` text tokens.
+presets add sine-cosine positions over exactly ``max_text_seq_length`` text tokens. Image-to-video
+(``CogVideoXImageToVideoPipeline``, the ``*-i2v`` presets, ``data.kind=i2v``) adds the first frame's latents on
+channels, and its learned position table is a param held frozen (:func:`rebuild_positions`).
 """
 from __future__ import annotations
 
