@@ -193,6 +193,24 @@ def text_conditioning(width: str, what: str) -> Conditioning:
     return Conditioning(spec=spec, from_batch=from_batch, defaults=TEXT_MASK_DEFAULT)
 
 
+def packed_pooled_conditioning(text_width: str, pooled_width: str, what: str,
+                               zero: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] = fcond.zeros
+                               ) -> Conditioning:
+    """The conditioning of a family whose DiT reads text tokens, their mask and a pooled CLIP vector, its data in
+    FastVideo's packed form (:func:`packed_pooled_cond`): ``text [L, W]``, ``text_mask [L]`` and ``pooled [P]``
+    (``W``, ``P`` the preset's constructor arguments ``text_width``, ``pooled_width``; ``what`` names the packed
+    embedding in a missing tensor's error; ``zero`` the family's unconditional)."""
+
+    def spec(config: Any) -> fcond.Spec:
+        k = config.spec.kwargs
+        return {"text": ("L", k[text_width]), "text_mask": ("L",), "pooled": (k[pooled_width],)}
+
+    def from_batch(config: Any, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        return packed_pooled_cond(batch, config.spec.kwargs[pooled_width], config.family.name, what)
+
+    return Conditioning(spec=spec, from_batch=from_batch, zero=zero, defaults=TEXT_MASK_DEFAULT)
+
+
 @dataclasses.dataclass(frozen=True)
 class Checkpoints:
     """Where the params live on disk: the diffusers pipeline's components and files, the original layout other tools

@@ -30,8 +30,8 @@ from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder
 from fvx_models import encoders as fencoders
 from fvx_models.build import ModelConfig
-from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, TEXT_MASK_DEFAULT,
-                               pack_pooled, packed_pooled_cond, skeleton_of)
+from fvx_models.family import (Architecture, Checkpoints, Family, Forward, Preset, pack_pooled,
+                               packed_pooled_conditioning, skeleton_of)
 from fvx_models.model import LatentSpace
 
 SCALING_FACTOR = 0.476986  # AutoencoderKLHunyuanVideo's scaling_factor
@@ -62,17 +62,6 @@ ACTIVATIONS = {
     "single_transformer_blocks": memory.BlockActivations(fp32_dim=2.2, compute_dim=14.5, compute_ffn=2.1),
     "token_refiner": memory.BlockActivations(fp32_dim=0.0, compute_dim=17.7, compute_ffn=0.0),
 }
-
-
-def cond_spec(config: ModelConfig) -> dict[str, tuple]:
-    k = config.spec.kwargs
-    return {"text": ("L", k["text_embed_dim"]), "text_mask": ("L",), "pooled": (k["pooled_projection_dim"],)}
-
-
-def cond_from_batch(config: ModelConfig, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Unpack FastVideo's Hunyuan embedding: row 0 the pooled CLIP vector (zero-padded), rows 1: the LLaMA tokens."""
-    return packed_pooled_cond(batch, config.spec.kwargs["pooled_projection_dim"], "hunyuan_video",
-                              "the packed [pooled CLIP | LLaMA] text embedding")
 
 
 def zero_cond(cond: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -159,12 +148,8 @@ HUNYUAN_VIDEO = Family(
         vsa_refusal="its self-attention runs over the video and text tokens together (one joint sequence)",
     ),
     forward=Forward(inputs=inputs),
-    conditioning=Conditioning(
-        spec=cond_spec,
-        from_batch=cond_from_batch,
-        zero=zero_cond,
-        defaults=TEXT_MASK_DEFAULT,
-    ),
+    conditioning=packed_pooled_conditioning("text_embed_dim", "pooled_projection_dim",
+                                            "the packed [pooled CLIP | LLaMA] text embedding", zero=zero_cond),
     checkpoints=Checkpoints(pipeline_files=pipeline_files),
 )
 

@@ -42,8 +42,8 @@ from fvx.distributed import memory
 from fvx_models import cond as fcond, diffusers_folder as dfolder, hunyuan_video
 from fvx_models import encoders as fencoders
 from fvx_models.build import ModelConfig
-from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, TEXT_MASK_DEFAULT,
-                               Training, pack_pooled, packed_pooled_cond, skeleton_of)
+from fvx_models.family import (Architecture, Checkpoints, Family, Forward, Preset, Training, pack_pooled,
+                               packed_pooled_conditioning, skeleton_of)
 
 LATENTS = hunyuan_video.LATENTS  # Kandinsky 5 decodes with HunyuanVideo's VAE: 16 channels x 0.476986, (4, 8, 8)
 FLOW_SHIFT = 5.0  # FastVideo's Kandinsky5Model default and its recipes' pipeline.flow_shift
@@ -109,18 +109,6 @@ def skeleton(config: ModelConfig) -> nn.Module:
     if meta:
         raise RuntimeError(f"Kandinsky5Transformer3DModel skeleton: tensors left on meta (diffusers changed?): {meta}")
     return module
-
-
-def cond_spec(config: ModelConfig) -> dict[str, tuple]:
-    k = config.spec.kwargs
-    return {"text": ("L", k["in_text_dim"]), "text_mask": ("L",), "pooled": (k["in_text_dim2"],)}
-
-
-def cond_from_batch(config: ModelConfig, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Unpack FastVideo's Kandinsky 5 embedding: row 0 the pooled CLIP vector (zero-padded), rows 1: the Qwen
-    tokens."""
-    return packed_pooled_cond(batch, config.spec.kwargs["in_text_dim2"], "kandinsky5",
-                              "the packed [pooled CLIP | Qwen] text embedding")
 
 
 def valid_length(mask: torch.Tensor) -> int:
@@ -244,12 +232,9 @@ KANDINSKY5 = Family(
         layout="BTHWC",
         output=output,
     ),
-    conditioning=Conditioning(
-        spec=cond_spec,
-        from_batch=cond_from_batch,
-        zero=fcond.zeros_keeping_masks,
-        defaults=TEXT_MASK_DEFAULT,
-    ),
+    conditioning=packed_pooled_conditioning("in_text_dim", "in_text_dim2",
+                                            "the packed [pooled CLIP | Qwen] text embedding",
+                                            zero=fcond.zeros_keeping_masks),
     checkpoints=Checkpoints(pipeline_files=pipeline_files),
     training=Training(latent_rule=latent_rule),
 )

@@ -28,8 +28,8 @@ from torch import nn
 from fvx.distributed import memory
 from fvx_models import cond as fcond, diffusers_folder as dfolder, encoders as fencoders, hunyuan_video, wan
 from fvx_models.build import ModelConfig
-from fvx_models.family import (Architecture, Checkpoints, Conditioning, Family, Forward, Preset, TEXT_MASK_DEFAULT,
-                               Training, pack_pooled, packed_pooled_cond, skeleton_of)
+from fvx_models.family import (Architecture, Checkpoints, Family, Forward, Preset, Training, pack_pooled,
+                               packed_pooled_conditioning, skeleton_of)
 
 # diffusers' Kandinsky6Transformer3DModel defaults (the released text+image-to-video+audio layout as that class ships
 # it: 60 fused blocks of width 4096, 4 text blocks a branch); a folder's config.json is checked against it
@@ -80,17 +80,6 @@ def rebuild(module: nn.Module) -> None:
 
 def skeleton(config: ModelConfig) -> nn.Module:
     return skeleton_of(Kandinsky6Transformer3DModel, config.spec.kwargs, rebuild)
-
-
-def cond_spec(config: ModelConfig) -> dict[str, tuple]:
-    k = config.spec.kwargs
-    return {"text": ("L", k["in_text_dim"]), "text_mask": ("L",), "pooled": (k["in_text_dim2"],)}
-
-
-def cond_from_batch(config: ModelConfig, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Unpack the packed embedding: row 0 the pooled CLIP vector (zero-padded), rows 1: the Qwen tokens."""
-    return packed_pooled_cond(batch, config.spec.kwargs["in_text_dim2"], "kandinsky6",
-                              "the packed [pooled CLIP | Qwen] text embedding")
 
 
 def inputs(config: ModelConfig, x: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor],
@@ -185,8 +174,9 @@ KANDINSKY6_FAMILY = Family(
         self_attention=("visual_transformer_blocks.*.video_dec_block.self_attention",),
     ),
     forward=Forward(inputs=inputs, layout="BTHWC", output=output),
-    conditioning=Conditioning(spec=cond_spec, from_batch=cond_from_batch, zero=fcond.zeros_keeping_masks,
-                              defaults=TEXT_MASK_DEFAULT),
+    conditioning=packed_pooled_conditioning("in_text_dim", "in_text_dim2",
+                                            "the packed [pooled CLIP | Qwen] text embedding",
+                                            zero=fcond.zeros_keeping_masks),
     checkpoints=Checkpoints(pipeline_files=pipeline_files),
     training=Training(held_frozen=unused, latent_rule=latent_rule),
 )

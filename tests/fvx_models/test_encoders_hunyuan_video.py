@@ -91,7 +91,7 @@ def test_text_is_the_pooled_row_then_the_pipelines_tokens(folder):
 def test_training_reads_the_stored_rows_back_as_the_pipelines_conditioning(folder):
     opened = hunyuan_video.ENCODERS.open(folder, ["text"])
     batch = encoder_checks.collate_stored_rows(opened.encode_text(PROMPTS), text_len=12)
-    cond = hunyuan_video.cond_from_batch(HunyuanVideoConfig(preset="tiny"), batch)
+    cond = hunyuan_video.HUNYUAN_VIDEO.conditioning.from_batch(HunyuanVideoConfig(preset="tiny"), batch)
     embeds, pooled, mask = opened.pipe.encode_prompt(PROMPTS, device=torch.device("cpu"))
     assert torch.equal(cond["pooled"], pooled) and torch.equal(cond["text_mask"], mask[:, :11].float())
     assert torch.equal(cond["text"], embeds[:, :11] * mask[:, :11, None])

@@ -101,7 +101,7 @@ def test_text_is_the_pooled_row_then_the_pipelines_tokens(folder, side):
 def test_training_reads_the_stored_rows_back_as_the_pipelines_conditioning(folder):
     opened = kandinsky5.ENCODERS.open(folder, ["text"])
     batch = encoder_checks.collate_stored_rows(opened.encode_text(PROMPTS), text_len=9)
-    cond = kandinsky5.cond_from_batch(Kandinsky5Config(preset="tiny"), batch)
+    cond = kandinsky5.KANDINSKY5.conditioning.from_batch(Kandinsky5Config(preset="tiny"), batch)
     embeds, pooled, _ = opened.pipe.encode_prompt(PROMPTS, max_sequence_length=512, device=torch.device("cpu"))
     mask = torch.tensor([[1.0] * 5 + [0.0] * 3, [1.0] * 3 + [0.0] * 5])
     assert torch.equal(cond["pooled"], pooled) and torch.equal(cond["text_mask"], mask)
