@@ -55,6 +55,7 @@ import torch  # noqa: E402
 
 from fvx.core import flow, random  # noqa: E402
 from fvx.core.optim_config import AdamWConfig  # noqa: E402
+from fvx.data import sections  # noqa: E402
 from fvx.distributed import processes, sharding  # noqa: E402
 from fvx_methods import finetune  # noqa: E402
 from fvx_models import build as fvx_build, ltx2, minimax_h3, wan  # noqa: E402
@@ -67,6 +68,7 @@ from fvx_models.easyanimate import EasyAnimateConfig  # noqa: E402
 from fvx_models.hunyuan_video import HunyuanVideoConfig  # noqa: E402
 from fvx_models.hunyuan_video15 import HunyuanVideo15Config  # noqa: E402
 from fvx_models.kandinsky5 import Kandinsky5Config  # noqa: E402
+from fvx_models.hunyuan_framepack import FramepackConfig  # noqa: E402
 from fvx_models.kandinsky6 import Kandinsky6Config  # noqa: E402
 from fvx_models.latte import LatteConfig  # noqa: E402
 from fvx_models.linear_qat import LinearQATConfig  # noqa: E402
@@ -114,6 +116,7 @@ CASES = {
     "easyanimate": (EasyAnimateConfig(preset="tiny"), (16, 2, 16, 16), 4),  # MMDiT: text and video in one attention
     "motif-video": (MotifVideoConfig(preset="tiny"), (16, 2, 16, 16), 4),  # dual- then single-stream blocks
     "kandinsky6": (Kandinsky6Config(preset="tiny"), (16, 2, 16, 16), 4),  # video-only: the audio branch frozen
+    "framepack": (FramepackConfig(preset="tiny"), (16, 2, 16, 16), 1),  # a section and its history; one sample
     "ltx-video": (LTXVideoConfig(preset="tiny"), (8, 2, 16, 16), 4),
     "hunyuan15": (HunyuanVideo15Config(preset="tiny"), (4, 2, 16, 16), 4),
     "kandinsky5": (Kandinsky5Config(preset="tiny"), (16, 2, 16, 16), 4),
@@ -134,6 +137,7 @@ DIST_CASES = ("tiny", "cpu-4x256")
 DIST_REFUSED = {  # case -> why the 2-process table cannot run it
     "wan-a14b": "its FSDP2 peer deadlocks: each rank's router sends its samples to the expert of its own timesteps",
     "minimax-h3": "it takes one sample per forward, so the 1-process column's batch of 2 would need grad_accum",
+    "framepack": "it takes one sample per forward, so the 1-process column's batch of 2 would need grad_accum",
 }
 VARIANTS = {"fvx": "none", "fvx_blocks": "blocks"}  # name -> ModelConfig.compile
 # sharded only: units keep their gathered params from forward to backward, beside FSDP2 doing the same
@@ -154,10 +158,13 @@ def make_batch(model, latent_shape, batch_size: int) -> dict:
     g = torch.Generator().manual_seed(0)
     video = latent_shape["video"] if isinstance(latent_shape, dict) else latent_shape
     sizes = {"L": TEXT_LEN, "T": video[1], "H": video[2], "W": video[3], "N": 4,
-             "F": model.latents.vae_stride[0] * (video[1] - 1) + 1}  # video frames: actions come one a frame
+             "F": model.latents.vae_stride[0] * (video[1] - 1) + 1,  # video frames: actions come one a frame
+             "P": video[1] + sections.HISTORY}  # a section's frames and its history's: FramePack's positions
     shapes = {name: (batch_size, *(sizes.get(s, s) for s in shape)) for name, shape in model.cond.items()}
     cond = {name: torch.ones(shape) if "mask" in name else torch.randn(shape, generator=g)
             for name, shape in shapes.items()}
+    if "frame_indices" in cond:  # positions: the section first, then its history
+        cond["frame_indices"] = torch.arange(shapes["frame_indices"][1]).float().expand(shapes["frame_indices"])
     latents = ({name: torch.randn(batch_size, *shape, generator=g) for name, shape in latent_shape.items()}
                if isinstance(latent_shape, dict) else torch.randn(batch_size, *latent_shape, generator=g))
     return {"latents": latents, "cond": cond, "sample_index": torch.arange(batch_size)}

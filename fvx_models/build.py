@@ -518,7 +518,8 @@ def _exports(config: ModelConfig, plain: nn.Module, adapted: tuple, architecture
         folder=folder,
         adapters=None if config.lora is None else functools.partial(
             lora_files.write, flora.Adapters(config.lora, adapted, family)),
-        formats=("diffusers",) if family.checkpoints.original_name is None else ("diffusers", "comfyui"),
+        formats=("diffusers",) + (("comfyui",) if family.checkpoints.original_name is not None
+                                  and "comfyui" in family.checkpoints.original_formats else ()),
         adapter_formats=() if config.lora is None else lora_files.formats(family))
 
 

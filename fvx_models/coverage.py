@@ -37,13 +37,35 @@ NOT_VIDEO: dict[str, str] = {
 }
 """diffusers transformers that are not video models, and what they are."""
 
-_PENDING = "a video DiT without an fvx family yet (issue 45 builds the rest)"
 NO_FAMILY: dict[str, str] = {
-    name: _PENDING for name in (
-        "AnyFlowFARTransformer3DModel", "ConsisIDTransformer3DModel", "Cosmos3OmniTransformer",
-        "HeliosTransformer3DModel", "HunyuanVideoFramepackTransformer3DModel", "Kandinsky6SRTransformer3DModel",
-        "SanaWMLTX2RefinerTransformer3DModel", "SanaWMTransformer3DModel", "WanAnimate2Transformer3DModel",
-        "WanAnimateTransformer3DModel")}
+    "AnyFlowFARTransformer3DModel": (
+        "a flow-map student distilled from a teacher (the mean velocity from t to r); its forward switches on a "
+        "mutable kv_cache dict and builds a flex BlockMask over a Python chunk_partition list"),
+    "ConsisIDTransformer3DModel": (
+        "identity-preserving CogVideoX I2V: its id_cond and id_vit_hidden come from insightface, EVA-CLIP and facexlib "
+        "face models that diffusers does not ship (consisid_utils imports them); not built yet"),
+    "Cosmos3OmniTransformer": (
+        "a packed omni sequence without a batch axis: its forward takes ragged lists, host-built index tensors and int "
+        "lengths, and checks tensor values (torch.any on domain ids) inside"),
+    "HeliosTransformer3DModel": (
+        "autoregressive chunks on short, mid and long history latents (FramePack-F1's sections, data.kind=framepack "
+        "order=vanilla), with noised history and a 3-stage pyramid pipeline; not built yet"),
+    "Kandinsky6SRTransformer3DModel": (
+        "each block builds its flex BlockMask from sorted q/k statistics (NABLA: data-dependent, no gradient), and the "
+        "released weights are pi-Flow distilled (a 640-channel output)"),
+    "SanaWMTransformer3DModel": (
+        "a camera-controlled image-to-video world model: per-frame camera poses and Pluecker maps "
+        "(sana_wm cam_utils) beside LTX-2 latents and Gemma-2 text; not built yet"),
+    "SanaWMLTX2RefinerTransformer3DModel": (
+        "SANA-WM's stage-2 refiner of stage-1 latents: it attends through a mutable sink and history KV cache it "
+        "writes detached, with absolute RoPE its caller builds"),
+    "WanAnimateTransformer3DModel": (
+        "character animation: pose-video latents, a 512 x 512 pixel face video (its motion encoder runs in forward), "
+        "CLIP reference features and previous-segment latents; not built yet"),
+    "WanAnimate2Transformer3DModel": (
+        "two passes: an 'extract' forward fills a per-layer KV cache that the 'cached' forward reads under a flex "
+        "BlockMask cached on the module; .item() and .tolist() on grid tensors"),
+}
 """diffusers video DiTs fvx has no family for, and why."""
 
 

@@ -231,6 +231,9 @@ class Checkpoints:
     component_tags                       component -> what its original-layout export file is tagged with (Wan 2.2's
                                          experts: ``high_noise``, ``low_noise``, as ComfyUI's and musubi-tuner's
                                          files); a component without one is tagged by its name
+    original_formats                     the tools whose LoRA files the original layout serves (``comfyui``,
+                                         ``musubi``: ``fvx_models.lora_files``); ComfyUI's also makes whole weights
+    musubi_script                        musubi-tuner's sampling script that loads the family's files
     """
 
     components: Mapping[str, str] = dataclasses.field(default_factory=lambda: {"transformer": ""})
@@ -239,6 +242,8 @@ class Checkpoints:
     stored_names: Callable[[set[str]], Mapping[str, str] | None] | None = None
     component_notes: Mapping[str, str] = dataclasses.field(default_factory=dict)
     component_tags: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    original_formats: tuple[str, ...] = ("comfyui", "musubi")
+    musubi_script: str = "wan_generate_video.py"
 
 
 @dataclasses.dataclass(frozen=True)

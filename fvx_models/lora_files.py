@@ -90,8 +90,9 @@ def original_file(form: str, config: flora.LoRAConfig, pairs: Mapping[str, tuple
 
 
 def formats(family) -> tuple[str, ...]:
-    """The formats a LoRA of ``family`` exports in (the original layouts when the family has one)."""
-    return FORMATS if family.checkpoints.original_name is not None else ("peft",)
+    """The formats a LoRA of ``family`` exports in (the original layout's tools when the family has one)."""
+    checkpoints = family.checkpoints
+    return ("peft",) + (checkpoints.original_formats if checkpoints.original_name is not None else ())
 
 
 def file_name(form: str, family: Any, component: str, stem: str | None = None) -> str:
@@ -110,6 +111,9 @@ def write(adapters: flora.Adapters, params: Mapping[str, torch.Tensor], folder: 
     ``diffusers_folder.staged`` writes), the original layouts' files named after ``stem`` (:func:`file_name`)."""
     if form not in FORMATS:
         raise ValueError(f"export --lora --format must be one of {', '.join(FORMATS)}, got {form!r}")
+    if form not in formats(adapters.family):
+        raise ValueError(f"export --lora --format {form}: a {adapters.family.name} LoRA exports as "
+                         f"{', '.join(formats(adapters.family))}")
     written = {}
     with dfolder.staged(folder, f"export --lora --format {form}") as staging:
         for component, pairs in by_component(adapters, params).items():
@@ -141,10 +145,14 @@ def how_to_load(form: str, written: Mapping[str, pathlib.Path], family) -> list[
                          f"{which}")
         else:
             flag = original_layout.musubi_flag("--lora_weight", family, component)
-            lines.append(f"musubi-tuner: wan_generate_video.py {flag} {path}{which}")
-    if form == "peft" and family.checkpoints.original_name is not None:
+            lines.append(f"musubi-tuner: {family.checkpoints.musubi_script} {flag} {path}{which}")
+    checkpoints = family.checkpoints
+    if form == "peft" and checkpoints.original_name is not None and "comfyui" in checkpoints.original_formats:
         lines.append("not for ComfyUI or musubi-tuner: they ignore PEFT keys (transformer.<module>.lora_A/lora_B) and "
                      "load nothing from a PEFT file; export again with --lora --format comfyui (ComfyUI's "
-                     "LoraLoaderModelOnly) or --lora --format musubi (musubi-tuner's wan_generate_video.py "
+                     f"LoraLoaderModelOnly) or --lora --format musubi (musubi-tuner's {checkpoints.musubi_script} "
                      "--lora_weight)")
+    elif form == "peft" and checkpoints.original_name is not None:
+        lines.append(f"musubi-tuner's {checkpoints.musubi_script} reads these keys but scales them as if alpha were "
+                     "the rank; export again with --lora --format musubi, which keeps the adapter's alpha")
     return lines

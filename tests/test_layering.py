@@ -93,9 +93,10 @@ def test_the_model_interface_imports_no_family(name):
 # Families added as one spec file each (issue 29): nothing else imports them, so adding one changed no other file of
 # the package. The core changes that came with them serve contract points every family may use, not a family: the
 # data kind "i2v" (fvx/data/parquet.py, FastVideo's pyarrow_schema_i2v) and the toy world's image-to-video task
-# (fvx/data/toy_world.py), and Model.cfg_dropout_refusal checked before weights load (fvx/training/experiment.py).
+# (fvx/data/toy_world.py), Model.cfg_dropout_refusal checked before weights load (fvx/training/experiment.py), and
+# next-section data, kind "framepack" (fvx/data/sections.py: FramePack's sections, which Helios's chunks share).
 SPEC_FILE_FAMILIES = ("cosmos", "ltx_video", "hunyuan_video15", "kandinsky5", "latte", "allegro", "easyanimate",
-                      "motif_video", "kandinsky6", "sana_video", "mochi", "wan_vace")
+                      "motif_video", "kandinsky6", "sana_video", "mochi", "wan_vace", "hunyuan_framepack")
 
 
 @pytest.mark.parametrize("family", SPEC_FILE_FAMILIES)

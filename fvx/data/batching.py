@@ -74,6 +74,10 @@ def collate(samples: list[dict], indices: list[int], *, text_len: int, cfg_rate:
     if having:
         _check_same(samples, "image_embeds", lambda a: a.shape, "shape")
         batch["image_embeds"] = torch.from_numpy(np.stack([s["image_embeds"] for s in samples]))
+    for key in ("framepack_history", "frame_indices"):  # kind framepack's: a section's clean history, positions
+        if samples and key in samples[0]:
+            _check_same(samples, key, lambda a: a.shape, "shape")
+            batch[key] = torch.from_numpy(np.stack([np.asarray(s[key], dtype=np.float32) for s in samples]))
     batch.update(_actions(samples, batch, action_stride))
     texts = [s for s in samples if "text" in s]
     if len(texts) != len(samples):

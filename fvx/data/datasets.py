@@ -5,18 +5,20 @@ parquet format is ``fvx.data.parquet``; ``fvx.data.preprocess`` writes it from v
 
 Batch dict (torch tensors except ``caption``)::
 
-    latents      [B, C, T, H, W] float32   (kinds "t2v", "i2v", "t2va", "matrixgame2", "vace"; from vae_latent)
+    latents      [B, C, T, H, W] float32   (every kind but "text_only": vae_latent; kind "framepack": a section's)
     first_frame_latents [B, C, T, H, W]    (kinds "i2v" and "matrixgame2": first_frame_latent, the VAE latents of the
                                             first frame followed by zero frames, normalised: FastVideo stores them so)
-    image_embeds [B, N, D] float32         (kinds "i2v" and "matrixgame2" when the data has them: clip_feature, the
-                                            CLIP image encoder's hidden states; FastVideo writes empty bytes for a
-                                            model without)
+    image_embeds [B, N, D] float32         (kinds "i2v" and "matrixgame2" when the data has them, "framepack":
+                                            clip_feature, the image encoder's hidden states; FastVideo writes empty
+                                            bytes for a model without)
     keyboard     [B, F, K] float32         (kind "matrixgame2": keyboard_cond, one row of keys per video frame,
                                             F = (T - 1) r + 1 for the VAE's time stride r, kept as stored; FastVideo's
                                             universal order W, S, A, D)
     mouse        [B, F, 2] float32         (kind "matrixgame2" when the data has it: mouse_cond, per video frame)
     vace_context [B, C', T, H, W] float32  (kind "vace": vace_context, Wan VACE's control context over the latents'
                                             frames: inactive and reactive latents and the packed mask)
+    framepack_history [B, C, 20, H, W]     (kind "framepack": a section's clean history, fvx.data.sections' layout)
+    frame_indices [B, T + 20] float32      (kind "framepack": the RoPE time positions of the section and its history)
     audio_latents [B, 2, 32, A] float32    (kind "t2va": audio_latent, the stereo audio VAE's latents [C, F, A] as
                                             FastVideo's t2va preprocessing stores them; a stored leading 1 is
                                             dropped; every sample of a batch must have the same length A)
@@ -43,7 +45,9 @@ from fvx.config import Config, validate
 from fvx.core import random
 from fvx.data.batching import Dataset, collate as collate_samples
 from fvx.data.parquet import Kind, ParquetDataset, check_indices, check_kind, find_parquet_files
+from fvx.data import sections as fsections
 from fvx.data.preprocess import PreprocessConfig
+from fvx.data.sections import SectionsConfig
 from fvx.data.toy_world import WorldConfig, extension_context, first_frame_only
 from fvx.data.toy_world_actions import random_actions, world_dataset
 from fvx.data.toy_world_files import JudgedByWorld
@@ -92,6 +96,9 @@ class DataConfig(Config):
     actions per video frame, no text, so no CFG dropout): ``vae_time_stride`` (the VAE's video frames per latent
     frame, 4 for Wan; the toy world's is 1) checks that every sample's actions cover its latents
     (``(T - 1) r + 1`` rows); None checks only at least ``T`` rows.
+    Kind "framepack" (FramePack's next-section prediction): samples are sections of clips, a window of latents
+    with its clean history (``fvx.data.sections``); the toy world and synthetic clips are cut by ``sections``
+    (parquet data was cut by ``preprocess``, which reads it too).
     ``prefetch``: batches computed ahead in a background thread (0 = synchronous).
     """
 
@@ -108,6 +115,7 @@ class DataConfig(Config):
     synthetic: SyntheticConfig = SyntheticConfig()
     world: WorldConfig | None = None
     preprocess: PreprocessConfig = PreprocessConfig()
+    sections: SectionsConfig = SectionsConfig()
 
     def __post_init__(self) -> None:
         if self.kind == "matrixgame2" and self.cfg_rate > 0:
@@ -133,13 +141,15 @@ def open_dataset(config: DataConfig, key: torch.Tensor) -> Dataset:
                                 dropout_key=dropout_key, num_latent_t=config.num_latent_t, text_2_len=config.text_2_len,
                                 action_stride=stride)
     if config.path is None and config.world is not None:
-        return world_dataset(config.world, samples_key, kind=config.kind, collate=collate)
+        return world_dataset(config.world, samples_key, kind=config.kind, collate=collate, sections=config.sections)
     if config.path is None:
-        return SyntheticDataset(config.synthetic, samples_key, kind=config.kind, collate=collate, time_stride=stride)
+        return SyntheticDataset(config.synthetic, samples_key, kind=config.kind, collate=collate, time_stride=stride,
+                                sections=config.sections)
     files = ParquetDataset(find_parquet_files(config.path), kind=config.kind, collate=collate,
                            second_text=config.text_2_len is not None, by_shape=config.batch_by_shape)
     if config.world is not None:  # files of the toy world (``write-videos`` -> ``preprocess``): the world judges
-        return JudgedByWorld(files, world_dataset(config.world, samples_key, kind=config.kind, collate=collate))
+        return JudgedByWorld(files, world_dataset(config.world, samples_key, kind=config.kind, collate=collate,
+                                                  sections=config.sections))
     return files
 
 
@@ -148,9 +158,11 @@ class SyntheticDataset:
     """Sample i is a function of (key, i) alone: latents and text are normal draws from split(fold_in(key, i))."""
 
     def __init__(self, config: SyntheticConfig, key: torch.Tensor, *, kind: Kind, collate: Callable[..., dict],
-                 time_stride: int | None = None):
+                 time_stride: int | None = None, sections: SectionsConfig = SectionsConfig()):
         check_kind(kind)
-        self.time_stride = time_stride or 4
+        self.time_stride, self.sections = time_stride or 4, sections
+        if kind == "framepack":
+            fsections.check(config.latent_shape[1], sections, "data.synthetic.latent_shape")
         if kind == "t2va" and config.audio_shape is None:
             raise ValueError("data.synthetic.audio_shape must be set, e.g. [2, 32, 8], for data.kind='t2va' "
                              "(synthetic audio latents [C, F, A])")
@@ -181,6 +193,13 @@ class SyntheticDataset:
             sample["vace_context"] = extension_context(sample["latents"], self.config.vace_mask_channels)
         if self.kind == "t2va":
             sample["audio_latents"] = random.normal(random.fold_in(latents_key, 2), self.config.audio_shape).numpy()
+        if self.kind == "framepack":  # section i mod k of the sample's clip, and normal image features
+            parts = fsections.cut(torch.from_numpy(sample["latents"]), self.sections)
+            part = parts[index % len(parts)]
+            sample.update(latents=part["latents"].numpy(), framepack_history=part["history"].numpy(),
+                          frame_indices=part["frame_indices"].numpy(),
+                          image_embeds=random.normal(random.fold_in(latents_key, 1),
+                                                     self.config.image_embeds or (4, 16)).numpy())
         return sample
 
     def read(self, indices: Sequence[int]) -> dict[str, Any]:

@@ -12,6 +12,9 @@ A sample read here is a dict of float32 arrays keyed as batches name them (``fvx
 the VAE's time stride ``r``; longer is kept as stored, the model slices). Kind "vace" (fvx's, for Wan VACE: no
 FastVideo schema) adds ``vace_context`` ``[C', T, H, W]``, the control context as ``WanVACEPipeline`` builds it
 (``fvx_models.wan_vace``), over the same latent frames as ``vae_latent`` (reference images' frames in front of both).
+Kind "framepack" (fvx's, for FramePack: one row per section, ``fvx.data.sections``) holds a section's ``vae_latent``
+``[C, window, H, W]``, its clean ``framepack_history`` ``[C, 20, H, W]``, their RoPE positions ``frame_indices``
+``[window + 20]``, and the clip's first frame's image-encoder features ``clip_feature`` ``[N, D]``.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-Kind = Literal["t2v", "text_only", "i2v", "t2va", "matrixgame2", "vace"]
+Kind = Literal["t2v", "text_only", "i2v", "t2va", "matrixgame2", "vace", "framepack"]
 
 # Tensor columns per kind: (parquet tensor name, batch key). Metadata columns follow FastVideo's schemas.
 _TENSORS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -39,6 +42,8 @@ _TENSORS: dict[str, tuple[tuple[str, str], ...]] = {
     "matrixgame2": (("vae_latent", "latents"), ("first_frame_latent", "first_frame_latents"),
                     ("keyboard_cond", "keyboard")),
     "vace": (("vae_latent", "latents"), ("text_embedding", "text"), ("vace_context", "vace_context")),
+    "framepack": (("vae_latent", "latents"), ("text_embedding", "text"), ("clip_feature", "image_embeds"),
+                  ("framepack_history", "framepack_history"), ("frame_indices", "frame_indices")),
 }
 # Tensor columns a kind reads when every file has them and a sample's are not empty (FastVideo's I2V preprocessing
 # writes empty bytes for a model without an image encoder).
@@ -51,7 +56,8 @@ _OPTIONAL_TENSORS: dict[str, tuple[tuple[str, str], ...]] = {
 _WRITE_ONLY: dict[str, tuple[tuple[str, str], ...]] = {"i2v": (("pil_image", "pil_image"),),
                                                        "matrixgame2": (("pil_image", "pil_image"),)}
 _RANKS = {"latents": 4, "text": 2, "first_frame_latents": 4, "image_embeds": 2, "audio_latents": 3,
-          "pil_image": 3, "keyboard": 2, "mouse": 2, "vace_context": 4}  # stored dims
+          "pil_image": 3, "keyboard": 2, "mouse": 2, "vace_context": 4,
+          "framepack_history": 4, "frame_indices": 1}  # stored dims
 ACTIONS = (("keyboard_cond", "keyboard"), ("mouse_cond", "mouse"))  # kind matrixgame2's (column, batch key)
 # fvx's one column beyond FastVideo's schema: a family's second text stream (HunyuanVideo 1.5's ByT5 glyph text),
 # [L2, D2] real tokens, written after FastVideo's columns when the encoders make it and read when data.text_2_len is set
@@ -62,7 +68,8 @@ _ORDER = {"t2v": ("vae_latent", "text_embedding"), "text_only": ("text_embedding
           "t2va": ("vae_latent", "audio_latent", "text_embedding"),
           "matrixgame2": ("vae_latent", "clip_feature", "first_frame_latent", "mouse_cond", "keyboard_cond",
                           "pil_image"),
-          "vace": ("vae_latent", "text_embedding", "vace_context")}
+          "vace": ("vae_latent", "text_embedding", "vace_context"),
+          "framepack": ("vae_latent", "text_embedding", "clip_feature", "framepack_history", "frame_indices")}
 _METADATA: dict[str, tuple[tuple[str, pa.DataType], ...]] = {
     "t2v": (
         ("file_name", pa.string()), ("caption", pa.string()), ("media_type", pa.string()), ("width", pa.int64()),
@@ -70,7 +77,7 @@ _METADATA: dict[str, tuple[tuple[str, pa.DataType], ...]] = {
     ),
     "text_only": (("caption", pa.string()),),
 }
-_METADATA["i2v"] = _METADATA["matrixgame2"] = _METADATA["vace"] = _METADATA["t2v"]
+_METADATA["i2v"] = _METADATA["matrixgame2"] = _METADATA["vace"] = _METADATA["framepack"] = _METADATA["t2v"]
 _METADATA["t2va"] = _METADATA["t2v"] + (("audio_sample_rate", pa.int64()),)
 
 

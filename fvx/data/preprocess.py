@@ -39,7 +39,8 @@ import torch
 from tqdm import tqdm
 
 from fvx.config import Config
-from fvx.data import media, parquet
+from fvx.data import media, parquet, sections as fsections
+from fvx.data.sections import SectionsConfig
 from fvx.storage import files
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
@@ -106,7 +107,7 @@ CONTROL_FILES = ("control", "mask", "ref")  # kind vace's files beside a clip: c
 class Job:
     """Everything a preprocessing run needs: ``identity`` (what made the folder, checked on resume), the data
     ``kind``, the cut ``config``, the family's ``frame_step`` and ``pixel_multiple``, the audio rate (t2va), the
-    family's ``frame_base``."""
+    family's ``frame_base``, how clips become sections (kind framepack)."""
 
     identity: dict[str, Any]
     kind: str
@@ -115,6 +116,7 @@ class Job:
     pixel_multiple: int
     audio_rate: int | None = None
     frame_base: int = 1
+    sections: SectionsConfig | None = None
 
 
 # ----------------------------------------------------------------------------------------------------------- inputs
@@ -339,7 +341,7 @@ def _cut(job: Job, item: Input) -> tuple[torch.Tensor, dict[str, Any], list[int]
     if not item.path.is_file():
         raise media.MediaError("the file does not exist")
     config, image = job.config, media.is_image(item.path)
-    if image and job.kind in ("i2v", "t2va", "matrixgame2"):
+    if image and job.kind in ("i2v", "t2va", "matrixgame2", "framepack"):
         raise media.MediaError(f"it is an image; kind {job.kind!r} needs videos")
     if image:
         frames, fps, indices = media.read_image(item.path), 0.0, [0]
@@ -365,8 +367,11 @@ def encode_part(job: Job, encoder: Encoder, items: Sequence[Input]) -> tuple[lis
     rows, skipped = [], []
     for item in items:
         try:
-            rows.append(encode_media(job, encoder, item) if job.kind != "text_only"
-                        else {"id": item.name, "caption": item.caption})
+            if job.kind == "text_only":
+                rows.append({"id": item.name, "caption": item.caption})
+            else:
+                row = encode_media(job, encoder, item)
+                rows.extend(section_rows(row, job.sections) if job.kind == "framepack" else [row])
         except media.MediaError as error:
             skipped.append({"file": item.name, "reason": str(error)})
     for start in range(0, len(rows) if job.kind != "matrixgame2" else 0, TEXT_BATCH):  # matrixgame2: no text
@@ -404,7 +409,17 @@ def encode_media(job: Job, encoder: Encoder, item: Input) -> dict[str, Any]:
     if job.kind == "t2va":
         row["audio_latents"] = encoder.encode_audio(sound, job.audio_rate)
         row["audio_sample_rate"] = job.audio_rate
+    if job.kind == "framepack":  # the start image's features (section_rows cuts the latents)
+        row["image_embeds"] = encoder.encode_image((clip[:, 0] + 1) / 2)
     return row
+
+
+def section_rows(row: dict[str, Any], config: SectionsConfig) -> list[dict[str, Any]]:
+    """Kind framepack: a clip's row as one row per section (``fvx.data.sections``), ids ``<id>#<n>``."""
+    parts = fsections.cut(row["latents"], config)
+    return [{**row, "id": f"{row['id']}#{n}", "num_frames": part["latents"].shape[1], "latents": part["latents"],
+             "framepack_history": part["history"], "frame_indices": part["frame_indices"]}
+            for n, part in enumerate(parts)]
 
 
 def encode_context(encoder: Encoder, item: Input, clip: torch.Tensor, indices: list[int],

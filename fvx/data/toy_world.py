@@ -168,6 +168,12 @@ def render(config: WorldConfig, colour: str, direction: str, start: tuple[int, i
     return video
 
 
+def tokens_of_first_frame(latents: np.ndarray) -> np.ndarray:
+    """The first frame of latents ``[C, T, h, w]`` as tokens ``[h w, C]`` (row-major): the toy image embedding."""
+    first = latents[:, 0]
+    return np.ascontiguousarray(first.reshape(first.shape[0], -1).T)
+
+
 def first_frame_only(video: np.ndarray) -> np.ndarray:
     """A clip or its latents ``[C, T, H, W]`` with every frame but the first zero (mid-grey pixels; zero latents of a
     frame-wise codec): what an image-to-video model is given, as FastVideo encodes it."""
@@ -401,18 +407,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     write.add_argument("dir", help="the folder to write (created)")
     write.add_argument("--samples", type=int, default=WorldConfig().num_samples,
                        help="how many clips (default: %(default)s)")
+    write.add_argument("--frames", type=int, default=WorldConfig().frames,
+                       help="frames a clip (default: %(default)s)")
     write.add_argument("--seed", type=int, default=0, help="draws the clips' phases (default: %(default)s)")
     write.add_argument("--kind", choices=("t2v", "matrixgame2", "vace"), default="t2v", help=(
         "matrixgame2: the world with actions, each clip with its keys as a FastVideo action file <stem>.npz; vace: "
         "each clip with the control video <stem>.control.mp4 and mask <stem>.mask.mp4 of VACE's extension task "
         "(default: %(default)s)"))
     args = parser.parse_args(argv)
-    if args.samples <= 0:
-        print(f"error: --samples must be positive, got {args.samples}", file=sys.stderr)
-        return 2
+    for name in ("samples", "frames"):
+        if getattr(args, name) <= 0:
+            print(f"error: --{name} must be positive, got {getattr(args, name)}", file=sys.stderr)
+            return 2
     from fvx.data.toy_world_files import write_videos
 
-    names = write_videos(WorldConfig(num_samples=args.samples), args.dir, seed=args.seed, kind=args.kind)
+    names = write_videos(WorldConfig(num_samples=args.samples, frames=args.frames), args.dir, seed=args.seed,
+                         kind=args.kind)
     extra = {"matrixgame2": " and action files", "vace": " and control videos and masks"}.get(args.kind, "")
     print(f"wrote {len(names)} clips ({names[0]} ... {names[-1]}) with their captions{extra} to {args.dir}")
     return 0

@@ -24,7 +24,10 @@ import numpy as np
 import torch
 
 from fvx.core import random
-from fvx.data.toy_world import COLOURS, DIRECTIONS, WorldConfig, WorldDataset, first_frame_only, space_to_depth
+from fvx.data.sections import SectionsConfig
+from fvx.data.toy_world import (COLOURS, DIRECTIONS, WorldConfig, WorldDataset, first_frame_only, space_to_depth,
+                                tokens_of_first_frame)
+from fvx.data.toy_world_sections import SectionWorldDataset
 
 KEYS = ("up", "down", "left", "right")  # keyboard columns W, S, A, D (FastVideo's universal order)
 STILL = -1  # a frame whose keyboard row presses nothing
@@ -94,12 +97,6 @@ def render(config: WorldConfig, colour: str, start: tuple[int, int], keys: np.nd
     return video
 
 
-def tokens_of_first_frame(latents: np.ndarray) -> np.ndarray:
-    """The first frame of latents ``[C, T, h, w]`` as tokens ``[h w, C]`` (row-major): the toy image embedding."""
-    first = latents[:, 0]
-    return np.ascontiguousarray(first.reshape(first.shape[0], -1).T)
-
-
 def check_identifiable(config: WorldConfig) -> None:
     """A ValueError unless a move of ``speed`` px is told from standing still and from the opposite move on the
     lattice's period (``speed`` and ``2 speed`` not multiples of ``2 width``)."""
@@ -148,8 +145,12 @@ class ActionWorldDataset(WorldDataset):
         raise ValueError("the toy world with actions scores samples by their keys, which captions do not give")
 
 
-def world_dataset(config: WorldConfig, key: torch.Tensor, *, kind: str, collate: Callable[..., dict]) -> WorldDataset:
-    """The toy world of data ``kind``: with actions (:class:`ActionWorldDataset`) for kind "matrixgame2"."""
+def world_dataset(config: WorldConfig, key: torch.Tensor, *, kind: str, collate: Callable[..., dict],
+                  sections: SectionsConfig | None = None) -> WorldDataset:
+    """The toy world of data ``kind``: with actions (:class:`ActionWorldDataset`) for kind "matrixgame2", cut into
+    ``sections`` (``fvx.data.toy_world_sections``) for kind "framepack"."""
+    if kind == "framepack":
+        return SectionWorldDataset(config, key, kind=kind, collate=collate, sections=sections or SectionsConfig())
     world = ActionWorldDataset if kind == "matrixgame2" else WorldDataset
     return world(config, key, kind=kind, collate=collate)
 

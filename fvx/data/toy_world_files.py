@@ -14,7 +14,8 @@ import torch
 from fvx.core import random
 from fvx.data import media, toy_world_actions
 from fvx.data.toy_world import (GIVEN_FIRST_FRAME, Codec, WorldConfig, WorldDataset, caption, first_frame_only,
-                                space_to_depth)
+                                space_to_depth, tokens_of_first_frame)
+from fvx.data.toy_world_sections import section_quality
 
 
 class JudgedByWorld:
@@ -44,6 +45,9 @@ class JudgedByWorld:
             truth = Codec(self.world.config.factor).decode(batch["latents"])
             return toy_world_actions.action_quality(videos, batch["keyboard"], truth, self.world.config.speed,
                                                     self.world.config.score_window)
+        if self.world.kind == "framepack":  # the files' own sections (the codec decodes them exactly)
+            truth = Codec(self.world.config.factor).decode(self.dataset.read(indices)["latents"])
+            return section_quality(videos, truth)
         batch = self.dataset.read(indices)
         captions = batch.get("caption") or []
         if len(captions) != len(indices):
@@ -95,11 +99,12 @@ class WorldEncoders:
         return torch.from_numpy(first_frame_only(space_to_depth(video.float().numpy(), self.config.factor)))
 
     def encode_image(self, frame: torch.Tensor) -> torch.Tensor | None:
-        """None, or for kind "matrixgame2" the latent tokens ``[h w, 3 f^2]`` of ``frame [3, H, W]`` in [0, 1]."""
-        if self.kind != "matrixgame2":
+        """None, or for kinds "matrixgame2" and "framepack" the latent tokens ``[h w, 3 f^2]`` of ``frame [3, H, W]``
+        in [0, 1]."""
+        if self.kind not in ("matrixgame2", "framepack"):
             return None
         latents = space_to_depth(2 * frame.float()[:, None].numpy() - 1, self.config.factor)
-        return torch.from_numpy(toy_world_actions.tokens_of_first_frame(latents))
+        return torch.from_numpy(tokens_of_first_frame(latents))
 
     def encode_audio(self, waveform: torch.Tensor, rate: int) -> torch.Tensor:
         raise ValueError("the toy world's media files carry no sound (its t2va data is built in)")

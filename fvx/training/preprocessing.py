@@ -18,7 +18,7 @@ import torch
 
 import fvx
 from fvx.core import random
-from fvx.data import batching, media, preprocess
+from fvx.data import batching, media, preprocess, sections as fsections
 from fvx.data.toy_world_files import WorldEncoders
 from fvx.training import progress as fprogress
 
@@ -129,7 +129,8 @@ def parts_of(kind: str) -> tuple[str, ...]:
     """What a data kind encodes."""
     return {"t2v": ("text", "video"), "i2v": ("text", "video", "first_frame", "image"),
             "t2va": ("text", "video", "audio"), "text_only": ("text",),
-            "matrixgame2": ("video", "first_frame", "image"), "vace": ("text", "video", "context")}[kind]
+            "matrixgame2": ("video", "first_frame", "image"), "vace": ("text", "video", "context"),
+            "framepack": ("text", "video", "image")}[kind]
 
 
 def job_of(config: Any) -> tuple[preprocess.Job, Callable[[], Any]]:
@@ -158,8 +159,17 @@ def job_of(config: Any) -> tuple[preprocess.Job, Callable[[], Any]]:
         audio_rate = cut.audio_rate
         if audio_rate is None:
             raise ValueError("data.kind='t2va' needs data.preprocess.audio_rate (the audio VAE's sample rate, Hz)")
-    identity = {**identity, "kind": data.kind, "preprocess": msgspec.to_builtins(cut)}
-    return preprocess.Job(identity, data.kind, cut, frame_step, multiple, audio_rate, frame_base), factory
+    sections = None
+    if data.kind == "framepack":  # clips become sections: the cut must hold one
+        sections = data.sections
+        latent_frames = (media.usable_frames(cut.num_frames, frame_step, frame_base) - frame_base) // frame_step + 1
+        if fsections.count(latent_frames, sections.window) < 1:
+            raise ValueError(f"data.preprocess.num_frames={cut.num_frames} makes {latent_frames} latent frames, no "
+                             f"section of data.sections.window={sections.window} after the first (it needs "
+                             f"{frame_base + sections.window * frame_step} frames)")
+    identity = {**identity, "kind": data.kind, "preprocess": msgspec.to_builtins(cut),
+                **({"sections": msgspec.to_builtins(sections)} if sections is not None else {})}
+    return preprocess.Job(identity, data.kind, cut, frame_step, multiple, audio_rate, frame_base, sections), factory
 
 
 def run_preprocess(config: Any, videos: str, out: str, *, progress: bool) -> dict[str, Any]:

@@ -1,0 +1,94 @@
+"""Next-section data (kind "framepack"): a clip's latents cut into FramePack's sections, each a target window and the
+clean history it is predicted from, as musubi-tuner's ``fpack_cache_latents.py`` cuts them.
+
+A clip of ``T`` latent frames holds ``k = (T - 1) // window`` sections of ``window`` frames after its first frame
+(frames past ``k * window + 1`` are dropped, as musubi-tuner trims them). A section sample is
+
+    latents        [C, window, H, W]   the frames to predict
+    history        [C, 20, H, W]       the clean frames it sees, in fvx's fixed layout: the clip's first frame, one
+                                       frame at full resolution (1x), two frames the DiT packs 2x coarser, sixteen it
+                                       packs 4x coarser; frames the clip does not have are zeros
+    frame_indices  [window + 20]       the RoPE time position of each: the window's frames, then the 20 history frames
+
+``order`` is the order a sampler makes the sections in, which sets what the history holds:
+``inverted_anti_drifting`` (FramePack's): the last section first, each seeing the first frame and the frames after it
+(already made), placed after a gap as long as the sections still to make (at most three windows);
+``vanilla`` (FramePack-F1's): sections in time order, each seeing the 19 frames before it, left-padded with zeros.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+import torch
+
+from fvx.config import Config
+
+Order = Literal["inverted_anti_drifting", "vanilla"]
+HISTORY_SPLIT = (1, 1, 2, 16)  # the history's first frame, 1x, 2x and 4x frames
+HISTORY = sum(HISTORY_SPLIT)  # 20
+
+
+class SectionsConfig(Config):
+    """How clips become sections (``data.sections``; the module docstring): ``window`` latent frames a section
+    predicts (musubi-tuner's ``--latent_window_size``, default 9; it must match what sampling uses) and the sampler's
+    ``order``."""
+
+    window: Annotated[int, msgspec.Meta(gt=0)] = 9
+    order: Order = "inverted_anti_drifting"
+
+
+def count(frames: int, window: int) -> int:
+    """The sections of a clip of ``frames`` latent frames."""
+    return (frames - 1) // window
+
+
+def check(frames: int, config: SectionsConfig, where: str) -> int:
+    """The section count of a clip of ``frames`` latent frames; a ValueError naming ``where`` when it has none."""
+    sections = count(frames, config.window)
+    if sections < 1:
+        raise ValueError(f"{where}: {frames} latent frames hold no section of data.sections.window={config.window} "
+                         f"after the first frame (it needs at least {config.window + 1})")
+    return sections
+
+
+def cut(latents: torch.Tensor, config: SectionsConfig) -> list[dict[str, torch.Tensor]]:
+    """The sections of one clip's latents ``[C, T, H, W]``, in time order: dicts of ``latents``, ``history`` and
+    ``frame_indices`` (float32), as the module docstring lays them out."""
+    sections = check(latents.shape[1], config, "a clip")
+    latents = latents[:, :sections * config.window + 1]
+    if config.order == "vanilla":
+        return [_vanilla(latents, n, config.window) for n in range(sections)]
+    return _anti_drifting(latents, sections, config.window)
+
+
+def _anti_drifting(latents: torch.Tensor, sections: int, window: int) -> list[dict[str, torch.Tensor]]:
+    """Made last section first: the history is the frames after the section (true frames standing in for the made
+    ones), and each section sits after a gap of ``padding`` windows (musubi-tuner's ``latent_paddings``)."""
+    paddings = list(reversed(range(sections))) if sections <= 4 else [3] + [2] * (sections - 3) + [1, 0]
+    after = latents.new_zeros(latents.shape[0], HISTORY - 1, *latents.shape[2:])
+    out = []
+    for n, padding in zip(range(sections - 1, -1, -1), paddings):
+        start = 1 + n * window
+        target = latents[:, start:start + window]
+        first = 1 + padding * window
+        indices = torch.cat([torch.arange(first, first + window), torch.tensor([0]),
+                             torch.arange(first + window, first + window + HISTORY - 1)])
+        out.append({"latents": target, "history": torch.cat([latents[:, :1], after[:, :HISTORY - 1]], dim=1),
+                    "frame_indices": indices.float()})
+        after = torch.cat([latents[:, :start + window] if n == 0 else target, after], dim=1)
+    return out[::-1]
+
+
+def _vanilla(latents: torch.Tensor, n: int, window: int) -> dict[str, torch.Tensor]:
+    """Made in time order: the 19 frames before the section, 4x / 2x / 1x from oldest to newest, left-padded."""
+    start = 1 + n * window
+    before = latents[:, max(0, start - (HISTORY - 1)):start]
+    before = torch.cat([before.new_zeros(before.shape[0], HISTORY - 1 - before.shape[1], *before.shape[2:]), before],
+                       dim=1)
+    coarse4, coarse2, recent = before.split([16, 2, 1], dim=1)
+    # positions: first frame 0, the 4x frames 1..16, the 2x 17..18, the 1x 19, the section 20..
+    indices = torch.cat([torch.arange(HISTORY, HISTORY + window), torch.tensor([0, 19, 17, 18]),
+                         torch.arange(1, 17)])
+    return {"latents": latents[:, start:start + window],
+            "history": torch.cat([latents[:, :1], recent, coarse2, coarse4], dim=1), "frame_indices": indices.float()}

@@ -1,0 +1,52 @@
+"""Kind "framepack"'s sections (fvx.data.sections) against musubi-tuner's fpack_cache_latents.py, worked by hand on
+clips whose frame f holds the value f (zero: a frame the clip does not have, or frame 0)."""
+import pytest
+import torch
+
+from fvx.data import sections
+from fvx.data.sections import SectionsConfig
+
+
+def clip(frames: int) -> torch.Tensor:
+    """Latents [1, frames, 1, 1] whose frame f is f."""
+    return torch.arange(frames, dtype=torch.float32).view(1, frames, 1, 1)
+
+
+def values(tensor: torch.Tensor) -> list[int]:
+    return [int(v) for v in tensor.flatten()]
+
+
+def test_inverted_anti_drifting_sections_see_the_first_frame_and_the_frames_after_them():
+    parts = sections.cut(clip(7), SectionsConfig(window=2))
+    assert [values(p["latents"]) for p in parts] == [[1, 2], [3, 4], [5, 6]]
+    # made last first: each history is [frame 0 | 1x | 2x, 2x | 4x ...] of the frames after the section
+    assert values(parts[2]["history"]) == [0] * 20
+    assert values(parts[1]["history"]) == [0, 5, 6] + [0] * 17
+    assert values(parts[0]["history"]) == [0, 3, 4, 5, 6] + [0] * 15
+    # positions: the section after a gap of (sections still to make) windows, frame 0 at 0, the history after it
+    assert values(parts[2]["frame_indices"]) == [5, 6, 0] + list(range(7, 26))
+    assert values(parts[1]["frame_indices"]) == [3, 4, 0] + list(range(5, 24))
+    assert values(parts[0]["frame_indices"]) == [1, 2, 0] + list(range(3, 22))
+
+
+def test_a_long_clip_caps_the_gap_at_three_windows_as_musubi_tuner_does():
+    parts = sections.cut(clip(13), SectionsConfig(window=2))  # 6 sections: paddings 3, 2, 2, 2, 1, 0 (last first)
+    assert [int(p["frame_indices"][0]) for p in parts] == [1, 3, 5, 5, 5, 7]
+    assert values(parts[5]["history"]) == [0] * 20
+    assert values(parts[2]["history"])[:8] == [0, 7, 8, 9, 10, 11, 12, 0]
+
+
+def test_vanilla_sections_see_the_nineteen_frames_before_them():
+    parts = sections.cut(clip(8), SectionsConfig(window=3, order="vanilla"))  # 7 frames used: 2 sections
+    assert [values(p["latents"]) for p in parts] == [[1, 2, 3], [4, 5, 6]]
+    # [frame 0 | 1x: the newest | 2x: the two before | 4x: the sixteen before those], zeros where none
+    assert values(parts[0]["history"]) == [0, 0] + [0, 0] + [0] * 16
+    assert values(parts[1]["history"]) == [0, 3, 1, 2] + [0] * 15 + [0]
+    expected = [20, 21, 22, 0, 19, 17, 18] + list(range(1, 17))
+    assert values(parts[0]["frame_indices"]) == expected == values(parts[1]["frame_indices"])
+
+
+def test_frames_past_the_last_whole_section_are_dropped_and_a_short_clip_is_refused():
+    assert len(sections.cut(clip(8), SectionsConfig(window=3))) == 2
+    with pytest.raises(ValueError, match=r"a clip: 3 latent frames hold no section of data.sections.window=3"):
+        sections.cut(clip(3), SectionsConfig(window=3))
