@@ -68,6 +68,7 @@ from fvx_models.easyanimate import EasyAnimateConfig  # noqa: E402
 from fvx_models.hunyuan_video import HunyuanVideoConfig  # noqa: E402
 from fvx_models.hunyuan_video15 import HunyuanVideo15Config  # noqa: E402
 from fvx_models.kandinsky5 import Kandinsky5Config  # noqa: E402
+from fvx_models.helios import HeliosConfig  # noqa: E402
 from fvx_models.hunyuan_framepack import FramepackConfig  # noqa: E402
 from fvx_models.kandinsky6 import Kandinsky6Config  # noqa: E402
 from fvx_models.latte import LatteConfig  # noqa: E402
@@ -117,6 +118,7 @@ CASES = {
     "motif-video": (MotifVideoConfig(preset="tiny"), (16, 2, 16, 16), 4),  # dual- then single-stream blocks
     "kandinsky6": (Kandinsky6Config(preset="tiny"), (16, 2, 16, 16), 4),  # video-only: the audio branch frozen
     "framepack": (FramepackConfig(preset="tiny"), (16, 2, 16, 16), 1),  # a section and its history; one sample
+    "helios": (HeliosConfig(preset="tiny"), (16, 2, 16, 16), 4),  # a chunk and its memory (training corrupts it)
     "ltx-video": (LTXVideoConfig(preset="tiny"), (8, 2, 16, 16), 4),
     "hunyuan15": (HunyuanVideo15Config(preset="tiny"), (4, 2, 16, 16), 4),
     "kandinsky5": (Kandinsky5Config(preset="tiny"), (16, 2, 16, 16), 4),
@@ -225,7 +227,8 @@ def fp32(latents):
 
 def baseline_draws(config, model, batch, state, step: int):
     """The noise, sigma and t that fvx's step ``step`` draws, for the baseline to use: per-sample noise (a dict for a
-    joint model), the levels from the model's own sampler when it has one, else from the method's density."""
+    joint model), the levels from the model's own sampler when it has one, else from the method's density; and the
+    cond, corrupted as the family's trainer corrupts it (Helios's memory) from the same draws."""
     key = random.fold_in(state.key, step)
     x0 = model.normalize(fp32(batch["latents"]))
     joint = isinstance(x0, dict)
@@ -238,7 +241,10 @@ def baseline_draws(config, model, batch, state, step: int):
         grid = flow.training_sigmas(config.flow_shift)
         sigma, t = flow.sample_training_sigmas(t_keys, grid, config.weighting_scheme, logit_mean=config.logit_mean,
                                                logit_std=config.logit_std, mode_scale=config.mode_scale)
-    return noise, sigma, t
+    cond = batch["cond"]
+    if model.rules.corrupt_cond is not None:
+        cond = model.rules.corrupt_cond(torch.vmap(lambda k: random.fold_in(k, finetune.CORRUPT_STREAM))(t_keys), cond)
+    return noise, sigma, t, cond
 
 
 def mse(v, noise, x0, weight=None) -> torch.Tensor:
@@ -260,13 +266,13 @@ def update(module, optimizer, loss: torch.Tensor) -> torch.Tensor:
 
 def baseline_step(case: str, model, module, optimizer, batch, draws) -> torch.Tensor:
     """``module.forward`` with the family's arguments, ``loss.backward()``, clip, AdamW: the eager PyTorch loop."""
-    noise, sigma, t = draws
+    noise, sigma, t, cond = draws
     config = model_config(case)
     x0 = model.normalize(fp32(batch["latents"]))
     x_t = flow.add_noise(x0, noise, sigma)
     optimizer.zero_grad(set_to_none=True)
-    kwargs, x = fvx_build.native_inputs(config, x_t, t, batch["cond"])
-    v = fvx_build.velocity(config, module(**kwargs), x, t, batch["cond"])
+    kwargs, x = fvx_build.native_inputs(config, x_t, t, cond)
+    v = fvx_build.velocity(config, module(**kwargs), x, t, cond)
     weight = None if model.rules.loss_weight is None else model.rules.loss_weight(sigma)
     return update(module, optimizer, mse(v, noise, x0, weight))
 
@@ -301,7 +307,7 @@ def both_branches_step(case: str, model, module, optimizer, batch, draws, step: 
     """The baseline step of LTX-2 training both branches: audio latents noised at the video's level (audio noise
     from fvx key ``fold_in(key(1), step)``), ``LTX2Pipeline``'s joint forward (a2v / v2a attention on), and the
     sum of the video's and the audio's mean squared errors (the audio's over its packed ``[B, A, C M]`` tokens)."""
-    noise, sigma, t = draws
+    noise, sigma, t, _ = draws
     config = model_config(case)
     x0, a0 = model.normalize(fp32(batch["latents"])), batch["audio_latents"]
     audio_noise = random.normal(random.fold_in(random.key(1), step), tuple(a0.shape))

@@ -375,8 +375,9 @@ def preprocess_main(argv: Sequence[str]) -> int:
     except BAD_INPUT as error:
         return _error(error, rank)
     data = pathlib.Path(args.out) / "combined_parquet_dataset"
+    rows = "sections" if config.data.kind == "framepack" else "clips"  # a row a section of a clip
     if done.get("already"):
-        print(f"{args.out} is already complete: {done['rows']} clips ({len(done['skipped'])} skipped); train on it "
+        print(f"{args.out} is already complete: {done['rows']} {rows} ({len(done['skipped'])} skipped); train on it "
               f"with data.path={data}")
         return 0
     if done["rows"] is None:
@@ -385,7 +386,7 @@ def preprocess_main(argv: Sequence[str]) -> int:
     if not done["rows"]:
         return _error(ValueError(f"no input could be encoded ({len(done['skipped'])} skipped, listed in "
                                  f"{pathlib.Path(args.out) / 'skipped.json'})"), rank)
-    print(f"wrote {done['rows']} clips to {data} ({len(done['skipped'])} skipped"
+    print(f"wrote {done['rows']} {rows} to {data} ({len(done['skipped'])} skipped"
           + (f", listed in {pathlib.Path(args.out) / 'skipped.json'}" if done["skipped"] else "")
           + f"); train on it with data.path={data}"
           + (" data.batch_by_shape=true" if config.data.preprocess.buckets else ""))

@@ -12,7 +12,8 @@ stretched and LTX-Video's shifted logit-normal, MiniMax-H3's coupled draws, CogV
 ``sigma`` with it instead of the density and grid (:func:`draw_sigmas`); one trained with another objective weighs each
 sample's error by ``Model.rules.loss_weight(sigma)`` (CogVideoX's v-prediction x0 loss, as the flow's). A model that
 trains one timestep range per step (``Model.rules.step_ranges``: Wan 2.2 A14B, one expert per step) draws the step's
-range from the step key and its samples' levels in it (:func:`step_range_sigmas`).
+range from the step key and its samples' levels in it (:func:`step_range_sigmas`). A family that corrupts its cond in
+training (``Model.rules.corrupt_cond``: Helios's noised and dropped history) gets each sample's own draw.
 
 A joint model (``Model.joint``: MiniMax-H3's video and audio) takes every modality at its own noise and level, and the
 loss is the sum of the modalities' losses, each logged (FastVideo's ``video_finetune_loss``, ``audio_finetune_loss``):
@@ -40,6 +41,7 @@ from fvx_methods.library import one_role
 from fvx_models.model import Model, StepRange
 
 STUDENT = one_role.STUDENT
+CORRUPT_STREAM = 1  # fold_in(timestep key, 1): a sample's draws of the family's cond corruption
 
 
 # ---------------------------------------------------------------------------------------------------------- the loss
@@ -55,7 +57,10 @@ def loss_fn(params: dict, batch: Batch, key: torch.Tensor, *, model: Model,
     sigma, t = (step_range_sigmas(key, t_keys, model.rules.step_ranges, config, _device(x0)) if model.rules.step_ranges
                 else draw_sigmas(t_keys, x0, model=model, config=config))
     x_t = flow.add_noise(x0, noise, sigma)
-    v = model.apply(params, x_t, t, batch["cond"])
+    cond = batch["cond"]
+    if model.rules.corrupt_cond is not None:  # the family's own corruption, from a stream of each sample's key
+        cond = model.rules.corrupt_cond(torch.vmap(lambda k: random.fold_in(k, CORRUPT_STREAM))(t_keys), cond)
+    v = model.apply(params, x_t, t, cond)
     if not model.joint:
         weight = None if model.rules.loss_weight is None else model.rules.loss_weight(sigma)
         return _loss(v.float(), x_t, x0, noise, sigma, config, weight), {"sigma": sigma.mean()}

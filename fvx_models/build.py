@@ -540,7 +540,8 @@ def _rules(config: ModelConfig, modalities: tuple[str, ...]) -> Rules:
         forward_ad_refusal=_forward_ad_refusal(config),
         loss_weight=None if training.loss_weight is None else functools.partial(training.loss_weight, config),
         sampling_sigmas=(None if training.sampling_sigmas is None
-                         else functools.partial(training.sampling_sigmas, config)))
+                         else functools.partial(training.sampling_sigmas, config)),
+        corrupt_cond=None if training.corrupt_cond is None else functools.partial(training.corrupt_cond, config))
 
 
 def _memory_spec(config: ModelConfig, module: nn.Module, groups: Mapping[str, tuple[str, ...]], weights: Weights,

@@ -47,9 +47,6 @@ NO_FAMILY: dict[str, str] = {
     "Cosmos3OmniTransformer": (
         "a packed omni sequence without a batch axis: its forward takes ragged lists, host-built index tensors and int "
         "lengths, and checks tensor values (torch.any on domain ids) inside"),
-    "HeliosTransformer3DModel": (
-        "autoregressive chunks on short, mid and long history latents (FramePack-F1's sections, data.kind=framepack "
-        "order=vanilla), with noised history and a 3-stage pyramid pipeline; not built yet"),
     "Kandinsky6SRTransformer3DModel": (
         "each block builds its flex BlockMask from sorted q/k statistics (NABLA: data-dependent, no gradient), and the "
         "released weights are pi-Flow distilled (a 640-channel output)"),

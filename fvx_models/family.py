@@ -273,6 +273,9 @@ class Training:
     sampling_sigmas(config, steps) -> [K]   the levels the family's own pipeline samples ``steps`` steps on (an
                                          Euler step between two is its scheduler's step: CogVideoX's DDIM), which
                                          ``validation.schedule=model`` uses; None: it has none of its own
+    corrupt_cond(config, keys, cond) -> cond   the family's own training-time corruption of the cond, one draw per
+                                         sample from its key ``[B, 2]`` (Helios's noised and dropped history), which
+                                         fine-tuning applies before the forward; None: the cond as the batch has it
     """
 
     held_frozen: Callable[[Any], frozenset[str]] = lambda config: frozenset()
@@ -282,6 +285,7 @@ class Training:
     one_sample: str | None = None
     loss_weight: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
     sampling_sigmas: Callable[[Any, int], torch.Tensor] | None = None
+    corrupt_cond: Callable[[Any, torch.Tensor, Any], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

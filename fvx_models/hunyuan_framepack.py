@@ -26,8 +26,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideoFramepackTransformer3DModel
 from typing_extensions import Annotated
 
-from fvx.data.sections import HISTORY, HISTORY_SPLIT
-from fvx_models import cond as fcond, diffusers_folder as dfolder, hunyuan_video, wan
+from fvx_models import cond as fcond, diffusers_folder as dfolder, history, hunyuan_video, wan
 from fvx_models.build import ModelConfig
 from fvx_models.family import Conditioning, Preset, packed_pooled_cond, require, skeleton_of
 
@@ -49,7 +48,7 @@ PRESETS: dict[str, Preset] = {
 """``HunyuanVideoFramepackTransformer3DModel`` constructor arguments per preset (every argument), latent space (the
 HunyuanVideo VAE's) and the packed text length."""
 
-IMAGE = frozenset({"image_embeds", "framepack_history", "frame_indices"})
+IMAGE = frozenset({"image_embeds", *history.NAMES})
 ONE_SAMPLE = ("diffusers' FramePack DiT takes one set of frame positions per call, and sections differ in theirs; "
               "musubi-tuner trains it one sample per step too")
 
@@ -57,47 +56,33 @@ ONE_SAMPLE = ("diffusers' FramePack DiT takes one set of frame positions per cal
 def cond_spec(config: ModelConfig) -> fcond.Spec:
     k = config.spec.kwargs
     return {"text": ("L", k["text_embed_dim"]), "text_mask": ("L",), "pooled": (k["pooled_projection_dim"],),
-            "image_embeds": ("N", k["image_proj_dim"]),
-            "framepack_history": (config.spec.latents.channels, HISTORY, "H", "W"), "frame_indices": ("P",)}
+            "image_embeds": ("N", k["image_proj_dim"]), **history.cond_spec(config)}
 
 
 def cond_from_batch(config: ModelConfig, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The packed text, the start image's features and the section's history from a batch of kind ``framepack``; a
     ValueError names the parquet column that is missing or of the wrong shape."""
     name = config.family.name
-    require(batch, ("image_embeds", "framepack_history", "frame_indices"), name,
-            "a section's image features, history and frame positions: data.kind='framepack'")
-    latents, history, indices = batch["latents"], batch["framepack_history"], batch["frame_indices"]
+    require(batch, ("image_embeds",), name, "the start image's SigLIP features: data.kind='framepack'")
     width = config.spec.kwargs["image_proj_dim"]
     if batch["image_embeds"].dim() != 3 or batch["image_embeds"].shape[2] != width:
         raise ValueError(f"{name}: clip_feature {list(batch['image_embeds'].shape[1:])} must be [N, {width}] (the "
                          "start image's SigLIP features)")
-    want = [latents.shape[1], HISTORY, *latents.shape[3:]]
-    if list(history.shape[1:]) != want:
-        raise ValueError(f"{name}: framepack_history {list(history.shape[1:])} must be {want} (the section's 20 "
-                         f"clean frames beside latents {list(latents.shape[1:])})")
-    if list(indices.shape[1:]) != [latents.shape[2] + HISTORY]:
-        raise ValueError(f"{name}: frame_indices {list(indices.shape[1:])} must be [{latents.shape[2] + HISTORY}] "
-                         f"(the positions of the section's {latents.shape[2]} frames and its 20 history frames; "
-                         "data.num_latent_t must not cut a section)")
     return {**packed_pooled_cond(batch, config.spec.kwargs["pooled_projection_dim"], name,
                                  "the packed [pooled CLIP | LLaMA] text embedding"),
-            "image_embeds": batch["image_embeds"], "framepack_history": history, "frame_indices": indices}
+            "image_embeds": batch["image_embeds"], **history.cond_from_batch(config, batch)}
 
 
 def inputs(config: FramepackConfig, x_t: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor],
            sharded: bool) -> dict[str, Any]:
     """The DiT's arguments as ``HunyuanVideoFramepackPipeline`` passes them: the history split into the clean (first
-    frame and 1x), 2x and 4x latents, each with its frame positions (one sample's: ``Training.one_sample``)."""
-    window = x_t.shape[2]
-    positions = cond["frame_indices"][0].float().round().long()
-    clean, coarse2, coarse4 = cond["framepack_history"].to(x_t.dtype).split(
-        [HISTORY_SPLIT[0] + HISTORY_SPLIT[1], HISTORY_SPLIT[2], HISTORY_SPLIT[3]], dim=2)
-    at = positions[window:].split([HISTORY_SPLIT[0] + HISTORY_SPLIT[1], HISTORY_SPLIT[2], HISTORY_SPLIT[3]])
+    frame and 1x), 2x and 4x latents, each with its frame positions (one sample's, 1-D: ``Training.one_sample``)."""
+    parts = history.split(cond, x_t.shape[2], x_t.dtype)
+    (clean, coarse2, coarse4), positions = parts["latents"], [p[0] for p in parts["positions"]]
     return {**hunyuan_video.inputs(config, x_t, t, cond, sharded), "image_embeds": cond["image_embeds"],
-            "indices_latents": positions[:window], "latents_clean": clean, "indices_latents_clean": at[0],
-            "latents_history_2x": coarse2, "indices_latents_history_2x": at[1], "latents_history_4x": coarse4,
-            "indices_latents_history_4x": at[2]}
+            "indices_latents": positions[0], "latents_clean": clean, "indices_latents_clean": positions[1],
+            "latents_history_2x": coarse2, "indices_latents_history_2x": positions[2], "latents_history_4x": coarse4,
+            "indices_latents_history_4x": positions[3]}
 
 
 def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
@@ -134,7 +119,7 @@ HUNYUAN_FRAMEPACK = hunyuan_video.HUNYUAN_VIDEO.variant(
                   "whole_graph_refusal": "for one sample its forward cuts the text to int(mask.sum()) tokens"},
     forward={"inputs": inputs},
     conditioning=Conditioning(spec=cond_spec, from_batch=cond_from_batch, image=IMAGE,
-                              data_keys=("text", "text_mask", "image_embeds", "framepack_history", "frame_indices"),
+                              data_keys=("text", "text_mask", "image_embeds", *history.NAMES),
                               zero=hunyuan_video.zero_cond, defaults=hunyuan_video.HUNYUAN_VIDEO.conditioning.defaults),
     checkpoints={"pipeline_files": pipeline_files, "original_name": lambda name: name,
                  "original_formats": ("musubi",), "musubi_script": "fpack_generate_video.py"},

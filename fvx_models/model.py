@@ -198,6 +198,9 @@ class Rules:
                                     trained with another objective: CogVideoX's); None: one
     sampling_sigmas(steps) -> [K]   the levels the family's own pipeline samples on (``validation.schedule=model``);
                                     None: it has none
+    corrupt_cond(keys, cond) -> cond   the family's training-time corruption of a batch's cond, one draw per sample
+                                    from its key ``[B, 2]`` (Helios's noised and dropped history), which fine-tuning
+                                    applies; None: none
     """
 
     sigma_sampler: Callable[[torch.Tensor, Any], tuple[Any, Any]] | None = None
@@ -211,6 +214,7 @@ class Rules:
     forward_ad_refusal: str | None = None
     loss_weight: Callable[[torch.Tensor], torch.Tensor] | None = None
     sampling_sigmas: Callable[[int], torch.Tensor] | None = None
+    corrupt_cond: Callable[[torch.Tensor, Any], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -96,7 +96,8 @@ def test_the_model_interface_imports_no_family(name):
 # (fvx/data/toy_world.py), Model.cfg_dropout_refusal checked before weights load (fvx/training/experiment.py), and
 # next-section data, kind "framepack" (fvx/data/sections.py: FramePack's sections, which Helios's chunks share).
 SPEC_FILE_FAMILIES = ("cosmos", "ltx_video", "hunyuan_video15", "kandinsky5", "latte", "allegro", "easyanimate",
-                      "motif_video", "kandinsky6", "sana_video", "mochi", "wan_vace", "hunyuan_framepack")
+                      "motif_video", "kandinsky6", "sana_video", "mochi", "wan_vace", "hunyuan_framepack",
+                      "helios")
 
 
 @pytest.mark.parametrize("family", SPEC_FILE_FAMILIES)

@@ -13,7 +13,10 @@ A clip of ``T`` latent frames holds ``k = (T - 1) // window`` sections of ``wind
 ``order`` is the order a sampler makes the sections in, which sets what the history holds:
 ``inverted_anti_drifting`` (FramePack's): the last section first, each seeing the first frame and the frames after it
 (already made), placed after a gap as long as the sections still to make (at most three windows);
-``vanilla`` (FramePack-F1's): sections in time order, each seeing the 19 frames before it, left-padded with zeros.
+``vanilla`` (FramePack-F1's): sections in time order, each seeing the 19 frames before it, left-padded with zeros;
+``chunks`` (Helios's): the vanilla history, but the sections tile the clip from its first frame (``T // window`` of
+them), so the first section makes the first frame too and is given no first frame (zeros), as Helios's training data
+cuts a clip (its ``dataloader_history_latents_dist.py``).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import torch
 
 from fvx.config import Config
 
-Order = Literal["inverted_anti_drifting", "vanilla"]
+Order = Literal["inverted_anti_drifting", "vanilla", "chunks"]
 HISTORY_SPLIT = (1, 1, 2, 16)  # the history's first frame, 1x, 2x and 4x frames
 HISTORY = sum(HISTORY_SPLIT)  # 20
 
@@ -38,28 +41,35 @@ class SectionsConfig(Config):
     order: Order = "inverted_anti_drifting"
 
 
-def count(frames: int, window: int) -> int:
+def count(frames: int, config: SectionsConfig) -> int:
     """The sections of a clip of ``frames`` latent frames."""
-    return (frames - 1) // window
+    return frames // config.window if config.order == "chunks" else (frames - 1) // config.window
 
 
 def check(frames: int, config: SectionsConfig, where: str) -> int:
     """The section count of a clip of ``frames`` latent frames; a ValueError naming ``where`` when it has none."""
-    sections = count(frames, config.window)
+    sections = count(frames, config)
     if sections < 1:
-        raise ValueError(f"{where}: {frames} latent frames hold no section of data.sections.window={config.window} "
-                         f"after the first frame (it needs at least {config.window + 1})")
+        after = "" if config.order == "chunks" else " after the first frame"
+        raise ValueError(f"{where}: {frames} latent frames hold no section of data.sections.window={config.window}"
+                         f"{after} (it needs at least {config.window + (config.order != 'chunks')})")
     return sections
+
+
+def first_frame(config: SectionsConfig, section: int) -> int:
+    """The clip's latent frame a section starts at."""
+    return section * config.window + (config.order != "chunks")
 
 
 def cut(latents: torch.Tensor, config: SectionsConfig) -> list[dict[str, torch.Tensor]]:
     """The sections of one clip's latents ``[C, T, H, W]``, in time order: dicts of ``latents``, ``history`` and
     ``frame_indices`` (float32), as the module docstring lays them out."""
     sections = check(latents.shape[1], config, "a clip")
-    latents = latents[:, :sections * config.window + 1]
-    if config.order == "vanilla":
-        return [_vanilla(latents, n, config.window) for n in range(sections)]
-    return _anti_drifting(latents, sections, config.window)
+    latents = latents[:, :first_frame(config, sections)]
+    if config.order == "inverted_anti_drifting":
+        return _anti_drifting(latents, sections, config.window)
+    return [_in_time_order(latents, first_frame(config, n), config.window, given=config.order == "vanilla" or n > 0)
+            for n in range(sections)]
 
 
 def _anti_drifting(latents: torch.Tensor, sections: int, window: int) -> list[dict[str, torch.Tensor]]:
@@ -80,9 +90,9 @@ def _anti_drifting(latents: torch.Tensor, sections: int, window: int) -> list[di
     return out[::-1]
 
 
-def _vanilla(latents: torch.Tensor, n: int, window: int) -> dict[str, torch.Tensor]:
-    """Made in time order: the 19 frames before the section, 4x / 2x / 1x from oldest to newest, left-padded."""
-    start = 1 + n * window
+def _in_time_order(latents: torch.Tensor, start: int, window: int, given: bool) -> dict[str, torch.Tensor]:
+    """Made in time order: the 19 frames before the section at ``start``, 4x / 2x / 1x from oldest to newest,
+    left-padded; the first frame when it is ``given`` (else zeros)."""
     before = latents[:, max(0, start - (HISTORY - 1)):start]
     before = torch.cat([before.new_zeros(before.shape[0], HISTORY - 1 - before.shape[1], *before.shape[2:]), before],
                        dim=1)
@@ -90,5 +100,6 @@ def _vanilla(latents: torch.Tensor, n: int, window: int) -> dict[str, torch.Tens
     # positions: first frame 0, the 4x frames 1..16, the 2x 17..18, the 1x 19, the section 20..
     indices = torch.cat([torch.arange(HISTORY, HISTORY + window), torch.tensor([0, 19, 17, 18]),
                          torch.arange(1, 17)])
+    first = latents[:, :1] if given else torch.zeros_like(latents[:, :1])
     return {"latents": latents[:, start:start + window],
-            "history": torch.cat([latents[:, :1], recent, coarse2, coarse4], dim=1), "frame_indices": indices.float()}
+            "history": torch.cat([first, recent, coarse2, coarse4], dim=1), "frame_indices": indices.float()}

@@ -50,12 +50,18 @@ class SectionWorldDataset(WorldDataset):
 
     def sample_quality(self, videos: torch.Tensor, indices: Sequence[int]) -> dict[str, float]:
         """:func:`section_quality` of decoded samples ``[N, 3, W, H, W']`` in [0, 1] of dataset samples ``indices``
-        against their sections' true frames."""
-        window = self.sections.window
-        truth = []
-        for i in map(int, indices):
-            first = 1 + self.section(i) * window
-            truth.append(torch.from_numpy(self.clip(i))[:, first:first + window] / 2 + 0.5)
+        against their sections' true frames; a section given no frame (Helios's first: text-to-video) against the
+        nearest of its prompt's true clips."""
+        window, truth = self.sections.window, []
+        for video, i in zip(videos, map(int, indices)):
+            section = self.section(i)
+            first = fsections.first_frame(self.sections, section)
+            if self.sections.order == "chunks" and section == 0:
+                clips = self.references()[i % len(self.prompts), :, :, first:first + window]  # [S, 3, W, H, W']
+                errors = ((clips - video.float()) ** 2).flatten(1).mean(1)
+                truth.append(clips[int(errors.argmin())])
+            else:
+                truth.append(torch.from_numpy(self.clip(i))[:, first:first + window] / 2 + 0.5)
         return section_quality(videos, torch.stack(truth))
 
     def caption_quality(self, videos: torch.Tensor, captions: Sequence[str]) -> dict[str, float]:

@@ -163,10 +163,12 @@ def job_of(config: Any) -> tuple[preprocess.Job, Callable[[], Any]]:
     if data.kind == "framepack":  # clips become sections: the cut must hold one
         sections = data.sections
         latent_frames = (media.usable_frames(cut.num_frames, frame_step, frame_base) - frame_base) // frame_step + 1
-        if fsections.count(latent_frames, sections.window) < 1:
+        if fsections.count(latent_frames, sections) < 1:
+            needed = fsections.first_frame(sections, 1)  # latent frames of one section
             raise ValueError(f"data.preprocess.num_frames={cut.num_frames} makes {latent_frames} latent frames, no "
-                             f"section of data.sections.window={sections.window} after the first (it needs "
-                             f"{frame_base + sections.window * frame_step} frames)")
+                             f"section of data.sections.window={sections.window}"
+                             + ("" if sections.order == "chunks" else " after the first")
+                             + f" (it needs {frame_base + (needed - 1) * frame_step} frames)")
     identity = {**identity, "kind": data.kind, "preprocess": msgspec.to_builtins(cut),
                 **({"sections": msgspec.to_builtins(sections)} if sections is not None else {})}
     return preprocess.Job(identity, data.kind, cut, frame_step, multiple, audio_rate, frame_base, sections), factory

@@ -106,7 +106,7 @@ def test_a_finetune_step_trains_on_micro_batches_of_one_and_refuses_more(model):
 
 @pytest.mark.parametrize("change, message", [
     (lambda b: {k: v for k, v in b.items() if k != "framepack_history"},
-     r"needs the batch tensor 'framepack_history' \(a section's image features, history and frame positions"),
+     r"needs the batch tensor 'framepack_history' \(a section's history and frame positions: data.kind='framepack'"),
     (lambda b: {**b, "framepack_history": b["framepack_history"][:, :, :19]},
      r"framepack_history \[16, 19, 4, 4\] must be \[16, 20, 4, 4\]"),
     (lambda b: {**b, "latents": b["latents"][:, :, :1]},

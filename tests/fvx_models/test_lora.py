@@ -7,8 +7,8 @@ import re
 import pytest
 import torch
 from diffusers import (ChronoEditPipeline, CogVideoXDDIMScheduler, CogVideoXPipeline, DPMSolverMultistepScheduler,
-                       FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline, MochiPipeline, SanaVideoPipeline,
-                       WanPipeline, WanVACEPipeline)
+                       FlowMatchEulerDiscreteScheduler, HeliosPipeline, HeliosScheduler, HunyuanVideoPipeline,
+                       MochiPipeline, SanaVideoPipeline, WanPipeline, WanVACEPipeline)
 from safetensors.torch import load_file
 from torch.func import grad
 
@@ -26,6 +26,7 @@ from fvx_models.mochi import MochiConfig
 from fvx_models.motif_video import MotifVideoConfig
 from fvx_models.sana_video import SanaVideoConfig
 from fvx_models.wan_vace import WanVACEConfig
+from fvx_models.helios import HeliosConfig
 from fvx_models.hunyuan_video import HunyuanVideoConfig
 from fvx_models.wan import WanConfig
 
@@ -320,6 +321,19 @@ def test_the_merged_export_loads_with_from_pretrained_and_equals_base_plus_scale
     torch.testing.assert_close(loaded[f"{name}.weight"], want, rtol=0, atol=1e-7)
     assert torch.equal(loaded["proj_out.weight"], base["proj_out.weight"])
     assert not any("lora" in key for key in loaded)
+
+
+def test_helios_peft_export_loads_with_its_pipeline(tmp_path):
+    pytest.importorskip("peft")
+    config = HeliosConfig(preset="tiny", frozen_dtype="fp32", lora=LORA)
+    adapted = config.build()
+    base = adapted.weights.base(random.key(0))
+    adapters = trained_adapters(adapted, random.key(1))
+    (transformer,) = native_modules(CASES["helios"], base).values()
+    adapted.export.adapters(adapters, str(tmp_path), "peft")
+    pipe = HeliosPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=HeliosScheduler(stages=1),
+                          transformer=transformer)
+    assert_loaded_lora_matches(pipe, "helios", tmp_path, lora_files.PEFT_FILE, adapted, base, adapters)
 
 
 def test_hunyuan_peft_export_loads_with_its_pipeline(tmp_path):

@@ -10,7 +10,7 @@ import torch
 from diffusers import (AllegroPipeline, AllegroTransformer3DModel, AnyFlowTransformer3DModel,
                        ChronoEditTransformer3DModel, CogVideoXDDIMScheduler, CogVideoXPipeline,
                        CogVideoXTransformer3DModel, CosmosTransformer3DModel, DDIMScheduler, DDPMScheduler,
-                       EasyAnimateTransformer3DModel, HunyuanVideo15Transformer3DModel,
+                       EasyAnimateTransformer3DModel, HeliosTransformer3DModel, HunyuanVideo15Transformer3DModel,
                        HunyuanVideoTransformer3DModel, Kandinsky5T2VPipeline, Kandinsky5Transformer3DModel,
                        Kandinsky6Transformer3DModel, LatteTransformer3DModel, LTX2Pipeline,
                        LTX2VideoTransformer3DModel, LTXPipeline, LTXVideoTransformer3DModel, MochiTransformer3DModel,
@@ -18,6 +18,7 @@ from diffusers import (AllegroPipeline, AllegroTransformer3DModel, AnyFlowTransf
                        WanTransformer3DModel, WanVACETransformer3DModel)
 
 from fvx.core import grad, random
+from fvx.data import sections
 from fvx.distributed import processes, sharding
 from fvx_models.allegro import AllegroConfig
 from fvx_models.anyflow import AnyFlowConfig
@@ -26,6 +27,7 @@ from fvx_models.chronoedit import ChronoEditConfig
 from fvx_models.cogvideox import SCHEDULER as COGVIDEOX_SCHEDULER, CogVideoXConfig
 from fvx_models.cosmos import CosmosConfig
 from fvx_models.easyanimate import EasyAnimateConfig
+from fvx_models.helios import HeliosConfig
 from fvx_models.hunyuan_video import HunyuanVideoConfig
 from fvx_models.hunyuan_video15 import HunyuanVideo15Config
 from fvx_models.kandinsky5 import Kandinsky5Config
@@ -257,6 +259,17 @@ def kandinsky5_native(modules, x, t, cond):
     return out.permute(0, 4, 1, 2, 3)
 
 
+def helios_native(modules, x, t, cond):
+    """HeliosPipeline's call: the zero-padded text, the memory split [first, newest] / mid / long with its positions."""
+    index, memory, window = cond["frame_indices"].long(), cond["framepack_history"], x.shape[2]
+    return modules["transformer"](
+        hidden_states=x, timestep=t, encoder_hidden_states=_masked(cond), indices_hidden_states=index[:, :window],
+        indices_latents_history_short=index[:, window:window + 2],
+        indices_latents_history_mid=index[:, window + 2:window + 4],
+        indices_latents_history_long=index[:, window + 4:], latents_history_short=memory[:, :, :2],
+        latents_history_mid=memory[:, :, 2:4], latents_history_long=memory[:, :, 4:], return_dict=False)[0]
+
+
 def kandinsky6_native(modules, x, t, cond):
     """Kandinsky6TI2VAPipeline's text-to-video call without audio: channels-last ``latents | zero condition | zero
     mask``, the text, its pooled vector and its mask as bools (None when nothing is padded, as the pipeline passes
@@ -368,11 +381,12 @@ CASES: dict[str, Case] = {
                         motif_video_native),
     "kandinsky6": Case(Kandinsky6Config(preset="tiny"), {"transformer": Kandinsky6Transformer3DModel},
                        kandinsky6_native),
+    "helios": Case(HeliosConfig(preset="tiny"), {"transformer": HeliosTransformer3DModel}, helios_native),
 }
 FAMILIES = ["wan", "wan-ti2v", "skyreels_v2", "wan_moe", "hunyuan_video", "anyflow", "wan-i2v", "wan-ti2v-i2v",
             "kandinsky5", "cosmos", "ltx_video", "hunyuan_video15", "ltx2",
             "chronoedit", "wan_vace", "cogvideox", "sana_video", "mochi", "latte", "allegro",
-            "easyanimate", "motif_video", "kandinsky6", "cogvideox-i2v"]  # one case per family and layout
+            "easyanimate", "motif_video", "kandinsky6", "cogvideox-i2v", "helios"]  # one case per family and layout
 
 
 def native_modules(case: Case, params: dict) -> dict[str, torch.nn.Module]:
@@ -393,8 +407,12 @@ def inputs(model, key: torch.Tensor, *, batch: int = 2, frames: int = 2, size: i
     x = random.normal(k[0], (batch, model.latents.channels, frames, size, size))
     cond = {}
     for i, (name, shape) in enumerate(model.cond.items()):
-        dims = tuple({"L": text_len, "T": frames, "H": size, "W": size, "N": 3}.get(s, s) for s in shape)
-        if name == "text_mask":
+        dims = tuple({"L": text_len, "T": frames, "H": size, "W": size, "N": 3, "P": frames + 20}.get(s, s)
+                     for s in shape)
+        if name == "frame_indices":  # a section's positions (fvx.data.sections' vanilla layout)
+            layout = sections.SectionsConfig(window=frames, order="vanilla")
+            cond[name] = sections.cut(torch.zeros(1, frames + 1, 1, 1), layout)[0]["frame_indices"].expand(batch, -1)
+        elif name == "text_mask":
             mask = torch.ones(batch, text_len)
             mask[-1, text_len - 2:] = 0
             cond[name] = mask
@@ -414,8 +432,8 @@ def raw_batch(model, key: torch.Tensor, *, batch: int = 2, frames: int = 2, size
         mask = torch.cat([torch.ones(batch, 1), cond["text_mask"]], dim=1)
     else:
         text, mask = cond["text"], cond["text_mask"]
-    image = {name: cond[name] for name in ("first_frame_latents", "image_embeds", "vace_context")  # I2V data:
-             if name in cond}
+    image = {name: cond[name] for name in ("first_frame_latents", "image_embeds", "vace_context",  # I2V data,
+                                           "framepack_history", "frame_indices") if name in cond}  # a section's
     if "first_frame_latents" in image:  # the first frame's latents (normalised, as FastVideo stores them), then zeros
         given = model.normalize(x[:, :, :1])
         image["first_frame_latents"] = torch.cat([given, torch.zeros_like(x[:, :, 1:])], dim=2)

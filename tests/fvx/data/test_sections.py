@@ -50,3 +50,19 @@ def test_frames_past_the_last_whole_section_are_dropped_and_a_short_clip_is_refu
     assert len(sections.cut(clip(8), SectionsConfig(window=3))) == 2
     with pytest.raises(ValueError, match=r"a clip: 3 latent frames hold no section of data.sections.window=3"):
         sections.cut(clip(3), SectionsConfig(window=3))
+
+
+def test_chunks_tile_the_clip_from_its_first_frame_and_the_first_is_given_no_first_frame():
+    """Helios's cut: sections from frame 0, each with the 19 frames before it; the clip's first frame is given to all
+    but the first section, which makes it."""
+    parts = sections.cut(clip(7), SectionsConfig(window=3, order="chunks"))  # frame 6 left over
+    assert [values(p["latents"]) for p in parts] == [[0, 1, 2], [3, 4, 5]]
+    assert values(parts[0]["history"]) == [0] * 20
+    frame_zero = clip(7) + 1  # frame f holds f + 1: frame 0 is told from a zero
+    given = sections.cut(frame_zero, SectionsConfig(window=3, order="chunks"))
+    assert values(given[0]["history"]) == [0] * 20
+    assert values(given[1]["history"]) == [1, 3, 1, 2] + [0] * 16  # [frame 0 | 1x frame 2 | 2x frames 0, 1 | 4x]
+    assert values(parts[1]["frame_indices"]) == [20, 21, 22, 0, 19, 17, 18] + list(range(1, 17))
+    with pytest.raises(ValueError, match=r"2 latent frames hold no section of data.sections.window=3 \(it needs "
+                                         r"at least 3\)"):
+        sections.cut(clip(2), SectionsConfig(window=3, order="chunks"))
