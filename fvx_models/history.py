@@ -28,7 +28,10 @@ def cond_from_batch(config: Any, batch: Mapping[str, Any]) -> dict[str, torch.Te
     is missing or of the wrong shape for the batch's latents."""
     name = config.family.name
     require(batch, NAMES, name, "a section's history and frame positions: data.kind='framepack'")
-    latents, history, indices = batch["latents"], batch["framepack_history"], batch["frame_indices"]
+    history, indices = batch["framepack_history"], batch["frame_indices"]
+    if "latents" not in batch:  # a prompt's cond, its history to be made by the sampler (fvx.training.sampling)
+        return {"framepack_history": history, "frame_indices": indices}
+    latents = batch["latents"]
     want = [latents.shape[1], HISTORY, *latents.shape[3:]]
     if list(history.shape[1:]) != want:
         raise ValueError(f"{name}: framepack_history {list(history.shape[1:])} must be {want} (the section's 20 "

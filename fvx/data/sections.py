@@ -66,40 +66,37 @@ def cut(latents: torch.Tensor, config: SectionsConfig) -> list[dict[str, torch.T
     ``frame_indices`` (float32), as the module docstring lays them out."""
     sections = check(latents.shape[1], config, "a clip")
     latents = latents[:, :first_frame(config, sections)]
-    if config.order == "inverted_anti_drifting":
-        return _anti_drifting(latents, sections, config.window)
-    return [_in_time_order(latents, first_frame(config, n), config.window, given=config.order == "vanilla" or n > 0)
-            for n in range(sections)]
+    return [{"latents": latents[:, first_frame(config, n):first_frame(config, n) + config.window],
+             **history_of(latents, n, config)} for n in range(sections)]
 
 
-def _anti_drifting(latents: torch.Tensor, sections: int, window: int) -> list[dict[str, torch.Tensor]]:
-    """Made last section first: the history is the frames after the section (true frames standing in for the made
-    ones), and each section sits after a gap of ``padding`` windows (musubi-tuner's ``latent_paddings``)."""
-    paddings = list(reversed(range(sections))) if sections <= 4 else [3] + [2] * (sections - 3) + [1, 0]
-    after = latents.new_zeros(latents.shape[0], HISTORY - 1, *latents.shape[2:])
-    out = []
-    for n, padding in zip(range(sections - 1, -1, -1), paddings):
-        start = 1 + n * window
-        target = latents[:, start:start + window]
-        first = 1 + padding * window
-        indices = torch.cat([torch.arange(first, first + window), torch.tensor([0]),
-                             torch.arange(first + window, first + window + HISTORY - 1)])
-        out.append({"latents": target, "history": torch.cat([latents[:, :1], after[:, :HISTORY - 1]], dim=1),
-                    "frame_indices": indices.float()})
-        after = torch.cat([latents[:, :start + window] if n == 0 else target, after], dim=1)
-    return out[::-1]
+def making_order(sections: int, config: SectionsConfig) -> list[int]:
+    """The order a sampler makes the sections of a clip in: the last first in the inverted anti-drifting order."""
+    return list(range(sections))[::-1 if config.order == "inverted_anti_drifting" else 1]
 
 
-def _in_time_order(latents: torch.Tensor, start: int, window: int, given: bool) -> dict[str, torch.Tensor]:
-    """Made in time order: the 19 frames before the section at ``start``, 4x / 2x / 1x from oldest to newest,
-    left-padded; the first frame when it is ``given`` (else zeros)."""
-    before = latents[:, max(0, start - (HISTORY - 1)):start]
+def history_of(known: torch.Tensor, section: int, config: SectionsConfig) -> dict[str, torch.Tensor]:
+    """Section ``section``'s ``history`` and ``frame_indices`` from a clip's latents ``[C, T, H, W]`` as far as they
+    are known: the true clip (data), or what a sampler has made so far in :func:`making_order` (zeros elsewhere)."""
+    sections, window = count(known.shape[1], config), config.window
+    start = first_frame(config, section)
+    if config.order == "inverted_anti_drifting":  # the first frame, then the frames after the section (made before)
+        paddings = list(reversed(range(sections))) if sections <= 4 else [3] + [2] * (sections - 3) + [1, 0]
+        gap = 1 + paddings[sections - 1 - section] * window
+        after = known[:, start + window:start + window + HISTORY - 1]
+        after = torch.cat([after, after.new_zeros(after.shape[0], HISTORY - 1 - after.shape[1], *after.shape[2:])],
+                          dim=1)
+        indices = torch.cat([torch.arange(gap, gap + window), torch.tensor([0]),
+                             torch.arange(gap + window, gap + window + HISTORY - 1)])
+        return {"history": torch.cat([known[:, :1], after], dim=1), "frame_indices": indices.float()}
+    # in time order: the 19 frames before the section, 4x / 2x / 1x from oldest to newest, left-padded; the first
+    # frame but for the first of Helios's chunks, which makes it
+    before = known[:, max(0, start - (HISTORY - 1)):start]
     before = torch.cat([before.new_zeros(before.shape[0], HISTORY - 1 - before.shape[1], *before.shape[2:]), before],
                        dim=1)
     coarse4, coarse2, recent = before.split([16, 2, 1], dim=1)
     # positions: first frame 0, the 4x frames 1..16, the 2x 17..18, the 1x 19, the section 20..
     indices = torch.cat([torch.arange(HISTORY, HISTORY + window), torch.tensor([0, 19, 17, 18]),
                          torch.arange(1, 17)])
-    first = latents[:, :1] if given else torch.zeros_like(latents[:, :1])
-    return {"latents": latents[:, start:start + window],
-            "history": torch.cat([first, recent, coarse2, coarse4], dim=1), "frame_indices": indices.float()}
+    first = known[:, :1] if config.order == "vanilla" or section > 0 else torch.zeros_like(known[:, :1])
+    return {"history": torch.cat([first, recent, coarse2, coarse4], dim=1), "frame_indices": indices.float()}

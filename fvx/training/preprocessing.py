@@ -94,8 +94,10 @@ def _holds(record: Any, folder: pathlib.Path, parts: tuple[str, ...]) -> bool:
 def prompt_encoder(config: Any, role: str, base: str | None, kind: str) -> Callable[[], Any]:
     """The factory of the encoders ``sample`` needs for ``role`` (:func:`encoder_source`) under data ``kind``: the
     text encoder, and the first-frame and image encoders of an image-to-video model (alone for a model without
-    text)."""
-    parts = tuple(part for part in parts_of(kind) if part not in ("video", "audio"))
+    text); a model that makes a video a section at a time from its first frame (kind framepack) also encodes that
+    frame with the VAE."""
+    parts = tuple(part for part in parts_of(kind) if part not in ("video", "audio") or (kind, part) == ("framepack",
+                                                                                                       "video"))
     return encoder_source(config, parts, role=role, base=base)[1]
 
 

@@ -24,7 +24,7 @@ import torch
 from fvx import config as fconfig
 from fvx.core import random, tree
 from fvx.core.state import RoleState, TrainState
-from fvx.data import actions, datasets, media, preprocess
+from fvx.data import actions, datasets, media, preprocess, sections
 from fvx.storage import files
 from fvx.training import (export as fexport, preprocessing, progress as fprogress, run_folder, tracking, validation,
                           wav)
@@ -36,6 +36,7 @@ SOLVERS = ("euler", "unipc")
 ACTIONS_KIND = "matrixgame2"  # the data kind whose videos are steered by per-frame actions, not text
 IMAGE_KINDS = ("i2v", ACTIONS_KIND)  # the data kinds whose videos start from a given first frame
 CONTROL_KIND = "vace"  # the data kind whose videos follow a control video (its mask, a reference image)
+SECTIONS_KIND = "framepack"  # the data kind whose videos are made a section at a time (FramePack, Helios)
 
 
 class Request(NamedTuple):
@@ -367,13 +368,15 @@ def read_actions(path: str | None, kind: str, model: Any, frames: int) -> dict[s
 
 def read_first_frame(path: str | None, kind: str, model: Any) -> Any:
     """The ``--image`` file as uint8 ``[1, H, W, 3]``; a ValueError when it is missing for an image-to-video model
-    (the run's data ``kind`` one of :data:`IMAGE_KINDS`), given to another one, or does not decode."""
+    (the run's data ``kind`` one of :data:`IMAGE_KINDS`, or sections of a model that reads the start image's
+    features: FramePack), given to another one, or does not decode."""
+    from_image = kind in IMAGE_KINDS or (kind == SECTIONS_KIND and "image_embeds" in model.cond)
     if path is None:
-        if kind in IMAGE_KINDS:
+        if from_image:
             raise ValueError(f"sample: {model.name} makes videos from an image (the run's data.kind={kind}): give "
                              "--image")
         return None
-    if kind not in IMAGE_KINDS:
+    if not from_image:
         raise ValueError(f"--image: {model.name} makes videos from text only (the run's data.kind={kind}); drop "
                          "--image")
     if not pathlib.Path(path).is_file():
@@ -423,6 +426,58 @@ def control_condition(encoder: Any, control: dict[str, Any], shape: tuple[int, i
     video, mask, refs = preprocess.control_inputs(control["control"], control.get("mask"), control.get("reference"),
                                                   shape[2] * stride_h, shape[3] * stride_w)
     return {"vace_context": encoder.encode_context(video, mask, refs).numpy()}
+
+
+def section_condition(encoder: Any, image: Any, shape: tuple[int, int, int, int], model: Any,
+                      config: sections.SectionsConfig) -> tuple[dict[str, Any], torch.Tensor | None]:
+    """A section model's condition as its data stores it (the start image's features, when given an ``image``; a
+    placeholder history the sampler replaces section by section) and the start image's latents ``[1, C, 1, h, w]``
+    in the model's scale (None: text-to-video)."""
+    channels, frames, height, width = shape
+    blank = torch.zeros(channels, frames, height, width)
+    extra = {"framepack_history": torch.zeros(channels, sections.HISTORY, height, width).numpy(),
+             "frame_indices": sections.history_of(blank, 0, config)["frame_indices"].numpy()}
+    if image is None:
+        return extra, None
+    _, stride_h, stride_w = model.latents.vae_stride
+    first = media.resize_crop(image, height * stride_h, width * stride_w)  # [3, 1, H, W] in [-1, 1]
+    extra["image_embeds"] = encoder.encode_image((first[:, 0] + 1) / 2).numpy()
+    return extra, model.normalize(encoder.encode_video(first)[None].float())
+
+
+def draw_sections(sampler: validation.Sampler, noise: torch.Tensor, cond: dict[str, torch.Tensor], keys: torch.Tensor,
+                  uncond: Any, guidance: float, config: sections.SectionsConfig,
+                  first: torch.Tensor | None) -> torch.Tensor:
+    """Latents ``[N, C, T, H, W]`` of videos made a section at a time in ``config``'s making order
+    (``fvx.data.sections``), each section sampled as validation samples (from its window of ``noise``) beside the
+    history the frames made so far give it; ``first``: the given first frame ``[N, C, 1, H, W]``, or None."""
+    known = torch.zeros_like(noise)
+    if first is not None:
+        known[:, :, :1] = first
+    for n in sections.making_order(sections.count(noise.shape[2], config), config):
+        start, window = sections.first_frame(config, n), config.window
+        parts = [sections.history_of(row, n, config) for row in known]
+        step_cond = {**cond, "framepack_history": torch.stack([p["history"] for p in parts]),
+                     "frame_indices": torch.stack([p["frame_indices"] for p in parts]).to(noise.device)}
+        made, _ = validation.draw(sampler, noise[:, :, start:start + window], step_cond, keys, uncond, guidance)
+        known = torch.cat([known[:, :, :start], made.to(known.dtype), known[:, :, start + window:]], dim=2)
+    return known
+
+
+def section_shape(config: Any, model: Any, shape: tuple[int, int, int, int],
+                  frames_asked: int | None) -> tuple[int, int, int, int]:
+    """The latents of a video made a section at a time: ``--frames``' (checked to hold whole sections), or two
+    sections by default (the data's shape is one section's)."""
+    cut = config.data.sections
+    if frames_asked is None:
+        return (shape[0], sections.first_frame(cut, 2), *shape[2:])
+    if sections.count(shape[1], cut) < 1 or sections.first_frame(cut, sections.count(shape[1], cut)) != shape[1]:
+        stride = model.latents.vae_stride[0]
+        whole = [1 + stride * (sections.first_frame(cut, k) - 1) for k in (1, 2, 3)]
+        raise ValueError(f"--frames {frames_asked}: {model.name} makes a video of whole sections of "
+                         f"data.sections.window={cut.window} latent frames ({cut.order}): e.g. "
+                         f"{', '.join(map(str, whole))} frames")
+    return shape
 
 
 def image_condition(encoder: Any, image: Any, shape: tuple[int, int, int, int], model: Any) -> dict[str, Any]:
@@ -530,14 +585,16 @@ def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
     model = models[source.role]
     image = read_first_frame(request.image, config.data.kind, model)
     shape = latent_shape(config, model, request)
+    if config.data.kind == SECTIONS_KIND:
+        shape = section_shape(config, model, shape, request.frames)
     acts = read_actions(request.actions, config.data.kind, model, _video_frames(model, shape))
     control = read_control(request, config.data.kind, model, _video_frames(model, shape))
     front = int(control is not None and "reference" in control)
     shape = (shape[0], shape[1] + front, *shape[2:]) if front else shape
     if acts is not None and request.negative_prompt is not None:
         raise ValueError(f"--negative-prompt: {model.name} reads no text (its guidance is on the actions)")
-    warning = check_length(model, shape, _trained_shape(config, shape))
-    if warning is not None:
+    warning = None if config.data.kind == SECTIONS_KIND else check_length(model, shape, _trained_shape(config, shape))
+    if warning is not None:  # (a section model samples sections of the length it trained on)
         say(f"warning: {warning}")
     vcfg = validation_config(config, request, shape)
     if model.joint:
@@ -569,7 +626,11 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
     p = plan(request, say)
     request, config, device = p.request, p.source.config, preprocessing.device()
     encoder = p.encoder()  # the text encoder first, then freed: it and the DiT are never held together
-    given = None if p.image is None else image_condition(encoder, p.image, _video_shape(p.shape), p.model)
+    given, first = None, None
+    if config.data.kind == SECTIONS_KIND:
+        given, first = section_condition(encoder, p.image, _video_shape(p.shape), p.model, config.data.sections)
+    elif p.image is not None:
+        given = image_condition(encoder, p.image, _video_shape(p.shape), p.model)
     given = given if p.actions is None else {**given, **p.actions}
     if p.control is not None:
         given = control_condition(encoder, p.control, _video_shape(p.shape), p.model)
@@ -587,8 +648,13 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
         batch = mine[start:start + request.batch_size]
         noise, keys = tree.to_device(noise_and_keys([v.seed for v in batch], p.shape), device)
         rows = torch.tensor([v.prompt_index for v in batch], device=device)
-        latents, _ = validation.draw(sampler, noise, {name: t[rows] for name, t in cond.items()}, keys, uncond,
-                                     p.vcfg.guidance_scale)
+        rows_cond = {name: t[rows] for name, t in cond.items()}
+        if config.data.kind == SECTIONS_KIND:
+            latents = draw_sections(sampler, noise, rows_cond, keys, uncond, p.vcfg.guidance_scale,
+                                    config.data.sections, None if first is None else
+                                    first.to(device).expand(len(batch), -1, -1, -1, -1))
+        else:
+            latents, _ = validation.draw(sampler, noise, rows_cond, keys, uncond, p.vcfg.guidance_scale)
         latents = latents if not p.front else latents[:, :, p.front:]  # the reference's frames are not the video's
         video, waveforms = decoded(model, decoder, sound, latents)
         made.append((tree.to_device(latents, "cpu"), video))

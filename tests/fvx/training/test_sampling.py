@@ -10,7 +10,9 @@ import torch
 from PIL import Image
 
 from fvx import run
+from fvx.core import random
 from fvx.data import media
+from fvx.data.toy_world import WorldDataset
 from fvx.training import experiment, run_folder, sampling, validation
 from fvx.training.experiment import build_models
 
@@ -336,4 +338,43 @@ def test_a_control_model_samples_from_a_control_video_its_mask_and_a_reference(c
                           (("--control", tmp_path / "control.mp4", "--mask", tmp_path / "no.mp4"),
                            "--mask '" + str(tmp_path / "no.mp4") + "' does not exist")]:
         assert message in bad(capsys, control_model, "--prompt", RED_RIGHT, *args, "--out", out), args
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def section_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sections")
+    return (train(root / "framepack", "experiments/finetune_framepack.py", 2, "method.grad_accum=4"),
+            train(root / "helios", "experiments/finetune_helios.py", 2))
+
+
+def test_a_section_model_makes_its_video_a_section_at_a_time(section_models, tmp_path, capsys):
+    """FramePack from a start image: 5 frames, the image first (the world's codec is exact), its two sections made
+    last first beside what is made; the same seed makes the same video. Helios from text: two chunks of 2, the second
+    beside the first."""
+    framepack, helios = section_models
+    world = run_folder.load_run(framepack).data.world
+    first = WorldDataset(world, random.key(0), kind="t2v", collate=None).clip(0)[:, 0]  # [3, H, W] in [-1, 1]
+    image = tmp_path / "start.png"
+    Image.fromarray(((first + 1) * 127.5).round().clip(0, 255).astype(numpy.uint8).transpose(1, 2, 0)).save(image)
+    made = [sampling.run_sample(sampling.Request(str(framepack), (RED_RIGHT,), out=str(tmp_path / f"s{i}"), seed=2,
+                                                 image=str(image)), progress=False) for i in range(2)]
+    assert made[0]["latents"].shape == (1, 48, 5, 4, 4) and torch.equal(made[0]["latents"], made[1]["latents"])
+    frames = made[0]["frames"][0]  # [3, 5, 16, 16] in [0, 1]
+    torch.testing.assert_close(frames[:, 0], torch.from_numpy(first) / 2 + 0.5, rtol=0, atol=1 / 255)
+    assert frames[:, 1:].std() > 0.05 and "attend beyond" not in capsys.readouterr().out
+    chunks = sampling.run_sample(sampling.Request(str(helios), (RED_RIGHT,), out=str(tmp_path / "h")), progress=False)
+    assert chunks["latents"].shape == (1, 48, 4, 4, 4) and frames_of(tmp_path / "h" / "red-bars-moving-right_0.mp4"
+                                                                     ).shape[0] == 4
+
+
+def test_section_models_refuse_a_missing_image_and_a_length_of_no_whole_sections(section_models, tmp_path, capsys):
+    framepack, helios = section_models
+    out = tmp_path / "out"
+    assert "makes videos from an image" in bad(capsys, framepack, "--prompt", RED_RIGHT, "--out", out)
+    image = tmp_path / "x.png"
+    Image.fromarray(numpy.zeros((16, 16, 3), numpy.uint8)).save(image)
+    assert "whole sections of data.sections.window=2 latent frames (inverted_anti_drifting): e.g. 3, 5, 7" in bad(
+        capsys, framepack, "--prompt", RED_RIGHT, "--image", image, "--frames", 4, "--out", out)
+    assert "makes videos from text only" in bad(capsys, helios, "--prompt", RED_RIGHT, "--image", image, "--out", out)
     assert not out.exists()
