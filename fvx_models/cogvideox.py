@@ -60,6 +60,10 @@ COGVIDEOX_2B = _COGVIDEOX
 COGVIDEOX_5B = {**_COGVIDEOX, "num_attention_heads": 48, "num_layers": 42, "use_rotary_positional_embeddings": True}
 # THUDM/CogVideoX-5b-I2V: the 5B with the image latents on channels and a learned position table
 COGVIDEOX_5B_I2V = {**COGVIDEOX_5B, "in_channels": 32, "use_learned_positional_embeddings": True}
+# THUDM/CogVideoX1.5-5B: two latent frames a token, no patch bias, RoPE over a 300 x 300 grid (diffusers'
+# scripts/convert_cogvideox_to_diffusers.py, version "1.5")
+COGVIDEOX15_5B = {**COGVIDEOX_5B, "patch_size_t": 2, "patch_bias": False, "sample_height": 300, "sample_width": 300,
+                  "sample_frames": 81}
 TINY = {**_COGVIDEOX, "num_attention_heads": 2, "attention_head_dim": 16, "time_embed_dim": 32, "text_embed_dim": 32,
         "num_layers": 2, "sample_width": 8, "sample_height": 8, "sample_frames": 5, "max_text_seq_length": 8,
         "use_rotary_positional_embeddings": True}
@@ -96,6 +100,9 @@ PRESETS: dict[str, Preset] = {
     "cogvideox-2b": Preset(COGVIDEOX_2B, VAE_2B, 226, {"snr_shift_scale": 3.0}),
     "cogvideox-5b": Preset(COGVIDEOX_5B, VAE_5B, 226, {"snr_shift_scale": 1.0}),
     "cogvideox-5b-i2v": Preset(COGVIDEOX_5B_I2V, VAE_5B, 226, {"snr_shift_scale": 1.0}),
+    # CogVideoX 1.5's layout: two latent frames a token
+    "tiny-1.5": Preset({**TINY, "patch_size_t": 2, "patch_bias": False}, TINY_VAE, 8, {"snr_shift_scale": 1.0}),
+    "cogvideox1.5-5b": Preset(COGVIDEOX15_5B, VAE_5B, 226, {"snr_shift_scale": 1.0}),
 }
 """``CogVideoXTransformer3DModel`` constructor arguments per preset (THUDM/CogVideoX-2b's and -5b's config.json), the
 latent space, the text length (T5 at 226 tokens) and the scheduler's SNR shift."""
@@ -215,8 +222,12 @@ def rotary(config: ModelConfig, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     k = config.spec.kwargs
     if not k["use_rotary_positional_embeddings"]:
         return None
-    p = k["patch_size"]
+    p, p_t = k["patch_size"], k["patch_size_t"]
     grid = (x.shape[3] // p, x.shape[4] // p)
+    if p_t is not None:  # CogVideoX 1.5: a slice of the sample grid, one position per two latent frames
+        return get_3d_rotary_pos_embed(embed_dim=k["attention_head_dim"], crops_coords=None, grid_size=grid,
+                                       temporal_size=(x.shape[1] + p_t - 1) // p_t, grid_type="slice",
+                                       max_size=(k["sample_height"] // p, k["sample_width"] // p), device=x.device)
     crops = get_resize_crop_region_for_grid(grid, k["sample_width"] // p, k["sample_height"] // p)
     return get_3d_rotary_pos_embed(embed_dim=k["attention_head_dim"], crops_coords=crops, grid_size=grid,
                                    temporal_size=x.shape[1], device=x.device)
@@ -339,7 +350,8 @@ COGVIDEOX = Family(
 
 
 class CogVideoXConfig(ModelConfig, tag="cogvideox"):
-    """A CogVideoX DiT (presets: tiny, tiny-2b, world, cogvideox-2b, cogvideox-5b), trained and sampled as a flow with
+    """A CogVideoX DiT (presets: tiny, tiny-2b, world, cogvideox-2b, cogvideox-5b, image-to-video tiny-i2v, world-i2v,
+    cogvideox-5b-i2v, CogVideoX 1.5's tiny-1.5, cogvideox1.5-5b), trained and sampled as a flow with
     its own noise levels, loss weight and DDIM levels (module docstring); the shared knobs are
     :class:`fvx_models.build.ModelConfig`'s."""
 

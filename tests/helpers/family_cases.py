@@ -371,6 +371,8 @@ CASES: dict[str, Case] = {
                          functools.partial(cogvideox_native, snr_shift_scale=3.0)),
     "cogvideox-i2v": Case(CogVideoXConfig(preset="tiny-i2v"), {"transformer": CogVideoXTransformer3DModel},
                           cogvideox_native),
+    "cogvideox-1.5": Case(CogVideoXConfig(preset="tiny-1.5"), {"transformer": CogVideoXTransformer3DModel},
+                          cogvideox_native),
     "sana_video": Case(SanaVideoConfig(preset="tiny"), {"transformer": SanaVideoTransformer3DModel}, sana_video_native),
     "mochi": Case(MochiConfig(preset="tiny"), {"transformer": MochiTransformer3DModel}, mochi_native),
     "latte": Case(LatteConfig(preset="tiny"), {"transformer": LatteTransformer3DModel}, latte_native),
@@ -386,7 +388,8 @@ CASES: dict[str, Case] = {
 FAMILIES = ["wan", "wan-ti2v", "skyreels_v2", "wan_moe", "hunyuan_video", "anyflow", "wan-i2v", "wan-ti2v-i2v",
             "kandinsky5", "cosmos", "ltx_video", "hunyuan_video15", "ltx2",
             "chronoedit", "wan_vace", "cogvideox", "sana_video", "mochi", "latte", "allegro",
-            "easyanimate", "motif_video", "kandinsky6", "cogvideox-i2v", "helios"]  # one case per family and layout
+            "easyanimate", "motif_video", "kandinsky6", "cogvideox-i2v", "helios",
+            "cogvideox-1.5"]  # one case per family and layout
 
 
 def native_modules(case: Case, params: dict) -> dict[str, torch.nn.Module]:
