@@ -1,5 +1,5 @@
-"""Fine-tune Motif-Video (text-to-video), full or LoRA: its dual- then single-stream flow DiT on the Wan 2.1 VAE's
-latents.
+"""Fine-tune Motif-Video (text-to-video, or image-to-video), full or LoRA: its dual- then single-stream flow DiT on
+the Wan 2.1 VAE's latents.
 
 Motif-Video predicts the flow velocity, so fvx's fine-tuning is its objective; text-to-video feeds the DiT's
 first-frame condition and mask channels zeros, as ``MotifVideoPipeline`` does. The data is text-to-video: FastVideo's
@@ -8,6 +8,9 @@ t2v parquet, preprocessed with its T5Gemma-2 text encoder (512 tokens) and the W
 The default trains the tiny `world` preset from scratch on fvx's toy world (text-to-video: bars of the prompted colour
 moving the prompted way); about a minute on a 2-core CPU, and `validation/model/nearest_mse` falls:
     python -m fvx.run experiments/finetune_motif_video.py
+Image-to-video (``MotifVideoImage2VideoPipeline``'s first-frame condition; the toy world's first frames given, and
+`validation/model/continuation_mse` falls; a model with an image embedder also reads SigLIP's features):
+    python -m fvx.run experiments/finetune_motif_video.py data.kind=i2v models.student.first_frame=true
 On Motif-Video (a local diffusers folder; 121-frame clips at 736x1280):
     python -m fvx.run preprocess experiments/finetune_motif_video.py --videos /data/my_clips --out /data/my_dataset \\
         models.student.preset=motif-video models.student.path=/models/Motif-Video data.world=null \\

@@ -226,6 +226,18 @@ def motif_video_native(modules, x, t, cond):
                                   encoder_attention_mask=cond["text_mask"].bool(), return_dict=False)[0]
 
 
+def motif_video_i2v_native(modules, x, t, cond):
+    """MotifVideoImage2VideoPipeline's call: ``latents | first-frame condition | mask (1 on frame 0)``, the SigLIP
+    features beside the text."""
+    b, c, f, h, w = x.shape
+    mask = torch.zeros(b, 1, f, h, w)
+    mask[:, :, 0] = 1
+    hidden = torch.cat([x, cond["first_frame_latents"][:, :, :f], mask], dim=1)
+    return modules["transformer"](hidden_states=hidden, timestep=t, encoder_hidden_states=cond["text"],
+                                  encoder_attention_mask=cond["text_mask"].bool(), image_embeds=cond["image_embeds"],
+                                  return_dict=False)[0]
+
+
 def hunyuan_native(modules, x, t, cond):
     """HunyuanVideoPipeline's call: guidance passed as guidance_scale * 1000."""
     guidance = torch.full((x.shape[0],), 6.0) * 1000.0
@@ -373,6 +385,8 @@ CASES: dict[str, Case] = {
                           cogvideox_native),
     "cogvideox-1.5": Case(CogVideoXConfig(preset="tiny-1.5"), {"transformer": CogVideoXTransformer3DModel},
                           cogvideox_native),
+    "motif_video-i2v": Case(MotifVideoConfig(preset="tiny-i2v", first_frame=True),
+                            {"transformer": MotifVideoTransformer3DModel}, motif_video_i2v_native),
     "sana_video": Case(SanaVideoConfig(preset="tiny"), {"transformer": SanaVideoTransformer3DModel}, sana_video_native),
     "mochi": Case(MochiConfig(preset="tiny"), {"transformer": MochiTransformer3DModel}, mochi_native),
     "latte": Case(LatteConfig(preset="tiny"), {"transformer": LatteTransformer3DModel}, latte_native),
@@ -389,7 +403,7 @@ FAMILIES = ["wan", "wan-ti2v", "skyreels_v2", "wan_moe", "hunyuan_video", "anyfl
             "kandinsky5", "cosmos", "ltx_video", "hunyuan_video15", "ltx2",
             "chronoedit", "wan_vace", "cogvideox", "sana_video", "mochi", "latte", "allegro",
             "easyanimate", "motif_video", "kandinsky6", "cogvideox-i2v", "helios",
-            "cogvideox-1.5"]  # one case per family and layout
+            "cogvideox-1.5", "motif_video-i2v"]  # one case per family and layout
 
 
 def native_modules(case: Case, params: dict) -> dict[str, torch.nn.Module]:
