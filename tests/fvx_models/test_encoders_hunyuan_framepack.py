@@ -8,29 +8,20 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideoFramepackPipeline
+from diffusers import HunyuanVideoFramepackPipeline
 
-import encoder_checks
 from fvx_models import hunyuan_framepack
-from test_encoders_hunyuan_video import PROMPTS, tiny_llama_tokenizer
+from test_encoders_hunyuan_video import tiny_components
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    torch.manual_seed(0)
-    tokenizer, clip_tokenizer = tiny_llama_tokenizer(), encoder_checks.tiny_clip_tokenizer(PROMPTS)
-    llama = transformers.LlamaModel(transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id))
     siglip = transformers.SiglipVisionModel(transformers.SiglipVisionConfig(
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=32,
         patch_size=8))
     processor = transformers.SiglipImageProcessor(size={"height": 32, "width": 32}, image_mean=[0.5] * 3,
                                                   image_std=[0.5] * 3, resample=3)
-    pipe = HunyuanVideoFramepackPipeline(
-        text_encoder=llama, tokenizer=tokenizer, transformer=None, vae=encoder_checks.tiny_hunyuan_vae(),
-        scheduler=FlowMatchEulerDiscreteScheduler(), text_encoder_2=encoder_checks.tiny_clip_text(len(clip_tokenizer)),
-        tokenizer_2=clip_tokenizer, image_encoder=siglip, feature_extractor=processor)
+    pipe = HunyuanVideoFramepackPipeline(**tiny_components(), image_encoder=siglip, feature_extractor=processor)
     path = tmp_path_factory.mktemp("framepack")
     pipe.save_pretrained(path)
     return path

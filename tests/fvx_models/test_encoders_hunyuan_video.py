@@ -47,8 +47,9 @@ def tiny_llama_tokenizer() -> transformers.PreTrainedTokenizerFast:
         TEMPLATE.split("{}")[0], CROP)
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
+def tiny_components() -> dict:
+    """HunyuanVideo's pipeline components but the DiT: a tiny LLaMA and CLIP text model with their tokenizers, the
+    tiny HunyuanVideo VAE, a scheduler (FramePack's pipeline takes the same)."""
     torch.manual_seed(0)
     tokenizer, clip_tokenizer = tiny_llama_tokenizer(), encoder_checks.tiny_clip_tokenizer(PROMPTS)
     llama = transformers.LlamaModel(transformers.LlamaConfig(
@@ -56,10 +57,13 @@ def folder(tmp_path_factory):
         num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id))
     clip = encoder_checks.tiny_clip_text(len(clip_tokenizer))
     torch.manual_seed(0)
-    vae = encoder_checks.tiny_hunyuan_vae()
-    pipe = HunyuanVideoPipeline(text_encoder=llama, tokenizer=tokenizer, transformer=None, vae=vae,
-                                scheduler=FlowMatchEulerDiscreteScheduler(), text_encoder_2=clip,
-                                tokenizer_2=clip_tokenizer)
+    return dict(text_encoder=llama, tokenizer=tokenizer, transformer=None, vae=encoder_checks.tiny_hunyuan_vae(),
+                scheduler=FlowMatchEulerDiscreteScheduler(), text_encoder_2=clip, tokenizer_2=clip_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    pipe = HunyuanVideoPipeline(**tiny_components())
     path = tmp_path_factory.mktemp("hunyuan_video")
     pipe.save_pretrained(path)
     for file, key, value in ((path / "model_index.json", "tokenizer", ["transformers", "LlamaTokenizerFast"]),

@@ -323,31 +323,21 @@ def test_the_merged_export_loads_with_from_pretrained_and_equals_base_plus_scale
     assert not any("lora" in key for key in loaded)
 
 
-def test_helios_peft_export_loads_with_its_pipeline(tmp_path):
+@pytest.mark.parametrize("case, config_class, pipeline", [
+    ("hunyuan_video", HunyuanVideoConfig, lambda transformer: HunyuanVideoPipeline(
+        text_encoder=None, tokenizer=None, transformer=transformer, vae=None,
+        scheduler=FlowMatchEulerDiscreteScheduler(), text_encoder_2=None, tokenizer_2=None)),
+    ("helios", HeliosConfig, lambda transformer: HeliosPipeline(
+        tokenizer=None, text_encoder=None, vae=None, scheduler=HeliosScheduler(stages=1), transformer=transformer))])
+def test_peft_exports_load_with_their_pipelines(tmp_path, case, config_class, pipeline):
     pytest.importorskip("peft")
-    config = HeliosConfig(preset="tiny", frozen_dtype="fp32", lora=LORA)
-    adapted = config.build()
+    adapted = config_class(preset="tiny", frozen_dtype="fp32", lora=LORA).build()
     base = adapted.weights.base(random.key(0))
     adapters = trained_adapters(adapted, random.key(1))
-    (transformer,) = native_modules(CASES["helios"], base).values()
+    (transformer,) = native_modules(CASES[case], base).values()
     adapted.export.adapters(adapters, str(tmp_path), "peft")
-    pipe = HeliosPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=HeliosScheduler(stages=1),
-                          transformer=transformer)
-    assert_loaded_lora_matches(pipe, "helios", tmp_path, lora_files.PEFT_FILE, adapted, base, adapters)
-
-
-def test_hunyuan_peft_export_loads_with_its_pipeline(tmp_path):
-    pytest.importorskip("peft")
-    config = HunyuanVideoConfig(preset="tiny", frozen_dtype="fp32", lora=LORA)
-    adapted = config.build()
-    base = adapted.weights.base(random.key(0))
-    adapters = trained_adapters(adapted, random.key(1))
-    (transformer,) = native_modules(CASES["hunyuan_video"], base).values()
-    adapted.export.adapters(adapters, str(tmp_path), "peft")
-    assert adapted.export.adapter_formats == ("peft",)  # HunyuanVideo has no original layout in fvx
-    pipe = HunyuanVideoPipeline(text_encoder=None, tokenizer=None, transformer=transformer, vae=None,
-                                scheduler=FlowMatchEulerDiscreteScheduler(), text_encoder_2=None, tokenizer_2=None)
-    assert_loaded_lora_matches(pipe, "hunyuan_video", tmp_path, lora_files.PEFT_FILE, adapted, base, adapters)
+    assert adapted.export.adapter_formats == ("peft",)  # neither has an original layout in fvx
+    assert_loaded_lora_matches(pipeline(transformer), case, tmp_path, lora_files.PEFT_FILE, adapted, base, adapters)
 
 
 # ---------------------------------------------------------------------------------------------------- bad input
