@@ -64,7 +64,8 @@ class SyntheticConfig(Config):
     frame: ``keyboard`` one-hot ``[F, 4]`` and ``mouse`` normal x 0.1 ``[F, 2]``, ``F = (T - 1) r + 1`` with ``r``
     ``data.vae_time_stride`` (default 4, Wan's VAE). Kind "vace" makes the toy world's extension context
     (``toy_world.extension_context``: the first frame given) with ``vace_mask_channels`` mask channels (the VAE's
-    spatial stride squared: 16 for the tiny Wan VAE)."""
+    spatial stride squared: 16 for the tiny Wan VAE). Kind "framepack" cuts sample ``i``'s latents into sections
+    (``data.sections``) and takes section ``i mod k``, with normal image features ``image_embeds`` (default (4, 16))."""
 
     num_samples: PositiveInt = 64
     latent_shape: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt] = (16, 1, 8, 8)
