@@ -54,6 +54,23 @@ def fastvideo_grid(shift: float) -> Draw:
     return draw
 
 
+def musubi_shift(shift: float) -> Draw:
+    """musubi-tuner's ``--timestep_sampling shift`` at ``--sigmoid_scale`` 1: ``t = sigmoid(N(0, 1))``, shifted ``s t /
+    (1 + (s - 1) t)`` (``training/trainer_base.py:589-612``), continuous; sigma is that ``t``."""
+    def draw(generator: torch.Generator, n: int) -> torch.Tensor:
+        t = torch.randn(n, generator=generator).sigmoid()
+        return shift * t / (1 + (shift - 1) * t)
+    return draw
+
+
+def helios_stage1(generator: torch.Generator, n: int) -> torch.Tensor:
+    """Helios's stage-1 draw (``helios/utils/utils_helios_base.py:737-770``, ``train_helios.py:260-261``): ``u ~
+    sigmoid(N(0, 1))`` (its logit-normal weighting), the level at index ``floor(1000 u)`` of
+    ``FlowMatchEulerDiscreteScheduler(1000, shift=1)``'s sigmas."""
+    sigmas = FlowMatchEulerDiscreteScheduler(shift=1.0).sigmas.float()
+    return sigmas[(torch.randn(n, generator=generator).sigmoid() * 1000).long()]
+
+
 def hunyuan_video15_release(generator: torch.Generator, n: int) -> torch.Tensor:
     """HunyuanVideo-1.5's ``train.py`` at its defaults (snr_type lognorm, train_timestep_shift 3): ``t = sigmoid(N(0,
     1)) (1 - 2e-5) + 1e-5`` (``TimestepSampler.sample``, lines 228-239), shifted ``3 t / (1 + 2 t)``
@@ -105,6 +122,8 @@ WAN = fastvideo_grid(3.0)  # WanModel(flow_shift=3.0), the default of models.stu
 SOURCES: dict[str, Draw] = {
     "finetune_cosmos.py:cosmos25_t2w_2b": fastvideo_grid(1.0),  # CosmosModel(flow_shift=1.0), cosmos.py:58
     "finetune_cosmos.py:overfit_cosmos25_t2w": fastvideo_grid(1.0),  # models.student.flow_shift: 1.0 (its YAML:18)
+    "finetune_framepack.py:musubi_framepack_lora": musubi_shift(3.0),  # docs/framepack.md: --discrete_flow_shift 3.0
+    "finetune_helios.py:helios_stage1": helios_stage1,  # scripts/training/configs/stage_1_init.yaml
     "finetune_hunyuan_video15.py:release_480p_t2v": hunyuan_video15_release,
     "finetune_kandinsky5.py:kandinsky5_t2v_480p_qat": fastvideo_grid(5.0),  # Kandinsky5Model(flow_shift=5.0), :89
     **{f"finetune_ltx2.py:{name}": fastvideo_ltx2(11 * 15 * 26)  # 81 frames of 480x832: its YAMLs' num_latent_t 11
