@@ -29,7 +29,7 @@ from fvx.data.toy_world import SpaceToDepth, WorldConfig
 from fvx.training.experiment import Experiment, RunConfig
 from fvx.training.validation import ValidationConfig
 from fvx_methods.finetune import Finetune
-from fvx_models.hunyuan_framepack import FramepackConfig
+from fvx_models.hunyuan_framepack import FramepackConfig, musubi_lora_targets
 from fvx_models.lora import LoRAConfig
 
 
@@ -57,15 +57,16 @@ def musubi_framepack_lora() -> FinetuneFramepack:
     lr 2e-4 (its adamw8bit's weight decay 0.01), constant, clip 1; ``--timestep_sampling shift --discrete_flow_shift
     3.0`` (a logit-normal draw, shifted by 3); one sample a step; the DiT told guidance 1.0 (its
     ``--guidance_scale`` default); sections of 9 latent frames in the inverted anti-drifting order, clips of 640 x 640
-    (its default resolution). musubi-tuner adapts every linear layer of the dual- and single-stream blocks but their
-    norms'; fvx's default targets are the attention projections (``models.student.lora.target_modules`` widens them).
-    Its epoch count depends on the data: set ``--steps``."""
+    (its default resolution); the adapted layers musubi-tuner's: every linear layer of the dual- and single-stream
+    blocks but their norms' (``hunyuan_framepack.musubi_lora_targets``). Its epoch count depends on the data: set
+    ``--steps``."""
+    student = FramepackConfig(preset="framepack-i2v", compute_dtype="bf16", remat=True, embedded_guidance=1.0)
     return FinetuneFramepack(
         run=RunConfig(seed=42, steps=4000, output_dir="runs/framepack_lora"),
         data=DataConfig(kind="framepack", batch_size=1, text_len=257, sections=SectionsConfig(window=9),
                         preprocess=PreprocessConfig(num_frames=129, train_fps=30, max_height=640, max_width=640)),
-        models={"student": FramepackConfig(preset="framepack-i2v", compute_dtype="bf16", remat=True,
-                                           embedded_guidance=1.0, lora=LoRAConfig(rank=32, alpha=1.0))},
+        models={"student": msgspec.structs.replace(student, lora=LoRAConfig(
+            rank=32, alpha=1.0, target_modules=musubi_lora_targets(student)))},
         validation=ValidationConfig(every=500, num_prompts=1, num_steps=25, flow_shift=3.0),
         method=Finetune(weighting_scheme="logit_normal", flow_shift=3.0,
                         optim=AdamWConfig(lr=2e-4, weight_decay=0.01, max_grad_norm=1.0, schedule="constant",

@@ -51,6 +51,20 @@ PRESETS: dict[str, Preset] = {
 HunyuanVideo VAE's) and the packed text length."""
 
 IMAGE = frozenset({"image_embeds", *history.NAMES})
+DUAL_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                "ff_context.net.2")
+SINGLE_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "proj_out")
+
+
+def musubi_lora_targets(config: ModelConfig) -> tuple[str, ...]:
+    """musubi-tuner's FramePack LoRA targets (``networks/lora_framepack.py``): every linear layer of the dual- and
+    single-stream blocks but their norms' (``.*(norm).*`` excluded), none of the token refiner's, as fvx's
+    ``lora.target_modules`` names (each module's whole name: a block's index keeps the refiner's apart)."""
+    k = config.spec.kwargs
+    return (tuple(f"transformer_blocks.{i}.{name}" for i in range(k["num_layers"]) for name in DUAL_LINEARS)
+            + tuple(f"single_transformer_blocks.{i}.{name}" for i in range(k["num_single_layers"])
+                    for name in SINGLE_LINEARS))
 ONE_SAMPLE = ("diffusers' FramePack DiT takes one set of frame positions per call, and sections differ in theirs; "
               "musubi-tuner trains it one sample per step too")
 

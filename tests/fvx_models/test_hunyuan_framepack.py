@@ -3,6 +3,7 @@ HunyuanVideoFramepackPipeline calls it on a section and its history (fvx.data.se
 section data refused naming the column, and its LoRA files load as diffusers and musubi-tuner load them."""
 import inspect
 import json
+import pathlib
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from diffusers import (FlowMatchEulerDiscreteScheduler, HunyuanVideoFramepackPip
                        HunyuanVideoFramepackTransformer3DModel)
 from safetensors.torch import load_file
 
+from fvx import config as fconfig
 from fvx.core import random, role
 from fvx.core.optim_config import AdamWConfig
 from fvx.data import sections
@@ -20,6 +22,7 @@ from fvx_models.hunyuan_framepack import FramepackConfig
 from fvx_models.lora import LoRAConfig
 
 TEXT = 5
+EXPERIMENTS = pathlib.Path(__file__).resolve().parents[2] / "experiments"
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +211,17 @@ def test_every_method_steps_on_a_section_or_refuses_the_model_in_one_line(model,
     state, metrics = program.step_(state, program.frozen(random.key(0)), batch)
     assert int(state.step) == 1 and all(torch.isfinite(v).all() for v in metrics.values()
                                         if isinstance(v, torch.Tensor) and v.numel() == 1)
+
+
+def test_the_musubi_recipe_adapts_the_layers_musubi_tuner_adapts():
+    """musubi-tuner's networks/lora_framepack.py: every nn.Linear inside a HunyuanVideoTransformerBlock or
+    HunyuanVideoSingleTransformerBlock whose name has no "norm" (the token refiner's and the root's left out)."""
+    from diffusers.models.transformers.transformer_hunyuan_video import (HunyuanVideoSingleTransformerBlock,
+                                                                          HunyuanVideoTransformerBlock)
+
+    config = fconfig.load_experiment(f"{EXPERIMENTS}/finetune_framepack.py:musubi_framepack_lora").models["student"]
+    skeleton = config.family.architecture.skeleton(config)
+    want = {f"{block_name}.{name}" for block_name, block in skeleton.named_modules()
+            if isinstance(block, (HunyuanVideoTransformerBlock, HunyuanVideoSingleTransformerBlock))
+            for name, part in block.named_modules() if isinstance(part, torch.nn.Linear) and "norm" not in name}
+    assert set(lora.targets(skeleton, config.lora, "test")) == want and len(want) == 20 * 12 + 40 * 5
