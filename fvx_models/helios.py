@@ -27,7 +27,6 @@ from diffusers.models.transformers.transformer_helios import HeliosRotaryPosEmbe
 from torch import nn
 
 from fvx.core import random
-from fvx.distributed import memory
 from fvx.data.sections import HISTORY
 from fvx_models import diffusers_folder as dfolder, encoders as fencoders, history, wan
 from fvx_models.build import ModelConfig
@@ -120,12 +119,6 @@ def corrupt_history(keys: torch.Tensor, latents: torch.Tensor, window: int) -> t
     return torch.where(noised.view(batch, 1, frames, 1, 1), sigma * noise + (1 - sigma) * latents, latents)
 
 
-def widths(config: ModelConfig) -> tuple[int, dict[str, tuple[int, int]]]:
-    k = config.spec.kwargs
-    dim = k["num_attention_heads"] * k["attention_head_dim"]
-    return dim, {"blocks": (dim, k["ffn_dim"])}
-
-
 def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
     """diffusers' ``HeliosPipeline`` files beside ``transformer/``: ``model_index.json`` and ``scheduler/`` (one stage,
     as ``HeliosPipeline`` steps it); copy the VAE, text encoder and tokenizer from the base model."""
@@ -165,8 +158,8 @@ HELIOS = Family(
     architecture=Architecture(
         skeleton=lambda config: skeleton_of(HeliosTransformer3DModel, config.spec.kwargs, rebuild_rope),
         unit_groups={"blocks": ("blocks",)},
-        activations={"blocks": memory.BlockActivations(fp32_dim=12, compute_dim=10, compute_ffn=2)},
-        widths=widths,
+        activations={"blocks": wan.BLOCK_ACTIVATIONS},  # Wan's blocks (test_families measures them on Helios's)
+        widths=wan.widths,
         init_rules={"scale_shift_table": wan.scale_shift_init},
         self_attention=("blocks.*.attn1",),
         vsa_refusal="its self-attention runs over the memory's tokens before the chunk's",

@@ -471,7 +471,8 @@ def section_shape(config: Any, model: Any, shape: tuple[int, int, int, int],
     cut = config.data.sections
     if frames_asked is None:
         return (shape[0], sections.first_frame(cut, 2), *shape[2:])
-    if sections.count(shape[1], cut) < 1 or sections.first_frame(cut, sections.count(shape[1], cut)) != shape[1]:
+    made = sections.count(shape[1], cut)
+    if made < 1 or sections.first_frame(cut, made) != shape[1]:
         stride = model.latents.vae_stride[0]
         whole = [1 + stride * (sections.first_frame(cut, k) - 1) for k in (1, 2, 3)]
         raise ValueError(f"--frames {frames_asked}: {model.name} makes a video of whole sections of "
