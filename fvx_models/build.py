@@ -106,7 +106,8 @@ class ModelConfig(Config):
         ``encode-prompts`` writes; the image condition of an I2V family is left out, as negative-prompt files lack
         it), with the captions."""
         cond = self.family.conditioning.from_batch(self, batch)
-        fcond.save(path, {name: t for name, t in cond.items() if name not in self.family.conditioning.image}, captions)
+        given = self.family.conditioning.image | set(self.family.conditioning.blank)
+        fcond.save(path, {name: t for name, t in cond.items() if name not in given}, captions)
 
 
 # ---------------------------------------------------------------------------------------------------------- pieces
@@ -390,7 +391,8 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
         patch_size=_patch(config),
         apply=bound_apply,
         batch=functools.partial(_model_batch, config, spec),
-        uncond=functools.partial(fcond.uncond, zero=family.conditioning.zero, kept=image),
+        uncond=functools.partial(fcond.uncond, zero=family.conditioning.zero, kept=image,
+                                 blank=family.conditioning.blank),
         load_cond=functools.partial(_load_cond, spec, family, image),
         memory_spec=functools.partial(_memory_spec, config, module, groups, weights, architecture),
         weights=weights,
@@ -580,8 +582,10 @@ def _owner_untrained(family: Family, trained: tuple[str, ...], name: str) -> boo
 
 def _load_cond(spec: fcond.Spec, family: Family, image: frozenset[str], path: str, *,
                text_only: bool = False) -> tuple[dict[str, torch.Tensor], tuple[str, ...] | None]:
-    """A cond file of the family's tensors; ``text_only``: without the given image's (a negative prompt)."""
-    spec = {name: shape for name, shape in spec.items() if not (text_only and name in image)}
+    """A cond file of the family's tensors; ``text_only``: without the given image's and those the unconditional
+    blanks (a negative prompt)."""
+    given = image | set(family.conditioning.blank)
+    spec = {name: shape for name, shape in spec.items() if not (text_only and name in given)}
     return fcond.load(path, spec, family.name, defaults=family.conditioning.defaults)
 
 

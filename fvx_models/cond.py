@@ -94,15 +94,17 @@ def zeros_keeping_masks(cond: Mapping[str, torch.Tensor]) -> Cond:
 
 
 def uncond(cond: Mapping[str, torch.Tensor], mode: str, negative: Mapping[str, torch.Tensor] | None = None, *,
-           zero: Callable[[Mapping[str, torch.Tensor]], Cond] = zeros, kept: frozenset[str] = frozenset()) -> Cond:
+           zero: Callable[[Mapping[str, torch.Tensor]], Cond] = zeros, kept: frozenset[str] = frozenset(),
+           blank: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] | None = None) -> Cond:
     """The unconditional cond for classifier-free guidance, batched like ``cond``: ``"keep"`` the cond itself,
     ``"zero"`` the family's zero cond (``zero``), ``"negative_prompt"`` the one-row ``negative`` expanded. The tensors
-    ``kept`` (the given image of an image-to-video model: guidance is on the text only) stay the cond's in every
-    mode."""
+    ``kept`` (the given image of an image-to-video model: guidance is on the text only) stay the cond's, and those of
+    ``blank`` are their transform of the cond's (Wan-Animate's blank face), in the last two modes."""
     if mode == "keep":
         return dict(cond)
+    own = {**{name: cond[name] for name in kept}, **{name: f(cond[name]) for name, f in (blank or {}).items()}}
     if mode == "zero":
-        return {**zero(cond), **{name: cond[name] for name in kept}}
+        return {**zero(cond), **own}
     if mode != "negative_prompt":
         raise ValueError(f"unknown unconditional mode {mode!r}; valid: {', '.join(UNCOND_MODES)}")
     if negative is None:
@@ -110,7 +112,7 @@ def uncond(cond: Mapping[str, torch.Tensor], mode: str, negative: Mapping[str, t
                          "(method.negative_prompt_path); or use 'zero' or 'keep'")
     any_tensor = next(iter(cond.values()))
     negative = expand(to(negative, any_tensor.device, any_tensor.dtype), rows(cond))
-    return {**negative, **{name: cond[name] for name in kept}}
+    return {**negative, **own}
 
 
 # ------------------------------------------------------------------------------------------------------------ files

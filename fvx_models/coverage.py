@@ -56,9 +56,6 @@ NO_FAMILY: dict[str, str] = {
     "SanaWMLTX2RefinerTransformer3DModel": (
         "SANA-WM's stage-2 refiner of stage-1 latents: it attends through a mutable sink and history KV cache it "
         "writes detached, with absolute RoPE its caller builds"),
-    "WanAnimateTransformer3DModel": (
-        "character animation: pose-video latents, a 512 x 512 pixel face video (its motion encoder runs in forward), "
-        "CLIP reference features and previous-segment latents; not built yet"),
     "WanAnimate2Transformer3DModel": (
         "two passes: an 'extract' forward fills a per-layer KV cache that the 'cached' forward reads under a flex "
         "BlockMask cached on the module; .item() and .tolist() on grid tensors"),

@@ -60,6 +60,8 @@ class Encoders:
                      made) and reference images (``[3, H, W]`` in [-1, 1]) as its pipeline builds it (VACE's);
                      ``references(pipe, images) -> [C, R, h, w]`` the reference images' latent frames in the VAE's own
                      scale, which go in front of the video's; None: the family takes no control context
+    animation(pipe, reference, pose, face, previous) -> {name: tensor}   a character-animation family's inputs of one
+                     segment (Wan-Animate's: ``fvx_models.wan_animate.encode_animation``); None: it takes none
     audio, encode_audio(pipe, waveform, rate) -> [B, C, F, A]   a joint model's audio latents from stereo waveforms
                      ``[B, 2, S]`` at ``rate`` Hz; ``audio_refusal``: why there is none (one line)
     stand_ins        ``(component, object)`` pairs given to ``from_pretrained`` in place of a component encoding never
@@ -89,6 +91,7 @@ class Encoders:
     first_frame: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
     context: Callable[[Any, torch.Tensor, torch.Tensor | None, list[torch.Tensor]], torch.Tensor] | None = None
     references: Callable[[Any, list[torch.Tensor]], torch.Tensor] | None = None
+    animation: Callable[..., dict[str, torch.Tensor]] | None = None
     audio: tuple[str, ...] = ()
     encode_audio: Callable[[Any, torch.Tensor, int], torch.Tensor] | None = None
     audio_refusal: str | None = None
@@ -101,7 +104,8 @@ class Encoders:
         needed: list[str] = []
         for part in parts:
             for name in {"text": self.text + self.text_2, "video": self.video, "first_frame": self.video,
-                         "context": self.video, "image": self.image, "audio": self.audio, "decode": self.video}[part]:
+                         "context": self.video, "animation": self.video,
+                         "image": self.image, "audio": self.audio, "decode": self.video}[part]:
                 if name not in needed:
                     needed.append(name)
         return tuple(needed)
@@ -237,6 +241,18 @@ class Opened:
         self._use(self.encoders.video)
         refs = [image.to(self.device, self.pipe.vae.dtype) for image in references]
         return self.encoders.references(self.pipe, refs).float().cpu()
+
+    @torch.no_grad()
+    def encode_animation(self, reference: torch.Tensor, pose: torch.Tensor, face: torch.Tensor,
+                         previous: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """A character-animation family's inputs of one segment (:attr:`Encoders.animation`): a reference image
+        ``[3, H, W]``, a pose video ``[3, F, H, W]`` and the previous segment's last frames ``[3, P, H, W]`` (None:
+        none) in [-1, 1], the face video ``[3, F, S, S]`` uint8."""
+        self._use(self.encoders.video)
+        dtype = self.pipe.vae.dtype
+        out = self.encoders.animation(self.pipe, reference.to(self.device, dtype), pose.to(self.device, dtype), face,
+                                      None if previous is None else previous.to(self.device, dtype))
+        return {name: t.cpu() if t.dtype == torch.uint8 else t.float().cpu() for name, t in out.items()}
 
     @torch.no_grad()
     def encode_image(self, frame: torch.Tensor) -> torch.Tensor | None:

@@ -158,6 +158,9 @@ class Conditioning:
                                          latents, image embeddings): every unconditional keeps them (guidance is on
                                          the text, as the I2V pipelines guide) and negative-prompt files lack them
     zero(cond) -> cond                   the "zero" unconditional (default: every tensor zeroed)
+    blank                                cond tensors whose unconditional is their own transform in every mode ->
+                                         that transform (Wan-Animate's blank face, every pixel -1, with a negative
+                                         prompt too)
     defaults                             cond tensors a cond file may leave out -> how to make them
     window(config, cond, start, frames, given) -> cond   the cond of latent frames ``[start, start + frames)`` of a
                                          longer clip scored as a clip of its own (a streaming stage's chunk):
@@ -173,6 +176,7 @@ class Conditioning:
     data_keys: tuple[str, ...] = ("text", "text_mask")
     image: frozenset[str] = frozenset()
     zero: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] = fcond.zeros
+    blank: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = dataclasses.field(default_factory=dict)
     defaults: Mapping[str, Callable] = dataclasses.field(default_factory=dict)
     window: Callable[[Any, Any, int, int, torch.Tensor | None], dict[str, torch.Tensor]] | None = None
     cfg_dropout_refusal: str | None = None

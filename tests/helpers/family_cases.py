@@ -15,7 +15,7 @@ from diffusers import (AllegroPipeline, AllegroTransformer3DModel, AnyFlowTransf
                        Kandinsky6Transformer3DModel, LatteTransformer3DModel, LTX2Pipeline,
                        LTX2VideoTransformer3DModel, LTXPipeline, LTXVideoTransformer3DModel, MochiTransformer3DModel,
                        MotifVideoTransformer3DModel, SanaVideoTransformer3DModel, SkyReelsV2Transformer3DModel,
-                       WanTransformer3DModel, WanVACETransformer3DModel)
+                       WanAnimateTransformer3DModel, WanTransformer3DModel, WanVACETransformer3DModel)
 
 from fvx.core import grad, random
 from fvx.data import sections
@@ -41,6 +41,7 @@ from fvx_models.sana_video import SanaVideoConfig
 from fvx_models.skyreels_v2 import SkyReelsV2Config
 from fvx_models.wan import WanConfig
 from fvx_models.wan_moe import Wan22MoEConfig
+from fvx_models.wan_animate import WanAnimateConfig
 from fvx_models.wan_vace import WanVACEConfig
 
 
@@ -134,6 +135,16 @@ def vace_native(modules, x, t, cond):
     scale = torch.ones(len(modules["transformer"].config.vace_layers))
     return modules["transformer"](hidden_states=x, timestep=t, encoder_hidden_states=_masked(cond),
                                   control_hidden_states=cond["vace_context"], control_hidden_states_scale=scale,
+                                  return_dict=False)[0]
+
+
+def animate_native(modules, x, t, cond):
+    """WanAnimatePipeline's call: ``[latents | reference_latents]``, the text padded to 512 tokens after the image
+    features, the pose latents and the face video."""
+    text = torch.nn.functional.pad(_masked(cond), (0, 0, 0, 512 - cond["text"].shape[1]))
+    return modules["transformer"](hidden_states=torch.cat([x, cond["reference_latents"]], dim=1), timestep=t,
+                                  encoder_hidden_states=text, encoder_hidden_states_image=cond["image_embeds"],
+                                  pose_hidden_states=cond["pose_latents"], face_pixel_values=cond["face_pixels"],
                                   return_dict=False)[0]
 
 
@@ -378,6 +389,8 @@ CASES: dict[str, Case] = {
     # own case: the edit at the end of the reasoning window)
     "chronoedit": Case(ChronoEditConfig(preset="tiny"), {"transformer": ChronoEditTransformer3DModel}, wan_i2v_native),
     "wan_vace": Case(WanVACEConfig(preset="tiny"), {"transformer": WanVACETransformer3DModel}, vace_native),
+    "wan_animate": Case(WanAnimateConfig(preset="tiny"), {"transformer": WanAnimateTransformer3DModel},
+                        animate_native),
     "cogvideox": Case(CogVideoXConfig(preset="tiny"), {"transformer": CogVideoXTransformer3DModel}, cogvideox_native),
     "cogvideox-2b": Case(CogVideoXConfig(preset="tiny-2b"), {"transformer": CogVideoXTransformer3DModel},
                          functools.partial(cogvideox_native, snr_shift_scale=3.0)),
@@ -402,7 +415,7 @@ CASES: dict[str, Case] = {
 FAMILIES = ["wan", "wan-ti2v", "skyreels_v2", "wan_moe", "hunyuan_video", "anyflow", "wan-i2v", "wan-ti2v-i2v",
             "kandinsky5", "cosmos", "ltx_video", "hunyuan_video15", "ltx2",
             "chronoedit", "wan_vace", "cogvideox", "sana_video", "mochi", "latte", "allegro",
-            "easyanimate", "motif_video", "kandinsky6", "cogvideox-i2v", "helios"]  # one case per family and layout
+            "easyanimate", "motif_video", "kandinsky6", "cogvideox-i2v", "helios", "wan_animate"]  # one case per family and layout
 # (CogVideoX 1.5's and Motif-Video's image-to-video cases, another layout's inputs to a DiT the list has, run the tests
 # of every case, CASES: forward, export, remat)
 
@@ -425,8 +438,8 @@ def inputs(model, key: torch.Tensor, *, batch: int = 2, frames: int = 2, size: i
     x = random.normal(k[0], (batch, model.latents.channels, frames, size, size))
     cond = {}
     for i, (name, shape) in enumerate(model.cond.items()):
-        dims = tuple({"L": text_len, "T": frames, "H": size, "W": size, "N": 3, "P": frames + 20}.get(s, s)
-                     for s in shape)
+        dims = tuple({"L": text_len, "T": frames, "H": size, "W": size, "N": 3, "P": frames + 20,
+                      "Tp": frames - 1, "F": 4 * (frames - 2) + 1}.get(s, s) for s in shape)
         if name == "frame_indices":  # a section's positions (fvx.data.sections' vanilla layout)
             layout = sections.SectionsConfig(window=frames, order="vanilla")
             cond[name] = sections.cut(torch.zeros(1, frames + 1, 1, 1), layout)[0]["frame_indices"].expand(batch, -1)
@@ -451,7 +464,8 @@ def raw_batch(model, key: torch.Tensor, *, batch: int = 2, frames: int = 2, size
     else:
         text, mask = cond["text"], cond["text_mask"]
     image = {name: cond[name] for name in ("first_frame_latents", "image_embeds", "vace_context",  # I2V data,
-                                           "framepack_history", "frame_indices") if name in cond}  # a section's
+                                           "framepack_history", "frame_indices",  # a section's, an animation's
+                                           "reference_latents", "pose_latents", "face_pixels") if name in cond}
     if "first_frame_latents" in image:  # the first frame's latents (normalised, as FastVideo stores them), then zeros
         given = model.normalize(x[:, :, :1])
         image["first_frame_latents"] = torch.cat([given, torch.zeros_like(x[:, :, 1:])], dim=2)
