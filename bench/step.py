@@ -82,6 +82,7 @@ from fvx_models.motif_video import MotifVideoConfig  # noqa: E402
 from fvx_models.sana_video import SanaVideoConfig  # noqa: E402
 from fvx_models.skyreels_v2 import SkyReelsV2Config  # noqa: E402
 from fvx_models.wan_moe import Wan22MoEConfig  # noqa: E402
+from fvx_models.wan_animate import WanAnimateConfig  # noqa: E402
 from fvx_models.wan_vace import WanVACEConfig  # noqa: E402
 
 # Wan's 4 layers x dim 256, registered in this process as a bench-only preset
@@ -109,6 +110,7 @@ CASES = {
     "cosmos": (CosmosConfig(preset="tiny"), (16, 2, 16, 16), 4),
     "chronoedit": (ChronoEditConfig(preset="tiny"), (16, 2, 16, 16), 4),  # Wan 2.1 I2V's call, its 2-frame RoPE
     "wan-vace": (WanVACEConfig(preset="tiny"), (16, 2, 16, 16), 4),  # the context blocks: a unit group of their own
+    "wan-animate": (WanAnimateConfig(preset="tiny"), (16, 3, 16, 16), 4),  # the reference slot, pose, 5 face frames
     "cogvideox": (CogVideoXConfig(preset="tiny"), (16, 2, 16, 16), 4),  # the 5B's layout, its VP call and loss weight
     "sana-video": (SanaVideoConfig(preset="tiny"), (16, 2, 16, 16), 4),  # linear attention, gated conv feed-forward
     "mochi": (MochiConfig(preset="tiny"), (12, 2, 16, 16), 4),  # its joint attention as one masked call
@@ -161,7 +163,8 @@ def make_batch(model, latent_shape, batch_size: int) -> dict:
     video = latent_shape["video"] if isinstance(latent_shape, dict) else latent_shape
     sizes = {"L": TEXT_LEN, "T": video[1], "H": video[2], "W": video[3], "N": 4,
              "F": model.latents.vae_stride[0] * (video[1] - 1) + 1,  # video frames: actions come one a frame
-             "P": video[1] + sections.HISTORY}  # a section's frames and its history's: FramePack's positions
+             "P": video[1] + sections.HISTORY,  # a section's frames and its history's: FramePack's positions
+             "Tp": video[1] - 1, "Ff": 4 * (video[1] - 2) + 1}  # Wan-Animate's pose and face frames (a reference slot)
     shapes = {name: (batch_size, *(sizes.get(s, s) for s in shape)) for name, shape in model.cond.items()}
     cond = {name: torch.ones(shape) if "mask" in name else torch.randn(shape, generator=g)
             for name, shape in shapes.items()}

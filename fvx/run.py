@@ -454,7 +454,7 @@ def sample_main(argv: Sequence[str]) -> int:
     parser.add_argument("--negative-prompt", help="the unconditional prompt of guided sampling (default: the run's "
                                                   "validation.cfg_uncond)")
     parser.add_argument("--jumps", type=int, help="a flow-map student: the number of jumps")
-    parser.add_argument("--image", help="image-to-video: the first frame")
+    parser.add_argument("--image", help="image-to-video: the first frame; a Wan-Animate model: the character")
     parser.add_argument("--actions", help="a Matrix-Game model (data.kind=matrixgame2): its actions, one row per video "
                                           "frame, as preprocess reads them (.npz of keyboard [F, K] and mouse [F, 2], "
                                           "or .npy of the keyboard); the video is named after the file")
@@ -463,6 +463,10 @@ def sample_main(argv: Sequence[str]) -> int:
     parser.add_argument("--mask", help="with --control: a mask video, white where to make the video (default: all)")
     parser.add_argument("--reference", help="with --control: a reference image (its latent frame goes in front and "
                                             "is dropped)")
+    parser.add_argument("--pose", help="a Wan-Animate model (data.kind=animate): the pose video, its first frames as "
+                                       "many as the video's")
+    parser.add_argument("--face", help="with --pose: the face video (face crops, one per frame; resized to the size "
+                                       "the model reads)")
     parser.add_argument("--gif", action="store_true", help="also write a GIF of each video")
     parser.add_argument("--scale", type=int, default=1, help="enlarge the written videos N times (nearest)")
     parser.add_argument("--fps", type=float, help="frames per second of the files (default: validation.fps)")
@@ -482,7 +486,8 @@ def sample_main(argv: Sequence[str]) -> int:
             shift=args.shift, schedule=args.schedule, shift_terminal=args.shift_terminal, solver=args.solver,
             karras=None if args.karras is None else _karras(args.karras),
             negative_prompt=args.negative_prompt, jumps=args.jumps, image=args.image, actions=args.actions,
-            control=args.control, mask=args.mask, reference=args.reference, gif=args.gif, scale=args.scale,
+            control=args.control, mask=args.mask, reference=args.reference, pose=args.pose, face=args.face,
+            gif=args.gif, scale=args.scale,
             fps=args.fps)
         done = sampling.run_sample(request, rank=rank, world=world, progress=sys.stderr.isatty(),
                                    say=lambda line: print(line, file=sys.stderr))

@@ -5,6 +5,7 @@ training-grid entry at ``floor(1000 u)``, ``x_t = (1 - sigma) x0 + sigma noise``
 
     loss = mean((v - (noise - x0))^2)              (default)
     loss = mean((x_t - sigma v - x0)^2)            (precondition_outputs: the loss on the implied x0)
+    loss = mean_b(w(sigma_b) mean((v_b - (noise_b - x0_b))^2))   (loss_weighting=bell: DiffSynth-Studio's weight)
 
 Noise and timesteps come from ``fold_in(step_key, global_sample_index)``, so a sample draws the same numbers whatever
 the number of ranks or micro-batches. A model with its own training noise levels (``Model.rules.sigma_sampler``: LTX-2's
@@ -63,6 +64,9 @@ def loss_fn(params: dict, batch: Batch, key: torch.Tensor, *, model: Model,
     v = model.apply(params, x_t, t, cond)
     if not model.joint:
         weight = None if model.rules.loss_weight is None else model.rules.loss_weight(sigma)
+        if config.loss_weighting == "bell":
+            bell = bell_weight(sigma, flow.training_sigmas(config.flow_shift, device=sigma.device))
+            weight = bell if weight is None else weight * bell
         return _loss(v.float(), x_t, x0, noise, sigma, config, weight), {"sigma": sigma.mean()}
     losses = {name: _loss(v[name].float(), x_t[name], x0[name], noise[name], sigma[name], config) for name in v}
     return (sum(losses.values()),
@@ -95,6 +99,16 @@ def step_range_sigmas(step_key: torch.Tensor, t_keys: torch.Tensor, ranges: tupl
                       mode_scale=config.mode_scale, device=device)
     sigma = grid[first[chosen] + torch.minimum(torch.floor(u * count[chosen]).long(), count[chosen] - 1)]
     return sigma, flow.to_timestep(sigma, grid.shape[0])
+
+
+def bell_weight(sigma: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """DiffSynth-Studio's per-timestep loss weight ``[B]`` at levels ``sigma [B]`` of the training ``grid [N]``
+    (``diffsynth/diffusion/flow_match.py`` ``set_training_weight``): ``y = exp(-2 ((t - 500) / 1000)^2)`` at each
+    level's timestep ``t = 1000 sigma``, less its least value on the grid, scaled to sum to ``N`` over the grid (mean
+    one), looked up at the nearest level."""
+    y = torch.exp(-2 * ((grid * 1000 - 500) / 1000) ** 2)
+    table = (y - y.min()) * (grid.shape[0] / (y - y.min()).sum())
+    return table[(grid[None, :] - sigma[:, None]).abs().argmin(dim=1)]
 
 
 def range_levels(grid: torch.Tensor, ranges: tuple[StepRange, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,8 +170,9 @@ class FinetuneRoles(Config):
 
 class Finetune(one_role.OneRoleConfig, tag="finetune"):
     """Knobs of fine-tuning: the timestep density, the loss form and the training grid's shift, beside the one-role
-    knobs (optimizer, gradient accumulation, EMA: ``fvx_methods.library.one_role.OneRoleConfig``). Defaults that
-    differ from FastVideo's are listed in docs/design.md."""
+    knobs (optimizer, gradient accumulation, EMA: ``fvx_methods.library.one_role.OneRoleConfig``). ``loss_weighting``:
+    ``bell`` weighs each sample's velocity loss by DiffSynth-Studio's weight of its timestep (:func:`bell_weight`;
+    its Wan recipes), ``none`` not. Defaults that differ from FastVideo's are listed in docs/design.md."""
 
     joint_models: ClassVar[bool] = True  # trains models that denoise several modalities together (MiniMax-H3)
 
@@ -168,6 +183,7 @@ class Finetune(one_role.OneRoleConfig, tag="finetune"):
     mode_scale: float = 1.0
     precondition_outputs: bool = False
     flow_shift: Annotated[float, msgspec.Meta(gt=0)] = 3.0
+    loss_weighting: Literal["none", "bell"] = "none"
 
     def build(self, models: Mapping[str, Model], *, total_steps: int, ranks: role.Ranks = role.ONE_PROCESS,
               before_update: role.BeforeUpdate | None = None) -> Program:
@@ -180,6 +196,9 @@ class Finetune(one_role.OneRoleConfig, tag="finetune"):
                              "noise levels with its own sampler (its family's); leave the weighting scheme unset")
         if model.rules.step_ranges:
             check_step_ranges(model, self)
+        if self.loss_weighting != "none" and model.joint:
+            raise ValueError(f"method.loss_weighting={self.loss_weighting}: model {model.name} trains several "
+                             "modalities together, each at its own level; leave it none")
         return one_role.program(self, model, total_steps=total_steps, ranks=ranks, before_update=before_update,
                                 loss=functools.partial(loss_fn, model=model, config=self), logged=logged,
                                 check=lambda batch: _check(batch, model, self.grad_accum),

@@ -407,6 +407,7 @@ def build(config: ModelConfig, *, mesh: Any = None) -> Model:
             for name in modalities},
         window_cond=(None if family.conditioning.window is None
                      else functools.partial(family.conditioning.window, config)),
+        lead_frames=family.forward.lead_frames,
     )
 
 

@@ -22,7 +22,7 @@ import torch
 
 from fvx_models import diffusers_folder as dfolder
 
-Part = str  # "text", "video", "first_frame", "image", "audio", "context", "decode": what an opened record can encode
+Part = str  # "text", "video", "first_frame", "image", "audio", "context", "animation", "decode": what a record encodes
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -117,6 +117,8 @@ class Encoders:
             return "it has no image-to-video encoding in fvx (no first-frame latents)"
         if "context" in parts and self.context is None:
             return "it takes no control context in fvx (VACE's control video, mask and reference images)"
+        if "animation" in parts and self.animation is None:
+            return "it takes no animation inputs in fvx (Wan-Animate's reference image, pose and face videos)"
         if "image" in parts and self.encode_image is None:
             return "it has no image encoder in fvx"
         if "audio" in parts and self.encode_audio is None:

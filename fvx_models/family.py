@@ -124,6 +124,8 @@ class Forward:
                                          family's KV cache and teacher-forcing layout)
     causal(config, apply, module) -> Causal   a block-causal family's streaming functions
                                          (``fvx_models.model.Causal``) over ``apply(..., call=)``
+    lead_frames                          latent frames in front of the video the DiT denoises and its pipeline drops
+                                         before decoding (Wan-Animate's reference slot)
     """
 
     inputs: Callable[..., dict[str, Any]]
@@ -133,6 +135,7 @@ class Forward:
     with_r: Callable[[Any, dict, torch.Tensor, torch.Tensor], dict] | None = None
     bind: Callable[[nn.Module, Any], Any] | None = None
     causal: Callable[[Any, Callable, nn.Module], Any] | None = None
+    lead_frames: int = 0
 
     def __post_init__(self) -> None:
         layouts.check(self.layout, "a family's forward")

@@ -268,6 +268,8 @@ class Model:
                                     window (``Family.conditioning.window``)
     causal                          a block-causal (streaming) model's extra functions (:class:`Causal`), else None;
                                     its ``apply`` then also takes one timestep per latent frame, ``t [B, T]``
+    lead_frames                     latent frames in front of the video that the model denoises and its pipeline
+                                    drops before decoding (Wan-Animate's reference slot): :meth:`denormalize` drops them
     memory_spec()                   an ``fvx.distributed.memory.ModelSpec`` from the meta skeleton (``--dry-run``)
     """
 
@@ -287,6 +289,7 @@ class Model:
     causal: Causal | None = None
     modalities: Mapping[str, LatentSpace] = dataclasses.field(default_factory=dict)
     window_cond: Callable[[Cond, int, int, torch.Tensor | None], dict[str, torch.Tensor]] | None = None
+    lead_frames: int = 0
 
     def dense(self) -> Model:
         """The model as a role that must see dense attention sees it (a VSA model's dense view; else itself)."""
@@ -311,9 +314,11 @@ class Model:
         return self.latents.normalize(latents)
 
     def denormalize(self, latents: Any) -> Any:
+        """The DiT's latents as a VAE decodes them: in its scale, the video's frames alone (``lead_frames``
+        dropped; a joint model's dict, modality by modality)."""
         if isinstance(latents, Mapping):
             return {name: self.modalities[name].denormalize(x) for name, x in latents.items()}
-        return self.latents.denormalize(latents)
+        return self.latents.denormalize(latents[:, :, self.lead_frames:])
 
     def load_negative(self, path: str, where: str) -> dict[str, torch.Tensor]:
         """The one-row cond of the negative-prompt file ``path`` (``where`` names the knob in errors)."""

@@ -32,6 +32,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, WanAnimateTransformer3DMo
 from torch import nn
 
 from fvx.core import random
+from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder, encoders as fencoders, wan
 from fvx_models.build import ModelConfig
 from fvx_models.family import Preset, require, skeleton_of
@@ -114,7 +115,7 @@ def cond_spec(config: ModelConfig) -> dict[str, tuple]:
     channels, size = config.spec.latents.channels, k["motion_encoder_size"]
     return {**wan.text_cond_spec(config), "image_embeds": ("N", k["image_dim"]),
             REFERENCE: (channels + MASK_CHANNELS, "T", "H", "W"), POSE: (channels, "Tp", "H", "W"),
-            FACE: (3, "F", size, size)}
+            FACE: (3, "Ff", size, size)}
 
 
 def cond_from_batch(config: ModelConfig, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -178,8 +179,14 @@ DIFFSYNTH_LORA_TARGETS = tuple(f"{attention}.{projection}" for attention in ("at
                                for projection in ("to_q", "to_k", "to_v", "to_out.0")) + ("ffn.net.0.proj", "ffn.net.2")
 
 
+# What one face adapter saves per video token (saved-tensor hooks, bf16: tests/fvx_models/test_wan_animate.py): its
+# norms in fp32, the query, attention and output in bf16; no FFN
+FACE_ADAPTER_ACTIVATIONS = memory.BlockActivations(fp32_dim=2.1, compute_dim=3.1, compute_ffn=0)
+
+
 def widths(config: ModelConfig) -> tuple[int, dict[str, tuple[int, int]]]:
-    return wan.widths(config)
+    dim, groups = wan.widths(config)
+    return dim, {**groups, "face_adapter": (dim, 0)}
 
 
 def original_name(name: str) -> str | None:
@@ -260,8 +267,10 @@ WAN_ANIMATE = wan.WAN.variant(
     presets=PRESETS,
     encoders=ENCODERS,
     architecture={"skeleton": skeleton, "init_rules": INIT_RULES, "widths": widths, "sequence_parallel": None,
-                  "derived": lambda config: {}},
-    forward={"inputs": inputs, "output": lambda config, out, x, t, cond: out[0], "with_r": None},
+                  "derived": lambda config: {},
+                  "unit_groups": {"blocks": ("blocks",), "face_adapter": ("face_adapter",)},
+                  "activations": {"blocks": wan.BLOCK_ACTIVATIONS, "face_adapter": FACE_ADAPTER_ACTIVATIONS}},
+    forward={"inputs": inputs, "output": lambda config, out, x, t, cond: out[0], "with_r": None, "lead_frames": 1},
     conditioning={"spec": cond_spec, "from_batch": cond_from_batch,
                   "data_keys": ("text", "text_mask", "image_embeds", *ANIMATE_COND),
                   "image": frozenset({"image_embeds", REFERENCE, POSE}), "blank": {FACE: blank_face}},

@@ -44,7 +44,7 @@ def collate(samples: list[dict], indices: list[int], *, text_len: int, cfg_rate:
     ``mouse`` [F, K] are stacked as stored, with ``action_stride`` (the VAE's time stride ``r``) checked to cover the
     kept latent frames: ``F >= (T - 1) r + 1``."""
     batch: dict[str, Any] = {}
-    for key in ("latents", "first_frame_latents", "vace_context"):
+    for key in ("latents", "first_frame_latents", "vace_context", "reference_latents"):
         if samples and key in samples[0]:
             _check_same(samples, key, lambda a: a.shape, "shape",
                         " (data of several shapes, e.g. preprocessed with buckets: set data.batch_by_shape=true)")
@@ -74,6 +74,7 @@ def collate(samples: list[dict], indices: list[int], *, text_len: int, cfg_rate:
     if having:
         _check_same(samples, "image_embeds", lambda a: a.shape, "shape")
         batch["image_embeds"] = torch.from_numpy(np.stack([s["image_embeds"] for s in samples]))
+    batch.update(_animation(samples, num_latent_t))
     for key in ("framepack_history", "frame_indices"):  # kind framepack's: a section's clean history, positions
         if samples and key in samples[0]:
             _check_same(samples, key, lambda a: a.shape, "shape")
@@ -111,6 +112,20 @@ def collate(samples: list[dict], indices: list[int], *, text_len: int, cfg_rate:
     if samples and "caption" in samples[0]:
         batch["caption"] = [s["caption"] for s in samples]
     return batch
+
+
+def _animation(samples: list[dict], num_latent_t: int | None) -> dict[str, torch.Tensor]:
+    """Kind animate's pose latents ``[B, C, T, H, W]`` and face video ``[B, 3, 4 (T - 1) + 1, S, S]`` (``T`` one less
+    than the latents' frames: the reference's slot), cut to ``num_latent_t - 1`` latent frames when given."""
+    out = {}
+    for key in ("pose_latents", "face_pixels"):
+        if samples and key in samples[0]:
+            _check_same(samples, key, lambda a: a.shape, "shape")
+            stacked = np.stack([s[key] for s in samples])
+            if num_latent_t is not None:
+                stacked = stacked[:, :, :num_latent_t - 1 if key == "pose_latents" else 4 * (num_latent_t - 2) + 1]
+            out[key] = torch.from_numpy(np.ascontiguousarray(stacked, dtype=np.float32))
+    return out
 
 
 def _actions(samples: list[dict], batch: dict[str, Any], stride: int | None) -> dict[str, torch.Tensor]:

@@ -18,6 +18,10 @@ Batch dict (torch tensors except ``caption``)::
     vace_context [B, C', T, H, W] float32  (kind "vace": vace_context, Wan VACE's control context over the latents'
                                             frames: inactive and reactive latents and the packed mask)
     framepack_history [B, C, 20, H, W]     (kind "framepack": a section's clean history, fvx.data.sections' layout)
+    reference_latents [B, C + 4, T, H, W]  (kind "animate": Wan-Animate's mask, reference frame and previous segment;
+                                            its latents' frame 0 is the reference image's, fvx_models.wan_animate)
+    pose_latents [B, C, T - 1, H, W]       (kind "animate": the pose video's latents)
+    face_pixels  [B, 3, 4 (T - 2) + 1, S, S]   (kind "animate": the face video in [-1, 1], stored as uint8)
     frame_indices [B, T + 20] float32      (kind "framepack": the RoPE time positions of the section and its history)
     audio_latents [B, 2, 32, A] float32    (kind "t2va": audio_latent, the stereo audio VAE's latents [C, F, A] as
                                             FastVideo's t2va preprocessing stores them; a stored leading 1 is
@@ -39,6 +43,7 @@ import functools
 from typing import Annotated, Any, Callable, Sequence
 
 import msgspec
+import numpy as np
 import torch
 
 from fvx.config import Config, validate
@@ -49,6 +54,7 @@ from fvx.data import sections as fsections
 from fvx.data.preprocess import PreprocessConfig
 from fvx.data.sections import SectionsConfig
 from fvx.data.toy_world import WorldConfig, extension_context, first_frame_only
+from fvx.data.toy_world_animate import MASK_CHANNELS
 from fvx.data.toy_world_actions import random_actions, world_dataset
 from fvx.data.toy_world_files import JudgedByWorld
 
@@ -65,7 +71,10 @@ class SyntheticConfig(Config):
     ``data.vae_time_stride`` (default 4, Wan's VAE). Kind "vace" makes the toy world's extension context
     (``toy_world.extension_context``: the first frame given) with ``vace_mask_channels`` mask channels (the VAE's
     spatial stride squared: 16 for the tiny Wan VAE). Kind "framepack" cuts sample ``i``'s latents into sections
-    (``data.sections``) and takes section ``i mod k``, with normal image features ``image_embeds`` (default (4, 16))."""
+    (``data.sections``) and takes section ``i mod k``, with normal image features ``image_embeds`` (default (4, 16)).
+    Kind "animate" (``latent_shape`` of at least 2 frames: the reference's, then the video's) gives the latents'
+    first frame as the reference (mask one), the other frames as pose latents, uniform face pixels in [-1, 1] of
+    ``face_size`` (the tiny preset's motion encoder: 8) and normal image features (default (4, 16))."""
 
     num_samples: PositiveInt = 64
     latent_shape: tuple[PositiveInt, PositiveInt, PositiveInt, PositiveInt] = (16, 1, 8, 8)
@@ -74,6 +83,7 @@ class SyntheticConfig(Config):
     image_embeds: tuple[PositiveInt, PositiveInt] | None = None
     audio_shape: tuple[PositiveInt, PositiveInt, PositiveInt] | None = None
     vace_mask_channels: PositiveInt = 16
+    face_size: PositiveInt = 8
 
 
 class DataConfig(Config):
@@ -99,7 +109,8 @@ class DataConfig(Config):
     (``(T - 1) r + 1`` rows); None checks only at least ``T`` rows.
     Kind "framepack" (FramePack's next-section prediction): samples are sections of clips, a window of latents
     with its clean history (``fvx.data.sections``); the toy world and synthetic clips are cut by ``sections``
-    (parquet data was cut by ``preprocess``, which reads it too).
+    (parquet data was cut by ``preprocess``, which reads it too). Kind "animate" (Wan-Animate's segments): latents
+    whose frame 0 is the reference image's, with its reference, pose and face inputs.
     ``prefetch``: batches computed ahead in a background thread (0 = synchronous).
     """
 
@@ -119,6 +130,9 @@ class DataConfig(Config):
     sections: SectionsConfig = SectionsConfig()
 
     def __post_init__(self) -> None:
+        if self.kind == "animate" and self.num_latent_t == 1:
+            raise ValueError("data.num_latent_t=1: kind 'animate' keeps at least 2 latent frames (the reference's, "
+                             "then the video's)")
         if self.kind == "matrixgame2" and self.cfg_rate > 0:
             raise ValueError(f"data.cfg_rate={self.cfg_rate}: data.kind='matrixgame2' has no text to drop (FastVideo's "
                              "Matrix-Game recipes use training_cfg_rate 0); set data.cfg_rate=0")
@@ -164,6 +178,9 @@ class SyntheticDataset:
         self.time_stride, self.sections = time_stride or 4, sections
         if kind == "framepack":
             fsections.check(config.latent_shape[1], sections, "data.synthetic.latent_shape")
+        if kind == "animate" and config.latent_shape[1] < 2:
+            raise ValueError(f"data.synthetic.latent_shape {list(config.latent_shape)}: kind 'animate' needs at least 2 "
+                             "latent frames (the reference's, then the video's)")
         if kind == "t2va" and config.audio_shape is None:
             raise ValueError("data.synthetic.audio_shape must be set, e.g. [2, 32, 8], for data.kind='t2va' "
                              "(synthetic audio latents [C, F, A])")
@@ -194,6 +211,10 @@ class SyntheticDataset:
             sample["vace_context"] = extension_context(sample["latents"], self.config.vace_mask_channels)
         if self.kind == "t2va":
             sample["audio_latents"] = random.normal(random.fold_in(latents_key, 2), self.config.audio_shape).numpy()
+        if self.kind == "animate":
+            sample.update(synthetic_animation(sample["latents"], self.config.face_size, random.fold_in(latents_key, 4)),
+                          image_embeds=random.normal(random.fold_in(latents_key, 1),
+                                                     self.config.image_embeds or (4, 16)).numpy())
         if self.kind == "framepack":  # section i mod k of the sample's clip, and normal image features
             parts = fsections.cut(torch.from_numpy(sample["latents"]), self.sections)
             part = parts[index % len(parts)]
@@ -209,5 +230,16 @@ class SyntheticDataset:
 
     def where(self, index: int) -> str:
         return f"synthetic sample {index}"
+
+
+def synthetic_animation(latents: Any, face_size: int, key: torch.Tensor) -> dict[str, Any]:
+    """Kind animate's inputs of synthetic latents ``[C, T + 1, H, W]``: the first frame as the given reference (mask
+    one; a first segment's zero latents after it), the other frames as the pose latents, uniform face pixels."""
+    channels, frames, height, width = latents.shape
+    reference = np.zeros((channels + MASK_CHANNELS, frames, height, width), dtype=np.float32)
+    reference[:MASK_CHANNELS, 0], reference[MASK_CHANNELS:, 0] = 1.0, latents[:, 0]
+    face = random.uniform(key, (3, 4 * (frames - 2) + 1, face_size, face_size), minval=-1.0, maxval=1.0)
+    return {"reference_latents": reference, "pose_latents": np.ascontiguousarray(latents[:, 1:]),
+            "face_pixels": face.numpy()}
 
 

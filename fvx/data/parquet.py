@@ -15,6 +15,11 @@ FastVideo schema) adds ``vace_context`` ``[C', T, H, W]``, the control context a
 Kind "framepack" (fvx's, for FramePack: one row per section, ``fvx.data.sections``) holds a section's ``vae_latent``
 ``[C, window, H, W]``, its clean ``framepack_history`` ``[C, 20, H, W]``, their RoPE positions ``frame_indices``
 ``[window + 20]``, and the clip's first frame's image-encoder features ``clip_feature`` ``[N, D]``.
+Kind "animate" (fvx's, for Wan-Animate: one row per segment, ``fvx_models.wan_animate``) holds ``vae_latent``
+``[C, T + 1, H, W]`` (the reference image's latent, then the segment's), the reference's ``clip_feature`` ``[N, D]``,
+``reference_latents`` ``[C + 4, T + 1, H, W]`` (the mask, the reference's and the previous segment's normalised
+latents), ``pose_latents`` ``[C, T, H, W]`` and ``face_pixels`` ``[3, 4 (T - 1) + 1, S, S]``, the one tensor stored
+as uint8 (face crops at the motion encoder's size; read as float32 in [-1, 1]).
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-Kind = Literal["t2v", "text_only", "i2v", "t2va", "matrixgame2", "vace", "framepack"]
+Kind = Literal["t2v", "text_only", "i2v", "t2va", "matrixgame2", "vace", "framepack", "animate"]
 
 # Tensor columns per kind: (parquet tensor name, batch key). Metadata columns follow FastVideo's schemas.
 _TENSORS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -44,7 +49,11 @@ _TENSORS: dict[str, tuple[tuple[str, str], ...]] = {
     "vace": (("vae_latent", "latents"), ("text_embedding", "text"), ("vace_context", "vace_context")),
     "framepack": (("vae_latent", "latents"), ("text_embedding", "text"), ("clip_feature", "image_embeds"),
                   ("framepack_history", "framepack_history"), ("frame_indices", "frame_indices")),
+    "animate": (("vae_latent", "latents"), ("text_embedding", "text"), ("clip_feature", "image_embeds"),
+                ("reference_latents", "reference_latents"), ("pose_latents", "pose_latents"),
+                ("face_pixels", "face_pixels")),
 }
+UINT8_TENSORS = ("face_pixels",)  # stored as uint8 pixels (4x smaller), read as float32 in [-1, 1]
 # Tensor columns a kind reads when every file has them and a sample's are not empty (FastVideo's I2V preprocessing
 # writes empty bytes for a model without an image encoder).
 # Matrix-Game's preprocessing writes empty mouse_cond bytes for keyboard-only action files.
@@ -57,7 +66,8 @@ _WRITE_ONLY: dict[str, tuple[tuple[str, str], ...]] = {"i2v": (("pil_image", "pi
                                                        "matrixgame2": (("pil_image", "pil_image"),)}
 _RANKS = {"latents": 4, "text": 2, "first_frame_latents": 4, "image_embeds": 2, "audio_latents": 3,
           "pil_image": 3, "keyboard": 2, "mouse": 2, "vace_context": 4,
-          "framepack_history": 4, "frame_indices": 1}  # stored dims
+          "framepack_history": 4, "frame_indices": 1, "reference_latents": 4, "pose_latents": 4,
+          "face_pixels": 4}  # stored dims
 ACTIONS = (("keyboard_cond", "keyboard"), ("mouse_cond", "mouse"))  # kind matrixgame2's (column, batch key)
 # fvx's one column beyond FastVideo's schema: a family's second text stream (HunyuanVideo 1.5's ByT5 glyph text),
 # [L2, D2] real tokens, written after FastVideo's columns when the encoders make it and read when data.text_2_len is set
@@ -69,7 +79,9 @@ _ORDER = {"t2v": ("vae_latent", "text_embedding"), "text_only": ("text_embedding
           "matrixgame2": ("vae_latent", "clip_feature", "first_frame_latent", "mouse_cond", "keyboard_cond",
                           "pil_image"),
           "vace": ("vae_latent", "text_embedding", "vace_context"),
-          "framepack": ("vae_latent", "text_embedding", "clip_feature", "framepack_history", "frame_indices")}
+          "framepack": ("vae_latent", "text_embedding", "clip_feature", "framepack_history", "frame_indices"),
+          "animate": ("vae_latent", "text_embedding", "clip_feature", "reference_latents", "pose_latents",
+                      "face_pixels")}
 _METADATA: dict[str, tuple[tuple[str, pa.DataType], ...]] = {
     "t2v": (
         ("file_name", pa.string()), ("caption", pa.string()), ("media_type", pa.string()), ("width", pa.int64()),
@@ -77,7 +89,8 @@ _METADATA: dict[str, tuple[tuple[str, pa.DataType], ...]] = {
     ),
     "text_only": (("caption", pa.string()),),
 }
-_METADATA["i2v"] = _METADATA["matrixgame2"] = _METADATA["vace"] = _METADATA["framepack"] = _METADATA["t2v"]
+for _kind in ("i2v", "matrixgame2", "vace", "framepack", "animate"):
+    _METADATA[_kind] = _METADATA["t2v"]
 _METADATA["t2va"] = _METADATA["t2v"] + (("audio_sample_rate", pa.int64()),)
 
 
@@ -327,18 +340,22 @@ def _is_int_list(dtype: pa.DataType) -> bool:
 
 
 def _decode(table: pa.Table, name: str, row: int, where: str) -> np.ndarray:
-    """Tensor ``name`` of ``row`` as a read-only float32 array of its stored shape (a view of the arrow buffer)."""
+    """Tensor ``name`` of ``row`` as a read-only float32 array of its stored shape (a view of the arrow buffer; a
+    :data:`UINT8_TENSORS` one as float32 in [-1, 1])."""
     data, shape = table.column(name + "_bytes")[row], table.column(name + "_shape")[row].as_py()
     if not data.is_valid or shape is None:
         raise DataError(f"{where}: {name}_bytes or {name}_shape is null")
     buffer = data.as_buffer()
     count = int(np.prod(shape, dtype=np.int64))
+    width, dtype = (1, "uint8") if name in UINT8_TENSORS else (4, "float32")
     if buffer.size == 0 and count != 0:
         raise DataError(f"{where}: {name}_bytes is empty (shape {shape}): the sample has no {name}")
-    if buffer.size != 4 * count or any(d < 0 for d in shape):
+    if buffer.size != width * count or any(d < 0 for d in shape):
         stored = table.column(name + "_dtype")[row].as_py() if name + "_dtype" in table.column_names else None
         raise DataError(f"{where}: {name}_bytes holds {buffer.size} bytes but {name}_shape {shape} needs "
-                         f"{4 * count} (float32" + (f"; stored dtype {stored!r}" if stored else "") + ")")
+                         f"{width * count} ({dtype}" + (f"; stored dtype {stored!r}" if stored else "") + ")")
+    if width == 1:
+        return np.frombuffer(buffer, dtype=np.uint8).reshape(shape).astype(np.float32) / 127.5 - 1.0
     return np.frombuffer(buffer, dtype=np.float32).reshape(shape)
 
 
@@ -372,8 +389,8 @@ def write_parquet(path: str | os.PathLike, samples: Sequence[dict[str, Any]], *,
     (``caption``, and except for text_only ``file_name, media_type, width, height, num_frames, duration_sec, fps``);
     i2v adds ``first_frame_latents`` [C, T, H, W] (and optional ``image_embeds`` [N, D] and ``pil_image``, uint8
     [3, H, W]); t2va adds ``audio_latents`` [C, F, A] (e.g. [2, 32, A]) and ``audio_sample_rate`` (a positive int,
-    Hz); any kind may add ``text_2`` [L2, D2] (:data:`SECOND_TEXT`). Tensors are stored as float32 (``pil_image`` as
-    uint8).
+    Hz); any kind may add ``text_2`` [L2, D2] (:data:`SECOND_TEXT`). Tensors are stored as float32 (``pil_image`` and
+    animate's ``face_pixels`` as uint8).
     Everything is checked before anything is written.
     """
     check_kind(kind)
@@ -441,9 +458,10 @@ def _as_array(sample: dict, key: str, ndim: int, number: int) -> np.ndarray:
     if key not in sample:
         raise ValueError(f"sample {number} has no {key!r} tensor")
     value = sample[key]
-    if key == "pil_image":
+    if key in ("pil_image", *UINT8_TENSORS):
         if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != ndim:
-            raise TypeError(f"sample {number}: 'pil_image' must be a uint8 tensor [3, H, W]")
+            shape = "[3, H, W]" if key == "pil_image" else "[3, F, S, S]"
+            raise TypeError(f"sample {number}: {key!r} must be a uint8 tensor {shape}")
         return value.detach().cpu().contiguous().numpy()
     if not isinstance(value, torch.Tensor) or not value.is_floating_point():
         raise TypeError(f"sample {number}: {key!r} must be a floating-point torch tensor, got {type(value).__name__}"

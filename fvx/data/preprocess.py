@@ -65,6 +65,7 @@ class PreprocessConfig(Config):
     samples_per_file: PositiveInt = 64
     buckets: tuple[tuple[PositiveInt, PositiveInt], ...] | None = None
     audio_rate: PositiveInt | None = None
+    face_size: PositiveInt = 512
 
 
 class Encoder(Protocol):
@@ -87,11 +88,14 @@ class Encoder(Protocol):
 
     def encode_references(self, references: list[torch.Tensor]) -> torch.Tensor: ...
 
+    def encode_animation(self, reference: torch.Tensor, pose: torch.Tensor, face: torch.Tensor,
+                         previous: torch.Tensor | None = None) -> dict[str, torch.Tensor]: ...
+
 
 @dataclasses.dataclass(frozen=True)
 class Input:
     """One input: its media file, caption (None: missing), name (its path from the input root), action file (kind
-    matrixgame2; None: none found) and control files (kind vace: ``"control"``, ``"mask"``, ``"ref"`` -> path)."""
+    matrixgame2; None: none found) and control files (:data:`CONTROL_FILES` of its kind: role -> path)."""
 
     path: pathlib.Path
     caption: str | None
@@ -100,7 +104,8 @@ class Input:
     control: dict[str, pathlib.Path] = dataclasses.field(default_factory=dict)
 
 
-CONTROL_FILES = ("control", "mask", "ref")  # kind vace's files beside a clip: clip.control.mp4, clip.mask.mp4, ...
+# the files beside a clip that kinds read, by role: clip.control.mp4, clip.mask.mp4, clip.ref.png; clip.pose.mp4, ...
+CONTROL_FILES = {"vace": ("control", "mask", "ref"), "animate": ("pose", "face", "ref")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,8 +129,9 @@ class Job:
 
 def find_inputs(root: pathlib.Path, kind: str = "t2v") -> list[Input]:
     """Every input under ``root`` in a fixed order (by name): FastVideo's merged layout when ``root`` holds
-    ``videos2caption.json`` (a caption list gives its first), else media files with ``<stem>.txt`` captions (for kind
-    "vace", but the control files beside them, :data:`CONTROL_FILES`, which each input gets; in either layout)."""
+    ``videos2caption.json`` (a caption list gives its first), else media files with ``<stem>.txt`` captions (for kinds
+    "vace" and "animate", but the control files beside them, :data:`CONTROL_FILES`, which each input gets; in either
+    layout)."""
     if not root.is_dir():
         raise ValueError(f"--videos {str(root)!r} is not a folder")
     listing = root / "videos2caption.json"
@@ -133,8 +139,8 @@ def find_inputs(root: pathlib.Path, kind: str = "t2v") -> list[Input]:
         return _merged_layout(root, listing, kind)
     found = sorted((p for p in root.rglob("*") if p.is_file() and media.is_media(p)),
                    key=lambda p: p.relative_to(root).as_posix())
-    if kind == "vace":
-        found = [p for p in found if pathlib.Path(p.stem).suffix[1:] not in CONTROL_FILES]
+    if kind in CONTROL_FILES:
+        found = [p for p in found if pathlib.Path(p.stem).suffix[1:] not in CONTROL_FILES[kind]]
     if not found:
         raise ValueError(f"--videos {str(root)!r} holds no videos or images ({', '.join(media.VIDEO_SUFFIXES)}, "
                          f"{', '.join(media.IMAGE_SUFFIXES)}) and no videos2caption.json")
@@ -144,15 +150,16 @@ def find_inputs(root: pathlib.Path, kind: str = "t2v") -> list[Input]:
         caption = text.read_text(encoding="utf-8", errors="replace").strip() if text.is_file() else None
         action = next((found for found in (path.with_suffix(".npz"), path.with_suffix(".npy")) if found.is_file()),
                       None)
-        control = {} if kind != "vace" else control_files(path)
+        control = control_files(path, kind)
         inputs.append(Input(path, caption, path.relative_to(root).as_posix(), action, control))
     return inputs
 
 
-def control_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
-    """The control files beside media file ``path`` (``<stem>.<role>.<ext>``, :data:`CONTROL_FILES`), by role."""
+def control_files(path: pathlib.Path, kind: str) -> dict[str, pathlib.Path]:
+    """The control files of ``kind`` beside media file ``path`` (``<stem>.<role>.<ext>``, :data:`CONTROL_FILES`), by
+    role."""
     found = {}
-    for role in CONTROL_FILES:
+    for role in CONTROL_FILES.get(kind, ()):
         named = sorted(p for p in path.parent.glob(f"{path.stem}.{role}.*") if p.is_file() and media.is_media(p))
         if named:
             found[role] = named[0]
@@ -225,7 +232,7 @@ def _merged_layout(root: pathlib.Path, listing: pathlib.Path, kind: str) -> list
         caption = cap.strip() if isinstance(cap, str) else None
         action, path = entry.get("action_path"), root / "videos" / entry["path"]
         inputs.append(Input(path, caption, entry["path"], root / "videos" / action if isinstance(action, str) and action
-                            else None, control_files(path) if kind == "vace" else {}))
+                            else None, control_files(path, kind)))
     return inputs
 
 
@@ -300,17 +307,23 @@ def check_action_files(job: Job, inputs: Sequence[Input]) -> None:
                                  f"data.preprocess.train_fps={job.config.train_fps}): one row per video frame")
 
 
-def check_control_files(inputs: Sequence[Input]) -> None:
-    """Kind vace, before anything is written: a ValueError naming the file unless every video has a control video
-    (``<stem>.control.<ext>``) and its mask and reference, when given, are a video and an image."""
+def check_control_files(inputs: Sequence[Input], kind: str) -> None:
+    """Kinds vace and animate, before anything is written: a ValueError naming the file unless every video has the
+    kind's required files (vace: a control video ``<stem>.control.<ext>``; animate: a pose video and a face video) and
+    each given one is a video, or an image for a reference."""
+    required = {"vace": ("control",), "animate": ("pose", "face")}[kind]
     for item in inputs:
         files, stem = item.control, item.path.with_suffix("").name
-        if "control" not in files:
-            raise ValueError(f"video {str(item.path)!r} has no control video (kind 'vace' reads '{stem}.control.mp4' "
-                             f"beside it, with an optional '{stem}.mask.mp4' and '{stem}.ref.png')")
-        for role, wants_image in (("control", False), ("mask", False), ("ref", True)):
-            if role in files and media.is_image(files[role]) != wants_image:
-                raise ValueError(f"{role} file {str(files[role])!r} must be {'an image' if wants_image else 'a video'}")
+        for role in required:
+            if role not in files:
+                given = " and ".join(f"'{stem}.{r}.mp4'" for r in required)
+                optional = {"vace": f"an optional '{stem}.mask.mp4' and '{stem}.ref.png'",
+                            "animate": f"an optional character image '{stem}.ref.png' (none: the clip's first frame)"}
+                raise ValueError(f"video {str(item.path)!r} has no {role} video (kind {kind!r} reads {given} beside "
+                                 f"it, with {optional[kind]})")
+        for role, path in files.items():
+            if media.is_image(path) != (role == "ref"):
+                raise ValueError(f"{role} file {str(path)!r} must be {'an image' if role == 'ref' else 'a video'}")
 
 
 # ------------------------------------------------------------------------------------------------------------ clips
@@ -406,6 +419,8 @@ def encode_media(job: Job, encoder: Encoder, item: Input) -> dict[str, Any]:
         row.update({name: torch.from_numpy(array[indices]) for name, array in actions.items()})
     if job.kind == "vace":
         row.update(encode_context(encoder, item, clip, indices, latents))
+    if job.kind == "animate":
+        row.update(encode_animation(job, encoder, item, clip, indices, latents))
     if job.kind == "t2va":
         row["audio_latents"] = encoder.encode_audio(sound, job.audio_rate)
         row["audio_sample_rate"] = job.audio_rate
@@ -443,6 +458,46 @@ def encode_context(encoder: Encoder, item: Input, clip: torch.Tensor, indices: l
     if refs:
         out["latents"] = torch.cat([encoder.encode_references(refs), latents], dim=1)
     return out
+
+
+def encode_animation(job: Job, encoder: Encoder, item: Input, clip: torch.Tensor, indices: list[int],
+                     latents: torch.Tensor) -> dict[str, Any]:
+    """Kind animate's tensors of one clip ``[3, F, H, W]`` (a first segment: no previous frames): its pose video
+    (cropped and resized as the clip), its face video (:func:`face_pixels` at ``data.preprocess.face_size``, held for
+    4 video frames a latent frame when the family's VAE packs fewer)
+    and its character image (``<stem>.ref.png``, cropped as the clip; none: the clip's first frame) through the
+    encoder's animation inputs; the latents with the reference's in front and its image features."""
+
+    def frames(role: str) -> np.ndarray:
+        try:
+            return media.read_frames(item.control[role], indices)
+        except media.MediaError as error:
+            raise media.MediaError(f"its {role} video {item.control[role].name!r}: {error}") from None
+
+    height, width = clip.shape[2:]
+    pose = media.resize_crop(frames("pose"), height, width)
+    face = hold(face_pixels(frames("face"), job.config.face_size), 4 // job.frame_step)
+    reference = (media.resize_crop(media.read_image(item.control["ref"]), height, width)[:, 0] if "ref" in item.control
+                 else clip[:, 0])
+    out = encoder.encode_animation(reference, pose, face)
+    return {"latents": torch.cat([out.pop("reference"), latents], dim=1), **out,
+            "image_embeds": encoder.encode_image((reference + 1) / 2)}
+
+
+def face_pixels(frames: np.ndarray, size: int) -> torch.Tensor:
+    """uint8 face frames ``[F, H0, W0, 3]`` as uint8 ``[3, F, size, size]``: resized whole (bilinear, antialiased; the
+    pipeline does not crop them either), unchanged when already that size (Wan-Animate's preprocessing makes 512)."""
+    video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
+    if tuple(video.shape[2:]) != (size, size):
+        video = torch.nn.functional.interpolate(video.float(), size=(size, size), mode="bilinear", antialias=True)
+        video = video.round().clamp(0, 255).to(torch.uint8)
+    return video.transpose(0, 1).contiguous()
+
+
+def hold(video: torch.Tensor, times: int) -> torch.Tensor:
+    """``video [C, F, H, W]`` with every frame after the first repeated ``times`` times (a face video for a VAE that
+    packs ``4 / times`` video frames a latent frame: the face encoder takes 4)."""
+    return torch.cat([video[:, :1], video[:, 1:].repeat_interleave(times, dim=1)], dim=1)
 
 
 def control_inputs(control: np.ndarray, mask: np.ndarray | None, reference: np.ndarray | None, height: int,

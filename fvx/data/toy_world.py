@@ -36,7 +36,9 @@ PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 
 COLOURS = {"red": (1.0, -1.0, -1.0), "green": (-1.0, 1.0, -1.0), "blue": (-1.0, -1.0, 1.0), "white": (1.0, 1.0, 1.0)}
 DIRECTIONS = {"right": (0, 1), "left": (0, -1), "down": (1, 0), "up": (-1, 0)}  # (rows, columns) per frame
-GIVEN_FIRST_FRAME = ("i2v", "vace")  # the data kinds whose samples continue a given first frame (continuation_mse)
+# the data kinds whose samples continue a given first frame, their own clips the truth (continuation_mse); animate's
+# follow a pose video from a reference frame
+GIVEN_FIRST_FRAME = ("i2v", "vace", "animate")
 HIT = 0.03  # a sample this close (pixel MSE) to a true clip of its prompt counts as a hit: blur and wrong motion miss
 
 
@@ -410,10 +412,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     write.add_argument("--frames", type=int, default=WorldConfig().frames,
                        help="frames a clip (default: %(default)s)")
     write.add_argument("--seed", type=int, default=0, help="draws the clips' phases (default: %(default)s)")
-    write.add_argument("--kind", choices=("t2v", "matrixgame2", "vace"), default="t2v", help=(
+    write.add_argument("--kind", choices=("t2v", "matrixgame2", "vace", "animate"), default="t2v", help=(
         "matrixgame2: the world with actions, each clip with its keys as a FastVideo action file <stem>.npz; vace: "
-        "each clip with the control video <stem>.control.mp4 and mask <stem>.mask.mp4 of VACE's extension task "
-        "(default: %(default)s)"))
+        "each clip with the control video <stem>.control.mp4 and mask <stem>.mask.mp4 of VACE's extension task; "
+        "animate: each clip with its pose video <stem>.pose.mp4 and face video <stem>.face.mp4 (default: "
+        "%(default)s)"))
     args = parser.parse_args(argv)
     for name in ("samples", "frames"):
         if getattr(args, name) <= 0:
@@ -423,7 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     names = write_videos(WorldConfig(num_samples=args.samples, frames=args.frames), args.dir, seed=args.seed,
                          kind=args.kind)
-    extra = {"matrixgame2": " and action files", "vace": " and control videos and masks"}.get(args.kind, "")
+    extra = {"matrixgame2": " and action files", "vace": " and control videos and masks",
+             "animate": " and pose and face videos"}.get(args.kind, "")
     print(f"wrote {len(names)} clips ({names[0]} ... {names[-1]}) with their captions{extra} to {args.dir}")
     return 0
 

@@ -27,6 +27,7 @@ from fvx.core import random
 from fvx.data.sections import SectionsConfig
 from fvx.data.toy_world import (COLOURS, DIRECTIONS, WorldConfig, WorldDataset, first_frame_only, space_to_depth,
                                 tokens_of_first_frame)
+from fvx.data.toy_world_animate import AnimateWorldDataset
 from fvx.data.toy_world_sections import SectionWorldDataset
 
 KEYS = ("up", "down", "left", "right")  # keyboard columns W, S, A, D (FastVideo's universal order)
@@ -148,9 +149,12 @@ class ActionWorldDataset(WorldDataset):
 def world_dataset(config: WorldConfig, key: torch.Tensor, *, kind: str, collate: Callable[..., dict],
                   sections: SectionsConfig | None = None) -> WorldDataset:
     """The toy world of data ``kind``: with actions (:class:`ActionWorldDataset`) for kind "matrixgame2", cut into
-    ``sections`` (``fvx.data.toy_world_sections``) for kind "framepack"."""
+    ``sections`` (``fvx.data.toy_world_sections``) for kind "framepack", animated (``fvx.data.toy_world_animate``)
+    for kind "animate"."""
     if kind == "framepack":
         return SectionWorldDataset(config, key, kind=kind, collate=collate, sections=sections or SectionsConfig())
+    if kind == "animate":
+        return AnimateWorldDataset(config, key, kind=kind, collate=collate)
     world = ActionWorldDataset if kind == "matrixgame2" else WorldDataset
     return world(config, key, kind=kind, collate=collate)
 

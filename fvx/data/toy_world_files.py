@@ -15,6 +15,7 @@ from fvx.core import random
 from fvx.data import media, toy_world_actions
 from fvx.data.toy_world import (GIVEN_FIRST_FRAME, Codec, WorldConfig, WorldDataset, caption, first_frame_only,
                                 space_to_depth, tokens_of_first_frame)
+from fvx.data.toy_world_animate import MASK_CHANNELS, pose_video
 from fvx.data.toy_world_sections import section_quality
 
 
@@ -58,7 +59,8 @@ class JudgedByWorld:
         except ValueError as error:
             raise ValueError(f"validation: {error} (data.world=null turns it off)") from None
         if self.world.kind in GIVEN_FIRST_FRAME:  # continued from the files' first frames: their clips are the truth
-            truth = Codec(self.world.config.factor).decode(batch["latents"])
+            latents = batch["latents"][:, :, 1:] if self.world.kind == "animate" else batch["latents"]  # no reference
+            truth = Codec(self.world.config.factor).decode(latents)
             quality["continuation_mse"] = float(((videos.float() - truth) ** 2).mean())
         return quality
 
@@ -99,9 +101,9 @@ class WorldEncoders:
         return torch.from_numpy(first_frame_only(space_to_depth(video.float().numpy(), self.config.factor)))
 
     def encode_image(self, frame: torch.Tensor) -> torch.Tensor | None:
-        """None, or for kinds "matrixgame2" and "framepack" the latent tokens ``[h w, 3 f^2]`` of ``frame [3, H, W]``
-        in [0, 1]."""
-        if self.kind not in ("matrixgame2", "framepack"):
+        """None, or for kinds "matrixgame2", "framepack" and "animate" the latent tokens ``[h w, 3 f^2]`` of ``frame
+        [3, H, W]`` in [0, 1]."""
+        if self.kind not in ("matrixgame2", "framepack", "animate"):
             return None
         latents = space_to_depth(2 * frame.float()[:, None].numpy() - 1, self.config.factor)
         return torch.from_numpy(tokens_of_first_frame(latents))
@@ -127,6 +129,20 @@ class WorldEncoders:
     def encode_references(self, references: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat([self.encode_video(image[:, None]) for image in reversed(references)], dim=1)  # the last first
 
+    def encode_animation(self, reference: torch.Tensor, pose: torch.Tensor, face: torch.Tensor,
+                         previous: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Kind "animate"'s inputs through the codec (``fvx.data.toy_world_animate``'s layout): the reference frame
+        (mask one) then zeros, the pose video's latents, the face pixels as given; a first segment only."""
+        if previous is not None:
+            raise ValueError("the toy world's animation files are first segments (no previous frames)")
+        latent = self.encode_video(reference.float()[:, None])
+        frames = pose.shape[1]
+        mask = torch.zeros(MASK_CHANNELS, frames + 1, *latent.shape[2:])
+        mask[:, 0] = 1
+        given = torch.cat([latent, torch.zeros(latent.shape[0], frames, *latent.shape[2:])], dim=1)
+        return {"reference_latents": torch.cat([mask, given]), "pose_latents": self.encode_video(pose.float()),
+                "face_pixels": face, "reference": latent}
+
 
 def write_videos(config: WorldConfig, folder: str, seed: int = 0, kind: str = "t2v") -> list[str]:
     """Write the world's ``num_samples`` clips as lossless mp4 files (RGB H.264, ``fps``) with caption files
@@ -135,7 +151,9 @@ def write_videos(config: WorldConfig, folder: str, seed: int = 0, kind: str = "t
     actions and each clip's ``keyboard [T, 4]`` and ``mouse [T, 2]`` as its action file ``world_NNNNN.npz``; kind "vace"
     each clip's control video of VACE's extension task (the world's kind "vace" samples): ``world_NNNNN.control.mp4``
     its first frame then grey frames (8-bit grey, 128) and ``world_NNNNN.mask.mp4`` black on the first frame (kept),
-    white after (to be made)."""
+    white after (to be made); kind "animate" each clip's pose video ``world_NNNNN.pose.mp4`` (its bars in white) and
+    face video ``world_NNNNN.face.mp4`` (the clip itself; preprocessing holds its frames for the face encoder), the
+    world's kind "animate" samples (``fvx.data.toy_world_animate``)."""
     out = pathlib.Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     world = toy_world_actions.world_dataset(config, random.key(seed), kind=kind, collate=lambda samples, indices: {})
@@ -156,5 +174,9 @@ def write_videos(config: WorldConfig, folder: str, seed: int = 0, kind: str = "t
             control[:, 0], mask[:, 0] = pixels[:, 0], 0
             media.write_video(out / f"{name}.control.mp4", control.transpose(1, 2, 3, 0), config.fps)
             media.write_video(out / f"{name}.mask.mp4", mask.transpose(1, 2, 3, 0), config.fps)
+        if kind == "animate":
+            pose = ((pose_video(world.clip(index)) + 1) * 127.5).round().astype(np.uint8)
+            media.write_video(out / f"{name}.pose.mp4", pose.transpose(1, 2, 3, 0), config.fps)
+            media.write_video(out / f"{name}.face.mp4", pixels.transpose(1, 2, 3, 0), config.fps)
         names.append(f"{name}.mp4")
     return names

@@ -85,7 +85,7 @@ def check_models(config: Any, models: Mapping[str, Any]) -> None:
     check_cfg_dropout(config, models)
     check_image_input(config, models)
     check_action_input(config, models)
-    check_context_input(config, models)
+    check_kind_inputs(config, models)
     check_own_schedule(config, models)
     method_check = getattr(config.method, "check_models", None)
     if method_check is not None:
@@ -151,23 +151,25 @@ def check_action_input(config: Any, models: Mapping[str, Any]) -> None:
                               f"which data.kind={kind} does not give; use data.kind=i2v")
 
 
-CONTEXT_INPUT, CONTEXT_KIND = "vace_context", "vace"  # the tensor data.kind=vace adds: a control context per clip
+KIND_INPUTS = {"vace": ("vace_context", "a control context per clip"),
+               "animate": ("pose_latents", "a reference image and pose and face videos per segment")}
+"""The data kinds that give a family's own inputs: kind -> (the tensor a model reads them by, what they are)."""
 
 
-def check_context_input(config: Any, models: Mapping[str, Any]) -> None:
-    """A ConfigError when control contexts and models disagree: data with a control context per clip
-    (``data.kind=vace``) for a model that reads none (it would train text-to-video, the context unread), or a model
-    that reads one from data that gives none."""
+def check_kind_inputs(config: Any, models: Mapping[str, Any]) -> None:
+    """A ConfigError when a kind's own inputs (:data:`KIND_INPUTS`: VACE's control context, Wan-Animate's pose) and
+    the models disagree: such data for a model that reads none (it would train without them), or a model that reads
+    them from data that gives none."""
     kind = config.data.kind
     for name, model in models.items():
-        reads = CONTEXT_INPUT in model.cond
-        if kind == CONTEXT_KIND and not reads:
-            raise ConfigError(f"data.kind={CONTEXT_KIND} gives a control context per clip, but models.{name} "
-                              f"({model.name}) reads none (it would train text-to-video, the context unread); use a "
-                              f"model whose cond reads one ({CONTEXT_INPUT!r})")
-        if reads and kind != CONTEXT_KIND:
-            raise ConfigError(f"models.{name} ({model.name}) reads a control context per clip, which "
-                              f"data.kind={kind} does not give; use data.kind={CONTEXT_KIND}")
+        for own_kind, (tensor, what) in KIND_INPUTS.items():
+            reads = tensor in model.cond
+            if kind == own_kind and not reads:
+                raise ConfigError(f"data.kind={own_kind} gives {what}, but models.{name} ({model.name}) reads none "
+                                  f"(it would train without them); use a model whose cond reads them ({tensor!r})")
+            if reads and kind != own_kind:
+                raise ConfigError(f"models.{name} ({model.name}) reads {what}, which data.kind={kind} does not give; "
+                                  f"use data.kind={own_kind}")
 
 
 def check_own_schedule(config: Any, models: Mapping[str, Any]) -> None:

@@ -95,9 +95,9 @@ def prompt_encoder(config: Any, role: str, base: str | None, kind: str) -> Calla
     """The factory of the encoders ``sample`` needs for ``role`` (:func:`encoder_source`) under data ``kind``: the
     text encoder, and the first-frame and image encoders of an image-to-video model (alone for a model without
     text); a model that makes a video a section at a time from its first frame (kind framepack) also encodes that
-    frame with the VAE."""
-    parts = tuple(part for part in parts_of(kind) if part not in ("video", "audio") or (kind, part) == ("framepack",
-                                                                                                       "video"))
+    frame with the VAE, and an animation model (kind animate) its character, pose and face videos."""
+    parts = tuple(part for part in parts_of(kind) if part not in ("video", "audio") or (kind, part) in (
+        ("framepack", "video"), ("animate", "video")))
     return encoder_source(config, parts, role=role, base=base)[1]
 
 
@@ -132,7 +132,7 @@ def parts_of(kind: str) -> tuple[str, ...]:
     return {"t2v": ("text", "video"), "i2v": ("text", "video", "first_frame", "image"),
             "t2va": ("text", "video", "audio"), "text_only": ("text",),
             "matrixgame2": ("video", "first_frame", "image"), "vace": ("text", "video", "context"),
-            "framepack": ("text", "video", "image")}[kind]
+            "framepack": ("text", "video", "image"), "animate": ("text", "video", "animation", "image")}[kind]
 
 
 def job_of(config: Any) -> tuple[preprocess.Job, Callable[[], Any]]:
@@ -161,6 +161,13 @@ def job_of(config: Any) -> tuple[preprocess.Job, Callable[[], Any]]:
         audio_rate = cut.audio_rate
         if audio_rate is None:
             raise ValueError("data.kind='t2va' needs data.preprocess.audio_rate (the audio VAE's sample rate, Hz)")
+    if data.kind == "animate":  # the face video at the size the model's motion encoder reads
+        role, model_config = model_role(config)
+        face = model_config.family.conditioning.spec(model_config).get("face_pixels")
+        if face is not None and face[2] != cut.face_size:
+            raise ValueError(f"data.preprocess.face_size={cut.face_size}, but models.{role} ({model_config.family.name}:"
+                             f"{model_config.preset}) reads {face[2]} x {face[2]} face videos; set "
+                             f"data.preprocess.face_size={face[2]}")
     sections = None
     if data.kind == "framepack":  # clips become sections: the cut must hold one
         sections = data.sections
@@ -185,8 +192,8 @@ def run_preprocess(config: Any, videos: str, out: str, *, progress: bool) -> dic
     inputs = preprocess.find_prompts(source) if job.kind == "text_only" else preprocess.find_inputs(source, job.kind)
     if job.kind == "matrixgame2":  # every video's action file, before anything is written
         preprocess.check_action_files(job, inputs)
-    if job.kind == "vace":  # every video's control video
-        preprocess.check_control_files(inputs)
+    if job.kind in preprocess.CONTROL_FILES:  # every video's control video (vace), pose and face videos (animate)
+        preprocess.check_control_files(inputs, job.kind)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     folder = pathlib.Path(out)
     job = dataclasses.replace(job, identity={**job.identity, "inputs": str(pathlib.Path(videos).resolve()),

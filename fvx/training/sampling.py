@@ -37,6 +37,7 @@ ACTIONS_KIND = "matrixgame2"  # the data kind whose videos are steered by per-fr
 IMAGE_KINDS = ("i2v", ACTIONS_KIND)  # the data kinds whose videos start from a given first frame
 CONTROL_KIND = "vace"  # the data kind whose videos follow a control video (its mask, a reference image)
 SECTIONS_KIND = "framepack"  # the data kind whose videos are made a section at a time (FramePack, Helios)
+ANIMATE_KIND = "animate"  # the data kind whose videos animate a character image by pose and face videos (Wan-Animate)
 
 
 class Request(NamedTuple):
@@ -70,6 +71,8 @@ class Request(NamedTuple):
     control: str | None = None  # a VACE model's control video (data.kind=vace), its mask and reference image
     mask: str | None = None
     reference: str | None = None
+    pose: str | None = None  # a Wan-Animate model's pose and face videos (data.kind=animate), its character --image
+    face: str | None = None
     gif: bool = False
     scale: int = 1
     fps: float | None = None
@@ -188,7 +191,7 @@ def latent_shape(config: Any, model: Any, request: Request) -> tuple[int, int, i
         if request.frames < 1 or (request.frames - 1) % stride_t:
             raise ValueError(f"--frames {request.frames}: {model.name} makes 1 + {stride_t} k frames "
                              f"(its VAE's {stride_t}x temporal compression), e.g. {1 + stride_t * max(1, frames - 1)}")
-        frames = (request.frames - 1) // stride_t + 1
+        frames = (request.frames - 1) // stride_t + 1 + model.lead_frames  # the reference's slot in front
     for flag, value, stride, patch in (("--height", request.height, stride_h, model.patch_size[1]),
                                        ("--width", request.width, stride_w, model.patch_size[2])):
         if value is not None and (value < 1 or value % (stride * patch)):
@@ -368,13 +371,13 @@ def read_actions(path: str | None, kind: str, model: Any, frames: int) -> dict[s
 
 def read_first_frame(path: str | None, kind: str, model: Any) -> Any:
     """The ``--image`` file as uint8 ``[1, H, W, 3]``; a ValueError when it is missing for an image-to-video model
-    (the run's data ``kind`` one of :data:`IMAGE_KINDS`, or sections of a model that reads the start image's
-    features: FramePack), given to another one, or does not decode."""
-    from_image = kind in IMAGE_KINDS or (kind == SECTIONS_KIND and "image_embeds" in model.cond)
+    (the run's data ``kind`` one of :data:`IMAGE_KINDS`, sections of a model that reads the start image's features:
+    FramePack, or an animation's character), given to another one, or does not decode."""
+    from_image = kind in (*IMAGE_KINDS, ANIMATE_KIND) or (kind == SECTIONS_KIND and "image_embeds" in model.cond)
     if path is None:
         if from_image:
             raise ValueError(f"sample: {model.name} makes videos from an image (the run's data.kind={kind}): give "
-                             "--image")
+                             "--image" + (" (the character to animate)" if kind == ANIMATE_KIND else ""))
         return None
     if not from_image:
         raise ValueError(f"--image: {model.name} makes videos from text only (the run's data.kind={kind}); drop "
@@ -415,6 +418,49 @@ def read_control(request: Request, kind: str, model: Any, frames: int) -> dict[s
             takes = "" if name == "reference" else f" (the video takes its first {frames} frames)"
             raise ValueError(f"--{name} {path!r}: {error}{takes}") from None
     return read
+
+
+def read_animation(request: Request, kind: str, model: Any, frames: int) -> dict[str, Any] | None:
+    """The ``--pose`` and ``--face`` videos' first ``frames`` frames (uint8 ``[F, H, W, 3]``); a ValueError when
+    either is missing for an animation model (the run's data ``kind`` is :data:`ANIMATE_KIND`), given to another
+    model, or does not exist, decode or reach ``frames`` frames."""
+    given = {"pose": request.pose, "face": request.face}
+    if kind != ANIMATE_KIND:
+        extra = [f"--{name}" for name, path in given.items() if path is not None]
+        if extra:
+            raise ValueError(f"{extra[0]}: {model.name} animates no character (the run's data.kind={kind}); drop "
+                             f"{' '.join(extra)}")
+        return None
+    missing = [f"--{name} VIDEO" for name, path in given.items() if path is None]
+    if missing:
+        raise ValueError(f"sample: {model.name} animates the --image character by a pose and a face video (the run's "
+                         f"data.kind={kind}): give {' and '.join(missing)}")
+    read = {}
+    for name, path in given.items():
+        if not pathlib.Path(path).is_file():
+            raise ValueError(f"--{name} {path!r} does not exist")
+        try:
+            read[name] = media.read_frames(pathlib.Path(path), range(frames))
+        except media.MediaError as error:
+            raise ValueError(f"--{name} {path!r}: {error} (the video takes its first {frames} frames)") from None
+    return read
+
+
+def animation_condition(encoder: Any, image: Any, animation: dict[str, Any], shape: tuple[int, int, int, int],
+                        model: Any) -> dict[str, Any]:
+    """An animation model's condition as preprocessing stores it (``preprocess.encode_animation``, a first segment):
+    the character image and pose video at the video's pixel size (``shape``'s latents, the reference's slot in
+    front), the face video at the size the model reads, through the encoder's animation inputs, and the character's
+    image features; the face pixels in [-1, 1] as the data reads them."""
+    stride_t, stride_h, stride_w = model.latents.vae_stride
+    face_size = model.cond["face_pixels"][2]
+    height, width = shape[2] * stride_h, shape[3] * stride_w
+    reference = media.resize_crop(image, height, width)[:, 0]
+    face = preprocess.hold(preprocess.face_pixels(animation["face"], face_size), 4 // stride_t)
+    out = encoder.encode_animation(reference, media.resize_crop(animation["pose"], height, width), face)
+    return {"reference_latents": out["reference_latents"].numpy(), "pose_latents": out["pose_latents"].numpy(),
+            "face_pixels": (out["face_pixels"].float() / 127.5 - 1).numpy(),
+            "image_embeds": encoder.encode_image((reference + 1) / 2).numpy()}
 
 
 def control_condition(encoder: Any, control: dict[str, Any], shape: tuple[int, int, int, int],
@@ -590,6 +636,8 @@ def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
         shape = section_shape(config, model, shape, request.frames)
     acts = read_actions(request.actions, config.data.kind, model, _video_frames(model, shape))
     control = read_control(request, config.data.kind, model, _video_frames(model, shape))
+    animation = read_animation(request, config.data.kind, model, _video_frames(model, shape))
+    control = control if animation is None else animation
     front = int(control is not None and "reference" in control)
     shape = (shape[0], shape[1] + front, *shape[2:]) if front else shape
     if acts is not None and request.negative_prompt is not None:
@@ -633,7 +681,9 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
     elif p.image is not None:
         given = image_condition(encoder, p.image, _video_shape(p.shape), p.model)
     given = given if p.actions is None else {**given, **p.actions}
-    if p.control is not None:
+    if p.control is not None and config.data.kind == ANIMATE_KIND:
+        given = animation_condition(encoder, p.image, p.control, _video_shape(p.shape), p.model)
+    elif p.control is not None:
         given = control_condition(encoder, p.control, _video_shape(p.shape), p.model)
     cond = tree.to_device(encoded_cond(config, p.model, encoder, request.prompts, given), device)
     uncond = _uncond(config, p.model, encoder, request.negative_prompt, p.vcfg, device)
@@ -699,8 +749,9 @@ def decoded(model: Any, decoder: Callable[[torch.Tensor], torch.Tensor], sound: 
 
 
 def _video_frames(model: Any, shape: Any) -> int:
-    """The video frames of latents ``shape``: ``1 + r (T - 1)`` at the VAE's time stride ``r``."""
-    return 1 + model.latents.vae_stride[0] * (_video_shape(shape)[1] - 1)
+    """The video frames of latents ``shape``: ``1 + r (T - 1)`` at the VAE's time stride ``r`` (``T`` without the
+    model's lead frames: Wan-Animate's reference slot)."""
+    return 1 + model.latents.vae_stride[0] * (_video_shape(shape)[1] - model.lead_frames - 1)
 
 
 def _video_shape(shape: Any) -> tuple[int, int, int, int]:

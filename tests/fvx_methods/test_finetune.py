@@ -1,10 +1,11 @@
 """fvx_methods.finetune: the loss against a hand computation of spec §2.1, determinism, accumulation, overfitting."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from fvx.core import random, role, state as fstate
+from fvx.core import flow, random, role, state as fstate
 from fvx.core.optim_config import AdamWConfig
 from fvx.training.validation import ValidationConfig
 from fvx_methods import finetune
@@ -42,7 +43,11 @@ def hand_loss(model, params, batch, key, config):
         cond = {name: t[b:b + 1] for name, t in batch["cond"].items()}
         v = model.apply(params, x_t[None], torch.tensor([1000 * sigma], dtype=torch.float32), cond)[0]
         residual = (x_t - sigma * v - x0[b]) if config.precondition_outputs else (v - (noise - x0[b]))
-        losses.append(residual.pow(2).mean())
+        weight = 1.0
+        if config.loss_weighting == "bell":  # DiffSynth-Studio's weight of level i (the test below checks the table)
+            weight = float(finetune.bell_weight(torch.tensor([sigma], dtype=torch.float32),
+                                                flow.training_sigmas(SHIFT))[0])
+        losses.append(weight * residual.pow(2).mean())
     return torch.stack(losses).mean()
 
 
@@ -56,6 +61,13 @@ def test_loss_equals_hand_computation(model, params, density, precondition):
     expected = hand_loss(model, params, batch, key, config)
     torch.testing.assert_close(loss, expected, rtol=2e-6, atol=0)
     assert aux["sigma"].shape == ()
+
+
+def test_the_bell_weighted_loss_equals_hand_computation(model, params):
+    config = finetune.Finetune(flow_shift=SHIFT, loss_weighting="bell")
+    batch, key = make_batch(), random.key(12)
+    loss, _ = finetune.loss_fn(params, batch, key, model=model, config=config)
+    torch.testing.assert_close(loss, hand_loss(model, params, batch, key, config), rtol=2e-6, atol=0)
 
 
 def test_loss_is_a_function_of_the_key(model, params):
@@ -180,3 +192,17 @@ def test_a_frozen_expert_is_a_frozen_argument_never_trained_or_saved():
     (sampler,) = program.validate(state, frozen, ValidationConfig(num_steps=2))
     assert sorted(sampler.params) == sorted([*kept, *before])
     assert sampler.params["transformer.proj_out.weight"] is base["transformer.proj_out.weight"]
+
+
+def test_the_bell_loss_weight_is_diffsynth_studios_training_weight():
+    """``loss_weighting=bell``: DiffSynth-Studio's ``set_training_weight`` on its Wan training grid (1000 levels,
+    ``linspace(1, 0, 1001)[:-1]`` shifted by 5), computed here in numpy: the weight of each level, mean one."""
+    grid = flow.training_sigmas(5.0)
+    u = np.linspace(1, 0, 1001)[:-1]
+    sigmas = 5 * u / (1 + 4 * u)
+    y = np.exp(-2 * ((sigmas * 1000 - 500) / 1000) ** 2)
+    want = (y - y.min()) * (1000 / (y - y.min()).sum())
+    levels = torch.tensor([0, 1, 250, 500, 999])
+    got = finetune.bell_weight(grid[levels], grid)
+    np.testing.assert_allclose(got.numpy(), want[levels.numpy()], rtol=1e-5, atol=1e-6)
+    assert abs(float(finetune.bell_weight(grid, grid).mean()) - 1.0) < 1e-5

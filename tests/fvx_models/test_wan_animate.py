@@ -4,6 +4,8 @@ Its forward against the diffusers module as WanAnimatePipeline calls it (two lat
 frames), the guidance unconditional, the inputs as the pipeline encodes them, the released preset, LoRA files, and
 the one-line refusals of a missing or misshapen input."""
 import inspect
+import pathlib
+import sys
 
 import pytest
 import torch
@@ -14,9 +16,12 @@ from safetensors.torch import load_file
 import encoder_checks
 import tiny_wan_pipeline
 from fvx.core import random, role
+from fvx.distributed import memory
 from fvx_models import lora, lora_files, wan_animate, wan_vae
 from fvx_models.wan_animate import WanAnimateConfig
 
+sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "bench"))
+from activations import saved_per_group  # noqa: E402
 from family_cases import CASES, animate_native, inputs, native_modules, raw_batch  # noqa: E402
 
 
@@ -54,6 +59,20 @@ def test_a_segment_of_four_latent_frames_equals_the_pipelines_call(tiny):
     torch.testing.assert_close(model.apply(params, x, t, cond), want, rtol=1e-5, atol=1e-5)
     moved = {**cond, "face_pixels": cond["face_pixels"].flip(2)}  # the face's motion changes the output
     assert not torch.allclose(model.apply(params, x, t, moved), want, atol=1e-4)
+
+
+def test_the_face_adapters_are_a_unit_group_whose_activation_figures_match_what_one_saves():
+    """``compile=blocks`` compiles each face adapter as a unit, and ``--dry-run`` counts what one saves per video
+    token: its figures against saved-tensor hooks on the first (bf16; Wan's blocks are Wan's own test's)."""
+    config = WanAnimateConfig()
+    model = config.build()
+    spec = WanAnimateConfig(compute_dtype="bf16").build().memory_spec()
+    x, t, cond = inputs(model, random.key(1), frames=4, size=32, text_len=8)
+    fp32, half, tokens = saved_per_group(config, x, t, cond)["face_adapter"]
+    group = next(group for group in spec.groups if group.name == "face_adapter")
+    assert group.count == 2 and group.saved == wan_animate.FACE_ADAPTER_ACTIVATIONS
+    estimate = memory.block_activation_bytes(group, tokens, compute_bytes=2)
+    assert abs(estimate - (fp32 + half)) <= 0.05 * (fp32 + half), (estimate, fp32 + half)
 
 
 def test_the_unconditional_blanks_the_face_and_keeps_pose_reference_and_image(tiny):

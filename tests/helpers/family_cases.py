@@ -439,7 +439,7 @@ def inputs(model, key: torch.Tensor, *, batch: int = 2, frames: int = 2, size: i
     cond = {}
     for i, (name, shape) in enumerate(model.cond.items()):
         dims = tuple({"L": text_len, "T": frames, "H": size, "W": size, "N": 3, "P": frames + 20,
-                      "Tp": frames - 1, "F": 4 * (frames - 2) + 1}.get(s, s) for s in shape)
+                      "Tp": frames - 1, "Ff": 4 * (frames - 2) + 1}.get(s, s) for s in shape)
         if name == "frame_indices":  # a section's positions (fvx.data.sections' vanilla layout)
             layout = sections.SectionsConfig(window=frames, order="vanilla")
             cond[name] = sections.cut(torch.zeros(1, frames + 1, 1, 1), layout)[0]["frame_indices"].expand(batch, -1)

@@ -45,3 +45,39 @@ def test_config_ranges_are_checked(field, value):
         validate(data.DataConfig(**{field: value}))
     with pytest.raises(ConfigError, match="latent_shape"):
         validate(data.DataConfig(synthetic=data.SyntheticConfig(latent_shape=(16, 0, 8, 8))))
+
+
+def test_the_toy_worlds_animate_samples_follow_a_white_pose_from_the_first_frame():
+    """Kind animate: the latents are the reference (the clip's first frame) then the clip; the reference latents give
+    it with mask one then a first segment's zeros; the pose is the clip's bars in white; the face the clip with each
+    frame after the first held for 4; scored against the sample's own clip."""
+    from fvx.data.toy_world import WorldConfig, space_to_depth
+
+    dataset = data.open_dataset(data.DataConfig(kind="animate", world=WorldConfig(), text_len=4), random.key(0))
+    batch, clip = dataset.read([3]), torch.from_numpy(dataset.clip(3))
+    latents = space_to_depth(clip, 8)
+    assert torch.equal(batch["latents"][0], torch.cat([latents[:, :1], latents], dim=1))
+    reference = batch["reference_latents"][0]
+    assert reference[:4, 0].eq(1).all() and not reference[:4, 1:].any() and not reference[4:, 1:].any()
+    assert torch.equal(reference[4:, :1], latents[:, :1])
+    white = torch.where((clip > -1).any(0, keepdim=True), 1.0, -1.0).expand(3, -1, -1, -1)
+    assert torch.equal(batch["pose_latents"][0], space_to_depth(white, 8))
+    face = batch["face_pixels"][0]
+    assert face.shape == (3, 13, 16, 16) and torch.equal(face[:, 0], clip[:, 0])
+    assert all(torch.equal(face[:, 4 * (t - 1) + 1 + k], clip[:, t]) for t in range(1, 4) for k in range(4))
+    assert dataset.sample_quality(clip[None] / 2 + 0.5, [3])["continuation_mse"] == 0.0
+
+
+def test_synthetic_animate_samples_fit_the_tiny_wan_animate():
+    from fvx_models.wan_animate import WanAnimateConfig
+
+    config = data.DataConfig(kind="animate", text_len=8, synthetic=data.SyntheticConfig(
+        num_samples=4, latent_shape=(16, 3, 4, 4), image_embeds=(4, 16)))
+    model = WanAnimateConfig().build()
+    batch = model.batch(data.open_dataset(config, random.key(0)).read([0, 1]))
+    assert batch["cond"]["face_pixels"].shape == (2, 3, 5, 8, 8)
+    assert torch.equal(batch["cond"]["pose_latents"], batch["latents"][:, :, 1:])
+    assert model.denormalize(batch["latents"]).shape[2] == 2  # the reference's slot is not decoded
+    with pytest.raises(ValueError, match="kind 'animate' needs at least 2 latent frames"):
+        data.open_dataset(data.DataConfig(kind="animate", synthetic=data.SyntheticConfig(latent_shape=(16, 1, 4, 4))),
+                          random.key(0))

@@ -282,3 +282,29 @@ def test_write_parquet_rejects_kind_mismatches_without_writing(tmp_path):
     with pytest.raises(ValueError, match="sample 0 has unknown field"):
         parquet.write_parquet(target, [{**good[0], "prompt": "x"}])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_animate_row_stores_its_face_video_as_uint8_and_cuts_every_input_with_num_latent_t(tmp_path):
+    """Kind animate: the face pixels are uint8 bytes read as float32 in [-1, 1]; ``num_latent_t`` keeps the latents'
+    and reference's first frames, the pose's one fewer and the face's ``4 (T - 2) + 1``."""
+    g = torch.Generator().manual_seed(0)
+    sample = {"latents": torch.randn(4, 4, 2, 2, generator=g), "text": torch.randn(5, 8, generator=g),
+              "image_embeds": torch.randn(3, 8, generator=g),
+              "reference_latents": torch.randn(8, 4, 2, 2, generator=g),
+              "pose_latents": torch.randn(4, 3, 2, 2, generator=g),
+              "face_pixels": torch.randint(0, 256, (3, 9, 8, 8), generator=g, dtype=torch.uint8)}
+    path = parquet.write_parquet(tmp_path / "animate.parquet", [sample], kind="animate")
+    row = pq.read_table(path).to_pylist()[0]
+    assert row["face_pixels_dtype"] == "uint8" and len(row["face_pixels_bytes"]) == 3 * 9 * 8 * 8
+    batch = parquet.ParquetDataset([path], kind="animate", collate=lambda samples, indices: batching.collate(
+        samples, indices, text_len=5, cfg_rate=0.0, dropout_key=random.key(0))).read([0])
+    for key in ("latents", "image_embeds", "reference_latents", "pose_latents"):
+        assert torch.equal(batch[key][0], sample[key])
+    assert torch.equal(batch["face_pixels"][0], sample["face_pixels"].float() / 127.5 - 1)
+    cut = parquet.ParquetDataset([path], kind="animate", collate=lambda samples, indices: batching.collate(
+        samples, indices, text_len=5, cfg_rate=0.0, dropout_key=random.key(0), num_latent_t=3)).read([0])
+    assert [tuple(cut[k].shape[2:3]) for k in ("latents", "reference_latents", "pose_latents", "face_pixels")] == [
+        (3,), (3,), (2,), (5,)]
+    with pytest.raises(TypeError, match=r"sample 0: 'face_pixels' must be a uint8 tensor \[3, F, S, S\]"):
+        parquet.write_parquet(tmp_path / "float.parquet", [{**sample, "face_pixels": sample["face_pixels"].float()}],
+                              kind="animate")

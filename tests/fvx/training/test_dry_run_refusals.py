@@ -76,11 +76,19 @@ REFUSED = {
     "context_data_for_a_model_without_context": (
         "finetune_mochi.py", ["data.kind=vace"],
         "data.kind=vace gives a control context per clip, but models.student (mochi:world) reads none (it would "
-        "train text-to-video, the context unread); use a model whose cond reads one ('vace_context')"),
+        "train without them); use a model whose cond reads them ('vace_context')"),
+    "animation_data_for_a_model_without_pose": (
+        "finetune_mochi.py", ["data.kind=animate"],
+        "data.kind=animate gives a reference image and pose and face videos per segment, but models.student "
+        "(mochi:world) reads none (it would train without them); use a model whose cond reads them ('pose_latents')"),
     "text_data_for_a_control_model": (
         "finetune_wan_vace.py", ["data.kind=t2v"],
         "models.student (wan_vace:world) reads a control context per clip, which data.kind=t2v does not give; use "
         "data.kind=vace"),
+    "text_data_for_an_animation_model": (
+        "finetune_wan_animate.py", ["data.kind=t2v"],
+        "models.student (wan_animate:world) reads a reference image and pose and face videos per segment, which "
+        "data.kind=t2v does not give; use data.kind=animate"),
     "score_window_upside_down": (
         "streaming_long_causal_t2v.py", ["method.min_timestep_ratio=0.7", "method.max_timestep_ratio=0.3"],
         "method.min_timestep_ratio = 0.7 is above method.max_timestep_ratio = 0.3: the score timesteps' window "

@@ -192,6 +192,7 @@ def test_bad_input_is_one_line_before_anything_is_written(finetuned, causal, wor
         ((finetuned, "--prompt", RED_RIGHT, "--ema"), "keeps no EMA params"),
         ((finetuned, "--prompt", RED_RIGHT, "--image", tmp_path / "x.png"), "from text only"),
         ((finetuned, "--prompt", RED_RIGHT, "--control", tmp_path / "x.mp4"), "takes no control video"),
+        ((finetuned, "--prompt", RED_RIGHT, "--pose", tmp_path / "x.mp4"), "animates no character"),
         ((finetuned, "--prompt", RED_RIGHT, "--schedule", "model"), "has no sampling schedule of its own"),
         ((causal, "--prompt", RED_RIGHT, "--frames", 5), "not whole blocks (e.g. --frames 6)"),
         ((causal, "--prompt", RED_RIGHT, "--solver", "unipc"), "streams block by block"),
@@ -338,6 +339,41 @@ def test_a_control_model_samples_from_a_control_video_its_mask_and_a_reference(c
                           (("--control", tmp_path / "control.mp4", "--mask", tmp_path / "no.mp4"),
                            "--mask '" + str(tmp_path / "no.mp4") + "' does not exist")]:
         assert message in bad(capsys, control_model, "--prompt", RED_RIGHT, *args, "--out", out), args
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def animation_model(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("animate") / "run", "experiments/finetune_wan_animate.py", 2)
+
+
+def test_an_animation_model_animates_the_character_by_the_pose_and_face_videos(animation_model, tmp_path, capsys):
+    """Wan-Animate: a world clip's first frame as --image, its white bars as --pose and the clip as --face (as
+    ``write-videos --kind animate`` writes them) make exactly the sample validation makes of that clip from its
+    dataset inputs (the world's codec is exact); the video drops the reference's slot; a missing --face, or --pose
+    given to another model, is one line."""
+    from fvx.data import toy_world, toy_world_animate
+
+    want, validator, built = validations_sample(animation_model, seed=3)
+    index = validator.prompts.indices[0]
+    clip = built.dataset.clip(index)  # [3, T, H, W] in [-1, 1]
+    def as_uint8(video):  # [3, T, H, W] in [-1, 1] -> [T, H, W, 3] uint8
+        return ((video + 1) * 127.5).round().clip(0, 255).astype(numpy.uint8).transpose(1, 2, 3, 0)
+
+    media.write_video(tmp_path / "pose.mp4", as_uint8(toy_world_animate.pose_video(clip)), 16)
+    media.write_video(tmp_path / "face.mp4", as_uint8(clip), 16)
+    Image.fromarray(as_uint8(clip)[0]).save(tmp_path / "character.png")
+    request = sampling.Request(str(animation_model), (validator.prompts.captions[0],), out=str(tmp_path / "s"), seed=3,
+                               image=str(tmp_path / "character.png"), pose=str(tmp_path / "pose.mp4"),
+                               face=str(tmp_path / "face.mp4"))
+    done = sampling.run_sample(request, progress=False)
+    torch.testing.assert_close(done["latents"], want, rtol=0, atol=0)
+    assert done["latents"].shape[2] == 5 and done["frames"].shape[2] == 4  # the reference's slot is not the video's
+    assert toy_world.WorldConfig().frames == frames_of(tmp_path / "s" / done["videos"][0]["files"][0]).shape[0]
+    out = tmp_path / "out"
+    assert "give --face VIDEO" in bad(capsys, animation_model, "--prompt", RED_RIGHT, "--image",
+                                      tmp_path / "character.png", "--pose", tmp_path / "pose.mp4", "--out", out)
+    assert "the character to animate" in bad(capsys, animation_model, "--prompt", RED_RIGHT, "--out", out)
     assert not out.exists()
 
 
