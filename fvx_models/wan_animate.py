@@ -208,7 +208,8 @@ def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
         {"scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
          "transformer": ("diffusers", "WanAnimateTransformer3DModel"), "vae": ("diffusers", "AutoencoderKLWan"),
          "text_encoder": ("transformers", "UMT5EncoderModel"), "tokenizer": ("transformers", "AutoTokenizer"),
-         "image_encoder": ("transformers", "CLIPVisionModel"), "image_processor": ("transformers", "CLIPImageProcessor")})
+         "image_encoder": ("transformers", "CLIPVisionModel"),
+         "image_processor": ("transformers", "CLIPImageProcessor")})
 
 
 # ----------------------------------------------------------------------------------------------------- encoding

@@ -179,8 +179,8 @@ class SyntheticDataset:
         if kind == "framepack":
             fsections.check(config.latent_shape[1], sections, "data.synthetic.latent_shape")
         if kind == "animate" and config.latent_shape[1] < 2:
-            raise ValueError(f"data.synthetic.latent_shape {list(config.latent_shape)}: kind 'animate' needs at least 2 "
-                             "latent frames (the reference's, then the video's)")
+            raise ValueError(f"data.synthetic.latent_shape {list(config.latent_shape)}: kind 'animate' needs at "
+                             "least 2 latent frames (the reference's, then the video's)")
         if kind == "t2va" and config.audio_shape is None:
             raise ValueError("data.synthetic.audio_shape must be set, e.g. [2, 32, 8], for data.kind='t2va' "
                              "(synthetic audio latents [C, F, A])")

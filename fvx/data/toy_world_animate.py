@@ -38,7 +38,8 @@ def animation(clip: np.ndarray, factor: int) -> dict[str, np.ndarray]:
     mask[:, 0] = 1
     given = np.concatenate([reference, np.zeros_like(latents)], axis=1)
     return {"latents": np.concatenate([reference, latents], axis=1),
-            "reference_latents": np.concatenate([mask, given]), "pose_latents": space_to_depth(pose_video(clip), factor),
+            "reference_latents": np.concatenate([mask, given]),
+            "pose_latents": space_to_depth(pose_video(clip), factor),
             "face_pixels": face_video(clip), "image_embeds": tokens_of_first_frame(latents)}
 
 

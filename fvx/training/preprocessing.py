@@ -165,9 +165,9 @@ def job_of(config: Any) -> tuple[preprocess.Job, Callable[[], Any]]:
         role, model_config = model_role(config)
         face = model_config.family.conditioning.spec(model_config).get("face_pixels")
         if face is not None and face[2] != cut.face_size:
-            raise ValueError(f"data.preprocess.face_size={cut.face_size}, but models.{role} ({model_config.family.name}:"
-                             f"{model_config.preset}) reads {face[2]} x {face[2]} face videos; set "
-                             f"data.preprocess.face_size={face[2]}")
+            raise ValueError(f"data.preprocess.face_size={cut.face_size}, but models.{role} "
+                             f"({model_config.family.name}:{model_config.preset}) reads {face[2]} x {face[2]} face "
+                             f"videos; set data.preprocess.face_size={face[2]}")
     sections = None
     if data.kind == "framepack":  # clips become sections: the cut must hold one
         sections = data.sections

@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 import transformers
-from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanAnimatePipeline, WanAnimateTransformer3DModel
+from diffusers import (AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanAnimatePipeline,
+                       WanAnimateTransformer3DModel)
 from safetensors.torch import load_file
 
 import encoder_checks
@@ -35,7 +36,8 @@ def save_tiny_animate_pipeline(path):
     vision = transformers.CLIPVisionModel(transformers.CLIPVisionConfig(
         hidden_size=16, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, image_size=32, patch_size=8))
     processor = transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    statistics = {"latents_mean": torch.linspace(-0.3, 0.3, 16).tolist(), "latents_std": torch.linspace(0.5, 2, 16).tolist()}
+    statistics = {"latents_mean": torch.linspace(-0.3, 0.3, 16).tolist(),
+                  "latents_std": torch.linspace(0.5, 2, 16).tolist()}
     vae = AutoencoderKLWan(**{**wan_vae.PRESETS["tiny"], **statistics})
     WanAnimatePipeline(tokenizer=tiny_wan_pipeline.tiny_t5_tokenizer(), text_encoder=text, vae=vae,
                        scheduler=FlowMatchEulerDiscreteScheduler(), image_processor=processor, image_encoder=vision,
@@ -180,7 +182,8 @@ def test_a_missing_or_misshapen_input_is_one_line_naming_the_column_and_its_shap
                                          r"features \(column clip_feature\) and the animation inputs"):
         model.batch({k: v for k, v in batch.items() if k != "pose_latents"})
     bad = {"pose_latents": (batch["pose_latents"][:, :, :1], r"\[2, 16, 2, 4, 4\] \(one latent frame per video"),
-           "face_pixels": (batch["face_pixels"][:, :, :4], r"\[2, 3, 5, 8, 8\] \(4 \(T - 1\) \+ 1 face frames of 8 x 8"),
+           "face_pixels": (batch["face_pixels"][:, :, :4],
+                           r"\[2, 3, 5, 8, 8\] \(4 \(T - 1\) \+ 1 face frames of 8 x 8"),
            "reference_latents": (batch["reference_latents"][:, :16], r"\[2, 20, 3, 4, 4\] \(the mask, then")}
     for name, (tensor, message) in bad.items():
         with pytest.raises(ValueError, match=rf"wan_animate:tiny: column {name} is .*, but it must be {message}"):

@@ -415,7 +415,8 @@ CASES: dict[str, Case] = {
 FAMILIES = ["wan", "wan-ti2v", "skyreels_v2", "wan_moe", "hunyuan_video", "anyflow", "wan-i2v", "wan-ti2v-i2v",
             "kandinsky5", "cosmos", "ltx_video", "hunyuan_video15", "ltx2",
             "chronoedit", "wan_vace", "cogvideox", "sana_video", "mochi", "latte", "allegro",
-            "easyanimate", "motif_video", "kandinsky6", "cogvideox-i2v", "helios", "wan_animate"]  # one case per family and layout
+            "easyanimate", "motif_video", "kandinsky6", "cogvideox-i2v", "helios",
+            "wan_animate"]  # one case per family and layout
 # (CogVideoX 1.5's and Motif-Video's image-to-video cases, another layout's inputs to a DiT the list has, run the tests
 # of every case, CASES: forward, export, remat)
 

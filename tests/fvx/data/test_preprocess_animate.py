@@ -1,7 +1,7 @@
 """preprocess of kind "animate": videos with their pose and face videos (and character images) -> Wan-Animate
 parquet. The toy world's files come back as its own animation samples (the face pixels stored as uint8); a character
 image replaces the first frame as the reference; a face video of another size is resized whole; a video without its
-pose video is exit 2 before anything is written."""
+pose video, or a face size the model does not read, is exit 2 before anything is written."""
 import pathlib
 
 import numpy as np
@@ -89,4 +89,10 @@ def test_a_video_without_its_pose_video_is_exit_2_before_anything_is_written(vid
     assert (f"video '{root}/world_00002.mp4' has no pose video (kind 'animate' reads 'world_00002.pose.mp4' and "
             "'world_00002.face.mp4' beside it, with an optional character image 'world_00002.ref.png' (none: the "
             "clip's first frame))") in err[0]
+    assert not (tmp_path / "ds").exists()
+    code = run.main(["preprocess", ANIMATE, "--videos", str(videos), "--out", str(tmp_path / "ds"), *OVERRIDES,
+                     "data.preprocess.face_size=32"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == ["fvx.run: error: data.preprocess.face_size=32, but models.student (wan_animate:world) "
+                                 "reads 16 x 16 face videos; set data.preprocess.face_size=16"]
     assert not (tmp_path / "ds").exists()
