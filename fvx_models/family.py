@@ -161,9 +161,9 @@ class Conditioning:
                                          latents, image embeddings): every unconditional keeps them (guidance is on
                                          the text, as the I2V pipelines guide) and negative-prompt files lack them
     zero(cond) -> cond                   the "zero" unconditional (default: every tensor zeroed)
-    blank                                cond tensors whose unconditional is their own transform in every mode ->
-                                         that transform (Wan-Animate's blank face, every pixel -1, with a negative
-                                         prompt too)
+    blank                                cond tensors whose unconditional is a transform of their own -> that
+                                         transform, in the "zero" and "negative_prompt" modes alike (Wan-Animate's
+                                         blank face, every pixel -1); negative-prompt files lack them
     defaults                             cond tensors a cond file may leave out -> how to make them
     window(config, cond, start, frames, given) -> cond   the cond of latent frames ``[start, start + frames)`` of a
                                          longer clip scored as a clip of its own (a streaming stage's chunk):

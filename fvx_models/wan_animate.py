@@ -7,7 +7,7 @@ Wan-Animate is Wan 2.1 I2V 14B with three more inputs, each as ``WanAnimatePipel
   (character) image as frame 0 and of the previous segment's conditioning video as frames 1..T (its last 1 or 5
   generated frames then zeros, encoded as one clip; a first segment's is a zero video, mask 0). The DiT's input is
   ``[x_t | reference_latents]`` on channels (``2 C + 4``), so ``x_t`` has ``T + 1`` latent frames: frame 0 is the
-  reference's slot, which the pipeline decodes and drops.
+  reference's slot, which the pipeline drops before decoding (``Forward.lead_frames``: so does fvx).
 - ``pose_latents [B, C, T, H, W]``: the pose video's normalised latents, added after the patch embedding to frames
   1..T (``pose_patch_embedding``).
 - ``face_pixels [B, 3, 4 (T - 1) + 1, S, S]``: the face crops in [-1, 1] at the motion encoder's size ``S`` (512);
@@ -19,7 +19,7 @@ Wan-AI released no training code. fvx trains it as DiffSynth-Studio's Wan2.2-Ani
 (``examples/wanvideo/model_training/lora/Wan2.2-Animate-14B.sh``): Wan's flow matching on every latent frame the
 DiT denoises, the reference's slot included, whose clean latent is the reference image's (data kind ``animate``:
 ``vae_latent`` holds it as frame 0). The motion encoder is a pure function of its params (a QR decomposition of
-``motion_synthesis_weight`` in fp32), so the whole forward is one.
+``motion_synthesis_weight`` in fp32), so the whole forward is one; the face adapters are a unit group of their own.
 """
 from __future__ import annotations
 

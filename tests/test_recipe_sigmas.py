@@ -71,6 +71,19 @@ def helios_stage1(generator: torch.Generator, n: int) -> torch.Tensor:
     return sigmas[(torch.randn(n, generator=generator).sigmoid() * 1000).long()]
 
 
+def diffsynth_wan(shift: float) -> Draw:
+    """DiffSynth-Studio's Wan training draw (``diffsynth/diffusion/loss.py`` ``FlowMatchSFTLoss``): an index
+    ``randint(0, 1000)`` into ``FlowMatchScheduler("Wan")``'s 1000 training levels, ``linspace(1, 0, 1001)[:-1]``
+    shifted ``s u / (1 + (s - 1) u)`` (``flow_match.py`` ``set_timesteps_wan``); its loss weight is apart
+    (``Finetune.loss_weighting=bell``)."""
+    u = torch.linspace(1, 0, 1001)[:-1]
+    sigmas = shift * u / (1 + (shift - 1) * u)
+
+    def draw(generator: torch.Generator, n: int) -> torch.Tensor:
+        return sigmas[torch.randint(0, 1000, (n,), generator=generator)]
+    return draw
+
+
 def hunyuan_video15_release(generator: torch.Generator, n: int) -> torch.Tensor:
     """HunyuanVideo-1.5's ``train.py`` at its defaults (snr_type lognorm, train_timestep_shift 3): ``t = sigmoid(N(0,
     1)) (1 - 2e-5) + 1e-5`` (``TimestepSampler.sample``, lines 228-239), shifted ``3 t / (1 + 2 t)``
@@ -124,6 +137,7 @@ SOURCES: dict[str, Draw] = {
     "finetune_cosmos.py:overfit_cosmos25_t2w": fastvideo_grid(1.0),  # models.student.flow_shift: 1.0 (its YAML:18)
     "finetune_framepack.py:musubi_framepack_lora": musubi_shift(3.0),  # docs/framepack.md: --discrete_flow_shift 3.0
     "finetune_helios.py:helios_stage1": helios_stage1,  # scripts/training/configs/stage_1_init.yaml
+    "finetune_wan_animate.py:diffsynth_animate_lora": diffsynth_wan(5.0),  # its Wan template's default shift 5
     "finetune_hunyuan_video15.py:release_480p_t2v": hunyuan_video15_release,
     "finetune_kandinsky5.py:kandinsky5_t2v_480p_qat": fastvideo_grid(5.0),  # Kandinsky5Model(flow_shift=5.0), :89
     **{f"finetune_ltx2.py:{name}": fastvideo_ltx2(11 * 15 * 26)  # 81 frames of 480x832: its YAMLs' num_latent_t 11
