@@ -25,7 +25,7 @@ import msgspec
 from fvx.config import recipe
 from fvx.core.optim_config import AdamWConfig
 from fvx.data.datasets import DataConfig
-from fvx.data.preprocess import PreprocessConfig
+from fvx.data.preprocess import AnimateCut, PreprocessConfig
 from fvx.data.toy_world import SpaceToDepth, WorldConfig
 from fvx.training.experiment import Experiment, RunConfig
 from fvx.training.validation import ValidationConfig
@@ -45,7 +45,7 @@ class FinetuneWanAnimate(Experiment):
 config = FinetuneWanAnimate(
     run=RunConfig(seed=0, steps=300, output_dir="runs/finetune_wan_animate", log_every=1),
     data=DataConfig(kind="animate", batch_size=8, text_len=4, world=WorldConfig(),
-                    preprocess=PreprocessConfig(face_size=16)),  # the world preset's motion encoder's size
+                    preprocess=PreprocessConfig(animate=AnimateCut(face_size=16))),  # the world preset's faces
     models={"student": WanAnimateConfig(preset="world")},
     vae=SpaceToDepth(),
     validation=ValidationConfig(every=100, num_prompts=8, num_steps=20, display_scale=4),
@@ -62,7 +62,9 @@ def diffsynth_animate_lora() -> FinetuneWanAnimate:
     with its bell-shaped loss weight, no caption dropout. DiffSynth's 81 frames are the reference slot and 20 latent
     frames; fvx's segment is the pipeline's 77 frames beside the reference, the same 21. Its rate is torch's
     ``ConstantLR`` at its defaults, a third for the first 5 steps, here constant from the start. Its 5 epochs of 100
-    repeats are ``run.steps`` here: set them for your data."""
+    repeats are ``run.steps`` here: set them for your data. DiffSynth trains first segments only (no previous frames);
+    to teach continuation too, cut longer clips into the pipeline's segments, e.g. ``data.preprocess.num_frames=153
+    data.preprocess.animate.segment_frames=77`` (two segments, the second starting on the first's last frame)."""
     return FinetuneWanAnimate(
         run=RunConfig(seed=0, steps=2000, output_dir="runs/wan_animate_lora"),
         data=DataConfig(kind="animate", batch_size=8, text_len=512,

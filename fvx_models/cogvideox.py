@@ -21,7 +21,8 @@ tokens (its pipeline encodes the padding too, without a mask: the data stores ev
 timestep, and for the rotary presets (5B) the 3-D RoPE tables the pipeline computes from the latent grid; the 2B
 presets add sine-cosine positions over exactly ``max_text_seq_length`` text tokens. Image-to-video
 (``CogVideoXImageToVideoPipeline``, the ``*-i2v`` presets, ``data.kind=i2v``) adds the first frame's latents on
-channels, and its learned position table is a param held frozen (:func:`rebuild_positions`).
+channels, and its learned position table is a param held frozen (:func:`rebuild_positions`); CogVideoX 1.5's
+(``*-1.5-i2v``) has RoPE instead and an "ofs" embedding, which the pipeline always gives 2.0.
 """
 from __future__ import annotations
 
@@ -64,6 +65,10 @@ COGVIDEOX_5B_I2V = {**COGVIDEOX_5B, "in_channels": 32, "use_learned_positional_e
 # scripts/convert_cogvideox_to_diffusers.py, version "1.5")
 COGVIDEOX15_5B = {**COGVIDEOX_5B, "patch_size_t": 2, "patch_bias": False, "sample_height": 300, "sample_width": 300,
                   "sample_frames": 81}
+# THUDM/CogVideoX1.5-5B-I2V: the 1.5 layout with the image latents on channels and the "ofs" embedding (RoPE, no
+# position table)
+COGVIDEOX15_5B_I2V = {**COGVIDEOX15_5B, "in_channels": 32, "ofs_embed_dim": 512}
+OFS = 2.0  # the ofs value CogVideoXImageToVideoPipeline passes a DiT with an ofs embedding
 TINY = {**_COGVIDEOX, "num_attention_heads": 2, "attention_head_dim": 16, "time_embed_dim": 32, "text_embed_dim": 32,
         "num_layers": 2, "sample_width": 8, "sample_height": 8, "sample_frames": 5, "max_text_seq_length": 8,
         "use_rotary_positional_embeddings": True}
@@ -103,6 +108,10 @@ PRESETS: dict[str, Preset] = {
     # CogVideoX 1.5's layout: two latent frames a token
     "tiny-1.5": Preset({**TINY, "patch_size_t": 2, "patch_bias": False}, TINY_VAE, 8, {"snr_shift_scale": 1.0}),
     "cogvideox1.5-5b": Preset(COGVIDEOX15_5B, VAE_5B, 226, {"snr_shift_scale": 1.0}),
+    # its image-to-video form: the image latents on channels and the ofs embedding (as wide as the time embedding)
+    "tiny-1.5-i2v": Preset({**TINY, "patch_size_t": 2, "patch_bias": False, "in_channels": 32, "ofs_embed_dim": 32},
+                           TINY_VAE, 8, {"snr_shift_scale": 1.0}),
+    "cogvideox1.5-5b-i2v": Preset(COGVIDEOX15_5B_I2V, VAE_5B, 226, {"snr_shift_scale": 1.0}),
 }
 """``CogVideoXTransformer3DModel`` constructor arguments per preset (THUDM/CogVideoX-2b's and -5b's config.json), the
 latent space, the text length (T5 at 226 tokens) and the scheduler's SNR shift."""
@@ -249,9 +258,10 @@ def inputs(config: ModelConfig, x: torch.Tensor, t: torch.Tensor, cond: Mapping[
     if image_to_video(config):
         given = wan_i2v.given_frames(x.transpose(1, 2), cond, config.family.name).transpose(1, 2)
         hidden = torch.cat([hidden, given.to(hidden.dtype)], dim=2)
+    ofs = None if k["ofs_embed_dim"] is None else t.new_full((x.shape[0],), OFS)  # the pipeline's one value a row
     return {"hidden_states": hidden, "encoder_hidden_states": text,
             "timestep": vp_flow.timestep_of(schedule_abar(config), sigma), "image_rotary_emb": rotary(config, x),
-            "return_dict": False}
+            "ofs": ofs, "return_dict": False}
 
 
 def output(config: ModelConfig, out: Any, x: torch.Tensor, t: torch.Tensor,
@@ -351,8 +361,8 @@ COGVIDEOX = Family(
 
 class CogVideoXConfig(ModelConfig, tag="cogvideox"):
     """A CogVideoX DiT (presets: tiny, tiny-2b, world, cogvideox-2b, cogvideox-5b, image-to-video tiny-i2v, world-i2v,
-    cogvideox-5b-i2v, CogVideoX 1.5's tiny-1.5, cogvideox1.5-5b), trained and sampled as a flow with
-    its own noise levels, loss weight and DDIM levels (module docstring); the shared knobs are
+    cogvideox-5b-i2v, CogVideoX 1.5's tiny-1.5, cogvideox1.5-5b, tiny-1.5-i2v, cogvideox1.5-5b-i2v), trained and
+    sampled as a flow with its own noise levels, loss weight and DDIM levels (module docstring); the shared knobs are
     :class:`fvx_models.build.ModelConfig`'s."""
 
     family = COGVIDEOX

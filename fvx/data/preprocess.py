@@ -31,7 +31,7 @@ import dataclasses
 import json
 import math
 import pathlib
-from typing import Annotated, Any, Callable, Protocol, Sequence
+from typing import Annotated, Any, Callable, Literal, Protocol, Sequence
 
 import msgspec
 import numpy as np
@@ -48,6 +48,18 @@ PARTS, DONE, COMPLETE = "combined_parquet_dataset", ".parts", "COMPLETE"
 UNCHECKED = ("count", "fvx_version")  # metadata.json entries a resumed run may differ in
 
 
+class AnimateCut(Config):
+    """How ``preprocess`` cuts Wan-Animate's clips (``data.preprocess.animate``, kind "animate"): face videos resized
+    to ``face_size`` square (the model's motion encoder reads 512); clips longer than ``segment_frames`` video frames
+    into segments of that many (a whole number of latent frames), each after the first starting on the previous one's
+    last ``previous_frames`` frames, given (Wan-Animate's ``prev_segment_conditioning_frames``, 1 or 5): a segment
+    after the first learns to continue them, as the pipeline's later segments do. None: the clip is one segment."""
+
+    face_size: PositiveInt = 512
+    segment_frames: PositiveInt | None = None
+    previous_frames: Literal[1, 5] = 1
+
+
 class PreprocessConfig(Config):
     """How ``preprocess`` cuts clips (FastVideo's knobs; ``data.preprocess``): ``num_frames`` frames sampled at
     ``train_fps`` from the start (rounded down to the family's ``frame_base + k * frame_step``); frames centre-cropped
@@ -55,7 +67,8 @@ class PreprocessConfig(Config):
     else refused); a video longer than ``video_length_tolerance_range`` clips, or shorter than one, is skipped (5.0,
     what FastVideo's example scripts pass). ``buckets``: (height, width) pairs; each clip goes to the one nearest its
     aspect ratio instead (a batch never mixes them). ``samples_per_file``: inputs a parquet file. ``audio_rate``: the Hz
-    a t2va clip's sound is resampled to (the family's audio VAE's; t2va needs it)."""
+    a t2va clip's sound is resampled to (the family's audio VAE's; t2va needs it). ``animate``: Wan-Animate's
+    face size and segments (:class:`AnimateCut`)."""
 
     num_frames: PositiveInt = 81
     train_fps: PositiveInt = 16
@@ -65,7 +78,7 @@ class PreprocessConfig(Config):
     samples_per_file: PositiveInt = 64
     buckets: tuple[tuple[PositiveInt, PositiveInt], ...] | None = None
     audio_rate: PositiveInt | None = None
-    face_size: PositiveInt = 512
+    animate: AnimateCut = AnimateCut()
 
 
 class Encoder(Protocol):
@@ -382,6 +395,8 @@ def encode_part(job: Job, encoder: Encoder, items: Sequence[Input]) -> tuple[lis
         try:
             if job.kind == "text_only":
                 rows.append({"id": item.name, "caption": item.caption})
+            elif job.kind == "animate":
+                rows.extend(animation_rows(job, encoder, item))
             else:
                 row = encode_media(job, encoder, item)
                 rows.extend(section_rows(row, job.sections) if job.kind == "framepack" else [row])
@@ -419,8 +434,6 @@ def encode_media(job: Job, encoder: Encoder, item: Input) -> dict[str, Any]:
         row.update({name: torch.from_numpy(array[indices]) for name, array in actions.items()})
     if job.kind == "vace":
         row.update(encode_context(encoder, item, clip, indices, latents))
-    if job.kind == "animate":
-        row.update(encode_animation(job, encoder, item, clip, indices, latents))
     if job.kind == "t2va":
         row["audio_latents"] = encoder.encode_audio(sound, job.audio_rate)
         row["audio_sample_rate"] = job.audio_rate
@@ -460,13 +473,13 @@ def encode_context(encoder: Encoder, item: Input, clip: torch.Tensor, indices: l
     return out
 
 
-def encode_animation(job: Job, encoder: Encoder, item: Input, clip: torch.Tensor, indices: list[int],
-                     latents: torch.Tensor) -> dict[str, Any]:
-    """Kind animate's tensors of one clip ``[3, F, H, W]`` (a first segment: no previous frames): its pose video
-    (cropped and resized as the clip), its face video (:func:`face_pixels` at ``data.preprocess.face_size``, held for
-    4 video frames a latent frame when the family's VAE packs fewer)
-    and its character image (``<stem>.ref.png``, cropped as the clip; none: the clip's first frame) through the
-    encoder's animation inputs; the latents with the reference's in front and its image features."""
+def animation_rows(job: Job, encoder: Encoder, item: Input) -> list[dict[str, Any]]:
+    """Kind animate's rows of one clip (:class:`AnimateCut`): one per segment (ids ``<id>#<n>`` when the clip is
+    cut), each through :func:`encode_segment`, the first without previous frames, each later one given the first
+    ``previous_frames`` of its own frames (the previous segment's last). A MediaError when a file does not decode or
+    the clip is shorter than a segment."""
+    clip, meta, indices = _cut(job, item)
+    cut = job.config.animate
 
     def frames(role: str) -> np.ndarray:
         try:
@@ -475,13 +488,38 @@ def encode_animation(job: Job, encoder: Encoder, item: Input, clip: torch.Tensor
             raise media.MediaError(f"its {role} video {item.control[role].name!r}: {error}") from None
 
     height, width = clip.shape[2:]
-    pose = media.resize_crop(frames("pose"), height, width)
-    face = hold(face_pixels(frames("face"), job.config.face_size), 4 // job.frame_step)
+    pose, face = media.resize_crop(frames("pose"), height, width), face_pixels(frames("face"), cut.face_size)
     reference = (media.resize_crop(media.read_image(item.control["ref"]), height, width)[:, 0] if "ref" in item.control
                  else clip[:, 0])
-    out = encoder.encode_animation(reference, pose, face)
-    return {"latents": torch.cat([out.pop("reference"), latents], dim=1), **out,
-            "image_embeds": encoder.encode_image((reference + 1) / 2)}
+    features = encoder.encode_image((reference + 1) / 2)
+    length = clip.shape[1] if cut.segment_frames is None else cut.segment_frames
+    starts = segment_starts(clip.shape[1], length, cut.previous_frames)
+    if not starts:
+        raise media.MediaError(f"its {clip.shape[1]} frames are fewer than a segment's {length} "
+                               "(data.preprocess.animate.segment_frames)")
+    rows = []
+    for n, start in enumerate(starts):
+        window = slice(start, start + length)
+        previous = None if n == 0 else clip[:, start:start + cut.previous_frames]
+        row = encode_segment(job, encoder, clip[:, window], reference, pose[:, window], face[:, window], previous)
+        rows.append({"id": item.name if cut.segment_frames is None else f"{item.name}#{n}", **meta, **row,
+                     "num_frames": row["latents"].shape[1], "image_embeds": features})
+    return rows
+
+
+def segment_starts(frames: int, length: int, previous: int) -> list[int]:
+    """The first video frame of each segment of ``length`` frames of a clip of ``frames``: 0, then each segment
+    ``previous`` frames before the last one's end, while one fits (the pipeline's ``effective_segment_length``)."""
+    return list(range(0, frames - length + 1, length - previous)) if length <= frames else []
+
+
+def encode_segment(job: Job, encoder: Encoder, clip: torch.Tensor, reference: torch.Tensor, pose: torch.Tensor,
+                   face: torch.Tensor, previous: torch.Tensor | None) -> dict[str, Any]:
+    """One segment's tensors: its clip ``[3, F, H, W]``, pose video and face video (uint8, held for 4 video frames a
+    latent frame when the family's VAE packs fewer) with the character image and the previous frames (None: a first
+    segment) through the encoder's animation inputs; the latents with the reference's in front."""
+    out = encoder.encode_animation(reference, pose, hold(face, 4 // job.frame_step), previous)
+    return {"latents": torch.cat([out.pop("reference"), encoder.encode_video(clip)], dim=1), **out}
 
 
 def face_pixels(frames: np.ndarray, size: int) -> torch.Tensor:

@@ -132,14 +132,16 @@ class WorldEncoders:
     def encode_animation(self, reference: torch.Tensor, pose: torch.Tensor, face: torch.Tensor,
                          previous: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Kind "animate"'s inputs through the codec (``fvx.data.toy_world_animate``'s layout): the reference frame
-        (mask one) then zeros, the pose video's latents, the face pixels as given; a first segment only."""
-        if previous is not None:
-            raise ValueError("the toy world's animation files are first segments (no previous frames)")
+        (mask one), then the previous frames ``[3, P, H, W]`` (mask one; None: none) and zeros, the pose video's
+        latents, the face pixels as given (the codec is frame-wise: a video frame is a latent frame)."""
         latent = self.encode_video(reference.float()[:, None])
-        frames = pose.shape[1]
+        frames, given_frames = pose.shape[1], 0 if previous is None else previous.shape[1]
         mask = torch.zeros(MASK_CHANNELS, frames + 1, *latent.shape[2:])
-        mask[:, 0] = 1
-        given = torch.cat([latent, torch.zeros(latent.shape[0], frames, *latent.shape[2:])], dim=1)
+        mask[:, :1 + given_frames] = 1
+        given = torch.zeros(latent.shape[0], frames + 1, *latent.shape[2:])
+        given[:, :1] = latent
+        if previous is not None:
+            given[:, 1:1 + given_frames] = self.encode_video(previous.float())
         return {"reference_latents": torch.cat([mask, given]), "pose_latents": self.encode_video(pose.float()),
                 "face_pixels": face, "reference": latent}
 

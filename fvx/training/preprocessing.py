@@ -161,13 +161,8 @@ def job_of(config: Any) -> tuple[preprocess.Job, Callable[[], Any]]:
         audio_rate = cut.audio_rate
         if audio_rate is None:
             raise ValueError("data.kind='t2va' needs data.preprocess.audio_rate (the audio VAE's sample rate, Hz)")
-    if data.kind == "animate":  # the face video at the size the model's motion encoder reads
-        role, model_config = model_role(config)
-        face = model_config.family.conditioning.spec(model_config).get("face_pixels")
-        if face is not None and face[2] != cut.face_size:
-            raise ValueError(f"data.preprocess.face_size={cut.face_size}, but models.{role} "
-                             f"({model_config.family.name}:{model_config.preset}) reads {face[2]} x {face[2]} face "
-                             f"videos; set data.preprocess.face_size={face[2]}")
+    if data.kind == "animate":
+        check_animate_cut(config, cut, frame_base, frame_step)
     sections = None
     if data.kind == "framepack":  # clips become sections: the cut must hold one
         sections = data.sections
@@ -181,6 +176,26 @@ def job_of(config: Any) -> tuple[preprocess.Job, Callable[[], Any]]:
     identity = {**identity, "kind": data.kind, "preprocess": msgspec.to_builtins(cut),
                 **({"sections": msgspec.to_builtins(sections)} if sections is not None else {})}
     return preprocess.Job(identity, data.kind, cut, frame_step, multiple, audio_rate, frame_base, sections), factory
+
+
+def check_animate_cut(config: Any, cut: preprocess.PreprocessConfig, frame_base: int, frame_step: int) -> None:
+    """A ValueError unless kind animate's cut fits: face videos at the size the model's motion encoder reads, segments
+    of a whole number of latent frames within the clip, longer than the previous frames they begin with."""
+    role, model_config = model_role(config)
+    animate = cut.animate
+    face = model_config.family.conditioning.spec(model_config).get("face_pixels")
+    if face is not None and face[2] != animate.face_size:
+        raise ValueError(f"data.preprocess.animate.face_size={animate.face_size}, but models.{role} "
+                         f"({model_config.family.name}:{model_config.preset}) reads {face[2]} x {face[2]} face videos; "
+                         f"set data.preprocess.animate.face_size={face[2]}")
+    length = animate.segment_frames
+    if length is None:
+        return
+    clip = media.usable_frames(cut.num_frames, frame_step, frame_base)
+    if (length - frame_base) % frame_step or not animate.previous_frames < length <= clip:
+        raise ValueError(f"data.preprocess.animate.segment_frames={length} must be {frame_base} + {frame_step} k "
+                         f"video frames, more than previous_frames={animate.previous_frames} and at most the clip's "
+                         f"{clip} (data.preprocess.num_frames), e.g. {frame_base + frame_step * 19}")
 
 
 def run_preprocess(config: Any, videos: str, out: str, *, progress: bool) -> dict[str, Any]:

@@ -191,7 +191,7 @@ def latent_shape(config: Any, model: Any, request: Request) -> tuple[int, int, i
         if request.frames < 1 or (request.frames - 1) % stride_t:
             raise ValueError(f"--frames {request.frames}: {model.name} makes 1 + {stride_t} k frames "
                              f"(its VAE's {stride_t}x temporal compression), e.g. {1 + stride_t * max(1, frames - 1)}")
-        frames = (request.frames - 1) // stride_t + 1 + model.lead_frames  # the reference's slot in front
+        frames = (request.frames - 1) // stride_t + 1
     for flag, value, stride, patch in (("--height", request.height, stride_h, model.patch_size[1]),
                                        ("--width", request.width, stride_w, model.patch_size[2])):
         if value is not None and (value < 1 or value % (stride * patch)):
@@ -324,12 +324,13 @@ def _jump_changes(method: Any, model: Any, jumps: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------- sampling
 
 
-def noise_and_keys(seeds: Sequence[int], shape: Any) -> tuple[Any, torch.Tensor]:
+def noise_and_keys(seeds: Sequence[int], shape: Any, segment: int = 0) -> tuple[Any, torch.Tensor]:
     """``(noise [N, ...], sampler keys [N, 2])`` of videos with ``seeds`` (module docstring); a joint model's
     ``shape`` is a dict of shapes and its noise a dict."""
     rows, keys = [], []
     for seed in seeds:
         noise_key, sampler_key = random.split(random.key(seed))
+        noise_key = random.fold_in(noise_key, segment) if segment else noise_key  # an animation's later segments
         rows.append(validation.fixed_noise(noise_key, {name: (1, *part) for name, part in shape.items()}
                                            if isinstance(shape, Mapping) else (1, *shape)))
         keys.append(validation.prompt_keys(sampler_key, 1)[0])
@@ -447,17 +448,18 @@ def read_animation(request: Request, kind: str, model: Any, frames: int) -> dict
 
 
 def animation_condition(encoder: Any, image: Any, animation: dict[str, Any], shape: tuple[int, int, int, int],
-                        model: Any) -> dict[str, Any]:
+                        model: Any, previous: torch.Tensor | None = None) -> dict[str, Any]:
     """An animation model's condition as preprocessing stores it (``preprocess.encode_animation``, a first segment):
     the character image and pose video at the video's pixel size (``shape``'s latents, the reference's slot in
-    front), the face video at the size the model reads, through the encoder's animation inputs, and the character's
-    image features; the face pixels in [-1, 1] as the data reads them."""
+    front), the face video at the size the model reads and the frames made before a later segment (``previous [3, P,
+    H, W]`` in [-1, 1]; None: a first segment), through the encoder's animation inputs, and the character's image
+    features; the face pixels in [-1, 1] as the data reads them."""
     stride_t, stride_h, stride_w = model.latents.vae_stride
     face_size = model.cond["face_pixels"][2]
     height, width = shape[2] * stride_h, shape[3] * stride_w
     reference = media.resize_crop(image, height, width)[:, 0]
     face = preprocess.hold(preprocess.face_pixels(animation["face"], face_size), 4 // stride_t)
-    out = encoder.encode_animation(reference, media.resize_crop(animation["pose"], height, width), face)
+    out = encoder.encode_animation(reference, media.resize_crop(animation["pose"], height, width), face, previous)
     return {"reference_latents": out["reference_latents"].numpy(), "pose_latents": out["pose_latents"].numpy(),
             "face_pixels": (out["face_pixels"].float() / 127.5 - 1).numpy(),
             "image_embeds": encoder.encode_image((reference + 1) / 2).numpy()}
@@ -611,6 +613,8 @@ class Plan(NamedTuple):
     sound: Callable[[], Any] | None  # a joint model's audio decoder (``decode``, ``sample_rate``), or None
     out: pathlib.Path
     todo: list[Video]
+    segments: tuple[int, ...] = ()  # an animation's segments: the first video frame of each
+    frames: int | None = None  # an animation's video frames
 
 
 def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
@@ -631,12 +635,18 @@ def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
     models = build_models(config)
     model = models[source.role]
     image = read_first_frame(request.image, config.data.kind, model)
-    shape = latent_shape(config, model, request)
+    animating = config.data.kind == ANIMATE_KIND  # segments of the trained length, as many as --frames takes
+    shape = latent_shape(config, model, request._replace(frames=None) if animating else request)
     if config.data.kind == SECTIONS_KIND:
         shape = section_shape(config, model, shape, request.frames)
     acts = read_actions(request.actions, config.data.kind, model, _video_frames(model, shape))
     control = read_control(request, config.data.kind, model, _video_frames(model, shape))
-    animation = read_animation(request, config.data.kind, model, _video_frames(model, shape))
+    segment = _video_frames(model, shape)
+    frames = (request.frames or segment) if animating else None
+    starts = animation_segments(frames, segment, config.data.preprocess.animate.previous_frames) if animating else ()
+    animation = read_animation(request, config.data.kind, model, frames or segment)
+    if animation is not None:  # the last segment's frames past the video's: padded as WanAnimatePipeline pads them
+        animation = {name: reflect_pad(video, starts[-1] + segment) for name, video in animation.items()}
     control = control if animation is None else animation
     front = int(control is not None and "reference" in control)
     shape = (shape[0], shape[1] + front, *shape[2:]) if front else shape
@@ -664,7 +674,7 @@ def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
     return Plan(request, source, model, models, sampler, shape, vcfg, image, control, front, acts,
                 preprocessing.prompt_encoder(config, source.role, request.base, config.data.kind),
                 _decoder(config, source.role, request.base), sound, out,
-                videos(request.prompts, request.num_per_prompt, request.seed))
+                videos(request.prompts, request.num_per_prompt, request.seed), tuple(starts), frames)
 
 
 def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: bool = True,
@@ -674,7 +684,8 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
     and decoded frames."""
     p = plan(request, say)
     request, config, device = p.request, p.source.config, preprocessing.device()
-    encoder = p.encoder()  # the text encoder first, then freed: it and the DiT are never held together
+    encoder = p.encoder()  # the text encoder first, then freed: it and the DiT are never held together (an animation
+    # of several segments keeps it, its text encoder on the CPU, to encode the frames each segment begins with)
     given, first = None, None
     if config.data.kind == SECTIONS_KIND:
         given, first = section_condition(encoder, p.image, _video_shape(p.shape), p.model, config.data.sections)
@@ -682,11 +693,13 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
         given = image_condition(encoder, p.image, _video_shape(p.shape), p.model)
     given = given if p.actions is None else {**given, **p.actions}
     if p.control is not None and config.data.kind == ANIMATE_KIND:
-        given = animation_condition(encoder, p.image, p.control, _video_shape(p.shape), p.model)
+        first_segment = {name: frames[:_video_frames(p.model, p.shape)] for name, frames in p.control.items()}
+        given = animation_condition(encoder, p.image, first_segment, _video_shape(p.shape), p.model)
     elif p.control is not None:
         given = control_condition(encoder, p.control, _video_shape(p.shape), p.model)
     cond = tree.to_device(encoded_cond(config, p.model, encoder, request.prompts, given), device)
     uncond = _uncond(config, p.model, encoder, request.negative_prompt, p.vcfg, device)
+    segments = encoder if len(p.segments) > 1 else None  # a later segment encodes the frames made before it
     del encoder
     sampler = p.sampler._replace(params=tree.to_device(p.source.weights(), device))
     model, decoder, sound = p.models[p.source.role], p.decoder(), None if p.sound is None else p.sound()
@@ -700,14 +713,19 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
         noise, keys = tree.to_device(noise_and_keys([v.seed for v in batch], p.shape), device)
         rows = torch.tensor([v.prompt_index for v in batch], device=device)
         rows_cond = {name: t[rows] for name, t in cond.items()}
-        if config.data.kind == SECTIONS_KIND:
-            latents = draw_sections(sampler, noise, rows_cond, keys, uncond, p.vcfg.guidance_scale,
-                                    config.data.sections, None if first is None else
-                                    first.to(device).expand(len(batch), -1, -1, -1, -1))
+        if len(p.segments) > 1:  # an animation made and decoded segment by segment
+            latents, video = draw_animation(p, sampler, segments, decoder, [v.seed for v in batch], noise, rows_cond,
+                                            keys, uncond, config.data.preprocess.animate.previous_frames)
+            waveforms = None
         else:
-            latents, _ = validation.draw(sampler, noise, rows_cond, keys, uncond, p.vcfg.guidance_scale)
-        latents = latents if not p.front else latents[:, :, p.front:]  # the reference's frames are not the video's
-        video, waveforms = decoded(model, decoder, sound, latents)
+            if config.data.kind == SECTIONS_KIND:
+                latents = draw_sections(sampler, noise, rows_cond, keys, uncond, p.vcfg.guidance_scale,
+                                        config.data.sections, None if first is None else
+                                        first.to(device).expand(len(batch), -1, -1, -1, -1))
+            else:
+                latents, _ = validation.draw(sampler, noise, rows_cond, keys, uncond, p.vcfg.guidance_scale)
+            latents = latents if not p.front else latents[:, :, p.front:]  # a reference image's frames are not video
+            video, waveforms = decoded(model, decoder, sound, latents)
         made.append((tree.to_device(latents, "cpu"), video))
         for i, item in enumerate(batch):
             audio = None if waveforms is None else (waveforms[i], sound.sample_rate)
@@ -724,6 +742,50 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
     merge_samples(p.out, rank, world, _record(p, sampler, entries, fps, device))
     return {"folder": p.out, "videos": entries, "sampler": sampler.tag, "where": p.source.where,
             "latents": _cat([m[0] for m in made]), "frames": _cat([m[1] for m in made])}
+
+
+def animation_segments(frames: int, segment: int, previous: int) -> list[int]:
+    """The first video frame of each segment making a video of ``frames`` (``WanAnimatePipeline``'s: segments of
+    ``segment`` frames, each after the first starting on the last ``previous`` of the one before); the last may run
+    past ``frames``."""
+    starts = [0]
+    while starts[-1] + segment < frames:
+        starts.append(starts[-1] + segment - previous)
+    return starts
+
+
+def reflect_pad(frames: Any, count: int) -> Any:
+    """``frames [F, ...]`` padded to ``count`` by reflection (1 2 3 -> 1 2 3 2 1 2 ...), as ``WanAnimatePipeline``
+    pads its pose and face videos."""
+    period = max(2 * (len(frames) - 1), 1)
+    index = [i % period for i in range(max(count, len(frames)))]
+    return frames[[i if i < len(frames) else period - i for i in index]]
+
+
+def draw_animation(p: Plan, sampler: validation.Sampler, encoder: Any, decoder: Callable[[torch.Tensor], torch.Tensor],
+                   seeds: list[int], noise: torch.Tensor, cond: dict[str, torch.Tensor], keys: torch.Tensor,
+                   uncond: Any, previous: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Videos ``[N, 3, frames, H, W]`` in [0, 1] of an animation model made segment by segment, as
+    ``WanAnimatePipeline`` makes them: segment ``n`` from its own noise (``noise`` for the first; its seed's key
+    folded with ``n`` after), its pose and face frames, and after the first the last ``previous`` frames made,
+    encoded into its reference latents; each later segment's first ``previous`` frames dropped. Also every segment's
+    latents, concatenated in time."""
+    segment, made, latents_made, last = _video_frames(p.model, p.shape), [], [], None
+    for n, start in enumerate(p.segments):
+        step_cond, step_noise = cond, noise
+        if n > 0:
+            window = {name: frames[start:start + segment] for name, frames in p.control.items()}
+            rows = [animation_condition(encoder, p.image, window, p.shape, p.model, previous=frames) for frames in last]
+            step_cond = {**cond, **{name: torch.stack([torch.from_numpy(row[name]) for row in rows]).to(noise.device)
+                                    for name in ("reference_latents", "pose_latents", "face_pixels")}}
+            step_noise = noise_and_keys(seeds, p.shape, segment=n)[0].to(noise.device)
+        latents, _ = validation.draw(sampler, step_noise, step_cond, keys, uncond, p.vcfg.guidance_scale)
+        with torch.no_grad():
+            video = decoder(p.model.denormalize(latents)).float().cpu()
+        last = video[:, :, -previous:] * 2 - 1
+        made.append(video if n == 0 else video[:, :, previous:])
+        latents_made.append(latents)
+    return torch.cat(latents_made, dim=2), torch.cat(made, dim=2)[:, :, :p.frames]
 
 
 def world_score(judge: Callable[..., dict[str, float]], video: torch.Tensor, prompt: str) -> dict[str, float] | None:
@@ -803,6 +865,7 @@ def _record(p: Plan, sampler: validation.Sampler, entries: list[dict[str, Any]],
         "base": request.base, "image": None if request.image is None else str(pathlib.Path(request.image).absolute()),
         **{name: None if path is None else str(pathlib.Path(path).absolute())
            for name, path in (("actions", request.actions), ("control", request.control), ("mask", request.mask),
-                              ("reference", request.reference))},
+                              ("reference", request.reference), ("pose", request.pose), ("face", request.face))},
+        **({"frames": p.frames, "segments": list(p.segments)} if p.segments else {}),
         "overrides": list(request.overrides), "device": device.type, "videos": entries,
     }

@@ -96,6 +96,20 @@ def test_the_released_presets_are_the_2b_and_5b_configs():
     assert (small.latents.scale, large.latents.scale) == (1.15258426, 0.7)
 
 
+def test_the_released_1_5_image_to_video_preset_has_its_ofs_embedding_and_the_pipeline_gives_it_2():
+    """THUDM/CogVideoX1.5-5B-I2V (its config.json): 1.5's layout, 32 input channels, a 512-wide ofs embedding and no
+    position table; the DiT's ofs is the pipeline's 2.0, none for a DiT without the embedding (the family test's case
+    "cogvideox-1.5-i2v" checks the forward against the pipeline's call)."""
+    k = CogVideoXConfig(preset="cogvideox1.5-5b-i2v").spec.kwargs
+    assert (k["in_channels"], k["ofs_embed_dim"], k["patch_size_t"], k["use_learned_positional_embeddings"]) == (
+        32, 512, 2, False)
+    config = CogVideoXConfig(preset="tiny-1.5-i2v")
+    x, t, cond = inputs(config.build(), random.key(0))
+    frames_first = x.transpose(1, 2)  # the DiT's layout
+    assert torch.equal(cogvideox.inputs(config, frames_first, t, cond, False)["ofs"], torch.full((2,), 2.0))
+    assert cogvideox.inputs(CogVideoXConfig(preset="tiny-1.5"), frames_first, t, cond, False)["ofs"] is None
+
+
 def test_an_export_is_a_cogvideox_pipeline_folder_with_its_ddim_scheduler(tmp_path):
     model = CogVideoXConfig(preset="tiny-2b").build()
     params = model.weights.init(random.key(0))

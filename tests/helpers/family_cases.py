@@ -166,8 +166,9 @@ def cogvideox_native(modules, x, t, cond, snr_shift_scale: float = 1.0):
                              scheduler=CogVideoXDDIMScheduler())
     rope = (pipe._prepare_rotary_positional_embeddings(x.shape[3] * 8, x.shape[4] * 8, x.shape[2], "cpu")
             if transformer.config.use_rotary_positional_embeddings else None)
+    ofs = None if transformer.config.ofs_embed_dim is None else x.new_full((1,), 2.0)  # CogVideoX 1.5 I2V's ofs
     v = transformer(hidden_states=hidden, encoder_hidden_states=cond["text"], timestep=tau.float(),
-                    image_rotary_emb=rope, return_dict=False)[0]
+                    image_rotary_emb=rope, ofs=ofs, return_dict=False)[0]
     x0 = a * latents - b * v
     noise = (latents - a * x0) / b
     return (noise - x0).permute(0, 2, 1, 3, 4)
@@ -398,6 +399,8 @@ CASES: dict[str, Case] = {
                           cogvideox_native),
     "cogvideox-1.5": Case(CogVideoXConfig(preset="tiny-1.5"), {"transformer": CogVideoXTransformer3DModel},
                           cogvideox_native),
+    "cogvideox-1.5-i2v": Case(CogVideoXConfig(preset="tiny-1.5-i2v"), {"transformer": CogVideoXTransformer3DModel},
+                              cogvideox_native),
     "motif_video-i2v": Case(MotifVideoConfig(preset="tiny-i2v", first_frame=True),
                             {"transformer": MotifVideoTransformer3DModel}, motif_video_i2v_native),
     "sana_video": Case(SanaVideoConfig(preset="tiny"), {"transformer": SanaVideoTransformer3DModel}, sana_video_native),

@@ -91,8 +91,40 @@ def test_a_video_without_its_pose_video_is_exit_2_before_anything_is_written(vid
             "clip's first frame))") in err[0]
     assert not (tmp_path / "ds").exists()
     code = run.main(["preprocess", ANIMATE, "--videos", str(videos), "--out", str(tmp_path / "ds"), *OVERRIDES,
-                     "data.preprocess.face_size=32"])
+                     "data.preprocess.animate.face_size=32"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err == ["fvx.run: error: data.preprocess.face_size=32, but models.student (wan_animate:world) "
-                                 "reads 16 x 16 face videos; set data.preprocess.face_size=16"]
+    assert code == 2 and err == ["fvx.run: error: data.preprocess.animate.face_size=32, but models.student "
+                                 "(wan_animate:world) reads 16 x 16 face videos; set "
+                                 "data.preprocess.animate.face_size=16"]
     assert not (tmp_path / "ds").exists()
+
+
+def test_a_longer_clip_is_cut_into_segments_each_after_the_first_given_the_previous_ones_last_frame(tmp_path, capsys):
+    """``data.preprocess.animate.segment_frames=4``: clips of 7 frames become two rows, frames 0..3 and 3..6; the
+    second's reference latents give frame 3 (its first, the first segment's last) with mask one after the
+    character's slot, its latents, pose and face are its own frames'; a segment longer than the clip is exit 2."""
+    folder = tmp_path / "long"
+    assert toy_world.main(["write-videos", str(folder), "--samples", "2", "--frames", "7", "--kind", "animate"]) == 0
+    long = [*OVERRIDES[:2], "data.world.frames=7", "data.preprocess.num_frames=7", *OVERRIDES[3:]]
+    config = fconfig.apply_overrides(fconfig.load_experiment(ANIMATE),
+                                     [*long, "data.preprocess.animate.segment_frames=4"])
+    done = preprocessing.run_preprocess(config, str(folder), str(tmp_path / "ds"), progress=False)
+    assert done["rows"] == 4 and done["skipped"] == []
+    table = pq.read_table(next((tmp_path / "ds" / preprocess.PARTS).glob("*.parquet")))
+    assert table.column("id").to_pylist()[:2] == ["world_00000.mp4#0", "world_00000.mp4#1"]
+    data = datasets.open_dataset(datasets.DataConfig(kind="animate", path=str(tmp_path / "ds" / preprocess.PARTS)),
+                                 random.key(1))
+    first, second = data.read([0]), data.read([1])
+    clip = toy_world.space_to_depth(media.resize_crop(media.read_frames(folder / "world_00000.mp4", range(7)), 16, 16),
+                                    WORLD.factor)
+    assert torch.equal(first["latents"][0, :, 1:], clip[:, :4])
+    assert torch.equal(second["latents"][0, :, 1:], clip[:, 3:])
+    assert torch.equal(second["latents"][0, :, :1], clip[:, :1])  # the character: the clip's first frame
+    reference = second["reference_latents"][0]
+    assert reference[:4, :2].eq(1).all() and not reference[:4, 2:].any()
+    assert torch.equal(reference[4:, 1], clip[:, 3]) and not reference[4:, 2:].any()
+    assert not first["reference_latents"][0, :4, 1:].any()  # a first segment: no previous frame given
+    code = run.main(["preprocess", ANIMATE, "--videos", str(folder), "--out", str(tmp_path / "bad"), *long,
+                     "data.preprocess.animate.segment_frames=9"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "data.preprocess.animate.segment_frames=9 must be 1 + 1 k video frames" in err[0]

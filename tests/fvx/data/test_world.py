@@ -1,18 +1,15 @@
 """fvx.data.toy_world: the toy video world renders what its prompts say, its codec is exact, its quality figures score
 true clips perfectly and noise badly, and a short fine-tuning run on it learns what a person can see."""
-import pathlib
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from fvx import run
 from fvx.core import random
 from fvx.data import datasets as data, toy_world as world
 from fvx.training import tracking
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -119,12 +116,10 @@ def test_bad_world_configs_are_named():
 
 
 @pytest.mark.slow
-def test_a_short_finetuning_run_learns_the_prompted_bars(tmp_path):
+def test_a_short_finetuning_run_learns_the_prompted_bars(toy_teacher_300):
     """300 steps of the default experiment: the logged distance to the nearest true clip falls far below step 0's,
     and the decoded validation videos have the prompted colour and bar orientation."""
-    out = tmp_path / "run"
-    assert run.main([str(ROOT / "experiments" / "finetune_wan.py"), "--out", str(out), "--steps", "300",
-                     "validation.every=300", "run.progress=false", "run.checkpoint.every=0"]) == 0
+    out = toy_teacher_300
     scalars = tracking.read_scalars(out / "tb")
     (_, start), (_, end) = scalars["validation/model/nearest_mse"]
     assert start > 0.3 and end < 0.5 * start

@@ -284,13 +284,12 @@ def test_a_longer_clip_than_a_bidirectional_model_saw_is_warned(finetuned, tmp_p
     assert "world_score" not in record["videos"][0]  # the world has no true clips of 5 frames to compare with
 
 
-@pytest.mark.slow  # trains the toy teacher for 300 steps (about 30 s)
-def test_the_toy_teacher_draws_the_typed_prompt(tmp_path):
+@pytest.mark.slow  # the toy teacher trained for 300 steps (about 25 s, shared with tests/fvx/data/test_world.py)
+def test_the_toy_teacher_draws_the_typed_prompt(toy_teacher_300, tmp_path):
     """The README's teacher, briefly trained, sampled from the typed prompt: the world's own score finds its clips
     nearest the prompt's true ones more often than any other prompt's."""
-    out = train(tmp_path / "teacher", "experiments/finetune_wan.py", 300, "data.batch_size=8")
-    done = sampling.run_sample(sampling.Request(str(out), (RED_RIGHT,), out=str(tmp_path / "s"), num_per_prompt=8),
-                               progress=False)
+    done = sampling.run_sample(sampling.Request(str(toy_teacher_300), (RED_RIGHT,), out=str(tmp_path / "s"),
+                                                num_per_prompt=8), progress=False)
     match = sum(v["world_score"]["prompt_match"] for v in done["videos"]) / 8
     assert match >= 0.25, [v["world_score"] for v in done["videos"]]  # chance: 1 in 8; 6 in 8 measured
 
@@ -350,8 +349,8 @@ def animation_model(tmp_path_factory):
 def test_an_animation_model_animates_the_character_by_the_pose_and_face_videos(animation_model, tmp_path, capsys):
     """Wan-Animate: a world clip's first frame as --image, its white bars as --pose and the clip as --face (as
     ``write-videos --kind animate`` writes them) make exactly the sample validation makes of that clip from its
-    dataset inputs (the world's codec is exact); the video drops the reference's slot; a missing --face, or --pose
-    given to another model, is one line."""
+    dataset inputs (the world's codec is exact); the video drops the reference's slot; a longer video is made segment
+    by segment, its first the one-segment video; a missing --face, or --pose given to another model, is one line."""
     from fvx.data import toy_world, toy_world_animate
 
     want, validator, built = validations_sample(animation_model, seed=3)
@@ -370,6 +369,17 @@ def test_an_animation_model_animates_the_character_by_the_pose_and_face_videos(a
     torch.testing.assert_close(done["latents"], want, rtol=0, atol=0)
     assert done["latents"].shape[2] == 5 and done["frames"].shape[2] == 4  # the reference's slot is not the video's
     assert toy_world.WorldConfig().frames == frames_of(tmp_path / "s" / done["videos"][0]["files"][0]).shape[0]
+    # --frames 7: two segments of the trained 4 frames, the second starting on the first's last frame made
+    longer = toy_world.WorldDataset(toy_world.WorldConfig(frames=7), built.dataset.key, kind="animate",
+                                    collate=lambda samples, indices: samples).clip(index)
+    assert numpy.array_equal(longer[:, :4], clip)
+    media.write_video(tmp_path / "pose7.mp4", as_uint8(toy_world_animate.pose_video(longer)), 16)
+    media.write_video(tmp_path / "face7.mp4", as_uint8(longer), 16)
+    long = sampling.run_sample(request._replace(out=str(tmp_path / "l"), frames=7, pose=str(tmp_path / "pose7.mp4"),
+                                                face=str(tmp_path / "face7.mp4")), progress=False)
+    assert long["frames"].shape[2] == 7 and torch.equal(long["frames"][:, :, :4], done["frames"])
+    record = json.loads((tmp_path / "l" / sampling.SAMPLES).read_text())
+    assert record["segments"] == [0, 3] and record["frames"] == 7 and record["latent_shape"][1] == 5
     out = tmp_path / "out"
     assert "give --face VIDEO" in bad(capsys, animation_model, "--prompt", RED_RIGHT, "--image",
                                       tmp_path / "character.png", "--pose", tmp_path / "pose.mp4", "--out", out)
