@@ -449,7 +449,7 @@ def read_animation(request: Request, kind: str, model: Any, frames: int) -> dict
 
 def animation_condition(encoder: Any, image: Any, animation: dict[str, Any], shape: tuple[int, int, int, int],
                         model: Any, previous: torch.Tensor | None = None) -> dict[str, Any]:
-    """An animation model's condition as preprocessing stores it (``preprocess.encode_animation``, a first segment):
+    """An animation model's condition as preprocessing stores it (``preprocess.encode_segment``):
     the character image and pose video at the video's pixel size (``shape``'s latents, the reference's slot in
     front), the face video at the size the model reads and the frames made before a later segment (``previous [3, P,
     H, W]`` in [-1, 1]; None: a first segment), through the encoder's animation inputs, and the character's image
@@ -605,7 +605,8 @@ class Plan(NamedTuple):
     shape: Any  # [C, T, H, W] of the video latents, or a joint model's {modality: shape}
     vcfg: validation.ValidationConfig
     image: Any  # the --image pixels, uint8 [1, H, W, 3], or None
-    control: dict[str, Any] | None  # the --control, --mask and --reference pixels, or None
+    control: dict[str, Any] | None  # the --control, --mask and --reference pixels (an animation's --pose and --face,
+    # padded to its last segment's end), or None
     front: int  # latent frames before the video's (a reference image's), dropped before decoding
     actions: dict[str, Any] | None  # the --actions rows of the video's frames ({keyboard, mouse} float32), or None
     encoder: Callable[[], Any]

@@ -1,4 +1,7 @@
-"""Media files the preprocessing tests read: clips with a sine sound track (PyAV)."""
+"""Media files the preprocessing tests read: clips with a sine sound track (PyAV), the toy world's files of a kind
+and copies of a folder to change."""
+import pathlib
+
 import numpy as np
 
 
@@ -24,3 +27,19 @@ def write_with_sound(path, seconds=1.0, fps=16, rate=8000, pitch=440.0, sound=Tr
                 frame.sample_rate, frame.pts = rate, start
                 container.mux(audio.encode(frame))
             container.mux(audio.encode(None))
+
+
+def world_files(folder: pathlib.Path, kind: str, samples: int = 4) -> pathlib.Path:
+    """``write-videos --kind KIND``: the toy world's clips with the files the kind reads beside them, in ``folder``."""
+    from fvx.data import toy_world
+
+    assert toy_world.main(["write-videos", str(folder), "--samples", str(samples), "--kind", kind]) == 0
+    return folder
+
+
+def copy_of(folder: pathlib.Path, root: pathlib.Path) -> pathlib.Path:
+    """The files of ``folder`` copied into a new folder ``root`` (to remove or add one)."""
+    root.mkdir()
+    for path in folder.iterdir():
+        (root / path.name).write_bytes(path.read_bytes())
+    return root

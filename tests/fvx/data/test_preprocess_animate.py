@@ -16,6 +16,7 @@ from fvx.data import datasets, media, preprocess, toy_world
 from fvx.data.toy_world import Codec, WorldConfig
 from fvx.data.toy_world_actions import world_dataset
 from fvx.training import preprocessing
+from media_files import copy_of, world_files
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 WORLD = WorldConfig(num_samples=4)
@@ -26,16 +27,7 @@ OVERRIDES = ["data.world.num_samples=4", "data.preprocess.samples_per_file=2", "
 
 @pytest.fixture(scope="module")
 def videos(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("world_animate")
-    assert toy_world.main(["write-videos", str(folder), "--samples", "4", "--kind", "animate"]) == 0
-    return folder
-
-
-def copy_of(videos, root: pathlib.Path) -> pathlib.Path:
-    root.mkdir()
-    for path in videos.iterdir():
-        (root / path.name).write_bytes(path.read_bytes())
-    return root
+    return world_files(tmp_path_factory.mktemp("world_animate"), "animate")
 
 
 def dataset(folder: pathlib.Path):

@@ -15,6 +15,7 @@ from fvx.core import random
 from fvx.data import datasets, media, preprocess, toy_world
 from fvx.data.toy_world import Codec, WorldConfig, WorldDataset
 from fvx.training import preprocessing
+from media_files import copy_of, world_files
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 WORLD = WorldConfig(num_samples=4)
@@ -26,16 +27,7 @@ GREY = 128 / 127.5 - 1  # the 8-bit grey of the control videos' frames to be mad
 
 @pytest.fixture(scope="module")
 def videos(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("world_vace")
-    assert toy_world.main(["write-videos", str(folder), "--samples", "4", "--kind", "vace"]) == 0
-    return folder
-
-
-def copy_of(videos, root: pathlib.Path) -> pathlib.Path:
-    root.mkdir()
-    for path in videos.iterdir():
-        (root / path.name).write_bytes(path.read_bytes())
-    return root
+    return world_files(tmp_path_factory.mktemp("world_vace"), "vace")
 
 
 def test_the_worlds_files_come_back_as_its_extension_samples(videos, tmp_path):
