@@ -8,7 +8,7 @@ reference image's slot, which the DiT denoises with the video and the pipeline d
 
 The default trains the tiny `world` preset from scratch on fvx's toy world animated: the reference is a clip's first
 frame, the pose the clip's bars in white, the face the clip itself; given them and the prompt, the model makes the
-clip. About a minute and a half on a 2-core CPU; validation animates fixed dataset samples, and
+clip. About two minutes on a 2-core CPU; validation animates fixed dataset samples, and
 `validation/model/continuation_mse` (the distance to the clip the pose came from) falls:
     python -m fvx.run experiments/finetune_wan_animate.py
 On Wan2.2-Animate-14B (a local diffusers folder): preprocess your clips, each ``clip.mp4`` beside its caption

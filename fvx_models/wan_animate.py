@@ -64,8 +64,8 @@ _WORLD = {**wan.PRESETS["world"].kwargs, "in_channels": 388, "latent_channels": 
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(_TINY, wan.TINY_VAE, 8, {"flow_shift": 5.0}),
-    # the toy world's (192-channel space-to-depth 8 latents; 16 x 16 face crops; the reference frame's mean latent
-    # as a 1-token image feature)
+    # the toy world's (192-channel space-to-depth 8 latents; 16 x 16 face videos; the reference frame's latent tokens
+    # as its image features)
     "world": Preset(_WORLD, wan.WORLD_CODEC, 4, {"flow_shift": 5.0}),
     # Wan-AI/Wan2.2-Animate-14B-Diffusers: Wan 2.1 I2V 14B's with the motion and face encoders (diffusers'
     # convert_wan_to_diffusers.py "Wan2.2-Animate-14B"); Wan-Animate's sample_shift 5 (wan/configs/wan_animate_14B.py)
