@@ -13,8 +13,9 @@ clip. About two minutes on a 2-core CPU; validation animates fixed dataset sampl
     python -m fvx.run experiments/finetune_wan_animate.py
 On Wan2.2-Animate-14B (a local diffusers folder): preprocess your clips, each ``clip.mp4`` beside its caption
 ``clip.txt``, its pose video ``clip.pose.mp4`` and face video ``clip.face.mp4`` (the face crops, as Wan-Animate's
-preprocessing makes them, one per frame) and optionally the character image ``clip.ref.png`` (none: the clip's first
-frame), then train DiffSynth-Studio's LoRA recipe:
+preprocessing makes them, one per frame), optionally the character image ``clip.ref.png`` (none: the clip's first
+frame) and, for the replace mode, ``clip.background.mp4`` and ``clip.mask.mp4`` (white: the character's place), then
+train DiffSynth-Studio's LoRA recipe:
     python -m fvx.run preprocess experiments/finetune_wan_animate.py:diffsynth_animate_lora --videos /data/my_clips \\
         --out /data/my_dataset models.student.path=/models/Wan2.2-Animate-14B-Diffusers
     torchrun --nproc-per-node 8 -m fvx.run experiments/finetune_wan_animate.py:diffsynth_animate_lora \\

@@ -460,13 +460,16 @@ def sample_main(argv: Sequence[str]) -> int:
                                           "or .npy of the keyboard); the video is named after the file")
     parser.add_argument("--control", help="a VACE model (data.kind=vace): the control video (depth, pose, a masked "
                                           "source...), its first frames as many as the video's")
-    parser.add_argument("--mask", help="with --control: a mask video, white where to make the video (default: all)")
+    parser.add_argument("--mask", help="with --control or --background: a mask video, white where to make the video "
+                                       "(default: all)")
     parser.add_argument("--reference", help="with --control: a reference image (its latent frame goes in front and "
                                             "is dropped)")
     parser.add_argument("--pose", help="a Wan-Animate model (data.kind=animate): the pose video, its first frames as "
                                        "many as the video's")
     parser.add_argument("--face", help="with --pose: the face video (face crops, one per frame; resized to the size "
                                        "the model reads)")
+    parser.add_argument("--background", help="with --pose: the replace mode's background video, the character put "
+                                             "where --mask is white")
     parser.add_argument("--gif", action="store_true", help="also write a GIF of each video")
     parser.add_argument("--scale", type=int, default=1, help="enlarge the written videos N times (nearest)")
     parser.add_argument("--fps", type=float, help="frames per second of the files (default: validation.fps)")
@@ -487,8 +490,7 @@ def sample_main(argv: Sequence[str]) -> int:
             karras=None if args.karras is None else _karras(args.karras),
             negative_prompt=args.negative_prompt, jumps=args.jumps, image=args.image, actions=args.actions,
             control=args.control, mask=args.mask, reference=args.reference, pose=args.pose, face=args.face,
-            gif=args.gif, scale=args.scale,
-            fps=args.fps)
+            background=args.background, gif=args.gif, scale=args.scale, fps=args.fps)
         done = sampling.run_sample(request, rank=rank, world=world, progress=sys.stderr.isatty(),
                                    say=lambda line: print(line, file=sys.stderr))
     except BAD_INPUT as error:

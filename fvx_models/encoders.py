@@ -60,8 +60,9 @@ class Encoders:
                      made) and reference images (``[3, H, W]`` in [-1, 1]) as its pipeline builds it (VACE's);
                      ``references(pipe, images) -> [C, R, h, w]`` the reference images' latent frames in the VAE's own
                      scale, which go in front of the video's; None: the family takes no control context
-    animation(pipe, reference, pose, face, previous) -> {name: tensor}   a character-animation family's inputs of one
-                     segment (Wan-Animate's: ``fvx_models.wan_animate.encode_animation``); None: it takes none
+    animation(pipe, reference, pose, face, previous, background, mask) -> {name: tensor}   a character-animation
+                     family's inputs of one segment (Wan-Animate's, in its animate or replace mode:
+                     ``fvx_models.wan_animate.encode_animation``); None: it takes none
     audio, encode_audio(pipe, waveform, rate) -> [B, C, F, A]   a joint model's audio latents from stereo waveforms
                      ``[B, 2, S]`` at ``rate`` Hz; ``audio_refusal``: why there is none (one line)
     stand_ins        ``(component, object)`` pairs given to ``from_pretrained`` in place of a component encoding never
@@ -246,14 +247,20 @@ class Opened:
 
     @torch.no_grad()
     def encode_animation(self, reference: torch.Tensor, pose: torch.Tensor, face: torch.Tensor,
-                         previous: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                         previous: torch.Tensor | None = None, background: torch.Tensor | None = None,
+                         mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """A character-animation family's inputs of one segment (:attr:`Encoders.animation`): a reference image
         ``[3, H, W]``, a pose video ``[3, F, H, W]`` and the previous segment's last frames ``[3, P, H, W]`` (None:
-        none) in [-1, 1], the face video ``[3, F, S, S]`` uint8."""
+        none) in [-1, 1], the face video ``[3, F, S, S]`` uint8; the replace mode's background video ``[3, F, H, W]``
+        and its mask ``[1, F, H, W]`` (1: to be made; None: the animate mode)."""
         self._use(self.encoders.video)
         dtype = self.pipe.vae.dtype
-        out = self.encoders.animation(self.pipe, reference.to(self.device, dtype), pose.to(self.device, dtype), face,
-                                      None if previous is None else previous.to(self.device, dtype))
+
+        def on_device(video: torch.Tensor | None) -> torch.Tensor | None:
+            return None if video is None else video.to(self.device, dtype)
+
+        out = self.encoders.animation(self.pipe, on_device(reference), on_device(pose), face, on_device(previous),
+                                      on_device(background), None if mask is None else mask.to(self.device))
         return {name: t.cpu() if t.dtype == torch.uint8 else t.float().cpu() for name, t in out.items()}
 
     @torch.no_grad()

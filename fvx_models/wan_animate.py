@@ -28,6 +28,7 @@ import pathlib
 from typing import Any, Mapping
 
 import torch
+import torch.nn.functional as F
 from diffusers import FlowMatchEulerDiscreteScheduler, WanAnimateTransformer3DModel
 from torch import nn
 
@@ -215,11 +216,12 @@ def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
 # ----------------------------------------------------------------------------------------------------- encoding
 
 
-def condition_mask(frames: int, given: int, height: int, width: int, stride: int = MASK_CHANNELS) -> torch.Tensor:
+def condition_mask(frames: int, given: int, height: int, width: int, stride: int = MASK_CHANNELS,
+                   keep: torch.Tensor | None = None) -> torch.Tensor:
     """The pipeline's ``get_i2v_mask`` ``[s, T, h, w]`` of ``T`` latent frames whose first ``given`` video frames are
-    given (``s`` the VAE's time stride, 4): one on them, the first latent frame's mask repeated over its ``s``
-    channels."""
-    mask = torch.zeros(1, stride * (frames - 1) + 1, height, width)
+    given (``s`` the VAE's time stride, 4): one on them and where ``keep [F, h, w]`` (the replace mode's video frames
+    to keep, at the latent grid) is one, the first latent frame's mask repeated over its ``s`` channels."""
+    mask = torch.zeros(1, stride * (frames - 1) + 1, height, width) if keep is None else keep[None].clone()
     mask[:, :given] = 1
     mask = torch.cat([mask[:, :1].repeat_interleave(stride, dim=1), mask[:, 1:]], dim=1)
     return mask.view(frames, stride, height, width).transpose(0, 1)
@@ -235,23 +237,29 @@ def normalized(pipe: Any, video: torch.Tensor) -> torch.Tensor:
 
 
 def encode_animation(pipe: Any, reference: torch.Tensor, pose: torch.Tensor, face: torch.Tensor,
-                     previous: torch.Tensor | None) -> dict[str, torch.Tensor]:
+                     previous: torch.Tensor | None, background: torch.Tensor | None = None,
+                     mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """One segment's animation inputs as ``WanAnimatePipeline`` builds them: the reference image ``[3, H, W]``, the
     pose video ``[3, F, H, W]`` and the previous segment's last frames ``[3, P, H, W]`` (None: a first segment) in
-    [-1, 1], the face video ``[3, F, S, S]`` as uint8. Returns ``reference_latents [C + 4, T + 1, h, w]``,
-    ``pose_latents [C, T, h, w]``, ``face_pixels`` (uint8, as given) and ``reference [C, 1, h, w]``: the reference's
-    latent in the VAE's own scale, the clean frame 0 of ``vae_latent``."""
+    [-1, 1], the face video ``[3, F, S, S]`` as uint8; for the replace mode the background video ``[3, F, H, W]`` in
+    [-1, 1] behind the frames given (where the animate mode has zeros) and its mask ``[1, F, H, W]`` (1: to be made;
+    the rest kept, one in the condition mask at the latent grid, nearest). Returns ``reference_latents [C + 4, T + 1,
+    h, w]``, ``pose_latents [C, T, h, w]``, ``face_pixels`` (uint8, as given) and ``reference [C, 1, h, w]``: the
+    reference's latent in the VAE's own scale, the clean frame 0 of ``vae_latent``."""
     frames, height, width = pose.shape[1:]
     given = 0 if previous is None else previous.shape[1]
-    condition = torch.zeros(3, frames, height, width, device=pose.device)
+    condition = (torch.zeros(3, frames, height, width, device=pose.device) if background is None
+                 else background.clone().to(pose.device))
     if previous is not None:
         condition[:, :given] = previous
     segment = normalized(pipe, condition[None].to(pipe.vae.dtype))[0]
     image = normalized(pipe, reference[None, :, None].to(pipe.vae.dtype))[0]
     (latent_frames, h, w), stride = segment.shape[1:], pipe.vae_scale_factor_temporal
+    keep = None if mask is None else F.interpolate(1 - mask.float().transpose(0, 1), size=(h, w), mode="nearest")[:, 0]
     reference_latents = torch.cat([
         torch.cat([condition_mask(1, 1, h, w, stride).to(image.device), image], dim=0),
-        torch.cat([condition_mask(latent_frames, given, h, w, stride).to(segment.device), segment], dim=0)], dim=1)
+        torch.cat([condition_mask(latent_frames, given, h, w, stride, keep).to(segment.device), segment], dim=0)],
+        dim=1)
     raw = fencoders.latent_mean(pipe.vae, reference[None, :, None].to(pipe.vae.dtype)).float()[0]
     return {REFERENCE: reference_latents, POSE: normalized(pipe, pose[None].to(pipe.vae.dtype))[0],
             FACE: face, "reference": raw}

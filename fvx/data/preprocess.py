@@ -102,7 +102,8 @@ class Encoder(Protocol):
     def encode_references(self, references: list[torch.Tensor]) -> torch.Tensor: ...
 
     def encode_animation(self, reference: torch.Tensor, pose: torch.Tensor, face: torch.Tensor,
-                         previous: torch.Tensor | None = None) -> dict[str, torch.Tensor]: ...
+                         previous: torch.Tensor | None = None, background: torch.Tensor | None = None,
+                         mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +119,7 @@ class Input:
 
 
 # the files beside a clip that kinds read, by role: clip.control.mp4, clip.mask.mp4, clip.ref.png; clip.pose.mp4, ...
-CONTROL_FILES = {"vace": ("control", "mask", "ref"), "animate": ("pose", "face", "ref")}
+CONTROL_FILES = {"vace": ("control", "mask", "ref"), "animate": ("pose", "face", "ref", "background", "mask")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,6 +328,11 @@ def check_control_files(inputs: Sequence[Input], kind: str) -> None:
     required = {"vace": ("control",), "animate": ("pose", "face")}[kind]
     for item in inputs:
         files, stem = item.control, item.path.with_suffix("").name
+        if kind == "animate" and ("background" in files) != ("mask" in files):
+            have, lack = ("background", "mask") if "background" in files else ("mask", "background")
+            raise ValueError(f"video {str(item.path)!r} has a {have} video but no {lack} video: the replace mode "
+                             f"reads both, '{stem}.background.mp4' and '{stem}.mask.mp4' (white: the character's "
+                             "place, to be made)")
         for role in required:
             if role not in files:
                 given = " and ".join(f"'{stem}.{r}.mp4'" for r in required)
@@ -489,6 +495,8 @@ def animation_rows(job: Job, encoder: Encoder, item: Input) -> list[dict[str, An
 
     height, width = clip.shape[2:]
     pose, face = media.resize_crop(frames("pose"), height, width), face_pixels(frames("face"), cut.face_size)
+    background, mask = (replacement(frames("background"), frames("mask"), height, width)
+                        if "background" in item.control else (None, None))
     reference = (media.resize_crop(media.read_image(item.control["ref"]), height, width)[:, 0] if "ref" in item.control
                  else clip[:, 0])
     features = encoder.encode_image((reference + 1) / 2)
@@ -501,7 +509,9 @@ def animation_rows(job: Job, encoder: Encoder, item: Input) -> list[dict[str, An
     for n, start in enumerate(starts):
         window = slice(start, start + length)
         previous = None if n == 0 else clip[:, start:start + cut.previous_frames]
-        row = encode_segment(job, encoder, clip[:, window], reference, pose[:, window], face[:, window], previous)
+        replace = None if background is None else (background[:, window], mask[:, window])
+        row = encode_segment(job, encoder, clip[:, window], reference, pose[:, window], face[:, window], previous,
+                             replace)
         rows.append({"id": item.name if cut.segment_frames is None else f"{item.name}#{n}", **meta, **row,
                      "num_frames": row["latents"].shape[1], "image_embeds": features})
     return rows
@@ -513,12 +523,25 @@ def segment_starts(frames: int, length: int, previous: int) -> list[int]:
     return list(range(0, frames - length + 1, length - previous)) if length <= frames else []
 
 
+def replacement(background: np.ndarray | None, mask: np.ndarray | None, height: int,
+                width: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The replace mode's uint8 background and mask frames ``[F, H0, W0, 3]`` as the background video ``[3, F, H, W]``
+    in [-1, 1] and its mask ``[1, F, H, W]`` (the mean over colours, white 1: to be made), cropped and resized as the
+    clip; (None, None) without them (the animate mode)."""
+    if background is None:
+        return None, None
+    return (media.resize_crop(background, height, width),
+            (media.resize_crop(mask, height, width).mean(0, keepdim=True) + 1) / 2)
+
+
 def encode_segment(job: Job, encoder: Encoder, clip: torch.Tensor, reference: torch.Tensor, pose: torch.Tensor,
-                   face: torch.Tensor, previous: torch.Tensor | None) -> dict[str, Any]:
+                   face: torch.Tensor, previous: torch.Tensor | None,
+                   replace: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, Any]:
     """One segment's tensors: its clip ``[3, F, H, W]``, pose video and face video (uint8, held for 4 video frames a
-    latent frame when the family's VAE packs fewer) with the character image and the previous frames (None: a first
-    segment) through the encoder's animation inputs; the latents with the reference's in front."""
-    out = encoder.encode_animation(reference, pose, hold(face, 4 // job.frame_step), previous)
+    latent frame when the family's VAE packs fewer) with the character image, the previous frames (None: a first
+    segment) and the replace mode's background and mask (None: the animate mode) through the encoder's animation
+    inputs; the latents with the reference's in front."""
+    out = encoder.encode_animation(reference, pose, hold(face, 4 // job.frame_step), previous, *(replace or ()))
     return {"latents": torch.cat([out.pop("reference"), encoder.encode_video(clip)], dim=1), **out}
 
 

@@ -130,19 +130,28 @@ class WorldEncoders:
         return torch.cat([self.encode_video(image[:, None]) for image in reversed(references)], dim=1)  # the last first
 
     def encode_animation(self, reference: torch.Tensor, pose: torch.Tensor, face: torch.Tensor,
-                         previous: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                         previous: torch.Tensor | None = None, background: torch.Tensor | None = None,
+                         mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Kind "animate"'s inputs through the codec (``fvx.data.toy_world_animate``'s layout): the reference frame
-        (mask one), then the previous frames ``[3, P, H, W]`` (mask one; None: none) and zeros, the pose video's
-        latents, the face pixels as given (the codec is frame-wise: a video frame is a latent frame)."""
+        (mask one), then the previous frames ``[3, P, H, W]`` (mask one; None: none) and zeros, or in the replace
+        mode the ``background`` behind them with the latent cells its ``mask [1, F, H, W]`` (1: to be made) keeps at
+        one (nearest), the pose video's latents, the face pixels as given (the codec is frame-wise: a video frame is a
+        latent frame)."""
         latent = self.encode_video(reference.float()[:, None])
         frames, given_frames = pose.shape[1], 0 if previous is None else previous.shape[1]
-        mask = torch.zeros(MASK_CHANNELS, frames + 1, *latent.shape[2:])
-        mask[:, :1 + given_frames] = 1
+        condition = torch.zeros(MASK_CHANNELS, frames + 1, *latent.shape[2:])
+        if mask is not None:
+            keep = torch.nn.functional.interpolate(1 - mask.float().transpose(0, 1), size=latent.shape[2:],
+                                                   mode="nearest")[:, 0]
+            condition[:, 1:] = keep
+        condition[:, :1 + given_frames] = 1
         given = torch.zeros(latent.shape[0], frames + 1, *latent.shape[2:])
         given[:, :1] = latent
+        if background is not None:
+            given[:, 1:] = self.encode_video(background.float())
         if previous is not None:
             given[:, 1:1 + given_frames] = self.encode_video(previous.float())
-        return {"reference_latents": torch.cat([mask, given]), "pose_latents": self.encode_video(pose.float()),
+        return {"reference_latents": torch.cat([condition, given]), "pose_latents": self.encode_video(pose.float()),
                 "face_pixels": face, "reference": latent}
 
 

@@ -73,6 +73,7 @@ class Request(NamedTuple):
     reference: str | None = None
     pose: str | None = None  # a Wan-Animate model's pose and face videos (data.kind=animate), its character --image
     face: str | None = None
+    background: str | None = None  # with --mask: the replace mode's background video
     gif: bool = False
     scale: int = 1
     fps: float | None = None
@@ -398,7 +399,8 @@ def read_control(request: Request, kind: str, model: Any, frames: int) -> dict[s
     exist, decode or reach ``frames`` frames."""
     given = {"control": request.control, "mask": request.mask, "reference": request.reference}
     if kind != CONTROL_KIND:
-        extra = [f"--{name}" for name, path in given.items() if path is not None]
+        extra = [f"--{name}" for name, path in given.items()
+                 if path is not None and (name, kind) != ("mask", ANIMATE_KIND)]  # (the replace mode's mask)
         if extra:
             raise ValueError(f"{extra[0]}: {model.name} takes no control video (the run's data.kind={kind}); drop "
                              f"{' '.join(extra)}")
@@ -422,22 +424,28 @@ def read_control(request: Request, kind: str, model: Any, frames: int) -> dict[s
 
 
 def read_animation(request: Request, kind: str, model: Any, frames: int) -> dict[str, Any] | None:
-    """The ``--pose`` and ``--face`` videos' first ``frames`` frames (uint8 ``[F, H, W, 3]``); a ValueError when
-    either is missing for an animation model (the run's data ``kind`` is :data:`ANIMATE_KIND`), given to another
-    model, or does not exist, decode or reach ``frames`` frames."""
-    given = {"pose": request.pose, "face": request.face}
+    """The ``--pose`` and ``--face`` videos' first ``frames`` frames (uint8 ``[F, H, W, 3]``), and the replace mode's
+    ``--background`` and ``--mask`` when given; a ValueError when the pose or face video is missing for an animation
+    model (the run's data ``kind`` is :data:`ANIMATE_KIND`), a background comes without its mask or the reverse, one is
+    given to another model, or does not exist, decode or reach ``frames`` frames."""
+    given = {"pose": request.pose, "face": request.face, "background": request.background}
     if kind != ANIMATE_KIND:
         extra = [f"--{name}" for name, path in given.items() if path is not None]
         if extra:
             raise ValueError(f"{extra[0]}: {model.name} animates no character (the run's data.kind={kind}); drop "
                              f"{' '.join(extra)}")
         return None
-    missing = [f"--{name} VIDEO" for name, path in given.items() if path is None]
+    missing = [f"--{name} VIDEO" for name in ("pose", "face") if given[name] is None]
     if missing:
         raise ValueError(f"sample: {model.name} animates the --image character by a pose and a face video (the run's "
                          f"data.kind={kind}): give {' and '.join(missing)}")
+    if (request.background is None) != (request.mask is None):
+        raise ValueError("--background and --mask go together: the replace mode puts the character into the "
+                         "background video where the mask video is white")
     read = {}
-    for name, path in given.items():
+    for name, path in {**given, "mask": request.mask}.items():
+        if path is None:
+            continue
         if not pathlib.Path(path).is_file():
             raise ValueError(f"--{name} {path!r} does not exist")
         try:
@@ -459,7 +467,9 @@ def animation_condition(encoder: Any, image: Any, animation: dict[str, Any], sha
     height, width = shape[2] * stride_h, shape[3] * stride_w
     reference = media.resize_crop(image, height, width)[:, 0]
     face = preprocess.hold(preprocess.face_pixels(animation["face"], face_size), 4 // stride_t)
-    out = encoder.encode_animation(reference, media.resize_crop(animation["pose"], height, width), face, previous)
+    replace = preprocess.replacement(animation.get("background"), animation.get("mask"), height, width)
+    out = encoder.encode_animation(reference, media.resize_crop(animation["pose"], height, width), face, previous,
+                                   *replace)
     return {"reference_latents": out["reference_latents"].numpy(), "pose_latents": out["pose_latents"].numpy(),
             "face_pixels": (out["face_pixels"].float() / 127.5 - 1).numpy(),
             "image_embeds": encoder.encode_image((reference + 1) / 2).numpy()}
@@ -866,7 +876,8 @@ def _record(p: Plan, sampler: validation.Sampler, entries: list[dict[str, Any]],
         "base": request.base, "image": None if request.image is None else str(pathlib.Path(request.image).absolute()),
         **{name: None if path is None else str(pathlib.Path(path).absolute())
            for name, path in (("actions", request.actions), ("control", request.control), ("mask", request.mask),
-                              ("reference", request.reference), ("pose", request.pose), ("face", request.face))},
+                              ("reference", request.reference), ("pose", request.pose), ("face", request.face),
+                              ("background", request.background))},
         **({"frames": p.frames, "segments": list(p.segments)} if p.segments else {}),
         "overrides": list(request.overrides), "device": device.type, "videos": entries,
     }

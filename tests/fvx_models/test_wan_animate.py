@@ -116,6 +116,15 @@ def test_the_inputs_are_the_pipelines_reference_segment_and_pose_latents(tmp_pat
         assert out["reference_latents"][:4, 1:].sum() == (0 if given is None else 4 * 16)  # the given frame's mask
     torch.testing.assert_close(out["pose_latents"], pipe.prepare_pose_latents(pose[None], 1, device="cpu")[0],
                                rtol=0, atol=1e-5)
+    background = encoder_checks.random_clip((3, 5, 16, 16), seed=4)
+    mask = (torch.rand(1, 5, 16, 16, generator=torch.Generator().manual_seed(5)) > 0.5).float()  # 1: to be made
+    for given, start in ((None, 0), (previous, 4)):  # the replace mode: the background behind, its mask kept
+        got = opened.encode_animation(reference, pose, face, given, background, mask)["reference_latents"]
+        want = pipe.prepare_prev_segment_cond_latents(
+            None if given is None else given[None], background_video=background[None], mask_video=mask[None],
+            batch_size=1, segment_frame_length=5, start_frame=start, height=16, width=16, prev_segment_cond_frames=1,
+            task="replace", device="cpu")[0]
+        torch.testing.assert_close(got[:, 1:], want, rtol=0, atol=1e-5)
     assert out["face_pixels"] is face or torch.equal(out["face_pixels"], face)
     mean = torch.tensor(pipe.vae.config.latents_mean).view(-1, 1, 1, 1)
     std = torch.tensor(pipe.vae.config.latents_std).view(-1, 1, 1, 1)

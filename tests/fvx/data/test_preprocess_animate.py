@@ -120,3 +120,27 @@ def test_a_longer_clip_is_cut_into_segments_each_after_the_first_given_the_previ
                      "data.preprocess.animate.segment_frames=9"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "data.preprocess.animate.segment_frames=9 must be 1 + 1 k video frames" in err[0]
+
+
+def test_a_background_and_its_mask_make_the_replace_modes_reference_latents(videos, tmp_path, capsys):
+    """``clip.background.mp4`` and ``clip.mask.mp4`` (white: the character's place, to be made): the segment's
+    condition is the background's latents, its mask one on the cells kept (the pipeline's replace mode, at the codec's
+    grid, nearest); a background without its mask is exit 2 before anything is written."""
+    root = copy_of(videos, tmp_path / "in")
+    background = np.random.default_rng(2).integers(0, 256, (4, 16, 16, 3), dtype=np.uint8)
+    mask = np.zeros((4, 16, 16, 3), np.uint8)
+    mask[:, :8] = 255  # the top half to be made
+    media.write_video(root / "world_00001.background.mp4", background, WORLD.fps)
+    media.write_video(root / "world_00001.mask.mp4", mask, WORLD.fps)
+    config = fconfig.apply_overrides(fconfig.load_experiment(ANIMATE), OVERRIDES)
+    preprocessing.run_preprocess(config, str(root), str(tmp_path / "ds"), progress=False)
+    reference = dataset(tmp_path / "ds").read([1])["reference_latents"][0]
+    decoded = media.read_frames(root / "world_00001.background.mp4", range(4))
+    assert torch.equal(reference[4:, 1:], toy_world.space_to_depth(media.resize_crop(decoded, 16, 16), WORLD.factor))
+    assert not reference[:4, 1:, 0].any() and reference[:4, 1:, 1].eq(1).all()  # kept: the bottom row of cells
+    assert not dataset(tmp_path / "ds").read([0])["reference_latents"][0, 4:, 1:].any()  # the animate mode's zeros
+    (root / "world_00001.mask.mp4").unlink()
+    code = run.main(["preprocess", ANIMATE, "--videos", str(root), "--out", str(tmp_path / "bad"), *OVERRIDES])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "has a background video but no mask video: the replace mode reads both" in err[0]
+    assert not (tmp_path / "bad").exists()

@@ -350,7 +350,8 @@ def test_an_animation_model_animates_the_character_by_the_pose_and_face_videos(a
     """Wan-Animate: a world clip's first frame as --image, its white bars as --pose and the clip as --face (as
     ``write-videos --kind animate`` writes them) make exactly the sample validation makes of that clip from its
     dataset inputs (the world's codec is exact); the video drops the reference's slot; a longer video is made segment
-    by segment, its first the one-segment video; a missing --face, or --pose given to another model, is one line."""
+    by segment, its first the one-segment video; a background and its mask replace; a missing --face or --mask, or
+    --pose given to another model, is one line."""
     from fvx.data import toy_world, toy_world_animate
 
     want, validator, built = validations_sample(animation_model, seed=3)
@@ -380,7 +381,20 @@ def test_an_animation_model_animates_the_character_by_the_pose_and_face_videos(a
     assert long["frames"].shape[2] == 7 and torch.equal(long["frames"][:, :, :4], done["frames"])
     record = json.loads((tmp_path / "l" / sampling.SAMPLES).read_text())
     assert record["segments"] == [0, 3] and record["frames"] == 7 and record["latent_shape"][1] == 5
+    # the replace mode: the character put into a background where the mask is white (its condition is the data's
+    # replace-mode encoding, tests/fvx/data/test_preprocess_animate.py)
+    media.write_video(tmp_path / "background.mp4", numpy.full((4, 16, 16, 3), 40, numpy.uint8), 16)
+    mask = numpy.zeros((4, 16, 16, 3), numpy.uint8)
+    mask[:, 8:] = 255
+    media.write_video(tmp_path / "mask.mp4", mask, 16)
+    replaced = sampling.run_sample(request._replace(out=str(tmp_path / "b"), mask=str(tmp_path / "mask.mp4"),
+                                                    background=str(tmp_path / "background.mp4")), progress=False)
+    assert replaced["frames"].shape == done["frames"].shape and not torch.equal(replaced["latents"], done["latents"])
     out = tmp_path / "out"
+    assert "--background and --mask go together" in bad(
+        capsys, animation_model, "--prompt", RED_RIGHT, "--image", tmp_path / "character.png", "--pose",
+        tmp_path / "pose.mp4", "--face", tmp_path / "face.mp4", "--background", tmp_path / "background.mp4",
+        "--out", out)
     assert "give --face VIDEO" in bad(capsys, animation_model, "--prompt", RED_RIGHT, "--image",
                                       tmp_path / "character.png", "--pose", tmp_path / "pose.mp4", "--out", out)
     assert "the character to animate" in bad(capsys, animation_model, "--prompt", RED_RIGHT, "--out", out)
