@@ -285,7 +285,12 @@ def encode_first_frame(pipe: Any, video: torch.Tensor) -> torch.Tensor:
     """I2V's condition: the first frame then zero (mid-grey) frames, encoded (the mean) and normalised by the VAE's
     latent statistics, as FastVideo's ``ImageVAEEncodingStage`` stores it."""
     condition = torch.cat([video[:, :, :1], torch.zeros_like(video[:, :, 1:])], dim=2)
-    latents = fencoders.latent_mean(pipe.vae, condition).float()
+    return normalized(pipe, fencoders.latent_mean(pipe.vae, condition).float())
+
+
+def normalized(pipe: Any, latents: torch.Tensor) -> torch.Tensor:
+    """VAE latents ``[B, C, t, h, w]`` in the VAE's own scale normalised by its latent statistics (the I2V and
+    Animate pipelines' conditions)."""
     shape = (1, -1, 1, 1, 1)
     mean = torch.tensor(pipe.vae.config.latents_mean, device=latents.device).view(shape)
     std = torch.tensor(pipe.vae.config.latents_std, device=latents.device).view(shape)

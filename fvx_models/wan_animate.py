@@ -136,9 +136,9 @@ def check_shapes(config: ModelConfig, latents: tuple[int, ...], cond: Mapping[st
     """A ValueError naming the column unless the animation inputs fit latents ``[B, C, T + 1, H, W]``."""
     channels, size = config.spec.latents.channels, config.spec.kwargs["motion_encoder_size"]
     batch, _, frames, height, width = latents
-    if frames < 2:
-        raise ValueError(f"{who}: latents {list(latents)} have {frames} frame(s); Wan-Animate's are the reference's "
-                         "frame then at least one video frame")
+    short = latent_rule(config, latents)
+    if short is not None:
+        raise ValueError(f"{who}: {short}")
     want = {REFERENCE: (batch, channels + MASK_CHANNELS, frames, height, width),
             POSE: (batch, channels, frames - 1, height, width),
             FACE: (batch, 3, face_frames(frames - 1), size, size)}
@@ -227,13 +227,14 @@ def condition_mask(frames: int, given: int, height: int, width: int, stride: int
     return mask.view(frames, stride, height, width).transpose(0, 1)
 
 
+def raw_latents(pipe: Any, video: torch.Tensor) -> torch.Tensor:
+    """A clip ``[3, F, H, W]`` in [-1, 1] as the VAE's mean ``[C, t, h, w]`` in its own scale."""
+    return fencoders.latent_mean(pipe.vae, video[None].to(pipe.vae.dtype)).float()[0]
+
+
 def normalized(pipe: Any, video: torch.Tensor) -> torch.Tensor:
-    """A clip ``[1, 3, F, H, W]`` in [-1, 1] as the pipeline's latents: the VAE's mean, normalised."""
-    latents = fencoders.latent_mean(pipe.vae, video).float()
-    shape = (1, -1, 1, 1, 1)
-    mean = torch.tensor(pipe.vae.config.latents_mean, device=latents.device).view(shape)
-    std = torch.tensor(pipe.vae.config.latents_std, device=latents.device).view(shape)
-    return (latents - mean) / std
+    """A clip ``[3, F, H, W]`` in [-1, 1] as the pipeline's latents ``[C, t, h, w]``: the VAE's mean, normalised."""
+    return wan.normalized(pipe, raw_latents(pipe, video)[None])[0]
 
 
 def encode_animation(pipe: Any, reference: torch.Tensor, pose: torch.Tensor, face: torch.Tensor,
@@ -252,17 +253,16 @@ def encode_animation(pipe: Any, reference: torch.Tensor, pose: torch.Tensor, fac
                  else background.clone().to(pose.device))
     if previous is not None:
         condition[:, :given] = previous
-    segment = normalized(pipe, condition[None].to(pipe.vae.dtype))[0]
-    image = normalized(pipe, reference[None, :, None].to(pipe.vae.dtype))[0]
+    segment = normalized(pipe, condition)
+    raw = raw_latents(pipe, reference[:, None])  # encoded once: vae_latent's frame 0 and, normalised, the condition's
+    image = wan.normalized(pipe, raw[None])[0]
     (latent_frames, h, w), stride = segment.shape[1:], pipe.vae_scale_factor_temporal
     keep = None if mask is None else F.interpolate(1 - mask.float().transpose(0, 1), size=(h, w), mode="nearest")[:, 0]
     reference_latents = torch.cat([
         torch.cat([condition_mask(1, 1, h, w, stride).to(image.device), image], dim=0),
         torch.cat([condition_mask(latent_frames, given, h, w, stride, keep).to(segment.device), segment], dim=0)],
         dim=1)
-    raw = fencoders.latent_mean(pipe.vae, reference[None, :, None].to(pipe.vae.dtype)).float()[0]
-    return {REFERENCE: reference_latents, POSE: normalized(pipe, pose[None].to(pipe.vae.dtype))[0],
-            FACE: face, "reference": raw}
+    return {REFERENCE: reference_latents, POSE: normalized(pipe, pose), FACE: face, "reference": raw}
 
 
 ENCODERS = dataclasses.replace(wan.ENCODERS, pipeline="WanAnimatePipeline", animation=encode_animation,

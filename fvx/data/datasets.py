@@ -54,7 +54,7 @@ from fvx.data import sections as fsections
 from fvx.data.preprocess import PreprocessConfig
 from fvx.data.sections import SectionsConfig
 from fvx.data.toy_world import WorldConfig, extension_context, first_frame_only
-from fvx.data.toy_world_animate import MASK_CHANNELS
+from fvx.data.toy_world_animate import reference_latents
 from fvx.data.toy_world_actions import random_actions, world_dataset
 from fvx.data.toy_world_files import JudgedByWorld
 
@@ -236,10 +236,9 @@ def synthetic_animation(latents: Any, face_size: int, key: torch.Tensor) -> dict
     """Kind animate's inputs of synthetic latents ``[C, T + 1, H, W]``: the first frame as the given reference (mask
     one; a first segment's zero latents after it), the other frames as the pose latents, uniform face pixels."""
     channels, frames, height, width = latents.shape
-    reference = np.zeros((channels + MASK_CHANNELS, frames, height, width), dtype=np.float32)
-    reference[:MASK_CHANNELS, 0], reference[MASK_CHANNELS:, 0] = 1.0, latents[:, 0]
+    reference = reference_latents(torch.from_numpy(latents[:, :1]), torch.zeros(channels, frames - 1, height, width))
     face = random.uniform(key, (3, 4 * (frames - 2) + 1, face_size, face_size), minval=-1.0, maxval=1.0)
-    return {"reference_latents": reference, "pose_latents": np.ascontiguousarray(latents[:, 1:]),
+    return {"reference_latents": reference.numpy(), "pose_latents": np.ascontiguousarray(latents[:, 1:]),
             "face_pixels": face.numpy()}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
 from fvx.data.toy_world import WorldDataset, space_to_depth, tokens_of_first_frame
 
@@ -28,17 +29,27 @@ def face_video(clip: np.ndarray) -> np.ndarray:
     return np.concatenate([clip[:, :1], clip[:, 1:].repeat(4, axis=1)], axis=1)
 
 
+def reference_latents(reference: torch.Tensor, segment: torch.Tensor, given: int = 0,
+                      keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The toy codec's ``reference_latents [4 + C, T + 1, h, w]`` (Wan-Animate's layout): the reference frame's
+    latent ``[C, 1, h, w]`` (mask one), then the segment's condition latents ``[C, T, h, w]`` (zeros, or the replace
+    mode's background), mask one on its first ``given`` frames (the previous segment's) and where ``keep [T, h, w]``
+    (the replace mode's cells kept) is one; the codec is frame-wise, a video frame a latent frame."""
+    mask = torch.zeros(MASK_CHANNELS, segment.shape[1] + 1, *segment.shape[2:])
+    if keep is not None:
+        mask[:, 1:] = keep
+    mask[:, :1 + given] = 1
+    return torch.cat([mask, torch.cat([reference, segment], dim=1)])
+
+
 def animation(clip: np.ndarray, factor: int) -> dict[str, np.ndarray]:
     """A clip's kind-"animate" sample tensors (module docstring), the codec exact and unnormalised: ``latents [C,
     T + 1, h, w]``, ``reference_latents [C + 4, T + 1, h, w]``, ``pose_latents [C, T, h, w]``, ``face_pixels [3,
     4 (T - 1) + 1, S, S]`` in [-1, 1] as read from parquet, and ``image_embeds``, the reference's latent tokens."""
     latents = space_to_depth(clip, factor)
     reference = latents[:, :1]
-    mask = np.zeros((MASK_CHANNELS, latents.shape[1] + 1, *latents.shape[2:]), dtype=np.float32)
-    mask[:, 0] = 1
-    given = np.concatenate([reference, np.zeros_like(latents)], axis=1)
-    return {"latents": np.concatenate([reference, latents], axis=1),
-            "reference_latents": np.concatenate([mask, given]),
+    condition = reference_latents(torch.from_numpy(reference), torch.zeros(latents.shape))
+    return {"latents": np.concatenate([reference, latents], axis=1), "reference_latents": condition.numpy(),
             "pose_latents": space_to_depth(pose_video(clip), factor),
             "face_pixels": face_video(clip), "image_embeds": tokens_of_first_frame(latents)}
 

@@ -15,7 +15,7 @@ from fvx.core import random
 from fvx.data import media, toy_world_actions
 from fvx.data.toy_world import (GIVEN_FIRST_FRAME, Codec, WorldConfig, WorldDataset, caption, first_frame_only,
                                 space_to_depth, tokens_of_first_frame)
-from fvx.data.toy_world_animate import MASK_CHANNELS, pose_video
+from fvx.data.toy_world_animate import pose_video, reference_latents
 from fvx.data.toy_world_sections import section_quality
 
 
@@ -138,21 +138,15 @@ class WorldEncoders:
         one (nearest), the pose video's latents, the face pixels as given (the codec is frame-wise: a video frame is a
         latent frame)."""
         latent = self.encode_video(reference.float()[:, None])
-        frames, given_frames = pose.shape[1], 0 if previous is None else previous.shape[1]
-        condition = torch.zeros(MASK_CHANNELS, frames + 1, *latent.shape[2:])
-        if mask is not None:
-            keep = torch.nn.functional.interpolate(1 - mask.float().transpose(0, 1), size=latent.shape[2:],
-                                                   mode="nearest")[:, 0]
-            condition[:, 1:] = keep
-        condition[:, :1 + given_frames] = 1
-        given = torch.zeros(latent.shape[0], frames + 1, *latent.shape[2:])
-        given[:, :1] = latent
-        if background is not None:
-            given[:, 1:] = self.encode_video(background.float())
+        segment = (torch.zeros(latent.shape[0], pose.shape[1], *latent.shape[2:]) if background is None
+                   else self.encode_video(background.float()))
+        given = 0 if previous is None else previous.shape[1]
         if previous is not None:
-            given[:, 1:1 + given_frames] = self.encode_video(previous.float())
-        return {"reference_latents": torch.cat([condition, given]), "pose_latents": self.encode_video(pose.float()),
-                "face_pixels": face, "reference": latent}
+            segment[:, :given] = self.encode_video(previous.float())
+        keep = None if mask is None else torch.nn.functional.interpolate(
+            1 - mask.float().transpose(0, 1), size=latent.shape[2:], mode="nearest")[:, 0]
+        return {"reference_latents": reference_latents(latent, segment, given, keep),
+                "pose_latents": self.encode_video(pose.float()), "face_pixels": face, "reference": latent}
 
 
 def write_videos(config: WorldConfig, folder: str, seed: int = 0, kind: str = "t2v") -> list[str]:

@@ -710,7 +710,7 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
         given = control_condition(encoder, p.control, _video_shape(p.shape), p.model)
     cond = tree.to_device(encoded_cond(config, p.model, encoder, request.prompts, given), device)
     uncond = _uncond(config, p.model, encoder, request.negative_prompt, p.vcfg, device)
-    segments = encoder if len(p.segments) > 1 else None  # a later segment encodes the frames made before it
+    segment_encoder = encoder if len(p.segments) > 1 else None  # a later segment encodes the frames made before it
     del encoder
     sampler = p.sampler._replace(params=tree.to_device(p.source.weights(), device))
     model, decoder, sound = p.models[p.source.role], p.decoder(), None if p.sound is None else p.sound()
@@ -725,8 +725,8 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
         rows = torch.tensor([v.prompt_index for v in batch], device=device)
         rows_cond = {name: t[rows] for name, t in cond.items()}
         if len(p.segments) > 1:  # an animation made and decoded segment by segment
-            latents, video = draw_animation(p, sampler, segments, decoder, [v.seed for v in batch], noise, rows_cond,
-                                            keys, uncond, config.data.preprocess.animate.previous_frames)
+            latents, video = draw_animation(p, sampler, segment_encoder, decoder, [v.seed for v in batch], noise,
+                                            rows_cond, keys, uncond, config.data.preprocess.animate.previous_frames)
             waveforms = None
         else:
             if config.data.kind == SECTIONS_KIND:
