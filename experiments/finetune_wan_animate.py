@@ -62,7 +62,8 @@ def diffsynth_animate_lora() -> FinetuneWanAnimate:
     gradient clipping, a batch of one a rank in bf16 with remat, 480 x 832, timesteps uniform on Wan's shift-5 grid
     with its bell-shaped loss weight, no caption dropout. DiffSynth's 81 frames are the reference slot and 20 latent
     frames; fvx's segment is the pipeline's 77 frames beside the reference, the same 21. Its rate is torch's
-    ``ConstantLR`` at its defaults, a third for the first 5 steps, here constant from the start. Its 5 epochs of 100
+    ``ConstantLR`` at its defaults, a third for 5 scheduler steps, which accelerate steps once per rank at each
+    update: on 8 ranks a third for the first update (``constant_factor``, 1 step). Its 5 epochs of 100
     repeats are ``run.steps`` here: set them for your data. DiffSynth trains first segments only (no previous frames);
     to teach continuation too, cut longer clips into the pipeline's segments, e.g. ``data.preprocess.num_frames=153
     data.preprocess.animate.segment_frames=77`` (two segments, the second starting on the first's last frame)."""
@@ -75,6 +76,6 @@ def diffsynth_animate_lora() -> FinetuneWanAnimate:
                                                             target_modules=DIFFSYNTH_LORA_TARGETS))},
         validation=ValidationConfig(every=500, num_prompts=1, num_steps=20, flow_shift=5.0, guidance_scale=1.0),
         method=Finetune(weighting_scheme="uniform", flow_shift=5.0, loss_weighting="bell",
-                        optim=AdamWConfig(lr=1e-4, weight_decay=0.01, max_grad_norm=0.0, schedule="constant",
-                                          warmup_steps=0)),
+                        optim=AdamWConfig(lr=1e-4, weight_decay=0.01, max_grad_norm=0.0, schedule="constant_factor",
+                                          warmup_steps=1, warmup_factor=1 / 3)),
     )

@@ -10,7 +10,8 @@ from fvx.config import Config
 from fvx.core import ema, optim, role, schedules, tree
 
 ScheduleName = Literal[
-    "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr", "cosine_with_restarts", "polynomial"
+    "constant", "constant_with_warmup", "constant_factor", "linear", "cosine", "cosine_with_min_lr",
+    "cosine_with_restarts", "polynomial",
 ]
 
 
@@ -20,8 +21,9 @@ class AdamWConfig(Config):
     ``max_grad_norm`` 0 turns clipping off. ``num_cycles`` None takes the schedule's own default (0.5 for the
     cosines, FastVideo's fixed value; 1 for restarts: FastVideo's default 0 makes restarts a constant lr after
     warmup, which is ``constant_with_warmup``, so fvx refuses 0). ``decay_norms_and_biases`` False leaves every
-    1-D param (norm weights, biases) undecayed. A schedule spans the run's ``run.steps``: a warmup longer than the run
-    is legal (the lr never finishes warming up). Defaults that differ from FastVideo's when a recipe omits the key are
+    1-D param (norm weights, biases) undecayed. ``warmup_factor``: the share of ``lr`` that ``constant_factor`` holds
+    for the ``warmup_steps`` (torch's ``ConstantLR``; the other schedules ramp up from 0). A schedule spans the run's
+    ``run.steps``: a warmup longer than the run is legal (the lr never finishes warming up). Defaults that differ from FastVideo's when a recipe omits the key are
     listed with their reasons in docs/design.md.
     """
 
@@ -37,6 +39,7 @@ class AdamWConfig(Config):
     min_lr_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
     power: float = 1.0
     lr_end: float = 1e-7
+    warmup_factor: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1 / 3
 
     def __post_init__(self) -> None:
         for i, beta in enumerate(self.betas):
@@ -60,6 +63,7 @@ class AdamWConfig(Config):
         return schedules.get_schedule(
             self.schedule, base_lr=self.lr, warmup_steps=self.warmup_steps, total_steps=total_steps,
             num_cycles=self.num_cycles, min_lr_ratio=self.min_lr_ratio, power=self.power, lr_end=self.lr_end,
+            factor=self.warmup_factor,
         )
 
     def build(self, total_steps: int) -> optim.GradientTransformation:

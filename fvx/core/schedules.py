@@ -7,7 +7,8 @@ most float32 digits) without Python branches on its value, so a compiled trainin
 data and never recompiles when it changes.
 
 With ``s`` the step, ``W`` the warmup steps, ``N`` the total steps and ``p = (s - W) / max(1, N - W)``, every schedule
-but ``constant`` ramps ``base_lr * s / max(1, W)`` while ``s < W`` and then follows its decay. Unlike FastVideo,
+but ``constant`` and ``constant_factor`` ramps ``base_lr * s / max(1, W)`` while ``s < W`` and then follows its decay;
+``constant_factor`` (torch's ``ConstantLR``, DiffSynth-Studio's trainer's) holds ``base_lr * factor`` while ``s < W``. Unlike FastVideo,
 ``num_cycles`` is honoured by ``cosine`` and ``min_lr_ratio = 0`` means a floor of 0.
 """
 from __future__ import annotations
@@ -122,6 +123,16 @@ def constant_with_warmup(base_lr: float, *, warmup_steps: int = 0) -> Schedule:
     return _with_warmup(base_lr, warmup_steps, lambda s: torch.full_like(s, base_lr))
 
 
+def constant_factor(base_lr: float, *, warmup_steps: int = 0, factor: float = 1 / 3) -> Schedule:
+    """``base_lr * factor`` for ``s < W``, then ``base_lr``: torch's ``ConstantLR(factor, total_iters=W)`` (its
+    defaults: a third for 5 steps)."""
+    base_lr = _check_real("base_lr", base_lr, low=0.0)
+    warmup_steps = _check_int("warmup_steps", warmup_steps, low=0)
+    factor = _check_real("factor", factor, low=0.0, high=1.0)
+    return _schedule(lambda s: torch.where(s < warmup_steps, torch.full_like(s, base_lr * factor),
+                                           torch.full_like(s, base_lr)))
+
+
 def linear(base_lr: float, *, warmup_steps: int = 0, total_steps: int) -> Schedule:
     """Warmup, then ``base_lr * max(0, (N - s) / max(1, N - W))``: linear decay to 0 at step N."""
     base_lr = _check_real("base_lr", base_lr, low=0.0)
@@ -200,6 +211,7 @@ def polynomial(
 SCHEDULES = (
     "constant",
     "constant_with_warmup",
+    "constant_factor",
     "linear",
     "cosine",
     "cosine_with_min_lr",
@@ -218,6 +230,7 @@ def get_schedule(
     min_lr_ratio: float = 0.0,
     power: float = 1.0,
     lr_end: float = 1e-7,
+    factor: float = 1 / 3,
 ) -> Schedule:
     """The schedule called ``name`` (one of ``SCHEDULES``), given every knob a config carries; each schedule takes
     the knobs it uses and ignores the rest. ``num_cycles=None`` takes the schedule's own default (0.5 for the cosines,
@@ -228,6 +241,8 @@ def get_schedule(
         return constant(base_lr)
     if name == "constant_with_warmup":
         return constant_with_warmup(base_lr, warmup_steps=warmup_steps)
+    if name == "constant_factor":
+        return constant_factor(base_lr, warmup_steps=warmup_steps, factor=factor)
     if name == "linear":
         return linear(base_lr, **steps)
     if name == "cosine":

@@ -29,15 +29,14 @@ from fvx.storage import files
 from fvx.training import (export as fexport, preprocessing, progress as fprogress, run_folder, tracking, validation,
                           wav)
 from fvx.training.experiment import build_models, role_configs, run_keys
+from fvx.training.sample_inputs import (ACTIONS_KIND, ANIMATE_KIND, SECTIONS_KIND, animation_condition,
+                                        animation_segments, given_condition, read_actions, read_animation,
+                                        read_control, read_first_frame, reflect_pad, section_shape, video_frames,
+                                        video_shape)
 
 SAMPLES = "samples.json"
 SCHEDULES = ("fvx", "diffusers", "model")
 SOLVERS = ("euler", "unipc")
-ACTIONS_KIND = "matrixgame2"  # the data kind whose videos are steered by per-frame actions, not text
-IMAGE_KINDS = ("i2v", ACTIONS_KIND)  # the data kinds whose videos start from a given first frame
-CONTROL_KIND = "vace"  # the data kind whose videos follow a control video (its mask, a reference image)
-SECTIONS_KIND = "framepack"  # the data kind whose videos are made a section at a time (FramePack, Helios)
-ANIMATE_KIND = "animate"  # the data kind whose videos animate a character image by pose and face videos (Wan-Animate)
 
 
 class Request(NamedTuple):
@@ -343,8 +342,8 @@ def noise_and_keys(seeds: Sequence[int], shape: Any, segment: int = 0) -> tuple[
 def encoded_cond(config: Any, model: Any, encoder: Any, prompts: Sequence[str],
                  image: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """The model's cond ``{name: [N, ...]}`` of ``prompts`` through ``encoder`` (as encode-prompts stores them), with
-    ``image``'s condition (:func:`image_condition`) in every row; a model without text (data.kind=matrixgame2) takes
-    ``image`` alone (its actions among it), the prompts naming the videos."""
+    ``image``'s condition (``sample_inputs.given_condition``) in every row; a model without text
+    (data.kind=matrixgame2) takes ``image`` alone (its actions among it), the prompts naming the videos."""
     if config.data.kind == ACTIONS_KIND:
         raw = preprocessing.collated(config, [{"where": prompt, "caption": prompt, **image} for prompt in prompts])
     else:
@@ -352,155 +351,6 @@ def encoded_cond(config: Any, model: Any, encoder: Any, prompts: Sequence[str],
     return {name: tensor.float() for name, tensor in model.batch(raw)["cond"].items()}
 
 
-def read_actions(path: str | None, kind: str, model: Any, frames: int) -> dict[str, Any] | None:
-    """The ``--actions`` file (``fvx.data.preprocess.read_action_file``: keyboard and mouse rows, one per video frame)
-    cut to the ``frames`` video frames sampled; a ValueError when it is missing for an action-steered model, given to
-    another one, unreadable, or shorter than the video."""
-    if path is None:
-        if kind == ACTIONS_KIND:
-            raise ValueError(f"sample: {model.name} is steered by per-frame actions (the run's data.kind={kind}): give "
-                             "--actions FILE (.npz of keyboard [F, K] and mouse [F, 2], or .npy of the keyboard)")
-        return None
-    if kind != ACTIONS_KIND:
-        raise ValueError(f"--actions: {model.name} takes no actions (the run's data.kind={kind}); drop --actions")
-    found = preprocess.read_action_file(pathlib.Path(path))
-    for name, rows in found.items():
-        if rows.shape[0] < frames:
-            raise ValueError(f"--actions {path!r}: {name} has {rows.shape[0]} rows, but the video has {frames} frames "
-                             "(one row per video frame; fewer --frames, or a longer file)")
-    return {name: rows[:frames] for name, rows in found.items()}
-
-
-def read_first_frame(path: str | None, kind: str, model: Any) -> Any:
-    """The ``--image`` file as uint8 ``[1, H, W, 3]``; a ValueError when it is missing for an image-to-video model
-    (the run's data ``kind`` one of :data:`IMAGE_KINDS`, sections of a model that reads the start image's features:
-    FramePack, or an animation's character), given to another one, or does not decode."""
-    from_image = kind in (*IMAGE_KINDS, ANIMATE_KIND) or (kind == SECTIONS_KIND and "image_embeds" in model.cond)
-    if path is None:
-        if from_image:
-            raise ValueError(f"sample: {model.name} makes videos from an image (the run's data.kind={kind}): give "
-                             "--image" + (" (the character to animate)" if kind == ANIMATE_KIND else ""))
-        return None
-    if not from_image:
-        raise ValueError(f"--image: {model.name} makes videos from text only (the run's data.kind={kind}); drop "
-                         "--image")
-    if not pathlib.Path(path).is_file():
-        raise ValueError(f"--image {path!r} does not exist")
-    try:
-        return media.read_image(pathlib.Path(path))
-    except media.MediaError as error:
-        raise ValueError(f"--image {path!r}: {error}") from None
-
-
-def read_control(request: Request, kind: str, model: Any, frames: int) -> dict[str, Any] | None:
-    """The ``--control`` video's first ``frames`` frames, the ``--mask`` video's and the ``--reference`` image (uint8
-    ``[F, H, W, 3]``, ``[1, H, W, 3]``; None: not given); a ValueError when the control video is missing for a
-    control model (the run's data ``kind`` is :data:`CONTROL_KIND`), any is given to another model, or one does not
-    exist, decode or reach ``frames`` frames."""
-    given = {"control": request.control, "mask": request.mask, "reference": request.reference}
-    if kind != CONTROL_KIND:
-        extra = [f"--{name}" for name, path in given.items()
-                 if path is not None and (name, kind) != ("mask", ANIMATE_KIND)]  # (the replace mode's mask)
-        if extra:
-            raise ValueError(f"{extra[0]}: {model.name} takes no control video (the run's data.kind={kind}); drop "
-                             f"{' '.join(extra)}")
-        return None
-    if request.control is None:
-        raise ValueError(f"sample: {model.name} follows a control video (the run's data.kind={kind}): give --control "
-                         "VIDEO (and optionally --mask VIDEO, white where to make the video, and --reference IMAGE)")
-    read = {}
-    for name, path in given.items():
-        if path is None:
-            continue
-        if not pathlib.Path(path).is_file():
-            raise ValueError(f"--{name} {path!r} does not exist")
-        try:
-            read[name] = (media.read_image(pathlib.Path(path)) if name == "reference"
-                          else media.read_frames(pathlib.Path(path), range(frames)))
-        except media.MediaError as error:
-            takes = "" if name == "reference" else f" (the video takes its first {frames} frames)"
-            raise ValueError(f"--{name} {path!r}: {error}{takes}") from None
-    return read
-
-
-def read_animation(request: Request, kind: str, model: Any, frames: int) -> dict[str, Any] | None:
-    """The ``--pose`` and ``--face`` videos' first ``frames`` frames (uint8 ``[F, H, W, 3]``), and the replace mode's
-    ``--background`` and ``--mask`` when given; a ValueError when the pose or face video is missing for an animation
-    model (the run's data ``kind`` is :data:`ANIMATE_KIND`), a background comes without its mask or the reverse, one is
-    given to another model, or does not exist, decode or reach ``frames`` frames."""
-    given = {"pose": request.pose, "face": request.face, "background": request.background}
-    if kind != ANIMATE_KIND:
-        extra = [f"--{name}" for name, path in given.items() if path is not None]
-        if extra:
-            raise ValueError(f"{extra[0]}: {model.name} animates no character (the run's data.kind={kind}); drop "
-                             f"{' '.join(extra)}")
-        return None
-    missing = [f"--{name} VIDEO" for name in ("pose", "face") if given[name] is None]
-    if missing:
-        raise ValueError(f"sample: {model.name} animates the --image character by a pose and a face video (the run's "
-                         f"data.kind={kind}): give {' and '.join(missing)}")
-    if (request.background is None) != (request.mask is None):
-        raise ValueError("--background and --mask go together: the replace mode puts the character into the "
-                         "background video where the mask video is white")
-    read = {}
-    for name, path in {**given, "mask": request.mask}.items():
-        if path is None:
-            continue
-        if not pathlib.Path(path).is_file():
-            raise ValueError(f"--{name} {path!r} does not exist")
-        try:
-            read[name] = media.read_frames(pathlib.Path(path), range(frames))
-        except media.MediaError as error:
-            raise ValueError(f"--{name} {path!r}: {error} (the video takes its first {frames} frames)") from None
-    return read
-
-
-def animation_condition(encoder: Any, image: Any, animation: dict[str, Any], shape: tuple[int, int, int, int],
-                        model: Any, previous: torch.Tensor | None = None) -> dict[str, Any]:
-    """An animation model's condition as preprocessing stores it (``preprocess.encode_segment``):
-    the character image and pose video at the video's pixel size (``shape``'s latents, the reference's slot in
-    front), the face video at the size the model reads and the frames made before a later segment (``previous [3, P,
-    H, W]`` in [-1, 1]; None: a first segment), through the encoder's animation inputs, and the character's image
-    features; the face pixels in [-1, 1] as the data reads them."""
-    stride_t, stride_h, stride_w = model.latents.vae_stride
-    face_size = model.cond["face_pixels"][2]
-    height, width = shape[2] * stride_h, shape[3] * stride_w
-    reference = media.resize_crop(image, height, width)[:, 0]
-    face = preprocess.hold(preprocess.face_pixels(animation["face"], face_size), 4 // stride_t)
-    replace = preprocess.replacement(animation.get("background"), animation.get("mask"), height, width)
-    out = encoder.encode_animation(reference, media.resize_crop(animation["pose"], height, width), face, previous,
-                                   *replace)
-    return {"reference_latents": out["reference_latents"].numpy(), "pose_latents": out["pose_latents"].numpy(),
-            "face_pixels": (out["face_pixels"].float() / 127.5 - 1).numpy(),
-            "image_embeds": encoder.encode_image((reference + 1) / 2).numpy()}
-
-
-def control_condition(encoder: Any, control: dict[str, Any], shape: tuple[int, int, int, int],
-                      model: Any) -> dict[str, Any]:
-    """A control model's condition as the data stores it: the control video, mask and reference image at the video's
-    pixel size (``shape``'s latents) as preprocessing prepares them (``preprocess.control_inputs``), through the
-    encoder's context (``vace_context``)."""
-    _, stride_h, stride_w = model.latents.vae_stride
-    video, mask, refs = preprocess.control_inputs(control["control"], control.get("mask"), control.get("reference"),
-                                                  shape[2] * stride_h, shape[3] * stride_w)
-    return {"vace_context": encoder.encode_context(video, mask, refs).numpy()}
-
-
-def section_condition(encoder: Any, image: Any, shape: tuple[int, int, int, int], model: Any,
-                      config: sections.SectionsConfig) -> tuple[dict[str, Any], torch.Tensor | None]:
-    """A section model's condition as its data stores it (the start image's features, when given an ``image``; a
-    placeholder history the sampler replaces section by section) and the start image's latents ``[1, C, 1, h, w]``
-    in the model's scale (None: text-to-video)."""
-    channels, frames, height, width = shape
-    blank = torch.zeros(channels, frames, height, width)
-    extra = {"framepack_history": torch.zeros(channels, sections.HISTORY, height, width).numpy(),
-             "frame_indices": sections.history_of(blank, 0, config)["frame_indices"].numpy()}
-    if image is None:
-        return extra, None
-    _, stride_h, stride_w = model.latents.vae_stride
-    first = media.resize_crop(image, height * stride_h, width * stride_w)  # [3, 1, H, W] in [-1, 1]
-    extra["image_embeds"] = encoder.encode_image((first[:, 0] + 1) / 2).numpy()
-    return extra, model.normalize(encoder.encode_video(first)[None].float())
 
 
 def draw_sections(sampler: validation.Sampler, noise: torch.Tensor, cond: dict[str, torch.Tensor], keys: torch.Tensor,
@@ -521,37 +371,6 @@ def draw_sections(sampler: validation.Sampler, noise: torch.Tensor, cond: dict[s
         known = torch.cat([known[:, :, :start], made.to(known.dtype), known[:, :, start + window:]], dim=2)
     return known
 
-
-def section_shape(config: Any, model: Any, shape: tuple[int, int, int, int],
-                  frames_asked: int | None) -> tuple[int, int, int, int]:
-    """The latents of a video made a section at a time: ``--frames``' (checked to hold whole sections), or two
-    sections by default (the data's shape is one section's)."""
-    cut = config.data.sections
-    if frames_asked is None:
-        return (shape[0], sections.first_frame(cut, 2), *shape[2:])
-    made = sections.count(shape[1], cut)
-    if made < 1 or sections.first_frame(cut, made) != shape[1]:
-        stride = model.latents.vae_stride[0]
-        whole = [1 + stride * (sections.first_frame(cut, k) - 1) for k in (1, 2, 3)]
-        raise ValueError(f"--frames {frames_asked}: {model.name} makes a video of whole sections of "
-                         f"data.sections.window={cut.window} latent frames ({cut.order}): e.g. "
-                         f"{', '.join(map(str, whole))} frames")
-    return shape
-
-
-def image_condition(encoder: Any, image: Any, shape: tuple[int, int, int, int], model: Any) -> dict[str, Any]:
-    """An image-to-video condition as the data stores it: the image centre-cropped and resized to the video's pixel
-    size, as the first of its frames (the rest zeros), encoded (``first_frame_latents``), and its image features
-    (``image_embeds``) when the model reads them."""
-    stride_t, stride_h, stride_w = model.latents.vae_stride
-    frames, height, width = 1 + stride_t * (shape[1] - 1), shape[2] * stride_h, shape[3] * stride_w
-    first = media.resize_crop(image, height, width)  # [3, 1, H, W] in [-1, 1]
-    clip = torch.cat([first, torch.zeros(3, frames - 1, height, width)], dim=1)
-    extra = {"first_frame_latents": encoder.encode_first_frame(clip).numpy()}
-    features = encoder.encode_image((first[:, 0] + 1) / 2)
-    if features is not None:
-        extra["image_embeds"] = features.numpy()
-    return extra
 
 
 # ----------------------------------------------------------------------------------------------------------- output
@@ -650,9 +469,9 @@ def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
     shape = latent_shape(config, model, request._replace(frames=None) if animating else request)
     if config.data.kind == SECTIONS_KIND:
         shape = section_shape(config, model, shape, request.frames)
-    acts = read_actions(request.actions, config.data.kind, model, _video_frames(model, shape))
-    control = read_control(request, config.data.kind, model, _video_frames(model, shape))
-    segment = _video_frames(model, shape)
+    acts = read_actions(request.actions, config.data.kind, model, video_frames(model, shape))
+    control = read_control(request, config.data.kind, model, video_frames(model, shape))
+    segment = video_frames(model, shape)
     frames = (request.frames or segment) if animating else None
     starts = animation_segments(frames, segment, config.data.preprocess.animate.previous_frames) if animating else ()
     animation = read_animation(request, config.data.kind, model, frames or segment)
@@ -697,17 +516,8 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
     request, config, device = p.request, p.source.config, preprocessing.device()
     encoder = p.encoder()  # the text encoder first, then freed: it and the DiT are never held together (an animation
     # of several segments keeps it, its text encoder on the CPU, to encode the frames each segment begins with)
-    given, first = None, None
-    if config.data.kind == SECTIONS_KIND:
-        given, first = section_condition(encoder, p.image, _video_shape(p.shape), p.model, config.data.sections)
-    elif p.image is not None:
-        given = image_condition(encoder, p.image, _video_shape(p.shape), p.model)
-    given = given if p.actions is None else {**given, **p.actions}
-    if p.control is not None and config.data.kind == ANIMATE_KIND:
-        first_segment = {name: frames[:_video_frames(p.model, p.shape)] for name, frames in p.control.items()}
-        given = animation_condition(encoder, p.image, first_segment, _video_shape(p.shape), p.model)
-    elif p.control is not None:
-        given = control_condition(encoder, p.control, _video_shape(p.shape), p.model)
+    given, first = given_condition(config.data.kind, encoder, p.image, p.control, p.actions,
+                                         video_shape(p.shape), p.model, config.data.sections)
     cond = tree.to_device(encoded_cond(config, p.model, encoder, request.prompts, given), device)
     uncond = _uncond(config, p.model, encoder, request.negative_prompt, p.vcfg, device)
     segment_encoder = encoder if len(p.segments) > 1 else None  # a later segment encodes the frames made before it
@@ -755,23 +565,6 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
             "latents": _cat([m[0] for m in made]), "frames": _cat([m[1] for m in made])}
 
 
-def animation_segments(frames: int, segment: int, previous: int) -> list[int]:
-    """The first video frame of each segment making a video of ``frames`` (``WanAnimatePipeline``'s: segments of
-    ``segment`` frames, each after the first starting on the last ``previous`` of the one before); the last may run
-    past ``frames``."""
-    starts = [0]
-    while starts[-1] + segment < frames:
-        starts.append(starts[-1] + segment - previous)
-    return starts
-
-
-def reflect_pad(frames: Any, count: int) -> Any:
-    """``frames [F, ...]`` padded to ``count`` by reflection (1 2 3 -> 1 2 3 2 1 2 ...), as ``WanAnimatePipeline``
-    pads its pose and face videos."""
-    period = max(2 * (len(frames) - 1), 1)
-    index = [i % period for i in range(max(count, len(frames)))]
-    return frames[[i if i < len(frames) else period - i for i in index]]
-
 
 def draw_animation(p: Plan, sampler: validation.Sampler, encoder: Any, decoder: Callable[[torch.Tensor], torch.Tensor],
                    seeds: list[int], noise: torch.Tensor, cond: dict[str, torch.Tensor], keys: torch.Tensor,
@@ -781,7 +574,7 @@ def draw_animation(p: Plan, sampler: validation.Sampler, encoder: Any, decoder: 
     folded with ``n`` after), its pose and face frames, and after the first the last ``previous`` frames made,
     encoded into its reference latents; each later segment's first ``previous`` frames dropped. Also every segment's
     latents, concatenated in time."""
-    segment, made, latents_made, last = _video_frames(p.model, p.shape), [], [], None
+    segment, made, latents_made, last = video_frames(p.model, p.shape), [], [], None
     for n, start in enumerate(p.segments):
         step_cond, step_noise = cond, noise
         if n > 0:
@@ -819,16 +612,6 @@ def decoded(model: Any, decoder: Callable[[torch.Tensor], torch.Tensor], sound: 
         if sound is not None and isinstance(clean, Mapping):
             waveforms = sound.decode(clean["audio"]).float().clamp(-1, 1).cpu()
     return video, waveforms
-
-
-def _video_frames(model: Any, shape: Any) -> int:
-    """The video frames of latents ``shape``: ``1 + r (T - 1)`` at the VAE's time stride ``r`` (``T`` without the
-    model's lead frames: Wan-Animate's reference slot)."""
-    return 1 + model.latents.vae_stride[0] * (_video_shape(shape)[1] - model.lead_frames - 1)
-
-
-def _video_shape(shape: Any) -> tuple[int, int, int, int]:
-    return shape["video"] if isinstance(shape, Mapping) else shape
 
 
 def _cat(parts: list[Any]) -> Any:

@@ -7,6 +7,7 @@ from torch._dynamo.testing import CompileCounter
 from fvx.core import schedules
 from fvx.core.schedules import (
     constant,
+    constant_factor,
     constant_with_warmup,
     cosine,
     cosine_with_min_lr,
@@ -41,6 +42,20 @@ def test_constant_with_warmup():
     check(sched, 5, LR * 5 / 10)
     check(sched, 10, LR)
     check(sched, 109, LR)
+
+
+def test_constant_factor_is_torchs_constant_lr():
+    """A third of the rate for 5 steps by default, as torch's ``ConstantLR(optimizer)`` steps it."""
+    check(constant_factor(LR, warmup_steps=W, factor=0.25), 9, LR * 0.25)
+    check(constant_factor(LR, warmup_steps=W, factor=0.25), 10, LR)
+    weight = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.SGD([weight], lr=LR)
+    torch_lr = torch.optim.lr_scheduler.ConstantLR(opt)
+    ours = constant_factor(LR, warmup_steps=5)
+    for step in range(8):
+        assert ours(step) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-12), step
+        opt.step()
+        torch_lr.step()
 
 
 def test_linear():
@@ -134,14 +149,16 @@ def test_compiled_schedule_takes_the_step_as_data():
 
 
 def test_get_schedule_by_name():
-    kwargs = dict(base_lr=LR, warmup_steps=W, total_steps=N, num_cycles=None, min_lr_ratio=0.1, power=2.0, lr_end=1e-5)
+    kwargs = dict(base_lr=LR, warmup_steps=W, total_steps=N, num_cycles=None, min_lr_ratio=0.1, power=2.0, lr_end=1e-5,
+                  factor=0.5)
     assert set(schedules.SCHEDULES) == {
-        "constant", "constant_with_warmup", "linear", "cosine", "cosine_with_min_lr", "cosine_with_restarts",
-        "polynomial",
+        "constant", "constant_with_warmup", "constant_factor", "linear", "cosine", "cosine_with_min_lr",
+        "cosine_with_restarts", "polynomial",
     }
     direct = {
         "constant": constant(LR),
         "constant_with_warmup": constant_with_warmup(LR, warmup_steps=W),
+        "constant_factor": constant_factor(LR, warmup_steps=W, factor=0.5),
         "linear": linear(LR, warmup_steps=W, total_steps=N),
         "cosine": cosine(LR, warmup_steps=W, total_steps=N),
         "cosine_with_min_lr": cosine_with_min_lr(LR, warmup_steps=W, total_steps=N, min_lr_ratio=0.1),
@@ -183,6 +200,7 @@ def test_unknown_name_lists_the_valid_ones():
         (lambda: constant(-1e-3), "base_lr must be >= 0"),
         (lambda: constant(float("nan")), "base_lr must be finite"),
         (lambda: constant(LR)(-1), "step must be >= 0"),
+        (lambda: constant_factor(LR, factor=1.5), "factor must be <= 1"),
         (lambda: constant(LR)(torch.zeros(2)), "step must be a 0-dim tensor"),
     ],
 )

@@ -13,7 +13,7 @@ from fvx import run
 from fvx.core import random
 from fvx.data import media
 from fvx.data.toy_world import WorldDataset
-from fvx.training import experiment, run_folder, sampling, validation
+from fvx.training import experiment, run_folder, sample_inputs, sampling, validation
 from fvx.training.experiment import build_models
 
 RED_RIGHT = "red bars moving right"
@@ -318,9 +318,9 @@ def test_a_control_model_samples_from_a_control_video_its_mask_and_a_reference(c
     request = sampling.Request(str(control_model), (RED_RIGHT,), out=str(tmp_path / "s"),
                                control=str(tmp_path / "control.mp4"), mask=str(tmp_path / "mask.mp4"))
     model = built.program.model
-    read = sampling.read_control(request, "vace", model, 4)
+    read = sample_inputs.read_control(request, "vace", model, 4)
     encoder = sampling.preprocessing.prompt_encoder(config, "student", None, "vace")()
-    got = torch.from_numpy(sampling.control_condition(encoder, read, (192, 4, 2, 2), model)["vace_context"])
+    got = torch.from_numpy(sample_inputs.control_condition(encoder, read, (192, 4, 2, 2), model)["vace_context"])
     want = sample0["vace_context"][0].clone()
     want[192:384, 1:] += 128 / 127.5 - 1
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
