@@ -151,11 +151,12 @@ def test_a_build_that_fails_midway_resumes_to_the_same_bytes(tmp_path, world_tea
 def test_a_killed_build_resumes_to_the_same_bytes(tmp_path, world_teacher):
     """SIGKILL while the command writes (one sample per group), then the command again: byte-identical to an
     uninterrupted build; the kill leaves no partial sample, only temporary files that the resume removes."""
-    overrides = tiny(world_teacher, "data.world.num_samples=16", "method.teacher_steps=8")
+    knobs = ("data.world.num_samples=16", "method.teacher_steps=8")
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    command = [sys.executable, "-m", "fvx_methods.trajectory_cache", EXPERIMENT, *overrides, "--batch", "1"]
+    assert build(whole, world_teacher, *knobs, batch=1).complete
+    command = [sys.executable, "-m", "fvx_methods.trajectory_cache", EXPERIMENT, *tiny(world_teacher, *knobs), "--batch",
+               "1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    assert subprocess.run([*command, f"method.cache={whole}"], cwd=ROOT, env=env, capture_output=True).returncode == 0
     process = subprocess.Popen([*command, f"method.cache={killed}"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120

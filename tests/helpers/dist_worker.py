@@ -352,10 +352,10 @@ def moe_run(mesh=None, rank: int = 0, world: int = 1) -> tuple[float, dict]:
     return float(loss), grads
 
 
-def causal_run(mesh=None, rank: int = 0, world: int = 1) -> tuple[float, dict]:
-    """The tiny block-causal Wan's loss and gradients (``family_cases.causal_loss_and_grads``) with compiled units,
-    on this rank's slice of the batch."""
-    config = wan_causal.WanCausalConfig(preset="tiny", num_frames_per_block=1, compile="blocks",
+def causal_run(mesh=None, rank: int = 0, world: int = 1, compile: str = "blocks") -> tuple[float, dict]:
+    """The tiny block-causal Wan's loss and gradients (``family_cases.causal_loss_and_grads``) with units compiled
+    (``compile``), on this rank's slice of the batch."""
+    config = wan_causal.WanCausalConfig(preset="tiny", num_frames_per_block=1, compile=compile,
                                         compile_backend="aot_eager")
     return causal_loss_and_grads(config, mesh, lambda batch: {k: v.chunk(world)[rank] for k, v in batch.items()})
 
