@@ -323,10 +323,12 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
 
 def native_inputs(config: ModelConfig, x_t: Any, t: Any,
                   cond: Mapping[str, torch.Tensor]) -> tuple[dict[str, Any], Any]:
-    """The DiT's keyword arguments for ``(x_t, t, cond)`` as :func:`apply` makes them (unsharded, no casts), and
-    ``x_t`` in the family's layout (what :func:`velocity` takes): to call the diffusers module directly."""
+    """The DiT's keyword arguments for ``(x_t, t, cond)`` as :func:`apply` makes them (unsharded, no casts; a
+    two-time model's ``r`` is ``t``), and ``x_t`` in the family's layout (what :func:`velocity` takes): to call the
+    diffusers module directly."""
     x = native(x_t, config.family.forward.layout)
-    return config.family.forward.inputs(config, x, t, cond, False), x
+    kwargs = config.family.forward.inputs(config, x, t, cond, False)
+    return (config.family.forward.with_r(config, kwargs, x, t) if config.two_time else kwargs), x
 
 
 def _check_whole_compile(config: ModelConfig, mesh: Any) -> None:

@@ -21,7 +21,7 @@ from diffusers import ChronoEditTransformer3DModel, FlowMatchEulerDiscreteSchedu
 from diffusers.models.transformers.transformer_chronoedit import ChronoEditRotaryPosEmbed
 from torch import nn
 
-from fvx_models import diffusers_folder as dfolder, wan, wan_i2v
+from fvx_models import diffusers_folder as dfolder, wan
 from fvx_models.build import ModelConfig
 from fvx_models.family import Preset, skeleton_of
 
@@ -33,8 +33,7 @@ PRESETS: dict[str, Preset] = {
     "world": Preset({**wan.PRESETS["world-i2v"].kwargs, **SKIP}, wan.WORLD_CODEC, 4,
                     wan.PRESETS["world-i2v"].options),
     # ChronoEdit-14B: Wan 2.1 I2V 14B's architecture (the model it was trained from), at 720p's flow shift
-    "chronoedit-14b": Preset({**wan.WAN21_I2V_14B, **SKIP}, wan.WAN21_VAE, 512,
-                             {"flow_shift": 5.0, "i2v": wan_i2v.CONCAT}),
+    "chronoedit-14b": Preset({**wan.WAN21_I2V_14B, **SKIP}, wan.WAN21_VAE, 512, {"flow_shift": 5.0, **wan.I2V}),
 }
 """``ChronoEditTransformer3DModel`` constructor arguments per preset (Wan's and ``rope_temporal_skip_len``), the
 latent space and the text length."""

@@ -27,6 +27,7 @@ from diffusers.models.transformers.transformer_helios import HeliosRotaryPosEmbe
 from torch import nn
 
 from fvx.core import random
+from fvx.distributed import memory
 from fvx.data.sections import HISTORY
 from fvx_models import diffusers_folder as dfolder, encoders as fencoders, history, wan
 from fvx_models.build import ModelConfig
@@ -158,7 +159,9 @@ HELIOS = Family(
     architecture=Architecture(
         skeleton=lambda config: skeleton_of(HeliosTransformer3DModel, config.spec.kwargs, rebuild_rope),
         unit_groups={"blocks": ("blocks",)},
-        activations={"blocks": wan.BLOCK_ACTIVATIONS},  # Wan's blocks (test_families measures them on Helios's)
+        # measured (saved-tensor hooks, bf16, the slope per token of the tiny model's chunk and history tokens): Wan's
+        # block with a timestep per token (the history's are 0), its modulation in fp32
+        activations={"blocks": memory.BlockActivations(fp32_dim=19, compute_dim=11, compute_ffn=2)},
         widths=wan.widths,
         init_rules={"scale_shift_table": wan.scale_shift_init},
         self_attention=("blocks.*.attn1",),

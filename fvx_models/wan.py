@@ -76,6 +76,9 @@ WAN22_5B = {**_WAN, "num_attention_heads": 24, "in_channels": 48, "out_channels"
 BLOCK_ACTIVATIONS = memory.BlockActivations(fp32_dim=12, compute_dim=10, compute_ffn=2)
 # With one timestep per token (Wan 2.2 TI2V) each block also saves its per-token modulation in fp32.
 PER_TOKEN_T_ACTIVATIONS = {"blocks": memory.BlockActivations(fp32_dim=20, compute_dim=10, compute_ffn=2)}
+# With the image embedding's own cross-attention (Wan 2.1 I2V's added_kv_proj_dim) each block also saves its output.
+IMAGE_ATTENTION_ACTIVATIONS = {"blocks": memory.BlockActivations(fp32_dim=12, compute_dim=12, compute_ffn=2)}
+I2V = {"i2v": wan_i2v.CONCAT, "activations": IMAGE_ATTENTION_ACTIVATIONS}  # Wan 2.1 I2V's, beside its flow shift
 TI2V = {"flow_shift": 5.0, "expand_timesteps": True, "activations": PER_TOKEN_T_ACTIVATIONS}
 
 PRESETS: dict[str, Preset] = {
@@ -93,13 +96,13 @@ PRESETS: dict[str, Preset] = {
     "wan2.2-ti2v-5b": Preset(WAN22_5B, WAN22_VAE, 512, TI2V),
     # Wan 2.1 I2V's layout, tiny: [x | 4-channel mask | first-frame latents] in, a 16-wide image embedding
     "tiny-i2v": Preset({**TINY, "in_channels": 36, "image_dim": 16, "added_kv_proj_dim": 96}, TINY_VAE, 8,
-                       {"flow_shift": 3.0, "i2v": wan_i2v.CONCAT}),
+                       {"flow_shift": 3.0, **I2V}),
     # the toy world's image-to-video model: [x | mask | first frame] (192 + 1 + 192 channels), no image embedding
     "world-i2v": Preset({**TINY, "in_channels": 385, "out_channels": 192, "patch_size": (1, 1, 1),
                          "num_attention_heads": 4, "attention_head_dim": 64, "ffn_dim": 512, "num_layers": 3},
                         WORLD_CODEC, 4, {"flow_shift": 3.0, "i2v": wan_i2v.CONCAT}),
-    "wan2.1-i2v-14b-480p": Preset(WAN21_I2V_14B, WAN21_VAE, 512, {"flow_shift": 3.0, "i2v": wan_i2v.CONCAT}),
-    "wan2.1-i2v-14b-720p": Preset(WAN21_I2V_14B, WAN21_VAE, 512, {"flow_shift": 5.0, "i2v": wan_i2v.CONCAT}),
+    "wan2.1-i2v-14b-480p": Preset(WAN21_I2V_14B, WAN21_VAE, 512, {"flow_shift": 3.0, **I2V}),
+    "wan2.1-i2v-14b-720p": Preset(WAN21_I2V_14B, WAN21_VAE, 512, {"flow_shift": 5.0, **I2V}),
 }
 """``WanTransformer3DModel`` constructor arguments per preset (every argument, so a config.json can be checked), the
 latent space and the text length (UMT5 pads to 512 tokens; the model accepts any length)."""

@@ -278,7 +278,7 @@ WAN_ANIMATE = wan.WAN.variant(
     architecture={"skeleton": skeleton, "init_rules": INIT_RULES, "widths": widths, "sequence_parallel": None,
                   "derived": lambda config: {},
                   "unit_groups": {"blocks": ("blocks",), "face_adapter": ("face_adapter",)},
-                  "activations": {"blocks": wan.BLOCK_ACTIVATIONS, "face_adapter": FACE_ADAPTER_ACTIVATIONS}},
+                  "activations": {**wan.IMAGE_ATTENTION_ACTIVATIONS, "face_adapter": FACE_ADAPTER_ACTIVATIONS}},
     forward={"inputs": inputs, "output": lambda config, out, x, t, cond: out[0], "with_r": None, "lead_frames": 1},
     conditioning={"spec": cond_spec, "from_batch": cond_from_batch,
                   "data_keys": ("text", "text_mask", "image_embeds", *ANIMATE_COND),

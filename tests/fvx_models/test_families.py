@@ -133,21 +133,34 @@ def test_a_whole_model_compiles_to_one_graph_and_matches_eager(name):
     assert stats.graphs_of("model") == 1 and stats.recompiles == 0, stats
 
 
-@pytest.mark.parametrize("name", ["wan", "wan-ti2v", "hunyuan_video", "cosmos", "ltx_video", "kandinsky5", "wan_vace",
-                                  "cogvideox", "sana_video", "mochi", "latte", "allegro",
-                                  "easyanimate", "motif_video", "kandinsky6"])
+NOT_LINEAR = {
+    "hunyuan_video15": "each dual-stream block also saves the [B, 1, S, S] attention mask diffusers' processor builds "
+                       "(quadratic in the tokens; fvx_models/hunyuan_video15.py says so beside its figures)",
+    "cogvideox-i2v": "its position table holds one video size (CogVideoX 1.0 I2V's); its blocks are cogvideox's",
+}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_dry_run_activation_figures_match_what_each_unit_group_saves(name):
-    """The family's per-token coefficients against saved-tensor hooks on the first unit of each group (bf16)."""
+    """The family's per-token coefficients against saved-tensor hooks on the first unit of each group (bf16): per
+    video token, the growth from a 16 x 16 to a 32 x 32 latent video (what a unit saves once per sample, such as the
+    keys of an image embedding's cross-attention, cancels out); a group over the text tokens, at its text length."""
+    if name in NOT_LINEAR:
+        pytest.skip(NOT_LINEAR[name])
     config = CASES[name].config
     model = config.build()
     spec = type(config)(**{**_fields(config), "compute_dtype": "bf16"}).build().memory_spec()
     frames = 2 if name == "latte" else 4  # Latte's tiny temporal table holds 2 frames
-    x, t, cond = inputs(model, random.key(1), frames=frames, size=16, text_len=8)
-    measured = saved_per_group(config, x, t, cond)
+    small, large = (saved_per_group(config, *inputs(model, random.key(1), frames=frames, size=size, text_len=8))
+                    for size in (16, 32))
     for group in spec.groups:
-        fp32, half, tokens = measured[group.name]
-        estimate = memory.block_activation_bytes(group, tokens, compute_bytes=2)
-        assert abs(estimate - (fp32 + half)) <= 0.05 * (fp32 + half), (group.name, estimate, fp32 + half)
+        (fp32, half, tokens), (fp32_l, half_l, tokens_l) = small[group.name], large[group.name]
+        if group.text_tokens:
+            estimate, measured = memory.block_activation_bytes(group, tokens, compute_bytes=2), fp32 + half
+        else:
+            per_token = (fp32_l + half_l - fp32 - half) / (tokens_l - tokens)
+            estimate, measured = memory.block_activation_bytes(group, 10 ** 6, compute_bytes=2) / 10 ** 6, per_token
+        assert abs(estimate - measured) <= 0.05 * measured, (group.name, estimate, measured)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
