@@ -41,6 +41,16 @@ class SectionsConfig(Config):
     order: Order = "inverted_anti_drifting"
 
 
+def history_tokens(height: int, width: int, patch: tuple[int, int, int]) -> int:
+    """The tokens a section's history adds to each forward at latent ``height x width`` under the DiT's ``patch``
+    ``(1, p, p)``: the first and 1x frames at that patch, the two 2x frames packed by ``(2, 2p, 2p)`` and the sixteen
+    4x frames by ``(4, 4p, 4p)`` (FramePack's and Helios's packing; 2.5 frames' worth)."""
+    _, ph, pw = patch
+    return sum(frames // (scale * patch[0]) * (height // (scale * ph)) * (width // (scale * pw))
+               for frames, scale in ((HISTORY_SPLIT[0] + HISTORY_SPLIT[1], 1), (HISTORY_SPLIT[2], 2),
+                                     (HISTORY_SPLIT[3], 4)))
+
+
 def count(frames: int, config: SectionsConfig) -> int:
     """The sections of a clip of ``frames`` latent frames."""
     return frames // config.window if config.order == "chunks" else (frames - 1) // config.window

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple, Sequence
 
 from fvx.core.state import HeldRole
-from fvx.data import datasets
+from fvx.data import datasets, sections
 from fvx.distributed import memory
 from fvx.training.config_checks import check_models
 from fvx.training.experiment import build_models, run_keys
@@ -59,12 +59,14 @@ DEFAULT_VIDEO = (81, 480, 832)  # what the dry run assumes when neither --video 
 
 def estimate(plan: Plan, *, world: int, replicate: int, video: Sequence[int] | None = None, global_batch: int,
              capacity: int = memory.H200_BYTES, sp: int = 1, latents: Sequence[int] | None = None,
-             carried: Callable[[memory.LatentGrid], int] | None = None) -> tuple[memory.Estimate, str]:
+             carried: Callable[[memory.LatentGrid], int] | None = None,
+             history: Callable[[memory.LatentGrid], int] | None = None) -> tuple[memory.Estimate, str]:
     """(the estimate, its title) of ``plan``'s roles sharded over ``world // replicate`` ranks, each rank
     differentiating ``global_batch // (world // sp) // micro_batches`` samples at a time of ``video`` (pixels
     ``(frames, height, width)``) or of ``latents`` (latent ``(T, H, W)``), of whose tokens it holds ``1 / sp`` under
     sequence parallelism (the all-to-all buffers are not counted); ``carried(grid)``: the bytes the method carries
-    across steps per sample (for each of the rank's samples)."""
+    across steps per sample (for each of the rank's samples); ``history(grid)``: the tokens each forward carries
+    beside the grid's (a section's clean history)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"--world must be a positive int, got {world!r}")
     if replicate < 1 or world % replicate:
@@ -84,17 +86,20 @@ def estimate(plan: Plan, *, world: int, replicate: int, video: Sequence[int] | N
     else:
         grid = memory.latent_grid(*video, vae_stride=spec.vae_stride, patch=spec.patch)
         shown = f"video {'x'.join(map(str, video))} -> latent"
-    if grid.tokens % sp:
-        raise ValueError(f"{shown} {grid.frames}x{grid.height}x{grid.width}: {grid.tokens} tokens per sample do not "
+    extra = 0 if history is None else history(grid)
+    tokens = grid.tokens + extra
+    if tokens % sp:
+        raise ValueError(f"{shown} {grid.frames}x{grid.height}x{grid.width}: {tokens} tokens per sample do not "
                          f"split over --sp {sp} ranks")
     micro = per_rank // plan.micro_batches
-    est = memory.estimate(plan.roles, shard_size=world // replicate, tokens=grid.tokens // sp, batch_per_rank=micro,
+    est = memory.estimate(plan.roles, shard_size=world // replicate, tokens=tokens // sp, batch_per_rank=micro,
                           capacity=capacity)
     if carried is not None:
         est = est._replace(carried=per_rank * carried(grid))
     title = (f"{world} ranks ({replicate} replica group(s) x {world // replicate} shards), {shown} "
              f"{grid.frames}x{grid.height}x{grid.width} = {grid.tokens} tokens"
-             + (f" ({grid.tokens // sp} per rank: sequence parallel over {sp})" if sp > 1 else "")
+             + (f" + {extra} of the section's history" if extra else "")
+             + (f" ({tokens // sp} per rank: sequence parallel over {sp})" if sp > 1 else "")
              + f", {micro} sample(s) per rank per forward, compute {8 * spec.compute_bytes}-bit, "
              f"remat {'on' if spec.remat else 'off'}")
     return est, title
@@ -141,10 +146,13 @@ def report(config: Any, *, world: int, video: Sequence[int] | None = None, repli
                    getattr(config.method, "grad_accum", 1) if split is None else split(config.data))
     latents = data_latents(config) if video is None else None
     carried = getattr(config.method, "carried_bytes", None)
+    patch = plan.roles[0].model.patch  # a section's forward also carries its clean history's tokens
+    history = ((lambda grid: sections.history_tokens(grid.height, grid.width, patch))
+               if config.data.kind == "framepack" else None)
     est, title = estimate(plan, world=world, replicate=replicate, global_batch=config.data.batch_size,
                           capacity=capacity, sp=sp, latents=latents,
                           video=video if video is not None or latents is not None else DEFAULT_VIDEO,
-                          carried=None if carried is None else lambda grid: carried(models, grid))
+                          carried=None if carried is None else lambda grid: carried(models, grid), history=history)
     if video is None and latents is None:
         title += " (its data cannot be read here: --video FRAMESxHEIGHTxWIDTH to choose)"
     else:  # samples the experiment or --video gives, not the assumed default: the method's refusal of their length

@@ -66,3 +66,30 @@ def test_chunks_tile_the_clip_from_its_first_frame_and_the_first_is_given_no_fir
     with pytest.raises(ValueError, match=r"2 latent frames hold no section of data.sections.window=3 \(it needs "
                                          r"at least 3\)"):
         sections.cut(clip(2), SectionsConfig(window=3, order="chunks"))
+
+
+@pytest.mark.parametrize("family", ["helios", "hunyuan_framepack"])
+def test_history_tokens_are_what_the_dit_adds_to_a_sections_tokens(family):
+    """``history_tokens`` (the dry run's count) against the sequence the tiny DiT's first block gets, less the
+    section's own tokens, at latent 16 x 16 and 32 x 32."""
+    from family_cases import inputs
+    from fvx.core import random
+    from fvx_models import build
+    from fvx_models.helios import HeliosConfig
+    from fvx_models.hunyuan_framepack import FramepackConfig
+
+    config = (HeliosConfig if family == "helios" else FramepackConfig)(preset="tiny")
+    model, module = config.build(), build.skeleton(config)
+    block = module.get_submodule(next(iter(build.unit_groups(config.family, module).values()))[0][:-1])
+    params, patch = model.weights.init(random.key(0)), model.memory_spec().patch
+    for size in (16, 32):
+        x, t, cond = inputs(model, random.key(1), batch=1, frames=4, size=size, text_len=5)
+        seen = []
+        hook = block.register_forward_pre_hook(lambda _, args, kwargs: seen.append(
+            (args[0] if args else kwargs["hidden_states"]).shape[1]), with_kwargs=True)
+        with torch.no_grad():
+            torch.func.functional_call(module, (params, dict(module.named_buffers())), (),
+                                       build.native_inputs(config, x, t, cond)[0])
+        hook.remove()
+        section = 4 * (size // patch[1]) * (size // patch[2])
+        assert seen[0] - section == sections.history_tokens(size, size, patch), size

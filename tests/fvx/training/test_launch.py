@@ -173,6 +173,12 @@ def test_dry_run_estimate_counts_micro_batches_and_rejects_bad_input():
     assert "sequence parallel over 2" in title and "4 sample(s) per rank" in title
     assert sp.activations == memory.estimate((role,), shard_size=4, tokens=5 * 8 * 8 // 2, batch_per_rank=4,
                                              capacity=memory.H200_BYTES).activations
+    # a section's history: its tokens (here one per latent position of a frame) beside the grid's, said in the title
+    history, title = dry_run.estimate(dry_run.Plan((role,)), world=2, replicate=1, video=(17, 64, 64), global_batch=8,
+                                      history=lambda grid: grid.height * grid.width)
+    assert "= 320 tokens + 256 of the section's history" in title
+    assert history.activations == memory.estimate((role,), shard_size=2, tokens=5 * 8 * 8 + 16 * 16, batch_per_rank=4,
+                                                  capacity=memory.H200_BYTES).activations
     with pytest.raises(ValueError, match="not divisible by the 3 data-parallel groups"):
         dry_run.estimate(dry_run.Plan((role,)), world=3, replicate=1, video=(17, 64, 64), global_batch=8)
     with pytest.raises(ValueError, match="--sp 3 must be a positive divisor of --world 4"):
