@@ -28,11 +28,11 @@ import pathlib
 from typing import Any, Mapping
 
 import torch
-import torch.nn.functional as F
 from diffusers import FlowMatchEulerDiscreteScheduler, WanAnimateTransformer3DModel
 from torch import nn
 
 from fvx.core import random
+from fvx.data import preprocess
 from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder, encoders as fencoders, wan
 from fvx_models.build import ModelConfig
@@ -257,7 +257,7 @@ def encode_animation(pipe: Any, reference: torch.Tensor, pose: torch.Tensor, fac
     raw = raw_latents(pipe, reference[:, None])  # encoded once: vae_latent's frame 0 and, normalised, the condition's
     image = wan.normalized(pipe, raw[None])[0]
     (latent_frames, h, w), stride = segment.shape[1:], pipe.vae_scale_factor_temporal
-    keep = None if mask is None else F.interpolate(1 - mask.float().transpose(0, 1), size=(h, w), mode="nearest")[:, 0]
+    keep = None if mask is None else preprocess.kept_cells(mask, h, w)
     reference_latents = torch.cat([
         torch.cat([condition_mask(1, 1, h, w, stride).to(image.device), image], dim=0),
         torch.cat([condition_mask(latent_frames, given, h, w, stride, keep).to(segment.device), segment], dim=0)],

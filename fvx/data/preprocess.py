@@ -517,10 +517,19 @@ def animation_rows(job: Job, encoder: Encoder, item: Input) -> list[dict[str, An
     return rows
 
 
-def segment_starts(frames: int, length: int, previous: int) -> list[int]:
+def segment_starts(frames: int, length: int, previous: int, *, cover: bool = False) -> list[int]:
     """The first video frame of each segment of ``length`` frames of a clip of ``frames``: 0, then each segment
-    ``previous`` frames before the last one's end, while one fits (the pipeline's ``effective_segment_length``)."""
+    ``previous`` frames before the last one's end (the pipeline's ``effective_segment_length``), while one fits or,
+    with ``cover``, until they reach ``frames`` (the last may run past it: ``WanAnimatePipeline`` pads its inputs)."""
+    if cover:
+        return list(range(0, max(frames - previous, 1), length - previous))
     return list(range(0, frames - length + 1, length - previous)) if length <= frames else []
+
+
+def kept_cells(mask: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The replace mode's mask ``[1, F, H, W]`` (1: to be made) as the cells it keeps ``[F, height, width]`` at a
+    latent grid (nearest), where the condition mask is one."""
+    return torch.nn.functional.interpolate(1 - mask.float().transpose(0, 1), size=(height, width), mode="nearest")[:, 0]
 
 
 def replacement(background: np.ndarray | None, mask: np.ndarray | None, height: int,

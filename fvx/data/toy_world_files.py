@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from fvx.core import random
-from fvx.data import media, toy_world_actions
+from fvx.data import media, preprocess, toy_world_actions
 from fvx.data.toy_world import (GIVEN_FIRST_FRAME, Codec, WorldConfig, WorldDataset, caption, first_frame_only,
                                 space_to_depth, tokens_of_first_frame)
 from fvx.data.toy_world_animate import pose_video, reference_latents
@@ -143,8 +143,7 @@ class WorldEncoders:
         given = 0 if previous is None else previous.shape[1]
         if previous is not None:
             segment[:, :given] = self.encode_video(previous.float())
-        keep = None if mask is None else torch.nn.functional.interpolate(
-            1 - mask.float().transpose(0, 1), size=latent.shape[2:], mode="nearest")[:, 0]
+        keep = None if mask is None else preprocess.kept_cells(mask, *latent.shape[2:])
         return {"reference_latents": reference_latents(latent, segment, given, keep),
                 "pose_latents": self.encode_video(pose.float()), "face_pixels": face, "reference": latent}
 

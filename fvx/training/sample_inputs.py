@@ -150,16 +150,6 @@ def section_shape(config: Any, model: Any, shape: tuple[int, int, int, int],
     return shape
 
 
-def animation_segments(frames: int, segment: int, previous: int) -> list[int]:
-    """The first video frame of each segment making a video of ``frames`` (``WanAnimatePipeline``'s: segments of
-    ``segment`` frames, each after the first starting on the last ``previous`` of the one before); the last may run
-    past ``frames``."""
-    starts = [0]
-    while starts[-1] + segment < frames:
-        starts.append(starts[-1] + segment - previous)
-    return starts
-
-
 def reflect_pad(frames: Any, count: int) -> Any:
     """``frames [F, ...]`` padded to ``count`` by reflection (1 2 3 -> 1 2 3 2 1 2 ...), as ``WanAnimatePipeline``
     pads its pose and face videos."""

@@ -30,9 +30,8 @@ from fvx.training import (export as fexport, preprocessing, progress as fprogres
                           wav)
 from fvx.training.experiment import build_models, role_configs, run_keys
 from fvx.training.sample_inputs import (ACTIONS_KIND, ANIMATE_KIND, SECTIONS_KIND, animation_condition,
-                                        animation_segments, given_condition, read_actions, read_animation,
-                                        read_control, read_first_frame, reflect_pad, section_shape, video_frames,
-                                        video_shape)
+                                        given_condition, read_actions, read_animation, read_control,
+                                        read_first_frame, reflect_pad, section_shape, video_frames, video_shape)
 
 SAMPLES = "samples.json"
 SCHEDULES = ("fvx", "diffusers", "model")
@@ -473,7 +472,8 @@ def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
     control = read_control(request, config.data.kind, model, video_frames(model, shape))
     segment = video_frames(model, shape)
     frames = (request.frames or segment) if animating else None
-    starts = animation_segments(frames, segment, config.data.preprocess.animate.previous_frames) if animating else ()
+    starts = (preprocess.segment_starts(frames, segment, config.data.preprocess.animate.previous_frames,
+                                      cover=True) if animating else ())
     animation = read_animation(request, config.data.kind, model, frames or segment)
     if animation is not None:  # the last segment's frames past the video's: padded as WanAnimatePipeline pads them
         animation = {name: reflect_pad(video, starts[-1] + segment) for name, video in animation.items()}
