@@ -16,8 +16,9 @@ trains one timestep range per step (``Model.rules.step_ranges``: Wan 2.2 A14B, o
 range from the step key and its samples' levels in it (:func:`step_range_sigmas`). A family that corrupts its cond in
 training (``Model.rules.corrupt_cond``: Helios's noised and dropped history) gets each sample's own draw.
 
-A joint model (``Model.joint``: MiniMax-H3's video and audio) takes every modality at its own noise and level, and the
-loss is the sum of the modalities' losses, each logged (FastVideo's ``video_finetune_loss``, ``audio_finetune_loss``):
+A joint model (``Model.joint``: MiniMax-H3's and Kandinsky 6's video and audio) takes every modality at its own noise
+and level (MiniMax-H3's coupled ones; one shared level without a sampler of its own: Kandinsky 6), and the loss is the
+sum of the modalities' losses, each logged (FastVideo's ``video_finetune_loss``, ``audio_finetune_loss``):
 
     loss = sum_m mean((v_m - (noise_m - x0_m))^2)
 
@@ -76,12 +77,16 @@ def loss_fn(params: dict, batch: Batch, key: torch.Tensor, *, model: Model,
 def draw_sigmas(t_keys: torch.Tensor, x0: Any, *, model: Model, config: Finetune) -> tuple[Any, Any]:
     """Each sample's training noise level and model timestep ``(sigma [B], t [B])`` from its key ``t_keys [B, 2]``:
     the model's own sampler (``Model.rules.sigma_sampler``, which reads ``x0``'s shape; dicts keyed by modality for a joint
-    model), else ``u ~ weighting_scheme`` looked up on the training grid at ``flow_shift`` (``t = 1000 sigma``)."""
+    model), else ``u ~ weighting_scheme`` looked up on the training grid at ``flow_shift`` (``t = 1000 sigma``); a
+    joint model without its own sampler takes every modality at that one level (Kandinsky 6: one clock)."""
     if model.rules.sigma_sampler is not None:
         return model.rules.sigma_sampler(t_keys, x0)
     grid = flow.training_sigmas(config.flow_shift, device=_device(x0))
-    return flow.sample_training_sigmas(t_keys, grid, config.weighting_scheme, logit_mean=config.logit_mean,
-                                       logit_std=config.logit_std, mode_scale=config.mode_scale)
+    sigma, t = flow.sample_training_sigmas(t_keys, grid, config.weighting_scheme, logit_mean=config.logit_mean,
+                                           logit_std=config.logit_std, mode_scale=config.mode_scale)
+    if model.joint:
+        return {name: sigma for name in model.modalities}, {name: t for name in model.modalities}
+    return sigma, t
 
 
 def step_range_sigmas(step_key: torch.Tensor, t_keys: torch.Tensor, ranges: tuple[StepRange, ...], config: Finetune,

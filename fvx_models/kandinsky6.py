@@ -1,22 +1,35 @@
-"""Kandinsky 6 (diffusers ``Kandinsky6Transformer3DModel``), trained video-only: text to video, its audio branch frozen.
+"""Kandinsky 6 (diffusers ``Kandinsky6Transformer3DModel``): text to video, or to video and audio together.
 
 Kandinsky 6 denoises video and audio together: two text branches (video's, audio's: Qwen2.5-VL tokens through a few
 self-attention blocks each, CLIP's pooled vector in the time embedding) and fused blocks over the video tokens and
-the audio tokens that cross-attend each other. Given no audio latents the DiT runs the video path alone (each fused
-block skips its audio half), as ``Kandinsky6TI2VAPipeline`` does without an audio VAE; that is how fvx trains it: the
-audio branch's params get no gradient, so they are held frozen (``Training.held_frozen``: every ``audio_*`` module
-and the fused blocks' audio decoder, audio-video cross-attention and their modulations) and exported as loaded.
+the audio tokens that cross-attend each other, one timestep for both (its pipeline steps two copies of one
+scheduler in lockstep). Given no audio latents the DiT runs the video path alone (each fused block skips its audio
+half), as ``Kandinsky6TI2VAPipeline(sample_audio=False)`` does. fvx trains either way, by the config's
+``train_audio``:
 
-The DiT takes channels-last latents ``[B, T, H, W, C]`` (layout ``"BTHWC"``) beside a zero condition and mask for
-text-to-video (``visual_cond``), and predicts the flow velocity its ``FlowMatchEulerDiscreteScheduler`` steps. Its
-text is masked (``encoder_attention_mask``), so the data stores each prompt's real Qwen tokens after its pooled CLIP
-row, FastVideo's packed form as Kandinsky 5's; latents are the HunyuanVideo VAE's scaled
-by its ``scaling_factor``, as the pipeline scales them. Left: image-to-video (the reference frame appended as a masked
-tail frame with its own token type) and training the audio branch.
+- ``False`` (the default): video only, data of kind t2v; the audio branch gets no gradient, so it is held frozen (the
+  ``"audio"`` modality's params, :func:`owns_audio`: every ``audio_*`` module and the fused blocks' audio decoder,
+  audio-video cross-attention and their modulations) and exported as loaded.
+- ``True``: a joint model over ``{"video", "audio"}``, data of kind t2va: every param trains, both modalities are
+  noised at one drawn level per sample (the DiT has one clock) and the loss is the sum of theirs.
+
+The DiT takes channels-last video latents ``[B, T, H, W, C]`` (layout ``"BTHWC"``) beside a zero condition and mask
+for text-to-video (``visual_cond``), and audio latents ``[B, A, 20]``, and predicts the flow velocity its
+``FlowMatchEulerDiscreteScheduler`` steps. Its text is masked (``encoder_attention_mask``), so the data stores each
+prompt's real Qwen tokens after its pooled CLIP row, FastVideo's packed form as Kandinsky 5's; video latents are the
+HunyuanVideo VAE's scaled by its ``scaling_factor``, as the pipeline scales them. Audio latents are MMAudio's VAE's
+(``MMAudioVAE``: mono log-mel; its ``latent_channels`` must be the DiT's ``in_audio_dim``, 20 in diffusers' defaults)
+stored as ``[1, 20, A]`` and scaled by its ``scaling_factor`` 0.417 (the pipeline divides by it before decoding);
+``A`` is the clip's ``ceil(samples / latent_hop_length)``, the length the pipeline makes for the clip
+(``prepare_audio_latents``). The toy world's
+stereo framing ``[2, 32, A]`` enters the ``world`` preset as ``A`` tokens of 64 features: audio latents ``[B, C, F,
+A]`` are ``[B, A, C F]`` tokens. Left: image-to-video (the reference frame appended as a masked tail frame with its
+own token type; the release's token-type table is not in diffusers' defaults).
 """
 from __future__ import annotations
 
 import fnmatch
+import math
 import pathlib
 from typing import Any, Mapping
 
@@ -28,8 +41,9 @@ from torch import nn
 from fvx.distributed import memory
 from fvx_models import cond as fcond, diffusers_folder as dfolder, encoders as fencoders, hunyuan_video, wan
 from fvx_models.build import ModelConfig
-from fvx_models.family import (Architecture, Checkpoints, Family, Forward, Preset, Training, pack_pooled,
-                               packed_pooled_conditioning, skeleton_of)
+from fvx_models.family import (Architecture, Checkpoints, Family, Forward, Joint, Modality, Preset, Training,
+                               pack_pooled, packed_pooled_conditioning, skeleton_of)
+from fvx_models.model import LatentSpace
 
 # diffusers' Kandinsky6Transformer3DModel defaults (the released text+image-to-video+audio layout as that class ships
 # it: 60 fused blocks of width 4096, 4 text blocks a branch); a folder's config.json is checked against it
@@ -40,21 +54,31 @@ KANDINSKY6 = dict(
     audio_freqs_scaling=1.0, scale_factor=(1.0, 2.0, 2.0), text_token_padding=False, ca_rope=False,
     cross_gates=False, fix_modulation=False, visual_token_type_num_embeddings=0,
 )
+AUDIO_SCALE = 0.417  # MMAudioVAE's scaling_factor (diffusers' default; the pipeline divides the DiT's latents by it)
+AUDIO_LATENTS = LatentSpace(1, scale=AUDIO_SCALE, vae_stride=(1, 1, 1), vae="MMAudio VAE (mono [1, 20, A])")
+"""The audio latent space: the MMAudio VAE's posterior mean ``[B, 1, 20, A]``, scaled as the pipeline scales it."""
+TOY_AUDIO = LatentSpace(2, vae_stride=(1, 1, 1), vae="the toy world's stereo framing [2, 32, A]")
+"""The toy world's audio latents ``[B, 2, 32, A]`` (``fvx.data.toy_audio``), read as ``A`` tokens of 64 features."""
+
 TINY = {**KANDINSKY6, "in_text_dim": 32, "in_text_dim2": 16, "time_dim": 32, "model_dim": 64, "ff_dim": 128,
         "num_text_blocks": 1, "num_visual_blocks": 2, "axes_dims": (8, 12, 12)}
 
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(TINY, hunyuan_video.LATENTS, 9),
-    # the toy world's (192-channel space-to-depth latents, patch 1; its 4 text rows read as a pooled row and 3 tokens)
+    "tiny": Preset(TINY, hunyuan_video.LATENTS, 9, {"audio_latents": AUDIO_LATENTS}),
+    # the toy world's (192-channel space-to-depth latents, patch 1; its 4 text rows read as a pooled row and 3 tokens;
+    # its stereo audio framing as 64-feature tokens)
     "world": Preset({**TINY, "in_visual_dim": 192, "out_visual_dim": 192, "patch_size": (1, 1, 1),
-                     "model_dim": 256, "ff_dim": 512, "num_visual_blocks": 3, "axes_dims": (16, 24, 24)},
-                    wan.WORLD_CODEC, 4),
-    "kandinsky6": Preset(KANDINSKY6, hunyuan_video.LATENTS, 1025),
+                     "model_dim": 256, "ff_dim": 512, "num_visual_blocks": 3, "axes_dims": (16, 24, 24),
+                     "in_audio_dim": 64, "out_audio_dim": 64},
+                    wan.WORLD_CODEC, 4, {"audio_latents": TOY_AUDIO}),
+    "kandinsky6": Preset(KANDINSKY6, hunyuan_video.LATENTS, 1025, {"audio_latents": AUDIO_LATENTS}),
 }
 """``Kandinsky6Transformer3DModel`` constructor arguments per preset, the latent space (HunyuanVideo's VAE, as its
-pipeline's) and the packed text length (the pipeline's 1024 Qwen tokens plus the pooled row)."""
+pipeline's), the packed text length (the pipeline's 1024 Qwen tokens plus the pooled row) and the audio latent space
+(``"audio_latents"``: :data:`AUDIO_LATENTS`, the toy world's :data:`TOY_AUDIO`)."""
 
 VISUAL_ROPE_POSITIONS = 128  # Kandinsky6RoPE3D's table, per axis (patched frames, rows, columns)
+AUDIO_ROPE_POSITIONS = 2048  # Kandinsky6RoPE1D's table: audio latents
 FLOW_SHIFT = 5.0  # Kandinsky 5's (FastVideo's and its pipeline's); Kandinsky 6's released scheduler was not read here
 
 AUDIO_BRANCH = ("audio_*", "visual_transformer_blocks.*.audio_dec_block.*", "visual_transformer_blocks.*.va_*",
@@ -62,10 +86,13 @@ AUDIO_BRANCH = ("audio_*", "visual_transformer_blocks.*.audio_dec_block.*", "vis
 """Name patterns of the audio branch's params (``fnmatch``): frozen in video-only training."""
 
 
-def unused(config: ModelConfig) -> frozenset[str]:
-    """The audio branch's params: a video-only forward sends them no gradient (module docstring)."""
-    names = [name for name, _ in skeleton(config).named_parameters()]
-    return frozenset(n for n in names if any(fnmatch.fnmatchcase(n, pattern) for pattern in AUDIO_BRANCH))
+def owns_audio(name: str) -> bool:
+    """Whether param ``name`` belongs to the audio branch: what a video-only forward sends no gradient."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in AUDIO_BRANCH)
+
+
+def trained(config: "Kandinsky6Config") -> tuple[str, ...]:
+    return ("video", "audio") if config.train_audio else ("video",)
 
 
 def rebuild(module: nn.Module) -> None:
@@ -82,30 +109,48 @@ def skeleton(config: ModelConfig) -> nn.Module:
     return skeleton_of(Kandinsky6Transformer3DModel, config.spec.kwargs, rebuild)
 
 
-def inputs(config: ModelConfig, x: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor],
-           sharded: bool) -> dict[str, Any]:
-    """The text-to-video call for channels-last ``x [B, T, H, W, C]``: ``x | zero condition | zero mask``, no audio,
-    the text and its mask, the pooled vector, ``t = 1000 sigma``; the visual RoPE at the grid's own positions."""
-    hidden = x
+def inputs(config: ModelConfig, x: Any, t: Any, cond: Mapping[str, torch.Tensor], sharded: bool) -> dict[str, Any]:
+    """The text-to-video call for channels-last ``x [B, T, H, W, C]``: ``x | zero condition | zero mask``, the text
+    and its mask, the pooled vector, ``t = 1000 sigma``; the visual RoPE at the grid's own positions. A joint model's
+    ``x`` and ``t`` are dicts: audio latents ``[B, C, F, A]`` go in as tokens ``[B, A, C F]`` under the video's ``t``
+    (one clock: both modalities are at one level)."""
+    video, audio = (x["video"], x["audio"]) if isinstance(x, Mapping) else (x, None)
+    hidden = video
     if config.spec.kwargs["visual_cond"]:
-        hidden = torch.cat([x, torch.zeros_like(x), torch.zeros_like(x[..., :1])], dim=-1)
-    return {"hidden_states": hidden, "encoder_hidden_states": cond["text"], "pooled_projections": cond["pooled"],
-            "timestep": t, "encoder_attention_mask": cond["text_mask"].bool(), "return_dict": False}
+        hidden = torch.cat([video, torch.zeros_like(video), torch.zeros_like(video[..., :1])], dim=-1)
+    call = {"hidden_states": hidden, "encoder_hidden_states": cond["text"], "pooled_projections": cond["pooled"],
+            "timestep": t["video"] if isinstance(t, Mapping) else t,
+            "encoder_attention_mask": cond["text_mask"].bool(), "return_dict": False}
+    if audio is not None:
+        call["audio_hidden_states"] = audio.permute(0, 3, 1, 2).flatten(2)
+    return call
 
 
-def output(config: ModelConfig, out: Any, x: torch.Tensor, t: torch.Tensor,
-           cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The video's velocity, channels-last (the DiT returns no audio without audio latents)."""
-    return out[0]
+def output(config: ModelConfig, out: Any, x: Any, t: Any, cond: Mapping[str, torch.Tensor]) -> Any:
+    """The video's velocity, channels-last; a joint model's dict adds the audio's, ``[B, A, C F] -> [B, C, F, A]``."""
+    if not isinstance(x, Mapping):
+        return out[0]
+    batch, channels, features, count = x["audio"].shape
+    return {"video": out[0], "audio": out[1].reshape(batch, count, channels, features).permute(0, 2, 3, 1)}
 
 
-def latent_rule(config: ModelConfig, shape: tuple[int, ...]) -> str | None:
-    """Latents beyond the visual RoPE tables (128 patches an axis)."""
+def latent_rule(config: ModelConfig, shape: Any) -> str | None:
+    """Latents beyond the visual RoPE tables (128 patches an axis); a joint model's audio ``[B, C, F, A]`` whose ``C
+    F`` is not the DiT's audio width or whose ``A`` is beyond the audio RoPE table (2048)."""
+    video = shape["video"] if isinstance(shape, Mapping) else shape
     p_t, p_h, p_w = config.spec.kwargs["patch_size"]
-    grid = (shape[2] // p_t, shape[3] // p_h, shape[4] // p_w)
+    grid = (video[2] // p_t, video[3] // p_h, video[4] // p_w)
     if max(grid) > VISUAL_ROPE_POSITIONS:
         return (f"the DiT's visual RoPE holds {VISUAL_ROPE_POSITIONS} positions per axis; these latents "
                 f"make a grid of {grid[0]} x {grid[1]} x {grid[2]} patches")
+    if not isinstance(shape, Mapping):
+        return None
+    audio, width = tuple(shape["audio"]), config.spec.kwargs["in_audio_dim"]
+    channels = config.spec.options["audio_latents"].channels
+    if len(audio) != 4 or audio[1] != channels or audio[1] * audio[2] != width:
+        return f"audio latents must be [B, {channels}, {width // channels}, A], got {list(audio)}"
+    if audio[3] > AUDIO_ROPE_POSITIONS:
+        return f"the DiT's audio RoPE holds {AUDIO_ROPE_POSITIONS} positions; these audio latents have {audio[3]}"
     return None
 
 
@@ -119,7 +164,7 @@ def widths(config: ModelConfig) -> tuple[int, dict[str, tuple[int, int]]]:
 def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
     """diffusers' ``Kandinsky6TI2VAPipeline`` files beside ``transformer/``: ``model_index.json`` and ``scheduler/``
     (``FLOW_SHIFT``); copy the HunyuanVideo VAE, both text encoders, their tokenizers and the audio VAE and vocoder
-    from the base model."""
+    (``audio_vae/``, ``vocoder/``) from the base model."""
     FlowMatchEulerDiscreteScheduler(shift=FLOW_SHIFT).save_config(folder / "scheduler")
     dfolder.write_model_index(folder, "Kandinsky6TI2VAPipeline", {
         "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
@@ -127,7 +172,8 @@ def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
         "vae": ("diffusers", "AutoencoderKLHunyuanVideo"),
         "text_encoder": ("transformers", "Qwen2_5_VLForConditionalGeneration"),
         "tokenizer": ("transformers", "Qwen2_5_VLProcessor"), "text_encoder_2": ("transformers", "CLIPTextModel"),
-        "tokenizer_2": ("transformers", "CLIPTokenizer")})
+        "tokenizer_2": ("transformers", "CLIPTokenizer"), "audio_vae": ("diffusers", "MMAudioVAE"),
+        "vocoder": ("diffusers", "MMAudioVocoder")})
 
 
 # ----------------------------------------------------------------------------------------------------- encoding
@@ -145,13 +191,27 @@ def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
     return pack_pooled(pooled, fencoders.real_tokens(embeds, mask))
 
 
+def encode_audio(pipe: Any, waveform: torch.Tensor, rate: int) -> torch.Tensor:
+    """Stereo waveforms ``[B, 2, S]`` at the audio VAE's rate -> its posterior mean ``[B, 1, 20, A]``, unscaled (the
+    latent space scales): the mono mix (the VAE and the pipeline's output are mono), zero-padded to whole latents so
+    ``A = ceil(S / latent_hop_length)``, the length the pipeline makes for the clip."""
+    vae = pipe.audio_vae
+    if rate != vae.config.sample_rate:
+        raise ValueError(f"kandinsky6: the audio VAE takes {vae.config.sample_rate} Hz audio, got {rate} Hz: set "
+                         f"data.preprocess.audio_rate={vae.config.sample_rate}")
+    mono = waveform.float().mean(dim=1)
+    hop = vae.latent_hop_length
+    mono = torch.nn.functional.pad(mono, (0, math.ceil(mono.shape[-1] / hop) * hop - mono.shape[-1]))
+    return vae.encode(mono.to(vae.dtype)).latent_dist.mean[:, None]
+
+
 ENCODERS = fencoders.Encoders(
     pipeline="Kandinsky6TI2VAPipeline", text=("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2"),
     encode_text=encode_text, encode_video=lambda pipe, video: fencoders.latent_mean(pipe.vae, video),
-    frame_step=4, pixel_multiple=16, audio_refusal="fvx trains Kandinsky 6 video-only (its audio branch frozen)",
+    frame_step=4, pixel_multiple=16, audio=("audio_vae",), encode_audio=encode_audio,
     own_loaders=(("tokenizer", fencoders.processor_tokenizer),))
-"""Kandinsky 6's encoders: the packed text rows above and the HunyuanVideo VAE's posterior mean, unscaled (the
-latent space applies the scaling factor in training)."""
+"""Kandinsky 6's encoders: the packed text rows above, the HunyuanVideo VAE's posterior mean and the MMAudio VAE's
+(t2va), both unscaled (the latent spaces apply the scaling factors in training)."""
 
 
 KANDINSKY6_FAMILY = Family(
@@ -178,12 +238,18 @@ KANDINSKY6_FAMILY = Family(
                                             "the packed [pooled CLIP | Qwen] text embedding",
                                             zero=fcond.zeros_keeping_masks),
     checkpoints=Checkpoints(pipeline_files=pipeline_files),
-    training=Training(held_frozen=unused, latent_rule=latent_rule),
+    training=Training(latent_rule=latent_rule),
+    joint=Joint(modalities={"audio": Modality(latents=lambda config: config.spec.options["audio_latents"],
+                                              owns=owns_audio)},
+                trained=trained),
 )
 
 
 class Kandinsky6Config(ModelConfig, tag="kandinsky6"):
-    """A Kandinsky 6 DiT trained video-only, text-to-video (presets: tiny, world, kandinsky6); the shared knobs are
-    :class:`fvx_models.build.ModelConfig`'s."""
+    """A Kandinsky 6 DiT, text-to-video (presets: tiny, world, kandinsky6). ``train_audio``: train video and audio
+    together (a joint model; data of kind t2va) instead of video alone with the audio branch frozen (module
+    docstring). The shared knobs are :class:`fvx_models.build.ModelConfig`'s."""
 
     family = KANDINSKY6_FAMILY
+
+    train_audio: bool = False

@@ -206,7 +206,7 @@ def draws(sigma_sampler, method: finetune.Finetune, shape: tuple[int, ...], n: i
     """``finetune.draw_sigmas`` for ``n`` samples of latents ``shape`` with a model as far as the draw reads it:
     its ``sigma_sampler`` (the family's bound to the model config, as ``fvx_models/build.py`` binds it, or None)."""
     keys = random.fold_in(random.key(0), torch.arange(n))
-    model = types.SimpleNamespace(rules=Rules(sigma_sampler=sigma_sampler))
+    model = types.SimpleNamespace(rules=Rules(sigma_sampler=sigma_sampler), joint=False)
     sigma, _ = finetune.draw_sigmas(keys, torch.zeros(()).expand(n, *shape), model=model, config=method)
     return sigma
 

@@ -8,7 +8,7 @@ import torch
 
 from fvx import run
 from fvx.config import ConfigError
-from fvx.core import random, tree
+from fvx.core import flow, random, tree
 from fvx.core.optim_config import AdamWConfig
 from fvx.data.datasets import DataConfig
 from fvx.data.toy_world import WorldConfig
@@ -17,6 +17,7 @@ from fvx.training.experiment import Experiment
 from fvx_methods import finetune
 from fvx_methods.dmd2 import DMD2
 from fvx_models import ltx2, minimax_h3
+from fvx_models.kandinsky6 import Kandinsky6Config
 from fvx_models.lora import LoRAConfig
 from fvx_models.ltx2 import LTX2Config
 from fvx_models.minimax_h3 import MiniMaxH3Config
@@ -72,6 +73,37 @@ def test_a_joint_step_logs_each_modality_and_trains_both_heads(joint):
     after = state.roles["student"].params
     assert not torch.equal(after["audio_proj_out.weight"], before["audio_proj_out.weight"])
     assert not torch.equal(after["proj_out.weight"], before["proj_out.weight"])
+
+
+def test_a_joint_model_with_one_clock_takes_both_modalities_at_one_drawn_level():
+    """Kandinsky 6 (train_audio) has no sampler of its own: each sample's level is the training grid's entry at u ~
+    U(0, 1) from its own key, as for a video model, and both modalities are noised at it under one timestep."""
+    model = Kandinsky6Config(preset="tiny", train_audio=True).build()
+    params = model.weights.init(random.key(0))
+    k = random.split(random.key(3), 4)
+    batch = {"latents": {"video": random.normal(k[0], (2, 16, 2, 4, 4)), "audio": random.normal(k[1], (2, 1, 20, 6))},
+             "cond": {"text": random.normal(k[2], (2, 5, 32)), "pooled": random.normal(k[3], (2, 16)),
+                      "text_mask": torch.ones(2, 5)}, "sample_index": torch.tensor([4, 9])}
+    key, config = random.key(5), finetune.Finetune(flow_shift=3.0)
+    loss, aux = finetune.loss_fn(params, batch, key, model=model, config=config)
+
+    x0 = model.normalize(batch["latents"])
+    noise, t_keys = {"video": [], "audio": []}, []
+    for index in (4, 9):
+        noise_key, t_key = random.split(random.fold_in(key, index))
+        t_keys.append(t_key)
+        for i, name in enumerate(("video", "audio")):
+            noise[name].append(random.normal(random.fold_in(noise_key, i), x0[name].shape[1:]))
+    noise = {name: torch.stack(parts) for name, parts in noise.items()}
+    sigma, t = flow.sample_training_sigmas(torch.stack(t_keys), flow.training_sigmas(3.0), "uniform")
+    s = sigma.view(2, 1, 1, 1, 1)
+    x_t = {"video": (1 - s) * x0["video"] + s * noise["video"], "audio": (1 - s[..., 0]) * x0["audio"]
+           + s[..., 0] * noise["audio"]}
+    v = model.apply(params, x_t, {"video": t, "audio": t}, batch["cond"])
+    losses = {name: ((v[name] - (noise[name] - x0[name])) ** 2).mean() for name in x0}
+    torch.testing.assert_close(loss, losses["video"] + losses["audio"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(aux["audio_finetune_loss"], losses["audio"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(aux["sigma"], sigma.mean(), rtol=1e-6, atol=0)
 
 
 def test_one_sample_per_forward_is_checked_per_micro_batch(joint):
