@@ -76,9 +76,9 @@ def loss_fn(params: dict, batch: Batch, key: torch.Tensor, *, model: Model,
 
 def draw_sigmas(t_keys: torch.Tensor, x0: Any, *, model: Model, config: Finetune) -> tuple[Any, Any]:
     """Each sample's training noise level and model timestep ``(sigma [B], t [B])`` from its key ``t_keys [B, 2]``:
-    the model's own sampler (``Model.rules.sigma_sampler``, which reads ``x0``'s shape; dicts keyed by modality for a joint
-    model), else ``u ~ weighting_scheme`` looked up on the training grid at ``flow_shift`` (``t = 1000 sigma``); a
-    joint model without its own sampler takes every modality at that one level (Kandinsky 6: one clock)."""
+    the model's own sampler (``Model.rules.sigma_sampler``, which reads ``x0``'s shape; dicts keyed by modality for a
+    joint model), else ``u ~ weighting_scheme`` looked up on the training grid at ``flow_shift`` (``t = 1000 sigma``);
+    a joint model without its own sampler takes every modality at that one level (Kandinsky 6: one clock)."""
     if model.rules.sigma_sampler is not None:
         return model.rules.sigma_sampler(t_keys, x0)
     grid = flow.training_sigmas(config.flow_shift, device=_device(x0))
