@@ -63,29 +63,37 @@ TINY = {**_T2V, "in_channels": 9, "out_channels": 4, "num_attention_heads": 2, "
         "num_layers": 2, "num_refiner_layers": 1, "mlp_ratio": 2.0, "text_embed_dim": 32, "text_embed_2_dim": 24,
         "image_embed_dim": 16, "rope_axes_dim": (8, 12, 12)}
 
+# What one unit of each group saves per token (saved-tensor hooks, bf16, eager; the tiny model at 1024 and 4096 video
+# tokens, the slope per video token: the joint text sequence each block also carries (Qwen, ByT5 and the 729 image
+# placeholder tokens) is left out of the linear terms, as the dry run counts video tokens). Each dual-stream block also
+# saves the [B, 1, S, S] attention mask diffusers' processor builds over its S = video + text + glyph + image tokens,
+# one compute-dtype element per pair (5.3 GB a sample at 480p x 121 frames): the pair term, its joint tokens set per
+# preset (:func:`_activations`). The refiner's FFN is 4x its width whatever the model's mlp_ratio: counted at width dim.
+ACTIVATIONS = {
+    "transformer_blocks": memory.BlockActivations(fp32_dim=2.1, compute_dim=16.1, compute_ffn=2.0, pairs=1.0),
+    "token_refiner": memory.BlockActivations(fp32_dim=0.0, compute_dim=17.7, compute_ffn=0.0),
+}
+
+
+def _options(flow_shift: float, text_len: int, glyph_len: int) -> dict:
+    """A preset's options: its scheduler's flow shift, the ByT5 stream's length, and the dual-stream blocks' joint
+    tokens beside the video's (Qwen, ByT5, the image placeholder) for the mask's pair term."""
+    blocks = ACTIVATIONS["transformer_blocks"]._replace(joint_tokens=text_len + glyph_len + IMAGE_TOKENS)
+    return {"flow_shift": flow_shift, "glyph_len": glyph_len, "activations": {"transformer_blocks": blocks}}
+
+
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(TINY, TINY_LATENTS, 8, {"flow_shift": 5.0, "glyph_len": 4}),
+    "tiny": Preset(TINY, TINY_LATENTS, 8, _options(5.0, 8, 4)),
     # diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py: TRANSFORMER_CONFIGS and SCHEDULER_CONFIGS
-    "hunyuanvideo1.5-480p-t2v": Preset(_T2V, LATENTS, 1000, {"flow_shift": 5.0, "glyph_len": 256}),
-    "hunyuanvideo1.5-720p-t2v": Preset({**_T2V, "target_size": 960}, LATENTS, 1000,
-                                       {"flow_shift": 9.0, "glyph_len": 256}),
+    "hunyuanvideo1.5-480p-t2v": Preset(_T2V, LATENTS, 1000, _options(5.0, 1000, 256)),
+    "hunyuanvideo1.5-720p-t2v": Preset({**_T2V, "target_size": 960}, LATENTS, 1000, _options(9.0, 1000, 256)),
 }
 """``HunyuanVideo15Transformer3DModel`` constructor arguments per preset (every argument; the 720p model differs only
 in the pixel ``target_size`` its pipeline defaults to), latent space, the Qwen text length, the pipeline scheduler's
-flow shift and the ByT5 stream's length (the pipeline pads it to 256)."""
+flow shift, the ByT5 stream's length (the pipeline pads it to 256) and the blocks' activation figures."""
 
 REFINER_MLP_RATIO = 4.0  # the token refiner's own (diffusers does not pass the model's mlp_ratio to it)
 
-# What one unit of each group saves per token (saved-tensor hooks, bf16, eager; the tiny model at 1024 and 4096 video
-# tokens, the slope per video token: the joint text sequence each block also carries (Qwen, ByT5 and the 729 image
-# placeholder tokens) is left out, as the dry run counts video tokens). Beyond these linear terms each dual-stream block
-# saves the [B, 1, S, S] compute-dtype attention mask diffusers' processor builds over its S = video + text tokens
-# (5.3 GB a sample at 480p x 121 frames): the dry run's linear model does not hold it. The refiner's FFN is 4x its
-# width whatever the model's mlp_ratio: counted at width dim.
-ACTIVATIONS = {
-    "transformer_blocks": memory.BlockActivations(fp32_dim=2.1, compute_dim=16.1, compute_ffn=2.0),
-    "token_refiner": memory.BlockActivations(fp32_dim=0.0, compute_dim=17.7, compute_ffn=0.0),
-}
 
 
 def cond_spec(config: HunyuanVideo15Config) -> dict[str, tuple]:

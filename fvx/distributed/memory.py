@@ -13,9 +13,10 @@ Activations of one differentiated forward of ``batch`` samples of ``S`` video to
 its dual- and single-stream blocks and its token refiner); a unit of group ``g`` saves, per token it runs over (``S``,
 or ``L`` for a text refiner), ``a_g`` fp32 vectors and ``b_g`` compute-dtype vectors of width ``dim_g`` and ``f_g``
 compute-dtype vectors of width ``ffn_g`` (:class:`BlockActivations`, the family's measurement; flash attention keeps
-O(S) statistics):
+O(S) statistics), and ``p_g`` compute-dtype elements per pair of the ``tokens_g + j_g`` tokens of its joint sequence
+(an attention mask it builds over them: HunyuanVideo 1.5's; ``j_g`` the text and image tokens beside the video's):
 
-    block_g = tokens_g * (4 a_g dim_g + c b_g dim_g + c f_g ffn_g)
+    block_g = tokens_g * (4 a_g dim_g + c b_g dim_g + c f_g ffn_g) + c p_g (tokens_g + j_g)^2
     root    = S * 4 * 4 dim                         patch embedding, final norm and modulation, output projection
     remat   = batch * (sum_g n_g tokens_g dim_g c + 2 max_g block_g + root)   each unit's input, plus one unit
                                                     recomputed with as much again for its gradients and temporaries
@@ -41,12 +42,16 @@ H200_BYTES = 141 * 10**9  # HBM3e of one H200
 
 class BlockActivations(NamedTuple):
     """Vectors one unit saves for its backward, per token: fp32 of width dim, compute dtype of width dim, compute
-    dtype of width ffn_dim. A model family measures them for each of its unit groups (saved-tensor hooks, bf16,
-    eager; tests/fvx_models check them); compiled units save less."""
+    dtype of width ffn_dim; and compute-dtype elements per pair of the tokens of its joint sequence (``pairs``: a
+    ``[B, 1, S, S]`` attention mask it builds), which holds ``joint_tokens`` beside the video's. A model family
+    measures them for each of its unit groups (saved-tensor hooks, bf16, eager; tests/fvx_models check them);
+    compiled units save less."""
 
     fp32_dim: float
     compute_dim: float
     compute_ffn: float
+    pairs: float = 0.0
+    joint_tokens: int = 0
 
 
 class UnitGroup(NamedTuple):
@@ -198,7 +203,7 @@ def block_activation_bytes(group: UnitGroup, tokens: int, compute_bytes: int = 2
     """Bytes one unit of ``group`` saves for its backward, for one sample of ``tokens`` tokens."""
     s = group.saved
     width = 4 * s.fp32_dim * group.dim + compute_bytes * (s.compute_dim * group.dim + s.compute_ffn * group.ffn_dim)
-    return int(tokens * width)
+    return int(tokens * width + compute_bytes * s.pairs * (tokens + s.joint_tokens) ** 2)
 
 
 def activation_bytes(spec: ModelSpec, tokens: int, batch: int, *, compute_bytes: int | None = None,

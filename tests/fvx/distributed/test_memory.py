@@ -80,6 +80,15 @@ def test_activation_formulas_by_hand():
     assert eager == 2 * (4 * block + root)
 
 
+def test_a_mask_over_the_joint_sequence_adds_a_pair_term():
+    """A unit that saves p compute-dtype elements per pair of its S = video + joint tokens (HunyuanVideo 1.5's [B, 1,
+    S, S] mask): its linear bytes plus c p S^2."""
+    (group,) = HAND_SPEC.groups
+    masked = group._replace(saved=group.saved._replace(pairs=1.5, joint_tokens=6))
+    linear = memory.block_activation_bytes(group, tokens=10, compute_bytes=2)
+    assert memory.block_activation_bytes(masked, tokens=10, compute_bytes=2) == linear + 2 * 1.5 * 16 ** 2
+
+
 def test_activations_sum_over_unit_groups_and_text_groups_count_text_tokens():
     refiner = memory.UnitGroup("refiner", 2, 4, 8, memory.BlockActivations(1, 0, 0), text_tokens=True)
     spec = HAND_SPEC._replace(groups=HAND_SPEC.groups + (refiner,))
