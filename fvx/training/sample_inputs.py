@@ -1,15 +1,23 @@
 """What ``sample`` reads beside the prompts, by the run's data kind, and the condition each makes as the data
-stores it: a first frame (image-to-video, world models, sections of a model reading the start image's features), a
-file of per-frame actions, a control video with its mask and reference image, an animation's pose and face videos
-(and the replace mode's background and mask). Each reader refuses in one line an input its model does not take,
-or the lack of one it needs."""
+stores it: a first frame (image-to-video, world models, sections of a model reading the start image's features, or
+optionally Helios's chunks), a file of per-frame actions, a control video with its mask and reference image, an
+animation's pose and face videos (and the replace mode's background and mask). Each reader refuses in one line an
+input its model does not take, or the lack of one it needs.
+
+Helios's chunks from an image (``HeliosPipeline(image=...)``): the chunks tile the video after the image, as
+``vanilla`` sections do (:func:`made_cut`); each chunk's history holds the image's latent in its first-frame slot,
+and the frame before the first chunk is the last latent of the image held still for a chunk's frames, encoded (the
+pipeline's ``fake_image_latents``); both are noised, ``x = s e + (1 - s) x`` with ``s ~ U(0.111, 0.135)`` drawn for
+each (:func:`noised_start`)."""
 from __future__ import annotations
 
 import pathlib
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
+import msgspec
 import torch
 
+from fvx.core import random
 from fvx.data import media, preprocess, sections
 
 ACTIONS_KIND = "matrixgame2"  # the data kind whose videos are steered by per-frame actions, not text
@@ -30,17 +38,18 @@ def video_shape(shape: Any) -> tuple[int, int, int, int]:
     return shape["video"] if isinstance(shape, Mapping) else shape
 
 
-def read_first_frame(path: str | None, kind: str, model: Any) -> Any:
+def read_first_frame(path: str | None, kind: str, model: Any, cut: sections.SectionsConfig) -> Any:
     """The ``--image`` file as uint8 ``[1, H, W, 3]``; a ValueError when it is missing for an image-to-video model
     (the run's data ``kind`` one of :data:`IMAGE_KINDS`, sections of a model that reads the start image's features:
-    FramePack, or an animation's character), given to another one, or does not decode."""
-    from_image = kind in (*IMAGE_KINDS, ANIMATE_KIND) or (kind == SECTIONS_KIND and "image_embeds" in model.cond)
+    FramePack, or an animation's character), given to a model that takes none (Helios's chunks, ``cut``, take one or
+    none), or does not decode."""
+    needs = kind in (*IMAGE_KINDS, ANIMATE_KIND) or (kind == SECTIONS_KIND and "image_embeds" in model.cond)
     if path is None:
-        if from_image:
+        if needs:
             raise ValueError(f"sample: {model.name} makes videos from an image (the run's data.kind={kind}): give "
                              "--image" + (" (the character to animate)" if kind == ANIMATE_KIND else ""))
         return None
-    if not from_image:
+    if not (needs or (kind == SECTIONS_KIND and cut.order == "chunks")):
         raise ValueError(f"--image: {model.name} makes videos from text only (the run's data.kind={kind}); drop "
                          "--image")
     if not pathlib.Path(path).is_file():
@@ -133,11 +142,16 @@ def read_animation(request: Any, kind: str, model: Any, frames: int) -> dict[str
     return read
 
 
-def section_shape(config: Any, model: Any, shape: tuple[int, int, int, int],
+def made_cut(cut: sections.SectionsConfig, image: Any) -> sections.SectionsConfig:
+    """How a video is cut into the sections it is made in: the data's ``cut``, but Helios's chunks from an image tile
+    the video after it, as ``vanilla`` sections do (module docstring)."""
+    return msgspec.structs.replace(cut, order="vanilla") if image is not None and cut.order == "chunks" else cut
+
+
+def section_shape(cut: sections.SectionsConfig, model: Any, shape: tuple[int, int, int, int],
                   frames_asked: int | None) -> tuple[int, int, int, int]:
-    """The latents of a video made a section at a time: ``--frames``' (checked to hold whole sections), or two
-    sections by default (the data's shape is one section's)."""
-    cut = config.data.sections
+    """The latents of a video made a section at a time in ``cut``'s sections: ``--frames``' (checked to hold whole
+    sections), or two sections by default (the data's shape is one section's)."""
     if frames_asked is None:
         return (shape[0], sections.first_frame(cut, 2), *shape[2:])
     made = sections.count(shape[1], cut)
@@ -173,21 +187,58 @@ def image_condition(encoder: Any, image: Any, shape: tuple[int, int, int, int], 
     return extra
 
 
+class Start(NamedTuple):
+    """A section video's given start, latents ``[N, C, 1, h, w]`` in the model's scale: ``image``, the video's first
+    frame and the history's first-frame slot; ``before``, the frame the first section's history sees before it
+    (FramePack: the image; Helios: the image held still, encoded, module docstring); ``noised``: both get Helios's
+    noise before sampling."""
+
+    image: torch.Tensor
+    before: torch.Tensor
+    noised: bool = False
+
+    def to(self, device: Any, count: int) -> "Start":
+        """On ``device``, one row per video of ``count``."""
+        return Start(*(x.to(device).expand(count, -1, -1, -1, -1) for x in (self.image, self.before)), self.noised)
+
+
+IMAGE_NOISE = (0.111, 0.135)  # HeliosPipeline's image_noise_sigma_min/max (and video_noise_sigma_min/max)
+IMAGE_NOISE_STREAM = 0x5EC7  # fold_in(sampler key, it): a video's draws of its start's noise
+
+
+def noised_start(start: Start, keys: torch.Tensor) -> Start:
+    """``start`` as ``HeliosPipeline`` noises a given image (module docstring), each video from its sampler key
+    ``keys [N, 2]``: for the image and then the frame before, ``s ~ U(0.111, 0.135)`` and ``e ~ N(0, I)``."""
+    low, high = IMAGE_NOISE
+    noised = []
+    for i, x in enumerate((start.image, start.before)):
+        draws = torch.vmap(lambda k: random.split(random.fold_in(random.fold_in(k, IMAGE_NOISE_STREAM), i)))(keys)
+        s = low + (high - low) * torch.stack([random.uniform(k, ()) for k in draws[:, 0]]).to(x.device)
+        e = random.normal_each(draws[:, 1], tuple(x.shape[1:]), device=x.device)
+        noised.append(s.view(-1, 1, 1, 1, 1) * e + (1 - s.view(-1, 1, 1, 1, 1)) * x)
+    return Start(*noised)
+
+
 def section_condition(encoder: Any, image: Any, shape: tuple[int, int, int, int], model: Any,
-                      config: sections.SectionsConfig) -> tuple[dict[str, Any], torch.Tensor | None]:
-    """A section model's condition as its data stores it (the start image's features, when given an ``image``; a
-    placeholder history the sampler replaces section by section) and the start image's latents ``[1, C, 1, h, w]``
-    in the model's scale (None: text-to-video)."""
+                      cut: sections.SectionsConfig) -> tuple[dict[str, Any], Start | None]:
+    """A section model's condition as its data stores it (the start image's features when the model reads them; a
+    placeholder history the sampler replaces section by section) and, given an ``image``, its :class:`Start`
+    (Helios's chunks: ``cut.order`` chunks; the module docstring)."""
     channels, frames, height, width = shape
     blank = torch.zeros(channels, frames, height, width)
     extra = {"framepack_history": torch.zeros(channels, sections.HISTORY, height, width).numpy(),
-             "frame_indices": sections.history_of(blank, 0, config)["frame_indices"].numpy()}
+             "frame_indices": sections.history_of(blank, 0, made_cut(cut, image))["frame_indices"].numpy()}
     if image is None:
         return extra, None
-    _, stride_h, stride_w = model.latents.vae_stride
+    stride_t, stride_h, stride_w = model.latents.vae_stride
     first = media.resize_crop(image, height * stride_h, width * stride_w)  # [3, 1, H, W] in [-1, 1]
-    extra["image_embeds"] = encoder.encode_image((first[:, 0] + 1) / 2).numpy()
-    return extra, model.normalize(encoder.encode_video(first)[None].float())
+    if "image_embeds" in model.cond:
+        extra["image_embeds"] = encoder.encode_image((first[:, 0] + 1) / 2).numpy()
+    latents = model.normalize(encoder.encode_video(first)[None].float())
+    if cut.order != "chunks":
+        return extra, Start(latents, latents)
+    held = first.expand(-1, 1 + stride_t * (cut.window - 1), -1, -1)  # the image as a still chunk
+    return extra, Start(latents, model.normalize(encoder.encode_video(held)[None, :, -1:].float()), noised=True)
 
 
 def control_condition(encoder: Any, control: dict[str, Any], shape: tuple[int, int, int, int],
@@ -223,9 +274,9 @@ def animation_condition(encoder: Any, image: Any, animation: dict[str, Any], sha
 
 def given_condition(kind: str, encoder: Any, image: Any, control: dict[str, Any] | None,
                     actions: dict[str, Any] | None, shape: tuple[int, int, int, int], model: Any,
-                    cut: sections.SectionsConfig) -> tuple[dict[str, Any] | None, torch.Tensor | None]:
+                    cut: sections.SectionsConfig) -> tuple[dict[str, Any] | None, Start | None]:
     """The condition ``sample``'s inputs make for videos of latents ``shape`` (the first segment's, for an
-    animation), with the actions' rows, and a section model's start-image latents (None: none)."""
+    animation), with the actions' rows, and a section model's given :class:`Start` (None: none)."""
     given, first = None, None
     if kind == SECTIONS_KIND:
         given, first = section_condition(encoder, image, shape, model, cut)

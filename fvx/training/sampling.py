@@ -29,9 +29,10 @@ from fvx.storage import files
 from fvx.training import (export as fexport, preprocessing, progress as fprogress, run_folder, tracking, validation,
                           wav)
 from fvx.training.experiment import build_models, role_configs, run_keys
-from fvx.training.sample_inputs import (ACTIONS_KIND, ANIMATE_KIND, SECTIONS_KIND, animation_condition,
-                                        given_condition, read_actions, read_animation, read_control,
-                                        read_first_frame, reflect_pad, section_shape, video_frames, video_shape)
+from fvx.training.sample_inputs import (ACTIONS_KIND, ANIMATE_KIND, SECTIONS_KIND, Start, animation_condition,
+                                        given_condition, made_cut, noised_start, read_actions, read_animation,
+                                        read_control, read_first_frame, reflect_pad, section_shape, video_frames,
+                                        video_shape)
 
 SAMPLES = "samples.json"
 SCHEDULES = ("fvx", "diffusers", "model")
@@ -242,7 +243,8 @@ def check_length(model: Any, shape: tuple[int, int, int, int], trained: tuple[in
                              f"{fits})")
         if most is not None and shape[1] > most:
             raise ValueError(f"--frames {1 + stride * (shape[1] - 1)} makes {shape[1]} latent frames, more than "
-                             f"{model.name}'s position table holds ({most}: --frames {1 + stride * (most - 1)} at most)")
+                             f"{model.name}'s position table holds ({most}: --frames {1 + stride * (most - 1)} "
+                             "at most)")
         return None
     if shape[1] > trained[1]:
         return (f"{model.name} is bidirectional and was trained on {trained[1]} latent frames; {shape[1]} attend "
@@ -354,20 +356,27 @@ def encoded_cond(config: Any, model: Any, encoder: Any, prompts: Sequence[str],
 
 def draw_sections(sampler: validation.Sampler, noise: torch.Tensor, cond: dict[str, torch.Tensor], keys: torch.Tensor,
                   uncond: Any, guidance: float, config: sections.SectionsConfig,
-                  first: torch.Tensor | None) -> torch.Tensor:
+                  given: Start | None) -> torch.Tensor:
     """Latents ``[N, C, T, H, W]`` of videos made a section at a time in ``config``'s making order
     (``fvx.data.sections``), each section sampled as validation samples (from its window of ``noise``) beside the
-    history the frames made so far give it; ``first``: the given first frame ``[N, C, 1, H, W]``, or None."""
+    history the frames made so far give it; ``given``: the video's given start (its image the first frame; noised
+    from each video's sampler key ``keys [N, 2]`` where it says so), or None."""
     known = torch.zeros_like(noise)
-    if first is not None:
-        known[:, :, :1] = first
+    seen = None if given is None else noised_start(given, keys) if given.noised else given
+    if seen is not None:
+        known[:, :, :1] = seen.before
     for n in sections.making_order(sections.count(noise.shape[2], config), config):
         start, window = sections.first_frame(config, n), config.window
         parts = [sections.history_of(row, n, config) for row in known]
-        step_cond = {**cond, "framepack_history": torch.stack([p["history"] for p in parts]),
+        history = torch.stack([p["history"] for p in parts])
+        if seen is not None:
+            history[:, :, :1] = seen.image
+        step_cond = {**cond, "framepack_history": history,
                      "frame_indices": torch.stack([p["frame_indices"] for p in parts]).to(noise.device)}
         made, _ = validation.draw(sampler, noise[:, :, start:start + window], step_cond, keys, uncond, guidance)
         known = torch.cat([known[:, :, :start], made.to(known.dtype), known[:, :, start + window:]], dim=2)
+    if given is not None:
+        known[:, :, :1] = given.image
     return known
 
 
@@ -463,11 +472,11 @@ def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
                          f"({validated!r}); export it and train or sample it as a model of its own")
     models = build_models(config)
     model = models[source.role]
-    image = read_first_frame(request.image, config.data.kind, model)
+    image = read_first_frame(request.image, config.data.kind, model, config.data.sections)
     animating = config.data.kind == ANIMATE_KIND  # segments of the trained length, as many as --frames takes
     shape = latent_shape(config, model, request._replace(frames=None) if animating else request)
     if config.data.kind == SECTIONS_KIND:
-        shape = section_shape(config, model, shape, request.frames)
+        shape = section_shape(made_cut(config.data.sections, image), model, shape, request.frames)
     acts = read_actions(request.actions, config.data.kind, model, video_frames(model, shape))
     control = read_control(request, config.data.kind, model, video_frames(model, shape))
     segment = video_frames(model, shape)
@@ -541,8 +550,8 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
         else:
             if config.data.kind == SECTIONS_KIND:
                 latents = draw_sections(sampler, noise, rows_cond, keys, uncond, p.vcfg.guidance_scale,
-                                        config.data.sections, None if first is None else
-                                        first.to(device).expand(len(batch), -1, -1, -1, -1))
+                                        made_cut(config.data.sections, p.image),
+                                        None if first is None else first.to(device, len(batch)))
             else:
                 latents, _ = validation.draw(sampler, noise, rows_cond, keys, uncond, p.vcfg.guidance_scale)
             latents = latents if not p.front else latents[:, :, p.front:]  # a reference image's frames are not video
@@ -655,7 +664,8 @@ def _record(p: Plan, sampler: validation.Sampler, entries: list[dict[str, Any]],
         "kind": sampler.sampler, "steps": vcfg.num_steps, "guidance": vcfg.guidance_scale if sampler.guided else None,
         "shift": vcfg.flow_shift, "schedule": vcfg.schedule, "shift_terminal": vcfg.shift_terminal,
         "solver": vcfg.solver if p.sampler.tag.startswith("model") else None, "karras": vcfg.karras,
-        "negative_prompt": request.negative_prompt, "jumps": request.jumps, "latent_shape": shape, "fps": fps, "batch_size": request.batch_size,
+        "negative_prompt": request.negative_prompt, "jumps": request.jumps, "latent_shape": shape, "fps": fps,
+        "batch_size": request.batch_size,
         "base": request.base, "image": None if request.image is None else str(pathlib.Path(request.image).absolute()),
         **{name: None if path is None else str(pathlib.Path(path).absolute())
            for name, path in (("actions", request.actions), ("control", request.control), ("mask", request.mask),

@@ -1,0 +1,59 @@
+"""A section video's given start (fvx.training.sample_inputs.Start): Helios's chunks from an image against
+HeliosPipeline's history bookkeeping, written out from diffusers' pipeline_helios.py, and the start's noise."""
+import torch
+
+from fvx.core import random
+from fvx.data.sections import SectionsConfig
+from fvx.training import sample_inputs, sampling, validation
+from fvx.training.sample_inputs import Start
+
+C, H, W, WINDOW = 3, 2, 2, 2
+
+
+def test_helios_chunks_from_an_image_see_the_pipelines_history(monkeypatch):
+    """``HeliosPipeline(image=...)`` (keep_first_frame): the history starts as 19 zero frames whose newest is the
+    noised still-image latent (``fake_image_latents``); every chunk reads the noised image latent as its prefix and
+    the newest 19 frames as 16 long, 2 mid and 1 short; each chunk's latents are appended. Its RoPE indices: prefix 0,
+    long 1..16, mid 17..18, short 19, the chunk's frames from 20. The video starts with the image, clean."""
+    seen = []
+
+    def draw(sampler, noise, cond, keys, uncond, guidance):  # the chunk's latents: its number, everywhere
+        seen.append(cond)
+        return torch.full_like(noise, float(len(seen))), None
+
+    monkeypatch.setattr(validation, "draw", draw)
+    image, before = torch.randn(1, C, 1, H, W), torch.randn(1, C, 1, H, W)
+    start, keys = Start(image, before, noised=True), random.key(3)[None]
+    cut = sample_inputs.made_cut(SectionsConfig(window=WINDOW, order="chunks"), image)
+    made = sampling.draw_sections(None, torch.zeros(1, C, 1 + 3 * WINDOW, H, W), {}, keys, None, 1.0, cut, start)
+    noised = sample_inputs.noised_start(start, keys)
+
+    history = torch.cat([torch.zeros(1, C, 18, H, W), noised.before], dim=2)
+    for chunk, cond in enumerate(seen):
+        long, mid, short = history[:, :, -19:].split([16, 2, 1], dim=2)
+        assert torch.equal(cond["framepack_history"], torch.cat([noised.image, short, mid, long], dim=2))
+        indices = torch.cat([torch.arange(20, 20 + WINDOW), torch.tensor([0, 19, 17, 18]), torch.arange(1, 17)])
+        assert torch.equal(cond["frame_indices"][0], indices.float())
+        history = torch.cat([history, torch.full((1, C, WINDOW, H, W), chunk + 1.0)], dim=2)
+    assert len(seen) == 3 and torch.equal(made[:, :, :1], image)
+    assert torch.equal(made[:, :, 1:], history[:, :, 19:])
+
+
+def test_the_start_is_noised_at_its_own_level_from_each_videos_key():
+    """``x = s e + (1 - s) x``, ``s ~ U(0.111, 0.135)`` drawn for the image and for the frame before apart: on a
+    constant start of many elements the mean is ``(1 - s) x`` and the spread ``s``; a video's key fixes its draws."""
+    ones = torch.ones(1, 4, 1, 64, 64)
+    keys = torch.stack([random.key(0), random.key(1)])
+    start = Start(ones.expand(2, -1, -1, -1, -1), 2 * ones.expand(2, -1, -1, -1, -1), noised=True)
+    noised = sample_inputs.noised_start(start, keys)
+    for x, level in ((noised.image, 1.0), (noised.before, 2.0)):
+        for row in x:
+            s = row.std().item()
+            assert 0.105 < s < 0.141 and abs(row.mean().item() - (1 - s) * level) < 0.01
+    assert not torch.equal(noised.image[0], noised.image[1])
+    def unit(x):  # the draw e of a noised constant: (x - mean) / std
+        return (x - x.mean()) / x.std()
+
+    assert not torch.allclose(unit(noised.image[0]), unit(noised.before[0]), atol=0.1)  # draws of their own
+    again = sample_inputs.noised_start(Start(start.image[:1], start.before[:1], noised=True), keys[:1])
+    assert torch.equal(again.image, noised.image[:1]) and torch.equal(again.before, noised.before[:1])
