@@ -17,10 +17,11 @@ from diffusers import (FlowMatchEulerDiscreteScheduler, Kandinsky6TI2VAPipeline,
 from diffusers.pipelines.kandinsky6.pipeline_kandinsky6_ti2va import _PROMPT_TEMPLATE, _QWEN_CROP_START
 
 import encoder_checks
-from fvx.core import grad, random
+from fvx.core import grad, random, role
 from fvx_models import hunyuan_video, kandinsky6
 from fvx_models.kandinsky6 import Kandinsky6Config
 from fvx_models.kandinsky6_audio import Kandinsky6AudioDecoder
+from fvx_models.lora import LoRAConfig
 from test_encoders_kandinsky5 import SPECIALS, qwen_tokenizer, tiny_qwen
 
 from family_cases import inputs  # noqa: E402
@@ -103,6 +104,32 @@ def test_a_video_only_model_holds_exactly_the_audio_branch_frozen_and_a_joint_on
         joint_params)
     assert joint_model.weights.trained_names == set(joint_params)
     assert all(g is not None and g.abs().max() > 0 for g in grads.values())
+
+
+def test_a_joint_lora_adapts_the_audio_branch_and_loads_with_the_transformers_load_lora_adapter(tmp_path):
+    """With train_audio the audio branch gets adapters too; the PEFT file loads through the transformer's own
+    ``load_lora_adapter`` and the module then computes fvx's joint LoRA model, audio included."""
+    pytest.importorskip("peft")
+    adapted = Kandinsky6Config(preset="tiny", train_audio=True, frozen_dtype="fp32",
+                               lora=LoRAConfig(rank=4, alpha=8.0)).build()
+    assert any(name.startswith("audio_") for name in adapted.weights.trained_names)
+    base = adapted.weights.base(random.key(0))
+    adapters = {name: random.normal(random.fold_in(random.key(1), i), tuple(p.shape)) * 0.1
+                for i, (name, p) in enumerate(adapted.weights.initial(random.key(1)).items())}
+    written = adapted.export.adapters(adapters, str(tmp_path), "peft")
+    module = Kandinsky6Transformer3DModel(**kandinsky6.TINY)
+    module.load_state_dict(base)
+    module.load_lora_adapter(str(tmp_path), weight_name=written.files["transformer"].name, prefix="transformer")
+    x, t, cond = joint_sample(random.key(2))
+    latents = x["video"].permute(0, 2, 3, 4, 1)
+    hidden = torch.cat([latents, torch.zeros_like(latents), torch.zeros_like(latents[..., :1])], dim=-1)
+    with torch.no_grad():
+        video, audio = module(hidden_states=hidden, audio_hidden_states=x["audio"][:, 0].permute(0, 2, 1),
+                              encoder_hidden_states=cond["text"], pooled_projections=cond["pooled"],
+                              timestep=t["video"], encoder_attention_mask=cond["text_mask"].bool(), return_dict=False)
+    v = adapted.apply(role.with_trained(base, adapters), x, t, cond)
+    torch.testing.assert_close(v["video"], video.permute(0, 4, 1, 2, 3), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v["audio"], audio.permute(0, 2, 1)[:, None], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("audio, match", [
