@@ -455,6 +455,9 @@ def sample_main(argv: Sequence[str]) -> int:
                                                   "validation.cfg_uncond)")
     parser.add_argument("--jumps", type=int, help="a flow-map student: the number of jumps")
     parser.add_argument("--image", help="image-to-video: the first frame; a Wan-Animate model: the character")
+    parser.add_argument("--last-image", help="FramePack (inverted anti-drifting sections), with --image: the frame "
+                                             "to end on (the first section made sees it after itself, its image "
+                                             "features averaged with --image's)")
     parser.add_argument("--actions", help="a Matrix-Game model (data.kind=matrixgame2): its actions, one row per video "
                                           "frame, as preprocess reads them (.npz of keyboard [F, K] and mouse [F, 2], "
                                           "or .npy of the keyboard); the video is named after the file")
@@ -488,9 +491,9 @@ def sample_main(argv: Sequence[str]) -> int:
             frames=args.frames, height=args.height, width=args.width, steps=args.steps, guidance=args.guidance,
             shift=args.shift, schedule=args.schedule, shift_terminal=args.shift_terminal, solver=args.solver,
             karras=None if args.karras is None else _karras(args.karras),
-            negative_prompt=args.negative_prompt, jumps=args.jumps, image=args.image, actions=args.actions,
-            control=args.control, mask=args.mask, reference=args.reference, pose=args.pose, face=args.face,
-            background=args.background, gif=args.gif, scale=args.scale, fps=args.fps)
+            negative_prompt=args.negative_prompt, jumps=args.jumps, image=args.image, last_image=args.last_image,
+            actions=args.actions, control=args.control, mask=args.mask, reference=args.reference, pose=args.pose,
+            face=args.face, background=args.background, gif=args.gif, scale=args.scale, fps=args.fps)
         done = sampling.run_sample(request, rank=rank, world=world, progress=sys.stderr.isatty(),
                                    say=lambda line: print(line, file=sys.stderr))
     except BAD_INPUT as error:

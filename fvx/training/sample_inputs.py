@@ -1,6 +1,6 @@
 """What ``sample`` reads beside the prompts, by the run's data kind, and the condition each makes as the data
 stores it: a first frame (image-to-video, world models, sections of a model reading the start image's features, or
-optionally Helios's chunks), a file of per-frame actions, a control video with its mask and reference image, an
+optionally Helios's chunks) and FramePack's last image, a file of per-frame actions, a control video with its mask and reference image, an
 animation's pose and face videos (and the replace mode's background and mask). Each reader refuses in one line an
 input its model does not take, or the lack of one it needs.
 
@@ -58,6 +58,24 @@ def read_first_frame(path: str | None, kind: str, model: Any, cut: sections.Sect
         return media.read_image(pathlib.Path(path))
     except media.MediaError as error:
         raise ValueError(f"--image {path!r}: {error}") from None
+
+
+def read_last_image(path: str | None, kind: str, model: Any, cut: sections.SectionsConfig) -> Any:
+    """The ``--last-image`` file as uint8 ``[1, H, W, 3]`` (None: none); a ValueError unless the model makes sections
+    last first from a start image's features (FramePack's ``inverted_anti_drifting``, as
+    ``HunyuanVideoFramepackPipeline`` takes ``last_image``), or when it does not decode."""
+    if path is None:
+        return None
+    if not (kind == SECTIONS_KIND and "image_embeds" in model.cond and cut.order == "inverted_anti_drifting"):
+        raise ValueError(f"--last-image: {model.name} does not make its video last section first from a start image "
+                         f"(FramePack's inverted_anti_drifting sections; this run: data.kind={kind}, "
+                         f"data.sections.order={cut.order}); drop --last-image")
+    if not pathlib.Path(path).is_file():
+        raise ValueError(f"--last-image {path!r} does not exist")
+    try:
+        return media.read_image(pathlib.Path(path))
+    except media.MediaError as error:
+        raise ValueError(f"--last-image {path!r}: {error}") from None
 
 
 def read_actions(path: str | None, kind: str, model: Any, frames: int) -> dict[str, Any] | None:
@@ -191,15 +209,20 @@ class Start(NamedTuple):
     """A section video's given start, latents ``[N, C, 1, h, w]`` in the model's scale: ``image``, the video's first
     frame and the history's first-frame slot; ``before``, the frame the first section's history sees before it
     (FramePack: the image; Helios: the image held still, encoded, module docstring); ``noised``: both get Helios's
-    noise before sampling."""
+    noise before sampling; ``last``: the frame the first section made sees after it (FramePack's last image), or
+    None."""
 
     image: torch.Tensor
     before: torch.Tensor
     noised: bool = False
+    last: torch.Tensor | None = None
 
     def to(self, device: Any, count: int) -> "Start":
         """On ``device``, one row per video of ``count``."""
-        return Start(*(x.to(device).expand(count, -1, -1, -1, -1) for x in (self.image, self.before)), self.noised)
+        def rows(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x.to(device).expand(count, -1, -1, -1, -1)
+
+        return Start(rows(self.image), rows(self.before), self.noised, rows(self.last))
 
 
 IMAGE_NOISE = (0.111, 0.135)  # HeliosPipeline's image_noise_sigma_min/max (and video_noise_sigma_min/max)
@@ -216,14 +239,16 @@ def noised_start(start: Start, keys: torch.Tensor) -> Start:
         s = low + (high - low) * torch.stack([random.uniform(k, ()) for k in draws[:, 0]]).to(x.device)
         e = random.normal_each(draws[:, 1], tuple(x.shape[1:]), device=x.device)
         noised.append(s.view(-1, 1, 1, 1, 1) * e + (1 - s.view(-1, 1, 1, 1, 1)) * x)
-    return Start(*noised)
+    return start._replace(image=noised[0], before=noised[1])
 
 
 def section_condition(encoder: Any, image: Any, shape: tuple[int, int, int, int], model: Any,
-                      cut: sections.SectionsConfig) -> tuple[dict[str, Any], Start | None]:
+                      cut: sections.SectionsConfig, last: Any = None) -> tuple[dict[str, Any], Start | None]:
     """A section model's condition as its data stores it (the start image's features when the model reads them; a
     placeholder history the sampler replaces section by section) and, given an ``image``, its :class:`Start`
-    (Helios's chunks: ``cut.order`` chunks; the module docstring)."""
+    (Helios's chunks: ``cut.order`` chunks; the module docstring). A ``last`` image (FramePack's) is the frame after
+    the video, its features averaged with the start image's, as ``HunyuanVideoFramepackPipeline`` takes
+    ``last_image``."""
     channels, frames, height, width = shape
     blank = torch.zeros(channels, frames, height, width)
     extra = {"framepack_history": torch.zeros(channels, sections.HISTORY, height, width).numpy(),
@@ -232,11 +257,16 @@ def section_condition(encoder: Any, image: Any, shape: tuple[int, int, int, int]
         return extra, None
     stride_t, stride_h, stride_w = model.latents.vae_stride
     first = media.resize_crop(image, height * stride_h, width * stride_w)  # [3, 1, H, W] in [-1, 1]
+    end = None if last is None else media.resize_crop(last, height * stride_h, width * stride_w)
     if "image_embeds" in model.cond:
-        extra["image_embeds"] = encoder.encode_image((first[:, 0] + 1) / 2).numpy()
+        features = encoder.encode_image((first[:, 0] + 1) / 2)
+        if end is not None:
+            features = (features + encoder.encode_image((end[:, 0] + 1) / 2)) / 2
+        extra["image_embeds"] = features.numpy()
     latents = model.normalize(encoder.encode_video(first)[None].float())
     if cut.order != "chunks":
-        return extra, Start(latents, latents)
+        after = None if end is None else model.normalize(encoder.encode_video(end)[None].float())
+        return extra, Start(latents, latents, last=after)
     held = first.expand(-1, 1 + stride_t * (cut.window - 1), -1, -1)  # the image as a still chunk
     return extra, Start(latents, model.normalize(encoder.encode_video(held)[None, :, -1:].float()), noised=True)
 
@@ -274,12 +304,13 @@ def animation_condition(encoder: Any, image: Any, animation: dict[str, Any], sha
 
 def given_condition(kind: str, encoder: Any, image: Any, control: dict[str, Any] | None,
                     actions: dict[str, Any] | None, shape: tuple[int, int, int, int], model: Any,
-                    cut: sections.SectionsConfig) -> tuple[dict[str, Any] | None, Start | None]:
+                    cut: sections.SectionsConfig, last: Any = None) -> tuple[dict[str, Any] | None, Start | None]:
     """The condition ``sample``'s inputs make for videos of latents ``shape`` (the first segment's, for an
-    animation), with the actions' rows, and a section model's given :class:`Start` (None: none)."""
+    animation), with the actions' rows, and a section model's given :class:`Start` (None: none; ``last``: its last
+    image)."""
     given, first = None, None
     if kind == SECTIONS_KIND:
-        given, first = section_condition(encoder, image, shape, model, cut)
+        given, first = section_condition(encoder, image, shape, model, cut, last)
     elif kind == ANIMATE_KIND and control is not None:
         segment = {name: video[:video_frames(model, shape)] for name, video in control.items()}
         given = animation_condition(encoder, image, segment, shape, model)

@@ -31,8 +31,8 @@ from fvx.training import (export as fexport, preprocessing, progress as fprogres
 from fvx.training.experiment import build_models, role_configs, run_keys
 from fvx.training.sample_inputs import (ACTIONS_KIND, ANIMATE_KIND, SECTIONS_KIND, Start, animation_condition,
                                         given_condition, made_cut, noised_start, read_actions, read_animation,
-                                        read_control, read_first_frame, reflect_pad, section_shape, video_frames,
-                                        video_shape)
+                                        read_control, read_first_frame, read_last_image, reflect_pad,
+                                        section_shape, video_frames, video_shape)
 
 SAMPLES = "samples.json"
 SCHEDULES = ("fvx", "diffusers", "model")
@@ -66,6 +66,7 @@ class Request(NamedTuple):
     negative_prompt: str | None = None
     jumps: int | None = None
     image: str | None = None
+    last_image: str | None = None  # FramePack's (inverted anti-drifting sections) last frame to aim for
     actions: str | None = None  # a Matrix-Game model's action file (data.kind=matrixgame2)
     control: str | None = None  # a VACE model's control video (data.kind=vace), its mask and reference image
     mask: str | None = None
@@ -360,17 +361,21 @@ def draw_sections(sampler: validation.Sampler, noise: torch.Tensor, cond: dict[s
     """Latents ``[N, C, T, H, W]`` of videos made a section at a time in ``config``'s making order
     (``fvx.data.sections``), each section sampled as validation samples (from its window of ``noise``) beside the
     history the frames made so far give it; ``given``: the video's given start (its image the first frame; noised
-    from each video's sampler key ``keys [N, 2]`` where it says so), or None."""
+    from each video's sampler key ``keys [N, 2]`` where it says so; its last image the frame the first section made
+    sees after it, as ``HunyuanVideoFramepackPipeline`` puts ``last_image`` in its first section's 1x history), or
+    None."""
     known = torch.zeros_like(noise)
     seen = None if given is None else noised_start(given, keys) if given.noised else given
     if seen is not None:
         known[:, :, :1] = seen.before
-    for n in sections.making_order(sections.count(noise.shape[2], config), config):
+    for i, n in enumerate(sections.making_order(sections.count(noise.shape[2], config), config)):
         start, window = sections.first_frame(config, n), config.window
         parts = [sections.history_of(row, n, config) for row in known]
         history = torch.stack([p["history"] for p in parts])
         if seen is not None:
             history[:, :, :1] = seen.image
+        if i == 0 and seen is not None and seen.last is not None:  # the frame after it: the last image (1x)
+            history[:, :, 1:2] = seen.last
         step_cond = {**cond, "framepack_history": history,
                      "frame_indices": torch.stack([p["frame_indices"] for p in parts]).to(noise.device)}
         made, _ = validation.draw(sampler, noise[:, :, start:start + window], step_cond, keys, uncond, guidance)
@@ -453,6 +458,7 @@ class Plan(NamedTuple):
     todo: list[Video]
     segments: tuple[int, ...] = ()  # an animation's segments: the first video frame of each
     frames: int | None = None  # an animation's video frames
+    last: Any = None  # the --last-image pixels, uint8 [1, H, W, 3], or None
 
 
 def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
@@ -473,6 +479,7 @@ def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
     models = build_models(config)
     model = models[source.role]
     image = read_first_frame(request.image, config.data.kind, model, config.data.sections)
+    last = read_last_image(request.last_image, config.data.kind, model, config.data.sections)
     animating = config.data.kind == ANIMATE_KIND  # segments of the trained length, as many as --frames takes
     shape = latent_shape(config, model, request._replace(frames=None) if animating else request)
     if config.data.kind == SECTIONS_KIND:
@@ -513,7 +520,7 @@ def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
     return Plan(request, source, model, models, sampler, shape, vcfg, image, control, front, acts,
                 preprocessing.prompt_encoder(config, source.role, request.base, config.data.kind),
                 _decoder(config, source.role, request.base), sound, out,
-                videos(request.prompts, request.num_per_prompt, request.seed), tuple(starts), frames)
+                videos(request.prompts, request.num_per_prompt, request.seed), tuple(starts), frames, last)
 
 
 def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: bool = True,
@@ -526,7 +533,7 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
     encoder = p.encoder()  # the text encoder first, then freed: it and the DiT are never held together (an animation
     # of several segments keeps it, its text encoder on the CPU, to encode the frames each segment begins with)
     given, first = given_condition(config.data.kind, encoder, p.image, p.control, p.actions,
-                                         video_shape(p.shape), p.model, config.data.sections)
+                                   video_shape(p.shape), p.model, config.data.sections, p.last)
     cond = tree.to_device(encoded_cond(config, p.model, encoder, request.prompts, given), device)
     uncond = _uncond(config, p.model, encoder, request.negative_prompt, p.vcfg, device)
     segment_encoder = encoder if len(p.segments) > 1 else None  # a later segment encodes the frames made before it
@@ -668,7 +675,8 @@ def _record(p: Plan, sampler: validation.Sampler, entries: list[dict[str, Any]],
         "batch_size": request.batch_size,
         "base": request.base, "image": None if request.image is None else str(pathlib.Path(request.image).absolute()),
         **{name: None if path is None else str(pathlib.Path(path).absolute())
-           for name, path in (("actions", request.actions), ("control", request.control), ("mask", request.mask),
+           for name, path in (("last_image", request.last_image), ("actions", request.actions),
+                              ("control", request.control), ("mask", request.mask),
                               ("reference", request.reference), ("pose", request.pose), ("face", request.face),
                               ("background", request.background))},
         **({"frames": p.frames, "segments": list(p.segments)} if p.segments else {}),

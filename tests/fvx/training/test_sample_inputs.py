@@ -1,5 +1,6 @@
 """A section video's given start (fvx.training.sample_inputs.Start): Helios's chunks from an image against
 HeliosPipeline's history bookkeeping, written out from diffusers' pipeline_helios.py, and the start's noise."""
+import numpy
 import torch
 
 from fvx.core import random
@@ -57,3 +58,49 @@ def test_the_start_is_noised_at_its_own_level_from_each_videos_key():
     assert not torch.allclose(unit(noised.image[0]), unit(noised.before[0]), atol=0.1)  # draws of their own
     again = sample_inputs.noised_start(Start(start.image[:1], start.before[:1], noised=True), keys[:1])
     assert torch.equal(again.image, noised.image[:1]) and torch.equal(again.before, noised.before[:1])
+
+
+def test_framepacks_last_image_is_the_frame_after_the_first_section_made(monkeypatch):
+    """``HunyuanVideoFramepackPipeline(last_image=...)``: the first section made (the last, inverted anti-drifting)
+    reads the last image's latent as its 1x history, the frame after it; later sections read the frames made after
+    them, the last image no more. The video holds no frame of it."""
+    seen = []
+
+    def draw(sampler, noise, cond, keys, uncond, guidance):
+        seen.append(cond)
+        return torch.full_like(noise, float(len(seen))), None
+
+    monkeypatch.setattr(validation, "draw", draw)
+    image, last = torch.randn(1, C, 1, H, W), torch.randn(1, C, 1, H, W)
+    cut = SectionsConfig(window=WINDOW, order="inverted_anti_drifting")
+    made = sampling.draw_sections(None, torch.zeros(1, C, 1 + 2 * WINDOW, H, W), {}, random.key(0)[None], None, 1.0,
+                                  cut, Start(image, image, last=last))
+    first, second = (cond["framepack_history"] for cond in seen)
+    assert torch.equal(first[:, :, :1], image) and torch.equal(first[:, :, 1:2], last) and not first[:, :, 2:].any()
+    assert torch.equal(second[:, :, 1:1 + WINDOW], torch.ones(1, C, WINDOW, H, W))  # the section made after it
+    assert not second[:, :, 1 + WINDOW:].any() and made.shape[2] == 1 + 2 * WINDOW
+
+
+def test_a_last_image_averages_the_image_features_and_is_encoded_as_the_start_is():
+    """The pipeline's image features with a last image: ``(features(image) + features(last)) / 2``."""
+    class Encoder:
+        def encode_image(self, pixels):  # [3, H, W] in [0, 1] -> [1, 2]: its mean, twice
+            return pixels.mean().reshape(1, 1).repeat(1, 2)
+
+        def encode_video(self, video):  # [3, 1, H, W] -> [C, 1, h, w]: its mean
+            return video.mean().reshape(1, 1, 1, 1).expand(C, 1, H, W).clone()
+
+    class Model:
+        latents = type("Space", (), {"vae_stride": (4, 8, 8)})()
+        cond = {"image_embeds": (1, 2)}
+
+        @staticmethod
+        def normalize(x):
+            return 2 * x
+
+    dark, light = numpy.zeros((1, 8 * H, 8 * W, 3), numpy.uint8), numpy.full((1, 8 * H, 8 * W, 3), 255, numpy.uint8)
+    cut = SectionsConfig(window=WINDOW)
+    extra, start = sample_inputs.section_condition(Encoder(), dark, (C, 1 + WINDOW, H, W), Model(), cut, light)
+    numpy.testing.assert_allclose(extra["image_embeds"], [[0.5, 0.5]], atol=1e-6)
+    assert torch.allclose(start.image, torch.full_like(start.image, -2.0))  # dark: -1, normalised
+    assert torch.allclose(start.last, torch.full_like(start.last, 2.0))

@@ -423,6 +423,11 @@ def test_a_section_model_makes_its_video_a_section_at_a_time(section_models, tmp
     frames = made[0]["frames"][0]  # [3, 5, 16, 16] in [0, 1]
     torch.testing.assert_close(frames[:, 0], torch.from_numpy(first) / 2 + 0.5, rtol=0, atol=1 / 255)
     assert frames[:, 1:].std() > 0.05 and "attend beyond" not in capsys.readouterr().out
+    ended = sampling.run_sample(sampling.Request(str(framepack), (RED_RIGHT,), out=str(tmp_path / "e"), seed=2,
+                                                 image=str(image), last_image=str(image)), progress=False)
+    assert ended["latents"].shape == (1, 48, 5, 4, 4) and not torch.equal(ended["latents"], made[0]["latents"])
+    record = json.loads((tmp_path / "e" / sampling.SAMPLES).read_text())
+    assert record["last_image"] == str(image.absolute())
     chunks = sampling.run_sample(sampling.Request(str(helios), (RED_RIGHT,), out=str(tmp_path / "h")), progress=False)
     assert chunks["latents"].shape == (1, 48, 4, 4, 4) and frames_of(tmp_path / "h" / "red-bars-moving-right_0.mp4"
                                                                      ).shape[0] == 4
@@ -442,6 +447,10 @@ def test_section_models_refuse_a_missing_image_and_a_length_of_no_whole_sections
     Image.fromarray(numpy.zeros((16, 16, 3), numpy.uint8)).save(image)
     assert "whole sections of data.sections.window=2 latent frames (inverted_anti_drifting): e.g. 3, 5, 7" in bad(
         capsys, framepack, "--prompt", RED_RIGHT, "--image", image, "--frames", 4, "--out", out)
+    assert "does not make its video last section first from a start image" in bad(
+        capsys, helios, "--prompt", RED_RIGHT, "--image", image, "--last-image", image, "--out", out)
+    assert "--last-image 'nowhere.png' does not exist" in bad(
+        capsys, framepack, "--prompt", RED_RIGHT, "--image", image, "--last-image", "nowhere.png", "--out", out)
     assert "whole sections of data.sections.window=2 latent frames (vanilla): e.g. 3, 5, 7" in bad(
         capsys, helios, "--prompt", RED_RIGHT, "--image", image, "--frames", 4, "--out", out)
     assert "whole sections of data.sections.window=2 latent frames (chunks): e.g. 2, 4, 6" in bad(
