@@ -12,13 +12,16 @@ context ``vace_context [B, 2 C + s^2, T, H, W]`` (96 channels on the Wan 2.1 VAE
   video latents alike: the pipeline denoises them with the video and drops them after.
 
 Training is Wan's flow matching on every latent frame the pipeline denoises, reference frames included; the context
-enters as it is (``control_hidden_states``; its scale, a sampling knob, is one). The unconditional of guidance keeps
+enters as it is (``control_hidden_states``), its hints at the config's ``context_scale`` (the pipeline's
+``conditioning_scale``: one, as VACE trains; a sampling knob, e.g. ``sample RUN models.student.context_scale=0.7``,
+one value or one per context block). The unconditional of guidance keeps
 the context (the pipeline passes it to both calls): it is in ``Conditioning.image``. ``trainable`` picks what trains:
 the base DiT, the context branch (VACE's own context-adapter tuning trains only it), or both.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import pathlib
 from typing import Any, Literal, Mapping
 
@@ -85,8 +88,13 @@ def cond_from_batch(config: ModelConfig, batch: Mapping[str, Any]) -> dict[str, 
 
 def inputs(config: ModelConfig, x_t: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor],
            sharded: bool) -> dict[str, Any]:
-    """Wan's arguments and the context, as ``WanVACEPipeline`` calls the DiT (the context scale left at one)."""
-    return {**wan.inputs(config, x_t, t, cond, sharded), "control_hidden_states": cond[CONTEXT].to(x_t.dtype)}
+    """Wan's arguments and the context, as ``WanVACEPipeline`` calls the DiT, at the config's ``context_scale`` (its
+    ``conditioning_scale``; at one the DiT's default, which passes none)."""
+    call = {**wan.inputs(config, x_t, t, cond, sharded), "control_hidden_states": cond[CONTEXT].to(x_t.dtype)}
+    scale = config.context_scales()
+    if any(s != 1.0 for s in scale):
+        call["control_hidden_states_scale"] = torch.tensor(scale, dtype=x_t.dtype, device=x_t.device)
+    return call
 
 
 def widths(config: ModelConfig) -> tuple[int, dict[str, tuple[int, int]]]:
@@ -190,17 +198,29 @@ original names; no sequence parallelism (the context's padding to the video's to
 class WanVACEConfig(ModelConfig, tag="wan_vace"):
     """A Wan 2.1 VACE DiT (presets: tiny, world, wan2.1-vace-1.3b, wan2.1-vace-14b); the shared knobs are
     :class:`fvx_models.build.ModelConfig`'s. ``trainable``: what trains, the ``base`` DiT and/or the ``context`` branch
-    (``vace_patch_embedding``, ``vace_blocks``); the rest stays as loaded (with LoRA: gets no adapters). Data:
+    (``vace_patch_embedding``, ``vace_blocks``); the rest stays as loaded (with LoRA: gets no adapters).
+    ``context_scale``: the hints' scale, one value or one per context block (module docstring). Data:
     ``data.kind=vace``."""
 
     family = WAN_VACE
     trainable: tuple[Literal["base", "context"], ...] = PARTS
+    context_scale: float | tuple[float, ...] = 1.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not self.trainable or len(set(self.trainable)) != len(self.trainable):
             raise ValueError(f"trainable must name each part to train once (of {', '.join(PARTS)}), got "
                              f"{list(self.trainable)}")
+        scales, blocks = self.context_scales(), len(self.spec.kwargs["vace_layers"])
+        if len(scales) != blocks or not all(math.isfinite(s) for s in scales):
+            raise ValueError(f"context_scale must be one finite number or {blocks} (one per context block), got "
+                             f"{self.context_scale!r}")
+
+    def context_scales(self) -> tuple[float, ...]:
+        """The hint scale of each context block (``vace_layers``): ``context_scale``, one value repeated or one each."""
+        if isinstance(self.context_scale, (int, float)):
+            return (float(self.context_scale),) * len(self.spec.kwargs["vace_layers"])
+        return tuple(float(s) for s in self.context_scale)
 
     def frozen(self, name: str) -> bool:
         return ("context" if name.startswith(CONTEXT_PARAMS) else "base") not in self.trainable

@@ -19,7 +19,8 @@ from fvx_models.wan_vace import WanVACEConfig
 from test_encoders_wan_variants import tiny_umt5, tiny_wan_vae
 from tiny_wan_pipeline import tiny_t5_tokenizer
 
-from family_cases import raw_batch  # noqa: E402
+from family_cases import (CASES, _masked as masked, inputs, native_modules,  # noqa: E402
+                          raw_batch)
 
 
 def test_the_context_is_the_pipelines_prepare_video_latents_and_prepare_masks(tmp_path):
@@ -49,6 +50,29 @@ def test_the_context_is_the_pipelines_prepare_video_latents_and_prepare_masks(tm
     mean = torch.tensor(pipe.vae.config.latents_mean).view(-1, 1, 1, 1)
     std = torch.tensor(pipe.vae.config.latents_std).view(-1, 1, 1, 1)
     torch.testing.assert_close((front - mean) / std, context[:4, :1], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("scale", [0.5, (0.25, 1.5)])
+def test_the_context_scale_is_the_pipelines_conditioning_scale(scale):
+    """``context_scale`` (one value, or one per context block) is ``WanVACEPipeline``'s ``conditioning_scale``: the
+    DiT's ``control_hidden_states_scale``; it changes the velocity."""
+    model = WanVACEConfig(preset="tiny", context_scale=scale).build()
+    params = model.weights.init(random.key(0))
+    x, t, cond = inputs(model, random.key(1))
+    per_block = torch.tensor(scale if isinstance(scale, tuple) else (scale, scale))
+    (module,) = native_modules(CASES["wan_vace"], params).values()
+    with torch.no_grad():
+        expected = module(hidden_states=x, timestep=t, encoder_hidden_states=masked(cond),
+                          control_hidden_states=cond["vace_context"], control_hidden_states_scale=per_block,
+                          return_dict=False)[0]
+    got = model.apply(params, x, t, cond)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, WanVACEConfig(preset="tiny").build().apply(params, x, t, cond), atol=1e-4)
+
+
+def test_a_context_scale_of_the_wrong_length_is_one_line():
+    with pytest.raises(ValueError, match=r"context_scale must be one finite number or 2 \(one per context block\)"):
+        WanVACEConfig(preset="tiny", context_scale=(1.0, 1.0, 1.0))
 
 
 def test_trainable_picks_the_base_the_context_branch_or_both():

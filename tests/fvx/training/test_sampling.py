@@ -326,6 +326,9 @@ def test_a_control_model_samples_from_a_control_video_its_mask_and_a_reference(c
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     done = sampling.run_sample(request, progress=False)
     assert done["latents"].shape[2] == 4 and frames_of(tmp_path / "s" / "red-bars-moving-right_0.mp4").shape[0] == 4
+    weaker = sampling.run_sample(request._replace(out=str(tmp_path / "w"),
+                                                  overrides=("models.student.context_scale=0.5",)), progress=False)
+    assert not torch.equal(weaker["latents"], done["latents"])  # the pipeline's conditioning_scale, as an override
     reference = tmp_path / "ref.png"
     Image.fromarray(numpy.full((16, 16, 3), 200, numpy.uint8)).save(reference)
     done = sampling.run_sample(request._replace(out=str(tmp_path / "r"), reference=str(reference)), progress=False)
