@@ -52,12 +52,7 @@ def read_first_frame(path: str | None, kind: str, model: Any, cut: sections.Sect
     if not (needs or (kind == SECTIONS_KIND and cut.order == "chunks")):
         raise ValueError(f"--image: {model.name} makes videos from text only (the run's data.kind={kind}); drop "
                          "--image")
-    if not pathlib.Path(path).is_file():
-        raise ValueError(f"--image {path!r} does not exist")
-    try:
-        return media.read_image(pathlib.Path(path))
-    except media.MediaError as error:
-        raise ValueError(f"--image {path!r}: {error}") from None
+    return read_image("--image", path)
 
 
 def read_last_image(path: str | None, kind: str, model: Any, cut: sections.SectionsConfig) -> Any:
@@ -70,12 +65,18 @@ def read_last_image(path: str | None, kind: str, model: Any, cut: sections.Secti
         raise ValueError(f"--last-image: {model.name} does not make its video last section first from a start image "
                          f"(FramePack's inverted_anti_drifting sections; this run: data.kind={kind}, "
                          f"data.sections.order={cut.order}); drop --last-image")
+    return read_image("--last-image", path)
+
+
+def read_image(flag: str, path: str) -> Any:
+    """The image file ``path`` of option ``flag`` as uint8 ``[1, H, W, 3]``; a ValueError naming both when it is
+    missing or does not decode."""
     if not pathlib.Path(path).is_file():
-        raise ValueError(f"--last-image {path!r} does not exist")
+        raise ValueError(f"{flag} {path!r} does not exist")
     try:
         return media.read_image(pathlib.Path(path))
     except media.MediaError as error:
-        raise ValueError(f"--last-image {path!r}: {error}") from None
+        raise ValueError(f"{flag} {path!r}: {error}") from None
 
 
 def read_actions(path: str | None, kind: str, model: Any, frames: int) -> dict[str, Any] | None:

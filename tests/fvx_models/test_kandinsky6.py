@@ -61,14 +61,20 @@ def test_the_joint_forward_is_the_pipelines_call_with_audio(joint):
     v = model.apply(params, x, t, cond)
     module = Kandinsky6Transformer3DModel(**kandinsky6.TINY)
     module.load_state_dict(params)
+    native = pipeline_call(module, x, t, cond)
+    torch.testing.assert_close(v["video"], native["video"], rtol=0, atol=0)
+    torch.testing.assert_close(v["audio"], native["audio"], rtol=0, atol=0)
+
+
+def pipeline_call(module, x, t, cond):
+    """``module`` called as the pipeline calls it with audio (the test above), its outputs as fvx's layout."""
     latents = x["video"].permute(0, 2, 3, 4, 1)
     hidden = torch.cat([latents, torch.zeros_like(latents), torch.zeros_like(latents[..., :1])], dim=-1)
     with torch.no_grad():
         video, audio = module(hidden_states=hidden, audio_hidden_states=x["audio"][:, 0].permute(0, 2, 1),
                               encoder_hidden_states=cond["text"], pooled_projections=cond["pooled"],
                               timestep=t["video"], encoder_attention_mask=cond["text_mask"].bool(), return_dict=False)
-    torch.testing.assert_close(v["video"], video.permute(0, 4, 1, 2, 3), rtol=0, atol=0)
-    torch.testing.assert_close(v["audio"], audio.permute(0, 2, 1)[:, None], rtol=0, atol=0)
+    return {"video": video.permute(0, 4, 1, 2, 3), "audio": audio.permute(0, 2, 1)[:, None]}
 
 
 def test_the_toy_worlds_stereo_frames_are_tokens_of_both_channels_features():
@@ -121,15 +127,10 @@ def test_a_joint_lora_adapts_the_audio_branch_and_loads_with_the_transformers_lo
     module.load_state_dict(base)
     module.load_lora_adapter(str(tmp_path), weight_name=written.files["transformer"].name, prefix="transformer")
     x, t, cond = joint_sample(random.key(2))
-    latents = x["video"].permute(0, 2, 3, 4, 1)
-    hidden = torch.cat([latents, torch.zeros_like(latents), torch.zeros_like(latents[..., :1])], dim=-1)
-    with torch.no_grad():
-        video, audio = module(hidden_states=hidden, audio_hidden_states=x["audio"][:, 0].permute(0, 2, 1),
-                              encoder_hidden_states=cond["text"], pooled_projections=cond["pooled"],
-                              timestep=t["video"], encoder_attention_mask=cond["text_mask"].bool(), return_dict=False)
+    native = pipeline_call(module, x, t, cond)
     v = adapted.apply(role.with_trained(base, adapters), x, t, cond)
-    torch.testing.assert_close(v["video"], video.permute(0, 4, 1, 2, 3), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(v["audio"], audio.permute(0, 2, 1)[:, None], rtol=1e-5, atol=1e-5)
+    for name in ("video", "audio"):
+        torch.testing.assert_close(v[name], native[name], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("audio, match", [
