@@ -84,6 +84,7 @@ from fvx_models.skyreels_v2 import SkyReelsV2Config  # noqa: E402
 from fvx_models.wan_moe import Wan22MoEConfig  # noqa: E402
 from fvx_models.wan_animate import WanAnimateConfig  # noqa: E402
 from fvx_models.wan_vace import WanVACEConfig  # noqa: E402
+from fvx_models.wan_vace_moe import WanVACEMoEConfig  # noqa: E402
 
 # Wan's 4 layers x dim 256, registered in this process as a bench-only preset
 wan.PRESETS["bench-cpu-4x256"] = Preset({**wan.TINY, "num_layers": 4, "num_attention_heads": 2,
@@ -110,6 +111,7 @@ CASES = {
     "cosmos": (CosmosConfig(preset="tiny"), (16, 2, 16, 16), 4),
     "chronoedit": (ChronoEditConfig(preset="tiny"), (16, 2, 16, 16), 4),  # Wan 2.1 I2V's call, its 2-frame RoPE
     "wan-vace": (WanVACEConfig(preset="tiny"), (16, 2, 16, 16), 4),  # the context blocks: a unit group of their own
+    "wan-vace-a14b": (WanVACEMoEConfig(preset="tiny"), (16, 2, 16, 16), 4),  # two VACE experts (VACE-Fun A14B)
     "wan-animate": (WanAnimateConfig(preset="tiny"), (16, 3, 16, 16), 4),  # the reference slot, pose, 5 face frames
     "cogvideox": (CogVideoXConfig(preset="tiny"), (16, 2, 16, 16), 4),  # the 5B's layout, its VP call and loss weight
     "sana-video": (SanaVideoConfig(preset="tiny"), (16, 2, 16, 16), 4),  # linear attention, gated conv feed-forward

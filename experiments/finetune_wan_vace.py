@@ -1,5 +1,5 @@
-"""Fine-tune Wan 2.1 VACE (Wan with a control branch: a control video, its mask and reference images) with flow
-matching, full, LoRA, or the context branch alone.
+"""Fine-tune Wan 2.1 VACE (Wan with a control branch: a control video, its mask and reference images), or Wan 2.2
+VACE-Fun A14B's two VACE experts, with flow matching, full, LoRA, or the context branch alone.
 
 The model is given the text and VACE's control context, ``WanVACEPipeline``'s ``[inactive | reactive | mask]`` of a
 control video (``fvx_models.wan_vace``; ``data.kind=vace``: the column ``vace_context`` beside the latents and text).
@@ -20,6 +20,13 @@ On Wan2.1-VACE-1.3B (a local diffusers folder): preprocess your clips, each ``cl
         models.student.path=/models/Wan2.1-VACE-1.3B-diffusers models.student.compute_dtype=bf16 \\
         models.student.remat=true data.world=null data.path=/data/my_dataset data.text_len=512 data.batch_size=8 \\
         method.optim.lr=1e-5
+Wan 2.2 VACE-Fun A14B (``fvx_models.wan_vace_moe``: two experts routed at t = 875, one expert trained a step; the
+same data) is ``models.student=wan_vace_moe``; ``models.student.trainable=[transformer]`` trains the high-noise
+expert alone and ``models.student.parts=[context]`` the experts' context branches alone:
+    torchrun --nproc-per-node 8 -m fvx.run experiments/finetune_wan_vace.py models.student=wan_vace_moe \
+        models.student.preset=wan2.2-vace-fun-a14b models.student.path=/models/Wan2.2-VACE-Fun-A14B-diffusers \
+        models.student.compute_dtype=bf16 models.student.remat=true data.world=null data.path=/data/my_dataset \
+        data.text_len=512 data.batch_size=8 method.optim.lr=1e-5
 """
 import msgspec
 
@@ -30,11 +37,13 @@ from fvx.training.experiment import Experiment, RunConfig
 from fvx.training.validation import ValidationConfig
 from fvx_methods.finetune import Finetune
 from fvx_models.wan_vace import WanVACEConfig
+from fvx_models.wan_vace_moe import WanVACEMoEConfig
 from fvx_models.wan_vae import WanVAEConfig
 
 
 class FinetuneWanVACE(Experiment):
-    models: dict[str, WanVACEConfig] = msgspec.field(default_factory=lambda: {"student": WanVACEConfig(preset="tiny")})
+    models: dict[str, WanVACEConfig | WanVACEMoEConfig] = msgspec.field(
+        default_factory=lambda: {"student": WanVACEConfig(preset="tiny")})
     vae: WanVAEConfig | SpaceToDepth | None = None  # decodes validation samples; None logs latent previews
     method: Finetune = Finetune()
 

@@ -371,6 +371,12 @@ def skeleton_of(module_class: type, kwargs: Mapping[str, Any], rebuild: Callable
     return module
 
 
+def check_trainable(names: tuple[str, ...], valid: tuple[str, ...], what: str, field: str = "trainable") -> None:
+    """A ValueError unless a config's ``field`` ``names`` name at least one ``what`` (of ``valid``) and none twice."""
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"{field} must name each {what} to train once (of {', '.join(valid)}), got {list(names)}")
+
+
 def require(batch: Mapping[str, Any], names: tuple[str, ...], family: str, what: str) -> None:
     """A ValueError naming the first of ``names`` the batch lacks, and the family that needs it."""
     for name in names:

@@ -31,7 +31,7 @@ from typing_extensions import Annotated
 
 from fvx_models import diffusers_folder as dfolder, wan, wan_i2v
 from fvx_models.build import ModelConfig
-from fvx_models.family import Preset, skeleton_of
+from fvx_models.family import Preset, check_trainable, skeleton_of
 from fvx_models.model import StepRange
 
 EXPERTS = ("transformer", "transformer_2")  # high noise, low noise: the pipeline's component names
@@ -50,7 +50,8 @@ pipeline's flow shift and boundary."""
 
 class TwoExperts(nn.Module):
     """The two experts and the router between them: ``forward`` takes Wan's arguments for the whole batch and runs
-    ``transformer`` on the samples with ``t >= boundary`` and ``transformer_2`` on the others."""
+    ``transformer`` on the samples with ``t >= boundary`` and ``transformer_2`` on the others; a variant's further
+    arguments are ``per_sample`` (batch-first tensors, split alike: VACE's context) or ``shared`` (given whole)."""
 
     def __init__(self, high: nn.Module, low: nn.Module, boundary: float):
         super().__init__()
@@ -58,18 +59,24 @@ class TwoExperts(nn.Module):
         self.boundary = boundary
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                run_idle_experts: bool = False, return_dict: bool = False) -> tuple[torch.Tensor]:
+                run_idle_experts: bool = False, return_dict: bool = False,
+                per_sample: Mapping[str, torch.Tensor] | None = None,
+                shared: Mapping[str, Any] | None = None) -> tuple[torch.Tensor]:
         high = timestep >= self.boundary
         channels = self.transformer_2.config.out_channels  # the input may carry an image condition besides x_t
         out = hidden_states.new_zeros(hidden_states.shape[0], channels, *hidden_states.shape[2:])
+        rows = {"hidden_states": hidden_states, "timestep": timestep, "encoder_hidden_states": encoder_hidden_states,
+                **(per_sample or {})}
+
+        def call(expert: nn.Module, index: Any) -> torch.Tensor:
+            return expert(**{name: x[index] for name, x in rows.items()}, **(shared or {}), return_dict=False)[0]
+
         for expert, chosen in ((self.transformer, high), (self.transformer_2, ~high)):
             index = chosen.nonzero().flatten()
             if index.numel():
-                part = expert(hidden_states[index], timestep[index], encoder_hidden_states[index], return_dict=False)
-                out = out.index_copy(0, index, part[0])
+                out = out.index_copy(0, index, call(expert, index))
             elif run_idle_experts:
-                idle = expert(hidden_states[:1], timestep[:1], encoder_hidden_states[:1], return_dict=False)[0]
-                out = out + 0.0 * idle.sum()
+                out = out + 0.0 * call(expert, slice(0, 1)).sum()
         return (out,)
 
 
@@ -156,9 +163,7 @@ class Wan22MoEConfig(ModelConfig, tag="wan_moe"):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.trainable or len(set(self.trainable)) != len(self.trainable):
-            raise ValueError(f"trainable must name each expert to train once (of {', '.join(EXPERTS)}), got "
-                             f"{list(self.trainable)}")
+        check_trainable(self.trainable, EXPERTS, "expert")
 
     @property
     def boundary(self) -> float:

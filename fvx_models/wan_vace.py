@@ -32,7 +32,7 @@ from torch import nn
 
 from fvx_models import diffusers_folder as dfolder, encoders as fencoders, wan
 from fvx_models.build import ModelConfig
-from fvx_models.family import Preset, require, skeleton_of
+from fvx_models.family import Preset, check_trainable, require, skeleton_of
 
 CONTEXT = "vace_context"  # the cond tensor and the data batch key (parquet column of data.kind='vace')
 CONTEXT_PARAMS = ("vace_patch_embedding.", "vace_blocks.")  # the context branch's params
@@ -88,13 +88,36 @@ def cond_from_batch(config: ModelConfig, batch: Mapping[str, Any]) -> dict[str, 
 
 def inputs(config: ModelConfig, x_t: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor],
            sharded: bool) -> dict[str, Any]:
-    """Wan's arguments and the context, as ``WanVACEPipeline`` calls the DiT, at the config's ``context_scale`` (its
-    ``conditioning_scale``; at one the DiT's default, which passes none)."""
-    call = {**wan.inputs(config, x_t, t, cond, sharded), "control_hidden_states": cond[CONTEXT].to(x_t.dtype)}
-    scale = config.context_scales()
+    """Wan's arguments and the context, as ``WanVACEPipeline`` calls the DiT (:func:`context_inputs`)."""
+    return {**wan.inputs(config, x_t, t, cond, sharded), **context_inputs(config, x_t, cond)}
+
+
+def context_inputs(config: ModelConfig, x_t: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The DiT's context arguments: ``control_hidden_states`` and, when the config's ``context_scale`` (the pipeline's
+    ``conditioning_scale``) is not one, ``control_hidden_states_scale`` (at one the DiT's default, which passes
+    none)."""
+    call = {"control_hidden_states": cond[CONTEXT].to(x_t.dtype)}
+    scale = context_scales(config)
     if any(s != 1.0 for s in scale):
         call["control_hidden_states_scale"] = torch.tensor(scale, dtype=x_t.dtype, device=x_t.device)
     return call
+
+
+def context_scales(config: ModelConfig) -> tuple[float, ...]:
+    """The hint scale of each context block (``vace_layers``): the config's ``context_scale``, one value repeated or
+    one each; a ValueError unless it is finite and one or as many as the blocks."""
+    scale, blocks = config.context_scale, len(config.spec.kwargs["vace_layers"])
+    scales = (float(scale),) * blocks if isinstance(scale, (int, float)) else tuple(float(s) for s in scale)
+    if len(scales) != blocks or not all(math.isfinite(s) for s in scales):
+        raise ValueError(f"context_scale must be one finite number or {blocks} (one per context block), got "
+                         f"{scale!r}")
+    return scales
+
+
+def frozen_part(name: str, trainable: tuple[str, ...]) -> bool:
+    """Whether param ``name`` (without an expert's prefix) is in a part (``base``, ``context``) not in
+    ``trainable``."""
+    return ("context" if name.startswith(CONTEXT_PARAMS) else "base") not in trainable
 
 
 def widths(config: ModelConfig) -> tuple[int, dict[str, tuple[int, int]]]:
@@ -208,19 +231,8 @@ class WanVACEConfig(ModelConfig, tag="wan_vace"):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.trainable or len(set(self.trainable)) != len(self.trainable):
-            raise ValueError(f"trainable must name each part to train once (of {', '.join(PARTS)}), got "
-                             f"{list(self.trainable)}")
-        scales, blocks = self.context_scales(), len(self.spec.kwargs["vace_layers"])
-        if len(scales) != blocks or not all(math.isfinite(s) for s in scales):
-            raise ValueError(f"context_scale must be one finite number or {blocks} (one per context block), got "
-                             f"{self.context_scale!r}")
-
-    def context_scales(self) -> tuple[float, ...]:
-        """The hint scale of each context block (``vace_layers``): ``context_scale``, one value repeated or one each."""
-        if isinstance(self.context_scale, (int, float)):
-            return (float(self.context_scale),) * len(self.spec.kwargs["vace_layers"])
-        return tuple(float(s) for s in self.context_scale)
+        check_trainable(self.trainable, PARTS, "part")
+        context_scales(self)
 
     def frozen(self, name: str) -> bool:
-        return ("context" if name.startswith(CONTEXT_PARAMS) else "base") not in self.trainable
+        return frozen_part(name, self.trainable)

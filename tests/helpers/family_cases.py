@@ -43,6 +43,7 @@ from fvx_models.wan import WanConfig
 from fvx_models.wan_moe import Wan22MoEConfig
 from fvx_models.wan_animate import WanAnimateConfig
 from fvx_models.wan_vace import WanVACEConfig
+from fvx_models.wan_vace_moe import WanVACEMoEConfig
 
 
 class Case(NamedTuple):
@@ -136,6 +137,14 @@ def vace_native(modules, x, t, cond):
     return modules["transformer"](hidden_states=x, timestep=t, encoder_hidden_states=_masked(cond),
                                   control_hidden_states=cond["vace_context"], control_hidden_states_scale=scale,
                                   return_dict=False)[0]
+
+
+def vace_moe_native(modules, x, t, cond):
+    """WanVACEPipeline with two VACE experts (Wan 2.2 VACE-Fun A14B): routed at 875, each sample with its context."""
+    rows = [modules["transformer" if float(t[b]) >= 875.0 else "transformer_2"](
+        hidden_states=x[b:b + 1], timestep=t[b:b + 1], encoder_hidden_states=_masked(cond)[b:b + 1],
+        control_hidden_states=cond["vace_context"][b:b + 1], return_dict=False)[0] for b in range(t.shape[0])]
+    return torch.cat(rows)
 
 
 def animate_native(modules, x, t, cond):
@@ -390,6 +399,9 @@ CASES: dict[str, Case] = {
     # own case: the edit at the end of the reasoning window)
     "chronoedit": Case(ChronoEditConfig(preset="tiny"), {"transformer": ChronoEditTransformer3DModel}, wan_i2v_native),
     "wan_vace": Case(WanVACEConfig(preset="tiny"), {"transformer": WanVACETransformer3DModel}, vace_native),
+    "wan_vace_moe": Case(WanVACEMoEConfig(preset="tiny"), {"transformer": WanVACETransformer3DModel,
+                                                           "transformer_2": WanVACETransformer3DModel},
+                         vace_moe_native),
     "wan_animate": Case(WanAnimateConfig(preset="tiny"), {"transformer": WanAnimateTransformer3DModel},
                         animate_native),
     "cogvideox": Case(CogVideoXConfig(preset="tiny"), {"transformer": CogVideoXTransformer3DModel}, cogvideox_native),
