@@ -68,7 +68,7 @@ TINY = {**_T2V, "in_channels": 9, "out_channels": 4, "num_attention_heads": 2, "
 # placeholder tokens) is left out of the linear terms, as the dry run counts video tokens). Each dual-stream block also
 # saves the [B, 1, S, S] attention mask diffusers' processor builds over its S = video + text + glyph + image tokens,
 # one compute-dtype element per pair (5.3 GB a sample at 480p x 121 frames): the pair term, its joint tokens set per
-# preset (:func:`_activations`). The refiner's FFN is 4x its width whatever the model's mlp_ratio: counted at width dim.
+# preset (:func:`_options`). The refiner's FFN is 4x its width whatever the model's mlp_ratio: counted at width dim.
 ACTIVATIONS = {
     "transformer_blocks": memory.BlockActivations(fp32_dim=2.1, compute_dim=16.1, compute_ffn=2.0, pairs=1.0),
     "token_refiner": memory.BlockActivations(fp32_dim=0.0, compute_dim=17.7, compute_ffn=0.0),

@@ -21,10 +21,10 @@ HunyuanVideo VAE's scaled by its ``scaling_factor``, as the pipeline scales them
 (``MMAudioVAE``: mono log-mel; its ``latent_channels`` must be the DiT's ``in_audio_dim``, 20 in diffusers' defaults)
 stored as ``[1, 20, A]`` and scaled by its ``scaling_factor`` 0.417 (the pipeline divides by it before decoding);
 ``A`` is the clip's ``ceil(samples / latent_hop_length)``, the length the pipeline makes for the clip
-(``prepare_audio_latents``). The toy world's
-stereo framing ``[2, 32, A]`` enters the ``world`` preset as ``A`` tokens of 64 features: audio latents ``[B, C, F,
-A]`` are ``[B, A, C F]`` tokens. Left: image-to-video (the reference frame appended as a masked tail frame with its
-own token type; the release's token-type table is not in diffusers' defaults).
+(``prepare_audio_latents``). The toy world's stereo framing ``[2, 32, A]`` enters the ``world`` preset as ``A`` tokens
+of 64 features: audio latents ``[B, C, F, A]`` are ``[B, A, C F]`` tokens. Left: image-to-video (the reference frame
+appended as a masked tail frame with its own token type; the release's token-type table is not in diffusers'
+defaults).
 """
 from __future__ import annotations
 

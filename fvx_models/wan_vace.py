@@ -14,9 +14,9 @@ context ``vace_context [B, 2 C + s^2, T, H, W]`` (96 channels on the Wan 2.1 VAE
 Training is Wan's flow matching on every latent frame the pipeline denoises, reference frames included; the context
 enters as it is (``control_hidden_states``), its hints at the config's ``context_scale`` (the pipeline's
 ``conditioning_scale``: one, as VACE trains; a sampling knob, e.g. ``sample RUN models.student.context_scale=0.7``,
-one value or one per context block). The unconditional of guidance keeps
-the context (the pipeline passes it to both calls): it is in ``Conditioning.image``. ``trainable`` picks what trains:
-the base DiT, the context branch (VACE's own context-adapter tuning trains only it), or both.
+one value or one per context block). The unconditional of guidance keeps the context (the pipeline passes it to both
+calls): it is in ``Conditioning.image``. ``trainable`` picks what trains: the base DiT, the context branch (VACE's own
+context-adapter tuning trains only it), or both.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """What ``sample`` reads beside the prompts, by the run's data kind, and the condition each makes as the data
 stores it: a first frame (image-to-video, world models, sections of a model reading the start image's features, or
-optionally Helios's chunks) and FramePack's last image, a file of per-frame actions, a control video with its mask and reference image, an
-animation's pose and face videos (and the replace mode's background and mask). Each reader refuses in one line an
-input its model does not take, or the lack of one it needs.
+optionally Helios's chunks) and FramePack's last image, a file of per-frame actions, a control video with its mask
+and reference image, an animation's pose and face videos (and the replace mode's background and mask). Each reader
+refuses in one line an input its model does not take, or the lack of one it needs.
 
 Helios's chunks from an image (``HeliosPipeline(image=...)``): the chunks tile the video after the image, as
 ``vanilla`` sections do (:func:`made_cut`); each chunk's history holds the image's latent in its first-frame slot,

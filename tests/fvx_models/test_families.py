@@ -133,7 +133,8 @@ def test_a_whole_model_compiles_to_one_graph_and_matches_eager(name):
     assert stats.graphs_of("model") == 1 and stats.recompiles == 0, stats
 
 
-ONE_SIZE = {"cogvideox-i2v": "its position table holds one video size (CogVideoX 1.0 I2V's); its blocks are cogvideox's"}
+ONE_SIZE = {"cogvideox-i2v": ("its position table holds one video size (CogVideoX 1.0 I2V's); its blocks are "
+                              "cogvideox's")}
 
 
 @pytest.mark.parametrize("name", FAMILIES)
