@@ -306,12 +306,20 @@ class WorldDataset:
     def caption_quality(self, videos: torch.Tensor, captions: Sequence[str]) -> dict[str, float]:
         """:meth:`prompt_quality` of videos made from ``captions``, the world's prompts' captions (a ValueError names
         one that is none of them)."""
+        return self.prompt_quality(videos, self.prompt_ids(captions))
+
+    def caption_audio_quality(self, waveforms: torch.Tensor, captions: Sequence[str]) -> dict[str, float]:
+        """:meth:`audio_quality` of sounds ``[N, 2, S]`` made from ``captions`` (as :meth:`caption_quality`)."""
+        return self.audio_quality(waveforms, self.prompt_ids(captions))
+
+    def prompt_ids(self, captions: Sequence[str]) -> list[int]:
+        """The world's prompt number of each caption; a ValueError names one that is none of its prompts'."""
         ids = {caption(self.config, c, d): p for p, (c, d) in enumerate(self.prompts)}
         unknown = [c for c in captions if c not in ids]
         if unknown:
             raise ValueError(f"{unknown[0]!r} is none of the toy world's prompts ({', '.join(map(repr, ids))}), so "
                              "the world cannot score it")
-        return self.prompt_quality(videos, [ids[c] for c in captions])
+        return [ids[c] for c in captions]
 
     def prompt_quality(self, videos: torch.Tensor, prompt_ids: Sequence[int],
                        indices: Sequence[int] | None = None) -> dict[str, float]:

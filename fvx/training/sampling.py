@@ -540,7 +540,8 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
     del encoder
     sampler = p.sampler._replace(params=tree.to_device(p.source.weights(), device))
     model, decoder, sound = p.models[p.source.role], p.decoder(), None if p.sound is None else p.sound()
-    judge = getattr(open_data(config)[0], "caption_quality", None)  # the toy world scores its own prompts
+    dataset = open_data(config)[0]  # the toy world scores its own prompts' videos and sounds
+    judge, hear = getattr(dataset, "caption_quality", None), getattr(dataset, "caption_audio_quality", None)
     p.out.mkdir(parents=True, exist_ok=True)
     fps = request.fps or config.validation.fps
     mine, entries, made = p.todo[rank::world], [], []
@@ -571,8 +572,10 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
                                 keyboard=keys)
             entries.append({"index": p.todo.index(item), "prompt": item.prompt, "seed": item.seed,
                             "files": [path.name for path in paths]})
-            score = None if judge is None else world_score(judge, video[i:i + 1], item.prompt)
-            if score is not None:
+            score = {**({} if judge is None else world_score(judge, video[i:i + 1], item.prompt) or {}),
+                     **({} if hear is None or waveforms is None else
+                        world_score(hear, waveforms[i:i + 1], item.prompt) or {})}
+            if score:
                 entries[-1]["world_score"] = score
         bar.update(len(batch))
     bar.close()
@@ -608,11 +611,11 @@ def draw_animation(p: Plan, sampler: validation.Sampler, encoder: Any, decoder: 
     return torch.cat(latents_made, dim=2), torch.cat(made, dim=2)[:, :, :p.frames]
 
 
-def world_score(judge: Callable[..., dict[str, float]], video: torch.Tensor, prompt: str) -> dict[str, float] | None:
-    """The toy world's figures of one video ``[1, 3, T, H, W]`` of ``prompt``, or None when the world has no true
-    clips of its size to compare with."""
+def world_score(judge: Callable[..., dict[str, float]], made: torch.Tensor, prompt: str) -> dict[str, float] | None:
+    """The toy world's figures of one video ``[1, 3, T, H, W]`` (or sound ``[1, 2, S]``) of ``prompt``, or None when
+    the world has no true clips (or tones) of its size to compare with."""
     try:
-        return judge(video, [prompt])
+        return judge(made, [prompt])
     except ValueError:
         return None
 

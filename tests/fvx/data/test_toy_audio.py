@@ -86,3 +86,12 @@ def test_bad_audio_knobs_are_named():
     with pytest.raises(ValueError, match="data.world.audio_pitch 20 Hz is too low for 8 prompts"):
         world.WorldConfig(audio_pitch=20.0)
     assert world.WorldConfig(fps=8, audio_rate=2048).audio_latent_shape == (2, 32, 32)  # 0.5 s at 2048 Hz
+
+
+def test_a_sound_is_scored_by_its_caption_as_sample_scores_it(dataset):
+    """``caption_audio_quality``: the prompt a caption names picks the true tone (``sample`` scores its sounds so)."""
+    captions = [world.caption(dataset.config, *prompt) for prompt in dataset.prompts]
+    assert dataset.caption_audio_quality(dataset.tones(), captions) == {"audio_mse": 0.0, "pitch_match": 1.0}
+    assert dataset.caption_audio_quality(dataset.tones()[[1]], captions[:1])["pitch_match"] == 0.0
+    with pytest.raises(ValueError, match="'a purple cat' is none of the toy world's prompts"):
+        dataset.caption_audio_quality(dataset.tones()[:1], ["a purple cat"])

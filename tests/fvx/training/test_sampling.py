@@ -272,6 +272,7 @@ def test_a_model_with_sound_writes_it_beside_and_into_its_video(tmp_path):
                                progress=False)
     assert done["videos"][0]["files"] == ["red-bars-moving-right_0.mp4", "red-bars-moving-right_0.wav"]
     assert set(done["latents"]) == {"video", "audio"}
+    assert {"audio_mse", "pitch_match", "nearest_mse"} <= set(done["videos"][0]["world_score"])  # the sound scored
     import av
     with av.open(str(tmp_path / "s" / "red-bars-moving-right_0.mp4")) as container:
         assert sorted(stream.type for stream in container.streams) == ["audio", "video"]
