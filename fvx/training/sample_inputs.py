@@ -4,11 +4,12 @@ optionally Helios's chunks) and FramePack's last image, a file of per-frame acti
 and reference image, an animation's pose and face videos (and the replace mode's background and mask). Each reader
 refuses in one line an input its model does not take, or the lack of one it needs.
 
-Helios's chunks from an image (``HeliosPipeline(image=...)``): the chunks tile the video after the image, as
-``vanilla`` sections do (:func:`made_cut`); each chunk's history holds the image's latent in its first-frame slot,
-and the frame before the first chunk is the last latent of the image held still for a chunk's frames, encoded (the
-pipeline's ``fake_image_latents``); both are noised, ``x = s e + (1 - s) x`` with ``s ~ U(0.111, 0.135)`` drawn for
-each (:func:`noised_start`)."""
+Helios's chunks from an image (``HeliosPipeline(image=...)``): the chunks are made after the image, as ``vanilla``
+sections are (:func:`made_cut`: one latent frame more, the image's slot); each chunk's history holds the image's latent
+in its first-frame slot, and the frame before the first chunk is the last latent of the image held still for a
+chunk's frames, encoded (the pipeline's ``fake_image_latents``); both are noised, ``x = s e + (1 - s) x`` with ``s ~
+U(0.111, 0.135)`` drawn for each (:func:`noised_start`). The video is the chunks alone, as the pipeline's (its VAE
+decodes them chunk by chunk), so ``--frames`` counts the same frames from text or from an image."""
 from __future__ import annotations
 
 import pathlib
@@ -162,15 +163,23 @@ def read_animation(request: Any, kind: str, model: Any, frames: int) -> dict[str
 
 
 def made_cut(cut: sections.SectionsConfig, image: Any) -> sections.SectionsConfig:
-    """How a video is cut into the sections it is made in: the data's ``cut``, but Helios's chunks from an image tile
-    the video after it, as ``vanilla`` sections do (module docstring)."""
+    """How a video is cut into the sections it is made in: the data's ``cut``, but Helios's chunks from an image are
+    made after it, as ``vanilla`` sections are (module docstring)."""
     return msgspec.structs.replace(cut, order="vanilla") if image is not None and cut.order == "chunks" else cut
 
 
 def section_shape(cut: sections.SectionsConfig, model: Any, shape: tuple[int, int, int, int],
-                  frames_asked: int | None) -> tuple[int, int, int, int]:
-    """The latents of a video made a section at a time in ``cut``'s sections: ``--frames``' (checked to hold whole
-    sections), or two sections by default (the data's shape is one section's)."""
+                  frames_asked: int | None, image: Any = None) -> tuple[int, int, int, int]:
+    """The latents made a section at a time in ``cut``'s sections: the video's, ``--frames``' (checked to hold whole
+    sections) or two sections by default (the data's shape is one section's), and for Helios's chunks from an
+    ``image`` one frame before them, the image's slot (module docstring)."""
+    video = _section_shape(cut, model, shape, frames_asked)
+    lead = int(made_cut(cut, image) is not cut)
+    return (video[0], video[1] + lead, *video[2:])
+
+
+def _section_shape(cut: sections.SectionsConfig, model: Any, shape: tuple[int, int, int, int],
+                   frames_asked: int | None) -> tuple[int, int, int, int]:
     if frames_asked is None:
         return (shape[0], sections.first_frame(cut, 2), *shape[2:])
     made = sections.count(shape[1], cut)
@@ -210,13 +219,18 @@ class Start(NamedTuple):
     """A section video's given start, latents ``[N, C, 1, h, w]`` in the model's scale: ``image``, the video's first
     frame and the history's first-frame slot; ``before``, the frame the first section's history sees before it
     (FramePack: the image; Helios: the image held still, encoded, module docstring); ``noised``: both get Helios's
-    noise before sampling; ``last``: the frame the first section made sees after it (FramePack's last image), or
-    None."""
+    noise before sampling, and the video is the sections alone (:attr:`shown`); ``last``: the frame the first section
+    made sees after it (FramePack's last image), or None."""
 
     image: torch.Tensor
     before: torch.Tensor
     noised: bool = False
     last: torch.Tensor | None = None
+
+    @property
+    def shown(self) -> bool:
+        """Whether the image is the video's first frame (FramePack's) or only the chunks' condition (Helios's)."""
+        return not self.noised
 
     def to(self, device: Any, count: int) -> "Start":
         """On ``device``, one row per video of ``count``."""

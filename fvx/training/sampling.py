@@ -360,10 +360,10 @@ def draw_sections(sampler: validation.Sampler, noise: torch.Tensor, cond: dict[s
                   given: Start | None) -> torch.Tensor:
     """Latents ``[N, C, T, H, W]`` of videos made a section at a time in ``config``'s making order
     (``fvx.data.sections``), each section sampled as validation samples (from its window of ``noise``) beside the
-    history the frames made so far give it; ``given``: the video's given start (its image the first frame; noised
-    from each video's sampler key ``keys [N, 2]`` where it says so; its last image the frame the first section made
-    sees after it, as ``HunyuanVideoFramepackPipeline`` puts ``last_image`` in its first section's 1x history), or
-    None."""
+    history the frames made so far give it; ``given``: the video's given start (its image the first frame, or with
+    Helios's noise, from each video's sampler key ``keys [N, 2]``, the chunks' condition alone: the latents made after
+    it; its last image the frame the first section made sees after it, as ``HunyuanVideoFramepackPipeline`` puts
+    ``last_image`` in its first section's 1x history), or None."""
     known = torch.zeros_like(noise)
     seen = None if given is None else noised_start(given, keys) if given.noised else given
     if seen is not None:
@@ -380,9 +380,9 @@ def draw_sections(sampler: validation.Sampler, noise: torch.Tensor, cond: dict[s
                      "frame_indices": torch.stack([p["frame_indices"] for p in parts]).to(noise.device)}
         made, _ = validation.draw(sampler, noise[:, :, start:start + window], step_cond, keys, uncond, guidance)
         known = torch.cat([known[:, :, :start], made.to(known.dtype), known[:, :, start + window:]], dim=2)
-    if given is not None:
-        known[:, :, :1] = given.image
-    return known
+    if given is None:
+        return known
+    return torch.cat([given.image, known[:, :, 1:]], dim=2) if given.shown else known[:, :, 1:]
 
 
 
@@ -483,7 +483,7 @@ def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
     animating = config.data.kind == ANIMATE_KIND  # segments of the trained length, as many as --frames takes
     shape = latent_shape(config, model, request._replace(frames=None) if animating else request)
     if config.data.kind == SECTIONS_KIND:
-        shape = section_shape(made_cut(config.data.sections, image), model, shape, request.frames)
+        shape = section_shape(config.data.sections, model, shape, request.frames, image)
     acts = read_actions(request.actions, config.data.kind, model, video_frames(model, shape))
     control = read_control(request, config.data.kind, model, video_frames(model, shape))
     segment = video_frames(model, shape)

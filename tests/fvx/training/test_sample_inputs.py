@@ -15,7 +15,7 @@ def test_helios_chunks_from_an_image_see_the_pipelines_history(monkeypatch):
     """``HeliosPipeline(image=...)`` (keep_first_frame): the history starts as 19 zero frames whose newest is the
     noised still-image latent (``fake_image_latents``); every chunk reads the noised image latent as its prefix and
     the newest 19 frames as 16 long, 2 mid and 1 short; each chunk's latents are appended. Its RoPE indices: prefix 0,
-    long 1..16, mid 17..18, short 19, the chunk's frames from 20. The video starts with the image, clean."""
+    long 1..16, mid 17..18, short 19, the chunk's frames from 20. The video is the chunks alone, as the pipeline's."""
     seen = []
 
     def draw(sampler, noise, cond, keys, uncond, guidance):  # the chunk's latents: its number, everywhere
@@ -36,8 +36,7 @@ def test_helios_chunks_from_an_image_see_the_pipelines_history(monkeypatch):
         indices = torch.cat([torch.arange(20, 20 + WINDOW), torch.tensor([0, 19, 17, 18]), torch.arange(1, 17)])
         assert torch.equal(cond["frame_indices"][0], indices.float())
         history = torch.cat([history, torch.full((1, C, WINDOW, H, W), chunk + 1.0)], dim=2)
-    assert len(seen) == 3 and torch.equal(made[:, :, :1], image)
-    assert torch.equal(made[:, :, 1:], history[:, :, 19:])
+    assert len(seen) == 3 and torch.equal(made, history[:, :, 19:])
 
 
 def test_the_start_is_noised_at_its_own_level_from_each_videos_key():
