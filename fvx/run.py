@@ -458,6 +458,8 @@ def sample_main(argv: Sequence[str]) -> int:
     parser.add_argument("--last-image", help="FramePack (inverted anti-drifting sections), with --image: the frame "
                                              "to end on (the first section made sees it after itself, its image "
                                              "features averaged with --image's)")
+    parser.add_argument("--video", help="Helios (chunks): a video to continue, its last whole chunks (--frames: the "
+                                        "frames made after them)")
     parser.add_argument("--actions", help="a Matrix-Game model (data.kind=matrixgame2): its actions, one row per video "
                                           "frame, as preprocess reads them (.npz of keyboard [F, K] and mouse [F, 2], "
                                           "or .npy of the keyboard); the video is named after the file")
@@ -492,8 +494,8 @@ def sample_main(argv: Sequence[str]) -> int:
             shift=args.shift, schedule=args.schedule, shift_terminal=args.shift_terminal, solver=args.solver,
             karras=None if args.karras is None else _karras(args.karras),
             negative_prompt=args.negative_prompt, jumps=args.jumps, image=args.image, last_image=args.last_image,
-            actions=args.actions, control=args.control, mask=args.mask, reference=args.reference, pose=args.pose,
-            face=args.face, background=args.background, gif=args.gif, scale=args.scale, fps=args.fps)
+            video=args.video, actions=args.actions, control=args.control, mask=args.mask, reference=args.reference,
+            pose=args.pose, face=args.face, background=args.background, gif=args.gif, scale=args.scale, fps=args.fps)
         done = sampling.run_sample(request, rank=rank, world=world, progress=sys.stderr.isatty(),
                                    say=lambda line: print(line, file=sys.stderr))
     except BAD_INPUT as error:

@@ -89,6 +89,16 @@ def read_frames(path: pathlib.Path, indices: Sequence[int]) -> np.ndarray:
     return np.stack([frames[i] for i in indices])
 
 
+def read_all_frames(path: pathlib.Path) -> np.ndarray:
+    """uint8 frames ``[F, H, W, 3]`` (RGB) of every frame of ``path``'s first video stream; a MediaError when it
+    decodes to none."""
+    with _video_stream(path) as (container, stream, _):
+        frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(stream)]
+    if not frames:
+        raise MediaError("it decodes to no frame")
+    return np.stack(frames)
+
+
 def write_video(path: pathlib.Path, frames: np.ndarray, fps: int) -> None:
     """uint8 frames ``[T, H, W, 3]`` as a lossless mp4 (RGB H.264, ``crf`` 0) at ``fps``: decodes to the same pixels."""
     import av

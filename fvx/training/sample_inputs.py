@@ -9,7 +9,12 @@ sections are (:func:`made_cut`: one latent frame more, the image's slot); each c
 in its first-frame slot, and the frame before the first chunk is the last latent of the image held still for a
 chunk's frames, encoded (the pipeline's ``fake_image_latents``); both are noised, ``x = s e + (1 - s) x`` with ``s ~
 U(0.111, 0.135)`` drawn for each (:func:`noised_start`). The video is the chunks alone, as the pipeline's (its VAE
-decodes them chunk by chunk), so ``--frames`` counts the same frames from text or from an image."""
+decodes them chunk by chunk), so ``--frames`` counts the same frames from text or from an image.
+
+Helios's chunks after a video (``HeliosPipeline(video=...)``): the video's first frame is encoded alone as the prefix
+and its last whole chunks each on its own (:func:`video_start`); the chunks made after them see them as the frames
+before (a video shorter than the history left-padded with zeros), each latent frame noised at its own ``s``, the
+prefix at one. The video made is the given chunks, clean, then the new ones; ``--frames`` counts the new ones."""
 from __future__ import annotations
 
 import pathlib
@@ -54,6 +59,34 @@ def read_first_frame(path: str | None, kind: str, model: Any, cut: sections.Sect
         raise ValueError(f"--image: {model.name} makes videos from text only (the run's data.kind={kind}); drop "
                          "--image")
     return read_image("--image", path)
+
+
+def read_video(path: str | None, kind: str, model: Any, cut: sections.SectionsConfig, image: Any) -> Any:
+    """The ``--video`` file's frames as uint8 ``[F, H, W, 3]`` (None: none); a ValueError unless the model continues a
+    video chunk by chunk (Helios's chunks) and no ``--image`` is given too, or when it does not decode."""
+    if path is None:
+        return None
+    if not (kind == SECTIONS_KIND and cut.order == "chunks"):
+        raise ValueError(f"--video: {model.name} does not continue a video (Helios's chunks; this run: "
+                         f"data.kind={kind}, data.sections.order={cut.order}); drop --video")
+    if image is not None:
+        raise ValueError("--video: give --image or --video, not both")
+    if not pathlib.Path(path).is_file():
+        raise ValueError(f"--video {path!r} does not exist")
+    try:
+        return media.read_all_frames(pathlib.Path(path))
+    except media.MediaError as error:
+        raise ValueError(f"--video {path!r}: {error}") from None
+
+
+def video_chunks(frames: int, model: Any, cut: sections.SectionsConfig) -> int:
+    """The whole chunks of a given video of ``frames`` frames (``1 + r (window - 1)`` frames each, ``r`` the VAE's
+    time stride); a ValueError when it holds none."""
+    chunk = 1 + model.latents.vae_stride[0] * (cut.window - 1)
+    if frames < chunk:
+        raise ValueError(f"--video: {model.name} continues whole chunks of {chunk} frames "
+                         f"(data.sections.window={cut.window} latent frames); the video has {frames}")
+    return frames // chunk
 
 
 def read_last_image(path: str | None, kind: str, model: Any, cut: sections.SectionsConfig) -> Any:
@@ -162,20 +195,21 @@ def read_animation(request: Any, kind: str, model: Any, frames: int) -> dict[str
     return read
 
 
-def made_cut(cut: sections.SectionsConfig, image: Any) -> sections.SectionsConfig:
-    """How a video is cut into the sections it is made in: the data's ``cut``, but Helios's chunks from an image are
-    made after it, as ``vanilla`` sections are (module docstring)."""
-    return msgspec.structs.replace(cut, order="vanilla") if image is not None and cut.order == "chunks" else cut
+def made_cut(cut: sections.SectionsConfig, start: Any) -> sections.SectionsConfig:
+    """How a video is cut into the sections it is made in: the data's ``cut``, but Helios's chunks from a ``start``
+    (an image or a video) are made after it, as ``vanilla`` sections are (module docstring)."""
+    return msgspec.structs.replace(cut, order="vanilla") if start is not None and cut.order == "chunks" else cut
 
 
 def section_shape(cut: sections.SectionsConfig, model: Any, shape: tuple[int, int, int, int],
-                  frames_asked: int | None, image: Any = None) -> tuple[int, int, int, int]:
+                  frames_asked: int | None, start: Any = None, given: int = 0) -> tuple[int, int, int, int]:
     """The latents made a section at a time in ``cut``'s sections: the video's, ``--frames``' (checked to hold whole
-    sections) or two sections by default (the data's shape is one section's), and for Helios's chunks from an
-    ``image`` one frame before them, the image's slot (module docstring)."""
+    sections) or two sections by default (the data's shape is one section's), and for Helios's chunks from a
+    ``start`` one frame before them, the start's slot, and the ``given`` latent frames of a video's chunks (module
+    docstring)."""
     video = _section_shape(cut, model, shape, frames_asked)
-    lead = int(made_cut(cut, image) is not cut)
-    return (video[0], video[1] + lead, *video[2:])
+    lead = int(made_cut(cut, start) is not cut)
+    return (video[0], video[1] + lead + given, *video[2:])
 
 
 def _section_shape(cut: sections.SectionsConfig, model: Any, shape: tuple[int, int, int, int],
@@ -220,12 +254,14 @@ class Start(NamedTuple):
     frame and the history's first-frame slot; ``before``, the frame the first section's history sees before it
     (FramePack: the image; Helios: the image held still, encoded, module docstring); ``noised``: both get Helios's
     noise before sampling, and the video is the sections alone (:attr:`shown`); ``last``: the frame the first section
-    made sees after it (FramePack's last image), or None."""
+    made sees after it (FramePack's last image), or None; ``given``: a given video's chunks ``[N, C, k W, h, w]``,
+    made before the first section (Helios's video, whose ``before`` is None: zeros), or None."""
 
     image: torch.Tensor
-    before: torch.Tensor
+    before: torch.Tensor | None
     noised: bool = False
     last: torch.Tensor | None = None
+    given: torch.Tensor | None = None
 
     @property
     def shown(self) -> bool:
@@ -237,7 +273,7 @@ class Start(NamedTuple):
         def rows(x: torch.Tensor | None) -> torch.Tensor | None:
             return None if x is None else x.to(device).expand(count, -1, -1, -1, -1)
 
-        return Start(rows(self.image), rows(self.before), self.noised, rows(self.last))
+        return Start(rows(self.image), rows(self.before), self.noised, rows(self.last), rows(self.given))
 
 
 IMAGE_NOISE = (0.111, 0.135)  # HeliosPipeline's image_noise_sigma_min/max (and video_noise_sigma_min/max)
@@ -245,32 +281,56 @@ IMAGE_NOISE_STREAM = 0x5EC7  # fold_in(sampler key, it): a video's draws of its 
 
 
 def noised_start(start: Start, keys: torch.Tensor) -> Start:
-    """``start`` as ``HeliosPipeline`` noises a given image (module docstring), each video from its sampler key
-    ``keys [N, 2]``: for the image and then the frame before, ``s ~ U(0.111, 0.135)`` and ``e ~ N(0, I)``."""
+    """``start`` as ``HeliosPipeline`` noises a given image or video (module docstring), each video from its sampler
+    key ``keys [N, 2]``: for the image, the frame before and each frame of the given chunks, ``s ~ U(0.111, 0.135)``
+    and ``e ~ N(0, I)``."""
     low, high = IMAGE_NOISE
-    noised = []
-    for i, x in enumerate((start.image, start.before)):
-        draws = torch.vmap(lambda k: random.split(random.fold_in(random.fold_in(k, IMAGE_NOISE_STREAM), i)))(keys)
-        s = low + (high - low) * torch.stack([random.uniform(k, ()) for k in draws[:, 0]]).to(x.device)
-        e = random.normal_each(draws[:, 1], tuple(x.shape[1:]), device=x.device)
-        noised.append(s.view(-1, 1, 1, 1, 1) * e + (1 - s.view(-1, 1, 1, 1, 1)) * x)
-    return start._replace(image=noised[0], before=noised[1])
+
+    def noised(x: torch.Tensor | None, stream: int, frames: int) -> torch.Tensor | None:
+        if x is None:
+            return None
+        draws = torch.vmap(lambda k: random.split(random.fold_in(random.fold_in(k, IMAGE_NOISE_STREAM), stream)))(keys)
+        s = torch.stack([random.uniform(k, (frames,)) for k in draws[:, 0]]).to(x.device)
+        s = (low + (high - low) * s).view(-1, 1, frames, 1, 1)
+        return s * random.normal_each(draws[:, 1], tuple(x.shape[1:]), device=x.device) + (1 - s) * x
+
+    given = None if start.given is None else noised(start.given, 2, start.given.shape[2])
+    return start._replace(image=noised(start.image, 0, 1), before=noised(start.before, 1, 1), given=given)
+
+
+def video_start(encoder: Any, frames: Any, height: int, width: int, model: Any,
+                cut: sections.SectionsConfig) -> Start:
+    """A given video's :class:`Start` (uint8 ``frames [F, H0, W0, 3]`` at ``height x width`` pixels) as
+    ``HeliosPipeline.prepare_video_latents`` encodes it: the first frame alone, the last whole chunks each on its own
+    (the frames before them dropped)."""
+    video = media.resize_crop(frames, height, width)  # [3, F, H, W] in [-1, 1]
+    chunk = 1 + model.latents.vae_stride[0] * (cut.window - 1)
+    count = video_chunks(video.shape[1], model, cut)
+    begin = video.shape[1] - count * chunk
+    latents = [model.normalize(encoder.encode_video(video[:, s:s + chunk])[None].float())
+               for s in range(begin, video.shape[1], chunk)]
+    prefix = model.normalize(encoder.encode_video(video[:, :1])[None].float())
+    return Start(prefix, None, noised=True, given=torch.cat(latents, dim=2))
 
 
 def section_condition(encoder: Any, image: Any, shape: tuple[int, int, int, int], model: Any,
-                      cut: sections.SectionsConfig, last: Any = None) -> tuple[dict[str, Any], Start | None]:
+                      cut: sections.SectionsConfig, last: Any = None,
+                      video: Any = None) -> tuple[dict[str, Any], Start | None]:
     """A section model's condition as its data stores it (the start image's features when the model reads them; a
     placeholder history the sampler replaces section by section) and, given an ``image``, its :class:`Start`
     (Helios's chunks: ``cut.order`` chunks; the module docstring). A ``last`` image (FramePack's) is the frame after
     the video, its features averaged with the start image's, as ``HunyuanVideoFramepackPipeline`` takes
-    ``last_image``."""
+    ``last_image``; a ``video`` (Helios's) is continued (:func:`video_start`)."""
     channels, frames, height, width = shape
     blank = torch.zeros(channels, frames, height, width)
+    start = image if video is None else video
     extra = {"framepack_history": torch.zeros(channels, sections.HISTORY, height, width).numpy(),
-             "frame_indices": sections.history_of(blank, 0, made_cut(cut, image))["frame_indices"].numpy()}
+             "frame_indices": sections.history_of(blank, 0, made_cut(cut, start))["frame_indices"].numpy()}
+    stride_t, stride_h, stride_w = model.latents.vae_stride
+    if video is not None:
+        return extra, video_start(encoder, video, height * stride_h, width * stride_w, model, cut)
     if image is None:
         return extra, None
-    stride_t, stride_h, stride_w = model.latents.vae_stride
     first = media.resize_crop(image, height * stride_h, width * stride_w)  # [3, 1, H, W] in [-1, 1]
     end = None if last is None else media.resize_crop(last, height * stride_h, width * stride_w)
     if "image_embeds" in model.cond:
@@ -319,13 +379,14 @@ def animation_condition(encoder: Any, image: Any, animation: dict[str, Any], sha
 
 def given_condition(kind: str, encoder: Any, image: Any, control: dict[str, Any] | None,
                     actions: dict[str, Any] | None, shape: tuple[int, int, int, int], model: Any,
-                    cut: sections.SectionsConfig, last: Any = None) -> tuple[dict[str, Any] | None, Start | None]:
+                    cut: sections.SectionsConfig, last: Any = None,
+                    video: Any = None) -> tuple[dict[str, Any] | None, Start | None]:
     """The condition ``sample``'s inputs make for videos of latents ``shape`` (the first segment's, for an
     animation), with the actions' rows, and a section model's given :class:`Start` (None: none; ``last``: its last
-    image)."""
+    image; ``video``: the video it continues)."""
     given, first = None, None
     if kind == SECTIONS_KIND:
-        given, first = section_condition(encoder, image, shape, model, cut, last)
+        given, first = section_condition(encoder, image, shape, model, cut, last, video)
     elif kind == ANIMATE_KIND and control is not None:
         segment = {name: video[:video_frames(model, shape)] for name, video in control.items()}
         given = animation_condition(encoder, image, segment, shape, model)

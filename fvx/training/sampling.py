@@ -31,8 +31,8 @@ from fvx.training import (export as fexport, preprocessing, progress as fprogres
 from fvx.training.experiment import build_models, role_configs, run_keys
 from fvx.training.sample_inputs import (ACTIONS_KIND, ANIMATE_KIND, SECTIONS_KIND, Start, animation_condition,
                                         given_condition, made_cut, noised_start, read_actions, read_animation,
-                                        read_control, read_first_frame, read_last_image, reflect_pad,
-                                        section_shape, video_frames, video_shape)
+                                        read_control, read_first_frame, read_last_image, read_video, reflect_pad,
+                                        section_shape, video_chunks, video_frames, video_shape)
 
 SAMPLES = "samples.json"
 SCHEDULES = ("fvx", "diffusers", "model")
@@ -67,6 +67,7 @@ class Request(NamedTuple):
     jumps: int | None = None
     image: str | None = None
     last_image: str | None = None  # FramePack's (inverted anti-drifting sections) last frame to aim for
+    video: str | None = None  # a video Helios continues (its chunks)
     actions: str | None = None  # a Matrix-Game model's action file (data.kind=matrixgame2)
     control: str | None = None  # a VACE model's control video (data.kind=vace), its mask and reference image
     mask: str | None = None
@@ -363,12 +364,18 @@ def draw_sections(sampler: validation.Sampler, noise: torch.Tensor, cond: dict[s
     history the frames made so far give it; ``given``: the video's given start (its image the first frame, or with
     Helios's noise, from each video's sampler key ``keys [N, 2]``, the chunks' condition alone: the latents made after
     it; its last image the frame the first section made sees after it, as ``HunyuanVideoFramepackPipeline`` puts
-    ``last_image`` in its first section's 1x history), or None."""
+    ``last_image`` in its first section's 1x history; a given video's chunks, which the new sections follow), or
+    None."""
     known = torch.zeros_like(noise)
     seen = None if given is None else noised_start(given, keys) if given.noised else given
-    if seen is not None:
+    made_before = 0 if given is None or given.given is None else given.given.shape[2]  # a given video's chunks
+    if seen is not None and seen.before is not None:
         known[:, :, :1] = seen.before
-    for i, n in enumerate(sections.making_order(sections.count(noise.shape[2], config), config)):
+    if made_before:
+        known[:, :, 1:1 + made_before] = seen.given
+    order = [n for n in sections.making_order(sections.count(noise.shape[2], config), config)
+             if sections.first_frame(config, n) > made_before]
+    for i, n in enumerate(order):
         start, window = sections.first_frame(config, n), config.window
         parts = [sections.history_of(row, n, config) for row in known]
         history = torch.stack([p["history"] for p in parts])
@@ -382,6 +389,8 @@ def draw_sections(sampler: validation.Sampler, noise: torch.Tensor, cond: dict[s
         known = torch.cat([known[:, :, :start], made.to(known.dtype), known[:, :, start + window:]], dim=2)
     if given is None:
         return known
+    if made_before:  # the video made: the given chunks as given, then the new ones
+        known[:, :, 1:1 + made_before] = given.given
     return torch.cat([given.image, known[:, :, 1:]], dim=2) if given.shown else known[:, :, 1:]
 
 
@@ -459,6 +468,7 @@ class Plan(NamedTuple):
     segments: tuple[int, ...] = ()  # an animation's segments: the first video frame of each
     frames: int | None = None  # an animation's video frames
     last: Any = None  # the --last-image pixels, uint8 [1, H, W, 3], or None
+    video: Any = None  # the --video frames, uint8 [F, H, W, 3], or None
 
 
 def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
@@ -480,10 +490,13 @@ def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
     model = models[source.role]
     image = read_first_frame(request.image, config.data.kind, model, config.data.sections)
     last = read_last_image(request.last_image, config.data.kind, model, config.data.sections)
+    video = read_video(request.video, config.data.kind, model, config.data.sections, image)
     animating = config.data.kind == ANIMATE_KIND  # segments of the trained length, as many as --frames takes
     shape = latent_shape(config, model, request._replace(frames=None) if animating else request)
     if config.data.kind == SECTIONS_KIND:
-        shape = section_shape(config.data.sections, model, shape, request.frames, image)
+        cut = config.data.sections
+        given = 0 if video is None else video_chunks(len(video), model, cut) * cut.window
+        shape = section_shape(cut, model, shape, request.frames, image if video is None else video, given)
     acts = read_actions(request.actions, config.data.kind, model, video_frames(model, shape))
     control = read_control(request, config.data.kind, model, video_frames(model, shape))
     segment = video_frames(model, shape)
@@ -520,7 +533,7 @@ def plan(request: Request, say: Callable[[str], None] = print) -> Plan:
     return Plan(request, source, model, models, sampler, shape, vcfg, image, control, front, acts,
                 preprocessing.prompt_encoder(config, source.role, request.base, config.data.kind),
                 _decoder(config, source.role, request.base), sound, out,
-                videos(request.prompts, request.num_per_prompt, request.seed), tuple(starts), frames, last)
+                videos(request.prompts, request.num_per_prompt, request.seed), tuple(starts), frames, last, video)
 
 
 def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: bool = True,
@@ -533,7 +546,7 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
     encoder = p.encoder()  # the text encoder first, then freed: it and the DiT are never held together (an animation
     # of several segments keeps it, its text encoder on the CPU, to encode the frames each segment begins with)
     given, first = given_condition(config.data.kind, encoder, p.image, p.control, p.actions,
-                                   video_shape(p.shape), p.model, config.data.sections, p.last)
+                                   video_shape(p.shape), p.model, config.data.sections, p.last, p.video)
     cond = tree.to_device(encoded_cond(config, p.model, encoder, request.prompts, given), device)
     uncond = _uncond(config, p.model, encoder, request.negative_prompt, p.vcfg, device)
     segment_encoder = encoder if len(p.segments) > 1 else None  # a later segment encodes the frames made before it
@@ -558,7 +571,7 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
         else:
             if config.data.kind == SECTIONS_KIND:
                 latents = draw_sections(sampler, noise, rows_cond, keys, uncond, p.vcfg.guidance_scale,
-                                        made_cut(config.data.sections, p.image),
+                                        made_cut(config.data.sections, p.image if p.video is None else p.video),
                                         None if first is None else first.to(device, len(batch)))
             else:
                 latents, _ = validation.draw(sampler, noise, rows_cond, keys, uncond, p.vcfg.guidance_scale)
@@ -678,8 +691,8 @@ def _record(p: Plan, sampler: validation.Sampler, entries: list[dict[str, Any]],
         "batch_size": request.batch_size,
         "base": request.base, "image": None if request.image is None else str(pathlib.Path(request.image).absolute()),
         **{name: None if path is None else str(pathlib.Path(path).absolute())
-           for name, path in (("last_image", request.last_image), ("actions", request.actions),
-                              ("control", request.control), ("mask", request.mask),
+           for name, path in (("last_image", request.last_image), ("video", request.video),
+                              ("actions", request.actions), ("control", request.control), ("mask", request.mask),
                               ("reference", request.reference), ("pose", request.pose), ("face", request.face),
                               ("background", request.background))},
         **({"frames": p.frames, "segments": list(p.segments)} if p.segments else {}),

@@ -1,6 +1,7 @@
 """A section video's given start (fvx.training.sample_inputs.Start): Helios's chunks from an image against
 HeliosPipeline's history bookkeeping, written out from diffusers' pipeline_helios.py, and the start's noise."""
 import numpy
+import pytest
 import torch
 
 from fvx.core import random
@@ -103,3 +104,47 @@ def test_a_last_image_averages_the_image_features_and_is_encoded_as_the_start_is
     numpy.testing.assert_allclose(extra["image_embeds"], [[0.5, 0.5]], atol=1e-6)
     assert torch.allclose(start.image, torch.full_like(start.image, -2.0))  # dark: -1, normalised
     assert torch.allclose(start.last, torch.full_like(start.last, 2.0))
+
+
+def pipeline_video_histories(prefix, video, chunks_made):
+    """``HeliosPipeline(video=...)``'s histories, written out (``pipeline_helios.py``: the 19 zero frames replaced by
+    the noised video latents, left-padded when shorter; every chunk's prefix the noised first frame; each chunk
+    appended): the ``framepack_history`` each new chunk sees, in fvx's layout (first, 1x, 2x, 4x)."""
+    frames = video.shape[2]
+    history = video if frames >= 19 else torch.cat([torch.zeros(1, C, 19 - frames, H, W), video], dim=2)
+    seen = []
+    for chunk in chunks_made:
+        long, mid, short = history[:, :, -19:].split([16, 2, 1], dim=2)
+        seen.append(torch.cat([prefix, short, mid, long], dim=2))
+        history = torch.cat([history, chunk], dim=2)
+    return seen
+
+
+@pytest.mark.parametrize("chunks", [1, 10])  # a video shorter than the history, and one longer
+def test_helios_chunks_after_a_video_see_the_pipelines_history(monkeypatch, chunks):
+    seen = []
+
+    def draw(sampler, noise, cond, keys, uncond, guidance):
+        seen.append(cond)
+        return torch.full_like(noise, float(len(seen))), None
+
+    monkeypatch.setattr(validation, "draw", draw)
+    prefix, video = torch.randn(1, C, 1, H, W), torch.randn(1, C, chunks * WINDOW, H, W)
+    start, keys = Start(prefix, None, noised=True, given=video), random.key(5)[None]
+    cut = sample_inputs.made_cut(SectionsConfig(window=WINDOW, order="chunks"), video)
+    total = 1 + (chunks + 2) * WINDOW  # the first frame's slot, the video's chunks, two new ones
+    made = sampling.draw_sections(None, torch.zeros(1, C, total, H, W), {}, keys, None, 1.0, cut, start)
+    noised = sample_inputs.noised_start(start, keys)
+    new = [torch.full((1, C, WINDOW, H, W), float(n + 1)) for n in range(2)]
+    want = pipeline_video_histories(noised.image, noised.given, new)
+    assert len(seen) == 2 and all(torch.equal(cond["framepack_history"], history)
+                                  for cond, history in zip(seen, want))
+    assert torch.equal(made, torch.cat([video, *new], dim=2))  # the given chunks as given, then the new ones
+
+
+def test_each_frame_of_a_given_video_is_noised_at_its_own_level():
+    video = torch.ones(1, 4, 3, 64, 64)
+    noised = sample_inputs.noised_start(Start(torch.ones(1, 4, 1, 64, 64), None, noised=True, given=video),
+                                        random.key(0)[None])
+    spread = [noised.given[0, :, f].std().item() for f in range(3)]
+    assert noised.before is None and all(0.105 < s < 0.141 for s in spread) and len(set(spread)) == 3

@@ -443,6 +443,15 @@ def test_a_section_model_makes_its_video_a_section_at_a_time(section_models, tmp
     from_text = sampling.run_sample(sampling.Request(str(helios), (RED_RIGHT,), out=str(tmp_path / "ht"), seed=2),
                                     progress=False)
     assert not torch.equal(started[0]["latents"], from_text["latents"])
+    # Helios after a video: a world clip of 4 frames is two whole chunks of 2; two new chunks follow them
+    clip = WorldDataset(run_folder.load_run(helios).data.world, random.key(0), kind="t2v", collate=None).clip(0)
+    media.write_video(tmp_path / "clip.mp4", ((clip + 1) * 127.5).round().clip(0, 255).astype(numpy.uint8)
+                      .transpose(1, 2, 3, 0), 16)
+    continued = sampling.run_sample(sampling.Request(str(helios), (RED_RIGHT,), out=str(tmp_path / "hv"),
+                                                     video=str(tmp_path / "clip.mp4")), progress=False)
+    assert continued["latents"].shape == (1, 48, 8, 4, 4)
+    torch.testing.assert_close(continued["frames"][0][:, :4], torch.from_numpy(clip) / 2 + 0.5, rtol=0, atol=3 / 255)
+    assert json.loads((tmp_path / "hv" / sampling.SAMPLES).read_text())["video"] == str(tmp_path / "clip.mp4")
 
 
 def test_section_models_refuse_a_missing_image_and_a_length_of_no_whole_sections(section_models, tmp_path, capsys):
@@ -457,6 +466,13 @@ def test_section_models_refuse_a_missing_image_and_a_length_of_no_whole_sections
         capsys, helios, "--prompt", RED_RIGHT, "--image", image, "--last-image", image, "--out", out)
     assert "--last-image 'nowhere.png' does not exist" in bad(
         capsys, framepack, "--prompt", RED_RIGHT, "--image", image, "--last-image", "nowhere.png", "--out", out)
+    assert "does not continue a video (Helios's chunks" in bad(capsys, framepack, "--prompt", RED_RIGHT, "--image",
+                                                               image, "--video", image, "--out", out)
+    assert "give --image or --video, not both" in bad(capsys, helios, "--prompt", RED_RIGHT, "--image", image,
+                                                        "--video", image, "--out", out)
+    media.write_video(tmp_path / "one.mp4", numpy.zeros((1, 16, 16, 3), numpy.uint8), 16)
+    assert "continues whole chunks of 2 frames (data.sections.window=2 latent frames); the video has 1" in bad(
+        capsys, helios, "--prompt", RED_RIGHT, "--video", tmp_path / "one.mp4", "--out", out)
     for start in ((), ("--image", image)):  # from an image as from text: the chunks' frames
         assert "whole sections of data.sections.window=2 latent frames (chunks): e.g. 2, 4, 6" in bad(
             capsys, helios, "--prompt", RED_RIGHT, *start, "--frames", 5, "--out", out)
