@@ -126,25 +126,35 @@ def pipeline_files(config: Wan22MoEConfig, folder: pathlib.Path) -> None:
         boundary_ratio=config.boundary, expand_timesteps=False)
 
 
+ROUTER_REFUSAL = "its router splits the batch between the experts by timestep (data-dependent shapes)"
+
+
+def per_expert(patterns: tuple[str, ...]) -> tuple[str, ...]:
+    """Module name ``patterns`` of one expert, for both (``transformer.<pattern>``, ``transformer_2.<pattern>``)."""
+    return tuple(f"{expert}.{pattern}" for expert in EXPERTS for pattern in patterns)
+
+
+def expert_checkpoints(files: Any) -> dict[str, Any]:
+    """A two-expert family's checkpoint fields: each expert a pipeline component (tagged with Comfy-Org's and
+    musubi-tuner's names), and its pipeline's ``files``."""
+    return {"components": {expert: f"{expert}." for expert in EXPERTS}, "pipeline_files": files,
+            "component_notes": {"transformer": "the high-noise expert", "transformer_2": "the low-noise expert"},
+            "component_tags": {"transformer": "high_noise", "transformer_2": "low_noise"}}
+
+
 WAN_MOE = wan.WAN.variant(
     name="wan_moe",
     presets=PRESETS,
     architecture={
         "skeleton": skeleton,
-        "unit_groups": {"blocks": tuple(f"{expert}.blocks" for expert in EXPERTS)},
+        "unit_groups": {"blocks": per_expert(("blocks",))},
         "sequence_parallel": None,
-        "self_attention": tuple(f"{expert}.blocks.*.attn1" for expert in EXPERTS),
-        "linear_qat": tuple(f"{expert}.{pattern}" for expert in EXPERTS for pattern in wan.NVFP4_LINEARS),
-        "whole_graph_refusal": "its router splits the batch between the experts by timestep (data-dependent shapes)",
+        "self_attention": per_expert(("blocks.*.attn1",)),
+        "linear_qat": per_expert(wan.NVFP4_LINEARS),
+        "whole_graph_refusal": ROUTER_REFUSAL,
     },
     forward={"inputs": inputs},
-    checkpoints={
-        "components": {expert: f"{expert}." for expert in EXPERTS},
-        "pipeline_files": pipeline_files,
-        "component_notes": {"transformer": "the high-noise expert", "transformer_2": "the low-noise expert"},
-        # Comfy-Org's and musubi-tuner's names
-        "component_tags": {"transformer": "high_noise", "transformer_2": "low_noise"},
-    },
+    checkpoints=expert_checkpoints(pipeline_files),
     training={"step_ranges": step_ranges},
 )
 """Wan's spec with two experts: their components, one unit group of both experts' blocks, the router's inputs, one

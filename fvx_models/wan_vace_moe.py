@@ -63,27 +63,18 @@ def pipeline_files(config: WanVACEMoEConfig, folder: pathlib.Path) -> None:
         boundary_ratio=config.boundary)
 
 
-def _both(patterns: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(f"{expert}.{pattern}" for expert in EXPERTS for pattern in patterns)
-
-
 WAN_VACE_MOE = wan_vace.WAN_VACE.variant(
     name="wan_vace_moe",
     presets=PRESETS,
     architecture={
         "skeleton": skeleton,
-        "unit_groups": {"blocks": _both(("blocks",)), "vace_blocks": _both(("vace_blocks",))},
-        "self_attention": _both(("blocks.*.attn1", "vace_blocks.*.attn1")),
-        "linear_qat": _both(wan.NVFP4_LINEARS),
-        "whole_graph_refusal": "its router splits the batch between the experts by timestep (data-dependent shapes)",
+        "unit_groups": {"blocks": wan_moe.per_expert(("blocks",)), "vace_blocks": wan_moe.per_expert(("vace_blocks",))},
+        "self_attention": wan_moe.per_expert(("blocks.*.attn1", "vace_blocks.*.attn1")),
+        "linear_qat": wan_moe.per_expert(wan.NVFP4_LINEARS),
+        "whole_graph_refusal": wan_moe.ROUTER_REFUSAL,
     },
     forward={"inputs": inputs},
-    checkpoints={
-        "components": {expert: f"{expert}." for expert in EXPERTS},
-        "pipeline_files": pipeline_files,
-        "component_notes": {"transformer": "the high-noise expert", "transformer_2": "the low-noise expert"},
-        "component_tags": {"transformer": "high_noise", "transformer_2": "low_noise"},
-    },
+    checkpoints=wan_moe.expert_checkpoints(pipeline_files),
     training={"step_ranges": wan_moe.step_ranges},
 )
 """Wan VACE's spec with two experts (Wan 2.2 A14B's router and training ranges): both experts' blocks one unit group,
