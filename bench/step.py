@@ -121,6 +121,8 @@ CASES = {
     "easyanimate": (EasyAnimateConfig(preset="tiny"), (16, 2, 16, 16), 4),  # MMDiT: text and video in one attention
     "motif-video": (MotifVideoConfig(preset="tiny"), (16, 2, 16, 16), 4),  # dual- then single-stream blocks
     "kandinsky6": (Kandinsky6Config(preset="tiny"), (16, 2, 16, 16), 4),  # video-only: the audio branch frozen
+    "kandinsky6-t2va": (Kandinsky6Config(preset="tiny", train_audio=True),  # joint: video and audio at one level
+                        {"video": (16, 2, 16, 16), "audio": (1, 20, 32)}, 4),
     "framepack": (FramepackConfig(preset="tiny"), (16, 2, 16, 16), 1),  # a section and its history; one sample
     "helios": (HeliosConfig(preset="tiny"), (16, 2, 16, 16), 4),  # a chunk and its memory (training corrupts it)
     "ltx-video": (LTXVideoConfig(preset="tiny"), (8, 2, 16, 16), 4),
@@ -240,12 +242,7 @@ def baseline_draws(config, model, batch, state, step: int):
     shapes = {name: tuple(x.shape[1:]) for name, x in x0.items()} if joint else tuple(x0.shape[1:])
     device = x0["video"].device if joint else x0.device
     noise, t_keys = flow.per_sample_noise(key, batch["sample_index"], shapes, device)
-    if model.rules.sigma_sampler is not None:
-        sigma, t = model.rules.sigma_sampler(t_keys, x0)
-    else:
-        grid = flow.training_sigmas(config.flow_shift)
-        sigma, t = flow.sample_training_sigmas(t_keys, grid, config.weighting_scheme, logit_mean=config.logit_mean,
-                                               logit_std=config.logit_std, mode_scale=config.mode_scale)
+    sigma, t = finetune.draw_sigmas(t_keys, x0, model=model, config=config)
     cond = batch["cond"]
     if model.rules.corrupt_cond is not None:
         cond = model.rules.corrupt_cond(torch.vmap(lambda k: random.fold_in(k, finetune.CORRUPT_STREAM))(t_keys), cond)
