@@ -45,9 +45,9 @@ def skeleton(config: WanVACEMoEConfig) -> wan_moe.TwoExperts:
 def inputs(config: WanVACEMoEConfig, x_t: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor],
            sharded: bool) -> dict[str, Any]:
     """The router's arguments: Wan's, each sample's context and the context scale (``wan_vace.context_inputs``)."""
-    context = wan_vace.context_inputs(config, x_t, cond)
-    scale = {name: context.pop(name) for name in list(context) if name == "control_hidden_states_scale"}
-    return {**wan_moe.inputs(config, x_t, t, cond, sharded), "per_sample": context, "shared": scale}
+    per_sample = wan_vace.context_inputs(config, x_t, cond)
+    shared = {name: per_sample.pop(name) for name in ("control_hidden_states_scale",) if name in per_sample}
+    return {**wan_moe.inputs(config, x_t, t, cond, sharded), "per_sample": per_sample, "shared": shared}
 
 
 def pipeline_files(config: WanVACEMoEConfig, folder: pathlib.Path) -> None:

@@ -18,7 +18,7 @@ prefix at one. The video made is the given chunks, clean, then the new ones; ``-
 from __future__ import annotations
 
 import pathlib
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import msgspec
 import torch
@@ -58,7 +58,7 @@ def read_first_frame(path: str | None, kind: str, model: Any, cut: sections.Sect
     if not (needs or (kind == SECTIONS_KIND and cut.order == "chunks")):
         raise ValueError(f"--image: {model.name} makes videos from text only (the run's data.kind={kind}); drop "
                          "--image")
-    return read_image("--image", path)
+    return read_file("--image", path, media.read_image)
 
 
 def read_video(path: str | None, kind: str, model: Any, cut: sections.SectionsConfig, image: Any) -> Any:
@@ -71,18 +71,19 @@ def read_video(path: str | None, kind: str, model: Any, cut: sections.SectionsCo
                          f"data.kind={kind}, data.sections.order={cut.order}); drop --video")
     if image is not None:
         raise ValueError("--video: give --image or --video, not both")
-    if not pathlib.Path(path).is_file():
-        raise ValueError(f"--video {path!r} does not exist")
-    try:
-        return media.read_all_frames(pathlib.Path(path))
-    except media.MediaError as error:
-        raise ValueError(f"--video {path!r}: {error}") from None
+    return read_file("--video", path, media.read_all_frames)
+
+
+def chunk_frames(model: Any, cut: sections.SectionsConfig) -> int:
+    """The video frames of one section of ``cut.window`` latent frames: ``1 + r (window - 1)``, ``r`` the VAE's time
+    stride."""
+    return 1 + model.latents.vae_stride[0] * (cut.window - 1)
 
 
 def video_chunks(frames: int, model: Any, cut: sections.SectionsConfig) -> int:
-    """The whole chunks of a given video of ``frames`` frames (``1 + r (window - 1)`` frames each, ``r`` the VAE's
-    time stride); a ValueError when it holds none."""
-    chunk = 1 + model.latents.vae_stride[0] * (cut.window - 1)
+    """The whole chunks (:func:`chunk_frames` each) of a given video of ``frames`` frames; a ValueError when it holds
+    none."""
+    chunk = chunk_frames(model, cut)
     if frames < chunk:
         raise ValueError(f"--video: {model.name} continues whole chunks of {chunk} frames "
                          f"(data.sections.window={cut.window} latent frames); the video has {frames}")
@@ -99,16 +100,16 @@ def read_last_image(path: str | None, kind: str, model: Any, cut: sections.Secti
         raise ValueError(f"--last-image: {model.name} does not make its video last section first from a start image "
                          f"(FramePack's inverted_anti_drifting sections; this run: data.kind={kind}, "
                          f"data.sections.order={cut.order}); drop --last-image")
-    return read_image("--last-image", path)
+    return read_file("--last-image", path, media.read_image)
 
 
-def read_image(flag: str, path: str) -> Any:
-    """The image file ``path`` of option ``flag`` as uint8 ``[1, H, W, 3]``; a ValueError naming both when it is
-    missing or does not decode."""
+def read_file(flag: str, path: str, read: Callable[[pathlib.Path], Any]) -> Any:
+    """The file ``path`` of option ``flag`` through ``read`` (``media.read_image``: uint8 ``[1, H, W, 3]``;
+    ``media.read_all_frames``: ``[F, H, W, 3]``); a ValueError naming both when it is missing or does not decode."""
     if not pathlib.Path(path).is_file():
         raise ValueError(f"{flag} {path!r} does not exist")
     try:
-        return media.read_image(pathlib.Path(path))
+        return read(pathlib.Path(path))
     except media.MediaError as error:
         raise ValueError(f"{flag} {path!r}: {error}") from None
 
@@ -304,7 +305,7 @@ def video_start(encoder: Any, frames: Any, height: int, width: int, model: Any,
     ``HeliosPipeline.prepare_video_latents`` encodes it: the first frame alone, the last whole chunks each on its own
     (the frames before them dropped)."""
     video = media.resize_crop(frames, height, width)  # [3, F, H, W] in [-1, 1]
-    chunk = 1 + model.latents.vae_stride[0] * (cut.window - 1)
+    chunk = chunk_frames(model, cut)
     count = video_chunks(video.shape[1], model, cut)
     begin = video.shape[1] - count * chunk
     latents = [model.normalize(encoder.encode_video(video[:, s:s + chunk])[None].float())
@@ -326,7 +327,7 @@ def section_condition(encoder: Any, image: Any, shape: tuple[int, int, int, int]
     start = image if video is None else video
     extra = {"framepack_history": torch.zeros(channels, sections.HISTORY, height, width).numpy(),
              "frame_indices": sections.history_of(blank, 0, made_cut(cut, start))["frame_indices"].numpy()}
-    stride_t, stride_h, stride_w = model.latents.vae_stride
+    _, stride_h, stride_w = model.latents.vae_stride
     if video is not None:
         return extra, video_start(encoder, video, height * stride_h, width * stride_w, model, cut)
     if image is None:
@@ -342,7 +343,7 @@ def section_condition(encoder: Any, image: Any, shape: tuple[int, int, int, int]
     if cut.order != "chunks":
         after = None if end is None else model.normalize(encoder.encode_video(end)[None].float())
         return extra, Start(latents, latents, last=after)
-    held = first.expand(-1, 1 + stride_t * (cut.window - 1), -1, -1)  # the image as a still chunk
+    held = first.expand(-1, chunk_frames(model, cut), -1, -1)  # the image as a still chunk
     return extra, Start(latents, model.normalize(encoder.encode_video(held)[None, :, -1:].float()), noised=True)
 
 
