@@ -64,6 +64,7 @@ from fvx_models.allegro import AllegroConfig  # noqa: E402
 from fvx_models.chronoedit import ChronoEditConfig  # noqa: E402
 from fvx_models.cogvideox import CogVideoXConfig  # noqa: E402
 from fvx_models.cosmos import CosmosConfig  # noqa: E402
+from fvx_models.cosmos3 import Cosmos3Config  # noqa: E402
 from fvx_models.easyanimate import EasyAnimateConfig  # noqa: E402
 from fvx_models.hunyuan_video import HunyuanVideoConfig  # noqa: E402
 from fvx_models.hunyuan_video15 import HunyuanVideo15Config  # noqa: E402
@@ -130,6 +131,7 @@ CASES = {
     "kandinsky5": (Kandinsky5Config(preset="tiny"), (16, 2, 16, 16), 4),
     "ltx2": (LTX2Config(preset="tiny"), (8, 2, 16, 16), 4),
     "minimax-h3": (MiniMaxH3Config(preset="tiny"), {"video": (48, 2, 8, 8), "audio": (2, 32, 16)}, 1),
+    "cosmos3": (Cosmos3Config(preset="tiny"), (16, 2, 16, 16), 1),  # one packed text-and-video sequence; one sample
     "cpu-4x256": (wan.WanConfig(preset="bench-cpu-4x256"), (16, 4, 32, 32), 1),
     "ltx2-mid": (LTX2Config(preset="bench-mid-4x256"), (8, 4, 16, 16), 1),
     # the same with NVFP4 linear QAT (fvx_models.linear_qat's reference) on LTX-2's curated set, against the same
@@ -146,6 +148,7 @@ DIST_REFUSED = {  # case -> why the 2-process table cannot run it
     "wan-a14b": "its FSDP2 peer deadlocks: each rank's router sends its samples to the expert of its own timesteps",
     "minimax-h3": "it takes one sample per forward, so the 1-process column's batch of 2 would need grad_accum",
     "framepack": "it takes one sample per forward, so the 1-process column's batch of 2 would need grad_accum",
+    "cosmos3": "it takes one sample per forward, so the 1-process column's batch of 2 would need grad_accum",
 }
 VARIANTS = {"fvx": "none", "fvx_blocks": "blocks"}  # name -> ModelConfig.compile
 # sharded only: units keep their gathered params from forward to backward, beside FSDP2 doing the same
@@ -174,6 +177,8 @@ def make_batch(model, latent_shape, batch_size: int) -> dict:
             for name, shape in shapes.items()}
     if "frame_indices" in cond:  # positions: the section first, then its history
         cond["frame_indices"] = torch.arange(shapes["frame_indices"][1]).float().expand(shapes["frame_indices"])
+    if model.cond.get("text") == ("L", 1):  # a prompt as token ids (Cosmos 3): ids in its vocabulary
+        cond["text"] = torch.randint(0, 64, shapes["text"], generator=g).float()
     latents = ({name: torch.randn(batch_size, *shape, generator=g) for name, shape in latent_shape.items()}
                if isinstance(latent_shape, dict) else torch.randn(batch_size, *latent_shape, generator=g))
     return {"latents": latents, "cond": cond, "sample_index": torch.arange(batch_size)}

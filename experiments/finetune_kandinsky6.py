@@ -20,20 +20,24 @@ On Kandinsky 6 (a local diffusers folder):
         models.student.path=/models/Kandinsky-6 models.student.compute_dtype=bf16 models.student.remat=true \\
         models.student.lora.rank=64 data.world=null data.path=/data/my_dataset data.text_len=1025 data.batch_size=8 \\
         method.optim.lr=1e-4 validation.num_steps=50
+Image-to-video (the pipeline's `image=`: the first frame's latents appended as a clean reference frame; data of kind
+i2v, whose `first_frame_latent` the preprocessing encodes as the pipeline encodes the image); `sample RUN --image
+first.png` then makes a video from a picture:
+    python -m fvx.run experiments/finetune_kandinsky6.py data.kind=i2v models.student.first_frame=true
 The toy world with sound (a stereo tone whose pitch follows the prompt), video and audio trained together; each
 validation writes a GIF and a `.wav` per prompt, and `pitch_match` / `audio_mse` show the sound learning:
-    python -m fvx.run experiments/finetune_kandinsky6.py models.student.train_audio=true data.kind=t2va \
+    python -m fvx.run experiments/finetune_kandinsky6.py models.student.train_audio=true data.kind=t2va \\
         audio_vae=audio_frames
 On Kandinsky 6 with its audio (preprocess at the audio VAE's rate; the audio decoder reads `audio_vae/` and `vocoder/`
 of the base model for validation):
-    python -m fvx.run preprocess experiments/finetune_kandinsky6.py --videos /data/my_clips --out /data/my_av_dataset \
-        models.student.preset=kandinsky6 models.student.path=/models/Kandinsky-6 data.world=null data.kind=t2va \
-        data.preprocess.num_frames=121 data.preprocess.max_height=512 data.preprocess.max_width=768 \
+    python -m fvx.run preprocess experiments/finetune_kandinsky6.py --videos /data/my_clips --out /data/my_av_dataset \\
+        models.student.preset=kandinsky6 models.student.path=/models/Kandinsky-6 data.world=null data.kind=t2va \\
+        data.preprocess.num_frames=121 data.preprocess.max_height=512 data.preprocess.max_width=768 \\
         data.preprocess.audio_rate=44100
-    torchrun --nproc-per-node 8 -m fvx.run experiments/finetune_kandinsky6.py models.student.preset=kandinsky6 \
-        models.student.path=/models/Kandinsky-6 models.student.train_audio=true models.student.compute_dtype=bf16 \
-        models.student.remat=true data.world=null data.kind=t2va data.path=/data/my_av_dataset data.text_len=1025 \
-        data.batch_size=8 method.optim.lr=1e-5 validation.num_steps=50 audio_vae=kandinsky6_audio \
+    torchrun --nproc-per-node 8 -m fvx.run experiments/finetune_kandinsky6.py models.student.preset=kandinsky6 \\
+        models.student.path=/models/Kandinsky-6 models.student.train_audio=true models.student.compute_dtype=bf16 \\
+        models.student.remat=true data.world=null data.kind=t2va data.path=/data/my_av_dataset data.text_len=1025 \\
+        data.batch_size=8 method.optim.lr=1e-5 validation.num_steps=50 audio_vae=kandinsky6_audio \\
         audio_vae.path=/models/Kandinsky-6
 """
 import msgspec

@@ -32,7 +32,8 @@ from fvx.training.experiment import Experiment, RunConfig
 from fvx.training.validation import ValidationConfig
 from fvx_methods.finetune import Finetune
 from fvx_models.lora import LoRAConfig
-from fvx_models.wan_animate import DIFFSYNTH_LORA_TARGETS, WanAnimateConfig
+from fvx_models.wan import DIFFSYNTH_LORA_TARGETS
+from fvx_models.wan_animate import WanAnimateConfig
 from fvx_models.wan_vae import WanVAEConfig
 
 

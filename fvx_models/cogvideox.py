@@ -301,18 +301,9 @@ def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
     return list(embeds)
 
 
-def encode_first_frame(pipe: Any, video: torch.Tensor) -> torch.Tensor:
-    """Image-to-video's condition as ``CogVideoXImageToVideoPipeline.prepare_latents`` makes it: the first frame
-    encoded alone (the mean; the pipeline samples) times the VAE's ``scaling_factor``, then zero latent frames to the
-    clip's latent length: ``[B, C, t, h, w]``."""
-    first = fencoders.latent_mean(pipe.vae, video[:, :, :1]).float() * pipe.vae.config.scaling_factor
-    frames = (video.shape[2] - 1) // pipe.vae_scale_factor_temporal + 1
-    return torch.cat([first, first.new_zeros(*first.shape[:2], frames - 1, *first.shape[3:])], dim=2)
-
-
 ENCODERS = fencoders.Encoders(
     pipeline="CogVideoXPipeline", text=("tokenizer", "text_encoder"), encode_text=encode_text,
-    encode_video=lambda pipe, video: fencoders.latent_mean(pipe.vae, video), first_frame=encode_first_frame,
+    encode_video=lambda pipe, video: fencoders.latent_mean(pipe.vae, video), first_frame=fencoders.scaled_first_frame,
     frame_step=4, pixel_multiple=16, audio_refusal="CogVideoX makes no sound")
 """CogVideoX's encoders: T5 at 226 tokens (all of them), the VAE's posterior mean in its own scale (the preset's
 ``scaling_factor`` scales it into the DiT's input) and, for image-to-video, the first frame's latents scaled as its

@@ -20,7 +20,7 @@ the temporal RoPE by 24 / fps, so fvx passes no fps, as diffusers' pipeline does
 
 Encoders (``ENCODERS``): the stored text is the pipeline's whole 512-token Reason1 embedding (padding rows included, as
 the DiT reads them; :func:`encode_text`), the stored latents the Wan VAE's posterior mean, unnormalised (the latent
-space normalises them). The pipeline's guardrail is not loaded (:class:`NoSafetyChecker`).
+space normalises them). The pipeline's guardrail is not loaded (:class:`fvx_models.encoders.NoSafetyChecker`).
 """
 from __future__ import annotations
 
@@ -169,16 +169,11 @@ def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
     return list(embeds)
 
 
-class NoSafetyChecker:
-    """Given to the pipeline as its ``safety_checker``, which it would otherwise build (``cosmos_guardrail``, its own
-    models): encoding never calls it."""
-
-
 # The pipeline cannot be built without its VAE (its __init__ reads vae.config's latent statistics): text loads it too.
 ENCODERS = fencoders.Encoders(
     pipeline="Cosmos2_5_PredictBasePipeline", text=("tokenizer", "text_encoder", "vae"), encode_text=encode_text,
     encode_video=lambda pipe, video: fencoders.latent_mean(pipe.vae, video), frame_step=4, pixel_multiple=16,
-    stand_ins=(("safety_checker", NoSafetyChecker()),), audio_refusal="Cosmos Predict 2.5 makes no sound")
+    stand_ins=(("safety_checker", fencoders.NoSafetyChecker()),), audio_refusal="Cosmos Predict 2.5 makes no sound")
 
 
 COSMOS = Family(

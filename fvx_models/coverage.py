@@ -44,12 +44,10 @@ NO_FAMILY: dict[str, str] = {
     "ConsisIDTransformer3DModel": (
         "identity-preserving CogVideoX I2V: its id_cond and id_vit_hidden come from insightface, EVA-CLIP and facexlib "
         "face models that diffusers does not ship (consisid_utils imports them); not built yet"),
-    "Cosmos3OmniTransformer": (
-        "a packed omni sequence without a batch axis: its forward takes ragged lists, host-built index tensors and int "
-        "lengths, and checks tensor values (torch.any on domain ids) inside"),
     "Kandinsky6SRTransformer3DModel": (
-        "each block builds its flex BlockMask from sorted q/k statistics (NABLA: data-dependent, no gradient), and the "
-        "released weights are pi-Flow distilled (a 640-channel output)"),
+        "no objective to port: its released weights are pi-Flow distilled (out_visual_dim 640, PiflowScheduler's "
+        "n_grid 10 x 64) and its SR target (denoising from low-res K-VAE latents mixed with noise, tiled) has no "
+        "published trainer; its K-VAE (Kandinsky6SRVAE) is not the DiT's HunyuanVideo VAE"),
     "SanaWMTransformer3DModel": (
         "a camera-controlled image-to-video world model: per-frame camera poses and Pluecker maps "
         "(sana_wm cam_utils) beside LTX-2 latents and Gemma-2 text; not built yet"),
@@ -57,8 +55,9 @@ NO_FAMILY: dict[str, str] = {
         "SANA-WM's stage-2 refiner of stage-1 latents: it attends through a mutable sink and history KV cache it "
         "writes detached, with absolute RoPE its caller builds"),
     "WanAnimate2Transformer3DModel": (
-        "two passes: an 'extract' forward fills a per-layer KV cache that the 'cached' forward reads under a flex "
-        "BlockMask cached on the module; .item() and .tolist() on grid tensors"),
+        "diffusers ships no pipeline for it (nothing to check a forward against), and it runs two passes: an "
+        "'extract' forward fills a per-layer KV cache that the 'cached' forward reads under a flex BlockMask cached on "
+        "the module; .item() and .tolist() on grid tensors"),
 }
 """diffusers video DiTs fvx has no family for, and why."""
 

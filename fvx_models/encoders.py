@@ -314,6 +314,11 @@ def processor_tokenizer(path: pathlib.Path) -> Any:
     return transformers.AutoTokenizer.from_pretrained(path)
 
 
+class NoSafetyChecker:
+    """Given to a Cosmos pipeline as its ``safety_checker``, which it would otherwise build (``cosmos_guardrail``, its
+    own models): encoding never calls it."""
+
+
 def real_tokens(embeds: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
     """Rows ``[L_i, D]`` of a padded ``[B, L, D]`` embedding: each prompt's tokens where ``mask`` ``[B, L]`` is set
     (padding is the reader's job: it pads to ``data.text_len`` and masks)."""
@@ -323,6 +328,15 @@ def real_tokens(embeds: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
 def latent_mean(vae: Any, video: torch.Tensor) -> torch.Tensor:
     """The mean (mode) of a diffusers VAE's posterior of ``video`` ``[B, 3, T, H, W]`` in [-1, 1]: no noise drawn."""
     return vae.encode(video).latent_dist.mode()
+
+
+def scaled_first_frame(pipe: Any, video: torch.Tensor) -> torch.Tensor:
+    """Image-to-video's condition of a pipeline that encodes the image alone and scales it by the VAE's
+    ``scaling_factor`` (CogVideoX's ``prepare_latents``, Kandinsky 6's ``encode_image``; the mean where they sample),
+    then zero latent frames to the clip's latent length: ``[B, C, t, h, w]``."""
+    first = latent_mean(pipe.vae, video[:, :, :1]).float() * pipe.vae.config.scaling_factor
+    frames = (video.shape[2] - 1) // pipe.vae_scale_factor_temporal + 1
+    return torch.cat([first, first.new_zeros(*first.shape[:2], frames - 1, *first.shape[3:])], dim=2)
 
 
 def token_mask(tokenizer: Any, max_length: int, prompts: list[str], *, clean: bool = False) -> torch.Tensor:

@@ -22,12 +22,17 @@ HunyuanVideo VAE's scaled by its ``scaling_factor``, as the pipeline scales them
 stored as ``[1, 20, A]`` and scaled by its ``scaling_factor`` 0.417 (the pipeline divides by it before decoding);
 ``A`` is the clip's ``ceil(samples / latent_hop_length)``, the length the pipeline makes for the clip
 (``prepare_audio_latents``). The toy world's stereo framing ``[2, 32, A]`` enters the ``world`` preset as ``A`` tokens
-of 64 features: audio latents ``[B, C, F, A]`` are ``[B, A, C F]`` tokens. Left: image-to-video (the reference frame
-appended as a masked tail frame with its own token type; the release's token-type table is not in diffusers'
-defaults).
+of 64 features: audio latents ``[B, C, F, A]`` are ``[B, A, C F]`` tokens.
+
+Image-to-video (``first_frame``, ``data.kind=i2v``), as the pipeline's ``image=`` call: the given first frame's latents
+(encoded alone, scaled; :func:`fvx_models.encoders.scaled_first_frame`) are appended after the video's frames as a
+clean tail frame, with condition mask one, token type 1 (the video's 0) and frame 0's RoPE position; the video's own
+frames stay noised and the loss covers them all, the tail's prediction dropped as the pipeline drops the tail. With a
+text-to-video config the token-type table is unused and held frozen.
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import math
 import pathlib
@@ -39,21 +44,24 @@ from diffusers.models.transformers.transformer_kandinsky6 import Kandinsky6RoPE1
 from torch import nn
 
 from fvx.distributed import memory
-from fvx_models import cond as fcond, diffusers_folder as dfolder, encoders as fencoders, hunyuan_video, wan
+from fvx_models import cond as fcond, diffusers_folder as dfolder, encoders as fencoders, hunyuan_video, wan, wan_i2v
 from fvx_models.build import ModelConfig
 from fvx_models.family import (Architecture, Checkpoints, Family, Forward, Joint, Modality, Preset, Training,
-                               pack_pooled, packed_pooled_conditioning, skeleton_of)
+                               pack_pooled, packed_pooled_conditioning, require, skeleton_of)
 from fvx_models.model import LatentSpace
 
-# diffusers' Kandinsky6Transformer3DModel defaults (the released text+image-to-video+audio layout as that class ships
-# it: 60 fused blocks of width 4096, 4 text blocks a branch); a folder's config.json is checked against it
+# the released text+image-to-video+audio layout: diffusers' Kandinsky6Transformer3DModel defaults (60 fused blocks of
+# width 4096, 4 text blocks a branch) with what its docstring says every released checkpoint sets (text_token_padding,
+# ca_rope, cross_gates, fix_modulation) and the two token types its pipeline's image conditioning requires (video 0,
+# the reference frame 1); a folder's config.json is checked against it
 KANDINSKY6 = dict(
     in_visual_dim=16, out_visual_dim=16, in_text_dim=3584, in_text_dim2=768, time_dim=1024, patch_size=(1, 2, 2),
     model_dim=4096, ff_dim=16384, num_text_blocks=4, num_visual_blocks=60, axes_dims=(32, 48, 48), visual_cond=True,
     in_audio_dim=20, out_audio_dim=20, model_dim_a=None, time_dim_a=None, ff_dim_a=None, axes_dims_a=None,
-    audio_freqs_scaling=1.0, scale_factor=(1.0, 2.0, 2.0), text_token_padding=False, ca_rope=False,
-    cross_gates=False, fix_modulation=False, visual_token_type_num_embeddings=0,
+    audio_freqs_scaling=1.0, scale_factor=(1.0, 2.0, 2.0), text_token_padding=True, ca_rope=True,
+    cross_gates=True, fix_modulation=True, visual_token_type_num_embeddings=2,
 )
+TOKEN_TYPES = "visual_token_type_embeddings.weight"  # the table of token types (video 0, reference frame 1)
 AUDIO_SCALE = 0.417  # MMAudioVAE's scaling_factor (diffusers' default; the pipeline divides the DiT's latents by it)
 AUDIO_LATENTS = LatentSpace(1, scale=AUDIO_SCALE, vae_stride=(1, 1, 1), vae="MMAudio VAE (mono [1, 20, A])")
 """The audio latent space: the MMAudio VAE's posterior mean ``[B, 1, 20, A]``, scaled as the pipeline scales it."""
@@ -111,27 +119,57 @@ def skeleton(config: ModelConfig) -> nn.Module:
 
 def inputs(config: ModelConfig, x: Any, t: Any, cond: Mapping[str, torch.Tensor], sharded: bool) -> dict[str, Any]:
     """The text-to-video call for channels-last ``x [B, T, H, W, C]``: ``x | zero condition | zero mask``, the text
-    and its mask, the pooled vector, ``t = 1000 sigma``; the visual RoPE at the grid's own positions. A joint model's
-    ``x`` and ``t`` are dicts: audio latents ``[B, C, F, A]`` go in as tokens ``[B, A, C F]`` under the video's ``t``
-    (one clock: both modalities are at one level)."""
+    and its mask, the pooled vector, ``t = 1000 sigma``; the visual RoPE at the grid's own positions. Image-to-video
+    appends the reference tail frame (:func:`with_reference_frame`), its mask one. A joint model's ``x`` and ``t`` are
+    dicts: audio latents ``[B, C, F, A]`` go in as tokens ``[B, A, C F]`` under the video's ``t`` (one clock: both
+    modalities are at one level)."""
     video, audio = (x["video"], x["audio"]) if isinstance(x, Mapping) else (x, None)
-    hidden = video
-    if config.spec.kwargs["visual_cond"]:
-        hidden = torch.cat([video, torch.zeros_like(video), torch.zeros_like(video[..., :1])], dim=-1)
-    call = {"hidden_states": hidden, "encoder_hidden_states": cond["text"], "pooled_projections": cond["pooled"],
+    call = {"encoder_hidden_states": cond["text"], "pooled_projections": cond["pooled"],
             "timestep": t["video"] if isinstance(t, Mapping) else t,
             "encoder_attention_mask": cond["text_mask"].bool(), "return_dict": False}
+    mask = torch.zeros_like(video[..., :1])
+    if config.first_frame:
+        video, reference = with_reference_frame(config, video, cond)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        call.update(reference)
+    call["hidden_states"] = torch.cat([video, torch.zeros_like(video), mask], dim=-1) if config.spec.kwargs[
+        "visual_cond"] else video
     if audio is not None:
         call["audio_hidden_states"] = audio.permute(0, 3, 1, 2).flatten(2)
     return call
 
 
+def with_reference_frame(config: ModelConfig, video: torch.Tensor, cond: Mapping[str, torch.Tensor]
+                         ) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Image-to-video's input as the pipeline makes it: ``video [B, T, H, W, C]`` then the given first frame's latents
+    as a clean tail frame ``[B, T + 1, H, W, C]``, the frames' token types (0, the tail 1) and RoPE positions (the
+    tail at frame 0's)."""
+    channels_first = video.permute(0, 4, 1, 2, 3)
+    given = wan_i2v.given_frames(channels_first, cond, config.family.name)[:, :, :1]
+    batch, frames, height, width, _ = video.shape
+    types = torch.zeros(batch, frames + 1, dtype=torch.long, device=video.device)
+    types[:, -1] = 1
+    p_t, p_h, p_w = config.spec.kwargs["patch_size"]
+    positions = (torch.cat([torch.arange(frames // p_t), torch.zeros(1, dtype=torch.long)]).to(video.device),
+                 torch.arange(height // p_h, device=video.device), torch.arange(width // p_w, device=video.device))
+    tail = given.permute(0, 2, 3, 4, 1).to(video.dtype)
+    return torch.cat([video, tail], dim=1), {"visual_token_type_ids": types, "visual_rope_pos": positions}
+
+
 def output(config: ModelConfig, out: Any, x: Any, t: Any, cond: Mapping[str, torch.Tensor]) -> Any:
-    """The video's velocity, channels-last; a joint model's dict adds the audio's, ``[B, A, C F] -> [B, C, F, A]``."""
+    """The video's velocity, channels-last (image-to-video's tail frame dropped); a joint model's dict adds the
+    audio's, ``[B, A, C F] -> [B, C, F, A]``."""
+    video = out[0][:, :-1] if config.first_frame else out[0]
     if not isinstance(x, Mapping):
-        return out[0]
+        return video
     batch, channels, features, count = x["audio"].shape
-    return {"video": out[0], "audio": out[1].reshape(batch, count, channels, features).permute(0, 2, 3, 1)}
+    return {"video": video, "audio": out[1].reshape(batch, count, channels, features).permute(0, 2, 3, 1)}
+
+
+def held_frozen(config: "Kandinsky6Config") -> frozenset[str]:
+    """The token-type table when the model runs text-to-video (it reads it only for a reference frame)."""
+    has_table = config.spec.kwargs["visual_token_type_num_embeddings"] > 0
+    return frozenset({TOKEN_TYPES}) if has_table and not config.first_frame else frozenset()
 
 
 def latent_rule(config: ModelConfig, shape: Any) -> str | None:
@@ -159,6 +197,27 @@ def widths(config: ModelConfig) -> tuple[int, dict[str, tuple[int, int]]]:
     dim, ffn = k["model_dim"], k["ff_dim"]
     return dim, {"visual_transformer_blocks": (dim, ffn), "video_text_transformer_blocks": (dim, ffn),
                  "audio_text_transformer_blocks": (dim, ffn)}
+
+
+TEXT = packed_pooled_conditioning("in_text_dim", "in_text_dim2", "the packed [pooled CLIP | Qwen] text embedding",
+                                  zero=fcond.zeros_keeping_masks)
+
+
+def cond_spec(config: "Kandinsky6Config") -> fcond.Spec:
+    """The packed text; image-to-video adds the first frame's latents ``[C, T, H, W]`` (frame 0 read)."""
+    spec = TEXT.spec(config)
+    if config.first_frame:
+        spec["first_frame_latents"] = (config.spec.latents.channels, "T", "H", "W")
+    return spec
+
+
+def cond_from_batch(config: "Kandinsky6Config", batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    cond = TEXT.from_batch(config, batch)
+    if config.first_frame:
+        require(batch, ("first_frame_latents",), config.family.name, "the first frame's latents: parquet column "
+                "first_frame_latent of data.kind='i2v' data")
+        cond["first_frame_latents"] = batch["first_frame_latents"]
+    return cond
 
 
 def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
@@ -208,10 +267,12 @@ def encode_audio(pipe: Any, waveform: torch.Tensor, rate: int) -> torch.Tensor:
 ENCODERS = fencoders.Encoders(
     pipeline="Kandinsky6TI2VAPipeline", text=("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2"),
     encode_text=encode_text, encode_video=lambda pipe, video: fencoders.latent_mean(pipe.vae, video),
-    frame_step=4, pixel_multiple=16, audio=("audio_vae",), encode_audio=encode_audio,
+    first_frame=fencoders.scaled_first_frame, frame_step=4, pixel_multiple=16, audio=("audio_vae",),
+    encode_audio=encode_audio,
     own_loaders=(("tokenizer", fencoders.processor_tokenizer),))
 """Kandinsky 6's encoders: the packed text rows above, the HunyuanVideo VAE's posterior mean and the MMAudio VAE's
-(t2va), both unscaled (the latent spaces apply the scaling factors in training)."""
+(t2va), both unscaled (the latent spaces apply the scaling factors in training), and image-to-video's first frame
+encoded alone and scaled, as the pipeline's ``encode_image``."""
 
 
 KANDINSKY6_FAMILY = Family(
@@ -234,11 +295,11 @@ KANDINSKY6_FAMILY = Family(
         self_attention=("visual_transformer_blocks.*.video_dec_block.self_attention",),
     ),
     forward=Forward(inputs=inputs, layout="BTHWC", output=output),
-    conditioning=packed_pooled_conditioning("in_text_dim", "in_text_dim2",
-                                            "the packed [pooled CLIP | Qwen] text embedding",
-                                            zero=fcond.zeros_keeping_masks),
+    conditioning=dataclasses.replace(TEXT, spec=cond_spec, from_batch=cond_from_batch,
+                                     data_keys=(*TEXT.data_keys, "first_frame_latents"),
+                                     image=frozenset({"first_frame_latents"})),
     checkpoints=Checkpoints(pipeline_files=pipeline_files),
-    training=Training(latent_rule=latent_rule),
+    training=Training(held_frozen=held_frozen, latent_rule=latent_rule),
     joint=Joint(modalities={"audio": Modality(latents=lambda config: config.spec.options["audio_latents"],
                                               owns=owns_audio)},
                 trained=trained),
@@ -247,9 +308,11 @@ KANDINSKY6_FAMILY = Family(
 
 class Kandinsky6Config(ModelConfig, tag="kandinsky6"):
     """A Kandinsky 6 DiT, text-to-video (presets: tiny, world, kandinsky6). ``train_audio``: train video and audio
-    together (a joint model; data of kind t2va) instead of video alone with the audio branch frozen (module
-    docstring). The shared knobs are :class:`fvx_models.build.ModelConfig`'s."""
+    together (a joint model; data of kind t2va) instead of video alone with the audio branch frozen; ``first_frame``:
+    image-to-video, the given first frame as the reference tail frame (``data.kind=i2v``; module docstring). The shared
+    knobs are :class:`fvx_models.build.ModelConfig`'s."""
 
     family = KANDINSKY6_FAMILY
 
     train_audio: bool = False
+    first_frame: bool = False

@@ -270,6 +270,11 @@ def with_r(config: ModelConfig, kwargs: dict[str, Any], x_t: torch.Tensor, r: to
     return wan_two_time.with_r(kwargs, timesteps(config, x_t, r))
 
 
+# DiffSynth-Studio's Wan LoRA targets (its recipes' "q,k,v,o,ffn.0,ffn.2", name suffixes of its Wan blocks: the self-
+# and cross-attention projections and the FFN) as diffusers' module substrings
+DIFFSYNTH_LORA_TARGETS = tuple(f"{attention}.{projection}" for attention in ("attn1", "attn2")
+                               for projection in ("to_q", "to_k", "to_v", "to_out.0")) + ("ffn.net.0.proj", "ffn.net.2")
+
 # FastVideo's NVFP4 linear QAT profile for Wan (fastvideo/layers/quantization/nvfp4_qat_config.py DEFAULT_FP4_LAYERS,
 # matched as substrings of its module names: to_q/k/v/out and ffn.fc_in/fc_out) in diffusers' names
 NVFP4_LINEARS = tuple(f"blocks.*.{suffix}" for suffix in (

@@ -174,12 +174,6 @@ def latent_rule(config: ModelConfig, shape: tuple[int, ...]) -> str | None:
     return None
 
 
-# DiffSynth-Studio's Wan-Animate LoRA targets ("q,k,v,o,ffn.0,ffn.2", name suffixes of its Wan blocks: the self- and
-# cross-attention projections and the FFN; the face adapter is another of its models) as fvx's module substrings
-DIFFSYNTH_LORA_TARGETS = tuple(f"{attention}.{projection}" for attention in ("attn1", "attn2")
-                               for projection in ("to_q", "to_k", "to_v", "to_out.0")) + ("ffn.net.0.proj", "ffn.net.2")
-
-
 # What one face adapter saves per video token (saved-tensor hooks, bf16: tests/fvx_models/test_wan_animate.py): its
 # norms in fp32, the query, attention and output in bf16; no FFN
 FACE_ADAPTER_ACTIVATIONS = memory.BlockActivations(fp32_dim=2.1, compute_dim=3.1, compute_ffn=0)
@@ -194,7 +188,8 @@ def original_name(name: str) -> str | None:
     """A param's name in Wan-Animate's original checkpoint: a block's and the root's as Wan 2.1 I2V's, the pose patch
     embedding's as it is; the motion encoder, face encoder and face adapters have none fvx writes (diffusers'
     conversion splits the face adapters' fused k/v projection and renames the rest), so a ComfyUI LoRA file holds the
-    blocks' adapters (:data:`DIFFSYNTH_LORA_TARGETS`)."""
+    blocks' adapters (:data:`fvx_models.wan.DIFFSYNTH_LORA_TARGETS`; the face adapter is another of
+    DiffSynth's models)."""
     if name.startswith("pose_patch_embedding."):
         return name
     return wan.original_name(name)

@@ -97,11 +97,11 @@ def step_ranges(config: Wan22MoEConfig) -> tuple[StepRange, ...]:
     ``rand <= boundary_ratio``), at the timesteps below the boundary, else the high-noise ``transformer``, at those
     from the boundary up, where the router sends them. FastVideo draws the high-noise expert's timesteps over the whole
     range (its restriction to the expert's own range is commented out there); fvx keeps each expert to the timesteps
-    it denoises when sampled. Only the experts in ``trainable``, their probabilities renormalised (one trained expert
-    trains every step)."""
-    boundary = boundary_timestep(config)
-    ranges = {"transformer_2": StepRange(config.boundary, 0.0, boundary),
-              "transformer": StepRange(1.0 - config.boundary, boundary, math.inf)}
+    it denoises when sampled, or to those of ``config.train_boundary`` where a recipe splits them elsewhere. Only the
+    experts in ``trainable``, their probabilities renormalised (one trained expert trains every step)."""
+    ratio = config.train_boundary
+    ranges = {"transformer_2": StepRange(ratio, 0.0, 1000.0 * ratio),
+              "transformer": StepRange(1.0 - ratio, 1000.0 * ratio, math.inf)}
     trained = [ranges[expert] for expert in ("transformer_2", "transformer") if expert in config.trainable]
     total = sum(part.probability for part in trained)
     return tuple(part._replace(probability=part.probability / total) for part in trained)
@@ -178,6 +178,11 @@ class Wan22MoEConfig(ModelConfig, tag="wan_moe"):
     @property
     def boundary(self) -> float:
         return self.spec.options["boundary_ratio"] if self.boundary_ratio is None else self.boundary_ratio
+
+    @property
+    def train_boundary(self) -> float:
+        """Where fine-tuning splits the experts' timesteps: at the router's boundary."""
+        return self.boundary
 
     def frozen(self, name: str) -> bool:
         return not name.startswith(tuple(f"{expert}." for expert in self.trainable))

@@ -83,13 +83,16 @@ their context blocks another."""
 
 class WanVACEMoEConfig(ModelConfig, tag="wan_vace_moe"):
     """Wan 2.2 VACE-Fun A14B's two VACE experts (presets: tiny, world, wan2.2-vace-fun-a14b): ``boundary_ratio``
-    routes a call to ``transformer`` when ``t >= 1000 boundary_ratio`` (None: the pipeline's 0.875); ``trainable``
-    names the experts that train, ``parts`` what of them (``base``, ``context``), ``context_scale`` the hints' scale
-    (``fvx_models.wan_vace``). Fine-tuning trains one of the trainable experts per step. Data: ``data.kind=vace``."""
+    routes a call to ``transformer`` when ``t >= 1000 boundary_ratio`` (None: the pipeline's 0.875);
+    ``train_boundary_ratio`` is where fine-tuning splits the experts' timesteps (None: at the router's; DiffSynth-Studio
+    trains this model's high-noise expert from t = 900); ``trainable`` names the experts that train, ``parts`` what of
+    them (``base``, ``context``), ``context_scale`` the hints' scale (``fvx_models.wan_vace``). Fine-tuning trains one
+    of the trainable experts per step. Data: ``data.kind=vace``."""
 
     family = WAN_VACE_MOE
 
     boundary_ratio: Annotated[float, msgspec.Meta(gt=0, lt=1)] | None = None
+    train_boundary_ratio: Annotated[float, msgspec.Meta(gt=0, lt=1)] | None = None
     trainable: tuple[Literal["transformer", "transformer_2"], ...] = EXPERTS
     parts: tuple[Literal["base", "context"], ...] = wan_vace.PARTS
     context_scale: float | tuple[float, ...] = 1.0
@@ -103,6 +106,10 @@ class WanVACEMoEConfig(ModelConfig, tag="wan_vace_moe"):
     @property
     def boundary(self) -> float:
         return self.spec.options["boundary_ratio"] if self.boundary_ratio is None else self.boundary_ratio
+
+    @property
+    def train_boundary(self) -> float:
+        return self.boundary if self.train_boundary_ratio is None else self.train_boundary_ratio
 
     def frozen(self, name: str) -> bool:
         expert, _, local = name.partition(".")

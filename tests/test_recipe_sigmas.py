@@ -71,16 +71,17 @@ def helios_stage1(generator: torch.Generator, n: int) -> torch.Tensor:
     return sigmas[(torch.randn(n, generator=generator).sigmoid() * 1000).long()]
 
 
-def diffsynth_wan(shift: float) -> Draw:
+def diffsynth_wan(shift: float, boundaries: tuple[float, float] = (0.0, 1.0)) -> Draw:
     """DiffSynth-Studio's Wan training draw (``diffsynth/diffusion/loss.py`` ``FlowMatchSFTLoss``): an index
-    ``randint(0, 1000)`` into ``FlowMatchScheduler("Wan")``'s 1000 training levels, ``linspace(1, 0, 1001)[:-1]``
-    shifted ``s u / (1 + (s - 1) u)`` (``flow_match.py`` ``set_timesteps_wan``); its loss weight is apart
-    (``Finetune.loss_weighting=bell``)."""
+    ``randint(int(min 1000), int(max 1000))`` (its ``--min/max_timestep_boundary``, lines 11-14) into
+    ``FlowMatchScheduler("Wan")``'s 1000 training levels, ``linspace(1, 0, 1001)[:-1]`` shifted ``s u / (1 + (s - 1)
+    u)`` (``flow_match.py`` ``set_timesteps_wan``); its loss weight is apart (``Finetune.loss_weighting=bell``)."""
     u = torch.linspace(1, 0, 1001)[:-1]
     sigmas = shift * u / (1 + (shift - 1) * u)
+    low, high = (int(b * 1000) for b in boundaries)
 
     def draw(generator: torch.Generator, n: int) -> torch.Tensor:
-        return sigmas[torch.randint(0, 1000, (n,), generator=generator)]
+        return sigmas[torch.randint(low, high, (n,), generator=generator)]
     return draw
 
 
@@ -138,6 +139,9 @@ SOURCES: dict[str, Draw] = {
     "finetune_framepack.py:musubi_framepack_lora": musubi_shift(3.0),  # docs/framepack.md: --discrete_flow_shift 3.0
     "finetune_helios.py:helios_stage1": helios_stage1,  # scripts/training/configs/stage_1_init.yaml
     "finetune_wan_animate.py:diffsynth_animate_lora": diffsynth_wan(5.0),  # its Wan template's default shift 5
+    # the high-noise runs of its Wan2.2-VACE-Fun-A14B scripts: --max_timestep_boundary 0.358
+    **{f"finetune_wan_vace.py:diffsynth_vace_fun_a14b_{kind}": diffsynth_wan(5.0, (0.0, 0.358))
+       for kind in ("lora", "full")},
     "finetune_hunyuan_video15.py:release_480p_t2v": hunyuan_video15_release,
     "finetune_kandinsky5.py:kandinsky5_t2v_480p_qat": fastvideo_grid(5.0),  # Kandinsky5Model(flow_shift=5.0), :89
     **{f"finetune_ltx2.py:{name}": fastvideo_ltx2(11 * 15 * 26)  # 81 frames of 480x832: its YAMLs' num_latent_t 11
@@ -192,9 +196,10 @@ def drawn(config, n: int = N):
     """``n`` training levels of the recipe ``config`` through ``finetune.draw_sigmas``, one key per sample, on latents
     of its shape (``validation.latent_shape``, its data bucket where it names one; else its latent frames)."""
     model_config = config.models[config.method.roles.student]
-    # a model that trains one timestep range per step (Wan 2.2 A14B) draws with finetune.step_range_sigmas: no recipe
-    # of one fine-tunes yet; give it its draw here when one does
-    assert not getattr(model_config.family, "step_ranges", lambda c: ())(model_config), "draw its step ranges"
+    ranges = model_config.family.training.step_ranges(model_config)
+    if ranges:  # a model that trains one timestep range per step (two experts): finetune.step_range_sigmas
+        keys = random.fold_in(random.key(0), torch.arange(n))
+        return finetune.step_range_sigmas(random.key(1), keys, ranges, config.method, torch.device("cpu"))[0]
     # the method's density on its grid: shared by recipes that agree
     if model_config.family.training.sigma_sampler is None:
         return grid_draws(density(config.method), n)

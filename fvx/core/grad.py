@@ -94,8 +94,11 @@ def remat(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     The params and buffers the module holds *now* (under an enclosing ``functional_call`` these are the caller's
     tensors) are captured and passed to non-reentrant ``torch.utils.checkpoint`` as explicit inputs; the recompute
     runs through ``functional_call`` with exactly those tensors, never the skeleton's own. Install it in a diffusers
-    model with ``model.enable_gradient_checkpointing(fvx.core.grad.remat)``. Arguments may be any pytree, tensor or not.
+    model with ``model.enable_gradient_checkpointing(fvx.core.grad.remat)``. Arguments may be any pytree, tensor or not;
+    ``module`` may be its bound ``__call__`` (Cosmos 3's layers pass that).
     """
+    if isinstance(getattr(module, "__self__", None), torch.nn.Module):
+        module = module.__self__
     params, buffers = functional.held(module)
     return torch.utils.checkpoint.checkpoint(
         _call_with, module, params, buffers, args, kwargs, use_reentrant=False, preserve_rng_state=False

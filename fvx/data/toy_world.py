@@ -1,15 +1,16 @@
 """A synthetic video world that a tiny model learns on a CPU in minutes, with a codec that decodes its latents exactly.
 
-Prompt ``p`` of ``colours x directions`` is "<colour> bars moving <direction>": bars of that colour on black,
-``width`` pixels wide and apart, across the direction of motion, drift ``speed`` pixels per frame over ``frames``
-frames of ``size x size`` pixels (``shape="square"``: one ``width``-pixel square instead); sample ``i`` has prompt
-``i mod P`` and a phase (a start position) drawn from ``fold_in(key, i)`` on a ``grid``-pixel grid. A prompt's text
-embedding is a fixed random ``[text_len, text_dim]`` matrix (``fold_in(key(seed), p)``), so the prompts
-of a run's data and of its validation agree. Videos are ``[3, T, H, W]`` in ``[-1, 1]``; latents are their
-space-to-depth rearrangement ``[3 f^2, T, H / f, W / f]`` (:class:`SpaceToDepth`, ``f = factor``): the codec is
-exact, so a decoded sample shows exactly what the model made. Because every true video of a prompt is known,
-:meth:`WorldDataset.sample_quality` scores decoded samples: the pixel MSE to the nearest true video of the prompt
-(0 for a perfect sample; pure noise scores about 0.39), and the fraction of samples that close to one that they are the
+Prompt ``p`` of ``colours x directions`` is "<colour> bars moving <direction>": bars of that colour on black, ``width``
+pixels wide and apart, across the direction of motion, drift ``speed`` pixels per frame over ``frames`` frames of ``size
+x size`` pixels (``shape="square"``: one ``width``-pixel square instead); sample ``i`` has prompt ``i mod P`` and a
+phase (a start position) drawn from ``fold_in(key, i)`` on a ``grid``-pixel grid. A prompt's text embedding is a fixed
+random ``[text_len, text_dim]`` matrix (``fold_in(key(seed), p)``), so the prompts of a run's data and of its validation
+agree; with ``text="words"`` it is its caption's words as token ids ``[words, 1]`` (their places in :data:`WORDS`), for
+a DiT that embeds its prompt's tokens itself. Videos are ``[3, T, H, W]`` in ``[-1, 1]``; latents are their
+space-to-depth rearrangement ``[3 f^2, T, H / f, W / f]`` (:class:`SpaceToDepth`, ``f = factor``): the codec is exact,
+so a decoded sample shows exactly what the model made. Because every true video of a prompt is known,
+:meth:`WorldDataset.sample_quality` scores decoded samples: the pixel MSE to the nearest true video of the prompt (0 for
+a perfect sample; pure noise scores about 0.39), and the fraction of samples that close to one that they are the
 prompted clip (sharp, moving the right way), and the fraction whose nearest true video, among all prompts', is of the
 prompt asked for.
 
@@ -39,6 +40,7 @@ DIRECTIONS = {"right": (0, 1), "left": (0, -1), "down": (1, 0), "up": (-1, 0)}  
 # the data kinds whose samples continue a given first frame, their own clips the truth (continuation_mse); animate's
 # follow a pose video from a reference frame
 GIVEN_FIRST_FRAME = ("i2v", "vace", "animate")
+WORDS = ("a", "bars", "square", "moving", *COLOURS, *DIRECTIONS)  # the captions' words, token ids by place
 HIT = 0.03  # a sample this close (pixel MSE) to a true clip of its prompt counts as a hit: blur and wrong motion miss
 
 
@@ -48,7 +50,8 @@ class WorldConfig(Config):
     run's few hundred steps (docs/design.md); bars, whose phase each token can read off its neighbours, they do.
     ``fps`` (the clip's frame rate), ``audio_rate`` (Hz) and ``audio_pitch`` (the first prompt's tone, Hz) shape the
     sound of kind "t2va" data (:mod:`fvx.data.toy_audio`). ``score_window``: kind "matrixgame2" samples are also
-    scored per window of this many frames (a long streamed clip; None: the whole clip only)."""
+    scored per window of this many frames (a long streamed clip; None: the whole clip only). ``text``: a prompt's text
+    is a random embedding ``[text_len, text_dim]`` or its caption's word ids (module docstring)."""
 
     num_samples: PositiveInt = 512
     frames: PositiveInt = 4
@@ -62,6 +65,7 @@ class WorldConfig(Config):
     directions: tuple[str, ...] = ("right", "left", "down", "up")
     text_len: PositiveInt = 4
     text_dim: PositiveInt = 32
+    text: Literal["embedding", "words"] = "embedding"
     seed: int = 0
     fps: PositiveInt = 16
     audio_rate: PositiveInt = 4096
@@ -130,6 +134,17 @@ class WorldConfig(Config):
 
 def caption(config: WorldConfig, colour: str, direction: str) -> str:
     return f"a {colour} square moving {direction}" if config.shape == "square" else f"{colour} bars moving {direction}"
+
+
+def prompt_texts(config: WorldConfig) -> list[np.ndarray]:
+    """Each prompt's text (module docstring): its fixed random embedding ``[text_len, text_dim]``, or with
+    ``text="words"`` its caption's token ids ``[words, 1]`` (float32)."""
+    if config.text == "words":
+        return [np.array([[WORDS.index(word)] for word in caption(config, c, d).split()], dtype=np.float32)
+                for c, d in config.prompts]
+    text_key = random.key(config.seed)
+    return [random.normal(random.fold_in(text_key, p), (config.text_len, config.text_dim)).numpy()
+            for p in range(len(config.prompts))]
 
 
 def starts(config: WorldConfig, direction: str) -> list[tuple[int, int]]:
@@ -243,9 +258,7 @@ class WorldDataset:
     def __init__(self, config: WorldConfig, key: torch.Tensor, *, kind: str, collate: Callable[..., dict]):
         self.config, self.key, self.kind, self._collate = config, key, kind, collate
         self.prompts = config.prompts
-        text_key = random.key(config.seed)
-        self.texts = [random.normal(random.fold_in(text_key, p), (config.text_len, config.text_dim)).numpy()
-                      for p in range(len(self.prompts))]
+        self.texts = prompt_texts(config)
         self.starts = {d: starts(config, d) for d in config.directions}
         self._references: torch.Tensor | None = None
         self._tones: torch.Tensor | None = None

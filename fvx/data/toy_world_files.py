@@ -14,7 +14,7 @@ import torch
 from fvx.core import random
 from fvx.data import media, preprocess, toy_world_actions
 from fvx.data.toy_world import (GIVEN_FIRST_FRAME, Codec, WorldConfig, WorldDataset, caption, first_frame_only,
-                                space_to_depth, tokens_of_first_frame)
+                                prompt_texts, space_to_depth, tokens_of_first_frame)
 from fvx.data.toy_world_animate import pose_video, reference_latents
 from fvx.data.toy_world_sections import section_quality
 
@@ -69,17 +69,15 @@ class JudgedByWorld:
 
 
 class WorldEncoders:
-    """The world's "text encoder" (a prompt's caption -> its fixed embedding ``[text_len, text_dim]``) and its exact
+    """The world's "text encoder" (a prompt's caption -> its fixed text, ``toy_world.prompt_texts``) and its exact
     codec: what ``preprocess`` encodes the clips of :func:`write_videos` with (``fvx.data.preprocess.Encoder``), so the
     parquet it writes holds what the built-in dataset makes (kind "matrixgame2": its image embedding is the first
     frame's latent tokens)."""
 
     def __init__(self, config: WorldConfig, kind: str = "t2v"):
         self.config, self.kind = config, kind
-        text_key = random.key(config.seed)
-        self.texts = {caption(config, c, d): random.normal(random.fold_in(text_key, p),
-                                                           (config.text_len, config.text_dim))
-                      for p, (c, d) in enumerate(config.prompts)}
+        self.texts = {caption(config, c, d): torch.from_numpy(text)
+                      for (c, d), text in zip(config.prompts, prompt_texts(config))}
 
     def identity(self) -> dict[str, Any]:
         return {"model": "the toy world", "world": msgspec.to_builtins(self.config)}

@@ -243,7 +243,7 @@ def test_every_experiment_trains_two_steps_and_validates(tmp_path, experiment, w
         trajectory_cache.build(load_config(str(EXPERIMENTS / experiment), teacher), batch=4)
     if experiment == "diffusion_nft.py":  # groups of 2 in the batch of 2, one sampling batch a step
         teacher = [*teacher, "method.num_video_per_prompt=2", "method.num_batches_per_epoch=1"]
-    if experiment in ("finetune_minimax_h3.py", "finetune_framepack.py"):  # one sample a forward: 2 micro-batches
+    if experiment in ("finetune_minimax_h3.py", "finetune_framepack.py", "finetune_cosmos3.py"):  # one sample a forward
         teacher = [*teacher, "method.grad_accum=2"]
     assert run.main([str(EXPERIMENTS / experiment), "--out", str(out), "--steps", "2", *QUICK, "validation.every=2",
                      "validation.num_prompts=1", "validation.num_steps=2", *teacher]) == 0

@@ -7,7 +7,7 @@ import transformers
 from diffusers import AutoencoderKLWan, Cosmos2_5_PredictBasePipeline, UniPCMultistepScheduler
 
 import encoder_checks
-from fvx_models import cosmos
+from fvx_models import cosmos, encoders as fencoders
 
 PROMPTS = ["red bars moving left", "a cat"]
 
@@ -31,7 +31,7 @@ def folder(tmp_path_factory):
                            latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.5, 2.0, 1.0])
     pipe = Cosmos2_5_PredictBasePipeline(text_encoder=tiny_reason1(tokenizer), tokenizer=tokenizer, transformer=None,
                                          vae=vae, scheduler=UniPCMultistepScheduler(),
-                                         safety_checker=cosmos.NoSafetyChecker())
+                                         safety_checker=fencoders.NoSafetyChecker())
     path = tmp_path_factory.mktemp("cosmos25")
     pipe.save_pretrained(path)  # the safety checker is not saved: model_index.json holds it as [None, None]
     return path
@@ -55,6 +55,6 @@ def test_video_latents_are_the_vaes_posterior_mean_unnormalised(folder):
 
 
 def test_the_folder_opens_without_the_guardrail_and_refuses_a_missing_text_encoder(folder, tmp_path):
-    assert isinstance(cosmos.ENCODERS.open(folder, ["video"]).pipe.safety_checker, cosmos.NoSafetyChecker)
+    assert isinstance(cosmos.ENCODERS.open(folder, ["video"]).pipe.safety_checker, fencoders.NoSafetyChecker)
     encoder_checks.assert_refused_without(cosmos.ENCODERS, folder, tmp_path, "text_encoder", ("tokenizer",),
                                           r"has no 'text_encoder' component [^\n]*, which text encoding needs$")

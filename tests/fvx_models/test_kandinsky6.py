@@ -9,6 +9,8 @@ import inspect
 import json
 import math
 
+import PIL.Image
+
 import pytest
 import torch
 import transformers
@@ -100,7 +102,7 @@ def test_a_video_only_model_holds_exactly_the_audio_branch_frozen_and_a_joint_on
     grads = grad.grad(lambda p: model.apply(p, x, t, cond).square().mean())(params)
     without = {name for name, g in grads.items() if g is None or not g.abs().max() > 0}
     frozen = {name for name in params if kandinsky6.owns_audio(name)}
-    assert without == frozen == set(params) - model.weights.trained_names
+    assert without == frozen | {kandinsky6.TOKEN_TYPES} == set(params) - model.weights.trained_names
     assert all(n.startswith(("audio_", "visual_transformer_blocks.")) for n in frozen)
     assert "audio_out_layer.out_layer.weight" in frozen and "out_layer.out_layer.weight" not in frozen
 
@@ -108,8 +110,55 @@ def test_a_video_only_model_holds_exactly_the_audio_branch_frozen_and_a_joint_on
     x, t, cond = joint_sample(random.key(2))
     grads = grad.grad(lambda p: sum(v.square().mean() for v in joint_model.apply(p, x, t, cond).values()))(
         joint_params)
-    assert joint_model.weights.trained_names == set(joint_params)
-    assert all(g is not None and g.abs().max() > 0 for g in grads.values())
+    assert set(joint_params) - joint_model.weights.trained_names == {kandinsky6.TOKEN_TYPES}
+    assert all(g is not None and g.abs().max() > 0 for name, g in grads.items() if name != kandinsky6.TOKEN_TYPES)
+
+
+@pytest.mark.parametrize("train_audio", [False, True])
+def test_image_to_video_is_the_pipelines_call_with_a_reference_image(train_audio):
+    """Kandinsky6TI2VAPipeline(image=...): the reference latents appended as a tail frame, in the condition mask, of
+    token type 1 at frame 0's RoPE position; the video's own frames noised; the tail's prediction dropped. An
+    image-to-video model trains the token-type table (a text-to-video one holds it frozen, the test above)."""
+    model = Kandinsky6Config(preset="tiny", first_frame=True, train_audio=train_audio).build()
+    params = model.weights.init(random.key(0))
+    x, t, cond = joint_sample(random.key(1))
+    given = torch.zeros_like(x["video"])
+    given[:, :, 0] = random.normal(random.key(5), given[:, :, 0].shape)
+    cond["first_frame_latents"] = given
+    if not train_audio:
+        x, t = x["video"], t["video"]
+    v = model.apply(params, x, t, cond)
+    module = Kandinsky6Transformer3DModel(**kandinsky6.TINY)
+    module.load_state_dict(params)
+    video = x["video"] if train_audio else x
+    latents = torch.cat([video.permute(0, 2, 3, 4, 1), given[:, :, 0].permute(0, 2, 3, 1)[:, None]], dim=1)
+    frames, size = video.shape[2], video.shape[3]
+    mask = torch.zeros_like(latents[..., :1])
+    mask[:, -1] = 1
+    types = torch.zeros(2, frames + 1, dtype=torch.long)
+    types[:, -1] = 1
+    positions = (torch.tensor([0, 1, 2, 0]), torch.arange(size // 2), torch.arange(size // 2))
+    audio = {"audio_hidden_states": x["audio"][:, 0].permute(0, 2, 1)} if train_audio else {}
+    with torch.no_grad():
+        out = module(hidden_states=torch.cat([latents, torch.zeros_like(latents), mask], dim=-1),
+                     encoder_hidden_states=cond["text"], pooled_projections=cond["pooled"], timestep=t["video"]
+                     if train_audio else t, visual_rope_pos=positions, encoder_attention_mask=cond["text_mask"].bool(),
+                     visual_token_type_ids=types, return_dict=False, **audio)
+    native = out[0][:, :-1].permute(0, 4, 1, 2, 3)
+    torch.testing.assert_close(v["video"] if train_audio else v, native, rtol=0, atol=0)
+    if train_audio:
+        torch.testing.assert_close(v["audio"], out[1].permute(0, 2, 1)[:, None], rtol=0, atol=0)
+    assert kandinsky6.TOKEN_TYPES in model.weights.trained_names
+    out = (lambda p: model.apply(p, x, t, cond)["video"]) if train_audio else (lambda p: model.apply(p, x, t, cond))
+    assert grad.grad(lambda p: out(p).square().mean())(params)[kandinsky6.TOKEN_TYPES].abs().max() > 0
+
+
+def test_image_to_video_without_the_first_frame_is_a_one_line_error():
+    config = Kandinsky6Config(preset="tiny", first_frame=True)
+    batch = {"text": torch.zeros(1, 4, 32), "text_mask": torch.ones(1, 4), "latents": torch.zeros(1, 16, 2, 4, 4)}
+    with pytest.raises(ValueError, match="first_frame_latent of data.kind='i2v' data") as error:
+        config.family.conditioning.from_batch(config, batch)
+    assert "\n" not in str(error.value)
 
 
 def test_a_joint_lora_adapts_the_audio_branch_and_loads_with_the_transformers_load_lora_adapter(tmp_path):
@@ -144,10 +193,17 @@ def test_audio_latents_that_do_not_fit_are_refused_in_one_line(joint, audio, mat
     assert "\n" not in str(error.value)
 
 
-def test_the_released_preset_is_diffusers_layout():
+def test_the_released_preset_is_diffusers_defaults_with_what_released_checkpoints_set():
+    """diffusers' docstring: "Released checkpoints set `text_token_padding`, `ca_rope`, `cross_gates`, and
+    `fix_modulation` to `True`"; its pipeline's image conditioning needs two token types."""
     signature = inspect.signature(Kandinsky6Transformer3DModel.__init__).parameters
+    released = {"text_token_padding": True, "ca_rope": True, "cross_gates": True, "fix_modulation": True,
+                "visual_token_type_num_embeddings": 2}
     preset = Kandinsky6Config(preset="kandinsky6").spec
-    assert preset.kwargs == {name: p.default for name, p in signature.items() if name != "self"}
+    assert preset.kwargs == {**{name: p.default for name, p in signature.items() if name != "self"}, **released}
+    docstring = " ".join(Kandinsky6Transformer3DModel.__doc__.split())
+    assert ("Released checkpoints set `text_token_padding`, `ca_rope`, `cross_gates`, and `fix_modulation` to `True`"
+            in docstring)
     assert preset.latents == hunyuan_video.LATENTS and preset.text_len == 1 + kandinsky6.TEXT_LEN
 
 
@@ -189,6 +245,23 @@ def test_text_is_the_pooled_row_then_the_pipelines_real_tokens_and_video_the_vae
     encoder_checks.assert_pooled_row_then_tokens(rows, pooled, [e[m] for e, m in zip(embeds, mask)])
     encoder_checks.assert_video_latents_are_the_posterior_mean(kandinsky6.ENCODERS, folder, (3, 5, 32, 32),
                                                                (4, 2, 4, 4))
+
+
+def test_the_first_frame_is_the_pipelines_encode_image_of_the_reference(folder, monkeypatch):
+    """The pipeline's ``encode_image`` of a PIL reference at the video's size (its mean: the pipeline samples), as
+    frame 0 of ``[C, t, h, w]``, the other latent frames zero."""
+    from diffusers.pipelines.kandinsky6 import pipeline_kandinsky6_ti2va
+
+    opened = kandinsky6.ENCODERS.open(folder, ["first_frame"])
+    video = encoder_checks.random_clip((3, 9, 32, 32))
+    rgb = ((video[:, 0] + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+    image = PIL.Image.fromarray(rgb.permute(1, 2, 0).numpy())
+    pixels = rgb[:, None].float() / 127.5 - 1
+    given = opened.encode_first_frame(torch.cat([pixels, video[:, 1:]], dim=1))
+    monkeypatch.setattr(pipeline_kandinsky6_ti2va, "retrieve_latents", lambda out, generator: out.latent_dist.mode())
+    expected = opened.pipe.encode_image(image, 32, 32, torch.device("cpu"), torch.float32)[0].permute(2, 0, 1)
+    assert given.shape == (4, 3, 4, 4) and not given[:, 1:].any()
+    torch.testing.assert_close(given[:, 0], expected, rtol=1e-5, atol=1e-5)
 
 
 def test_audio_is_the_vaes_mean_of_the_mono_mix_at_the_pipelines_length(folder):

@@ -18,7 +18,7 @@ import encoder_checks
 import tiny_wan_pipeline
 from fvx.core import random, role
 from fvx.distributed import memory
-from fvx_models import lora, lora_files, wan_animate, wan_vae
+from fvx_models import lora, lora_files, wan, wan_animate, wan_vae
 from fvx_models.wan_animate import WanAnimateConfig
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "bench"))
@@ -151,7 +151,7 @@ def test_adapters_load_with_its_pipelines_load_lora_weights(tmp_path, form):
     model is its Wan model's subclass) load with WanAnimatePipeline.load_lora_weights, whose transformer then computes
     fvx's LoRA model."""
     pytest.importorskip("peft")
-    targets = wan_animate.DIFFSYNTH_LORA_TARGETS if form == "comfyui" else lora.DEFAULT_TARGETS  # PEFT: face too
+    targets = wan.DIFFSYNTH_LORA_TARGETS if form == "comfyui" else lora.DEFAULT_TARGETS  # PEFT: face too
     adapted = WanAnimateConfig(frozen_dtype="fp32", lora=lora.LoRAConfig(rank=4, alpha=8.0,
                                                                          target_modules=targets)).build()
     assert any(name.startswith("face_adapter.") for name in adapted.weights.trained_names) == (form == "peft")

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fvx.core import random
-from fvx_models import lora, wan, wan_vace, wan_vace_moe
+from fvx.core import flow, random
+from fvx_models import lora, wan, wan_moe, wan_vace, wan_vace_moe
 from fvx_models.model import StepRange
 from fvx_models.wan_vace_moe import WanVACEMoEConfig
 
@@ -54,6 +54,19 @@ def test_a_step_trains_one_expert_in_its_range():
     assert both == (StepRange(0.875, 0.0, 875.0), StepRange(0.125, 875.0, float("inf")))
     assert WanVACEMoEConfig(trainable=("transformer",)).build().rules.step_ranges == (
         StepRange(1.0, 875.0, float("inf")),)
+
+
+def test_a_recipe_may_split_the_experts_training_timesteps_away_from_the_router():
+    """DiffSynth-Studio's VACE-Fun scripts train the high-noise expert on timestep ids [0, 358) of its shift-5 grid
+    ("boundary corresponds to timesteps [900, 1000]"): exactly the grid's levels from t = 900 up, while the router
+    still sends t >= 875 to it."""
+    config = WanVACEMoEConfig(train_boundary_ratio=0.9)
+    ranges = config.build().rules.step_ranges
+    assert [(r.t_min, r.t_max) for r in ranges] == [(0.0, 900.0), (900.0, float("inf"))]
+    assert [r.probability for r in ranges] == pytest.approx([0.9, 0.1])
+    assert config.boundary == 0.875 and wan_moe.boundary_timestep(config) == 875.0
+    t = flow.to_timestep(flow.training_sigmas(5.0), 1000)
+    assert torch.equal(torch.nonzero(t >= 900.0).flatten(), torch.arange(358))
 
 
 def test_the_context_scale_reaches_both_experts():

@@ -1,0 +1,225 @@
+"""Cosmos 3 Omni (diffusers ``Cosmos3OmniTransformer``): NVIDIA's omni model, a vision-language transformer that
+denoises video latents beside its prompt's tokens, text-to-video.
+
+Cosmos 3 is one language-model stack (GQA layers with a second set of weights for the generated tokens: a mixture of
+transformers) over one packed sequence per sample: the prompt's token ids, which it embeds itself (there is no text
+encoder: the "text" a data row stores is the ids, ``[L, 1]`` float32, padded and masked like an embedding), then the
+video latents patchified 2 x 2 with a timestep embedding added to each token. The text attends causally; the video
+attends to the text and itself. Positions are 3-D mRoPE: the text's count up from 0, the video's start a margin
+after them, time scaled by the clip's frame rate (``fps``, the pipeline's default 24) against the model's base rate.
+The sequence has no batch axis, so a forward takes one sample (``Training.one_sample``); the index tensors are built
+on the host from the prompt's length, as ``Cosmos3OmniPipeline._prepare_text_segment`` and ``_prepare_vision_segment``
+build them (the tests compare). It predicts the flow velocity its ``UniPCMultistepScheduler`` steps (``noise - x0``)
+at ``t = 1000 sigma`` (the module scales it by its ``timestep_scale``). Latents are the Wan 2.2 VAE's, normalised by
+its statistics as the pipeline's ``_encode_video``.
+
+fvx trains the video branch: what no video velocity reads is held frozen (the language-model head, the text's final
+norm, the last layer's text path after its keys and values: :func:`unused`); the sound and action branches of the omni
+release, image- and video-conditioned generation and the pipeline's duration and resolution prompt templates are left
+(the encoders tokenize the caption as it is: write those sentences into captions to keep them). The preset is diffusers'
+defaults, which have no sound or action heads: a folder with them is refused by the config check, naming the field.
+"""
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Mapping
+
+import msgspec
+import torch
+from diffusers import Cosmos3OmniTransformer
+from diffusers.models.transformers.transformer_cosmos3 import Cosmos3VLTextRotaryEmbedding
+from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import (get_3d_mrope_ids_text_tokens,
+                                                              get_3d_mrope_ids_vae_tokens)
+from torch import nn
+from typing_extensions import Annotated
+
+from fvx.distributed import memory
+from fvx_models import cond as fcond, diffusers_folder as dfolder, encoders as fencoders, wan
+from fvx_models.build import ModelConfig
+from fvx_models.family import (TEXT_MASK_DEFAULT, Architecture, Checkpoints, Conditioning, Family, Forward, Preset,
+                               Training, require, skeleton_of)
+
+# diffusers' Cosmos3OmniTransformer defaults (the released omni model's video stack: 36 layers of width 4096, 32
+# query and 8 key-value heads of 128, Qwen's vocabulary; no sound or action heads), every argument but the load-time
+# ``dtype``; a folder's config.json is checked against it
+COSMOS3 = dict(
+    attention_bias=False, attention_dropout=0.0, head_dim=128, hidden_size=4096, intermediate_size=12288, base_fps=24,
+    enable_fps_modulation=True, latent_channel=48, unified_3d_mrope_reset_spatial_ids=True,
+    unified_3d_mrope_temporal_modality_margin=15000, latent_patch_size=2, num_attention_heads=32, num_hidden_layers=36,
+    num_key_value_heads=8, patch_latent_dim=192, rms_norm_eps=1e-6, rope_scaling=None, rope_theta=5000000.0,
+    action_dim=None, action_gen=False, num_embodiment_domains=32, sound_dim=None, sound_gen=False,
+    sound_latent_fps=25.0, timestep_scale=0.001, vocab_size=151936, hidden_act="silu", qk_norm_for_text=True,
+    use_und_k_norm_for_gen=False, rope_axes_dim=(24, 20, 20),
+)
+TINY = {**COSMOS3, "head_dim": 16, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_hidden_layers": 2, "num_key_value_heads": 2, "latent_channel": 16, "patch_latent_dim": 64,
+        "vocab_size": 64, "rope_axes_dim": (4, 2, 2)}
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(TINY, wan.TINY_VAE, 8),
+    # the toy world's (48-channel space-to-depth 4 latents, patched 2 x 2; its captions' words as token ids)
+    "world": Preset({**TINY, "head_dim": 64, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 3,
+                     "latent_channel": 48, "patch_latent_dim": 192, "vocab_size": 16, "rope_axes_dim": (16, 8, 8)},
+                    wan.WORLD_CODEC_4, 4),
+    "cosmos3-omni": Preset(COSMOS3, wan.WAN22_VAE, 512),
+}
+"""``Cosmos3OmniTransformer`` constructor arguments per preset, the latent space (the Wan 2.2 VAE's, as the pipeline
+normalises it) and the prompt length data rows are padded to (token ids)."""
+
+LAST_TEXT_PATH = ("self_attn.to_q", "self_attn.norm_q", "self_attn.to_out", "post_attention_layernorm",
+                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+ONE_SAMPLE = ("its forward packs one prompt-and-video sequence without a batch axis (the pipeline runs batch 1); a "
+              "batch is micro-batches of one (method.grad_accum)")
+
+
+def rebuild(module: nn.Module) -> None:
+    """The rotary table (a buffer, a pure function of the config), on the CPU."""
+    k = module.config
+    module.rotary_emb = Cosmos3VLTextRotaryEmbedding(k.head_dim, k.rope_theta, tuple(k.rope_axes_dim))
+
+
+def skeleton(config: ModelConfig) -> nn.Module:
+    return skeleton_of(Cosmos3OmniTransformer, config.spec.kwargs, rebuild)
+
+
+def unused(config: ModelConfig) -> frozenset[str]:
+    """What no video velocity reads, held frozen: the language-model head and the text's final norm, and the last
+    layer's text path after its keys and values (its queries, output and MLP: their output is dropped)."""
+    k = config.spec.kwargs
+    last = f"layers.{k['num_hidden_layers'] - 1}."
+    kinds = ("weight", "bias") if k["attention_bias"] else ("weight",)
+    text_path = {f"{last}{module}.{kind}" for module in LAST_TEXT_PATH
+                 for kind in (kinds if module in ("self_attn.to_q", "self_attn.to_out") else ("weight",))}
+    return frozenset({"lm_head.weight", "norm.weight", *text_path})
+
+
+def cond_spec(config: ModelConfig) -> fcond.Spec:
+    """The prompt's token ids ``[L, 1]`` (float32) and their mask."""
+    return {"text": ("L", 1), "text_mask": ("L",)}
+
+
+def cond_from_batch(config: ModelConfig, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The token ids and their mask; a ValueError names a missing tensor or text that is not ids."""
+    require(batch, ("text", "text_mask"), config.family.name, "the prompt's token ids: parquet column text_embedding")
+    if batch["text"].dim() != 3 or batch["text"].shape[2] != 1:
+        raise ValueError(f"{config.family.name}: text_embedding {list(batch['text'].shape[1:])} must be [L, 1], the "
+                         "prompt's token ids (Cosmos 3 embeds its tokens itself); preprocess with its encoders")
+    return {"text": batch["text"], "text_mask": batch["text_mask"]}
+
+
+def packed(config: Cosmos3Config, tokens: int, grid: tuple[int, int, int], device: torch.device) -> dict[str, Any]:
+    """The packed sequence's layout for a prompt of ``tokens`` ids and latents of ``grid`` ``(T, H, W)``, as the
+    pipeline's ``_prepare_text_segment`` and ``_prepare_vision_segment`` build it for text-to-video: the text at
+    positions ``[0, L)``, every latent frame noised, the video's patches after the text."""
+    k = config.spec.kwargs
+    frames, height, width = grid
+    patch = k["latent_patch_size"]
+    rows, cols = -(-height // patch), -(-width // patch)
+    count = frames * rows * cols
+    text_positions, offset = get_3d_mrope_ids_text_tokens(tokens, 0, use_float_positions=k["enable_fps_modulation"])
+    video_positions, _ = get_3d_mrope_ids_vae_tokens(
+        frames, rows, cols, offset + k["unified_3d_mrope_temporal_modality_margin"],
+        reset_spatial_indices=k["unified_3d_mrope_reset_spatial_ids"],
+        fps=config.fps if k["enable_fps_modulation"] else None, base_fps=float(k["base_fps"]),
+        temporal_compression_factor=config.spec.latents.vae_stride[0])
+    video = torch.arange(tokens, tokens + count, device=device)
+    return {"text_indexes": torch.arange(tokens, device=device), "und_len": tokens, "sequence_length": tokens + count,
+            "position_ids": torch.cat([text_positions, video_positions], dim=1).to(device),
+            "vision_token_shapes": [(frames, rows, cols)], "vision_sequence_indexes": video,
+            "vision_mse_loss_indexes": video, "vision_noisy_frame_indexes": [torch.arange(frames, device=device)]}
+
+
+def inputs(config: Cosmos3Config, x: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor],
+           sharded: bool) -> dict[str, Any]:
+    """One sample's call (``x [1, C, T, H, W]``): the prompt's real token ids, the latents as the one vision item,
+    each of its patches at the sample's ``t``."""
+    if x.shape[0] != 1:
+        raise ValueError(f"{config.family.name}: latents have batch {x.shape[0]}; {ONE_SAMPLE}")
+    ids = cond["text"][0, cond["text_mask"][0].bool(), 0].round().long()
+    layout = packed(config, ids.shape[0], tuple(x.shape[2:]), x.device)
+    count = layout["vision_sequence_indexes"].shape[0]
+    return {"input_ids": ids, "vision_tokens": [x], "vision_timesteps": t.expand(count), "return_dict": False,
+            **layout}
+
+
+def output(config: ModelConfig, out: Any, x: torch.Tensor, t: Any, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The vision item's velocity ``[1, C, T, H, W]`` (the module returns one per item)."""
+    return out[0][0]
+
+
+def latent_rule(config: ModelConfig, shape: tuple[int, ...]) -> str | None:
+    patch = config.spec.kwargs["latent_patch_size"]
+    if shape[3] % patch or shape[4] % patch:
+        return f"latents {shape[3]} x {shape[4]} do not divide into its {patch} x {patch} patches"
+    return None
+
+
+def widths(config: ModelConfig) -> tuple[int, dict[str, tuple[int, int]]]:
+    k = config.spec.kwargs
+    return k["hidden_size"], {"layers": (k["hidden_size"], k["intermediate_size"])}
+
+
+def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
+    """diffusers' ``Cosmos3OmniPipeline`` ``model_index.json`` beside ``transformer/``; copy ``text_tokenizer/``,
+    ``vae/`` and ``scheduler/`` (its UniPC at the release's flow shift, not read here) from the base model."""
+    dfolder.write_model_index(folder, "Cosmos3OmniPipeline", {
+        "transformer": ("diffusers", "Cosmos3OmniTransformer"), "vae": ("diffusers", "AutoencoderKLWan"),
+        "scheduler": ("diffusers", "UniPCMultistepScheduler"), "text_tokenizer": ("transformers", "AutoTokenizer")})
+
+
+# ----------------------------------------------------------------------------------------------------- encoding
+
+
+def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
+    """``Cosmos3OmniPipeline.tokenize_prompt``'s ids of each prompt (its system prompt and chat template, then the
+    end and vision-start tokens; without the duration and resolution sentences): ``[L_i, 1]`` float32."""
+    ids = [pipe.tokenize_prompt(prompt, add_resolution_template=False, add_duration_template=False)[0]
+           for prompt in prompts]
+    return [torch.tensor(row, dtype=torch.float32)[:, None] for row in ids]
+
+
+ENCODERS = fencoders.Encoders(
+    pipeline="Cosmos3OmniPipeline", text=("text_tokenizer", "vae"), encode_text=encode_text,
+    video=("vae", "text_tokenizer"), encode_video=lambda pipe, video: fencoders.latent_mean(pipe.vae, video),
+    frame_step=4, pixel_multiple=32,
+    stand_ins=(("safety_checker", fencoders.NoSafetyChecker()),),
+    audio_refusal="fvx trains Cosmos 3's video branch; its sound branch is not built here")
+"""Cosmos 3's encoders: the pipeline's tokenization (ids, no text encoder) and the Wan 2.2 VAE's posterior mean,
+unnormalised (the latent space normalises); the pipeline cannot be built without both its tokenizer and its VAE, so
+each part loads both."""
+
+
+COSMOS3_FAMILY = Family(
+    name="cosmos3",
+    presets=PRESETS,
+    encoders=ENCODERS,
+    architecture=Architecture(
+        skeleton=skeleton,
+        unit_groups={"layers": ("layers",)},
+        # measured (saved-tensor hooks, bf16) per video token, the growth from 16 x 16 to 32 x 32 latents (the
+        # prompt's tokens left out, as the dry run counts video tokens); its SwiGLU MLP saves 4 ffn-wide tensors
+        activations={"layers": memory.BlockActivations(fp32_dim=3.69, compute_dim=11, compute_ffn=4)},
+        widths=widths,
+        whole_graph_refusal=("it keeps only the prompt's real tokens (boolean indexing) and builds the packed "
+                             "sequence's index tensors on the host from their count"),
+        vsa_refusal="its attention runs over one packed text-and-video sequence, not the video grid's tokens",
+    ),
+    forward=Forward(inputs=inputs, output=output),
+    conditioning=Conditioning(
+        spec=cond_spec, from_batch=cond_from_batch, defaults=TEXT_MASK_DEFAULT,
+        zero=lambda cond: {name: torch.zeros_like(t) for name, t in cond.items()},
+        cfg_dropout_refusal=("its prompt is token ids: fvx's CFG dropout zeroes text embeddings and keeps their mask, "
+                             "which for ids is a prompt of token 0, not an empty one")),
+    checkpoints=Checkpoints(pipeline_files=pipeline_files),
+    training=Training(held_frozen=unused, latent_rule=latent_rule, one_sample=ONE_SAMPLE),
+)
+
+
+class Cosmos3Config(ModelConfig, tag="cosmos3"):
+    """A Cosmos 3 Omni transformer, text-to-video (presets: tiny, world, cosmos3-omni). ``fps``: the clips' frame
+    rate, which scales the video's time positions (the pipeline's default 24; match ``data.preprocess.train_fps``).
+    The shared knobs are :class:`fvx_models.build.ModelConfig`'s."""
+
+    family = COSMOS3_FAMILY
+
+    fps: Annotated[float, msgspec.Meta(gt=0)] = 24.0

@@ -1,0 +1,233 @@
+"""Cosmos 3 Omni: its forward against the diffusers module called as Cosmos3OmniPipeline calls it (the packed layout
+from the pipeline's own _prepare_text_segment and _prepare_vision_segment), the unconditional as the empty prompt,
+the params it trains (all but those no velocity reads), one sample per forward, the released preset, the export and
+a LoRA through the module's load_lora_adapter, the dry run's activation figures, its encoders (the pipeline's
+tokenization as ids, the Wan 2.2 VAE's latents normalised as the pipeline's _encode_video) and the toy world's words."""
+import inspect
+import json
+import pathlib
+import sys
+import types
+
+import msgspec
+import numpy
+import pytest
+import tokenizers
+import torch
+import transformers
+from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, Cosmos3OmniTransformer, UniPCMultistepScheduler
+
+from fvx import config as fconfig
+from fvx.core import grad, random, role
+from fvx.data import toy_world
+from fvx.distributed import memory
+from fvx.training import config_checks
+from fvx_models import cosmos3, wan
+from fvx_models.cosmos3 import Cosmos3Config
+from fvx_models.lora import LoRAConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+from activations import saved_per_group  # noqa: E402
+
+IDS = [3.0, 7.0, 1.0, 9.0, 0.0, 0.0]  # a prompt of 4 token ids, padded to 6
+TINY = Cosmos3Config(preset="tiny")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return TINY.build()
+
+
+@pytest.fixture(scope="module")
+def params(model):
+    return model.weights.init(random.key(0))
+
+
+def sample(key, tokens=4, frames=3, size=4):
+    """Latents ``[1, 16, frames, size, size]``, a timestep and a prompt of ``tokens`` ids padded to 6."""
+    x = random.normal(key, (1, 16, frames, size, size))
+    mask = torch.zeros(1, len(IDS))
+    mask[:, :tokens] = 1
+    return x, torch.tensor([700.0]), {"text": torch.tensor([IDS])[..., None], "text_mask": mask}
+
+
+def module_of(params):
+    module = Cosmos3OmniTransformer(**cosmos3.TINY)
+    module.load_state_dict(params)
+    return module
+
+
+def pipeline_call(module, x, t, ids, fps=24.0):
+    """``module`` called as Cosmos3OmniPipeline's text-to-video step calls it: the packed layout from its own
+    ``_prepare_text_segment`` and ``_prepare_vision_segment`` (no condition frames), every patch at ``t``."""
+    pipe = types.SimpleNamespace(transformer=module, vae_scale_factor_temporal=4)
+    text = Cosmos3OmniPipeline._prepare_text_segment(pipe, ids, "cpu")
+    vision = Cosmos3OmniPipeline._prepare_vision_segment(pipe, x, False, text["vision_start_temporal_offset"], fps,
+                                                         text["und_len"], "cpu")
+    with torch.no_grad():
+        out = module(input_ids=text["input_ids"], text_indexes=text["text_indexes"],
+                     position_ids=torch.cat([text["text_mrope_ids"], vision["vision_mrope_ids"]], dim=1),
+                     und_len=text["und_len"], sequence_length=text["und_len"] + vision["num_vision_tokens"],
+                     vision_tokens=[x], vision_token_shapes=vision["vision_token_shapes"],
+                     vision_sequence_indexes=vision["vision_sequence_indexes"],
+                     vision_mse_loss_indexes=vision["vision_mse_loss_indexes"],
+                     vision_timesteps=torch.full((vision["num_noisy_vision_tokens"],), float(t[0])),
+                     vision_noisy_frame_indexes=vision["vision_noisy_frame_indexes"], return_dict=False)
+    return out[0][0]
+
+
+@pytest.mark.parametrize("fps", [24.0, 16.0])
+def test_the_forward_is_the_pipelines_call_on_the_prompts_real_tokens(params, fps):
+    model = Cosmos3Config(preset="tiny", fps=fps).build()
+    x, t, cond = sample(random.key(1))
+    v = model.apply(params, x, t, cond)
+    torch.testing.assert_close(v, pipeline_call(module_of(params), x, t, [3, 7, 1, 9], fps), rtol=0, atol=0)
+
+
+def test_the_zero_unconditional_is_the_empty_prompt(model, params):
+    x, t, cond = sample(random.key(2))
+    v = model.apply(params, x, t, model.uncond(cond, "zero"))
+    torch.testing.assert_close(v, pipeline_call(module_of(params), x, t, []), rtol=0, atol=0)
+
+
+def test_exactly_the_params_no_velocity_reads_are_held_frozen(model, params):
+    """The language-model head, the text's final norm and the last layer's text path after its keys and values get
+    no gradient from the video's velocity; everything else trains (the text's own layers through the keys and values
+    the video attends to)."""
+    x, t, cond = sample(random.key(3))
+    grads = grad.grad(lambda p: model.apply(p, x, t, cond).square().mean())(params)
+    without = {name for name, g in grads.items() if g is None or not g.abs().max() > 0}
+    assert without == set(params) - model.weights.trained_names == cosmos3.unused(TINY)
+    assert {"lm_head.weight", "norm.weight", "layers.1.mlp.up_proj.weight"} <= without
+    assert "layers.0.mlp.up_proj.weight" not in without and "layers.1.self_attn.to_k.weight" not in without
+
+
+def test_remat_gives_the_same_gradients(model, params):
+    """Its layers hand the checkpoint function their bound ``__call__``, which fvx's remat takes as the layer."""
+    x, t, cond = sample(random.key(7))
+    loss = lambda m: lambda p: m.apply(p, x, t, cond).square().mean()  # noqa: E731
+    plain = grad.grad(loss(model))(params)
+    recomputed = grad.grad(loss(Cosmos3Config(preset="tiny", remat=True).build()))(params)
+    assert all(torch.equal(plain[name], recomputed[name]) for name in plain if plain[name] is not None)
+
+
+def test_a_batch_of_two_and_text_that_is_not_ids_are_one_line_errors(model, params):
+    x, t, cond = sample(random.key(4))
+    two = {name: torch.cat([c, c]) for name, c in cond.items()}
+    with pytest.raises(ValueError, match="one prompt-and-video sequence without a batch axis") as error:
+        model.apply(params, torch.cat([x, x]), torch.cat([t, t]), two)
+    assert "\n" not in str(error.value)
+    batch = {"text": torch.zeros(1, 6, 32), "text_mask": torch.ones(1, 6), "latents": x}
+    with pytest.raises(ValueError, match=r"text_embedding \[6, 32\] must be \[L, 1\], the prompt's token ids"):
+        TINY.family.conditioning.from_batch(TINY, batch)
+
+
+def test_cfg_dropout_is_refused_in_one_line(model):
+    experiment = fconfig.load_experiment(ROOT / "experiments" / "finetune_cosmos3.py")
+    config = msgspec.structs.replace(experiment, data=msgspec.structs.replace(experiment.data, cfg_rate=0.1))
+    with pytest.raises(fconfig.ConfigError, match=r"data.cfg_rate = 0.1: models.student \(cosmos3:tiny\) takes no CFG "
+                       r"dropout \(its prompt is token ids") as error:
+        config_checks.check_cfg_dropout(config, {"student": model})
+    assert "\n" not in str(error.value)
+
+
+def test_the_released_preset_is_diffusers_defaults():
+    signature = inspect.signature(Cosmos3OmniTransformer.__init__).parameters
+    defaults = {name: p.default for name, p in signature.items() if name not in ("self", "dtype")}
+    preset = Cosmos3Config(preset="cosmos3-omni").spec
+    assert preset.kwargs == {**defaults, "rope_axes_dim": (24, 20, 20)}  # the class's default when None
+    assert preset.latents == wan.WAN22_VAE
+
+
+def test_an_export_loads_with_from_pretrained_and_a_lora_with_load_lora_adapter(model, params, tmp_path):
+    written = model.export.folder(params, str(tmp_path / "full"))
+    assert json.loads((tmp_path / "full" / "model_index.json").read_text())["_class_name"] == "Cosmos3OmniPipeline"
+    loaded = Cosmos3OmniTransformer.from_pretrained(written.files["transformer"])
+    assert all(torch.equal(p, params[name]) for name, p in loaded.state_dict().items())
+
+    pytest.importorskip("peft")
+    adapted = Cosmos3Config(preset="tiny", frozen_dtype="fp32", lora=LoRAConfig(rank=4, alpha=8.0)).build()
+    base = adapted.weights.base(random.key(0))
+    adapters = {name: random.normal(random.fold_in(random.key(1), i), tuple(p.shape)) * 0.1
+                for i, (name, p) in enumerate(adapted.weights.initial(random.key(1)).items())}
+    written = adapted.export.adapters(adapters, str(tmp_path / "lora"), "peft")
+    module = module_of(base)
+    module.load_lora_adapter(str(tmp_path / "lora"), weight_name=written.files["transformer"].name,
+                             prefix="transformer")
+    x, t, cond = sample(random.key(5))
+    torch.testing.assert_close(adapted.apply(role.with_trained(base, adapters), x, t, cond),
+                               pipeline_call(module, x, t, [3, 7, 1, 9]), rtol=1e-5, atol=1e-5)
+
+
+def test_dry_run_activation_figures_match_what_a_layer_saves():
+    """Per video token, the growth from 16 x 16 to 32 x 32 latents (4 frames, patched 2 x 2) of what the first layer
+    saves (saved-tensor hooks, bf16), against the family's figures."""
+    config = Cosmos3Config(preset="tiny")
+    spec = Cosmos3Config(preset="tiny", compute_dtype="bf16").build().memory_spec()
+    saved = [saved_per_group(config, *sample(random.key(6), tokens=6, frames=4, size=size))["layers"]
+             for size in (16, 32)]
+    tokens = [4 * (size // 2) ** 2 for size in (16, 32)]
+    measured = (sum(saved[1][:2]) - sum(saved[0][:2])) / (tokens[1] - tokens[0])
+    group = next(g for g in spec.groups if g.name == "layers")
+    estimate = memory.block_activation_bytes(group, 1, compute_bytes=2)
+    assert abs(estimate - measured) <= 0.05 * measured, (estimate, measured)
+
+
+# ----------------------------------------------------------------------------------------------------- encoders
+
+WORDS = ["red", "bars", "moving", "left", "You", "are", "a", "helpful", "assistant", "who", "will", "generate",
+         "videos", "from", "give", "prompt.", "system", "user", "assistant"]
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<unk>"]
+CHAT = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+
+
+def tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer of the template's and a prompt's words, with Qwen's chat markers and vision start."""
+    vocab = {word: i for i, word in enumerate(dict.fromkeys(SPECIALS + WORDS))}
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=model, eos_token="<|im_end|>", unk_token="<unk>",
+                                                chat_template=CHAT)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A tiny Cosmos3OmniPipeline folder: the tokenizer and a 48-channel Wan VAE with Wan 2.2's statistics."""
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("cosmos3")
+    vae = AutoencoderKLWan(base_dim=8, z_dim=48, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True],
+                           latents_mean=list(wan.WAN22_LATENTS_MEAN), latents_std=list(wan.WAN22_LATENTS_STD))
+    Cosmos3OmniPipeline(transformer=None, text_tokenizer=tiny_tokenizer(), vae=vae,
+                        scheduler=UniPCMultistepScheduler(), enable_safety_checker=False).save_pretrained(path)
+    return path
+
+
+def test_text_is_the_pipelines_tokenization_as_ids(folder):
+    opened = cosmos3.ENCODERS.open(folder, ["text"])
+    rows = opened.encode_text(["red bars moving left"])
+    ids, _ = opened.pipe.tokenize_prompt("red bars moving left", add_resolution_template=False,
+                                         add_duration_template=False)
+    tokenizer = opened.pipe.text_tokenizer
+    assert rows[0].dtype == torch.float32 and rows[0].shape == (len(ids), 1)
+    assert rows[0][:, 0].long().tolist() == ids
+    assert ids[-2:] == [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|vision_start|>")]
+    assert "generate videos" in tokenizer.decode(ids) and "red bars moving left" in tokenizer.decode(ids)
+
+
+def test_video_latents_normalised_are_the_pipelines_encode_video(folder):
+    opened = cosmos3.ENCODERS.open(folder, ["video"])
+    video = torch.rand(1, 3, 5, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    raw = opened.encode_video(video[0])
+    torch.testing.assert_close(wan.WAN22_VAE.normalize(raw[None]), opened.pipe._encode_video(video),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_the_toy_worlds_words_are_its_captions_token_ids():
+    config = toy_world.WorldConfig(text="words")
+    texts = toy_world.prompt_texts(config)
+    assert len(texts) == len(config.prompts)
+    assert texts[1].shape == (4, 1) and numpy.array_equal(
+        texts[1][:, 0], [toy_world.WORDS.index(w) for w in toy_world.caption(config, *config.prompts[1]).split()])
+    assert max(int(t.max()) for t in texts) < Cosmos3Config(preset="world").spec.kwargs["vocab_size"]
