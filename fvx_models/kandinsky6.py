@@ -132,8 +132,8 @@ def inputs(config: ModelConfig, x: Any, t: Any, cond: Mapping[str, torch.Tensor]
         video, reference = with_reference_frame(config, video, cond)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         call.update(reference)
-    call["hidden_states"] = torch.cat([video, torch.zeros_like(video), mask], dim=-1) if config.spec.kwargs[
-        "visual_cond"] else video
+    visual_cond = config.spec.kwargs["visual_cond"]
+    call["hidden_states"] = torch.cat([video, torch.zeros_like(video), mask], dim=-1) if visual_cond else video
     if audio is not None:
         call["audio_hidden_states"] = audio.permute(0, 3, 1, 2).flatten(2)
     return call
