@@ -110,7 +110,7 @@ IMAGE_INPUT = "first_frame_latents"  # the tensor data.kind=i2v adds (fvx.data.d
 def check_image_input(config: Any, models: Mapping[str, Any]) -> None:
     """A ConfigError when the data gives each clip's first frame (``data.kind=i2v``) but the model the data feeds (the
     method's first held role) takes no image input: it would train text-to-video on the clips, the frame unread. The
-    line names the family's presets that take one."""
+    line names the knob (``first_frame``) or the family's presets that take one."""
     if config.data.kind != "i2v":
         return
     role_name = config.method.held_roles()[0].name
@@ -124,6 +124,8 @@ def check_image_input(config: Any, models: Mapping[str, Any]) -> None:
     fix = (f"use an image-to-video preset, models.{name}.preset=PRESET with PRESET one of {', '.join(presets)}"
            if presets else
            f"the {family.name} family has no image-to-video preset: use data.kind=t2v, or a family that has one")
+    if IMAGE_INPUT in first_frame_spec(model_config):
+        fix = f"set models.{name}.first_frame=true (its image-to-video)"
     raise ConfigError(f"data.kind=i2v gives each clip's first frame, but models.{name}.preset={model_config.preset} "
                       f"({model.name}) takes no image input (it would train text-to-video, the frame unread); {fix}")
 
@@ -189,6 +191,17 @@ def image_spec(model_config: Any, preset: str) -> Mapping[str, Any]:
     preset)."""
     try:
         return model_config.family.conditioning.spec(msgspec.structs.replace(model_config, preset=preset))
+    except ValueError:
+        return {}
+
+
+def first_frame_spec(model_config: Any) -> Mapping[str, Any]:
+    """The cond spec of ``model_config`` with its ``first_frame`` knob on ({} when it has none, or it does not fit the
+    preset)."""
+    if "first_frame" not in model_config.__struct_fields__:
+        return {}
+    try:
+        return model_config.family.conditioning.spec(msgspec.structs.replace(model_config, first_frame=True))
     except ValueError:
         return {}
 

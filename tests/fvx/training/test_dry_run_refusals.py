@@ -53,6 +53,11 @@ REFUSED = {
         "data.kind=i2v gives each clip's first frame, but models.student.preset=tiny (wan:tiny) takes no image input "
         "(it would train text-to-video, the frame unread); use an image-to-video preset, models.student.preset=PRESET "
         "with PRESET one of tiny-i2v, world-i2v, wan2.1-i2v-14b-480p, wan2.1-i2v-14b-720p"),
+    "t2v_config_of_a_first_frame_family_on_i2v_data": (
+        "finetune_kandinsky6.py", ["data.kind=i2v"],
+        "data.kind=i2v gives each clip's first frame, but models.student.preset=world (kandinsky6:world) takes no "
+        "image input (it would train text-to-video, the frame unread); set models.student.first_frame=true (its "
+        "image-to-video)"),
     "model_no_role_plays": (
         "meanflow.py:world_distill", ["method=meanflow"],
         "models.teacher: no role plays it (method.roles: student=student); name it in a role "
