@@ -1,4 +1,4 @@
-"""Fine-tune Cosmos 3 Omni on text-to-video, full or LoRA.
+"""Fine-tune Cosmos 3 Omni on text- or image-to-video, full or LoRA.
 
 Cosmos 3 is a vision-language transformer that denoises the video beside its prompt's tokens: there is no text
 encoder, so the data's `text_embedding` holds each caption's token ids (`[L, 1]`, the pipeline's tokenization:
@@ -11,6 +11,9 @@ The default trains the tiny `world` preset from scratch on fvx's toy world, its 
 the prompted colour moving the prompted way); a couple of minutes on a 2-core CPU, and `validation/model/nearest_mse`
 falls:
     python -m fvx.run experiments/finetune_cosmos3.py
+Image-to-video (the pipeline's `image=`: latent frame 0 the given frame, clean; data of kind i2v); `sample RUN --image
+first.png` then makes a video from a picture:
+    python -m fvx.run experiments/finetune_cosmos3.py data.kind=i2v models.student.first_frame=true
 On Cosmos 3 Omni (a local diffusers folder: transformer/, vae/, text_tokenizer/, scheduler/):
     python -m fvx.run preprocess experiments/finetune_cosmos3.py --videos /data/my_clips --out /data/my_dataset \\
         models.student.preset=cosmos3-omni models.student.path=/models/Cosmos3-Omni data.world=null \\

@@ -180,6 +180,7 @@ class Finetune(one_role.OneRoleConfig, tag="finetune"):
     its Wan recipes), ``none`` not. Defaults that differ from FastVideo's are listed in docs/design.md."""
 
     joint_models: ClassVar[bool] = True  # trains models that denoise several modalities together (MiniMax-H3)
+    one_sample_models: ClassVar[bool] = True  # micro-batches of one, validated sample by sample (FramePack, Cosmos 3)
 
     roles: FinetuneRoles = FinetuneRoles()
     weighting_scheme: Literal["uniform", "logit_normal", "mode"] = "uniform"

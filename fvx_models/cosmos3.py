@@ -1,5 +1,5 @@
 """Cosmos 3 Omni (diffusers ``Cosmos3OmniTransformer``): NVIDIA's omni model, a vision-language transformer that
-denoises video latents beside its prompt's tokens, text-to-video.
+denoises video latents beside its prompt's tokens, text- and image-to-video.
 
 Cosmos 3 is one language-model stack (GQA layers with a second set of weights for the generated tokens: a mixture of
 transformers) over one packed sequence per sample: the prompt's token ids, which it embeds itself (there is no text
@@ -13,11 +13,18 @@ build them (the tests compare). It predicts the flow velocity its ``UniPCMultist
 at ``t = 1000 sigma`` (the module scales it by its ``timestep_scale``). Latents are the Wan 2.2 VAE's, normalised by
 its statistics as the pipeline's ``_encode_video``.
 
+Image-to-video (``first_frame``, ``data.kind=i2v``), as the pipeline's ``image=`` call: latent frame 0 is the given
+frame's latents, clean (the pipeline's condition mask), its patches without a timestep embedding or a prediction
+(``_prepare_vision_segment(has_image_condition=True)``); the pipeline zeroes that frame's velocity so it stays the
+image, and fvx returns the exact velocity toward it, ``(x_t - x_first) / sigma``, so the loss covers the other frames
+and samplers land on the image (Wan 2.2 TI2V's form, ``fvx_models.wan_i2v``).
+
 fvx trains the video branch: what no video velocity reads is held frozen (the language-model head, the text's final
 norm, the last layer's text path after its keys and values: :func:`unused`); the sound and action branches of the omni
-release, image- and video-conditioned generation and the pipeline's duration and resolution prompt templates are left
-(the encoders tokenize the caption as it is: write those sentences into captions to keep them). The preset is diffusers'
-defaults, which have no sound or action heads: a folder with them is refused by the config check, naming the field.
+release, video-conditioned generation (several given frames) and the pipeline's duration and resolution prompt templates
+are left (the encoders tokenize the caption as it is: write those sentences into captions to keep them). The preset is
+diffusers' defaults, which have no sound or action heads: a folder with them is refused by the config check, naming the
+field.
 """
 from __future__ import annotations
 
@@ -34,7 +41,7 @@ from torch import nn
 from typing_extensions import Annotated
 
 from fvx.distributed import memory
-from fvx_models import cond as fcond, diffusers_folder as dfolder, encoders as fencoders, wan
+from fvx_models import cond as fcond, diffusers_folder as dfolder, encoders as fencoders, wan, wan_i2v
 from fvx_models.build import ModelConfig
 from fvx_models.family import (TEXT_MASK_DEFAULT, Architecture, Checkpoints, Conditioning, Family, Forward, Preset,
                                Training, require, skeleton_of)
@@ -93,24 +100,36 @@ def unused(config: ModelConfig) -> frozenset[str]:
     return frozenset({"lm_head.weight", "norm.weight", *text_path})
 
 
-def cond_spec(config: ModelConfig) -> fcond.Spec:
-    """The prompt's token ids ``[L, 1]`` (float32) and their mask."""
-    return {"text": ("L", 1), "text_mask": ("L",)}
+def cond_spec(config: Cosmos3Config) -> fcond.Spec:
+    """The prompt's token ids ``[L, 1]`` (float32) and their mask; image-to-video adds the first frame's latents
+    ``[C, T, H, W]`` (frame 0 read)."""
+    spec = {"text": ("L", 1), "text_mask": ("L",)}
+    if config.first_frame:
+        spec["first_frame_latents"] = (config.spec.latents.channels, "T", "H", "W")
+    return spec
 
 
-def cond_from_batch(config: ModelConfig, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """The token ids and their mask; a ValueError names a missing tensor or text that is not ids."""
-    require(batch, ("text", "text_mask"), config.family.name, "the prompt's token ids: parquet column text_embedding")
+def cond_from_batch(config: Cosmos3Config, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The token ids and their mask (and image-to-video's first frame); a ValueError names a missing tensor or text
+    that is not ids."""
+    name = config.family.name
+    require(batch, ("text", "text_mask"), name, "the prompt's token ids: parquet column text_embedding")
     if batch["text"].dim() != 3 or batch["text"].shape[2] != 1:
-        raise ValueError(f"{config.family.name}: text_embedding {list(batch['text'].shape[1:])} must be [L, 1], the "
-                         "prompt's token ids (Cosmos 3 embeds its tokens itself); preprocess with its encoders")
-    return {"text": batch["text"], "text_mask": batch["text_mask"]}
+        raise ValueError(f"{name}: text_embedding {list(batch['text'].shape[1:])} must be [L, 1], the prompt's token "
+                         "ids (Cosmos 3 embeds its tokens itself); preprocess with its encoders")
+    cond = {"text": batch["text"], "text_mask": batch["text_mask"]}
+    if config.first_frame:
+        require(batch, ("first_frame_latents",), name, "the first frame's latents: parquet column first_frame_latent "
+                "of data.kind='i2v' data")
+        cond["first_frame_latents"] = batch["first_frame_latents"]
+    return cond
 
 
 def packed(config: Cosmos3Config, tokens: int, grid: tuple[int, int, int], device: torch.device) -> dict[str, Any]:
     """The packed sequence's layout for a prompt of ``tokens`` ids and latents of ``grid`` ``(T, H, W)``, as the
-    pipeline's ``_prepare_text_segment`` and ``_prepare_vision_segment`` build it for text-to-video: the text at
-    positions ``[0, L)``, every latent frame noised, the video's patches after the text."""
+    pipeline's ``_prepare_text_segment`` and ``_prepare_vision_segment`` build it: the text at positions ``[0, L)``,
+    the video's patches after it, every latent frame noised but image-to-video's given frame 0 (its patches get no
+    timestep and no prediction)."""
     k = config.spec.kwargs
     frames, height, width = grid
     patch = k["latent_patch_size"]
@@ -122,29 +141,36 @@ def packed(config: Cosmos3Config, tokens: int, grid: tuple[int, int, int], devic
         reset_spatial_indices=k["unified_3d_mrope_reset_spatial_ids"],
         fps=config.fps if k["enable_fps_modulation"] else None, base_fps=float(k["base_fps"]),
         temporal_compression_factor=config.spec.latents.vae_stride[0])
-    video = torch.arange(tokens, tokens + count, device=device)
+    given = int(config.first_frame)
     return {"text_indexes": torch.arange(tokens, device=device), "und_len": tokens, "sequence_length": tokens + count,
             "position_ids": torch.cat([text_positions, video_positions], dim=1).to(device),
-            "vision_token_shapes": [(frames, rows, cols)], "vision_sequence_indexes": video,
-            "vision_mse_loss_indexes": video, "vision_noisy_frame_indexes": [torch.arange(frames, device=device)]}
+            "vision_token_shapes": [(frames, rows, cols)],
+            "vision_sequence_indexes": torch.arange(tokens, tokens + count, device=device),
+            "vision_mse_loss_indexes": torch.arange(tokens + given * rows * cols, tokens + count, device=device),
+            "vision_noisy_frame_indexes": [torch.arange(given, frames, device=device)]}
 
 
 def inputs(config: Cosmos3Config, x: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor],
            sharded: bool) -> dict[str, Any]:
-    """One sample's call (``x [1, C, T, H, W]``): the prompt's real token ids, the latents as the one vision item,
-    each of its patches at the sample's ``t``."""
+    """One sample's call (``x [1, C, T, H, W]``): the prompt's real token ids, the latents as the one vision item
+    (image-to-video: frame 0 the given one), each noised patch at the sample's ``t``."""
     if x.shape[0] != 1:
         raise ValueError(f"{config.family.name}: latents have batch {x.shape[0]}; {ONE_SAMPLE}")
     ids = cond["text"][0, cond["text_mask"][0].bool(), 0].round().long()
     layout = packed(config, ids.shape[0], tuple(x.shape[2:]), x.device)
-    count = layout["vision_sequence_indexes"].shape[0]
+    if config.first_frame:
+        x = wan_i2v.first_frame_input(x, cond)
+    count = layout["vision_mse_loss_indexes"].shape[0]
     return {"input_ids": ids, "vision_tokens": [x], "vision_timesteps": t.expand(count), "return_dict": False,
             **layout}
 
 
-def output(config: ModelConfig, out: Any, x: torch.Tensor, t: Any, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The vision item's velocity ``[1, C, T, H, W]`` (the module returns one per item)."""
-    return out[0][0]
+def output(config: Cosmos3Config, out: Any, x: torch.Tensor, t: Any, cond: Mapping[str, torch.Tensor]
+           ) -> torch.Tensor:
+    """The vision item's velocity ``[1, C, T, H, W]`` (the module returns one per item); image-to-video's frame 0 the
+    exact velocity toward the given frame, ``(x_t - x_first) / sigma`` (the pipeline holds that frame clean)."""
+    v = out[0][0]
+    return wan_i2v.first_frame_velocity(v, x, t, cond) if config.first_frame else v
 
 
 def latent_rule(config: ModelConfig, shape: tuple[int, ...]) -> str | None:
@@ -181,7 +207,7 @@ def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
 ENCODERS = fencoders.Encoders(
     pipeline="Cosmos3OmniPipeline", text=("text_tokenizer", "vae"), encode_text=encode_text,
     video=("vae", "text_tokenizer"), encode_video=lambda pipe, video: fencoders.latent_mean(pipe.vae, video),
-    frame_step=4, pixel_multiple=32,
+    first_frame=wan.encode_first_frame, frame_step=4, pixel_multiple=32,
     stand_ins=(("safety_checker", fencoders.NoSafetyChecker()),),
     audio_refusal="fvx trains Cosmos 3's video branch; its sound branch is not built here")
 """Cosmos 3's encoders: the pipeline's tokenization (ids, no text encoder) and the Wan 2.2 VAE's posterior mean,
@@ -207,6 +233,7 @@ COSMOS3_FAMILY = Family(
     forward=Forward(inputs=inputs, output=output),
     conditioning=Conditioning(
         spec=cond_spec, from_batch=cond_from_batch, defaults=TEXT_MASK_DEFAULT,
+        data_keys=("text", "text_mask", "first_frame_latents"), image=frozenset({"first_frame_latents"}),
         zero=lambda cond: {name: torch.zeros_like(t) for name, t in cond.items()},
         cfg_dropout_refusal=("its prompt is token ids: fvx's CFG dropout zeroes text embeddings and keeps their mask, "
                              "which for ids is a prompt of token 0, not an empty one")),
@@ -217,9 +244,11 @@ COSMOS3_FAMILY = Family(
 
 class Cosmos3Config(ModelConfig, tag="cosmos3"):
     """A Cosmos 3 Omni transformer, text-to-video (presets: tiny, world, cosmos3-omni). ``fps``: the clips' frame
-    rate, which scales the video's time positions (the pipeline's default 24; match ``data.preprocess.train_fps``).
+    rate, which scales the video's time positions (the pipeline's default 24; match ``data.preprocess.train_fps``);
+    ``first_frame``: image-to-video, the given first frame as the clean frame 0 (``data.kind=i2v``; module docstring).
     The shared knobs are :class:`fvx_models.build.ModelConfig`'s."""
 
     family = COSMOS3_FAMILY
 
     fps: Annotated[float, msgspec.Meta(gt=0)] = 24.0
+    first_frame: bool = False

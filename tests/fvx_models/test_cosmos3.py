@@ -21,7 +21,9 @@ from fvx import config as fconfig
 from fvx.core import grad, random, role
 from fvx.data import toy_world
 from fvx.distributed import memory
-from fvx.training import config_checks
+from fvx.training import config_checks, experiment
+from fvx.training.experiment import Experiment
+from fvx_methods.dmd2 import DMD2
 from fvx_models import cosmos3, wan
 from fvx_models.cosmos3 import Cosmos3Config
 from fvx_models.lora import LoRAConfig
@@ -58,12 +60,13 @@ def module_of(params):
     return module
 
 
-def pipeline_call(module, x, t, ids, fps=24.0):
-    """``module`` called as Cosmos3OmniPipeline's text-to-video step calls it: the packed layout from its own
-    ``_prepare_text_segment`` and ``_prepare_vision_segment`` (no condition frames), every patch at ``t``."""
+def pipeline_call(module, x, t, ids, fps=24.0, image=False):
+    """``module`` called as Cosmos3OmniPipeline's step calls it: the packed layout from its own
+    ``_prepare_text_segment`` and ``_prepare_vision_segment`` (``image``: frame 0 a condition frame), every noised
+    patch at ``t``."""
     pipe = types.SimpleNamespace(transformer=module, vae_scale_factor_temporal=4)
     text = Cosmos3OmniPipeline._prepare_text_segment(pipe, ids, "cpu")
-    vision = Cosmos3OmniPipeline._prepare_vision_segment(pipe, x, False, text["vision_start_temporal_offset"], fps,
+    vision = Cosmos3OmniPipeline._prepare_vision_segment(pipe, x, image, text["vision_start_temporal_offset"], fps,
                                                          text["und_len"], "cpu")
     with torch.no_grad():
         out = module(input_ids=text["input_ids"], text_indexes=text["text_indexes"],
@@ -83,6 +86,22 @@ def test_the_forward_is_the_pipelines_call_on_the_prompts_real_tokens(params, fp
     x, t, cond = sample(random.key(1))
     v = model.apply(params, x, t, cond)
     torch.testing.assert_close(v, pipeline_call(module_of(params), x, t, [3, 7, 1, 9], fps), rtol=0, atol=0)
+
+
+def test_image_to_video_is_the_pipelines_call_with_frame_0_the_given_one(params):
+    """The pipeline's image call: latent frame 0 the clean given latents, a condition frame (no timestep, no
+    prediction); fvx's velocity there is the exact one toward it, ``(x_t - x_first) / sigma``; its other frames the
+    module's."""
+    model = Cosmos3Config(preset="tiny", first_frame=True).build()
+    x, t, cond = sample(random.key(8))
+    given = torch.zeros_like(x)
+    given[:, :, 0] = random.normal(random.key(9), given[:, :, 0].shape)
+    v = model.apply(params, x, t, {**cond, "first_frame_latents": given})
+    latents = torch.cat([given[:, :, :1], x[:, :, 1:]], dim=2)
+    native = pipeline_call(module_of(params), latents, t, [3, 7, 1, 9], image=True)
+    torch.testing.assert_close(v[:, :, 1:], native[:, :, 1:], rtol=0, atol=0)
+    torch.testing.assert_close(v[:, :, :1], (x[:, :, :1] - given[:, :, :1]) / 0.7)
+    assert model.cond["first_frame_latents"] == (16, "T", "H", "W")
 
 
 def test_the_zero_unconditional_is_the_empty_prompt(model, params):
@@ -124,11 +143,24 @@ def test_a_batch_of_two_and_text_that_is_not_ids_are_one_line_errors(model, para
 
 
 def test_cfg_dropout_is_refused_in_one_line(model):
-    experiment = fconfig.load_experiment(ROOT / "experiments" / "finetune_cosmos3.py")
-    config = msgspec.structs.replace(experiment, data=msgspec.structs.replace(experiment.data, cfg_rate=0.1))
+    loaded = fconfig.load_experiment(ROOT / "experiments" / "finetune_cosmos3.py")
+    config = msgspec.structs.replace(loaded, data=msgspec.structs.replace(loaded.data, cfg_rate=0.1))
     with pytest.raises(fconfig.ConfigError, match=r"data.cfg_rate = 0.1: models.student \(cosmos3:tiny\) takes no CFG "
                        r"dropout \(its prompt is token ids") as error:
         config_checks.check_cfg_dropout(config, {"student": model})
+    assert "\n" not in str(error.value)
+
+
+class DMD2Cosmos3(Experiment):
+    models: dict[str, Cosmos3Config] = {}
+    method: DMD2 = DMD2()
+
+
+def test_a_method_that_calls_its_roles_on_whole_batches_refuses_it_before_building_it():
+    config = DMD2Cosmos3(models={"student": TINY, "teacher": TINY})
+    with pytest.raises(fconfig.ConfigError, match=r"^models.student \(cosmos3\) takes one sample per forward \(.*\), "
+                       r"but method dmd2 calls its roles on whole batches \(role student\); fine-tune it") as error:
+        experiment.build_models(config)
     assert "\n" not in str(error.value)
 
 
@@ -216,11 +248,16 @@ def test_text_is_the_pipelines_tokenization_as_ids(folder):
     assert "generate videos" in tokenizer.decode(ids) and "red bars moving left" in tokenizer.decode(ids)
 
 
-def test_video_latents_normalised_are_the_pipelines_encode_video(folder):
-    opened = cosmos3.ENCODERS.open(folder, ["video"])
+def test_video_latents_normalised_and_the_first_frame_are_the_pipelines_encode_video(folder):
+    """The clip's latents, normalised by the latent space, and image-to-video's frame 0: the pipeline encodes the image
+    held still for the clip and keeps latent frame 0."""
+    opened = cosmos3.ENCODERS.open(folder, ["video", "first_frame"])
     video = torch.rand(1, 3, 5, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
     raw = opened.encode_video(video[0])
     torch.testing.assert_close(wan.WAN22_VAE.normalize(raw[None]), opened.pipe._encode_video(video),
+                               rtol=1e-5, atol=1e-5)
+    still = video[:, :, :1].expand(-1, -1, 5, -1, -1)
+    torch.testing.assert_close(opened.encode_first_frame(video[0])[:, 0], opened.pipe._encode_video(still)[0, :, 0],
                                rtol=1e-5, atol=1e-5)
 
 
