@@ -146,9 +146,9 @@ WORLD = 2  # processes of the multi-process table
 DIST_CASES = ("tiny", "cpu-4x256")
 DIST_REFUSED = {  # case -> why the 2-process table cannot run it
     "wan-a14b": "its FSDP2 peer deadlocks: each rank's router sends its samples to the expert of its own timesteps",
-    "minimax-h3": "it takes one sample per forward, so the 1-process column's batch of 2 would need grad_accum",
-    "framepack": "it takes one sample per forward, so the 1-process column's batch of 2 would need grad_accum",
-    "cosmos3": "it takes one sample per forward, so the 1-process column's batch of 2 would need grad_accum",
+    "minimax-h3": "its diffusers module (the FSDP2 peer's) takes one sample per forward: a batch of 2 fails there",
+    "framepack": "its diffusers module (the FSDP2 peer's) takes one sample per forward: a batch of 2 fails there",
+    "cosmos3": "its diffusers module (the FSDP2 peer's) takes one sample per forward: a batch of 2 fails there",
 }
 VARIANTS = {"fvx": "none", "fvx_blocks": "blocks"}  # name -> ModelConfig.compile
 # sharded only: units keep their gathered params from forward to backward, beside FSDP2 doing the same

@@ -4,7 +4,8 @@ Cosmos 3 is a vision-language transformer that denoises the video beside its pro
 encoder, so the data's `text_embedding` holds each caption's token ids (`[L, 1]`, the pipeline's tokenization:
 its system prompt and chat template, without the duration and resolution sentences its pipeline appends; write those
 into captions to keep them). Latents are the Wan 2.2 VAE's. Its forward packs one prompt-and-video sequence without a
-batch axis, so a batch is `method.grad_accum` micro-batches of one; `models.student.fps` is the clips' frame rate
+batch axis, so a batch runs sample by sample (`method.grad_accum` micro-batches of one keep one sample's activations
+at a time); `models.student.fps` is the clips' frame rate
 (it scales the video's time positions; the pipeline's default 24).
 
 The default trains the tiny `world` preset from scratch on fvx's toy world, its prompts' words as token ids (bars of

@@ -4,8 +4,8 @@ it.
 The data is sections (``data.kind=framepack``): each clip cut into windows of ``data.sections.window`` latent frames
 after its first frame, each with the clean history a sampler gives it (``data.sections.order``: FramePack's inverted
 anti-drifting order, or ``vanilla`` for FramePack-F1), as musubi-tuner's ``fpack_cache_latents.py`` caches them. The
-DiT takes one sample per forward (sections differ in their frame positions), so a batch is ``method.grad_accum``
-micro-batches of one.
+DiT takes one sample per forward (sections differ in their frame positions), so a batch runs sample by sample;
+``method.grad_accum`` micro-batches of one keep one section's activations at a time.
 
 The default trains the tiny `world` preset from scratch on fvx's toy world cut into sections of 2 frames (the start
 frame, the frames after the section, and the prompt given; bars of the prompted colour moving the prompted way); a

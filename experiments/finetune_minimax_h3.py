@@ -1,10 +1,10 @@
 """Fine-tune MiniMax-H3 on video and audio together (FastVideo's t2va fine-tuning, `overfit_minimax_h3_t2va.yaml`).
 
 MiniMax-H3 denoises text, video and audio in one packed sequence. Each step draws one shared stage b ~ U(0, 1) per
-sample and noises the video at sigma 12 b / (1 + 11 b) and the audio at 3 b / (1 + 2 b); the loss is the sum of the
-two modalities' flow-matching losses, logged apart as `video_finetune_loss` and `audio_finetune_loss`. FastVideo's
-rules hold: one sample per forward (batch 1 per rank, or `method.grad_accum` micro-batches of 1), no CFG dropout, data
-of kind t2va (FastVideo's t2va parquet: `vae_latent`, `audio_latent [2, 32, A]`).
+sample and noises the video at sigma 12 b / (1 + 11 b) and the audio at 3 b / (1 + 2 b); the loss is the sum of the two
+modalities' flow-matching losses, logged apart as `video_finetune_loss` and `audio_finetune_loss`. FastVideo's rules
+hold: one sample per forward (a batch runs sample by sample; FastVideo's batch is 1 per rank), no CFG dropout, data of
+kind t2va (FastVideo's t2va parquet: `vae_latent`, `audio_latent [2, 32, A]`).
 
 The default trains the `world` preset on the toy world with sound (`data.kind=t2va`: the bars, and a stereo tone whose
 pitch follows the prompt) on a 2-core CPU in a few minutes; each validation writes a GIF and a `.wav` per prompt, and

@@ -153,7 +153,6 @@ def logged(loss: torch.Tensor, aux: dict[str, torch.Tensor]) -> dict[str, torch.
 
 def _check(batch: Batch, model: Model, grad_accum: int) -> None:
     one_role.check_latents(batch, model)
-    one_role.check_micro_batch(batch, model, grad_accum)
 
 
 def _sample_shapes(x0: Any) -> Any:
@@ -180,7 +179,6 @@ class Finetune(one_role.OneRoleConfig, tag="finetune"):
     its Wan recipes), ``none`` not. Defaults that differ from FastVideo's are listed in docs/design.md."""
 
     joint_models: ClassVar[bool] = True  # trains models that denoise several modalities together (MiniMax-H3)
-    one_sample_models: ClassVar[bool] = True  # micro-batches of one, validated sample by sample (FramePack, Cosmos 3)
 
     roles: FinetuneRoles = FinetuneRoles()
     weighting_scheme: Literal["uniform", "logit_normal", "mode"] = "uniform"

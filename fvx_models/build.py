@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from fvx.config import Config
-from fvx.core import functional, grad as fvx_grad, tree
+from fvx.core import functional, grad as fvx_grad, role, tree
 from fvx.distributed import compile as fvx_compile, gather_schedule, memory, processes, sharding
 from fvx.distributed.gathers import sharded_call
 from fvx_models import (cond as fcond, diffusers_folder as dfolder, layouts, linear_qat as flinear_qat, lora as flora,
@@ -269,9 +269,16 @@ def apply(config: ModelConfig, module: nn.Module, spec: fcond.Spec, params: Para
     ``call`` is bound to the skeleton for this forward by the family's ``forward.bind`` (a causal family's KV cache).
     ``r`` (shaped as ``t``): a two-time model's target time, the average velocity from ``t`` to ``r``; None: ``r =
     t``, the instantaneous velocity. ``runtime``: what the attention kernel reads (it learns this call's token grid);
-    ``dense``: VSA's dense view."""
+    ``dense``: VSA's dense view. A family whose DiT takes one sample a call (``Training.one_sample``) runs a batch
+    sample by sample, the velocities stacked."""
     family = config.family
     _check_inputs(family.name, config, spec, x_t, t, cond)
+    size = (x_t["video"] if isinstance(x_t, Mapping) else x_t).shape[0]
+    if family.training.one_sample is not None and size > 1:
+        one = functools.partial(apply, config, module, spec, params, compute_dtypes=compute_dtypes, gathers=gathers,
+                                runtime=runtime, dense=dense, forward=forward, call=call)
+        return _stacked([one(*(role.rows(part, slice(i, i + 1)) for part in (x_t, t, cond)),
+                             r=None if r is None else r[i:i + 1]) for i in range(size)])
     if r is not None and not config.two_time:
         raise ValueError(f"{family.name}:{config.preset} apply: r given to a model without a second time input")
     if r is not None and not (isinstance(r, torch.Tensor) and r.shape == t.shape):
@@ -294,6 +301,13 @@ def apply(config: ModelConfig, module: nn.Module, spec: fcond.Spec, params: Para
             out = (forward(params, buffers, kwargs) if forward is not None else
                    functional.call(module, params, buffers, (), kwargs))
     return velocity(config, out, x, t, cond)
+
+
+def _stacked(rows: list[Any]) -> Any:
+    """Per-sample velocities (tensors, or a joint model's dicts of them) stacked along the batch."""
+    if isinstance(rows[0], Mapping):
+        return {name: torch.cat([row[name] for row in rows]) for name in rows[0]}
+    return torch.cat(rows)
 
 
 def velocity(config: ModelConfig, out: Any, x: Any, t: Any, cond: Mapping[str, torch.Tensor]) -> Any:
@@ -535,7 +549,6 @@ def _rules(config: ModelConfig, modalities: tuple[str, ...]) -> Rules:
         sigma_sampler=None if training.sigma_sampler is None else functools.partial(training.sigma_sampler, config),
         step_ranges=training.step_ranges(config),
         joint_sigmas=None if len(modalities) == 1 else functools.partial(_joint_sigmas, config, modalities),
-        one_sample=training.one_sample,
         latent_rule=functools.partial(training.latent_rule, config),
         cfg_dropout_refusal=family.conditioning.cfg_dropout_refusal,
         two_time=config.two_time,

@@ -7,7 +7,8 @@ encoder: the "text" a data row stores is the ids, ``[L, 1]`` float32, padded and
 video latents patchified 2 x 2 with a timestep embedding added to each token. The text attends causally; the video
 attends to the text and itself. Positions are 3-D mRoPE: the text's count up from 0, the video's start a margin
 after them, time scaled by the clip's frame rate (``fps``, the pipeline's default 24) against the model's base rate.
-The sequence has no batch axis, so a forward takes one sample (``Training.one_sample``); the index tensors are built
+The sequence has no batch axis, so a forward takes one sample (``Training.one_sample``: a batch runs sample by
+sample); the index tensors are built
 on the host from the prompt's length, as ``Cosmos3OmniPipeline._prepare_text_segment`` and ``_prepare_vision_segment``
 build them (the tests compare). It predicts the flow velocity its ``UniPCMultistepScheduler`` steps (``noise - x0``)
 at ``t = 1000 sigma`` (the module scales it by its ``timestep_scale``). Latents are the Wan 2.2 VAE's, normalised by
@@ -75,8 +76,7 @@ normalises it) and the prompt length data rows are padded to (token ids)."""
 
 LAST_TEXT_PATH = ("self_attn.to_q", "self_attn.norm_q", "self_attn.to_out", "post_attention_layernorm",
                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-ONE_SAMPLE = ("its forward packs one prompt-and-video sequence without a batch axis (the pipeline runs batch 1); a "
-              "batch is micro-batches of one (method.grad_accum)")
+ONE_SAMPLE = "its forward packs one prompt-and-video sequence without a batch axis (the pipeline runs batch 1)"
 
 
 def rebuild(module: nn.Module) -> None:
@@ -154,8 +154,6 @@ def inputs(config: Cosmos3Config, x: torch.Tensor, t: torch.Tensor, cond: Mappin
            sharded: bool) -> dict[str, Any]:
     """One sample's call (``x [1, C, T, H, W]``): the prompt's real token ids, the latents as the one vision item
     (image-to-video: frame 0 the given one), each noised patch at the sample's ``t``."""
-    if x.shape[0] != 1:
-        raise ValueError(f"{config.family.name}: latents have batch {x.shape[0]}; {ONE_SAMPLE}")
     ids = cond["text"][0, cond["text_mask"][0].bool(), 0].round().long()
     layout = packed(config, ids.shape[0], tuple(x.shape[2:]), x.device)
     if config.first_frame:

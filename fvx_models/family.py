@@ -272,8 +272,8 @@ class Training:
                                          MiniMax-H3's coupled draws); None: the method's
     step_ranges(config) -> ranges        the timestep ranges (``fvx_models.model.StepRange``) of which a training
                                          step trains one (Wan 2.2 A14B's experts' ranges); (): the whole grid
-    one_sample                           why a forward takes one sample (MiniMax-H3's packed sequence has no batch
-                                         axis), or None
+    one_sample                           why the DiT takes one sample a call (MiniMax-H3's packed sequence has no
+                                         batch axis): the model's ``apply`` runs a batch sample by sample; or None
     loss_weight(config, sigma) -> [B]    the per-sample weight of the velocity loss at levels ``sigma [B]``: a family
                                          trained with another objective, as the flow's loss (CogVideoX's weighted x0
                                          loss of v-prediction); None: one

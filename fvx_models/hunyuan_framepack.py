@@ -12,7 +12,7 @@ velocity loss covers the window alone, as musubi-tuner's ``fpack_train_network.p
 
 diffusers' DiT takes one set of frame positions per call, and sections differ in theirs (FramePack's gap before the
 section), so a forward takes one sample (``Training.one_sample``; musubi-tuner's default batch is one too): a batch
-is micro-batches of one (``method.grad_accum``). For one sample the DiT cuts the text to its mask's length
+runs sample by sample. For one sample the DiT cuts the text to its mask's length
 (``int(mask.sum())``), so the whole forward does not compile as one graph; its blocks do. lllyasviel's checkpoint and
 musubi-tuner's FramePack DiT use diffusers' module names, so a LoRA exports as PEFT and as musubi-tuner's keys (with
 their alpha) under the same names.

@@ -161,7 +161,7 @@ def latent_rule(config: ModelConfig, shape: Any) -> str | None:
     """Why latents do not fit (``shape``: ``{"video": [B, C, T, H, W], "audio": [B, 2, 32, A]}``, or the video's
     alone): audio latents not ``[B, 2, 32, A]``; for the released VAEs' latents (``clip_geometry``) also a video length
     that no clip makes, or an ``A`` other than the clip's (:func:`audio_frames`). One sample per forward
-    (FastVideo's batch 1 per rank) is ``Family.training.one_sample``, checked per micro-batch."""
+    (FastVideo's batch 1 per rank) is ``Family.training.one_sample``: a batch runs sample by sample."""
     video = tuple(shape["video"]) if isinstance(shape, Mapping) else tuple(shape)
     geometry = config.spec.options.get("clip_geometry", False)
     try:
@@ -198,9 +198,6 @@ def inputs(config: ModelConfig, x: Mapping[str, torch.Tensor], t: Mapping[str, t
     latents as rows, the valid text tokens, diffusers' t2va layout and the clean-time ``(timestep,
     timestep_indices)``."""
     video, audio = x["video"], x["audio"]
-    if video.shape[0] != 1:
-        raise ValueError(f"{NAME}: latents have batch {video.shape[0]}; MiniMax-H3 packs one sample per sequence "
-                         "(batch 1 per rank)")
     device, patch = video.device, tuple(config.spec.kwargs["patch_size"])
     valid = cond["text_mask"][0].bool()
     if not bool(valid.any()):

@@ -184,7 +184,6 @@ class Rules:
                                     its draws onto the chosen range's levels; (): one range, the whole grid
     joint_sigmas(levels) -> {modality: levels}   a joint model's per-modality levels ``[K]`` at the shared clock's
                                     ``levels`` ``[K]``, what its samplers step along (``flow.euler_sample``)
-    one_sample                      why ``apply`` takes one sample at a time (MiniMax-H3), or None
     latent_rule(shape) -> why       why latents of ``shape`` do not fit beyond :meth:`Model.check_latents`' rule (a
                                     trained resolution range), or None
     cfg_dropout_refusal             why the model refuses data with CFG dropout, or None
@@ -206,7 +205,6 @@ class Rules:
     sigma_sampler: Callable[[torch.Tensor, Any], tuple[Any, Any]] | None = None
     step_ranges: tuple[StepRange, ...] = ()
     joint_sigmas: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None
-    one_sample: str | None = None
     latent_rule: Callable[[tuple[int, ...]], str | None] = lambda shape: None
     cfg_dropout_refusal: str | None = None
     two_time: bool = False

@@ -148,7 +148,6 @@ def build_models(config: Experiment, *, mesh: Any = None) -> dict[str, Any]:
     first = held[0].name
     check_attention_roles(config, roles, first, trained={role.name for role in held if role.trainable})
     check_joint_roles(config, roles)
-    check_one_sample_roles(config, roles)
     on_mesh = {} if mesh is None else {"mesh": mesh}
     built = {name: config.models[name].build(**on_mesh) for name in dict.fromkeys(roles.values())}
     return {role_name: built[name] if role_name == first else built[name].dense() for role_name, name in roles.items()}
@@ -195,22 +194,6 @@ def check_joint_roles(config: Experiment, roles: Mapping[str, str]) -> None:
             raise ConfigError(f"models.{name} ({model.family.name}) denoises {' and '.join(modalities)} together, "
                               f"but method {method} trains one-modality models only (role {role_name}); train it "
                               "with a method that supports joint models")
-
-
-def check_one_sample_roles(config: Experiment, roles: Mapping[str, str]) -> None:
-    """A ConfigError when a model that takes one sample per forward (its family's ``Training.one_sample``: a packed
-    sequence without a batch axis) plays a role of a method that calls its roles on whole batches (its config class
-    lacks ``one_sample_models = True``, which fine-tuning sets: it runs micro-batches of one and validates sample by
-    sample)."""
-    if getattr(type(config.method), "one_sample_models", False):
-        return
-    for role_name, name in roles.items():
-        why = config.models[name].family.training.one_sample
-        if why is not None:
-            method = type(config.method).__struct_config__.tag or type(config.method).__name__
-            raise ConfigError(f"models.{name} ({config.models[name].family.name}) takes one sample per forward "
-                              f"({why}), but method {method} calls its roles on whole batches (role {role_name}); "
-                              "fine-tune it (fvx_methods.finetune)")
 
 
 def in_attention_steps(step_: Callable, models: Mapping[str, Any], student: str) -> Callable:

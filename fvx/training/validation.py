@@ -31,7 +31,7 @@ import msgspec
 import torch
 
 from fvx.config import Config
-from fvx.core import flow, random, role, unipc
+from fvx.core import flow, random, unipc
 from fvx.data import actions
 from fvx.training import callbacks as fcallbacks
 from fvx.training.tracking import Tracker
@@ -436,19 +436,6 @@ def guided(apply_fn: flow.ApplyFn, uncond: Callable[[Any], Any], guidance_scale:
     def apply(params: Any, x_t: torch.Tensor, t: torch.Tensor, cond: Any) -> torch.Tensor:
         return flow.cfg(apply_fn(params, x_t, t, cond), apply_fn(params, x_t, t, uncond(cond)), guidance_scale)
 
-    return apply
-
-
-def one_at_a_time(apply_fn: flow.ApplyFn) -> flow.ApplyFn:
-    """``apply_fn`` called sample by sample and the velocities stacked: a model that takes one sample per forward
-    (``Model.rules.one_sample``) sampling a batch of prompts (a joint model's dicts row by row)."""
-    def apply(params: Any, x_t: Any, t: Any, cond: Any) -> Any:
-        size = len(next(iter(t.values())) if isinstance(t, Mapping) else t)
-        one = [slice(i, i + 1) for i in range(size)]
-        outs = [apply_fn(params, role.rows(x_t, i), role.rows(t, i), role.rows(cond, i)) for i in one]
-        if isinstance(outs[0], Mapping):
-            return {name: torch.cat([out[name] for out in outs]) for name in outs[0]}
-        return torch.cat(outs)
     return apply
 
 

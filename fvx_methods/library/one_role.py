@@ -140,15 +140,6 @@ def check_data(batch: Batch, model: Model, grad_accum: int) -> None:
     check_grad_accum(batch, grad_accum)
 
 
-def check_micro_batch(batch: Batch, model: Model, grad_accum: int) -> None:
-    """A ValueError when ``model`` takes one sample per forward (``Model.rules.one_sample``) and a micro-batch holds more."""
-    size = len(batch["sample_index"])
-    if model.rules.one_sample is not None and size > grad_accum:
-        raise ValueError(f"model {model.name} takes one sample per forward ({model.rules.one_sample}), but a rank's "
-                         f"batch of {size} in method.grad_accum={grad_accum} micro-batches holds {size // grad_accum}: set "
-                         f"method.grad_accum={size}, or data.batch_size to the number of ranks")
-
-
 def check_grad_accum(batch: Batch, grad_accum: int) -> None:
     """A ValueError when ``method.grad_accum`` does not divide a rank's batch."""
     if len(batch["sample_index"]) % grad_accum:
@@ -164,7 +155,7 @@ def many_step_samplers(model: Model, draw: Any = None) -> Samplers:
         sigmas = validation.schedule_sigmas(config, model)
         if model.joint:
             sigmas = model.rules.joint_sigmas(sigmas)
-        apply = model.apply if model.rules.one_sample is None else validation.one_at_a_time(model.apply)
-        return [validation.Sampler("model_ema" if is_ema else "model", apply, params, sigmas, "ode", guided=True,
-                                   draw=validation.many_step_draw(config, apply) if draw is None else draw(sigmas))]
+        return [validation.Sampler("model_ema" if is_ema else "model", model.apply, params, sigmas, "ode",
+                                   guided=True, draw=validation.many_step_draw(config, model.apply) if draw is None
+                                   else draw(sigmas))]
     return samplers

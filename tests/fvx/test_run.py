@@ -175,7 +175,6 @@ EXPERIMENTS = ROOT / "experiments"
      "model ltx2:world draws its training noise levels with its own sampler"),
     ("finetune_ltx2.py", ["data.cfg_rate=0.1"], "takes no CFG dropout (CFG dropout zeroes the post-connector text"),
     ("finetune_ltx2.py", ["data.world.text_dim=16"], "LTX-2.0 data stores the connector's 3840-wide embeddings"),
-    ("finetune_minimax_h3.py", ["method.grad_accum=1"], "model minimax_h3:world takes one sample per forward"),
     ("finetune_minimax_h3.py", ["method.grad_accum=2", "data.cfg_rate=0.1"],
      "MiniMax-H3 training defines no zero-text branch"),
     ("finetune_minimax_h3.py", ["method.grad_accum=2", "data.kind=t2v"],
@@ -243,8 +242,8 @@ def test_every_experiment_trains_two_steps_and_validates(tmp_path, experiment, w
         trajectory_cache.build(load_config(str(EXPERIMENTS / experiment), teacher), batch=4)
     if experiment == "diffusion_nft.py":  # groups of 2 in the batch of 2, one sampling batch a step
         teacher = [*teacher, "method.num_video_per_prompt=2", "method.num_batches_per_epoch=1"]
-    if experiment in ("finetune_minimax_h3.py", "finetune_framepack.py", "finetune_cosmos3.py"):  # one sample a forward
-        teacher = [*teacher, "method.grad_accum=2"]
+    if experiment in ("finetune_minimax_h3.py", "finetune_framepack.py", "finetune_cosmos3.py"):  # micro-batches of
+        teacher = [*teacher, "method.grad_accum=2"]  # one, as many as QUICK's batch of 2
     assert run.main([str(EXPERIMENTS / experiment), "--out", str(out), "--steps", "2", *QUICK, "validation.every=2",
                      "validation.num_prompts=1", "validation.num_steps=2", *teacher]) == 0
     assert (out / "validation" / "step_2").is_dir() and (out / "checkpoints" / "2").is_dir()

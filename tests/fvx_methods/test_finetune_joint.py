@@ -106,15 +106,6 @@ def test_a_joint_model_with_one_clock_takes_both_modalities_at_one_drawn_level()
     torch.testing.assert_close(aux["sigma"], sigma.mean(), rtol=1e-6, atol=0)
 
 
-def test_one_sample_per_forward_is_checked_per_micro_batch(joint):
-    model, _ = joint
-    two = {**joint_batch(), "sample_index": torch.tensor([0, 1])}
-    two["latents"] = {name: x.expand(2, *x.shape[1:]) for name, x in two["latents"].items()}
-    with pytest.raises(ValueError, match="takes one sample per forward .* holds 2: set method.grad_accum=2"):
-        finetune.Finetune().build({"student": model}, total_steps=1).check(two)
-    finetune.Finetune(grad_accum=2).build({"student": model}, total_steps=1).check(two)
-
-
 # --------------------------------------------------------------------------------------------- LTX-2's audio branch
 
 
