@@ -151,10 +151,6 @@ def logged(loss: torch.Tensor, aux: dict[str, torch.Tensor]) -> dict[str, torch.
     return {"loss": loss, **{name: value for name, value in aux.items() if name.endswith("_finetune_loss")}}
 
 
-def _check(batch: Batch, model: Model, grad_accum: int) -> None:
-    one_role.check_latents(batch, model)
-
-
 def _sample_shapes(x0: Any) -> Any:
     return {name: tuple(x.shape[1:]) for name, x in x0.items()} if isinstance(x0, Mapping) else tuple(x0.shape[1:])
 
@@ -205,5 +201,5 @@ class Finetune(one_role.OneRoleConfig, tag="finetune"):
                              "modalities together, each at its own level; leave it none")
         return one_role.program(self, model, total_steps=total_steps, ranks=ranks, before_update=before_update,
                                 loss=functools.partial(loss_fn, model=model, config=self), logged=logged,
-                                check=lambda batch: _check(batch, model, self.grad_accum),
+                                check=lambda batch: one_role.check_latents(batch, model),
                                 samplers=one_role.many_step_samplers(model))
