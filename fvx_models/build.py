@@ -246,8 +246,10 @@ def _check_joint(who: str, config: ModelConfig, modalities: tuple[str, ...], x_t
 
 
 def _patch(config: ModelConfig) -> tuple[int, int, int]:
+    if config.family.architecture.patch is not None:
+        return config.family.architecture.patch(config)
     kwargs = config.spec.kwargs
-    patch = kwargs["latent_patch_size"] if "latent_patch_size" in kwargs else kwargs.get("patch_size")  # Cosmos 3's
+    patch = kwargs.get("patch_size")
     if isinstance(patch, int):  # HunyuanVideo: spatial patch_size and patch_size_t (CogVideoX 1.0's None: 1)
         return (kwargs.get("patch_size_t") or 1, patch, patch)
     return tuple(patch)

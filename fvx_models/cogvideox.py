@@ -40,7 +40,7 @@ from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder, encoders as fencoders, vp_flow, wan_i2v
 from fvx_models.build import ModelConfig
 from fvx_models.family import (TEXT_MASK_DEFAULT, Architecture, Checkpoints, Conditioning, Family, Forward, Preset,
-                               Training, require, skeleton_of)
+                               Training, first_frame_spec, require, skeleton_of)
 from fvx_models.model import LatentSpace
 
 # The released pipelines' CogVideoXDDIMScheduler (scheduler_config.json of THUDM/CogVideoX-2b and -5b): only
@@ -314,7 +314,7 @@ def cond_spec(config: ModelConfig) -> dict[str, tuple]:
     """The T5 text and its mask; image-to-video adds the first frame's latents ``[C, T, H, W]`` (then zero frames)."""
     spec = {"text": ("L", config.spec.kwargs["text_embed_dim"]), "text_mask": ("L",)}
     if image_to_video(config):
-        spec["first_frame_latents"] = (config.spec.latents.channels, "T", "H", "W")
+        spec.update(first_frame_spec(config))
     return spec
 
 

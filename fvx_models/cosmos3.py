@@ -45,7 +45,7 @@ from fvx.distributed import memory
 from fvx_models import cond as fcond, diffusers_folder as dfolder, encoders as fencoders, wan, wan_i2v
 from fvx_models.build import ModelConfig
 from fvx_models.family import (TEXT_MASK_DEFAULT, Architecture, Checkpoints, Conditioning, Family, Forward, Preset,
-                               Training, require, skeleton_of)
+                               Training, first_frame_from_batch, first_frame_spec, require, skeleton_of)
 
 # diffusers' Cosmos3OmniTransformer defaults (the released omni model's video stack: 36 layers of width 4096, 32
 # query and 8 key-value heads of 128, Qwen's vocabulary; no sound or action heads), every argument but the load-time
@@ -92,21 +92,14 @@ def skeleton(config: ModelConfig) -> nn.Module:
 def unused(config: ModelConfig) -> frozenset[str]:
     """What no video velocity reads, held frozen: the language-model head and the text's final norm, and the last
     layer's text path after its keys and values (its queries, output and MLP: their output is dropped)."""
-    k = config.spec.kwargs
-    last = f"layers.{k['num_hidden_layers'] - 1}."
-    kinds = ("weight", "bias") if k["attention_bias"] else ("weight",)
-    text_path = {f"{last}{module}.{kind}" for module in LAST_TEXT_PATH
-                 for kind in (kinds if module in ("self_attn.to_q", "self_attn.to_out") else ("weight",))}
-    return frozenset({"lm_head.weight", "norm.weight", *text_path})
+    last = f"layers.{config.spec.kwargs['num_hidden_layers'] - 1}."
+    return frozenset({"lm_head.weight", "norm.weight", *(f"{last}{module}.weight" for module in LAST_TEXT_PATH)})
 
 
 def cond_spec(config: Cosmos3Config) -> fcond.Spec:
     """The prompt's token ids ``[L, 1]`` (float32) and their mask; image-to-video adds the first frame's latents
     ``[C, T, H, W]`` (frame 0 read)."""
-    spec = {"text": ("L", 1), "text_mask": ("L",)}
-    if config.first_frame:
-        spec["first_frame_latents"] = (config.spec.latents.channels, "T", "H", "W")
-    return spec
+    return {"text": ("L", 1), "text_mask": ("L",), **(first_frame_spec(config) if config.first_frame else {})}
 
 
 def cond_from_batch(config: Cosmos3Config, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -117,12 +110,8 @@ def cond_from_batch(config: Cosmos3Config, batch: Mapping[str, Any]) -> dict[str
     if batch["text"].dim() != 3 or batch["text"].shape[2] != 1:
         raise ValueError(f"{name}: text_embedding {list(batch['text'].shape[1:])} must be [L, 1], the prompt's token "
                          "ids (Cosmos 3 embeds its tokens itself); preprocess with its encoders")
-    cond = {"text": batch["text"], "text_mask": batch["text_mask"]}
-    if config.first_frame:
-        require(batch, ("first_frame_latents",), name, "the first frame's latents: parquet column first_frame_latent "
-                "of data.kind='i2v' data")
-        cond["first_frame_latents"] = batch["first_frame_latents"]
-    return cond
+    return {"text": batch["text"], "text_mask": batch["text_mask"],
+            **(first_frame_from_batch(config, batch) if config.first_frame else {})}
 
 
 def packed(config: Cosmos3Config, tokens: int, grid: tuple[int, int, int], device: torch.device) -> dict[str, Any]:
@@ -224,6 +213,7 @@ COSMOS3_FAMILY = Family(
         # prompt's tokens left out, as the dry run counts video tokens); its SwiGLU MLP saves 4 ffn-wide tensors
         activations={"layers": memory.BlockActivations(fp32_dim=3.69, compute_dim=11, compute_ffn=4)},
         widths=widths,
+        patch=lambda config: (1, config.spec.kwargs["latent_patch_size"], config.spec.kwargs["latent_patch_size"]),
         whole_graph_refusal=("it keeps only the prompt's real tokens (boolean indexing) and builds the packed "
                              "sequence's index tensors on the host from their count"),
         vsa_refusal="its attention runs over one packed text-and-video sequence, not the video grid's tokens",
@@ -232,7 +222,6 @@ COSMOS3_FAMILY = Family(
     conditioning=Conditioning(
         spec=cond_spec, from_batch=cond_from_batch, defaults=TEXT_MASK_DEFAULT,
         data_keys=("text", "text_mask", "first_frame_latents"), image=frozenset({"first_frame_latents"}),
-        zero=lambda cond: {name: torch.zeros_like(t) for name, t in cond.items()},
         cfg_dropout_refusal=("its prompt is token ids: fvx's CFG dropout zeroes text embeddings and keeps their mask, "
                              "which for ids is a prompt of token 0, not an empty one")),
     checkpoints=Checkpoints(pipeline_files=pipeline_files),

@@ -65,6 +65,8 @@ class Architecture:
                                          compiles as one graph and gathers its shards as one unit)
     activations                          group name -> what one unit saves per token (measured; fvx.distributed.memory)
     widths(config) -> (dim, {group: (dim, ffn_dim)})   the root's and each group's widths, for the dry run
+    patch(config) -> (t, h, w)           the DiT's patch over the latents; None: its constructor's ``patch_size`` (a
+                                         tuple, or spatial with ``patch_size_t``)
     text_groups                          groups that run over the text tokens (a token refiner)
     init_rules                           param local name (or the end of its name) -> :data:`InitRule`, beside the
                                          default rules
@@ -92,6 +94,7 @@ class Architecture:
     unit_groups: Mapping[str, tuple[str, ...]]
     activations: Mapping[str, memory.BlockActivations]
     widths: Callable[[Any], tuple[int, Mapping[str, tuple[int, int]]]]
+    patch: Callable[[Any], tuple[int, int, int]] | None = None
     text_groups: frozenset[str] = frozenset()
     init_rules: Mapping[str, InitRule] = dataclasses.field(default_factory=dict)
     derived: Callable[[Any], Mapping[str, Callable[[Mapping[str, Any]], Any]]] = lambda config: {}
@@ -383,6 +386,18 @@ def require(batch: Mapping[str, Any], names: tuple[str, ...], family: str, what:
         if name not in batch:
             raise ValueError(f"{family} needs the batch tensor {name!r} ({what}), but the batch has "
                              f"{sorted(k for k in batch if not k.startswith('_'))}")
+
+
+def first_frame_spec(config: Any) -> fcond.Spec:
+    """Image-to-video's given first frame: its latents ``[C, T, H, W]`` (data.kind=i2v's ``first_frame_latent``)."""
+    return {"first_frame_latents": (config.spec.latents.channels, "T", "H", "W")}
+
+
+def first_frame_from_batch(config: Any, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The given first frame's latents from a batch of kind i2v; a ValueError names the parquet column it lacks."""
+    require(batch, ("first_frame_latents",), config.family.name, "the first frame's latents: parquet column "
+            "first_frame_latent of data.kind='i2v' data")
+    return {"first_frame_latents": batch["first_frame_latents"]}
 
 
 def packed_pooled_cond(batch: Mapping[str, Any], pooled_dim: int, family: str, what: str) -> dict[str, torch.Tensor]:

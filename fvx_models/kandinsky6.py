@@ -47,7 +47,8 @@ from fvx.distributed import memory
 from fvx_models import cond as fcond, diffusers_folder as dfolder, encoders as fencoders, hunyuan_video, wan, wan_i2v
 from fvx_models.build import ModelConfig
 from fvx_models.family import (Architecture, Checkpoints, Family, Forward, Joint, Modality, Preset, Training,
-                               pack_pooled, packed_pooled_conditioning, require, skeleton_of)
+                               first_frame_from_batch, first_frame_spec, pack_pooled, packed_pooled_conditioning,
+                               skeleton_of)
 from fvx_models.model import LatentSpace
 
 # the released text+image-to-video+audio layout: diffusers' Kandinsky6Transformer3DModel defaults (60 fused blocks of
@@ -168,8 +169,7 @@ def output(config: ModelConfig, out: Any, x: Any, t: Any, cond: Mapping[str, tor
 
 def held_frozen(config: "Kandinsky6Config") -> frozenset[str]:
     """The token-type table when the model runs text-to-video (it reads it only for a reference frame)."""
-    has_table = config.spec.kwargs["visual_token_type_num_embeddings"] > 0
-    return frozenset({TOKEN_TYPES}) if has_table and not config.first_frame else frozenset()
+    return frozenset() if config.first_frame else frozenset({TOKEN_TYPES})
 
 
 def latent_rule(config: ModelConfig, shape: Any) -> str | None:
@@ -205,19 +205,11 @@ TEXT = packed_pooled_conditioning("in_text_dim", "in_text_dim2", "the packed [po
 
 def cond_spec(config: "Kandinsky6Config") -> fcond.Spec:
     """The packed text; image-to-video adds the first frame's latents ``[C, T, H, W]`` (frame 0 read)."""
-    spec = TEXT.spec(config)
-    if config.first_frame:
-        spec["first_frame_latents"] = (config.spec.latents.channels, "T", "H", "W")
-    return spec
+    return {**TEXT.spec(config), **(first_frame_spec(config) if config.first_frame else {})}
 
 
 def cond_from_batch(config: "Kandinsky6Config", batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    cond = TEXT.from_batch(config, batch)
-    if config.first_frame:
-        require(batch, ("first_frame_latents",), config.family.name, "the first frame's latents: parquet column "
-                "first_frame_latent of data.kind='i2v' data")
-        cond["first_frame_latents"] = batch["first_frame_latents"]
-    return cond
+    return {**TEXT.from_batch(config, batch), **(first_frame_from_batch(config, batch) if config.first_frame else {})}
 
 
 def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:

@@ -27,7 +27,7 @@ from fvx.distributed import memory
 from fvx_models import diffusers_folder as dfolder, encoders as fencoders, wan, wan_i2v
 from fvx_models.build import ModelConfig
 from fvx_models.family import (TEXT_MASK_DEFAULT, Architecture, Checkpoints, Conditioning, Family, Forward, Preset,
-                               require, skeleton_of)
+                               first_frame_from_batch, first_frame_spec, require, skeleton_of)
 
 # diffusers' MotifVideoTransformer3DModel defaults: the released text-to-video layout (20 dual- and 40 single-stream
 # blocks of 24 heads of 128 over T5Gemma-2's 4096-wide text); a folder's config.json is checked against it
@@ -83,7 +83,7 @@ def cond_spec(config: MotifVideoConfig) -> dict[str, tuple]:
     k = config.spec.kwargs
     spec = {"text": ("L", k["text_embed_dim"]), "text_mask": ("L",)}
     if config.first_frame:
-        spec["first_frame_latents"] = (config.spec.latents.channels, "T", "H", "W")
+        spec.update(first_frame_spec(config))
         if k["image_embed_dim"]:
             spec["image_embeds"] = ("N", k["image_embed_dim"])
     return spec
@@ -92,9 +92,8 @@ def cond_spec(config: MotifVideoConfig) -> dict[str, tuple]:
 def cond_from_batch(config: MotifVideoConfig, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     spec = cond_spec(config)
     require(batch, ("text", "text_mask"), config.family.name, "the T5Gemma-2 text embedding and its mask")
-    if "first_frame_latents" in spec:
-        require(batch, ("first_frame_latents",), config.family.name, "the first frame's latents: parquet column "
-                "first_frame_latent of data.kind='i2v' data")
+    if config.first_frame:
+        first_frame_from_batch(config, batch)
     if "image_embeds" in spec:
         require(batch, ("image_embeds",), config.family.name, "the first frame's SigLIP features: parquet column "
                 "clip_feature of data.kind='i2v' data")

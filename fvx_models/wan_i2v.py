@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import torch
 
-from fvx_models.family import require
+from fvx_models.family import first_frame_from_batch, first_frame_spec, require
 
 CONCAT, FIRST_FRAME = "concat", "first_frame"
 IMAGE_COND = frozenset({"first_frame_latents", "image_embeds"})
@@ -38,7 +38,7 @@ def cond_spec(config: Any) -> dict[str, tuple]:
     cross-attention, image embeddings ``[N, image_dim]``."""
     if form(config) is None:
         return {}
-    spec = {"first_frame_latents": (config.spec.latents.channels, "T", "H", "W")}
+    spec = first_frame_spec(config)
     if config.spec.kwargs.get("image_dim"):
         spec["image_embeds"] = ("N", config.spec.kwargs["image_dim"])
     return spec
@@ -49,8 +49,7 @@ def cond_from_batch(config: Any, batch: Mapping[str, Any]) -> dict[str, torch.Te
     family = config.family.name
     spec = cond_spec(config)
     if "first_frame_latents" in spec:
-        require(batch, ("first_frame_latents",), family, "the first frame's latents: parquet column "
-                "first_frame_latent of data.kind='i2v' data")
+        first_frame_from_batch(config, batch)
     if "image_embeds" in spec:
         require(batch, ("image_embeds",), family, "the CLIP image embeddings: parquet column clip_feature of "
                 "data.kind='i2v' data")

@@ -96,7 +96,7 @@ def test_the_model_interface_imports_no_family(name):
 # (fvx/data/toy_world.py), Model.cfg_dropout_refusal checked before weights load (fvx/training/experiment.py), and
 # next-section data, kind "framepack" (fvx/data/sections.py: FramePack's sections, which Helios's chunks share), and
 # for a DiT that embeds its prompt's tokens itself (Cosmos 3) the toy world's words as token ids
-# (fvx/data/toy_world.py) and the builder's reading of a spatial patch named latent_patch_size (fvx_models/build.py).
+# (fvx/data/toy_world.py) and the family's own patch (Architecture.patch: not its constructor's patch_size).
 SPEC_FILE_FAMILIES = ("cosmos", "ltx_video", "hunyuan_video15", "kandinsky5", "latte", "allegro", "easyanimate",
                       "motif_video", "kandinsky6", "sana_video", "mochi", "wan_vace", "hunyuan_framepack",
                       "helios", "cosmos3")

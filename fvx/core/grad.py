@@ -95,7 +95,7 @@ def remat(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     tensors) are captured and passed to non-reentrant ``torch.utils.checkpoint`` as explicit inputs; the recompute
     runs through ``functional_call`` with exactly those tensors, never the skeleton's own. Install it in a diffusers
     model with ``model.enable_gradient_checkpointing(fvx.core.grad.remat)``. Arguments may be any pytree, tensor or not;
-    ``module`` may be its bound ``__call__`` (Cosmos 3's layers pass that).
+    ``module`` may be its bound ``__call__`` (what some diffusers stacks hand the checkpoint function).
     """
     if isinstance(getattr(module, "__self__", None), torch.nn.Module):
         module = module.__self__

@@ -120,11 +120,11 @@ def check_image_input(config: Any, models: Mapping[str, Any]) -> None:
     name = msgspec.structs.asdict(config.method.roles)[role_name]
     model_config = config.models[name]
     family = model_config.family
-    presets = [preset for preset in family.presets if IMAGE_INPUT in image_spec(model_config, preset)]
+    presets = [preset for preset in family.presets if IMAGE_INPUT in spec_with(model_config, preset=preset)]
     fix = (f"use an image-to-video preset, models.{name}.preset=PRESET with PRESET one of {', '.join(presets)}"
            if presets else
            f"the {family.name} family has no image-to-video preset: use data.kind=t2v, or a family that has one")
-    if IMAGE_INPUT in first_frame_spec(model_config):
+    if "first_frame" in model_config.__struct_fields__ and IMAGE_INPUT in spec_with(model_config, first_frame=True):
         fix = f"set models.{name}.first_frame=true (its image-to-video)"
     raise ConfigError(f"data.kind=i2v gives each clip's first frame, but models.{name}.preset={model_config.preset} "
                       f"({model.name}) takes no image input (it would train text-to-video, the frame unread); {fix}")
@@ -186,22 +186,11 @@ def check_own_schedule(config: Any, models: Mapping[str, Any]) -> None:
                           f"({models[lacking[0]].name}) has none; use validation.schedule=fvx or diffusers")
 
 
-def image_spec(model_config: Any, preset: str) -> Mapping[str, Any]:
-    """The cond spec of ``model_config`` on another ``preset`` of its family ({} when its other knobs do not fit that
-    preset)."""
+def spec_with(model_config: Any, **changes: Any) -> Mapping[str, Any]:
+    """The cond spec of ``model_config`` with ``changes`` (another preset, a knob on; {} when its other knobs do not
+    fit them)."""
     try:
-        return model_config.family.conditioning.spec(msgspec.structs.replace(model_config, preset=preset))
-    except ValueError:
-        return {}
-
-
-def first_frame_spec(model_config: Any) -> Mapping[str, Any]:
-    """The cond spec of ``model_config`` with its ``first_frame`` knob on ({} when it has none, or it does not fit the
-    preset)."""
-    if "first_frame" not in model_config.__struct_fields__:
-        return {}
-    try:
-        return model_config.family.conditioning.spec(msgspec.structs.replace(model_config, first_frame=True))
+        return model_config.family.conditioning.spec(msgspec.structs.replace(model_config, **changes))
     except ValueError:
         return {}
 
