@@ -1,4 +1,4 @@
-"""Fine-tune Cosmos 3 Omni on text- or image-to-video, full or LoRA.
+"""Fine-tune Cosmos 3 Omni on text-, image- or video-to-video, full or LoRA.
 
 Cosmos 3 is a vision-language transformer that denoises the video beside its prompt's tokens: there is no text
 encoder, so the data's `text_embedding` holds each caption's token ids (`[L, 1]`, the pipeline's tokenization:
@@ -15,6 +15,9 @@ falls:
 Image-to-video (the pipeline's `image=`: latent frame 0 the given frame, clean; data of kind i2v); `sample RUN --image
 first.png` then makes a video from a picture:
     python -m fvx.run experiments/finetune_cosmos3.py data.kind=i2v models.student.first_frame=true
+Video-to-video (the pipeline's `video=`: each clip's first `given_frames` latent frames its own, clean; the pipeline
+gives 2, its `condition_frame_indexes_vision`; any t2v data); `sample RUN --video clip.mp4` then continues a video:
+    python -m fvx.run experiments/finetune_cosmos3.py models.student.given_frames=2
 On Cosmos 3 Omni (a local diffusers folder: transformer/, vae/, text_tokenizer/, scheduler/):
     python -m fvx.run preprocess experiments/finetune_cosmos3.py --videos /data/my_clips --out /data/my_dataset \\
         models.student.preset=cosmos3-omni models.student.path=/models/Cosmos3-Omni data.world=null \\

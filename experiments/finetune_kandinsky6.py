@@ -28,6 +28,10 @@ The toy world with sound (a stereo tone whose pitch follows the prompt), video a
 validation writes a GIF and a `.wav` per prompt, and `pitch_match` / `audio_mse` show the sound learning:
     python -m fvx.run experiments/finetune_kandinsky6.py models.student.train_audio=true data.kind=t2va \\
         audio_vae=audio_frames
+Image-to-video with sound (the pipeline's `image=` call with `sample_audio`; data of kind i2va: t2va's sound with i2v's
+first frame); `sample RUN --image first.png` then writes a video and its `.wav`:
+    python -m fvx.run experiments/finetune_kandinsky6.py models.student.train_audio=true \\
+        models.student.first_frame=true data.kind=i2va audio_vae=audio_frames
 On Kandinsky 6 with its audio (preprocess at the audio VAE's rate; the audio decoder reads `audio_vae/` and `vocoder/`
 of the base model for validation):
     python -m fvx.run preprocess experiments/finetune_kandinsky6.py --videos /data/my_clips --out /data/my_av_dataset \\

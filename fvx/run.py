@@ -459,7 +459,8 @@ def sample_main(argv: Sequence[str]) -> int:
                                              "to end on (the first section made sees it after itself, its image "
                                              "features averaged with --image's)")
     parser.add_argument("--video", help="Helios (chunks): a video to continue, its last whole chunks (--frames: the "
-                                        "frames made after them)")
+                                        "frames made after them); a video-to-video model (Cosmos 3 with "
+                                        "given_frames): the video whose first latent frames the made one keeps")
     parser.add_argument("--actions", help="a Matrix-Game model (data.kind=matrixgame2): its actions, one row per video "
                                           "frame, as preprocess reads them (.npz of keyboard [F, K] and mouse [F, 2], "
                                           "or .npy of the keyboard); the video is named after the file")

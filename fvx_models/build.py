@@ -620,8 +620,9 @@ def _model_batch(config: ModelConfig, spec: fcond.Spec, raw: Mapping[str, Any]) 
         others = tuple(f"{name}_latents" for name in modalities[1:])
         for key in others:
             if key not in raw:
+                kind = "i2va" if "first_frame_latents" in raw else "t2va"
                 raise ValueError(f"{family.name} trains {' and '.join(modalities)} together and needs the batch "
-                                 f"tensor {key!r}, but the data has none (t2va data: data.kind=t2va)")
+                                 f"tensor {key!r}, but the data has none ({kind} data: data.kind={kind})")
         batch["latents"] = {"video": raw["latents"], **{name: raw[key] for name, key in zip(modalities[1:], others)}}
         for key in others:
             del batch[key]

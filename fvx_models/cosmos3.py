@@ -1,5 +1,5 @@
 """Cosmos 3 Omni (diffusers ``Cosmos3OmniTransformer``): NVIDIA's omni model, a vision-language transformer that
-denoises video latents beside its prompt's tokens, text- and image-to-video.
+denoises video latents beside its prompt's tokens, text-, image- and video-to-video.
 
 Cosmos 3 is one language-model stack (GQA layers with a second set of weights for the generated tokens: a mixture of
 transformers) over one packed sequence per sample: the prompt's token ids, which it embeds itself (there is no text
@@ -20,10 +20,16 @@ frame's latents, clean (the pipeline's condition mask), its patches without a ti
 image, and fvx returns the exact velocity toward it, ``(x_t - x_first) / sigma``, so the loss covers the other frames
 and samplers land on the image (Wan 2.2 TI2V's form, ``fvx_models.wan_i2v``).
 
+Video-to-video (``given_frames = k``, any t2v data), as the pipeline's ``video=`` call with
+``condition_frame_indexes_vision`` ``range(k)`` (its default ``(0, 1)``): the first ``k`` latent frames are the clip's
+own, clean condition frames, treated as image-to-video's frame 0. The pipeline encodes the given video repeat-padded to
+the clip's length; the Wan 2.2 VAE is causal in time, so its first ``k`` latent frames are the clip's own, and the cond
+is the batch's latents (:data:`GIVEN`, normalised in the forward).
+
 fvx trains the video branch: what no video velocity reads is held frozen (the language-model head, the text's final
 norm, the last layer's text path after its keys and values: :func:`unused`); the sound and action branches of the omni
-release, video-conditioned generation (several given frames) and the pipeline's duration and resolution prompt templates
-are left (the encoders tokenize the caption as it is: write those sentences into captions to keep them). The preset is
+release and the pipeline's duration and resolution prompt templates are left (the encoders tokenize the caption as it
+is: write those sentences into captions to keep them). The preset is
 diffusers' defaults, which have no sound or action heads: a folder with them is refused by the config check, naming the
 field.
 """
@@ -96,10 +102,30 @@ def unused(config: ModelConfig) -> frozenset[str]:
     return frozenset({"lm_head.weight", "norm.weight", *(f"{last}{module}.weight" for module in LAST_TEXT_PATH)})
 
 
+GIVEN = "given_latents"
+"""Video-to-video's cond tensor: the clip's own latents ``[C, T, H, W]`` as the data stores them (the VAE's scale), of
+which the first ``given_frames`` are given."""
+
+
+def clean_frames(config: Cosmos3Config) -> int:
+    """The latent frames held clean: image-to-video's frame 0, or video-to-video's first ``given_frames``."""
+    return config.given_frames or int(config.first_frame)
+
+
+def given_latents(config: Cosmos3Config, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The clean frames' latents ``[B, C, k, H, W]`` in the DiT's scale: the image's (stored so), or the given
+    video's, normalised as the training latents are."""
+    if config.first_frame:
+        return cond["first_frame_latents"][:, :, :1]
+    return config.spec.latents.normalize(cond[GIVEN][:, :, :config.given_frames])
+
+
 def cond_spec(config: Cosmos3Config) -> fcond.Spec:
     """The prompt's token ids ``[L, 1]`` (float32) and their mask; image-to-video adds the first frame's latents
-    ``[C, T, H, W]`` (frame 0 read)."""
-    return {"text": ("L", 1), "text_mask": ("L",), **(first_frame_spec(config) if config.first_frame else {})}
+    ``[C, T, H, W]`` (frame 0 read), video-to-video the clip's latents (its first ``given_frames`` read)."""
+    given = {GIVEN: (config.spec.latents.channels, "T", "H", "W")} if config.given_frames else {}
+    return {"text": ("L", 1), "text_mask": ("L",), **(first_frame_spec(config) if config.first_frame else {}),
+            **given}
 
 
 def cond_from_batch(config: Cosmos3Config, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -110,15 +136,16 @@ def cond_from_batch(config: Cosmos3Config, batch: Mapping[str, Any]) -> dict[str
     if batch["text"].dim() != 3 or batch["text"].shape[2] != 1:
         raise ValueError(f"{name}: text_embedding {list(batch['text'].shape[1:])} must be [L, 1], the prompt's token "
                          "ids (Cosmos 3 embeds its tokens itself); preprocess with its encoders")
+    given = {GIVEN: batch["latents"]} if config.given_frames else {}  # the clip's own first frames
     return {"text": batch["text"], "text_mask": batch["text_mask"],
-            **(first_frame_from_batch(config, batch) if config.first_frame else {})}
+            **(first_frame_from_batch(config, batch) if config.first_frame else {}), **given}
 
 
 def packed(config: Cosmos3Config, tokens: int, grid: tuple[int, int, int], device: torch.device) -> dict[str, Any]:
     """The packed sequence's layout for a prompt of ``tokens`` ids and latents of ``grid`` ``(T, H, W)``, as the
     pipeline's ``_prepare_text_segment`` and ``_prepare_vision_segment`` build it: the text at positions ``[0, L)``,
-    the video's patches after it, every latent frame noised but image-to-video's given frame 0 (its patches get no
-    timestep and no prediction)."""
+    the video's patches after it, every latent frame noised but the clean ones (:func:`clean_frames`: their patches
+    get no timestep and no prediction)."""
     k = config.spec.kwargs
     frames, height, width = grid
     patch = k["latent_patch_size"]
@@ -130,7 +157,7 @@ def packed(config: Cosmos3Config, tokens: int, grid: tuple[int, int, int], devic
         reset_spatial_indices=k["unified_3d_mrope_reset_spatial_ids"],
         fps=config.fps if k["enable_fps_modulation"] else None, base_fps=float(k["base_fps"]),
         temporal_compression_factor=config.spec.latents.vae_stride[0])
-    given = int(config.first_frame)
+    given = clean_frames(config)
     return {"text_indexes": torch.arange(tokens, device=device), "und_len": tokens, "sequence_length": tokens + count,
             "position_ids": torch.cat([text_positions, video_positions], dim=1).to(device),
             "vision_token_shapes": [(frames, rows, cols)],
@@ -142,11 +169,11 @@ def packed(config: Cosmos3Config, tokens: int, grid: tuple[int, int, int], devic
 def inputs(config: Cosmos3Config, x: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor],
            sharded: bool) -> dict[str, Any]:
     """One sample's call (``x [1, C, T, H, W]``): the prompt's real token ids, the latents as the one vision item
-    (image-to-video: frame 0 the given one), each noised patch at the sample's ``t``."""
+    (image- and video-to-video: the first frames the given ones), each noised patch at the sample's ``t``."""
     ids = cond["text"][0, cond["text_mask"][0].bool(), 0].round().long()
     layout = packed(config, ids.shape[0], tuple(x.shape[2:]), x.device)
-    if config.first_frame:
-        x = wan_i2v.first_frame_input(x, cond)
+    if clean_frames(config):
+        x = wan_i2v.clean_frames_input(x, given_latents(config, cond))
     count = layout["vision_mse_loss_indexes"].shape[0]
     return {"input_ids": ids, "vision_tokens": [x], "vision_timesteps": t.expand(count), "return_dict": False,
             **layout}
@@ -154,16 +181,19 @@ def inputs(config: Cosmos3Config, x: torch.Tensor, t: torch.Tensor, cond: Mappin
 
 def output(config: Cosmos3Config, out: Any, x: torch.Tensor, t: Any, cond: Mapping[str, torch.Tensor]
            ) -> torch.Tensor:
-    """The vision item's velocity ``[1, C, T, H, W]`` (the module returns one per item); image-to-video's frame 0 the
-    exact velocity toward the given frame, ``(x_t - x_first) / sigma`` (the pipeline holds that frame clean)."""
+    """The vision item's velocity ``[1, C, T, H, W]`` (the module returns one per item); the clean frames' the exact
+    velocity toward the given ones, ``(x_t - x_given) / sigma`` (the pipeline holds them clean)."""
     v = out[0][0]
-    return wan_i2v.first_frame_velocity(v, x, t, cond) if config.first_frame else v
+    return wan_i2v.clean_frames_velocity(v, x, t, given_latents(config, cond)) if clean_frames(config) else v
 
 
 def latent_rule(config: ModelConfig, shape: tuple[int, ...]) -> str | None:
     patch = config.spec.kwargs["latent_patch_size"]
     if shape[3] % patch or shape[4] % patch:
         return f"latents {shape[3]} x {shape[4]} do not divide into its {patch} x {patch} patches"
+    if config.given_frames >= shape[2]:
+        return (f"given_frames={config.given_frames} leaves none of these latents' {shape[2]} frames to make; set it "
+                "below the clip's latent frames")
     return None
 
 
@@ -221,7 +251,7 @@ COSMOS3_FAMILY = Family(
     forward=Forward(inputs=inputs, output=output),
     conditioning=Conditioning(
         spec=cond_spec, from_batch=cond_from_batch, defaults=TEXT_MASK_DEFAULT,
-        data_keys=("text", "text_mask", "first_frame_latents"), image=frozenset({"first_frame_latents"}),
+        data_keys=("text", "text_mask", "first_frame_latents"), image=frozenset({"first_frame_latents", GIVEN}),
         cfg_dropout_refusal=("its prompt is token ids: fvx's CFG dropout zeroes text embeddings and keeps their mask, "
                              "which for ids is a prompt of token 0, not an empty one")),
     checkpoints=Checkpoints(pipeline_files=pipeline_files),
@@ -232,10 +262,19 @@ COSMOS3_FAMILY = Family(
 class Cosmos3Config(ModelConfig, tag="cosmos3"):
     """A Cosmos 3 Omni transformer, text-to-video (presets: tiny, world, cosmos3-omni). ``fps``: the clips' frame
     rate, which scales the video's time positions (the pipeline's default 24; match ``data.preprocess.train_fps``);
-    ``first_frame``: image-to-video, the given first frame as the clean frame 0 (``data.kind=i2v``; module docstring).
-    The shared knobs are :class:`fvx_models.build.ModelConfig`'s."""
+    ``first_frame``: image-to-video, the given first frame as the clean frame 0 (``data.kind=i2v``); ``given_frames``:
+    video-to-video, the clip's first ``k`` latent frames clean (the pipeline's ``video=`` call; its default
+    ``condition_frame_indexes_vision`` gives 2; module docstring). The shared knobs are
+    :class:`fvx_models.build.ModelConfig`'s."""
 
     family = COSMOS3_FAMILY
 
     fps: Annotated[float, msgspec.Meta(gt=0)] = 24.0
     first_frame: bool = False
+    given_frames: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.first_frame and self.given_frames:
+            raise ValueError(f"first_frame=true and given_frames={self.given_frames}: give an image (first_frame) or "
+                             "the clip's first frames (given_frames), not both")

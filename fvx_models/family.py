@@ -394,9 +394,11 @@ def first_frame_spec(config: Any) -> fcond.Spec:
 
 
 def first_frame_from_batch(config: Any, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """The given first frame's latents from a batch of kind i2v; a ValueError names the parquet column it lacks."""
+    """The given first frame's latents from a batch of kind i2v (i2va); a ValueError names the parquet column it
+    lacks."""
+    kind = "i2va" if "audio_latents" in batch else "i2v"
     require(batch, ("first_frame_latents",), config.family.name, "the first frame's latents: parquet column "
-            "first_frame_latent of data.kind='i2v' data")
+            f"first_frame_latent of data.kind='{kind}' data")
     return {"first_frame_latents": batch["first_frame_latents"]}
 
 

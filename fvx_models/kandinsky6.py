@@ -28,7 +28,8 @@ Image-to-video (``first_frame``, ``data.kind=i2v``), as the pipeline's ``image=`
 (encoded alone, scaled; :func:`fvx_models.encoders.scaled_first_frame`) are appended after the video's frames as a
 clean tail frame, with condition mask one, token type 1 (the video's 0) and frame 0's RoPE position; the video's own
 frames stay noised and the loss covers them all, the tail's prediction dropped as the pipeline drops the tail. With a
-text-to-video config the token-type table is unused and held frozen.
+text-to-video config the token-type table is unused and held frozen. With ``train_audio`` too it is the ``image=`` call
+with ``sample_audio``, on data of kind i2va (the first frame and the sound).
 """
 from __future__ import annotations
 
@@ -301,7 +302,8 @@ KANDINSKY6_FAMILY = Family(
 class Kandinsky6Config(ModelConfig, tag="kandinsky6"):
     """A Kandinsky 6 DiT, text-to-video (presets: tiny, world, kandinsky6). ``train_audio``: train video and audio
     together (a joint model; data of kind t2va) instead of video alone with the audio branch frozen; ``first_frame``:
-    image-to-video, the given first frame as the reference tail frame (``data.kind=i2v``; module docstring). The shared
+    image-to-video, the given first frame as the reference tail frame (``data.kind=i2v``, or i2va with
+    ``train_audio``; module docstring). The shared
     knobs are :class:`fvx_models.build.ModelConfig`'s."""
 
     family = KANDINSKY6_FAMILY

@@ -92,7 +92,12 @@ def chunk_concat_input(x: torch.Tensor, given: torch.Tensor, first: int, mask_ch
 
 def first_frame_input(x: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """``x`` with its first latent frame the given one (the ``first_frame`` form)."""
-    return torch.cat([cond["first_frame_latents"][:, :, :1].to(x.dtype), x[:, :, 1:]], dim=2)
+    return clean_frames_input(x, cond["first_frame_latents"][:, :, :1])
+
+
+def clean_frames_input(x: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
+    """``x [B, C, T, H, W]`` with its first ``k`` latent frames the ``given [B, C, k, H, W]``."""
+    return torch.cat([given.to(x.dtype), x[:, :, given.shape[2]:]], dim=2)
 
 
 def first_frame_timesteps(t: torch.Tensor, frames: int, tokens_per_frame: int) -> torch.Tensor:
@@ -106,7 +111,14 @@ def first_frame_velocity(v: torch.Tensor, x: torch.Tensor, t: torch.Tensor,
                          cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """``v`` with the first frame's velocity the exact one toward the given frame, ``(x_t - x_first) / sigma``
     (zero where ``sigma`` is 0)."""
+    return clean_frames_velocity(v, x, t, cond["first_frame_latents"][:, :, :1])
+
+
+def clean_frames_velocity(v: torch.Tensor, x: torch.Tensor, t: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
+    """``v`` with the first ``k`` frames' velocity the exact one toward ``given [B, C, k, H, W]``, ``(x_t - x_given) /
+    sigma`` (zero where ``sigma`` is 0)."""
+    count = given.shape[2]
     sigma = (t.float() / 1000.0).view(-1, 1, 1, 1, 1)
-    first = x[:, :, :1].float() - cond["first_frame_latents"][:, :, :1].float()
-    exact = torch.where(sigma > 0, first / sigma.clamp_min(1e-12), torch.zeros_like(first))
-    return torch.cat([exact.to(v.dtype), v[:, :, 1:]], dim=2)
+    offset = x[:, :, :count].float() - given.float()
+    exact = torch.where(sigma > 0, offset / sigma.clamp_min(1e-12), torch.zeros_like(offset))
+    return torch.cat([exact.to(v.dtype), v[:, :, count:]], dim=2)

@@ -6,9 +6,10 @@ parquet format is ``fvx.data.parquet``; ``fvx.data.preprocess`` writes it from v
 Batch dict (torch tensors except ``caption``)::
 
     latents      [B, C, T, H, W] float32   (every kind but "text_only": vae_latent; kind "framepack": a section's)
-    first_frame_latents [B, C, T, H, W]    (kinds "i2v" and "matrixgame2": first_frame_latent, the VAE latents of the
-                                            first frame followed by zero frames, normalised: FastVideo stores them so)
-    image_embeds [B, N, D] float32         (kinds "i2v" and "matrixgame2" when the data has them, "framepack":
+    first_frame_latents [B, C, T, H, W]    (kinds "i2v", "i2va" and "matrixgame2": first_frame_latent, the VAE
+                                            latents of the first frame followed by zero frames, normalised: FastVideo
+                                            stores them so)
+    image_embeds [B, N, D] float32         (kinds "i2v", "i2va", "matrixgame2" when the data has them, "framepack":
                                             clip_feature, the image encoder's hidden states; FastVideo writes empty
                                             bytes for a model without)
     keyboard     [B, F, K] float32         (kind "matrixgame2": keyboard_cond, one row of keys per video frame,
@@ -23,10 +24,11 @@ Batch dict (torch tensors except ``caption``)::
     pose_latents [B, C, T - 1, H, W]       (kind "animate": the pose video's latents)
     face_pixels  [B, 3, 4 (T - 2) + 1, S, S]   (kind "animate": the face video in [-1, 1], stored as uint8)
     frame_indices [B, T + 20] float32      (kind "framepack": the RoPE time positions of the section and its history)
-    audio_latents [B, 2, 32, A] float32    (kind "t2va": audio_latent, the stereo audio VAE's latents [C, F, A] as
-                                            FastVideo's t2va preprocessing stores them; a stored leading 1 is
-                                            dropped; every sample of a batch must have the same length A)
-    audio_sample_rate [B] int64            (kind "t2va", when every file has the column: the waveform's rate, Hz)
+    audio_latents [B, 2, 32, A] float32    (kinds "t2va", "i2va": audio_latent, the stereo audio VAE's latents
+                                            [C, F, A] as FastVideo's t2va preprocessing stores them; a stored
+                                            leading 1 is dropped; every sample of a batch must have the same length A)
+    audio_sample_rate [B] int64            (kinds "t2va", "i2va", when every file has the column: the waveform's
+                                            rate, Hz)
     text         [B, text_len, D] float32  (not kind "matrixgame2", which has no text: text_embedding, zero-padded
                                             or cropped; zeroed for CFG-dropped samples)
     text_mask    [B, text_len] float32     (1 = real token; not changed by CFG dropout)
@@ -49,7 +51,8 @@ import torch
 from fvx.config import Config, validate
 from fvx.core import random
 from fvx.data.batching import Dataset, collate as collate_samples
-from fvx.data.parquet import Kind, ParquetDataset, check_indices, check_kind, find_parquet_files
+from fvx.data.parquet import (AUDIO_KINDS, FIRST_FRAME_KINDS, Kind, ParquetDataset, check_indices, check_kind,
+                              find_parquet_files)
 from fvx.data import sections as fsections
 from fvx.data.preprocess import PreprocessConfig
 from fvx.data.sections import SectionsConfig
@@ -65,7 +68,8 @@ class SyntheticConfig(Config):
     """A synthetic dataset: ``num_samples`` standard-normal latents [C, T, H, W] and texts [text_len, text_dim]; for
     kind "i2v" the first-frame latents are the latents' first frame followed by zeros (as stored: the condition of a
     model whose latents have no statistics to normalise by), and ``image_embeds`` (tokens, width) adds normal image
-    embeddings; kind "t2va" needs ``audio_shape`` (C, F, A), e.g. (2, 32, 8): normal audio latents. Kind
+    embeddings; kind "t2va" needs ``audio_shape`` (C, F, A), e.g. (2, 32, 8): normal audio latents; kind "i2va" makes
+    both. Kind
     "matrixgame2" makes I2V tensors (``image_embeds`` default (4, 16), the tiny presets' width) and actions per video
     frame: ``keyboard`` one-hot ``[F, 4]`` and ``mouse`` normal x 0.1 ``[F, 2]``, ``F = (T - 1) r + 1`` with ``r``
     ``data.vae_time_stride`` (default 4, Wan's VAE). Kind "vace" makes the toy world's extension context
@@ -99,13 +103,13 @@ class DataConfig(Config):
     the first ``num_latent_t`` latent frames of every sample (FastVideo's ``data.num_latent_t``; None keeps them all;
     audio latents are kept whole). ``kind``: what a sample holds (the module docstring): "t2v" video latents and text,
     "text_only", "i2v" adds the first frame, "t2va" adds audio latents (parquet, ``synthetic.audio_shape`` or the
-    world's tones). ``text_2_len``: read a second text stream (the parquet's ``text_embedding_2``, HunyuanVideo 1.5's
-    ByT5 glyph text) padded or cropped to this length as ``text_2``/``text_mask_2`` (None: not read; a CFG-dropped
-    sample's is empty). ``batch_by_shape``: batch each latent shape apart (parquet data preprocessed with
+    world's tones), "i2va" both. ``text_2_len``: read a second text stream (the parquet's ``text_embedding_2``,
+    HunyuanVideo 1.5's ByT5 glyph text) padded or cropped to this length as ``text_2``/``text_mask_2`` (None: not read;
+    a CFG-dropped sample's is empty). ``batch_by_shape``: batch each latent shape apart (parquet data preprocessed with
     ``preprocess.buckets``, or images beside videos), so a batch never mixes shapes; off, a batch of mixed shapes is an
     error naming the samples. Kind "matrixgame2" (Matrix-Game 2.0: first frame, image embedding, keyboard and mouse
-    actions per video frame, no text, so no CFG dropout): ``vae_time_stride`` (the VAE's video frames per latent
-    frame, 4 for Wan; the toy world's is 1) checks that every sample's actions cover its latents
+    actions per video frame, no text, so no CFG dropout): ``vae_time_stride`` (the VAE's video frames per latent frame,
+    4 for Wan; the toy world's is 1) checks that every sample's actions cover its latents
     (``(T - 1) r + 1`` rows); None checks only at least ``T`` rows.
     Kind "framepack" (FramePack's next-section prediction): samples are sections of clips, a window of latents
     with its clean history (``fvx.data.sections``); the toy world and synthetic clips are cut by ``sections``
@@ -181,8 +185,8 @@ class SyntheticDataset:
         if kind == "animate" and config.latent_shape[1] < 2:
             raise ValueError(f"data.synthetic.latent_shape {list(config.latent_shape)}: kind 'animate' needs at "
                              "least 2 latent frames (the reference's, then the video's)")
-        if kind == "t2va" and config.audio_shape is None:
-            raise ValueError("data.synthetic.audio_shape must be set, e.g. [2, 32, 8], for data.kind='t2va' "
+        if kind in AUDIO_KINDS and config.audio_shape is None:
+            raise ValueError(f"data.synthetic.audio_shape must be set, e.g. [2, 32, 8], for data.kind={kind!r} "
                              "(synthetic audio latents [C, F, A])")
         self.config, self.key, self.kind, self._collate = config, key, kind, collate
 
@@ -191,15 +195,15 @@ class SyntheticDataset:
 
     def sample(self, index: int) -> dict[str, Any]:
         """Sample ``index`` uncollated: latents [C, T, H, W] (not text_only), text [text_len, text_dim] (not
-        matrixgame2), the I2V tensors (i2v, matrixgame2), the actions (matrixgame2) and audio latents ``audio_shape``
-        (t2va), float32."""
+        matrixgame2), the I2V tensors (i2v, i2va, matrixgame2), the actions (matrixgame2) and audio latents
+        ``audio_shape`` (t2va, i2va), float32."""
         latents_key, text_key = random.split(random.fold_in(self.key, index), 2)
         sample = {"caption": f"synthetic sample {index}", "where": self.where(index)}
         if self.kind != "matrixgame2":
             sample["text"] = random.normal(text_key, (self.config.text_len, self.config.text_dim)).numpy()
         if self.kind != "text_only":
             sample["latents"] = random.normal(latents_key, self.config.latent_shape).numpy()
-        if self.kind in ("i2v", "matrixgame2"):
+        if self.kind in FIRST_FRAME_KINDS:
             sample["first_frame_latents"] = first_frame_only(sample["latents"])
             shape = self.config.image_embeds or ((4, 16) if self.kind == "matrixgame2" else None)
             if shape is not None:
@@ -209,7 +213,7 @@ class SyntheticDataset:
             sample.update(random_actions(random.fold_in(latents_key, 3), frames))
         if self.kind == "vace":
             sample["vace_context"] = extension_context(sample["latents"], self.config.vace_mask_channels)
-        if self.kind == "t2va":
+        if self.kind in AUDIO_KINDS:
             sample["audio_latents"] = random.normal(random.fold_in(latents_key, 2), self.config.audio_shape).numpy()
         if self.kind == "animate":
             sample.update(synthetic_animation(sample["latents"], self.config.face_size, random.fold_in(latents_key, 4)),

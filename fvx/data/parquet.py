@@ -12,6 +12,8 @@ A sample read here is a dict of float32 arrays keyed as batches name them (``fvx
 the VAE's time stride ``r``; longer is kept as stored, the model slices). Kind "vace" (fvx's, for Wan VACE: no
 FastVideo schema) adds ``vace_context`` ``[C', T, H, W]``, the control context as ``WanVACEPipeline`` builds it
 (``fvx_models.wan_vace``), over the same latent frames as ``vae_latent`` (reference images' frames in front of both).
+Kind "i2va" (fvx's, for image-to-video-and-audio models: Kandinsky 6's ``image=`` call with sound) is t2va's columns
+with i2v's first frame (``first_frame_latent``, optional ``clip_feature``, the written ``pil_image``).
 Kind "framepack" (fvx's, for FramePack: one row per section, ``fvx.data.sections``) holds a section's ``vae_latent``
 ``[C, window, H, W]``, its clean ``framepack_history`` ``[C, 20, H, W]``, their RoPE positions ``frame_indices``
 ``[window + 20]``, and the clip's first frame's image-encoder features ``clip_feature`` ``[N, D]``.
@@ -36,7 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-Kind = Literal["t2v", "text_only", "i2v", "t2va", "matrixgame2", "vace", "framepack", "animate"]
+Kind = Literal["t2v", "text_only", "i2v", "t2va", "i2va", "matrixgame2", "vace", "framepack", "animate"]
 
 # Tensor columns per kind: (parquet tensor name, batch key). Metadata columns follow FastVideo's schemas.
 _TENSORS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -44,6 +46,8 @@ _TENSORS: dict[str, tuple[tuple[str, str], ...]] = {
     "text_only": (("text_embedding", "text"),),
     "i2v": (("vae_latent", "latents"), ("text_embedding", "text"), ("first_frame_latent", "first_frame_latents")),
     "t2va": (("vae_latent", "latents"), ("audio_latent", "audio_latents"), ("text_embedding", "text")),
+    "i2va": (("vae_latent", "latents"), ("audio_latent", "audio_latents"), ("text_embedding", "text"),
+             ("first_frame_latent", "first_frame_latents")),
     "matrixgame2": (("vae_latent", "latents"), ("first_frame_latent", "first_frame_latents"),
                     ("keyboard_cond", "keyboard")),
     "vace": (("vae_latent", "latents"), ("text_embedding", "text"), ("vace_context", "vace_context")),
@@ -59,10 +63,12 @@ UINT8_TENSORS = ("face_pixels",)  # stored as uint8 pixels (4x smaller), read as
 # Matrix-Game's preprocessing writes empty mouse_cond bytes for keyboard-only action files.
 _OPTIONAL_TENSORS: dict[str, tuple[tuple[str, str], ...]] = {
     "i2v": (("clip_feature", "image_embeds"),),
+    "i2va": (("clip_feature", "image_embeds"),),
     "matrixgame2": (("clip_feature", "image_embeds"), ("mouse_cond", "mouse")),
 }
 # Tensor columns written, never read: the I2V validation image FastVideo stores (the first frame, uint8 [3, H, W])
 _WRITE_ONLY: dict[str, tuple[tuple[str, str], ...]] = {"i2v": (("pil_image", "pil_image"),),
+                                                       "i2va": (("pil_image", "pil_image"),),
                                                        "matrixgame2": (("pil_image", "pil_image"),)}
 _RANKS = {"latents": 4, "text": 2, "first_frame_latents": 4, "image_embeds": 2, "audio_latents": 3,
           "pil_image": 3, "keyboard": 2, "mouse": 2, "vace_context": 4,
@@ -76,6 +82,7 @@ SECOND_TEXT = ("text_embedding_2", "text_2")
 _ORDER = {"t2v": ("vae_latent", "text_embedding"), "text_only": ("text_embedding",),
           "i2v": ("vae_latent", "text_embedding", "clip_feature", "first_frame_latent", "pil_image"),
           "t2va": ("vae_latent", "audio_latent", "text_embedding"),
+          "i2va": ("vae_latent", "audio_latent", "text_embedding", "clip_feature", "first_frame_latent", "pil_image"),
           "matrixgame2": ("vae_latent", "clip_feature", "first_frame_latent", "mouse_cond", "keyboard_cond",
                           "pil_image"),
           "vace": ("vae_latent", "text_embedding", "vace_context"),
@@ -91,7 +98,11 @@ _METADATA: dict[str, tuple[tuple[str, pa.DataType], ...]] = {
 }
 for _kind in ("i2v", "matrixgame2", "vace", "framepack", "animate"):
     _METADATA[_kind] = _METADATA["t2v"]
-_METADATA["t2va"] = _METADATA["t2v"] + (("audio_sample_rate", pa.int64()),)
+_METADATA["t2va"] = _METADATA["i2va"] = _METADATA["t2v"] + (("audio_sample_rate", pa.int64()),)
+AUDIO_KINDS = ("t2va", "i2va")
+"""The kinds whose samples hold the clip's sound: ``audio_latents`` and its ``audio_sample_rate``."""
+FIRST_FRAME_KINDS = ("i2v", "i2va", "matrixgame2")
+"""The kinds whose samples hold the clip's first frame, ``first_frame_latents`` (and optional ``image_embeds``)."""
 
 
 def parquet_schema(kind: Kind, second_text: bool = False) -> pa.Schema:
@@ -151,7 +162,7 @@ class ParquetDataset:
                 row_in_file, total = row_in_file + rows, total + rows
         self._length = total
         self.has_captions = all("caption" in names for names in schemas)
-        self.has_sample_rates = kind == "t2va" and all("audio_sample_rate" in names for names in schemas)
+        self.has_sample_rates = kind in AUDIO_KINDS and all("audio_sample_rate" in names for names in schemas)
         self._columns = _columns_to_read(kind, schemas)
         self.second_text, self.by_shape = second_text, by_shape
         if second_text:
@@ -312,7 +323,7 @@ def _checked_schema(path: pathlib.Path, schema: pa.Schema, kind: Kind) -> set[st
                 if name == "vae_latent" and "text_embedding_bytes" in names:
                     hint = "; the file holds text-only data (no latents), so use kind='text_only'"
                 if name == "audio_latent":  # a DataError: the data, not the config, lacks the sound
-                    raise DataError(f"{str(path)!r} has no column {column!r}: kind='t2va' needs audio latents, and "
+                    raise DataError(f"{str(path)!r} has no column {column!r}: kind={kind!r} needs audio latents, and "
                                     "this file has none (video-only data? use kind='t2v')")
                 raise ValueError(f"{str(path)!r} has no column {column!r}, which kind={kind!r} needs{hint}")
             if not usable(schema.field(column).type):
@@ -325,7 +336,7 @@ def _columns_to_read(kind: Kind, schemas: list[set[str]]) -> list[str]:
     """Bytes and shape of each tensor; its dtype (for error messages) and the caption where every file has them."""
     columns = [f"{name}_{part}" for name, _ in _TENSORS[kind] for part in ("bytes", "shape")]
     optional = [f"{name}_dtype" for name, _ in _TENSORS[kind]] + ["caption"]
-    optional += ["audio_sample_rate"] if kind == "t2va" else []
+    optional += ["audio_sample_rate"] if kind in AUDIO_KINDS else []
     optional += [f"{name}_{part}" for name, _ in _OPTIONAL_TENSORS.get(kind, ())
                  for part in ("bytes", "shape", "dtype")]
     return columns + [c for c in optional if all(c in names for names in schemas)]
@@ -389,8 +400,8 @@ def write_parquet(path: str | os.PathLike, samples: Sequence[dict[str, Any]], *,
     (``caption``, and except for text_only ``file_name, media_type, width, height, num_frames, duration_sec, fps``);
     i2v adds ``first_frame_latents`` [C, T, H, W] (and optional ``image_embeds`` [N, D] and ``pil_image``, uint8
     [3, H, W]); t2va adds ``audio_latents`` [C, F, A] (e.g. [2, 32, A]) and ``audio_sample_rate`` (a positive int,
-    Hz); any kind may add ``text_2`` [L2, D2] (:data:`SECOND_TEXT`). Tensors are stored as float32 (``pil_image`` and
-    animate's ``face_pixels`` as uint8).
+    Hz); i2va adds both; any kind may add ``text_2`` [L2, D2] (:data:`SECOND_TEXT`). Tensors are stored as float32
+    (``pil_image`` and animate's ``face_pixels`` as uint8).
     Everything is checked before anything is written.
     """
     check_kind(kind)
@@ -424,10 +435,10 @@ def _record(sample: dict[str, Any], number: int, kind: Kind) -> dict[str, Any]:
     allowed = set(tensors) | set(optional) | {"id", SECOND_TEXT[1]} | {name for name, _ in _METADATA[kind]}
     if kind == "text_only" and "latents" in sample:
         raise ValueError(f"sample {number} has latents, but kind='text_only' stores none; use kind='t2v'")
-    if kind == "t2va":
+    if kind in AUDIO_KINDS:
         rate = sample.get("audio_sample_rate")
         if isinstance(rate, bool) or not isinstance(rate, (int, np.integer)) or rate <= 0:
-            raise ValueError(f"sample {number}: audio_sample_rate must be a positive int (Hz) for kind='t2va', "
+            raise ValueError(f"sample {number}: audio_sample_rate must be a positive int (Hz) for kind={kind!r}, "
                              f"got {rate!r}")
     unknown = sorted(set(sample) - allowed)
     if unknown:
@@ -443,13 +454,13 @@ def _record(sample: dict[str, Any], number: int, kind: Kind) -> dict[str, Any]:
     metadata = {"caption": str(sample.get("caption", ""))}
     if kind != "text_only":
         latents_shape = record["vae_latent_shape"]
-        media = "video_with_audio" if kind == "t2va" else "video"  # what FastVideo's T2VA preprocessing writes
+        media = "video_with_audio" if kind in AUDIO_KINDS else "video"  # what FastVideo's T2VA preprocessing writes
         metadata.update(file_name=str(sample.get("file_name", record["id"])),
                         media_type=str(sample.get("media_type", media)), width=int(sample.get("width", 0)),
                         height=int(sample.get("height", 0)),
                         num_frames=int(sample.get("num_frames", latents_shape[1])),
                         duration_sec=float(sample.get("duration_sec", 0.0)), fps=float(sample.get("fps", 0.0)))
-    if kind == "t2va":
+    if kind in AUDIO_KINDS:
         metadata["audio_sample_rate"] = int(sample["audio_sample_rate"])
     return {**record, **metadata}
 

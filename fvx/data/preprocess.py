@@ -67,8 +67,8 @@ class PreprocessConfig(Config):
     else refused); a video longer than ``video_length_tolerance_range`` clips, or shorter than one, is skipped (5.0,
     what FastVideo's example scripts pass). ``buckets``: (height, width) pairs; each clip goes to the one nearest its
     aspect ratio instead (a batch never mixes them). ``samples_per_file``: inputs a parquet file. ``audio_rate``: the Hz
-    a t2va clip's sound is resampled to (the family's audio VAE's; t2va needs it). ``animate``: Wan-Animate's
-    face size and segments (:class:`AnimateCut`)."""
+    a t2va or i2va clip's sound is resampled to (the family's audio VAE's; those kinds need it). ``animate``:
+    Wan-Animate's face size and segments (:class:`AnimateCut`)."""
 
     num_frames: PositiveInt = 81
     train_fps: PositiveInt = 16
@@ -125,7 +125,7 @@ CONTROL_FILES = {"vace": ("control", "mask", "ref"), "animate": ("pose", "face",
 @dataclasses.dataclass(frozen=True)
 class Job:
     """Everything a preprocessing run needs: ``identity`` (what made the folder, checked on resume), the data
-    ``kind``, the cut ``config``, the family's ``frame_step`` and ``pixel_multiple``, the audio rate (t2va), the
+    ``kind``, the cut ``config``, the family's ``frame_step`` and ``pixel_multiple``, the audio rate (t2va, i2va), the
     family's ``frame_base``, how clips become sections (kind framepack)."""
 
     identity: dict[str, Any]
@@ -373,7 +373,7 @@ def _cut(job: Job, item: Input) -> tuple[torch.Tensor, dict[str, Any], list[int]
     if not item.path.is_file():
         raise media.MediaError("the file does not exist")
     config, image = job.config, media.is_image(item.path)
-    if image and job.kind in ("i2v", "t2va", "matrixgame2", "framepack"):
+    if image and job.kind in (*parquet.FIRST_FRAME_KINDS, *parquet.AUDIO_KINDS, "framepack"):
         raise media.MediaError(f"it is an image; kind {job.kind!r} needs videos")
     if image:
         frames, fps, indices = media.read_image(item.path), 0.0, [0]
@@ -423,11 +423,11 @@ def encode_media(job: Job, encoder: Encoder, item: Input) -> dict[str, Any]:
     """One clip's row but its text: cut, encoded (its first frame, image features and sound per the kind)."""
     clip, meta, indices = _cut(job, item)
     sound = None
-    if job.kind == "t2va":  # from the clip's start (its first frame is the video's), as long as the clip
+    if job.kind in parquet.AUDIO_KINDS:  # from the clip's start (its first frame is the video's), as long as it
         sound = media.read_audio(item.path, job.audio_rate, 0.0, clip.shape[1] / job.config.train_fps)
     latents = encoder.encode_video(clip)
     row = {"id": item.name, **meta, "num_frames": latents.shape[1], "latents": latents}
-    if job.kind in ("i2v", "matrixgame2"):
+    if job.kind in parquet.FIRST_FRAME_KINDS:
         row["first_frame_latents"] = encoder.encode_first_frame(clip)
         row["pil_image"] = ((clip[:, 0] + 1) * 127.5).round().to(torch.uint8)
         image = encoder.encode_image((clip[:, 0] + 1) / 2)
@@ -440,7 +440,7 @@ def encode_media(job: Job, encoder: Encoder, item: Input) -> dict[str, Any]:
         row.update({name: torch.from_numpy(array[indices]) for name, array in actions.items()})
     if job.kind == "vace":
         row.update(encode_context(encoder, item, clip, indices, latents))
-    if job.kind == "t2va":
+    if job.kind in parquet.AUDIO_KINDS:
         row["audio_latents"] = encoder.encode_audio(sound, job.audio_rate)
         row["audio_sample_rate"] = job.audio_rate
     if job.kind == "framepack":  # the start image's features (section_rows cuts the latents)

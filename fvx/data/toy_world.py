@@ -14,10 +14,10 @@ a perfect sample; pure noise scores about 0.39), and the fraction of samples tha
 prompted clip (sharp, moving the right way), and the fraction whose nearest true video, among all prompts', is of the
 prompt asked for.
 
-Kind "t2va" data adds sound (:mod:`fvx.data.toy_audio`): each prompt's own pure stereo tone lasting the clip
-(``frames / fps`` s at ``audio_rate`` Hz), as latents ``[2, 32, A]`` (A = ``audio_rate * frames / fps / 32``; 32 for
-the default 4 frames at 16 fps and 4096 Hz) that ``toy_audio.AudioFrames`` decodes exactly, scored by
-:meth:`WorldDataset.audio_quality`. Kind "matrixgame2" data is the world with actions
+Kind "t2va" data (and "i2va", beside the first frame) adds sound (:mod:`fvx.data.toy_audio`): each prompt's own pure
+stereo tone lasting the clip (``frames / fps`` s at ``audio_rate`` Hz), as latents ``[2, 32, A]`` (A = ``audio_rate *
+frames / fps / 32``; 32 for the default 4 frames at 16 fps and 4096 Hz) that ``toy_audio.AudioFrames`` decodes
+exactly, scored by :meth:`WorldDataset.audio_quality`. Kind "matrixgame2" data is the world with actions
 (:mod:`fvx.data.toy_world_actions`: squares that move as per-frame keys say).
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ COLOURS = {"red": (1.0, -1.0, -1.0), "green": (-1.0, 1.0, -1.0), "blue": (-1.0, 
 DIRECTIONS = {"right": (0, 1), "left": (0, -1), "down": (1, 0), "up": (-1, 0)}  # (rows, columns) per frame
 # the data kinds whose samples continue a given first frame, their own clips the truth (continuation_mse); animate's
 # follow a pose video from a reference frame
-GIVEN_FIRST_FRAME = ("i2v", "vace", "animate")
+GIVEN_FIRST_FRAME = ("i2v", "i2va", "vace", "animate")
 WORDS = ("a", "bars", "square", "moving", *COLOURS, *DIRECTIONS)  # the captions' words, token ids by place
 HIT = 0.03  # a sample this close (pixel MSE) to a true clip of its prompt counts as a hit: blur and wrong motion miss
 
@@ -49,9 +49,9 @@ class WorldConfig(Config):
     the model to agree, over all its tokens, on one place for it, which the tiny presets do not learn in a CPU
     run's few hundred steps (docs/design.md); bars, whose phase each token can read off its neighbours, they do.
     ``fps`` (the clip's frame rate), ``audio_rate`` (Hz) and ``audio_pitch`` (the first prompt's tone, Hz) shape the
-    sound of kind "t2va" data (:mod:`fvx.data.toy_audio`). ``score_window``: kind "matrixgame2" samples are also
-    scored per window of this many frames (a long streamed clip; None: the whole clip only). ``text``: a prompt's text
-    is a random embedding ``[text_len, text_dim]`` or its caption's word ids (module docstring)."""
+    sound of kind "t2va" and "i2va" data (:mod:`fvx.data.toy_audio`). ``score_window``: kind "matrixgame2" samples are
+    also scored per window of this many frames (a long streamed clip; None: the whole clip only). ``text``: a prompt's
+    text is a random embedding ``[text_len, text_dim]`` or its caption's word ids (module docstring)."""
 
     num_samples: PositiveInt = 512
     frames: PositiveInt = 4
@@ -273,11 +273,11 @@ class WorldDataset:
                   "where": self.where(index)}
         if self.kind != "text_only":
             sample["latents"] = space_to_depth(self.clip(index), self.config.factor)
-        if self.kind == "i2v":  # the codec is frame-wise: the first frame's latents, then zero frames
+        if self.kind in ("i2v", "i2va"):  # the codec is frame-wise: the first frame's latents, then zero frames
             sample["first_frame_latents"] = first_frame_only(sample["latents"])
         if self.kind == "vace":  # the first frame given as VACE's control context
             sample["vace_context"] = extension_context(sample["latents"], self.config.factor ** 2)
-        if self.kind == "t2va":  # the prompt's tone, exactly encoded
+        if self.kind in ("t2va", "i2va"):  # the prompt's tone, exactly encoded
             sample["audio_latents"] = toy_audio.frame(self.tones()[prompt].numpy() * toy_audio.SCALE)
             sample["audio_sample_rate"] = self.config.audio_rate
         return sample
@@ -313,7 +313,8 @@ class WorldDataset:
         ``prompt_match`` (the fraction whose nearest true clip of any prompt is of its prompt). A clip ``k`` times the
         world's length (a long streamed sample; bars only, whose every window is a true clip) is scored per window of
         the world's frames, ``window_i/<figure>``, and the figures are their means, so a person sees whether quality
-        holds along the clip. Data that gives the first frame (kinds "i2v", "vace") adds :meth:`continuation_mse`."""
+        holds along the clip. Data that gives the first frame (kinds "i2v", "i2va", "vace") adds
+        :meth:`continuation_mse`."""
         return self.prompt_quality(videos, [int(i) % len(self.prompts) for i in indices], indices)
 
     def caption_quality(self, videos: torch.Tensor, captions: Sequence[str]) -> dict[str, float]:

@@ -16,6 +16,7 @@ import msgspec
 
 from fvx.config import ConfigError
 from fvx.core.optim_config import AdamWConfig
+from fvx.data.parquet import FIRST_FRAME_KINDS
 from fvx.training import run_folder
 
 
@@ -104,14 +105,15 @@ def check_all_models_play(config: Any) -> None:
                           "(method.roles.<role>=<name>) or leave it out of models")
 
 
-IMAGE_INPUT = "first_frame_latents"  # the tensor data.kind=i2v adds (fvx.data.datasets): the clip's first frame
+IMAGE_INPUT = "first_frame_latents"  # the tensor data.kind=i2v (i2va) adds (fvx.data.datasets): the first frame
 
 
 def check_image_input(config: Any, models: Mapping[str, Any]) -> None:
-    """A ConfigError when the data gives each clip's first frame (``data.kind=i2v``) but the model the data feeds (the
-    method's first held role) takes no image input: it would train text-to-video on the clips, the frame unread. The
-    line names the knob (``first_frame``) or the family's presets that take one."""
-    if config.data.kind != "i2v":
+    """A ConfigError when the data gives each clip's first frame (``data.kind=i2v`` or ``i2va``) but the model the
+    data feeds (the method's first held role) takes no image input: it would train text-to-video on the clips, the
+    frame unread. The line names the knob (``first_frame``) or the family's presets that take one."""
+    kind = config.data.kind
+    if kind not in ("i2v", "i2va"):
         return
     role_name = config.method.held_roles()[0].name
     model = models[role_name]
@@ -123,15 +125,15 @@ def check_image_input(config: Any, models: Mapping[str, Any]) -> None:
     presets = [preset for preset in family.presets if IMAGE_INPUT in spec_with(model_config, preset=preset)]
     fix = (f"use an image-to-video preset, models.{name}.preset=PRESET with PRESET one of {', '.join(presets)}"
            if presets else
-           f"the {family.name} family has no image-to-video preset: use data.kind=t2v, or a family that has one")
+           f"the {family.name} family has no image-to-video preset: use data.kind="
+           f"{'t2va' if kind == 'i2va' else 't2v'}, or a family that has one")
     if "first_frame" in model_config.__struct_fields__ and IMAGE_INPUT in spec_with(model_config, first_frame=True):
         fix = f"set models.{name}.first_frame=true (its image-to-video)"
-    raise ConfigError(f"data.kind=i2v gives each clip's first frame, but models.{name}.preset={model_config.preset} "
+    raise ConfigError(f"data.kind={kind} gives each clip's first frame, but models.{name}.preset={model_config.preset} "
                       f"({model.name}) takes no image input (it would train text-to-video, the frame unread); {fix}")
 
 
 ACTION_INPUT, ACTION_KIND = "keyboard", "matrixgame2"  # the tensor data.kind=matrixgame2 adds: actions per frame
-IMAGE_KINDS = ("i2v", ACTION_KIND)  # the kinds whose samples give the first frame
 
 
 def check_action_input(config: Any, models: Mapping[str, Any]) -> None:
@@ -148,9 +150,10 @@ def check_action_input(config: Any, models: Mapping[str, Any]) -> None:
         if reads_actions and kind != ACTION_KIND:
             raise ConfigError(f"models.{name} ({model.name}) reads actions and the first frame of each clip, which "
                               f"data.kind={kind} does not give; use data.kind={ACTION_KIND}")
-        if reads_image and kind not in IMAGE_KINDS:
+        if reads_image and kind not in FIRST_FRAME_KINDS:
             raise ConfigError(f"models.{name} ({model.name}) is image-to-video: it needs each clip's first frame, "
-                              f"which data.kind={kind} does not give; use data.kind=i2v")
+                              f"which data.kind={kind} does not give; use data.kind="
+                              f"{'i2va' if kind == 't2va' else 'i2v'}")
 
 
 KIND_INPUTS = {"vace": ("vace_context", "a control context per clip"),

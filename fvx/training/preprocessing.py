@@ -18,7 +18,7 @@ import torch
 
 import fvx
 from fvx.core import random
-from fvx.data import batching, media, preprocess, sections as fsections
+from fvx.data import batching, media, parquet, preprocess, sections as fsections
 from fvx.data.toy_world_files import WorldEncoders
 from fvx.training import progress as fprogress
 
@@ -130,7 +130,8 @@ def collated(config: Any, samples: list[dict[str, Any]]) -> dict[str, Any]:
 def parts_of(kind: str) -> tuple[str, ...]:
     """What a data kind encodes."""
     return {"t2v": ("text", "video"), "i2v": ("text", "video", "first_frame", "image"),
-            "t2va": ("text", "video", "audio"), "text_only": ("text",),
+            "t2va": ("text", "video", "audio"), "i2va": ("text", "video", "audio", "first_frame", "image"),
+            "text_only": ("text",),
             "matrixgame2": ("video", "first_frame", "image"), "vace": ("text", "video", "context"),
             "framepack": ("text", "video", "image"), "animate": ("text", "video", "animation", "image")}[kind]
 
@@ -157,10 +158,11 @@ def job_of(config: Any) -> tuple[preprocess.Job, Callable[[], Any]]:
     for height, width in cut.buckets or ():
         media.check_size(height, width, multiple, "data.preprocess.buckets entry")
     audio_rate = None
-    if data.kind == "t2va":
+    if data.kind in parquet.AUDIO_KINDS:
         audio_rate = cut.audio_rate
         if audio_rate is None:
-            raise ValueError("data.kind='t2va' needs data.preprocess.audio_rate (the audio VAE's sample rate, Hz)")
+            raise ValueError(f"data.kind={data.kind!r} needs data.preprocess.audio_rate (the audio VAE's sample "
+                             "rate, Hz)")
     if data.kind == "animate":
         check_animate_cut(config, cut, frame_base, frame_step)
     sections = None

@@ -14,7 +14,11 @@ decodes them chunk by chunk), so ``--frames`` counts the same frames from text o
 Helios's chunks after a video (``HeliosPipeline(video=...)``): the video's first frame is encoded alone as the prefix
 and its last whole chunks each on its own (:func:`video_start`); the chunks made after them see them as the frames
 before (a video shorter than the history left-padded with zeros), each latent frame noised at its own ``s``, the
-prefix at one. The video made is the given chunks, clean, then the new ones; ``--frames`` counts the new ones."""
+prefix at one. The video made is the given chunks, clean, then the new ones; ``--frames`` counts the new ones.
+
+A model that continues a video's first latent frames (its cond reads :data:`GIVEN_VIDEO`, Cosmos 3's ``video=``) takes
+``--video`` whatever the run's data kind: the video cut to the made video's frames (its last frame repeated when it is
+shorter, as the pipeline pads it) and size, encoded as the data's latents; the model reads its first frames."""
 from __future__ import annotations
 
 import pathlib
@@ -24,13 +28,14 @@ import msgspec
 import torch
 
 from fvx.core import random
-from fvx.data import media, preprocess, sections
+from fvx.data import media, parquet, preprocess, sections
 
 ACTIONS_KIND = "matrixgame2"  # the data kind whose videos are steered by per-frame actions, not text
-IMAGE_KINDS = ("i2v", ACTIONS_KIND)  # the data kinds whose videos start from a given first frame
+IMAGE_KINDS = parquet.FIRST_FRAME_KINDS  # the data kinds whose videos start from a given first frame
 CONTROL_KIND = "vace"  # the data kind whose videos follow a control video (its mask, a reference image)
 SECTIONS_KIND = "framepack"  # the data kind whose videos are made a section at a time (FramePack, Helios)
 ANIMATE_KIND = "animate"  # the data kind whose videos animate a character image by pose and face videos (Wan-Animate)
+GIVEN_VIDEO = "given_latents"  # the cond of a model that continues a given video's first latent frames (its latents)
 
 
 def video_frames(model: Any, shape: Any) -> int:
@@ -63,10 +68,14 @@ def read_first_frame(path: str | None, kind: str, model: Any, cut: sections.Sect
 
 def read_video(path: str | None, kind: str, model: Any, cut: sections.SectionsConfig, image: Any) -> Any:
     """The ``--video`` file's frames as uint8 ``[F, H, W, 3]`` (None: none); a ValueError unless the model continues a
-    video chunk by chunk (Helios's chunks) and no ``--image`` is given too, or when it does not decode."""
+    video (Helios's chunks, a model reading :data:`GIVEN_VIDEO`) and no ``--image`` is given too, when a model reading
+    :data:`GIVEN_VIDEO` has none, or when it does not decode."""
+    given = GIVEN_VIDEO in model.cond
     if path is None:
+        if given:
+            raise ValueError(f"sample: {model.name} continues a video's first frames: give --video")
         return None
-    if not (kind == SECTIONS_KIND and cut.order == "chunks"):
+    if not (given or (kind == SECTIONS_KIND and cut.order == "chunks")):
         raise ValueError(f"--video: {model.name} does not continue a video (Helios's chunks; this run: "
                          f"data.kind={kind}, data.sections.order={cut.order}); drop --video")
     if image is not None:
@@ -235,6 +244,17 @@ def reflect_pad(frames: Any, count: int) -> Any:
     return frames[[i if i < len(frames) else period - i for i in index]]
 
 
+def video_condition(encoder: Any, video: Any, shape: tuple[int, int, int, int], model: Any) -> dict[str, Any]:
+    """A video-to-video condition as the data gives it: the video's first frames centre-cropped and resized to the
+    made video's size, its last frame repeated to the made video's length when shorter, encoded: the data's
+    ``latents``, from which the model's cond takes :data:`GIVEN_VIDEO`."""
+    stride_t, stride_h, stride_w = model.latents.vae_stride
+    frames = 1 + stride_t * (shape[1] - 1)
+    clip = media.resize_crop(video[:frames], shape[2] * stride_h, shape[3] * stride_w)  # [3, F, H, W] in [-1, 1]
+    clip = torch.cat([clip, clip[:, -1:].expand(-1, frames - clip.shape[1], -1, -1)], dim=1)
+    return {"latents": encoder.encode_video(clip).numpy()}
+
+
 def image_condition(encoder: Any, image: Any, shape: tuple[int, int, int, int], model: Any) -> dict[str, Any]:
     """An image-to-video condition as the data stores it: the image centre-cropped and resized to the video's pixel
     size, as the first of its frames (the rest zeros), encoded (``first_frame_latents``), and its image features
@@ -393,6 +413,8 @@ def given_condition(kind: str, encoder: Any, image: Any, control: dict[str, Any]
         given = animation_condition(encoder, image, segment, shape, model)
     elif control is not None:
         given = control_condition(encoder, control, shape, model)
+    elif video is not None and GIVEN_VIDEO in model.cond:
+        given = video_condition(encoder, video, shape, model)
     elif image is not None:
         given = image_condition(encoder, image, shape, model)
     return (given if actions is None else {**given, **actions}), first

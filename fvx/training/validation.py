@@ -254,7 +254,7 @@ def latent_shapes(config: ValidationConfig, dataset: Any, model: Any) -> Any:
     for name in list(model.modalities)[1:]:
         if f"{name}_latents" not in batch:
             raise ValueError(f"validation of model {model.name} samples {name} too and takes its latents' shape from "
-                             f"the data's first sample, which has no {name}_latents (data.kind=t2va)")
+                             f"the data's first sample, which has no {name}_latents (data.kind=t2va, or i2va)")
         shapes[name] = tuple(int(size) for size in batch[f"{name}_latents"].shape[1:])
     return shapes
 

@@ -199,3 +199,26 @@ def test_validation_writes_a_wav_of_the_clips_duration_beside_each_gif(tmp_path)
     scalars = tracking.read_scalars(out / "tb")
     wanted = {"validation/model/pitch_match", "validation/model/audio_mse", "validation/model/nearest_mse"}
     assert wanted <= set(scalars)
+
+
+K6_EXPERIMENT = str(pathlib.Path(__file__).parents[2] / "experiments" / "finetune_kandinsky6.py")
+K6_I2VA = ["models.student.first_frame=true", "models.student.train_audio=true", "audio_vae=audio_frames"]
+
+
+def test_kandinsky6_image_to_video_with_sound_trains_from_i2va_data_and_names_it_for_other_data(tmp_path, capsys):
+    """Kandinsky 6's image=... call with sample_audio: i2va data gives the first frame and the sound; validation
+    starts from the data's first frames (continuation_mse) and scores the sound. i2v data (no sound) and t2va data (no
+    first frame) are each refused in one line naming data.kind=i2va."""
+    out = tmp_path / "run"
+    assert run.main([K6_EXPERIMENT, "--out", str(out), "--steps", "1", *QUICK, *K6_I2VA, "data.kind=i2va",
+                     "validation.every=1", "validation.num_prompts=2", "validation.num_steps=2"]) == 0
+    assert len(sorted((out / "validation" / "step_1").glob("*.wav"))) == 2
+    scalars = tracking.read_scalars(out / "tb")
+    assert {"validation/model/continuation_mse", "validation/model/pitch_match"} <= set(scalars)
+    for kind in ("i2v", "t2va"):
+        capsys.readouterr()
+        assert run.main([K6_EXPERIMENT, "--out", str(tmp_path / kind), "--steps", "1", *QUICK, *K6_I2VA,
+                         f"data.kind={kind}"]) == 2
+        error = capsys.readouterr().err.strip().splitlines()
+        assert len(error) == 1 and "data.kind=i2va" in error[0]
+        assert not (tmp_path / kind).exists()

@@ -7,6 +7,7 @@ and the toy world's words."""
 import inspect
 import json
 import pathlib
+import re
 import sys
 import types
 
@@ -18,7 +19,7 @@ import torch
 import transformers
 from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, Cosmos3OmniTransformer, UniPCMultistepScheduler
 
-from fvx import config as fconfig
+from fvx import config as fconfig, run
 from fvx.core import grad, random, role
 from fvx.data import toy_world
 from fvx.distributed import memory
@@ -60,14 +61,14 @@ def module_of(params):
     return module
 
 
-def pipeline_call(module, x, t, ids, fps=24.0, image=False):
+def pipeline_call(module, x, t, ids, fps=24.0, image=False, condition_frames=None):
     """``module`` called as Cosmos3OmniPipeline's step calls it: the packed layout from its own
-    ``_prepare_text_segment`` and ``_prepare_vision_segment`` (``image``: frame 0 a condition frame), every noised
-    patch at ``t``."""
+    ``_prepare_text_segment`` and ``_prepare_vision_segment`` (``image``: frame 0 a condition frame;
+    ``condition_frames``: the video call's condition frame indexes), every noised patch at ``t``."""
     pipe = types.SimpleNamespace(transformer=module, vae_scale_factor_temporal=4)
     text = Cosmos3OmniPipeline._prepare_text_segment(pipe, ids, "cpu")
     vision = Cosmos3OmniPipeline._prepare_vision_segment(pipe, x, image, text["vision_start_temporal_offset"], fps,
-                                                         text["und_len"], "cpu")
+                                                         text["und_len"], "cpu", condition_frames)
     with torch.no_grad():
         out = module(input_ids=text["input_ids"], text_indexes=text["text_indexes"],
                      position_ids=torch.cat([text["text_mrope_ids"], vision["vision_mrope_ids"]], dim=1),
@@ -102,6 +103,35 @@ def test_image_to_video_is_the_pipelines_call_with_frame_0_the_given_one(params)
     torch.testing.assert_close(v[:, :, 1:], native[:, :, 1:], rtol=0, atol=0)
     torch.testing.assert_close(v[:, :, :1], (x[:, :, :1] - given[:, :, :1]) / 0.7)
     assert model.cond["first_frame_latents"] == (16, "T", "H", "W")
+
+
+def test_video_to_video_is_the_pipelines_video_call_with_the_clips_first_frames_given(params):
+    """The pipeline's video call (``condition_frame_indexes_vision`` [0, 1]): the first 2 latent frames the clip's
+    own, normalised, clean condition frames; fvx's velocity there the exact one toward them; the rest the module's. The
+    cond is the batch's own latents, kept by the unconditional."""
+    model = Cosmos3Config(preset="tiny", given_frames=2).build()
+    x, t, cond = sample(random.key(8), frames=4)
+    clip = random.normal(random.key(9), x.shape)
+    batch = model.batch({"latents": clip, "text": cond["text"], "text_mask": cond["text_mask"]})
+    assert torch.equal(batch["cond"]["given_latents"], clip) and model.cond["given_latents"] == (16, "T", "H", "W")
+    v = model.apply(params, x, t, batch["cond"])
+    given = model.latents.normalize(clip[:, :, :2])
+    native = pipeline_call(module_of(params), torch.cat([given, x[:, :, 2:]], dim=2), t, [3, 7, 1, 9],
+                           condition_frames=[0, 1])
+    torch.testing.assert_close(v[:, :, 2:], native[:, :, 2:], rtol=0, atol=0)
+    torch.testing.assert_close(v[:, :, :2], (x[:, :, :2] - given) / 0.7)
+    assert torch.equal(model.uncond(batch["cond"], "zero")["given_latents"], clip)
+
+
+@pytest.mark.parametrize("override, match", [
+    (["models.student.given_frames=1", "models.student.first_frame=true"], "give an image .* not both"),
+    (["models.student.given_frames=4"], "given_frames=4 leaves none of these latents' 4 frames to make"),
+])
+def test_bad_video_to_video_settings_are_one_line_errors(override, match, tmp_path, capsys):
+    experiment = str(ROOT / "experiments" / "finetune_cosmos3.py")
+    code = run.main([experiment, "--out", str(tmp_path / "run"), "--steps", "1", *override])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(error) == 1 and re.search(match, error[0]) and not (tmp_path / "run").exists()
 
 
 def test_the_zero_unconditional_is_the_empty_prompt(model, params):
@@ -264,6 +294,17 @@ def test_video_latents_normalised_and_the_first_frame_are_the_pipelines_encode_v
     still = video[:, :, :1].expand(-1, -1, 5, -1, -1)
     torch.testing.assert_close(opened.encode_first_frame(video[0])[:, 0], opened.pipe._encode_video(still)[0, :, 0],
                                rtol=1e-5, atol=1e-5)
+
+
+def test_video_to_videos_given_frames_are_the_pipelines_encoding_of_the_repeat_padded_video(folder):
+    """The pipeline's video call encodes the given video's first 5 frames (2 latent frames) with the last repeated to
+    the clip's 9; the Wan 2.2 VAE is causal in time, so those 2 latent frames are the whole clip's first 2, which the
+    cond holds (the batch's latents)."""
+    opened = cosmos3.ENCODERS.open(folder, ["video"])
+    clip = torch.rand(1, 3, 9, 32, 32, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    padded = torch.cat([clip[:, :, :5], clip[:, :, 4:5].expand(-1, -1, 4, -1, -1)], dim=2)
+    own = wan.WAN22_VAE.normalize(opened.encode_video(clip[0])[None])
+    torch.testing.assert_close(own[:, :, :2], opened.pipe._encode_video(padded)[:, :, :2], rtol=1e-5, atol=1e-5)
 
 
 def test_the_toy_worlds_words_are_its_captions_token_ids():

@@ -135,6 +135,12 @@ class Recorder:
         self.sounds.append((waveform, rate))
         return torch.zeros(2, 32, 1)
 
+    def encode_first_frame(self, video):
+        return video[:1, :1, :2, :2] + 5
+
+    def encode_image(self, image):
+        return None
+
 
 def test_t2va_takes_the_clips_own_sound_from_its_start_for_its_length(tmp_path):
     write_with_sound(tmp_path / "a.mp4", seconds=1.0, fps=16, rate=8000)
@@ -149,3 +155,18 @@ def test_t2va_takes_the_clips_own_sound_from_its_start_for_its_length(tmp_path):
     assert skipped == [{"file": "b.mp4", "reason": "it has no audio track"}]
     (sound, rate), = encoder.sounds
     assert rate == 16000 and torch.equal(sound, media.read_audio(tmp_path / "a.mp4", 16000, 0.0, 0.5))
+
+
+def test_i2va_rows_hold_the_first_frame_beside_the_clips_sound(tmp_path):
+    write_with_sound(tmp_path / "a.mp4", seconds=1.0, fps=16, rate=8000)
+    (tmp_path / "a.txt").write_text("a tone")
+    cut = preprocess.PreprocessConfig(num_frames=8, train_fps=16, max_height=16, max_width=16)
+    job = preprocess.Job({}, "i2va", cut, 1, 16, audio_rate=16000)
+    encoder = Recorder()
+    (row,), skipped = preprocess.encode_part(job, encoder, preprocess.find_inputs(tmp_path))
+    clip, _ = preprocess.cut(job, preprocess.find_inputs(tmp_path)[0])
+    assert skipped == [] and row["audio_sample_rate"] == 16000 and "image_embeds" not in row
+    assert torch.equal(row["first_frame_latents"], clip[:1, :1, :2, :2] + 5)
+    assert torch.equal(row["pil_image"], ((clip[:, 0] + 1) * 127.5).round().to(torch.uint8))
+    (sound, _), = encoder.sounds
+    assert torch.equal(sound, media.read_audio(tmp_path / "a.mp4", 16000, 0.0, 0.5))

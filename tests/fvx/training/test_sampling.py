@@ -237,6 +237,32 @@ def test_image_to_video_needs_a_decodable_image(image_to_video, tmp_path, capsys
 
 
 @pytest.fixture(scope="module")
+def video_to_video(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("v2v") / "run", "experiments/finetune_cosmos3.py", 1,
+                 "models.student.given_frames=2")
+
+
+def test_a_video_to_video_model_continues_the_videos_first_frames(video_to_video, tmp_path, capsys):
+    """Cosmos 3's video call: world clip 0 written as a lossless mp4 and given as --video conditions the sample
+    exactly as the dataset's own latents condition validation's sample of that clip (the world's codec is exact), and
+    the made video's first 2 frames are the given video's."""
+    want, validator, built = validations_sample(video_to_video, seed=3)
+    config = run_folder.load_run(video_to_video)
+    clip = built.dataset.read([validator.prompts.indices[0]])["latents"][0]  # [C, T, h, w]: pixels by depth
+    pixels = torch.nn.functional.pixel_shuffle(clip.transpose(0, 1), config.data.world.factor)  # [T, 3, H, W]
+    frames = ((pixels + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    media.write_video(tmp_path / "clip.mp4", frames, 16)
+    done = sampling.run_sample(sampling.Request(str(video_to_video), (validator.prompts.captions[0],),
+                                                out=str(tmp_path / "s"), seed=3, video=str(tmp_path / "clip.mp4")),
+                               progress=False)
+    torch.testing.assert_close(done["latents"], want, rtol=0, atol=0)
+    made = done["frames"][0, :, :2].mul(255).round().to(torch.uint8).permute(1, 2, 3, 0)  # [2, H, W, 3]
+    assert torch.equal(made, torch.from_numpy(frames[:2]))
+    assert "continues a video's first frames: give --video" in bad(capsys, video_to_video, "--prompt", RED_RIGHT,
+                                                                  "--out", tmp_path / "none")
+
+
+@pytest.fixture(scope="module")
 def world_model(tmp_path_factory):
     return train(tmp_path_factory.mktemp("mg2") / "run", "experiments/worldmodel_matrixgame2.py", 2)
 
