@@ -2,8 +2,9 @@
 
 Cosmos 3 is a vision-language transformer that denoises the video beside its prompt's tokens: there is no text
 encoder, so the data's `text_embedding` holds each caption's token ids (`[L, 1]`, the pipeline's tokenization:
-its system prompt and chat template, without the duration and resolution sentences its pipeline appends; write those
-into captions to keep them). Latents are the Wan 2.2 VAE's. Its forward packs one prompt-and-video sequence without a
+its system prompt and chat template around the caption with the sentences its pipeline appends, stating the clip's
+duration, frame rate and resolution; `encode-prompts --negative` writes their inverses for a negative prompt).
+Latents are the Wan 2.2 VAE's. Its forward packs one prompt-and-video sequence without a
 batch axis, so a batch runs sample by sample (`method.grad_accum` micro-batches of one keep one sample's activations
 at a time); `models.student.fps` is the clips' frame rate
 (it scales the video's time positions; the pipeline's default 24).

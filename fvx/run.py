@@ -403,10 +403,13 @@ def encode_prompts_main(argv: Sequence[str]) -> int:
                         "{\"data\": [{\"caption\": ...}]})")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. models.student.path=/models/x")
     parser.add_argument("--out", required=True, help="the cond file to write (.safetensors)")
+    parser.add_argument("--negative", action="store_true", help="negative prompts: a family whose text states the "
+                        "clip (Cosmos 3's duration and resolution sentences, for the clip data.preprocess cuts) states "
+                        "its inverse, as its pipeline writes a negative prompt")
     args = parser.parse_intermixed_args(argv)
     try:
         config = experiment.load_config(args.experiment, args.overrides)
-        count, path = preprocessing.run_encode_prompts(config, args.prompts, args.out)
+        count, path = preprocessing.run_encode_prompts(config, args.prompts, args.out, args.negative)
     except BAD_INPUT as error:
         return _error(error)
     print(f"wrote {count} prompt{'s' if count != 1 else ''} to {path}")

@@ -28,9 +28,10 @@ is the batch's latents (:data:`GIVEN`, normalised in the forward).
 
 fvx trains the video branch: what no video velocity reads is held frozen (the language-model head, the text's final
 norm, the last layer's text path after its keys and values: :func:`unused`); the sound and action branches of the omni
-release and the pipeline's duration and resolution prompt templates are left (the encoders tokenize the caption as it
-is: write those sentences into captions to keep them). The preset is
-diffusers' defaults, which have no sound or action heads: a folder with them is refused by the config check, naming the
+release are left. Each prompt states its clip as the pipeline's default prompt augmentation does (its duration and
+resolution sentences, their inverses for a negative prompt: :func:`encode_text`), the clip the data's row was cut to,
+the video ``sample`` makes, or the clip ``data.preprocess`` cuts for ``encode-prompts``. The preset is diffusers'
+defaults, which have no sound or action heads: a folder with them is refused by the config check, naming the
 field.
 """
 from __future__ import annotations
@@ -213,21 +214,28 @@ def pipeline_files(config: ModelConfig, folder: pathlib.Path) -> None:
 # ----------------------------------------------------------------------------------------------------- encoding
 
 
-def encode_text(pipe: Any, prompts: list[str]) -> list[torch.Tensor]:
-    """``Cosmos3OmniPipeline.tokenize_prompt``'s ids of each prompt (its system prompt and chat template, then the
-    end and vision-start tokens; without the duration and resolution sentences): ``[L_i, 1]`` float32."""
-    ids = [pipe.tokenize_prompt(prompt, add_resolution_template=False, add_duration_template=False)[0]
-           for prompt in prompts]
-    return [torch.tensor(row, dtype=torch.float32)[:, None] for row in ids]
+def encode_text(pipe: Any, prompts: list[str], clips: list[Any]) -> list[torch.Tensor]:
+    """``Cosmos3OmniPipeline.tokenize_prompt``'s ids of each prompt for its clip (``fvx.data.preprocess.Clip``): the
+    system prompt (a video's, or an image's for one frame) and chat template around the prompt with the duration
+    (a video) and resolution sentences appended, their inverses for a negative prompt, then the end and vision-start
+    tokens: ``[L_i, 1]`` float32."""
+    rows = []
+    for prompt, clip in zip(prompts, clips):
+        shape = dict(num_frames=clip.frames, height=clip.height, width=clip.width, fps=clip.fps)
+        cond, uncond = (pipe.tokenize_prompt("", negative_prompt=prompt, **shape) if clip.negative
+                        else pipe.tokenize_prompt(prompt, **shape))
+        rows.append(uncond if clip.negative else cond)
+    return [torch.tensor(row, dtype=torch.float32)[:, None] for row in rows]
 
 
 ENCODERS = fencoders.Encoders(
-    pipeline="Cosmos3OmniPipeline", text=("text_tokenizer", "vae"), encode_text=encode_text,
+    pipeline="Cosmos3OmniPipeline", text=("text_tokenizer", "vae"), encode_text=encode_text, text_states_clip=True,
     video=("vae", "text_tokenizer"), encode_video=lambda pipe, video: fencoders.latent_mean(pipe.vae, video),
     first_frame=wan.encode_first_frame, frame_step=4, pixel_multiple=32,
     stand_ins=(("safety_checker", fencoders.NoSafetyChecker()),),
     audio_refusal="fvx trains Cosmos 3's video branch; its sound branch is not built here")
-"""Cosmos 3's encoders: the pipeline's tokenization (ids, no text encoder) and the Wan 2.2 VAE's posterior mean,
+"""Cosmos 3's encoders: the pipeline's tokenization (ids, no text encoder; each prompt stating its clip, as the
+pipeline's default prompt augmentation does) and the Wan 2.2 VAE's posterior mean,
 unnormalised (the latent space normalises); the pipeline cannot be built without both its tokenizer and its VAE, so
 each part loads both."""
 

@@ -36,7 +36,10 @@ class Encoders:
                      diffusers pipeline, e.g. the family's I2V one, loads with that)
     text             the folder components text encoding needs (e.g. ``("tokenizer", "text_encoder")``)
     encode_text(pipe, prompts) -> [[L, D], ...]   each prompt's text embedding as stored: the pipeline's
-                     ``encode_prompt`` output cut to its real tokens (packed as the family's data packs it)
+                     ``encode_prompt`` output cut to its real tokens (packed as the family's data packs it);
+                     ``text_states_clip``: it is ``encode_text(pipe, prompts, clips)``, each prompt's
+                     ``fvx.data.preprocess.Clip`` (length, rate, size) stated in its text as the pipeline states it
+                     (Cosmos 3's duration and resolution sentences)
     text_2, encode_text_2(pipe, prompts) -> [[L2, D2], ...]   a second text stream the family's DiT reads beside the
                      first (HunyuanVideo 1.5's ByT5 glyph text), stored in fvx's ``text_embedding_2`` column; empty /
                      None: the family has one stream
@@ -77,7 +80,8 @@ class Encoders:
 
     pipeline: str
     text: tuple[str, ...]
-    encode_text: Callable[[Any, list[str]], list[torch.Tensor]]
+    encode_text: Callable[..., list[torch.Tensor]]
+    text_states_clip: bool = False
     text_2: tuple[str, ...] = ()
     encode_text_2: Callable[[Any, list[str]], list[torch.Tensor]] | None = None
     video: tuple[str, ...] = ("vae",)
@@ -192,10 +196,16 @@ class Opened:
                 module.to(self.device if name in names else "cpu")
 
     @torch.no_grad()
-    def encode_text(self, prompts: list[str]) -> list[torch.Tensor]:
-        """Each prompt's stored text embedding ``[L, D]`` fp32 on the CPU."""
+    def encode_text(self, prompts: list[str], clips: list[Any] | None = None) -> list[torch.Tensor]:
+        """Each prompt's stored text embedding ``[L, D]`` fp32 on the CPU; ``clips``: what each describes
+        (``fvx.data.preprocess.Clip``), which a family whose text states it needs (a ValueError without)."""
         self._use(self.encoders.text)
-        return [t.float().cpu() for t in self.encoders.encode_text(self.pipe, list(prompts))]
+        if not self.encoders.text_states_clip:
+            return [t.float().cpu() for t in self.encoders.encode_text(self.pipe, list(prompts))]
+        if clips is None or len(clips) != len(prompts):
+            raise ValueError(f"{self.encoders.pipeline} states each prompt's clip (length, rate, size) in its text: "
+                             "encode prompts with their clips")
+        return [t.float().cpu() for t in self.encoders.encode_text(self.pipe, list(prompts), list(clips))]
 
     @torch.no_grad()
     def encode_text_2(self, prompts: list[str]) -> list[torch.Tensor] | None:

@@ -31,7 +31,7 @@ import dataclasses
 import json
 import math
 import pathlib
-from typing import Annotated, Any, Callable, Literal, Protocol, Sequence
+from typing import Annotated, Any, Callable, Literal, NamedTuple, Protocol, Sequence
 
 import msgspec
 import numpy as np
@@ -81,10 +81,23 @@ class PreprocessConfig(Config):
     animate: AnimateCut = AnimateCut()
 
 
-class Encoder(Protocol):
-    """What preprocessing encodes with (``fvx_models.encoders.Opened`` or the toy world's ``WorldEncoders``)."""
+class Clip(NamedTuple):
+    """What a prompt describes, for a family whose text states it (Cosmos 3's duration and resolution sentences): a
+    clip of ``frames`` video frames (1: an image) at ``fps``, ``height x width`` pixels; ``negative``: the prompt is
+    a negative one (such a family states the inverse)."""
 
-    def encode_text(self, prompts: list[str]) -> list[torch.Tensor]: ...
+    frames: int
+    fps: float
+    height: int
+    width: int
+    negative: bool = False
+
+
+class Encoder(Protocol):
+    """What preprocessing encodes with (``fvx_models.encoders.Opened`` or the toy world's ``WorldEncoders``);
+    ``clips``: each prompt's :class:`Clip` (a family whose text does not state it ignores them)."""
+
+    def encode_text(self, prompts: list[str], clips: list[Clip] | None = None) -> list[torch.Tensor]: ...
 
     def encode_text_2(self, prompts: list[str]) -> list[torch.Tensor] | None: ...
 
@@ -412,11 +425,27 @@ def encode_part(job: Job, encoder: Encoder, items: Sequence[Input]) -> tuple[lis
         batch = rows[start:start + TEXT_BATCH]
         captions = [row["caption"] for row in batch]
         seconds = encoder.encode_text_2(captions)
-        for number, (row, text) in enumerate(zip(batch, encoder.encode_text(captions))):
+        texts = encoder.encode_text(captions, [clip_of(job, row) for row in batch])
+        for number, (row, text) in enumerate(zip(batch, texts)):
             row["text"] = text
             if seconds is not None:
                 row["text_2"] = seconds[number]
     return rows, skipped
+
+
+def clip_of(job: Job, row: dict[str, Any]) -> Clip:
+    """What a row's caption describes: its clip (its frames, ``round(duration_sec * fps)`` of the source's rate, at
+    the cut's rate; an image is one frame), or for text-only data the clip the cut makes (:func:`cut_clip`)."""
+    if job.kind == "text_only":
+        return cut_clip(job.config, job.frame_step, job.frame_base)
+    frames = round(row["duration_sec"] * row["fps"]) if row["fps"] else 1
+    return Clip(frames, float(job.config.train_fps), row["height"], row["width"])
+
+
+def cut_clip(config: PreprocessConfig, frame_step: int, frame_base: int = 1) -> Clip:
+    """The clip ``config`` cuts from a long enough video: its usable frames at its rate and size."""
+    return Clip(media.usable_frames(config.num_frames, frame_step, frame_base), float(config.train_fps),
+                config.max_height, config.max_width)
 
 
 def encode_media(job: Job, encoder: Encoder, item: Input) -> dict[str, Any]:

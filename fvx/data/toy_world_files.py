@@ -82,7 +82,7 @@ class WorldEncoders:
     def identity(self) -> dict[str, Any]:
         return {"model": "the toy world", "world": msgspec.to_builtins(self.config)}
 
-    def encode_text(self, prompts: list[str]) -> list[torch.Tensor]:
+    def encode_text(self, prompts: list[str], clips: Any = None) -> list[torch.Tensor]:
         unknown = [p for p in prompts if p not in self.texts]
         if unknown:
             known = ", ".join(map(repr, self.texts))

@@ -107,12 +107,12 @@ def video_decoder(config: Any, role: str, base: str | None) -> Callable[[], Any]
     return encoder_source(config, ("decode",), role=role, base=base)[1]
 
 
-def encoded_prompts(config: Any, encoder: Any, prompts: list[str], extra: dict[str, Any] | None = None
-                    ) -> dict[str, Any]:
-    """``prompts`` through ``encoder`` as a raw batch (``text`` at ``data.text_len``, a second stream at
-    ``data.text_2_len``, the captions, and ``extra`` in every sample: an image-to-video condition), what a dataset's
-    ``read`` gives a model's ``batch``."""
-    rows, seconds = encoder.encode_text(prompts), encoder.encode_text_2(prompts)
+def encoded_prompts(config: Any, encoder: Any, prompts: list[str], clip: preprocess.Clip,
+                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``prompts`` through ``encoder``, each describing ``clip`` (a family whose text states it), as a raw batch
+    (``text`` at ``data.text_len``, a second stream at ``data.text_2_len``, the captions, and ``extra`` in every
+    sample: an image-to-video condition), what a dataset's ``read`` gives a model's ``batch``."""
+    rows, seconds = encoder.encode_text(prompts, [clip] * len(prompts)), encoder.encode_text_2(prompts)
     samples = [{"text": row.numpy(), "where": f"prompt {n + 1}", "caption": prompt, **(extra or {})}
                for n, (row, prompt) in enumerate(zip(rows, prompts))]
     for sample, second in zip(samples, seconds or ()):
@@ -141,9 +141,9 @@ def job_of(config: Any) -> tuple[preprocess.Job, Callable[[], Any]]:
     preprocess (before any file is read)."""
     data, cut = config.data, config.data.preprocess
     if data.kind == "text_only":  # prompts only: FastVideo's text-only preprocessing
-        identity, factory, _, _ = encoder_source(config, ("text",))
+        identity, factory, (frame_base, frame_step), multiple = encoder_source(config, ("text",))
         identity = {**identity, "kind": data.kind, "samples_per_file": cut.samples_per_file}
-        return preprocess.Job(identity, data.kind, cut, 1, 1), factory
+        return preprocess.Job(identity, data.kind, cut, frame_step, multiple, frame_base=frame_base), factory
     identity, factory, (frame_base, frame_step), multiple = encoder_source(config, parts_of(data.kind))
     world = data.world if model_role(config)[1].path is None else None  # the toy world's encoders (encoder_source)
     if world is not None and (cut.num_frames, cut.train_fps, cut.max_height, cut.max_width) != (
@@ -221,10 +221,11 @@ def run_preprocess(config: Any, videos: str, out: str, *, progress: bool) -> dic
                           bar=lambda total: fprogress.bar(total, desc="preprocess", unit="clip", show=progress))
 
 
-def run_encode_prompts(config: Any, prompts_file: str, out: str) -> tuple[int, pathlib.Path]:
+def run_encode_prompts(config: Any, prompts_file: str, out: str, negative: bool = False) -> tuple[int, pathlib.Path]:
     """``encode-prompts``: the prompts of ``prompts_file`` (``preprocess.read_prompts``: one a line, or FastVideo's
     validation JSON's captions) through the experiment's text encoder into a cond file at ``out`` (the family's cond
-    tensors ``[N, ...]`` at ``data.text_len``, a second text stream at ``data.text_2_len``, the captions kept)."""
+    tensors ``[N, ...]`` at ``data.text_len``, a second text stream at ``data.text_2_len``, the captions kept). A
+    family whose text states its clip states the clip ``data.preprocess`` cuts (``negative``: as negative prompts)."""
     prompts = preprocess.read_prompts(prompts_file)
     target = pathlib.Path(out)
     if target.suffix != ".safetensors":
@@ -232,7 +233,9 @@ def run_encode_prompts(config: Any, prompts_file: str, out: str) -> tuple[int, p
     if target.parent.exists() and not target.parent.is_dir():
         raise ValueError(f"--out {str(target)!r}: {str(target.parent)!r} is not a folder")
     _, model = model_role(config)
-    batch = encoded_prompts(config, encoder_source(config, ("text",))[1](), prompts)
+    _, factory, (frame_base, frame_step), _ = encoder_source(config, ("text",))
+    clip = preprocess.cut_clip(config.data.preprocess, frame_step, frame_base)._replace(negative=negative)
+    batch = encoded_prompts(config, factory(), prompts, clip)
     target.parent.mkdir(parents=True, exist_ok=True)
     model.write_cond_file(target, batch, prompts)
     return len(prompts), target

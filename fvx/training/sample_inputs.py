@@ -244,6 +244,13 @@ def reflect_pad(frames: Any, count: int) -> Any:
     return frames[[i if i < len(frames) else period - i for i in index]]
 
 
+def made_clip(model: Any, shape: tuple[int, int, int, int], fps: float) -> preprocess.Clip:
+    """What ``sample``'s prompts describe (a family whose text states it): the made video of latents ``shape``, its
+    frames at ``fps`` and its pixel size."""
+    _, stride_h, stride_w = model.latents.vae_stride
+    return preprocess.Clip(video_frames(model, shape), float(fps), shape[2] * stride_h, shape[3] * stride_w)
+
+
 def video_condition(encoder: Any, video: Any, shape: tuple[int, int, int, int], model: Any) -> dict[str, Any]:
     """A video-to-video condition as the data gives it: the video's first frames centre-cropped and resized to the
     made video's size, its last frame repeated to the made video's length when shorter, encoded: the data's

@@ -30,9 +30,9 @@ from fvx.training import (export as fexport, preprocessing, progress as fprogres
                           wav)
 from fvx.training.experiment import build_models, role_configs, run_keys
 from fvx.training.sample_inputs import (ACTIONS_KIND, ANIMATE_KIND, SECTIONS_KIND, Start, animation_condition,
-                                        given_condition, made_cut, noised_start, read_actions, read_animation,
-                                        read_control, read_first_frame, read_last_image, read_video, reflect_pad,
-                                        section_shape, video_chunks, video_frames, video_shape)
+                                        given_condition, made_clip, made_cut, noised_start, read_actions,
+                                        read_animation, read_control, read_first_frame, read_last_image, read_video,
+                                        reflect_pad, section_shape, video_chunks, video_frames, video_shape)
 
 SAMPLES = "samples.json"
 SCHEDULES = ("fvx", "diffusers", "model")
@@ -342,7 +342,7 @@ def noise_and_keys(seeds: Sequence[int], shape: Any, segment: int = 0) -> tuple[
     return torch.cat(rows), torch.stack(keys)
 
 
-def encoded_cond(config: Any, model: Any, encoder: Any, prompts: Sequence[str],
+def encoded_cond(config: Any, model: Any, encoder: Any, prompts: Sequence[str], clip: preprocess.Clip,
                  image: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """The model's cond ``{name: [N, ...]}`` of ``prompts`` through ``encoder`` (as encode-prompts stores them), with
     ``image``'s condition (``sample_inputs.given_condition``) in every row; a model without text
@@ -350,7 +350,7 @@ def encoded_cond(config: Any, model: Any, encoder: Any, prompts: Sequence[str],
     if config.data.kind == ACTIONS_KIND:
         raw = preprocessing.collated(config, [{"where": prompt, "caption": prompt, **image} for prompt in prompts])
     else:
-        raw = preprocessing.encoded_prompts(config, encoder, list(prompts), image)
+        raw = preprocessing.encoded_prompts(config, encoder, list(prompts), clip, image)
     return {name: tensor.float() for name, tensor in model.batch(raw)["cond"].items()}
 
 
@@ -547,8 +547,10 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
     # of several segments keeps it, its text encoder on the CPU, to encode the frames each segment begins with)
     given, first = given_condition(config.data.kind, encoder, p.image, p.control, p.actions,
                                    video_shape(p.shape), p.model, config.data.sections, p.last, p.video)
-    cond = tree.to_device(encoded_cond(config, p.model, encoder, request.prompts, given), device)
-    uncond = _uncond(config, p.model, encoder, request.negative_prompt, p.vcfg, device)
+    fps = request.fps or config.validation.fps
+    clip = made_clip(p.model, video_shape(p.shape), fps)  # what the prompts describe (a text that states it)
+    cond = tree.to_device(encoded_cond(config, p.model, encoder, request.prompts, clip, given), device)
+    uncond = _uncond(config, p.model, encoder, request.negative_prompt, clip._replace(negative=True), p.vcfg, device)
     segment_encoder = encoder if len(p.segments) > 1 else None  # a later segment encodes the frames made before it
     del encoder
     sampler = p.sampler._replace(params=tree.to_device(p.source.weights(), device))
@@ -556,7 +558,6 @@ def run_sample(request: Request, *, rank: int = 0, world: int = 1, progress: boo
     dataset = open_data(config)[0]  # the toy world scores its own prompts' videos and sounds
     judge, hear = getattr(dataset, "caption_quality", None), getattr(dataset, "caption_audio_quality", None)
     p.out.mkdir(parents=True, exist_ok=True)
-    fps = request.fps or config.validation.fps
     mine, entries, made = p.todo[rank::world], [], []
     bar = fprogress.bar(len(mine), desc="sample", unit="video", show=progress)
     for start in range(0, len(mine), request.batch_size):
@@ -654,11 +655,12 @@ def _cat(parts: list[Any]) -> Any:
     return torch.cat(parts)
 
 
-def _uncond(config: Any, model: Any, encoder: Any, negative_prompt: str | None, vcfg: validation.ValidationConfig,
-            device: torch.device) -> Callable[[Any], Any]:
-    """The unconditional cond of guided sampling: ``--negative-prompt`` encoded, else the run's validation's."""
+def _uncond(config: Any, model: Any, encoder: Any, negative_prompt: str | None, clip: preprocess.Clip,
+            vcfg: validation.ValidationConfig, device: torch.device) -> Callable[[Any], Any]:
+    """The unconditional cond of guided sampling: ``--negative-prompt`` encoded (for a negative ``clip``), else the
+    run's validation's."""
     if negative_prompt is not None:
-        negative = tree.to_device(encoded_cond(config, model, encoder, [negative_prompt]), device)
+        negative = tree.to_device(encoded_cond(config, model, encoder, [negative_prompt], clip), device)
         return lambda cond: model.uncond(cond, "negative_prompt", negative)
     negative = (None if vcfg.negative_prompt_path is None
                 else tree.to_device(model.load_negative(vcfg.negative_prompt_path, "validation.negative_prompt_path"),

@@ -21,7 +21,7 @@ from diffusers import AutoencoderKLWan, Cosmos3OmniPipeline, Cosmos3OmniTransfor
 
 from fvx import config as fconfig, run
 from fvx.core import grad, random, role
-from fvx.data import toy_world
+from fvx.data import preprocess, toy_world
 from fvx.distributed import memory
 from fvx.training import config_checks
 from fvx_methods.dmd2 import DMD2
@@ -271,16 +271,46 @@ def folder(tmp_path_factory):
     return path
 
 
-def test_text_is_the_pipelines_tokenization_as_ids(folder):
+def test_text_is_the_pipelines_tokenization_of_the_prompt_stating_its_clip(folder):
+    """The pipeline's default prompt augmentation: a video's prompt gets its duration and resolution sentences (an
+    image's its resolution and the image system prompt), a negative prompt their inverses; the ids are
+    ``tokenize_prompt``'s for that clip."""
     opened = cosmos3.ENCODERS.open(folder, ["text"])
-    rows = opened.encode_text(["red bars moving left"])
-    ids, _ = opened.pipe.tokenize_prompt("red bars moving left", add_resolution_template=False,
-                                         add_duration_template=False)
-    tokenizer = opened.pipe.text_tokenizer
-    assert rows[0].dtype == torch.float32 and rows[0].shape == (len(ids), 1)
-    assert rows[0][:, 0].long().tolist() == ids
-    assert ids[-2:] == [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|vision_start|>")]
-    assert "generate videos" in tokenizer.decode(ids) and "red bars moving left" in tokenizer.decode(ids)
+    prompt, tokenizer = "red bars moving left", opened.pipe.text_tokenizer
+    clips = [preprocess.Clip(93, 24.0, 704, 1280), preprocess.Clip(1, 24.0, 512, 512),
+             preprocess.Clip(93, 24.0, 704, 1280, negative=True)]
+    rows = opened.encode_text([prompt] * 3, clips)
+    video, _ = opened.pipe.tokenize_prompt(prompt, num_frames=93, height=704, width=1280, fps=24.0)
+    image, _ = opened.pipe.tokenize_prompt(prompt, num_frames=1, height=512, width=512, fps=24.0)
+    _, negative = opened.pipe.tokenize_prompt("", negative_prompt=prompt, num_frames=93, height=704, width=1280,
+                                              fps=24.0)
+    for row, ids in zip(rows, (video, image, negative)):
+        assert row.dtype == torch.float32 and row[:, 0].long().tolist() == ids
+        assert ids[-2:] == [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|vision_start|>")]
+    bare, _ = opened.pipe.tokenize_prompt(prompt, add_resolution_template=False, add_duration_template=False)
+    assert len(video) > len(bare) and negative not in (video, image)  # the sentences appended; their inverses
+    assert "generate videos" in tokenizer.decode(video) and "generate videos" not in tokenizer.decode(image)
+    with pytest.raises(ValueError, match="states each prompt's clip .* encode prompts with their clips") as error:
+        opened.encode_text([prompt])
+    assert "\n" not in str(error.value)
+
+
+def test_encode_prompts_states_the_cut_clip_and_its_inverse_for_negative_prompts(folder, tmp_path):
+    """encode-prompts (validation prompts, a negative prompt) states the clip data.preprocess cuts: 33 frames at
+    16 fps of 256 x 320 here; --negative the inverse sentences, as the pipeline writes its negative prompt."""
+    (tmp_path / "prompts.txt").write_text("a cat\n")
+    experiment, shape = str(ROOT / "experiments" / "finetune_cosmos3.py"), dict(num_frames=33, height=256, width=320)
+    overrides = [f"models.student.path={folder}", "data.world=null", "data.text_len=128",
+                 "data.preprocess.num_frames=35", "data.preprocess.train_fps=16", "data.preprocess.max_height=256",
+                 "data.preprocess.max_width=320"]
+    pipe = cosmos3.ENCODERS.open(folder, ["text"]).pipe
+    for flags, ids in (([], pipe.tokenize_prompt("a cat", fps=16.0, **shape)[0]),
+                       (["--negative"], pipe.tokenize_prompt("", negative_prompt="a cat", fps=16.0, **shape)[1])):
+        out = tmp_path / f"cond{len(flags)}.safetensors"
+        assert run.main(["encode-prompts", experiment, str(tmp_path / "prompts.txt"), "--out", str(out), *flags,
+                         *overrides]) == 0
+        cond, _ = TINY.build().load_cond(str(out))
+        assert cond["text"][0, cond["text_mask"][0].bool(), 0].long().tolist() == ids
 
 
 def test_video_latents_normalised_and_the_first_frame_are_the_pipelines_encode_video(folder):

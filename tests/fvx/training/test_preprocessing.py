@@ -122,7 +122,8 @@ class Recorder:
     def __init__(self):
         self.sounds = []
 
-    def encode_text(self, prompts):
+    def encode_text(self, prompts, clips=None):
+        self.clips = clips
         return [torch.full((2, 3), float(len(p))) for p in prompts]
 
     def encode_text_2(self, prompts):
@@ -155,6 +156,23 @@ def test_t2va_takes_the_clips_own_sound_from_its_start_for_its_length(tmp_path):
     assert skipped == [{"file": "b.mp4", "reason": "it has no audio track"}]
     (sound, rate), = encoder.sounds
     assert rate == 16000 and torch.equal(sound, media.read_audio(tmp_path / "a.mp4", 16000, 0.0, 0.5))
+
+
+def test_each_caption_is_encoded_with_the_clip_it_describes(tmp_path):
+    """The encoder gets each caption's clip (a family whose text states it, Cosmos 3, writes it into the prompt): a
+    video's cut frames at the cut's rate and size, an image's one frame; text-only data the clip the cut makes."""
+    write_with_sound(tmp_path / "a.mp4", seconds=1.0, fps=16, rate=8000)
+    (tmp_path / "a.txt").write_text("a tone")
+    from PIL import Image
+    Image.fromarray(np.zeros((20, 20, 3), np.uint8)).save(tmp_path / "b.png")
+    (tmp_path / "b.txt").write_text("a still")
+    cut = preprocess.PreprocessConfig(num_frames=7, train_fps=8, max_height=16, max_width=16)
+    encoder = Recorder()
+    rows, _ = preprocess.encode_part(preprocess.Job({}, "t2v", cut, 2, 16), encoder, preprocess.find_inputs(tmp_path))
+    assert [r["id"] for r in rows] == ["a.mp4", "b.png"]
+    assert encoder.clips == [preprocess.Clip(7, 8.0, 16, 16), preprocess.Clip(1, 8.0, 16, 16)]
+    preprocess.encode_part(preprocess.Job({}, "text_only", cut, 2, 16), encoder, preprocess.find_inputs(tmp_path))
+    assert encoder.clips == [preprocess.Clip(7, 8.0, 16, 16)] * 2  # 1 + 2 k frames of the cut's 7
 
 
 def test_i2va_rows_hold_the_first_frame_beside_the_clips_sound(tmp_path):

@@ -11,7 +11,7 @@ from PIL import Image
 
 from fvx import run
 from fvx.core import random
-from fvx.data import media
+from fvx.data import media, preprocess, toy_world_files
 from fvx.data.toy_world import WorldDataset
 from fvx.training import experiment, run_folder, sample_inputs, sampling, validation
 from fvx.training.experiment import build_models
@@ -73,6 +73,20 @@ def test_one_seed_makes_the_same_video_and_the_record_makes_it_again(finetuned, 
     assert sample(finetuned, tmp_path / "c", "--prompt", chosen["prompt"], "--seed", chosen["seed"], "--steps", 4) == 0
     again = tmp_path / "c" / f"blue-bars-moving-up_{chosen['seed']}.mp4"
     assert torch.equal(frames_of(again), frames_of(tmp_path / "a" / chosen["files"][0]))
+
+
+def test_prompts_are_encoded_with_the_clip_they_make_and_a_negative_prompt_as_negative(finetuned, tmp_path,
+                                                                                        monkeypatch):
+    """What a family whose text states its clip (Cosmos 3) is told: the made video's frames at --fps and its pixel
+    size, the negative prompt marked negative."""
+    told = []
+    encode = toy_world_files.WorldEncoders.encode_text
+    monkeypatch.setattr(toy_world_files.WorldEncoders, "encode_text",
+                        lambda self, prompts, clips=None: told.append(clips) or encode(self, prompts))
+    assert sample(finetuned, tmp_path / "s", "--prompt", RED_RIGHT, "--steps", 2, "--guidance", 2, "--fps", 8,
+                  "--negative-prompt", "blue bars moving left") == 0
+    clip = preprocess.Clip(4, 8.0, 16, 16)  # the world's 4 frames of 16 x 16 (the codec: 1 frame a latent)
+    assert told == [[clip], [clip._replace(negative=True)]]
 
 
 def validations_sample(run_dir: pathlib.Path, *, seed: int):
