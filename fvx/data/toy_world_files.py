@@ -107,7 +107,7 @@ class WorldEncoders:
         return torch.from_numpy(tokens_of_first_frame(latents))
 
     def encode_audio(self, waveform: torch.Tensor, rate: int) -> torch.Tensor:
-        raise ValueError("the toy world's media files carry no sound (its t2va data is built in)")
+        raise ValueError("the toy world's media files carry no sound (its t2va and i2va data are built in)")
 
     def encode_context(self, video: torch.Tensor, mask: torch.Tensor | None,
                        references: list[torch.Tensor]) -> torch.Tensor:
