@@ -11,6 +11,11 @@ The default trains the tiny `world` preset from scratch on fvx's toy world cut i
 frame, the frames after the section, and the prompt given; bars of the prompted colour moving the prompted way); a
 few minutes on a 2-core CPU, and `validation/model/section_mse` (a sampled section against its true frames) falls:
     python -m fvx.run experiments/finetune_framepack.py
+musubi-tuner's one-frame training (`--one_frame`, its default layout: the clip's last frame made from its first, at RoPE
+position `data.sections.window`, beside a zero post and zero 2x and 4x history; on real data the two frames are each
+encoded alone, as musubi-tuner encodes its control and target images); `sample RUN --image control.png` then makes that
+one frame (`section_mse` falls on the toy world too):
+    python -m fvx.run experiments/finetune_framepack.py data.sections.order=one_frame data.sections.window=4
 On FramePack (a local HunyuanVideoFramepackPipeline folder: HunyuanVideo's VAE and text encoders, lllyasviel's
 FramePackI2V_HY as transformer/, SigLIP from lllyasviel/flux_redux_bfl as image_encoder/ and feature_extractor/):
     python -m fvx.run preprocess experiments/finetune_framepack.py:musubi_framepack_lora --videos /data/my_clips \\

@@ -454,7 +454,8 @@ def encode_media(job: Job, encoder: Encoder, item: Input) -> dict[str, Any]:
     sound = None
     if job.kind in parquet.AUDIO_KINDS:  # from the clip's start (its first frame is the video's), as long as it
         sound = media.read_audio(item.path, job.audio_rate, 0.0, clip.shape[1] / job.config.train_fps)
-    latents = encoder.encode_video(clip)
+    one_frame = job.kind == "framepack" and job.sections.order == "one_frame"
+    latents = one_frame_latents(encoder, clip) if one_frame else encoder.encode_video(clip)
     row = {"id": item.name, **meta, "num_frames": latents.shape[1], "latents": latents}
     if job.kind in parquet.FIRST_FRAME_KINDS:
         row["first_frame_latents"] = encoder.encode_first_frame(clip)
@@ -475,6 +476,13 @@ def encode_media(job: Job, encoder: Encoder, item: Input) -> dict[str, Any]:
     if job.kind == "framepack":  # the start image's features (section_rows cuts the latents)
         row["image_embeds"] = encoder.encode_image((clip[:, 0] + 1) / 2)
     return row
+
+
+def one_frame_latents(encoder: Encoder, clip: torch.Tensor) -> torch.Tensor:
+    """A one-frame pair's latents ``[C, 2, h, w]`` (``data.sections.order=one_frame``): the clip's first frame (the
+    control) and its last (the frame made), each encoded alone, as musubi-tuner encodes its control and target images
+    (``fpack_cache_latents.py``: one frame at a time)."""
+    return torch.cat([encoder.encode_video(clip[:, :1]), encoder.encode_video(clip[:, -1:])], dim=1)
 
 
 def section_rows(row: dict[str, Any], config: SectionsConfig) -> list[dict[str, Any]]:

@@ -16,7 +16,13 @@ A clip of ``T`` latent frames holds ``k = (T - 1) // window`` sections of ``wind
 ``vanilla`` (FramePack-F1's): sections in time order, each seeing the 19 frames before it, left-padded with zeros;
 ``chunks`` (Helios's): the vanilla history, but the sections tile the clip from its first frame (``T // window`` of
 them), so the first section makes the first frame too and is given no first frame (zeros), as Helios's training data
-cuts a clip (its ``dataloader_history_latents_dist.py``).
+cuts a clip (its ``dataloader_history_latents_dist.py``);
+``one_frame`` (musubi-tuner's ``--one_frame`` training, its default layout, ``fpack_cache_latents.py``'s
+``encode_and_save_batch_one_frame``): one frame made from a control frame, the clip's last latent frame from its
+first. The section is that one frame at RoPE position ``window`` (musubi's ``latent_window_size``, its default
+``target_index``); the history holds the control at 0, a zero "post" frame at ``1 + window`` and zero 2x and 4x
+frames at ``window + 2, window + 3`` and ``window + 4 ..``. A one-frame clip is the two frames ``[first, last]``
+(:func:`one_frame_clip`), which a sampler makes from the control as one section.
 """
 from __future__ import annotations
 
@@ -27,15 +33,15 @@ import torch
 
 from fvx.config import Config
 
-Order = Literal["inverted_anti_drifting", "vanilla", "chunks"]
+Order = Literal["inverted_anti_drifting", "vanilla", "chunks", "one_frame"]
 HISTORY_SPLIT = (1, 1, 2, 16)  # the history's first frame, 1x, 2x and 4x frames
 HISTORY = sum(HISTORY_SPLIT)  # 20
 
 
 class SectionsConfig(Config):
     """How clips become sections (``data.sections``; the module docstring): ``window`` latent frames a section
-    predicts (musubi-tuner's ``--latent_window_size``, default 9; it must match what sampling uses) and the sampler's
-    ``order``."""
+    predicts (musubi-tuner's ``--latent_window_size``, default 9; it must match what sampling uses; ``one_frame``:
+    the made frame's RoPE position) and the sampler's ``order``."""
 
     window: Annotated[int, msgspec.Meta(gt=0)] = 9
     order: Order = "inverted_anti_drifting"
@@ -51,8 +57,15 @@ def history_tokens(height: int, width: int, patch: tuple[int, int, int]) -> int:
                                      (HISTORY_SPLIT[3], 4)))
 
 
+def section_frames(config: SectionsConfig) -> int:
+    """The latent frames a section makes: ``window``, or one (``one_frame``)."""
+    return 1 if config.order == "one_frame" else config.window
+
+
 def count(frames: int, config: SectionsConfig) -> int:
     """The sections of a clip of ``frames`` latent frames."""
+    if config.order == "one_frame":
+        return int(frames >= 2)
     return frames // config.window if config.order == "chunks" else (frames - 1) // config.window
 
 
@@ -60,6 +73,9 @@ def check(frames: int, config: SectionsConfig, where: str) -> int:
     """The section count of a clip of ``frames`` latent frames; a ValueError naming ``where`` when it has none."""
     sections = count(frames, config)
     if sections < 1:
+        if config.order == "one_frame":
+            raise ValueError(f"{where}: {frames} latent frame holds no one-frame section (data.sections.order="
+                             "one_frame makes the last latent frame from the first: it needs at least 2)")
         after = "" if config.order == "chunks" else " after the first frame"
         raise ValueError(f"{where}: {frames} latent frames hold no section of data.sections.window={config.window}"
                          f"{after} (it needs at least {config.window + (config.order != 'chunks')})")
@@ -67,16 +83,22 @@ def check(frames: int, config: SectionsConfig, where: str) -> int:
 
 
 def first_frame(config: SectionsConfig, section: int) -> int:
-    """The clip's latent frame a section starts at."""
-    return section * config.window + (config.order != "chunks")
+    """The clip's latent frame a section starts at (``one_frame``: of the clip's ``[first, last]``)."""
+    return section * section_frames(config) + (config.order != "chunks")
+
+
+def one_frame_clip(latents: torch.Tensor) -> torch.Tensor:
+    """A clip's latents ``[C, T, H, W]`` as a one-frame clip ``[C, 2, H, W]``: its first frame (the control) and its
+    last (the frame made)."""
+    return torch.cat([latents[:, :1], latents[:, -1:]], dim=1)
 
 
 def cut(latents: torch.Tensor, config: SectionsConfig) -> list[dict[str, torch.Tensor]]:
     """The sections of one clip's latents ``[C, T, H, W]``, in time order: dicts of ``latents``, ``history`` and
     ``frame_indices`` (float32), as the module docstring lays them out."""
-    sections = check(latents.shape[1], config, "a clip")
-    latents = latents[:, :first_frame(config, sections)]
-    return [{"latents": latents[:, first_frame(config, n):first_frame(config, n) + config.window],
+    sections, frames = check(latents.shape[1], config, "a clip"), section_frames(config)
+    latents = one_frame_clip(latents) if config.order == "one_frame" else latents[:, :first_frame(config, sections)]
+    return [{"latents": latents[:, first_frame(config, n):first_frame(config, n) + frames],
              **history_of(latents, n, config)} for n in range(sections)]
 
 
@@ -90,6 +112,10 @@ def history_of(known: torch.Tensor, section: int, config: SectionsConfig) -> dic
     are known: the true clip (data), or what a sampler has made so far in :func:`making_order` (zeros elsewhere)."""
     sections, window = count(known.shape[1], config), config.window
     start = first_frame(config, section)
+    if config.order == "one_frame":  # the control, then zeros: musubi's post, 2x and 4x placeholders
+        indices = torch.cat([torch.tensor([window, 0]), torch.arange(window + 1, window + HISTORY)])
+        return {"history": torch.cat([known[:, :1], known.new_zeros(known.shape[0], HISTORY - 1, *known.shape[2:])],
+                                     dim=1), "frame_indices": indices.float()}
     if config.order == "inverted_anti_drifting":  # the first frame, then the frames after the section (made before)
         paddings = list(reversed(range(sections))) if sections <= 4 else [3] + [2] * (sections - 3) + [1, 0]
         gap = 1 + paddings[sections - 1 - section] * window

@@ -52,11 +52,13 @@ class SectionWorldDataset(WorldDataset):
         """:func:`section_quality` of decoded samples ``[N, 3, W, H, W']`` in [0, 1] of dataset samples ``indices``
         against their sections' true frames; a section given no frame (Helios's first: text-to-video) against the
         nearest of its prompt's true clips."""
-        window, truth = self.sections.window, []
+        window, truth = fsections.section_frames(self.sections), []
         for video, i in zip(videos, map(int, indices)):
             section = self.section(i)
             first = fsections.first_frame(self.sections, section)
-            if self.sections.order == "chunks" and section == 0:
+            if self.sections.order == "one_frame":  # the clip's last frame, made from its first
+                truth.append(torch.from_numpy(self.clip(i))[:, -1:] / 2 + 0.5)
+            elif self.sections.order == "chunks" and section == 0:
                 clips = self.references()[i % len(self.prompts), :, :, first:first + window]  # [S, 3, W, H, W']
                 errors = ((clips - video.float()) ** 2).flatten(1).mean(1)
                 truth.append(clips[int(errors.argmin())])

@@ -171,10 +171,11 @@ def job_of(config: Any) -> tuple[preprocess.Job, Callable[[], Any]]:
         latent_frames = (media.usable_frames(cut.num_frames, frame_step, frame_base) - frame_base) // frame_step + 1
         if fsections.count(latent_frames, sections) < 1:
             needed = fsections.first_frame(sections, 1)  # latent frames of one section
+            what = ("a one-frame section (data.sections.order=one_frame: the last latent frame made from the first)"
+                    if sections.order == "one_frame" else f"section of data.sections.window={sections.window}"
+                    + ("" if sections.order == "chunks" else " after the first"))
             raise ValueError(f"data.preprocess.num_frames={cut.num_frames} makes {latent_frames} latent frames, no "
-                             f"section of data.sections.window={sections.window}"
-                             + ("" if sections.order == "chunks" else " after the first")
-                             + f" (it needs {frame_base + (needed - 1) * frame_step} frames)")
+                             f"{what} (it needs {frame_base + (needed - 1) * frame_step} frames)")
     identity = {**identity, "kind": data.kind, "preprocess": msgspec.to_builtins(cut),
                 **({"sections": msgspec.to_builtins(sections)} if sections is not None else {})}
     return preprocess.Job(identity, data.kind, cut, frame_step, multiple, audio_rate, frame_base, sections), factory

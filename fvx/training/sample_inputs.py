@@ -224,6 +224,11 @@ def section_shape(cut: sections.SectionsConfig, model: Any, shape: tuple[int, in
 
 def _section_shape(cut: sections.SectionsConfig, model: Any, shape: tuple[int, int, int, int],
                    frames_asked: int | None) -> tuple[int, int, int, int]:
+    if cut.order == "one_frame":  # the image, then the one frame made from it
+        if frames_asked is not None:
+            raise ValueError(f"--frames {frames_asked}: {model.name} makes one frame from --image "
+                             "(data.sections.order=one_frame); drop --frames")
+        return (shape[0], 2, *shape[2:])
     if frames_asked is None:
         return (shape[0], sections.first_frame(cut, 2), *shape[2:])
     made = sections.count(shape[1], cut)

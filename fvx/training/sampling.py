@@ -376,7 +376,7 @@ def draw_sections(sampler: validation.Sampler, noise: torch.Tensor, cond: dict[s
     order = [n for n in sections.making_order(sections.count(noise.shape[2], config), config)
              if sections.first_frame(config, n) > made_before]
     for i, n in enumerate(order):
-        start, window = sections.first_frame(config, n), config.window
+        start, window = sections.first_frame(config, n), sections.section_frames(config)
         parts = [sections.history_of(row, n, config) for row in known]
         history = torch.stack([p["history"] for p in parts])
         if seen is not None:
@@ -387,6 +387,8 @@ def draw_sections(sampler: validation.Sampler, noise: torch.Tensor, cond: dict[s
                      "frame_indices": torch.stack([p["frame_indices"] for p in parts]).to(noise.device)}
         made, _ = validation.draw(sampler, noise[:, :, start:start + window], step_cond, keys, uncond, guidance)
         known = torch.cat([known[:, :, :start], made.to(known.dtype), known[:, :, start + window:]], dim=2)
+    if config.order == "one_frame":  # the frame made alone (decoded alone, as musubi-tuner decodes it)
+        return known[:, :, 1:]
     if given is None:
         return known
     if made_before:  # the video made: the given chunks as given, then the new ones

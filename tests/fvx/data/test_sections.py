@@ -68,6 +68,23 @@ def test_chunks_tile_the_clip_from_its_first_frame_and_the_first_is_given_no_fir
         sections.cut(clip(2), SectionsConfig(window=3, order="chunks"))
 
 
+def test_one_frame_makes_the_last_frame_from_the_first_at_musubis_indices():
+    """musubi-tuner's --one_frame cache (fpack_cache_latents.py, encode_and_save_batch_one_frame, no masks,
+    control_index 0, target_index = latent_window_size W, post kept, 2x and 4x kept): the target latent at W; clean
+    latents [control, zero post] at [0, 1 + W]; 2x at 1 + W + 1 + arange(2); 4x at 1 + W + 1 + 2 + arange(16); the
+    2x and 4x latents zeros (fpack_train_network.py's call_dit)."""
+    w = 9
+    part, = sections.cut(clip(6) + 1, SectionsConfig(window=w, order="one_frame"))  # frame f holds f + 1
+    assert values(part["latents"]) == [6]
+    assert values(part["history"]) == [1] + [0] * 19
+    musubi = [w] + [0, 1 + w] + [1 + w + 1 + i for i in range(2)] + [1 + w + 1 + 2 + i for i in range(16)]
+    assert values(part["frame_indices"]) == musubi
+    assert sections.count(2, SectionsConfig(order="one_frame")) == 1 and sections.first_frame(
+        SectionsConfig(order="one_frame"), 0) == 1  # a one-frame clip [control, made]
+    with pytest.raises(ValueError, match=r"a clip: 1 latent frame holds no one-frame section .* at least 2"):
+        sections.cut(clip(1), SectionsConfig(order="one_frame"))
+
+
 @pytest.mark.parametrize("family", ["helios", "hunyuan_framepack"])
 def test_history_tokens_are_what_the_dit_adds_to_a_sections_tokens(family):
     """``history_tokens`` (the dry run's count) against the sequence the tiny DiT's first block gets, less the

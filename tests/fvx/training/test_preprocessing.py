@@ -12,6 +12,7 @@ import tiny_wan_pipeline
 from media_files import write_with_sound
 from fvx import config as fconfig, run
 from fvx.data import media, preprocess
+from fvx.data.sections import SectionsConfig
 from fvx.training import preprocessing
 from fvx_models import wan
 
@@ -188,3 +189,18 @@ def test_i2va_rows_hold_the_first_frame_beside_the_clips_sound(tmp_path):
     assert torch.equal(row["pil_image"], ((clip[:, 0] + 1) * 127.5).round().to(torch.uint8))
     (sound, _), = encoder.sounds
     assert torch.equal(sound, media.read_audio(tmp_path / "a.mp4", 16000, 0.0, 0.5))
+
+
+def test_one_frame_rows_encode_the_first_and_last_frames_each_alone(tmp_path):
+    """data.sections.order=one_frame: the clip's first frame (the control) and last (the frame made), each encoded
+    alone as musubi-tuner encodes its control and target images; one row, the last frame made from the first."""
+    write_with_sound(tmp_path / "a.mp4", seconds=1.0, fps=16, rate=8000)
+    (tmp_path / "a.txt").write_text("a change")
+    cut = preprocess.PreprocessConfig(num_frames=5, train_fps=16, max_height=16, max_width=16)
+    job = preprocess.Job({}, "framepack", cut, 4, 16, sections=SectionsConfig(window=9, order="one_frame"))
+    encoder = Recorder()
+    (row,), _ = preprocess.encode_part(job, encoder, preprocess.find_inputs(tmp_path))
+    clip, _ = preprocess.cut(job, preprocess.find_inputs(tmp_path)[0])
+    assert row["id"] == "a.mp4#0" and torch.equal(row["latents"], clip[:1, -1:, :2, :2])
+    assert torch.equal(row["framepack_history"][:, :1], clip[:1, :1, :2, :2])
+    assert row["frame_indices"][:3].tolist() == [9, 0, 10]

@@ -494,6 +494,23 @@ def test_a_section_model_makes_its_video_a_section_at_a_time(section_models, tmp
     assert json.loads((tmp_path / "hv" / sampling.SAMPLES).read_text())["video"] == str(tmp_path / "clip.mp4")
 
 
+def test_a_one_frame_model_makes_one_frame_from_the_image(tmp_path, capsys):
+    """FramePack trained as musubi-tuner's --one_frame: --image is the control, the one frame made is the output
+    (decoded alone); the same seed makes the same frame; --frames is refused in one line."""
+    run_dir = train(tmp_path / "run", "experiments/finetune_framepack.py", 1, "method.optim.warmup_steps=0",
+                    "data.sections.order=one_frame", "data.sections.window=4")
+    world = run_folder.load_run(run_dir).data.world
+    first = WorldDataset(world, random.key(0), kind="t2v", collate=None).clip(0)[:, 0]  # [3, H, W] in [-1, 1]
+    image = tmp_path / "start.png"
+    Image.fromarray(((first + 1) * 127.5).round().clip(0, 255).astype(numpy.uint8).transpose(1, 2, 0)).save(image)
+    made = [sampling.run_sample(sampling.Request(str(run_dir), (RED_RIGHT,), out=str(tmp_path / f"s{i}"), seed=2,
+                                                 image=str(image)), progress=False) for i in range(2)]
+    assert made[0]["latents"].shape == (1, 48, 1, 4, 4) and made[0]["frames"].shape == (1, 3, 1, 16, 16)
+    assert torch.equal(made[0]["latents"], made[1]["latents"])
+    assert "makes one frame from --image (data.sections.order=one_frame); drop --frames" in bad(
+        capsys, run_dir, "--prompt", RED_RIGHT, "--image", image, "--frames", 5, "--out", tmp_path / "out")
+
+
 def test_section_models_refuse_a_missing_image_and_a_length_of_no_whole_sections(section_models, tmp_path, capsys):
     framepack, helios = section_models
     out = tmp_path / "out"
