@@ -452,15 +452,20 @@ def section_models(tmp_path_factory):
             train(root / "helios", "experiments/finetune_helios.py", 2))
 
 
+def start_image(run_dir: pathlib.Path, path: pathlib.Path) -> tuple[numpy.ndarray, pathlib.Path]:
+    """The first frame of the run's world clip 0, ``[3, H, W]`` in [-1, 1], written as a PNG at ``path``."""
+    world = run_folder.load_run(run_dir).data.world
+    first = WorldDataset(world, random.key(0), kind="t2v", collate=None).clip(0)[:, 0]
+    Image.fromarray(((first + 1) * 127.5).round().clip(0, 255).astype(numpy.uint8).transpose(1, 2, 0)).save(path)
+    return first, path
+
+
 def test_a_section_model_makes_its_video_a_section_at_a_time(section_models, tmp_path, capsys):
     """FramePack from a start image: 5 frames, the image first (the world's codec is exact), its two sections made
     last first beside what is made; the same seed makes the same video. Helios from text: two chunks of 2, the second
     beside the first."""
     framepack, helios = section_models
-    world = run_folder.load_run(framepack).data.world
-    first = WorldDataset(world, random.key(0), kind="t2v", collate=None).clip(0)[:, 0]  # [3, H, W] in [-1, 1]
-    image = tmp_path / "start.png"
-    Image.fromarray(((first + 1) * 127.5).round().clip(0, 255).astype(numpy.uint8).transpose(1, 2, 0)).save(image)
+    first, image = start_image(framepack, tmp_path / "start.png")
     made = [sampling.run_sample(sampling.Request(str(framepack), (RED_RIGHT,), out=str(tmp_path / f"s{i}"), seed=2,
                                                  image=str(image)), progress=False) for i in range(2)]
     assert made[0]["latents"].shape == (1, 48, 5, 4, 4) and torch.equal(made[0]["latents"], made[1]["latents"])
@@ -499,10 +504,7 @@ def test_a_one_frame_model_makes_one_frame_from_the_image(tmp_path, capsys):
     (decoded alone); the same seed makes the same frame; --frames is refused in one line."""
     run_dir = train(tmp_path / "run", "experiments/finetune_framepack.py", 1, "method.optim.warmup_steps=0",
                     "data.sections.order=one_frame", "data.sections.window=4")
-    world = run_folder.load_run(run_dir).data.world
-    first = WorldDataset(world, random.key(0), kind="t2v", collate=None).clip(0)[:, 0]  # [3, H, W] in [-1, 1]
-    image = tmp_path / "start.png"
-    Image.fromarray(((first + 1) * 127.5).round().clip(0, 255).astype(numpy.uint8).transpose(1, 2, 0)).save(image)
+    _, image = start_image(run_dir, tmp_path / "start.png")
     made = [sampling.run_sample(sampling.Request(str(run_dir), (RED_RIGHT,), out=str(tmp_path / f"s{i}"), seed=2,
                                                  image=str(image)), progress=False) for i in range(2)]
     assert made[0]["latents"].shape == (1, 48, 1, 4, 4) and made[0]["frames"].shape == (1, 3, 1, 16, 16)
