@@ -137,7 +137,10 @@ def cond_from_batch(config: Cosmos3Config, batch: Mapping[str, Any]) -> dict[str
     if batch["text"].dim() != 3 or batch["text"].shape[2] != 1:
         raise ValueError(f"{name}: text_embedding {list(batch['text'].shape[1:])} must be [L, 1], the prompt's token "
                          "ids (Cosmos 3 embeds its tokens itself); preprocess with its encoders")
-    given = {GIVEN: batch["latents"]} if config.given_frames else {}  # the clip's own first frames
+    if config.given_frames:  # the clip's own first frames
+        require(batch, ("latents",), name, f"the clip's latents, whose first given_frames={config.given_frames} it "
+                "continues: video data, or sample --video")
+    given = {GIVEN: batch["latents"]} if config.given_frames else {}
     return {"text": batch["text"], "text_mask": batch["text_mask"],
             **(first_frame_from_batch(config, batch) if config.first_frame else {}), **given}
 

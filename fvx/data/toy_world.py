@@ -31,7 +31,7 @@ import torch
 
 from fvx.config import Config
 from fvx.core import random
-from fvx.data import toy_audio
+from fvx.data import parquet, toy_audio
 
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 
@@ -277,7 +277,7 @@ class WorldDataset:
             sample["first_frame_latents"] = first_frame_only(sample["latents"])
         if self.kind == "vace":  # the first frame given as VACE's control context
             sample["vace_context"] = extension_context(sample["latents"], self.config.factor ** 2)
-        if self.kind in ("t2va", "i2va"):  # the prompt's tone, exactly encoded
+        if self.kind in parquet.AUDIO_KINDS:  # the prompt's tone, exactly encoded
             sample["audio_latents"] = toy_audio.frame(self.tones()[prompt].numpy() * toy_audio.SCALE)
             sample["audio_sample_rate"] = self.config.audio_rate
         return sample

@@ -260,8 +260,8 @@ def video_condition(encoder: Any, video: Any, shape: tuple[int, int, int, int], 
     """A video-to-video condition as the data gives it: the video's first frames centre-cropped and resized to the
     made video's size, its last frame repeated to the made video's length when shorter, encoded: the data's
     ``latents``, from which the model's cond takes :data:`GIVEN_VIDEO`."""
-    stride_t, stride_h, stride_w = model.latents.vae_stride
-    frames = 1 + stride_t * (shape[1] - 1)
+    _, stride_h, stride_w = model.latents.vae_stride
+    frames = video_frames(model, shape)
     clip = media.resize_crop(video[:frames], shape[2] * stride_h, shape[3] * stride_w)  # [3, F, H, W] in [-1, 1]
     clip = torch.cat([clip, clip[:, -1:].expand(-1, frames - clip.shape[1], -1, -1)], dim=1)
     return {"latents": encoder.encode_video(clip).numpy()}
